@@ -1,0 +1,76 @@
+"""Typed configuration. Every field is documented and checked in `__post_init__`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Which model to serve and where it runs."""
+
+    model: str = "tiny-sdxl"  # a built-in name (see `gouache models`) or a local diffusers directory
+    dtype: str = "float32"  # weights and activations: float32 | float16 | bfloat16
+    device: str = "cpu"  # torch device string: cpu, cuda, cuda:1
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model must name a built-in model or a local directory")
+        _check(self.dtype in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """How the denoising stage picks the requests of each step."""
+
+    policy: str = "orca"  # a name from gouache.sched.policies.POLICIES
+    max_batch_size: int = 8  # most requests denoised together in one step
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass
+class EngineConfig:
+    """Limits and worker counts of one engine (one replica)."""
+
+    max_queue_len: int = 64  # requests waiting or running before new ones get 429
+    request_timeout_s: float = 600.0  # a request still unfinished after this ends with a timeout error
+    image_workers: int = 1  # processes that decode uploads and encode PNG/JPEG/WebP
+    torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        _check(self.request_timeout_s > 0, "request_timeout_s must be positive")
+        _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
+        _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP front end."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 25 * 1024 * 1024  # larger request bodies get 413
+    min_size: int = 64  # smallest width or height in pixels
+    max_size: int = 2048  # largest width or height in pixels
+    max_pixels: int = 2048 * 2048  # largest width*height of one image
+    max_n: int = 10  # most images per request (OpenAI allows 1-10)
+    max_steps: int = 200  # most num_inference_steps per request
+    file_ttl_s: float = 3600.0  # how long `response_format=url` images stay downloadable
+    max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for uploads
+
+    def __post_init__(self) -> None:
+        _check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
+        _check(0 < self.min_size <= self.max_size, "min_size must be positive and <= max_size")
+        _check(self.max_pixels >= self.min_size**2, "max_pixels must allow at least min_size x min_size")
+        _check(1 <= self.max_n <= 10, "max_n must be in 1..10")
+        _check(self.max_steps >= 1, "max_steps must be >= 1")
+        _check(self.max_body_bytes > 0 and self.file_ttl_s > 0, "max_body_bytes and file_ttl_s must be positive")

@@ -1,0 +1,37 @@
+"""Prometheus metrics of one server, in their own registry (no process-wide globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_length = Gauge("gouache_queue_length", "Images accepted but not yet denoising", registry=r)
+        self.running_batch = Gauge("gouache_running_batch_size", "Images in the denoising batch", registry=r)
+        self.step_latency = Histogram(
+            "gouache_step_latency_seconds", "Wall time of one engine step (all forwards)", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.step_overhead = Histogram(
+            "gouache_step_overhead_seconds",
+            "Engine time per step outside the model forwards (schedule, batch, update)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "gouache_request_latency_seconds", "Acceptance to last image of a request", buckets=_REQUEST_BUCKETS, registry=r
+        )
+        self.queueing_time = Histogram(
+            "gouache_queueing_seconds", "Acceptance to first denoising step of an image", buckets=_REQUEST_BUCKETS, registry=r
+        )
+        self.images = Counter("gouache_images_total", "Images returned", registry=r)
+        self.errors = Counter("gouache_errors_total", "Requests that ended with an error", ["kind"], registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format for GET /metrics."""
+        return generate_latest(self.registry)

@@ -1,0 +1,17 @@
+"""What the API needs to know about the served model, without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the name clients pass as `model` (built-in name or directory name)
+    family: str  # sd | sdxl | sd3 | flux
+    size_step: int  # width and height must be multiples of this many pixels
+    default_size: int  # pixels per side when the request names no size
+    default_steps: int  # num_inference_steps when the request names none
+    default_guidance: float  # guidance_scale when the request names none
+    uses_cfg: bool  # classifier-free guidance (a negative prompt is meaningful)
+    inpaint_channels: bool  # a 9-channel inpainting UNet (masked image as input)

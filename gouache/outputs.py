@@ -1,0 +1,56 @@
+"""Data that leaves the engine: per-step results for the scheduler and events for clients.
+
+Plain values only; encoded images are bytes (PNG/JPEG/WebP), never tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepOutput:
+    """What the runner reports after executing one step plan."""
+
+    request_ids: list[str]  # [num_reqs] requests that advanced by one denoising step
+    forward_s: float  # wall time of the model forwards (and sampler steps) of this step
+    batch_sizes: list[int] = field(default_factory=list)  # [num_forwards] requests per forward
+
+
+@dataclass
+class ProgressEvent:
+    """One denoising step of one image finished."""
+
+    index: int  # which of the user's n images
+    step: int  # steps done, 1-based
+    total_steps: int
+
+
+@dataclass
+class PartialImageEvent:
+    """A decoded preview of an image that is still being denoised."""
+
+    index: int
+    partial_image_index: int  # 0-based count of previews of this image
+    image: bytes  # encoded in the request's output_format
+
+
+@dataclass
+class ImageEvent:
+    """A finished image."""
+
+    index: int
+    image: bytes  # encoded in the request's output_format
+    seed: int  # the seed that made it, so the user can reproduce it
+
+
+@dataclass
+class ErrorEvent:
+    """The request ended without its images."""
+
+    kind: str  # GouacheError.kind
+    message: str
+    status: int  # HTTP status the API answers with
+
+
+Event = ProgressEvent | PartialImageEvent | ImageEvent | ErrorEvent

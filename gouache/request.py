@@ -1,0 +1,66 @@
+"""What a user asked (`ImageRequest`) and what the scheduler tracks (`RequestState`).
+
+The runner's per-request tensors (latents, sampler, embeddings) live in the runner, keyed by
+the same request id; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ImageRequest:
+    """One image to make, as validated by the API. A user's `n` images become n of these."""
+
+    request_id: str  # unique; "<api id>-<index>" for the index-th of n images
+    prompt: str
+    width: int  # pixels, a multiple of the model's size step
+    height: int  # pixels
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int  # seeds this image's own torch.Generator, so batch-mates never change it
+    negative_prompt: str | None = None
+    output_format: str = "png"  # png | jpeg | webp
+    partial_images: int = 0  # decoded previews to stream while denoising (0 = none)
+    slo_ms: float | None = None  # deadline relative to arrival, for SLO-aware policies
+    image: bytes | None = None  # edit: the uploaded image, still encoded
+    mask: bytes | None = None  # edit: the uploaded mask, still encoded (transparent = repaint)
+    arrival_time: float = 0.0  # time.monotonic() when the API accepted it
+
+    @property
+    def is_edit(self) -> bool:
+        return self.image is not None
+
+
+class RequestStatus(enum.Enum):
+    PREPARING = "preparing"  # decoding, text encoding, initial latents
+    WAITING = "waiting"  # ready to denoise, not admitted yet
+    RUNNING = "running"  # admitted; denoised step by step
+    POSTPROCESSING = "postprocessing"  # VAE decode and encode
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class RequestState:
+    """The scheduler's view of a request: plain values, no tensors."""
+
+    request_id: str
+    shape: tuple[int, int]  # (latent height, latent width); requests of one shape can share a forward
+    num_steps: int  # denoising steps in total
+    arrival_time: float  # time.monotonic() at acceptance
+    deadline: float | None = None  # absolute time.monotonic() deadline, None if no SLO
+    steps_done: int = 0  # denoising steps completed so far
+    status: RequestStatus = RequestStatus.WAITING
+    first_step_time: float | None = None  # when its first step started (queueing time ends)
+    extra: dict = field(default_factory=dict)  # policy-specific bookkeeping (never tensors)
+
+    @property
+    def remaining_steps(self) -> int:
+        return self.num_steps - self.steps_done
+
+    @property
+    def done(self) -> bool:
+        return self.steps_done >= self.num_steps

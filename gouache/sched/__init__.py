@@ -1,0 +1,1 @@
+"""The scheduler: pure Python, no torch (DESIGN.md invariant 1)."""
