@@ -44,12 +44,14 @@ class EngineConfig:
     request_timeout_s: float = 600.0  # a request still unfinished after this ends with a timeout error
     image_workers: int = 1  # processes that decode uploads and encode PNG/JPEG/WebP
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
+    max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for edit uploads
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
         _check(self.request_timeout_s > 0, "request_timeout_s must be positive")
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
+        _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
 
 
 @dataclass
@@ -65,7 +67,6 @@ class ServerConfig:
     max_n: int = 10  # most images per request (OpenAI allows 1-10)
     max_steps: int = 200  # most num_inference_steps per request
     file_ttl_s: float = 3600.0  # how long `response_format=url` images stay downloadable
-    max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for uploads
 
     def __post_init__(self) -> None:
         _check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gouache.errors import GouacheError
+from gouache.errors import CancelledError, GouacheError
 from gouache.outputs import ErrorEvent, Event, ImageEvent
 
 
@@ -40,15 +40,18 @@ class RequestHandle:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        # Ends on the request's own last event, never on `_closed` alone: after abort() the
+        # consumer still drains what was queued and then gets abort's `cancelled` ErrorEvent, so
+        # it neither hangs in get() nor returns fewer than n images without an error.
         images = 0
-        while not self._closed:
+        while True:
             event = await self._queue.get()
             yield event
-            if isinstance(event, ErrorEvent):
-                self._closed = True
-            elif isinstance(event, ImageEvent):
+            if isinstance(event, ImageEvent):
                 images += 1
-                self._closed = images >= self.n
+            if isinstance(event, ErrorEvent) or images >= self.n:
+                self._closed = True
+                return
 
     async def images(self) -> list[ImageEvent]:
         """Wait for all n images, ordered by index; raise the error if the request failed."""
@@ -63,7 +66,12 @@ class RequestHandle:
         return sorted(done, key=lambda e: e.index)
 
     def abort(self) -> None:
-        """Stop all n images; the engine frees their slots within one step."""
+        """Stop all n images; the engine frees their slots within one step.
+
+        A no-op once the request has ended. Otherwise iteration ends with a `cancelled`
+        ErrorEvent (and images() raises), whether or not the engine pushes one too.
+        """
         if not self._closed:
             self._closed = True
             self._on_abort()
+            self.push(ErrorEvent(CancelledError.kind, "The request was cancelled.", CancelledError.status))

@@ -1,0 +1,250 @@
+"""The asyncio front of one engine: submit, stream events, abort. Used by the API server.
+
+Threads: the engine loop (`core`), the prep and post stages; processes: image codecs.
+Requests are tracked per image ("<api id>-<i>"); a `RequestHandle` gathers one API request's
+n images. Every accepted image ends with an ImageEvent or its request's ErrorEvent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.core import EngineCore, StepReport
+from gouache.engine.handle import EngineStats, RequestHandle
+from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
+from gouache.engine.stages import Stage
+from gouache.errors import (
+    EngineStoppedError, GouacheError, InvalidRequestError, QueueFullError, RequestTimeoutError, WorkerFailureError,
+)
+from gouache.metrics import Metrics
+from gouache.model_info import ModelInfo
+from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
+from gouache.request import ImageRequest, RequestStatus
+from gouache.runner.model_runner import ModelRunner
+from gouache.sched.interface import Scheduler
+from gouache.sched.policies import make_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Image:
+    """One accepted image and where its events go."""
+
+    request: ImageRequest
+    handle: RequestHandle
+    index: int  # which of the handle's n images
+    status: RequestStatus = RequestStatus.PREPARING
+    previews: int = 0  # partial images sent so far
+
+
+def preview_steps(total_steps: int, partial_images: int) -> set[int]:
+    """Steps after which a preview is decoded: evenly spaced, never the last one."""
+    return {round(k * total_steps / (partial_images + 1)) for k in range(1, partial_images + 1)} - {0, total_steps}
+
+
+class AsyncEngine:
+    def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
+                 metrics: Metrics | None = None):
+        self.info = info
+        self.config = engine_config
+        self.metrics = metrics or Metrics()
+        self.runner = ModelRunner(pipe)
+        self.scheduler = Scheduler(make_policy(sched_config))
+        self.core = EngineCore(self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure)
+        self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
+        self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
+        self.codecs = ProcessPoolExecutor(engine_config.image_workers, mp_context=multiprocessing.get_context("spawn"))
+        self._images: dict[str, _Image] = {}  # in-flight images by id; guarded by _lock
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._counts = {"finished": 0, "failed": 0}
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
+        import torch
+
+        from gouache.runner.models import load_pipeline, model_info
+
+        if engine_config.torch_threads:
+            torch.set_num_threads(engine_config.torch_threads)
+        pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
+        return cls(pipe, model_info(pipe, model_config.model), engine_config, sched_config)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for part in (self.core, self.prep, self.post):
+            part.start()
+
+    async def aclose(self) -> None:
+        with self._lock:
+            ids = {image.handle.request_id for image in self._images.values()}
+        for api_id in ids:
+            self._fail(api_id, EngineStoppedError("the server is shutting down"))
+        self.core.stop()
+        self.prep.stop()
+        self.post.stop()
+        self.codecs.shutdown(wait=False, cancel_futures=True)
+
+    # -- the API's calls -------------------------------------------------------------------
+
+    async def submit(self, requests: list[ImageRequest]) -> RequestHandle:
+        """Accept the n images of one API request, or raise a GouacheError."""
+        if self._loop is None or not self.core.running:
+            raise EngineStoppedError("the engine is not running")
+        self._check_capacity(len(requests))
+        decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
+        api_id = requests[0].request_id.rsplit("-", 1)[0]
+        handle = RequestHandle(api_id, len(requests), self._loop, lambda: self._cancel(api_id))
+        with self._lock:
+            self._check_capacity(len(requests))  # again: others may have got in during the decode
+            for index, request in enumerate(requests):
+                self._images[request.request_id] = _Image(request, handle, index)
+        for request in requests:
+            self.prep.put(request, decoded)
+        self._loop.call_later(self.config.request_timeout_s, self._expire, api_id)
+        return handle
+
+    def abort(self, api_id: str) -> bool:
+        """Cancel an API request by id; False if it is not in flight."""
+        return self._cancel(api_id)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            statuses = [image.status for image in self._images.values()]
+        waiting = sum(s in (RequestStatus.PREPARING, RequestStatus.WAITING) for s in statuses)
+        running = sum(s == RequestStatus.RUNNING for s in statuses)
+        return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"])
+
+    # -- preparation -----------------------------------------------------------------------
+
+    def _check_capacity(self, n: int) -> None:
+        if len(self._images) + n > self.config.max_queue_len:
+            raise QueueFullError(
+                f"the server is busy ({len(self._images)} images in flight, limit {self.config.max_queue_len}); retry shortly",
+                retry_after_s=max(1, len(self._images) // 4),
+            )
+
+    async def _decode_edit(self, request: ImageRequest) -> DecodedEdit:
+        result = await self._loop.run_in_executor(
+            self.codecs, decode_edit, request.image, request.mask, request.width, request.height, self.config.max_upload_pixels
+        )
+        if isinstance(result, DecodeError):
+            raise InvalidRequestError(result.message, param=result.param)
+        return result
+
+    def _prepare(self, request: ImageRequest, decoded: DecodedEdit | None) -> None:
+        if request.request_id not in self._images:  # aborted before preparation
+            return
+        image, mask = (decoded.image, decoded.mask) if decoded else (None, None)
+        state = self.runner.prepare(request, image, mask)
+        with self._lock:
+            entry = self._images.get(request.request_id)
+            if entry is not None:
+                entry.status = RequestStatus.WAITING
+        if entry is None:
+            self.runner.release(request.request_id)
+        else:
+            self.core.add(state)
+
+    # -- the engine loop's callbacks (engine thread) ---------------------------------------
+
+    def _on_step(self, report: StepReport) -> None:
+        now = time.monotonic()
+        finished = {s.request_id for s in report.finished}
+        for rid in report.output.request_ids:
+            entry, state = self._images.get(rid), report.states[rid]
+            if entry is None:  # aborted while it was being added
+                if rid in finished:
+                    self.runner.release(rid)
+                continue
+            if entry.status is RequestStatus.WAITING:
+                entry.status = RequestStatus.RUNNING
+                self.metrics.queueing_time.observe(now - entry.request.arrival_time)
+            entry.handle.push(ProgressEvent(entry.index, state.steps_done, state.num_steps))
+            if rid in finished:
+                entry.status = RequestStatus.POSTPROCESSING
+                self.post.put("final", rid, None)
+            elif state.steps_done in preview_steps(state.num_steps, entry.request.partial_images):
+                self.post.put("preview", rid, self.runner.states[rid].latents)
+        self.metrics.running_batch.set(len(self.scheduler.running))
+
+    def _on_step_failure(self, request_ids: list[str], error: Exception) -> None:
+        for rid in request_ids:
+            self.runner.release(rid)
+            entry = self._images.get(rid)
+            if entry is not None:
+                self._fail(entry.handle.request_id, WorkerFailureError(f"denoising failed: {error}"))
+
+    # -- post-processing -------------------------------------------------------------------
+
+    def _postprocess(self, kind: str, rid: str, latents) -> None:
+        entry = self._images.get(rid)
+        if entry is None:  # aborted meanwhile
+            self.runner.release(rid)
+            return
+        pixels = self.runner.decode(rid, latents)
+        if kind == "final":
+            self.runner.release(rid)
+        future = self.codecs.submit(encode_image, pixels, entry.request.output_format)
+        future.add_done_callback(lambda f: self._deliver(kind, rid, f))
+
+    def _deliver(self, kind: str, rid: str, future: Future) -> None:
+        entry = self._images.get(rid)
+        if entry is None:
+            return
+        if future.cancelled() or future.exception() is not None:
+            self._fail(entry.handle.request_id, WorkerFailureError(f"image encoding failed: {future.exception()}"))
+            return
+        if kind == "preview":
+            entry.handle.push(PartialImageEvent(entry.index, entry.previews, future.result()))
+            entry.previews += 1
+            return
+        with self._lock:
+            self._images.pop(rid, None)
+            last = not any(e.handle is entry.handle for e in self._images.values())
+        self._counts["finished"] += 1
+        self.metrics.images.inc()
+        entry.handle.push(ImageEvent(entry.index, future.result(), entry.request.seed))
+        if last:
+            self.metrics.request_latency.observe(time.monotonic() - entry.request.arrival_time)
+
+    def _on_stage_failure(self, job: tuple, error: Exception) -> None:
+        rid = job[0].request_id if isinstance(job[0], ImageRequest) else job[1]
+        self.runner.release(rid)
+        entry = self._images.get(rid)
+        if entry is not None:
+            self._fail(entry.handle.request_id, WorkerFailureError(f"{type(error).__name__}: {error}"))
+
+    # -- ending requests early -------------------------------------------------------------
+
+    def _remove(self, api_id: str) -> list[_Image]:
+        with self._lock:
+            gone = [rid for rid, e in self._images.items() if e.handle.request_id == api_id]
+            entries = [self._images.pop(rid) for rid in gone]
+        for entry in entries:
+            self.core.abort(entry.request.request_id)
+        return entries
+
+    def _cancel(self, api_id: str) -> bool:
+        return bool(self._remove(api_id))
+
+    def _fail(self, api_id: str, error: GouacheError) -> None:
+        entries = self._remove(api_id)
+        if entries:
+            self._counts["failed"] += len(entries)
+            self.metrics.errors.labels(error.kind).inc()
+            entries[0].handle.push(ErrorEvent(error.kind, error.message, error.status))
+
+    def _expire(self, api_id: str) -> None:
+        timeout = self.config.request_timeout_s
+        self._fail(api_id, RequestTimeoutError(f"the request did not finish within {timeout:g} s"))

@@ -1,0 +1,142 @@
+"""A model family adapter: how one diffusers pipeline's denoiser is driven step by step.
+
+The adapter calls the pipeline's own public pieces (encode_prompt, prepare_latents, the
+scheduler, the VAE) so results match the plain pipeline, and batches the denoiser forward
+over any number of requests of one latent shape, each at its own step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import torch
+
+from gouache.request import ImageRequest
+from gouache.runner.sampler import DenoiseState, EditInputs
+
+
+class Family(ABC):
+    name: str
+    # scheduler.step gets the pipeline's extra kwargs (generator, eta) as SD/SDXL pipelines pass them
+    passes_step_kwargs = False
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.device = pipe.device
+        self.dtype = pipe.dtype
+        self.vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+
+    # -- preparation (prep thread) --------------------------------------------------------
+
+    @torch.no_grad()
+    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> DenoiseState:
+        """Text encoding, sampler, initial noise and (for edits) the original's latents."""
+        scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
+        generator = torch.Generator(device="cpu").manual_seed(request.seed)
+        rows = 2 if self.uses_cfg(request) else 1
+        state = DenoiseState(
+            request=request, scheduler=scheduler, timesteps=torch.empty(0), latents=torch.empty(0),
+            generator=generator, rows=rows,
+        )
+        state.cond = self.encode_text(request, rows)
+        pixels = pixel_mask = None
+        if image is not None:
+            pixels, pixel_mask = self._edit_tensors(image, mask)
+        state.timesteps = self.set_timesteps(state)  # before the noise: init_noise_sigma depends on it
+        state.latents = self.initial_latents(state, pixels, pixel_mask)
+        if self.passes_step_kwargs:  # reads only the scheduler class's signature
+            state.step_kwargs = self.pipe.prepare_extra_step_kwargs(generator, 0.0)
+        return state
+
+    def uses_cfg(self, request: ImageRequest) -> bool:
+        return request.guidance_scale > 1.0
+
+    def _edit_tensors(self, image: np.ndarray, mask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = torch.from_numpy(image).permute(2, 0, 1)[None].to(self.device, torch.float32) / 127.5 - 1.0
+        if mask is None:
+            mask = np.ones(image.shape[:2], dtype=np.float32)
+        pixel_mask = torch.from_numpy((mask >= 0.5).astype(np.float32))[None, None].to(self.device)
+        return pixels.to(self.dtype), pixel_mask.to(self.dtype)
+
+    def make_edit(self, pixels, pixel_mask, image_latents, noise, latent_hw) -> EditInputs:
+        """Latent-space edit data: the mask is resized (nearest) to the latent grid."""
+        latent_mask = torch.nn.functional.interpolate(pixel_mask, size=latent_hw)
+        return EditInputs(pixels, pixel_mask, image_latents, latent_mask, noise)
+
+    # -- denoising (engine thread) --------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, states: list[DenoiseState]) -> None:
+        """One denoising step for requests of one latent shape, in one batched forward."""
+        pred = self.forward(states)
+        for state, p in zip(states, pred.split([s.rows for s in states])):
+            if state.rows == 2:
+                uncond, cond = p.chunk(2)
+                p = uncond + state.request.guidance_scale * (cond - uncond)
+            t = state.t
+            state.latents = state.scheduler.step(p, t, state.latents, **state.step_kwargs, return_dict=False)[0]
+            state.step += 1
+            if state.edit is not None and self.blends_edits:
+                self._blend(state)
+
+    @property
+    def blends_edits(self) -> bool:
+        """4/16-channel denoisers keep the unmasked region by re-noising the original each step."""
+        return True
+
+    def _blend(self, state: DenoiseState) -> None:
+        edit = state.edit
+        kept = edit.image_latents
+        if not state.done:
+            kept = self.renoise(state.scheduler, kept, edit.noise, state.timesteps[state.step])
+        state.latents = (1 - edit.latent_mask) * kept + edit.latent_mask * state.latents
+
+    # -- post-processing (post thread) ----------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, state: DenoiseState, latents: torch.Tensor) -> np.ndarray:
+        """The image of `latents` as uint8 [H, W, 3]; edits keep the original's pixels."""
+        image = self.pipe.vae.decode(self.to_vae_latents(latents, state), return_dict=False)[0]
+        image = (image.float() / 2 + 0.5).clamp(0, 1)
+        if state.edit is not None:
+            original = (state.edit.pixels.float() / 2 + 0.5).clamp(0, 1)
+            m = state.edit.pixel_mask.float()
+            image = original * (1 - m) + image * m
+        return (image[0].permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
+
+    # -- what each family defines ---------------------------------------------------------
+
+    @abstractmethod
+    def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
+        """Conditioning tensors with `rows` rows each ([negative, positive] with CFG)."""
+
+    @abstractmethod
+    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+        """Initial noise from the request's generator; sets state.edit for edits."""
+
+    @abstractmethod
+    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
+        """Configure the request's scheduler as its pipeline would; return its timesteps."""
+
+    @abstractmethod
+    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
+        """The denoiser's prediction for all rows of all states, concatenated in order."""
+
+    @abstractmethod
+    def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Clean latents of an image, in the denoiser's layout."""
+
+    @abstractmethod
+    def renoise(self, scheduler, clean: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Noise clean latents to timestep t, as the family's inpaint pipeline does."""
+
+    @abstractmethod
+    def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        """Undo scaling (and packing) so the VAE can decode."""
+
+
+
+def cat_cond(states: list[DenoiseState], key: str) -> torch.Tensor:
+    """One conditioning input for a batched forward: every state's rows, in order."""
+    return torch.cat([s.cond[key] for s in states])

@@ -1,0 +1,156 @@
+"""Flow-matching transformers: SD3 (MMDiT with CFG) and Flux (guidance-distilled, packed latents)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+from gouache.request import ImageRequest
+from gouache.runner.families.base import Family, cat_cond
+from gouache.runner.sampler import DenoiseState
+
+
+class FlowFamily(Family):
+    """What SD3 and Flux share: VAE shift/scale, flow-matching re-noising of kept regions."""
+
+    def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        config = self.pipe.vae.config
+        latents = self.pipe.vae.encode(pixels).latent_dist.sample(generator)
+        return (latents - config.shift_factor) * config.scaling_factor
+
+    def renoise(self, scheduler, clean, noise, t):
+        return scheduler.scale_noise(clean, t.reshape(1), noise)
+
+    def unscale(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipe.vae.config
+        return latents / config.scaling_factor + config.shift_factor
+
+    def latent_hw(self, request: ImageRequest) -> tuple[int, int]:
+        return request.height // self.vae_scale, request.width // self.vae_scale
+
+
+class StableDiffusion3Family(FlowFamily):
+    name = "sd3"
+
+    def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
+        positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+            prompt=request.prompt,
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=rows == 2,
+            device=self.device,
+            num_images_per_prompt=1,
+        )
+        if rows == 1:
+            return {"prompt_embeds": positive, "pooled": pooled}
+        return {"prompt_embeds": torch.cat([negative, positive]), "pooled": torch.cat([negative_pooled, pooled])}
+
+    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
+        config, kwargs = self.pipe.scheduler.config, {}
+        if config.get("use_dynamic_shifting", None):
+            h, w = self.latent_hw(state.request)
+            patch = self.pipe.transformer.config.patch_size
+            kwargs["mu"] = calculate_shift(
+                (h // patch) * (w // patch),
+                config.get("base_image_seq_len", 256),
+                config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5),
+                config.get("max_shift", 1.16),
+            )
+        timesteps, _ = retrieve_timesteps(state.scheduler, state.request.num_inference_steps, self.device, **kwargs)
+        return timesteps
+
+    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+        r = state.request
+        if pixels is not None:
+            image_latents = self.encode_pixels(pixels, state.generator)
+        channels = self.pipe.transformer.config.in_channels
+        noise = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
+        if pixels is not None:
+            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, noise.shape[2:])
+        return noise
+
+    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
+        return self.pipe.transformer(
+            hidden_states=torch.cat([torch.cat([s.latents] * s.rows) for s in states]),
+            timestep=torch.cat([s.t.expand(s.rows) for s in states]),
+            encoder_hidden_states=cat_cond(states, "prompt_embeds"),
+            pooled_projections=cat_cond(states, "pooled"),
+            return_dict=False,
+        )[0]
+
+    def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        return self.unscale(latents)
+
+
+class FluxFamily(FlowFamily):
+    """Guidance-distilled: guidance_scale feeds the guidance embedding; no CFG rows."""
+
+    name = "flux"
+
+    def uses_cfg(self, request: ImageRequest) -> bool:
+        return False
+
+    def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=request.prompt, prompt_2=None, device=self.device, num_images_per_prompt=1
+        )
+        cond = {"prompt_embeds": embeds, "pooled": pooled, "text_ids": text_ids}
+        if self.pipe.transformer.config.guidance_embeds:
+            cond["guidance"] = torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)
+        return cond
+
+    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
+        steps, config = state.request.num_inference_steps, self.pipe.scheduler.config
+        sigmas = np.linspace(1.0, 1 / steps, steps)
+        if getattr(config, "use_flow_sigmas", False):
+            sigmas = None
+        h, w = self.latent_hw(state.request)
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(state.scheduler, steps, self.device, sigmas=sigmas, mu=mu)
+        state.scheduler.set_begin_index(0)
+        return timesteps
+
+    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+        r = state.request
+        if pixels is not None:
+            image_latents = self.pack(self.encode_pixels(pixels, state.generator))
+        channels = self.pipe.transformer.config.in_channels // 4
+        noise, image_ids = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
+        state.cond["image_ids"] = image_ids
+        if pixels is not None:
+            h, w = self.latent_hw(r)
+            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, (h, w))
+            mask = state.edit.latent_mask.expand(-1, channels, -1, -1)
+            state.edit.latent_mask = self.pack(mask)
+        return noise
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        return self.pipe._pack_latents(latents, b, c, h, w)
+
+    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
+        first = states[0]  # one latent shape per forward: ids are shared by the whole group
+        guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
+        return self.pipe.transformer(
+            hidden_states=torch.cat([s.latents for s in states]),
+            timestep=torch.cat([s.t.expand(1).to(s.latents.dtype) for s in states]) / 1000,
+            guidance=guidance,
+            pooled_projections=cat_cond(states, "pooled"),
+            encoder_hidden_states=cat_cond(states, "prompt_embeds"),
+            txt_ids=first.cond["text_ids"],
+            img_ids=first.cond["image_ids"],
+            return_dict=False,
+        )[0]
+
+    def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        r = state.request
+        return self.unscale(self.pipe._unpack_latents(latents, r.height, r.width, self.vae_scale))

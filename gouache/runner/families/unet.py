@@ -1,0 +1,116 @@
+"""SD1.5-style and SDXL UNets, text-to-image and 9-channel inpainting."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.utils.torch_utils import randn_tensor
+
+from gouache.request import ImageRequest
+from gouache.runner.families.base import Family, cat_cond
+from gouache.runner.sampler import DenoiseState
+
+
+class StableDiffusionFamily(Family):
+    name = "sd"
+    passes_step_kwargs = True
+
+    def __init__(self, pipe):
+        super().__init__(pipe)
+        self.unet = pipe.unet
+        self.native_inpaint = self.unet.config.in_channels == 9
+
+    @property
+    def blends_edits(self) -> bool:
+        return not self.native_inpaint
+
+    def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
+        positive, negative = self.pipe.encode_prompt(
+            request.prompt, self.device, 1, rows == 2, request.negative_prompt
+        )
+        return {"prompt_embeds": torch.cat([negative, positive]) if rows == 2 else positive}
+
+    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
+        state.scheduler.set_timesteps(state.request.num_inference_steps, device=self.device)
+        return state.scheduler.timesteps
+
+    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+        r = state.request
+        shape = (1, self.pipe.vae.config.latent_channels, r.height // self.vae_scale, r.width // self.vae_scale)
+        if pixels is not None:  # the pipelines encode the original before drawing the noise
+            image_latents = self.encode_pixels(pixels, state.generator)
+        noise = randn_tensor(shape, generator=state.generator, device=self.device, dtype=self.dtype)
+        if pixels is not None:
+            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, shape[2:])
+            if self.native_inpaint:
+                hole = pixels * (pixel_mask < 0.5)
+                state.edit.masked_image_latents = self.encode_pixels(hole, state.generator)
+        return noise * state.scheduler.init_noise_sigma
+
+    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
+        inputs = torch.cat([self._model_input(s) for s in states])
+        timesteps = torch.cat([s.t.expand(s.rows) for s in states])
+        return self.unet(
+            inputs,
+            timesteps,
+            encoder_hidden_states=cat_cond(states, "prompt_embeds"),
+            added_cond_kwargs=self.added_cond(states),
+            return_dict=False,
+        )[0]
+
+    def _model_input(self, state: DenoiseState) -> torch.Tensor:
+        x = state.scheduler.scale_model_input(torch.cat([state.latents] * state.rows), state.t)
+        if self.native_inpaint:
+            edit = state.edit
+            extra = torch.cat([edit.latent_mask, edit.masked_image_latents], dim=1)
+            x = torch.cat([x, extra.expand(state.rows, -1, -1, -1)], dim=1)
+        return x
+
+    def added_cond(self, states: list[DenoiseState]) -> dict | None:
+        return None
+
+    def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        dist = self.pipe.vae.encode(pixels).latent_dist
+        return dist.sample(generator) * self.pipe.vae.config.scaling_factor
+
+    def renoise(self, scheduler, clean, noise, t):
+        return scheduler.add_noise(clean, noise, t.reshape(1))
+
+    def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        return latents / self.pipe.vae.config.scaling_factor
+
+
+class StableDiffusionXLFamily(StableDiffusionFamily):
+    name = "sdxl"
+
+    def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
+        positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+            prompt=request.prompt,
+            device=self.device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=rows == 2,
+            negative_prompt=request.negative_prompt,
+        )
+        size = (request.height, request.width)
+        projection_dim = self.pipe.text_encoder_2.config.projection_dim
+        time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype, text_encoder_projection_dim=projection_dim)
+        time_ids = time_ids.to(self.device)
+        if rows == 1:
+            return {"prompt_embeds": positive, "text_embeds": pooled, "time_ids": time_ids}
+        return {
+            "prompt_embeds": torch.cat([negative, positive]),
+            "text_embeds": torch.cat([negative_pooled, pooled]),
+            "time_ids": torch.cat([time_ids, time_ids]),
+        }
+
+    def added_cond(self, states: list[DenoiseState]) -> dict:
+        return {"text_embeds": cat_cond(states, "text_embeds"), "time_ids": cat_cond(states, "time_ids")}
+
+    def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        config = self.pipe.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is None or std is None:
+            return latents / config.scaling_factor
+        mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents)
+        std = torch.tensor(std).view(1, -1, 1, 1).to(latents)
+        return latents * std / config.scaling_factor + mean
+

@@ -1,0 +1,50 @@
+"""What the runner holds for one request while it denoises: latents, its own sampler, conditioning.
+
+Every request owns a fresh diffusers scheduler instance (its step index and sigmas are its
+own) and its own `torch.Generator`, so what else is in the batch never changes its result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import SchedulerMixin
+
+    from gouache.request import ImageRequest
+
+
+@dataclass
+class EditInputs:
+    """An edit's original image and mask, in pixel and latent space. Mask value 1 = repaint."""
+
+    pixels: torch.Tensor  # [1, 3, H, W] original image in [-1, 1]
+    pixel_mask: torch.Tensor  # [1, 1, H, W] in {0, 1}, for the final composite over the original
+    image_latents: torch.Tensor  # clean latents of the original, in the denoiser's latent layout
+    latent_mask: torch.Tensor  # the mask in the denoiser's latent layout (broadcastable to latents)
+    noise: torch.Tensor  # the initial noise; re-noising the kept region uses the same noise
+    masked_image_latents: torch.Tensor | None = None  # 9-channel UNets: latents of the image with the hole
+
+
+@dataclass
+class DenoiseState:
+    request: ImageRequest
+    scheduler: SchedulerMixin  # this request's own sampler instance
+    timesteps: torch.Tensor  # [num_steps]
+    latents: torch.Tensor  # [1, C, h, w]; Flux: packed [1, h*w/4, 4C]
+    generator: torch.Generator  # seeded with request.seed; the only source of randomness
+    rows: int  # forward rows: 2 with classifier-free guidance ([uncond, cond]), else 1
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific inputs, each [rows, ...]
+    step_kwargs: dict = field(default_factory=dict)  # extra kwargs of scheduler.step (generator, eta)
+    edit: EditInputs | None = None
+    step: int = 0  # denoising steps done
+
+    @property
+    def t(self) -> torch.Tensor:
+        return self.timesteps[self.step]
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.timesteps)
