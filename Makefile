@@ -1,0 +1,32 @@
+# `make serve` and `make test` set everything up on a fresh machine (Python 3.11+).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= tiny-sdxl
+POLICY ?= orca
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU wheel, so no dependency can pull a CUDA build
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/gouache serve --host $(HOST) --port $(PORT) --model $(MODEL) --policy $(POLICY)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/gouache bench serve
+
+clean:
+	rm -rf $(VENV)

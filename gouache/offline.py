@@ -1,0 +1,52 @@
+"""`gouache generate` / `gouache edit`: one image, in this process, with a progress bar."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tqdm import tqdm
+
+from gouache.engine.imaging import DecodeError, decode_edit, encode_image
+from gouache.request import ImageRequest
+
+_EXTENSIONS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
+def run_offline(args) -> None:
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.models import load_pipeline, model_info
+
+    output_format = _EXTENSIONS.get(Path(args.output).suffix.lower())
+    if output_format is None:
+        raise ValueError(f"output file must end in one of {', '.join(_EXTENSIONS)}, got {args.output!r}")
+    pipe = load_pipeline(args.model, args.dtype, args.device)
+    pipe.set_progress_bar_config(disable=True)
+    info = model_info(pipe, args.model)
+    width, height = args.size or (info.default_size, info.default_size)
+    if width % info.size_step or height % info.size_step:
+        raise ValueError(f"size must be a multiple of {info.size_step} pixels per side, got {width}x{height}")
+    request = ImageRequest(
+        request_id="offline-0",
+        prompt=args.prompt,
+        width=width,
+        height=height,
+        num_inference_steps=args.steps or info.default_steps,
+        guidance_scale=info.default_guidance if args.guidance is None else args.guidance,
+        seed=args.seed,
+        negative_prompt=args.negative_prompt,
+        output_format=output_format,
+    )
+    image = mask = None
+    if getattr(args, "image", None):
+        mask_bytes = Path(args.mask).read_bytes() if args.mask else None
+        decoded = decode_edit(Path(args.image).read_bytes(), mask_bytes, width, height, 4096 * 4096)
+        if isinstance(decoded, DecodeError):
+            raise ValueError(decoded.message)
+        image, mask = decoded.image, decoded.mask
+    runner = ModelRunner(pipe)
+    state = runner.prepare(request, image, mask)
+    for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
+        runner.execute([[request.request_id]])
+    Path(args.output).write_bytes(encode_image(runner.decode(request.request_id), output_format))
+    print(f"wrote {args.output} ({width}x{height}, {request.num_inference_steps} steps, seed {args.seed})")
