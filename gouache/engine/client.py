@@ -15,6 +15,8 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.core import EngineCore, StepReport
 from gouache.engine.handle import EngineStats, RequestHandle
@@ -84,6 +86,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         for part in (self.core, self.prep, self.post):
             part.start()
+        # start the codec processes now, not on the first request
+        await self._loop.run_in_executor(self.codecs, encode_image, np.zeros((8, 8, 3), np.uint8), "png")
 
     async def aclose(self) -> None:
         with self._lock:

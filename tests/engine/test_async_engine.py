@@ -1,0 +1,181 @@
+"""The threaded engine: continuous batching, abort, errors, limits."""
+
+import asyncio
+import io
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gouache.config import EngineConfig, SchedulerConfig
+from gouache.engine.client import AsyncEngine
+from gouache.errors import GouacheError, InvalidRequestError, QueueFullError
+from gouache.outputs import ImageEvent, PartialImageEvent, ProgressEvent
+from gouache.request import ImageRequest
+from gouache.runner.models import model_info
+
+
+def make_engine(pipes, policy="orca", **engine_kwargs) -> AsyncEngine:
+    pipe = pipes("tiny-sdxl")
+    return AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(**engine_kwargs), SchedulerConfig(policy=policy))
+
+
+def images(api_id: str, n: int = 1, steps: int = 4, size: int = 64, **kwargs) -> list[ImageRequest]:
+    now = time.monotonic()
+    return [ImageRequest(f"{api_id}-{i}", "a fox", size, size, steps, 5.0, seed=i, arrival_time=now, **kwargs) for i in range(n)]
+
+
+def png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def record_steps(engine: AsyncEngine) -> list[list[str]]:
+    """Wrap the engine's step callback to log which requests each step ran."""
+    log, inner = [], engine.core.on_step
+
+    def on_step(report):
+        log.append(report.plan.request_ids)
+        inner(report)
+
+    engine.core.on_step = on_step
+    return log
+
+
+@pytest.mark.parametrize("policy, joins", [("orca", True), ("fcfs-static", False)])
+def test_request_submitted_while_another_runs_starts_within_one_step(pipes, policy, joins):
+    engine = make_engine(pipes, policy)
+    steps = record_steps(engine)
+    ready_at = []  # steps reported when the short request reached the engine loop's inbox
+    add = engine.core.add
+
+    def noting_add(state):
+        if state.request_id == "short-0":
+            ready_at.append(len(steps))
+        add(state)
+
+    engine.core.add = noting_add
+
+    async def scenario():
+        await engine.start()
+        long = await engine.submit(images("long", steps=30))
+        async for event in long:
+            if isinstance(event, ProgressEvent) and event.step == 3:
+                break
+        short = await engine.submit(images("short", steps=2))
+        await short.images()
+        await long.images()
+        await engine.aclose()
+
+    run(scenario())
+    first_short = next(i for i, ids in enumerate(steps) if "short-0" in ids)
+    last_long = max(i for i, ids in enumerate(steps) if "long-0" in ids)
+    if joins:  # at most the step already under way when it arrived runs without it
+        assert first_short <= ready_at[0] + 1 and first_short < last_long
+    else:  # static batching: it waits for the whole long batch
+        assert first_short == last_long + 1
+
+
+def test_n_images_stream_progress_previews_and_images(pipes):
+    engine = make_engine(pipes)
+
+    async def scenario():
+        await engine.start()
+        handle = await engine.submit(images("r", n=2, steps=6, partial_images=2))
+        events = [e async for e in handle]
+        await engine.aclose()
+        return events
+
+    events = run(scenario())
+    finals = [e for e in events if isinstance(e, ImageEvent)]
+    assert sorted(e.index for e in finals) == [0, 1]
+    assert all(Image.open(io.BytesIO(e.image)).size == (64, 64) for e in finals)
+    assert [e.step for e in events if isinstance(e, ProgressEvent) and e.index == 0] == list(range(1, 7))
+    assert sum(isinstance(e, PartialImageEvent) for e in events) == 4
+    assert engine.stats().finished == 2
+
+
+def test_abort_frees_the_slot_and_the_engine_goes_on(pipes):
+    engine = make_engine(pipes)
+
+    async def scenario():
+        await engine.start()
+        doomed = await engine.submit(images("doomed", steps=200))
+        async for event in doomed:
+            if isinstance(event, ProgressEvent):
+                break
+        doomed.abort()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if not engine.scheduler.running and not engine.runner.states:
+                break
+        freed = not engine.scheduler.running and not engine.runner.states
+        result = await (await engine.submit(images("next", steps=2))).images()
+        await engine.aclose()
+        return freed, result
+
+    freed, result = run(scenario())
+    assert freed and len(result) == 1
+
+
+def test_queue_limit_raises_queue_full(pipes):
+    engine = make_engine(pipes, max_queue_len=2)
+
+    async def scenario():
+        await engine.start()
+        first = await engine.submit(images("a", n=2, steps=50))
+        with pytest.raises(QueueFullError) as error:
+            await engine.submit(images("b"))
+        first.abort()
+        await engine.aclose()
+        return error.value
+
+    error = run(scenario())
+    assert error.status == 429 and error.retry_after_s >= 1
+
+
+def test_timeout_is_an_explicit_error(pipes):
+    engine = make_engine(pipes, request_timeout_s=0.3)
+
+    async def scenario():
+        await engine.start()
+        handle = await engine.submit(images("slow", steps=200))
+        with pytest.raises(GouacheError) as error:
+            await handle.images()
+        await engine.aclose()
+        return error.value
+
+    error = run(scenario())
+    assert error.kind == "timeout" and error.status == 504
+
+
+def test_edit_keeps_unmasked_pixels_and_rejects_bad_uploads(pipes):
+    engine = make_engine(pipes)
+    rng = np.random.default_rng(0)
+    original = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[16:48, 16:48, 3] = 0  # transparent square = repaint
+
+    async def scenario():
+        await engine.start()
+        edit = await engine.submit(images("e", image=png(original), mask=png(mask)))
+        result = await edit.images()
+        with pytest.raises(InvalidRequestError) as not_image:
+            await engine.submit(images("x", image=b"not an image"))
+        with pytest.raises(InvalidRequestError) as mismatch:
+            await engine.submit(images("y", image=png(original), mask=png(mask[:32])))
+        await engine.aclose()
+        return result, not_image.value, mismatch.value
+
+    result, not_image, mismatch = run(scenario())
+    out = np.asarray(Image.open(io.BytesIO(result[0].image)).convert("RGB"))
+    keep = mask[..., 3] == 255
+    assert np.array_equal(out[keep], original[keep])
+    assert not np.array_equal(out[~keep], original[~keep])
+    assert not_image.param == "image" and mismatch.param == "mask"
