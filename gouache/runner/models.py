@@ -1,0 +1,408 @@
+"""The model zoo: tiny built-in pipelines, local diffusers directories, full-size architectures.
+
+The tiny built-ins are real diffusers pipelines (SD1.5, SDXL, SD3, Flux and two inpainting
+variants) with the published architectures shrunk to a few thousand parameters per layer and
+seeded random weights. They need no network, build in a fraction of a second, run a 512x512
+CFG denoiser step on two CPU cores in about 0.2 s, and are bit-identical in every process, which
+is what tests, the simulator and multi-process runners rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from diffusers import (
+    AutoencoderKL, DiffusionPipeline, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
+    FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
+    StableDiffusionInpaintPipeline, StableDiffusionPipeline, StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline, UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast,
+    T5Config, T5EncoderModel,
+)
+
+from gouache.errors import UnknownModelError
+from gouache.model_info import ModelInfo
+from gouache.runner.tokenizer import build_tokenizer
+
+T = TypeVar("T")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt to
+T5_MAX_LENGTH = 77  # tokenizer limit; pipelines pad T5 prompts to their `max_sequence_length`
+TEXT_HIDDEN = 32  # hidden size of every tiny CLIP text encoder (and its projection)
+T5_HIDDEN = 64  # d_model of the tiny T5: SD3 pads the two CLIPs' concatenated states to it
+
+# Per-component seeds: a component's weights depend only on its own seed, never on what was
+# built before it in the same process.
+SEED_DENOISER, SEED_VAE, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3 = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    """What `gouache models` lists about a built-in tiny model."""
+
+    family: str  # sd | sdxl | sd3 | flux
+    description: str  # one line for humans
+
+
+BUILTIN_MODELS: dict[str, BuiltinSpec] = {
+    "tiny-sd": BuiltinSpec("sd", "SD1.5-style UNet, CLIP text encoder, Euler; random weights"),
+    "tiny-sdxl": BuiltinSpec("sdxl", "SDXL-style UNet with text_time conditioning, two CLIPs"),
+    "tiny-sd3": BuiltinSpec("sd3", "SD3 MMDiT, two CLIPs + T5, flow matching (shift 3.0)"),
+    "tiny-flux": BuiltinSpec("flux", "FLUX.1-dev-style transformer, guidance-distilled, CLIP + T5"),
+    "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
+    "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
+}
+
+TINY_DEFAULT_SIZE = 256  # pixels per side: small enough for CPU tests at full pipeline speed
+TINY_DEFAULT_STEPS = 20
+DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28}
+DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5}
+
+
+# ---------------------------------------------------------------------------- seeded building
+
+
+def seeded(seed: int, build: Callable[[], T]) -> T:
+    """Run `build` with the global RNG seeded to `seed`, leaving the caller's CPU RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def clip_text_encoder(
+    seed: int, with_projection: bool
+) -> tuple[CLIPTextModel, PreTrainedTokenizerFast]:
+    """A 2-layer CLIP text encoder and its tokenizer, with matching special-token ids.
+
+    CLIP pools at the first `eos_token_id`, so the config's ids must be the tokenizer's.
+    """
+    tok = build_tokenizer(CLIP_MAX_LENGTH, "clip")
+    config = CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
+        projection_dim=TEXT_HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return seeded(seed, lambda: cls(config).eval()), tok
+
+
+def t5_text_encoder(seed: int) -> tuple[T5EncoderModel, PreTrainedTokenizerFast]:
+    """A 2-layer T5 v1.1-style (gated-GELU) encoder and its tokenizer."""
+    tok = build_tokenizer(T5_MAX_LENGTH, "t5")
+    config = T5Config(
+        vocab_size=len(tok), d_model=T5_HIDDEN, d_kv=16, d_ff=2 * T5_HIDDEN, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.pad_token_id,
+    )
+    return seeded(seed, lambda: T5EncoderModel(config).eval()), tok
+
+
+def tiny_vae(
+    latent_channels: int, scaling_factor: float, shift_factor: float | None
+) -> AutoencoderKL:
+    """Four blocks, so the pipelines' vae_scale_factor is 8 as in every real SD/Flux VAE."""
+    # The 16-channel VAEs of SD3 and Flux have no quant convs; SD1.5/SDXL's 4-channel ones do.
+    quant = latent_channels == 4
+    return seeded(
+        SEED_VAE,
+        lambda: AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
+            latent_channels=latent_channels, sample_size=TINY_DEFAULT_SIZE,
+            scaling_factor=scaling_factor, shift_factor=shift_factor,
+            use_quant_conv=quant, use_post_quant_conv=quant,
+            force_upcast=False,  # random weights do not overflow in fp16; skip the fp32 copy
+        ).eval(),
+    )
+
+
+def tiny_unet(in_channels: int, sdxl: bool) -> UNet2DConditionModel:
+    """Two down blocks; attention only at the half-resolution level, where it is cheap."""
+    extra = {}
+    cross_attention_dim = TEXT_HIDDEN
+    if sdxl:
+        cross_attention_dim = 2 * TEXT_HIDDEN  # both CLIPs' hidden states, concatenated
+        time_embed_dim = 8
+        extra = dict(
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_embed_dim,
+            # six micro-conditioning numbers (original size, crop, target size) + pooled text
+            projection_class_embeddings_input_dim=6 * time_embed_dim + TEXT_HIDDEN,
+            use_linear_projection=True,
+        )
+    return seeded(
+        SEED_DENOISER,
+        lambda: UNet2DConditionModel(
+            sample_size=TINY_DEFAULT_SIZE // 8, in_channels=in_channels, out_channels=4,
+            block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=cross_attention_dim,
+            attention_head_dim=2,  # diffusers' legacy name: 2 heads (of 32 channels)
+            **extra,
+        ).eval(),
+    )
+
+
+def euler_scheduler() -> EulerDiscreteScheduler:
+    """SD1.5's and SDXL's published noise schedule (the two configs agree on every value)."""
+    return EulerDiscreteScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+        beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
+        timestep_spacing="leading", interpolation_type="linear", use_karras_sigmas=False,
+    )
+
+
+# -------------------------------------------------------------------------------- pipelines
+
+
+def build_tiny_sd(inpaint: bool = False) -> DiffusionPipeline:
+    text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False)
+    cls = StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline
+    return cls(
+        vae=tiny_vae(4, scaling_factor=0.18215, shift_factor=None),
+        text_encoder=text_encoder, tokenizer=tokenizer,
+        unet=tiny_unet(9 if inpaint else 4, sdxl=False), scheduler=euler_scheduler(),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+
+
+def build_tiny_sdxl(inpaint: bool = False) -> DiffusionPipeline:
+    text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False)
+    text_encoder_2, tokenizer_2 = clip_text_encoder(SEED_TEXT_2, with_projection=True)
+    cls = StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline
+    return cls(
+        vae=tiny_vae(4, scaling_factor=0.13025, shift_factor=None),
+        text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        unet=tiny_unet(9 if inpaint else 4, sdxl=True), scheduler=euler_scheduler(),
+        add_watermarker=False,
+    )
+
+
+def build_tiny_sd3() -> DiffusionPipeline:
+    text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=True)
+    text_encoder_2, tokenizer_2 = clip_text_encoder(SEED_TEXT_2, with_projection=True)
+    text_encoder_3, tokenizer_3 = t5_text_encoder(SEED_TEXT_3)
+    transformer = seeded(
+        SEED_DENOISER,
+        lambda: SD3Transformer2DModel(
+            sample_size=TINY_DEFAULT_SIZE // 8, patch_size=2, in_channels=16, out_channels=16,
+            num_layers=2,
+            attention_head_dim=32,  # CPU attention kernels are far faster at 32 than at 16
+            num_attention_heads=2,
+            joint_attention_dim=T5_HIDDEN,
+            caption_projection_dim=64,  # must equal heads * head_dim
+            pooled_projection_dim=2 * TEXT_HIDDEN,  # both CLIPs' projections, concatenated
+            pos_embed_max_size=128,  # up to 2048 px per side
+        ).eval(),
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=tiny_vae(16, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+
+
+def build_tiny_flux() -> DiffusionPipeline:
+    text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False)
+    text_encoder_2, tokenizer_2 = t5_text_encoder(SEED_TEXT_2)
+    transformer = seeded(
+        SEED_DENOISER,
+        lambda: FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,  # 16 latent channels packed 2x2
+            num_layers=1, num_single_layers=2, attention_head_dim=32, num_attention_heads=2,
+            joint_attention_dim=T5_HIDDEN,
+            pooled_projection_dim=TEXT_HIDDEN,  # CLIPTextModel's pooled output
+            guidance_embeds=True,
+            axes_dims_rope=(8, 12, 12),  # must sum to attention_head_dim
+        ).eval(),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's: shift grows with image size
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+        base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler, vae=tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+
+
+BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
+    "tiny-sd": build_tiny_sd,
+    "tiny-sdxl": build_tiny_sdxl,
+    "tiny-sd3": build_tiny_sd3,
+    "tiny-flux": build_tiny_flux,
+    "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
+    "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
+}
+
+
+# ------------------------------------------------------------------------ loading and export
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_pipeline(model: str, dtype: str = "float32", device: str = "cpu") -> DiffusionPipeline:
+    """A built-in tiny model by name, or a local diffusers directory (never the network)."""
+    if model in BUILDERS:
+        pipe = BUILDERS[model]()
+        if dtype != "float32":  # built in fp32; a no-op cast would only log a warning
+            pipe = pipe.to(dtype=torch_dtype(dtype))
+        return pipe.to(device)
+    if os.path.isfile(os.path.join(model, "model_index.json")):
+        # `dtype=` is diffusers' current spelling of `torch_dtype=` (deprecated in 0.42)
+        pipe = DiffusionPipeline.from_pretrained(
+            model, local_files_only=True, dtype=torch_dtype(dtype)
+        )
+        return pipe.to(device)
+    raise UnknownModelError(
+        f"unknown model {model!r}: expected a built-in ({', '.join(BUILTIN_MODELS)}) or a path"
+        " to a local diffusers directory (one containing model_index.json)",
+        param="model",
+    )
+
+
+def export_model(name: str, directory: str) -> None:
+    """Write built-in `name` as a diffusers directory that `load_pipeline` loads back equal."""
+    if name not in BUILDERS:
+        raise UnknownModelError(
+            f"unknown built-in {name!r}; expected one of {', '.join(BUILTIN_MODELS)}", param="model"
+        )
+    BUILDERS[name]().save_pretrained(directory, safe_serialization=True)
+
+
+# ------------------------------------------------------------------------------ model info
+
+
+def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
+    """The UNet or transformer: the module run once per step."""
+    return pipe.unet if getattr(pipe, "unet", None) is not None else pipe.transformer
+
+
+def family_of(pipe: DiffusionPipeline) -> str:
+    """sd | sdxl | sd3 | flux, read off the denoiser (so img2img/inpaint variants agree)."""
+    net = denoiser(pipe)
+    if isinstance(net, FluxTransformer2DModel):
+        return "flux"
+    if isinstance(net, SD3Transformer2DModel):
+        return "sd3"
+    if isinstance(net, UNet2DConditionModel):
+        return "sdxl" if net.config.addition_embed_type == "text_time" else "sd"
+    raise UnknownModelError(f"unsupported denoiser {type(net).__name__}", param="model")
+
+
+def size_step(pipe: DiffusionPipeline, family: str) -> int:
+    """Pixels that width and height must be multiples of for the denoiser to accept them."""
+    vae_scale = pipe.vae_scale_factor
+    config = denoiser(pipe).config
+    if family in ("sd", "sdxl"):
+        # each UNet down block but the last halves the latent; the up path must undo it exactly
+        return vae_scale * 2 ** (len(config.down_block_types) - 1)
+    if family == "sd3":
+        return vae_scale * config.patch_size
+    return vae_scale * 2  # Flux packs 2x2 latent patches into one token
+
+
+def default_size(pipe: DiffusionPipeline) -> int:
+    """The pipeline's own default: the denoiser's sample size in pixels (Flux: 128 latents)."""
+    sample_size = getattr(denoiser(pipe).config, "sample_size", None)
+    if sample_size is None:
+        sample_size = getattr(pipe, "default_sample_size", 128)
+    return int(sample_size) * pipe.vae_scale_factor
+
+
+def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
+    family = family_of(pipe)
+    tiny = name in BUILTIN_MODELS
+    net = denoiser(pipe)
+    return ModelInfo(
+        name=name,
+        family=family,
+        size_step=size_step(pipe, family),
+        default_size=TINY_DEFAULT_SIZE if tiny else default_size(pipe),
+        default_steps=TINY_DEFAULT_STEPS if tiny else DEFAULT_STEPS[family],
+        default_guidance=DEFAULT_GUIDANCE[family],
+        uses_cfg=family != "flux",  # FLUX.1-dev is guidance-distilled: guidance is an input
+        inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,
+    )
+
+
+# ---------------------------------------------------------------- full-size architectures
+
+# Published denoiser configs (diffusers format), with random weights: for memory and speed
+# planning without downloading anything.
+ARCH_CONFIGS: dict[str, tuple[type[torch.nn.Module], dict]] = {
+    "sdxl-arch": (  # stabilityai/stable-diffusion-xl-base-1.0, unet/config.json
+        UNet2DConditionModel,
+        dict(
+            sample_size=128, in_channels=4, out_channels=4, block_out_channels=(320, 640, 1280),
+            layers_per_block=2, transformer_layers_per_block=(1, 2, 10),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(5, 10, 20), cross_attention_dim=2048, use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816, norm_num_groups=32,
+        ),
+    ),
+    "sd3-arch": (  # stabilityai/stable-diffusion-3-medium-diffusers, transformer/config.json
+        SD3Transformer2DModel,
+        dict(
+            sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+            attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+            caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192,
+        ),
+    ),
+    "flux-arch": (  # black-forest-labs/FLUX.1-dev, transformer/config.json
+        FluxTransformer2DModel,
+        dict(
+            patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+            pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+        ),
+    ),
+}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in `dtype`: a 12B model in fp32 first would need 48 GB."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_arch(name: str, device: str = "meta", dtype: str = "bfloat16") -> torch.nn.Module:
+    """A full-size denoiser with seeded random weights; on `meta` it allocates nothing."""
+    if name not in ARCH_CONFIGS:
+        raise UnknownModelError(
+            f"unknown architecture {name!r}; expected one of {', '.join(ARCH_CONFIGS)}",
+            param="model",
+        )
+    cls, config = ARCH_CONFIGS[name]
+    with torch.device(device), default_dtype(torch_dtype(dtype)):
+        return seeded(SEED_DENOISER, lambda: cls(**config).eval())

@@ -1,0 +1,106 @@
+"""A byte-level BPE tokenizer built entirely in code, for the tiny built-in models.
+
+The built-ins must build offline, so no vocabulary file is read: the vocabulary is the 256
+byte symbols of GPT-2's byte-level alphabet, a handful of merges and the special tokens. Every
+string therefore tokenizes without an unknown token, and the result is a standard
+`PreTrainedTokenizerFast` that diffusers pipelines call, save and load like CLIP's or T5's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+# A few frequent English pairs, so that the tokenizer really is a BPE (and prompts are a bit
+# shorter than their byte count). "Ġ" is the byte-level symbol for a space.
+MERGES: list[tuple[str, str]] = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġ", "a"),
+    ("i", "n"),
+    ("e", "r"),
+    ("Ġt", "he"),
+    ("o", "n"),
+    ("Ġ", "s"),
+]
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special tokens of one tokenizer kind; `bos` is None where the model has none."""
+
+    bos: str | None
+    eos: str
+    pad: str
+    unk: str
+
+    def in_order(self) -> list[str]:
+        return [t for t in (self.bos, self.eos, self.pad, self.unk) if t is not None]
+
+
+# CLIP wraps a prompt as <bos> ... <eos> and pools at the eos; T5 only appends </s>.
+KINDS: dict[str, SpecialTokens] = {
+    "clip": SpecialTokens(bos="<|startoftext|>", eos="<|endoftext|>", pad="<|pad|>", unk="<|unk|>"),
+    "t5": SpecialTokens(bos=None, eos="</s>", pad="<pad>", unk="<unk>"),
+}
+
+
+def byte_vocab() -> dict[str, int]:
+    """The 256 byte symbols first, then one token per merge; special tokens come after.
+
+    Special tokens get ids >= 256 on purpose: CLIPTextModel treats `eos_token_id == 2` as a
+    legacy config and pools at the argmax id instead of at the eos.
+    """
+    # alphabet() is an unordered list; sorting makes the ids the same in every process.
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    for left, right in MERGES:
+        vocab.setdefault(left + right, len(vocab))
+    return vocab
+
+
+def _post_processor(special: SpecialTokens, ids: dict[str, int]) -> processors.TemplateProcessing:
+    prefix = f"{special.bos} " if special.bos is not None else ""
+    single = f"{prefix}$A {special.eos}"
+    used = [t for t in (special.bos, special.eos) if t is not None]
+    return processors.TemplateProcessing(
+        single=single,
+        pair=f"{single} $B:1 {special.eos}:1",
+        special_tokens=[(t, ids[t]) for t in used],
+    )
+
+
+def build_backend(kind: str) -> Tokenizer:
+    """The `tokenizers` object: byte-level BPE with the special tokens of `kind`."""
+    special = KINDS[kind]
+    vocab = byte_vocab()
+    for token in special.in_order():
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, unk_token=special.unk))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(special.in_order())
+    backend.post_processor = _post_processor(special, vocab)
+    return backend
+
+
+def build_tokenizer(max_length: int, kind: str = "clip") -> PreTrainedTokenizerFast:
+    """A drop-in tokenizer for a diffusers pipeline's CLIP (`kind="clip"`) or T5 (`"t5"`) slot.
+
+    `max_length` becomes `model_max_length`, which the pipelines pad and truncate prompts to.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {sorted(KINDS)}")
+    special = KINDS[kind]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_backend(kind),
+        bos_token=special.bos,
+        eos_token=special.eos,
+        pad_token=special.pad,
+        unk_token=special.unk,
+        model_max_length=max_length,
+        padding_side="right",
+        truncation_side="right",
+    )
