@@ -215,12 +215,9 @@ class AsyncEngine:
             return
         with self._lock:
             self._images.pop(rid, None)
-            last = not any(e.handle is entry.handle for e in self._images.values())
         self._counts["finished"] += 1
         self.metrics.images.inc()
         entry.handle.push(ImageEvent(entry.index, future.result(), entry.request.seed))
-        if last:
-            self.metrics.request_latency.observe(time.monotonic() - entry.request.arrival_time)
 
     def _on_stage_failure(self, job: tuple, error: Exception) -> None:
         rid = job[0].request_id if isinstance(job[0], ImageRequest) else job[1]
@@ -244,9 +241,8 @@ class AsyncEngine:
 
     def _fail(self, api_id: str, error: GouacheError) -> None:
         entries = self._remove(api_id)
-        if entries:
+        if entries:  # the API counts the error in the metrics when it answers
             self._counts["failed"] += len(entries)
-            self.metrics.errors.labels(error.kind).inc()
             entries[0].handle.push(ErrorEvent(error.kind, error.message, error.status))
 
     def _expire(self, api_id: str) -> None:

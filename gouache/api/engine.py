@@ -1,0 +1,34 @@
+"""What the API needs from an engine. The real one lives in `gouache.engine`; tests use a fake."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gouache.engine.handle import EngineStats, RequestHandle
+    from gouache.metrics import Metrics
+    from gouache.model_info import ModelInfo
+    from gouache.request import ImageRequest
+
+
+class Engine(Protocol):
+    info: ModelInfo  # the served model: its name and size rules
+    metrics: Metrics  # the API counts errors and request latency here
+
+    async def submit(self, requests: list[ImageRequest]) -> RequestHandle:
+        """Accept all n images of one API request (ids "<api id>-<i>", seeds base + i).
+
+        Raises InvalidRequestError (bad upload; `.param` names the field), QueueFullError or
+        EngineStoppedError.
+        """
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None:
+        """Start serving on the running loop (handles push events onto it); run_server calls it."""
+        ...
+
+    async def aclose(self) -> None:
+        """Fail what is in flight with EngineStoppedError and stop; run_server calls it on exit."""
+        ...

@@ -1,0 +1,168 @@
+"""POST /v1/images/generations, POST /v1/images/edits and DELETE /v1/images/requests/{id}.
+
+Each image request gets an API id, returned in `x-request-id` (also on errors and streams),
+which DELETE takes to abort it. A request ends (and is aborted unless it finished) when its
+response is sent, its stream closes, or its client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import FormData, UploadFile
+
+from gouache.api.context import ApiContext, get_context
+from gouache.api.errors import NotFoundError
+from gouache.api.protocol import (
+    MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
+)
+from gouache.api.streaming import ImageEventStream, StreamShape
+from gouache.errors import CancelledError, InvalidRequestError, UnknownModelError
+from gouache.outputs import ImageEvent
+
+router = APIRouter()
+
+_FILE_FIELDS = ("image", "image[]", "mask")
+_MAX_FORM_FIELDS = 64  # far more than the API has; stops field floods before validation
+
+
+@router.post("/v1/images/generations")
+async def create_images(request: Request, ctx: ApiContext = Depends(get_context)) -> Response:
+    arrival, api_id = _start(request)
+    # curl -d sends JSON labelled as a form; accept it so the one-line curl example works
+    _require_content_type(request, "application/json", also=("", "application/x-www-form-urlencoded"))
+    body = await request.body()
+    params = ImageGenerationRequest.model_validate_json(body, strict=True, context=ctx.validation_context)
+    return await _serve(request, ctx, params, api_id, arrival, "image_generation")
+
+
+@router.post("/v1/images/edits")
+async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) -> Response:
+    arrival, api_id = _start(request)
+    _require_content_type(request, "multipart/form-data")
+    form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
+    image = await _read_upload(_first_upload(form, ("image", "image[]")), "image")
+    mask_field = _first_upload(form, ("mask",))
+    mask = None if mask_field is None else await _read_upload(mask_field, "mask")
+    params = ImageEditRequest.model_validate(_text_fields(form), context=ctx.validation_context)
+    return await _serve(request, ctx, params, api_id, arrival, "image_edit", image, mask)
+
+
+@router.delete("/v1/images/requests/{request_id}")
+async def cancel_request(request_id: str, ctx: ApiContext = Depends(get_context)) -> dict[str, Any]:
+    if not ctx.inflight.abort(request_id):
+        raise NotFoundError(f"No request '{request_id}' is in flight.", "request_id")
+    return {"id": request_id, "object": "image.request", "status": "cancelled"}
+
+
+def _start(request: Request) -> tuple[float, str]:
+    """Arrival time (for SLOs and latency) and a fresh API id, remembered for error responses."""
+    request.state.request_id = "img_" + secrets.token_hex(12)
+    return time.monotonic(), request.state.request_id
+
+
+def _require_content_type(request: Request, expected: str, also: tuple[str, ...] = ()) -> None:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != expected and media_type not in also:
+        got = f"'{media_type}'" if media_type else "none"
+        raise InvalidRequestError(f"Content-Type must be {expected}, got {got}.")
+
+
+async def _serve(
+    request: Request,
+    ctx: ApiContext,
+    params: ImageParams,
+    api_id: str,
+    arrival: float,
+    kind: str,
+    image: bytes | None = None,
+    mask: bytes | None = None,
+) -> Response:
+    info = ctx.engine.info
+    if params.model is not None and params.model != info.name:
+        message = f"The model '{params.model}' does not exist; this server serves '{info.name}'."
+        raise UnknownModelError(message, "model")
+    handle = await ctx.engine.submit(params.to_requests(api_id, info, arrival, image, mask))
+    ctx.inflight.add(api_id, handle)
+    headers = {"x-request-id": api_id}
+    if params.stream:
+        shape = StreamShape(kind, params.size, params.output_format)
+        on_close = lambda: ctx.inflight.finish(api_id)  # noqa: E731
+        return ImageEventStream(handle, shape, ctx.engine.metrics, arrival, on_close, headers)
+    try:
+        events = await _images_unless_disconnected(request, handle.images())
+    finally:
+        ctx.inflight.finish(api_id)
+    ctx.engine.metrics.request_latency.observe(time.monotonic() - arrival)
+    body = _images_response(request, ctx, params, events).model_dump(exclude_none=True)
+    return JSONResponse(body, headers=headers)
+
+
+async def _images_unless_disconnected(
+    request: Request, images: Coroutine[Any, Any, list[ImageEvent]]
+) -> list[ImageEvent]:
+    """Await the images, or raise CancelledError as soon as the client disconnects."""
+    images_task = asyncio.ensure_future(images)
+    gone_task = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((images_task, gone_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone_task.cancel()
+        images_task.cancel()  # a no-op once it is done
+    if images_task.done() and not images_task.cancelled():
+        return images_task.result()
+    raise CancelledError("The client disconnected.")
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the only message left to receive is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _images_response(
+    request: Request, ctx: ApiContext, params: ImageParams, events: list[ImageEvent]
+) -> ImagesResponse:
+    media_type = MEDIA_TYPES[params.output_format]
+    if params.response_format == "url":
+        urls = [str(request.url_for("get_file", file_id=ctx.files.put(e.image, media_type))) for e in events]
+        data = [ImageData(url=url, seed=e.seed) for url, e in zip(urls, events)]
+    else:
+        data = [ImageData(b64_json=base64.b64encode(e.image).decode(), seed=e.seed) for e in events]
+    return ImagesResponse(created=int(time.time()), data=data, output_format=params.output_format, size=params.size)
+
+
+def _first_upload(form: FormData, names: tuple[str, ...]) -> UploadFile | str | None:
+    """The first value sent under any of `names` (OpenAI clients send `image` or `image[]`)."""
+    values = [value for name in names for value in form.getlist(name)]
+    return values[0] if values else None
+
+
+async def _read_upload(value: UploadFile | str | None, param: str) -> bytes:
+    """The bytes of an uploaded file, still encoded: decoding is the engine's job."""
+    if value is None:
+        raise InvalidRequestError(f"Missing required parameter: '{param}'.", param)
+    if isinstance(value, str):
+        raise InvalidRequestError(f"Invalid value for '{param}': must be a file upload, not a text field.", param)
+    data = await value.read()
+    if not data:
+        raise InvalidRequestError(f"Invalid value for '{param}': the uploaded file is empty.", param)
+    return data
+
+
+def _text_fields(form: FormData) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for name, value in form.multi_items():
+        if name in _FILE_FIELDS:
+            continue
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"Invalid value for '{name}': must be a text field, not a file.", name)
+        fields.setdefault(name, value)
+    return fields

@@ -1,0 +1,210 @@
+"""Request and response bodies of the images API: OpenAI's fields plus gouache's extensions.
+
+Checks that depend on the served model or the server's limits read a `Limits` from the pydantic
+validation context, so JSON bodies and multipart forms share one set of rules and messages.
+JSON is validated strictly (`n: "2"` is an error); form fields arrive as strings and are
+validated in lax mode (`n=2` in a form is the string "2").
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from gouache.request import ImageRequest
+
+if TYPE_CHECKING:
+    from gouache.config import ServerConfig
+    from gouache.model_info import ModelInfo
+
+MAX_SEED = 2**32 - 1  # seeds are 32-bit like most diffusion front ends; image i uses seed + i
+MAX_PROMPT_CHARS = 32_000  # OpenAI's limit for GPT image models
+MAX_GUIDANCE = 50.0  # beyond this every model produces noise; almost surely a mistake
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+_SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of this server: ServerConfig's bounds and the model's size rules."""
+
+    max_n: int = 10
+    max_steps: int = 200
+    min_size: int = 64
+    max_size: int = 2048
+    max_pixels: int = 2048 * 2048
+    size_step: int = 8  # width and height must be multiples of this
+    default_size: int = 1024  # pixels per side for size "auto" or absent
+
+    @classmethod
+    def of(cls, config: ServerConfig, info: ModelInfo) -> Limits:
+        return cls(
+            max_n=config.max_n,
+            max_steps=config.max_steps,
+            min_size=config.min_size,
+            max_size=config.max_size,
+            max_pixels=config.max_pixels,
+            size_step=info.size_step,
+            default_size=info.default_size,
+        )
+
+    def check_size(self, width: int, height: int) -> None:
+        """Raise ValueError (which pydantic reports against `size`) if width x height is not allowed."""
+        if width % self.size_step or height % self.size_step:
+            raise ValueError(f"width and height must be multiples of {self.size_step} pixels")
+        if not (self.min_size <= width <= self.max_size and self.min_size <= height <= self.max_size):
+            raise ValueError(f"width and height must be between {self.min_size} and {self.max_size} pixels")
+        if width * height > self.max_pixels:
+            raise ValueError(f"width*height must be at most {self.max_pixels} pixels")
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    limits = (info.context or {}).get("limits")
+    return limits if isinstance(limits, Limits) else Limits()
+
+
+class ImageParams(BaseModel):
+    """Fields shared by generations and edits. Unknown fields are rejected, as OpenAI does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = None  # must be the served model's name when given
+    n: int = 1  # 1..limits.max_n
+    size: str = Field("auto", validate_default=True)  # "WxH" or "auto"; normalized to "WxH"
+    response_format: Literal["b64_json", "url"] = "b64_json"  # ignored when streaming (always b64)
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    stream: bool = False
+    partial_images: int = Field(0, ge=0, le=3)  # previews per image; only used when streaming
+    user: str | None = None
+    # Accepted so that official clients work; they do not change what gouache makes.
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
+    background: Literal["transparent", "opaque", "auto"] | None = None
+    output_compression: int | None = Field(None, ge=0, le=100)
+    safety_identifier: str | None = None
+    # gouache extensions; None means the model's default
+    negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
+    num_inference_steps: int | None = None  # 1..limits.max_steps
+    guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random seed
+    slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)  # deadline after arrival
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI treats `"n": null` like an absent field.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_blank(cls, prompt: str) -> str:
+        if not prompt.strip():
+            raise ValueError("must not be empty")
+        return prompt
+
+    @field_validator("n")
+    @classmethod
+    def _n_in_range(cls, n: int, info: ValidationInfo) -> int:
+        max_n = _limits(info).max_n
+        if not 1 <= n <= max_n:
+            raise ValueError(f"must be between 1 and {max_n}")
+        return n
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps_in_range(cls, steps: int | None, info: ValidationInfo) -> int | None:
+        max_steps = _limits(info).max_steps
+        if steps is not None and not 1 <= steps <= max_steps:
+            raise ValueError(f"must be between 1 and {max_steps}")
+        return steps
+
+    @field_validator("size")
+    @classmethod
+    def _size_allowed(cls, size: str, info: ValidationInfo) -> str:
+        limits = _limits(info)
+        if size == "auto":
+            return f"{limits.default_size}x{limits.default_size}"
+        match = _SIZE.fullmatch(size)
+        if match is None:
+            raise ValueError("must be 'auto' or WIDTHxHEIGHT in pixels, e.g. '1024x768'")
+        limits.check_size(int(match[1]), int(match[2]))
+        return size
+
+    @property
+    def width_height(self) -> tuple[int, int]:
+        width, height = self.size.split("x")
+        return int(width), int(height)
+
+    def to_requests(
+        self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None
+    ) -> list[ImageRequest]:
+        """The n ImageRequests of this API request, with the model's defaults filled in."""
+        seed = secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
+        width, height = self.width_height
+        return [
+            ImageRequest(
+                request_id=f"{api_id}-{i}",
+                prompt=self.prompt,
+                width=width,
+                height=height,
+                num_inference_steps=self.num_inference_steps or info.default_steps,
+                guidance_scale=info.default_guidance if self.guidance_scale is None else self.guidance_scale,
+                seed=seed + i,
+                negative_prompt=self.negative_prompt,
+                output_format=self.output_format,
+                partial_images=self.partial_images if self.stream else 0,
+                slo_ms=self.slo_ms,
+                image=image,
+                mask=mask,
+                arrival_time=arrival,
+            )
+            for i in range(self.n)
+        ]
+
+
+class ImageGenerationRequest(ImageParams):
+    """JSON body of POST /v1/images/generations."""
+
+    style: Literal["vivid", "natural"] | None = None  # accepted and ignored
+    moderation: Literal["low", "auto"] | None = None  # accepted and ignored
+
+
+class ImageEditRequest(ImageParams):
+    """Text fields of the multipart body of POST /v1/images/edits (the files are read apart).
+
+    `size` absent or "auto" means the model's default size, not the upload's size: the API does
+    not decode uploads, so it cannot know it. The engine resizes the upload to `size`.
+    """
+
+    input_fidelity: Literal["high", "low"] | None = None  # accepted and ignored
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    seed: int  # gouache extension: the seed that made this image, to reproduce it
+
+
+class ImagesResponse(BaseModel):
+    """OpenAI's ImagesResponse."""
+
+    created: int  # unix seconds
+    data: list[ImageData]
+    output_format: str
+    size: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gouache"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,179 @@
+"""The images API against the fake engine, in process (httpx.ASGITransport)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gouache.errors import QueueFullError
+from gouache.outputs import ErrorEvent
+from tests.api.corpus import EDITS, GENERATIONS, png
+from tests.api.fake_engine import FakeEngine
+from tests.api.helpers import open_image, parse_sse
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_generation_b64_uses_model_defaults(client: httpx.AsyncClient, engine: FakeEngine):
+    response = await client.post(GENERATIONS, json={"prompt": "a red fox"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    api_id = response.headers["x-request-id"]
+    assert body["output_format"] == "png" and body["size"] == "256x256" and isinstance(body["created"], int)
+    assert open_image(body["data"][0]["b64_json"]).size == (256, 256)
+    [request] = engine.submitted
+    assert request.request_id == f"{api_id}-0"
+    assert (request.width, request.height, request.num_inference_steps, request.guidance_scale) == (256, 256, 4, 7.5)
+    assert request.partial_images == 0 and request.image is None
+
+
+async def test_n2_gets_consecutive_seeds_and_ids(client: httpx.AsyncClient, engine: FakeEngine):
+    response = await client.post(GENERATIONS, json={"prompt": "fox", "n": 2, "seed": 42, "model": "fake-sd"})
+    assert response.status_code == 200, response.text
+    assert [d["seed"] for d in response.json()["data"]] == [42, 43]
+    api_id = response.headers["x-request-id"]
+    assert [r.request_id for r in engine.submitted] == [f"{api_id}-0", f"{api_id}-1"]
+    assert [r.seed for r in engine.submitted] == [42, 43]
+
+
+async def test_extensions_and_non_square_size(client: httpx.AsyncClient, engine: FakeEngine):
+    fields = {"size": "512x256", "negative_prompt": "blur", "num_inference_steps": 3, "guidance_scale": 2, "slo_ms": 500}
+    response = await client.post(GENERATIONS, json={"prompt": "fox", "output_format": "webp", **fields})
+    assert response.status_code == 200, response.text
+    image = open_image(response.json()["data"][0]["b64_json"])
+    assert image.size == (512, 256) and image.format == "WEBP"
+    [request] = engine.submitted
+    assert (request.width, request.height, request.negative_prompt) == (512, 256, "blur")
+    assert (request.num_inference_steps, request.guidance_scale, request.slo_ms) == (3, 2.0, 500.0)
+
+
+async def test_openai_only_fields_are_accepted_and_ignored(client: httpx.AsyncClient):
+    extras = {"quality": "high", "style": "vivid", "background": "auto", "moderation": "low", "output_compression": 80}
+    response = await client.post(GENERATIONS, json={"prompt": "fox", "user": "u1", "size": "auto", "n": None, **extras})
+    assert response.status_code == 200, response.text
+
+
+async def test_url_response_is_downloadable(client: httpx.AsyncClient):
+    body = {"prompt": "fox", "response_format": "url", "output_format": "jpeg", "n": 2}
+    response = await client.post(GENERATIONS, json=body)
+    assert response.status_code == 200, response.text
+    urls = [d["url"] for d in response.json()["data"]]
+    assert len(set(urls)) == 2 and all(url.startswith("http://testserver/v1/files/") for url in urls)
+    for path in (urls[0], urls[0] + "/content"):
+        image = await client.get(path)
+        assert image.status_code == 200 and image.headers["content-type"] == "image/jpeg"
+        assert open_image(image.content).format == "JPEG"
+
+
+async def test_stream_events_in_order(client: httpx.AsyncClient):
+    body = {"prompt": "fox", "stream": True, "partial_images": 2, "num_inference_steps": 4}
+    response = await client.post(GENERATIONS, json=body)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-request-id"].startswith("img_")
+    events = parse_sse(response.text)
+    names = [name for name, _ in events]
+    assert names[-1] == "image_generation.completed" and names.count("image_generation.completed") == 1
+    assert [d["step"] for n, d in events if n == "gouache.progress"] == [1, 2, 3, 4]
+    partials = [d for n, d in events if n == "image_generation.partial_image"]
+    assert [p["partial_image_index"] for p in partials] == [0, 1]
+    assert names.index("image_generation.partial_image") < names.index("image_generation.completed")
+    done = events[-1][1]
+    assert done["type"] == "image_generation.completed" and done["index"] == 0 and done["size"] == "256x256"
+    assert open_image(done["b64_json"]).size == (256, 256)
+
+
+async def test_stream_of_n2_completes_each_image(client: httpx.AsyncClient):
+    response = await client.post(GENERATIONS, json={"prompt": "fox", "stream": True, "n": 2})
+    completed = [d["index"] for n, d in parse_sse(response.text) if n == "image_generation.completed"]
+    assert sorted(completed) == [0, 1]
+
+
+async def test_engine_error_event_in_stream_and_response(client: httpx.AsyncClient, engine: FakeEngine):
+    engine.fail_with = ErrorEvent("worker_failure", "denoising failed", 500)
+    streamed = await client.post(GENERATIONS, json={"prompt": "fox", "stream": True})
+    name, data = parse_sse(streamed.text)[-1]
+    assert name == "error" and data["error"]["code"] == "worker_failure"
+    plain = await client.post(GENERATIONS, json={"prompt": "fox"})
+    assert plain.status_code == 500 and plain.json()["error"]["code"] == "worker_failure"
+    assert "x-request-id" in plain.headers
+
+
+async def test_queue_full_is_429_with_retry_after(client: httpx.AsyncClient, engine: FakeEngine):
+    engine.raise_on_submit = QueueFullError("the server is busy", retry_after_s=3)
+    response = await client.post(GENERATIONS, json={"prompt": "fox"})
+    assert response.status_code == 429 and response.headers["retry-after"] == "3"
+    assert response.json()["error"] == {
+        "message": "the server is busy", "type": "rate_limit_error", "param": None, "code": "queue_full"
+    }
+
+
+async def test_unexpected_exception_is_generic_500(client: httpx.AsyncClient, engine: FakeEngine):
+    engine.raise_on_submit = RuntimeError("secret internals")
+    response = await client.post(GENERATIONS, json={"prompt": "fox"})
+    assert response.status_code == 500 and "secret" not in response.text
+    assert response.json()["error"]["type"] == "server_error"
+
+
+async def test_delete_aborts_a_waiting_request(client: httpx.AsyncClient, engine: FakeEngine):
+    engine.hold = True
+    pending = asyncio.create_task(client.post(GENERATIONS, json={"prompt": "fox"}))
+    while not engine.submitted:
+        await asyncio.sleep(0.005)
+    api_id = engine.submitted[0].request_id.rsplit("-", 1)[0]
+    cancelled = await client.delete(f"/v1/images/requests/{api_id}")
+    assert cancelled.status_code == 200 and cancelled.json()["id"] == api_id
+    response = await asyncio.wait_for(pending, 5)
+    assert response.status_code == 499 and response.json()["error"]["code"] == "cancelled"
+    assert engine.aborted == [api_id]
+    assert (await client.delete(f"/v1/images/requests/{api_id}")).status_code == 404
+
+
+async def test_edit_multipart(client: httpx.AsyncClient, engine: FakeEngine):
+    image, mask = png(64, 64), png(64, 64)
+    files = [("image[]", ("in.png", image, "image/png")), ("mask", ("mask.png", mask, "image/png"))]
+    data = {"prompt": "paint it blue", "n": "2", "size": "128x64", "seed": "7", "guidance_scale": "3.5"}
+    response = await client.post(EDITS, data=data, files=files)
+    assert response.status_code == 200, response.text
+    assert [open_image(d["b64_json"]).size for d in response.json()["data"]] == [(128, 64)] * 2
+    first = engine.submitted[0]
+    assert first.image == image and first.mask == mask and first.is_edit
+    assert (first.seed, first.guidance_scale, len(engine.submitted)) == (7, 3.5, 2)
+
+
+async def test_edit_without_size_uses_model_default(client: httpx.AsyncClient, engine: FakeEngine):
+    response = await client.post(EDITS, data={"prompt": "blue"}, files=[("image", ("in.png", png(), "image/png"))])
+    assert response.status_code == 200, response.text
+    assert (engine.submitted[0].width, engine.submitted[0].height, engine.submitted[0].mask) == (256, 256, None)
+
+
+async def test_edit_stream_uses_edit_event_names(client: httpx.AsyncClient):
+    files = [("image", ("in.png", png(), "image/png"))]
+    response = await client.post(EDITS, data={"prompt": "blue", "stream": "true", "partial_images": "1"}, files=files)
+    names = {name for name, _ in parse_sse(response.text)}
+    assert {"image_edit.partial_image", "image_edit.completed", "gouache.progress"} <= names
+
+
+async def test_models_health_metrics(client: httpx.AsyncClient):
+    models = (await client.get("/v1/models")).json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake-sd"]
+    assert (await client.get("/v1/models/fake-sd")).json()["object"] == "model"
+    health = (await client.get("/health")).json()
+    assert health == {"status": "ok", "model": "fake-sd", "waiting": 0, "running": 0}
+    await client.post(GENERATIONS, json={"prompt": "fox"})
+    await client.post(GENERATIONS, json={"prompt": "fox", "n": 0})
+    metrics = await client.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "gouache_request_latency_seconds_count 1.0" in metrics.text
+    assert 'gouache_errors_total{kind="invalid_request"} 1.0' in metrics.text
+    assert "gouache_queue_length 0.0" in metrics.text
+
+
+async def test_chunked_body_over_limit_is_413(client: httpx.AsyncClient, config):
+    async def chunks():
+        for _ in range(config.max_body_bytes // 65536 + 2):
+            yield b" " * 65536
+
+    response = await client.post(GENERATIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"

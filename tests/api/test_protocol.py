@@ -1,0 +1,80 @@
+"""Request validation and the file store, without a server."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from gouache.api.errors import from_validation_errors
+from gouache.api.files import FileStore
+from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest, Limits
+from tests.api.fake_engine import FAKE_INFO
+
+LIMITS = Limits(max_n=4, max_steps=50, min_size=64, max_size=1024, max_pixels=512 * 1024, size_step=16, default_size=512)
+CONTEXT = {"limits": LIMITS}
+
+
+def _json_error(body: str):
+    with pytest.raises(ValidationError) as caught:
+        ImageGenerationRequest.model_validate_json(body, strict=True, context=CONTEXT)
+    return from_validation_errors(caught.value.errors())
+
+
+def _form_error(fields: dict[str, str]):
+    with pytest.raises(ValidationError) as caught:
+        ImageEditRequest.model_validate(fields, context=CONTEXT)
+    return from_validation_errors(caught.value.errors())
+
+
+@pytest.mark.parametrize(
+    ("field", "json_value", "form_value"),
+    [("n", "5", "5"), ("size", '"1000x1000"', "1000x1000"), ("size", '"1024x1024"', "1024x1024"),
+     ("num_inference_steps", "51", "51"), ("guidance_scale", "-0.5", "-0.5"), ("seed", "-3", "-3")],
+)  # fmt: skip
+def test_json_and_form_share_rules_and_messages(field: str, json_value: str, form_value: str):
+    json_error = _json_error(f'{{"prompt": "p", "{field}": {json_value}}}')
+    form_error = _form_error({"prompt": "p", field: form_value})
+    assert json_error.param == form_error.param == field
+    assert json_error.message.split(" (got")[0] == form_error.message.split(" (got")[0]
+
+
+def test_limits_come_from_context():
+    assert "between 1 and 4" in _json_error('{"prompt": "p", "n": 5}').message
+    assert "multiples of 16" in _json_error('{"prompt": "p", "size": "520x520"}').message
+    assert "at most 524288 pixels" in _json_error('{"prompt": "p", "size": "1024x1024"}').message
+
+
+def test_form_values_are_parsed_from_strings():
+    fields = {"prompt": "p", "n": "2", "stream": "true", "guidance_scale": "7.5", "seed": "9", "size": "512x256"}
+    params = ImageEditRequest.model_validate(fields, context=CONTEXT)
+    assert (params.n, params.stream, params.guidance_scale, params.seed, params.width_height) == (2, True, 7.5, 9, (512, 256))
+
+
+def test_to_requests_fills_defaults_and_seeds():
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "n": 3}, context=CONTEXT)
+    requests = params.to_requests("img_x", FAKE_INFO, arrival=1.0)
+    assert [r.request_id for r in requests] == ["img_x-0", "img_x-1", "img_x-2"]
+    assert [r.seed - requests[0].seed for r in requests] == [0, 1, 2]
+    assert (requests[0].width, requests[0].num_inference_steps, requests[0].partial_images) == (512, 4, 0)
+
+
+def test_partial_images_only_when_streaming():
+    plain = ImageGenerationRequest.model_validate({"prompt": "p", "partial_images": 2}, context=CONTEXT)
+    streamed = ImageGenerationRequest.model_validate({"prompt": "p", "partial_images": 2, "stream": True}, context=CONTEXT)
+    assert plain.to_requests("a", FAKE_INFO, 0.0)[0].partial_images == 0
+    assert streamed.to_requests("a", FAKE_INFO, 0.0)[0].partial_images == 2
+
+
+def test_file_store_expires_files():
+    now = [0.0]
+    store = FileStore(ttl_s=10, clock=lambda: now[0])
+    file_id = store.put(b"png", "image/png")
+    assert store.get(file_id).data == b"png"
+    now[0] = 10.5
+    assert store.get(file_id) is None and len(store) == 0
+
+
+def test_file_store_evicts_oldest_beyond_max_bytes():
+    store = FileStore(ttl_s=10, max_bytes=10)
+    first, second = store.put(b"123456", "image/png"), store.put(b"123456", "image/png")
+    assert store.get(first) is None and store.get(second) is not None

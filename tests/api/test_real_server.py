@@ -1,0 +1,107 @@
+"""`gouache serve` as a user runs it (a real process, the real engine, tiny-sdxl), driven by the
+official openai client and by the malformed-request corpus."""
+
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from gouache.config import ServerConfig
+from tests.api.corpus import EDITS, malformed_requests
+from tests.api.helpers import open_image
+
+SIZE_STEP = 16  # tiny-sdxl
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "gouache.cli", "serve", "--model", "tiny-sdxl", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "server did not become healthy"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def rgba_png(array: np.ndarray) -> io.BytesIO:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG")
+    buffer.seek(0)
+    buffer.name = "image.png"
+    return buffer
+
+
+def test_openai_client_generates_n_images_of_the_asked_size(server_url):
+    result = client(server_url).images.generate(
+        model="tiny-sdxl", prompt="a red fox", size="256x256", n=2, response_format="b64_json",
+        extra_body={"num_inference_steps": 4, "seed": 3},
+    )
+    images = [open_image(item.b64_json) for item in result.data]
+    assert [im.size for im in images] == [(256, 256)] * 2
+    assert images[0].tobytes() != images[1].tobytes()  # seeds 3 and 4
+
+
+def test_openai_client_edit_keeps_pixels_outside_the_mask(server_url):
+    rng = np.random.default_rng(1)
+    original = rng.integers(0, 255, (128, 128, 3), dtype=np.uint8)
+    mask = np.full((128, 128, 4), 255, np.uint8)
+    mask[32:96, 32:96, 3] = 0
+    result = client(server_url).images.edit(
+        image=rgba_png(original), mask=rgba_png(mask), prompt="a cat", size="128x128",
+        extra_body={"num_inference_steps": 3},
+    )
+    out = np.asarray(open_image(result.data[0].b64_json).convert("RGB"))
+    keep = mask[..., 3] == 255
+    assert np.array_equal(out[keep], original[keep]) and not np.array_equal(out[~keep], original[~keep])
+
+
+def test_curl_style_request_returns_a_png_of_that_size(server_url):
+    body = b'{"prompt":"a red fox","size":"512x512","num_inference_steps":2}'
+    curl_headers = {"content-type": "application/x-www-form-urlencoded"}  # what `curl -d` sends
+    response = httpx.post(f"{server_url}/v1/images/generations", content=body, headers=curl_headers, timeout=120)
+    body = response.json()
+    assert response.status_code == 200 and set(body) >= {"created", "data"}
+    assert open_image(body["data"][0]["b64_json"]).size == (512, 512)
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server_url):
+    bomb = io.BytesIO()
+    Image.new("L", (5000, 5000)).save(bomb, "PNG")  # 25 MP, above the 16 MP upload limit
+    cases = malformed_requests(ServerConfig(), SIZE_STEP)
+    assert len(cases) >= 30
+    with httpx.Client(base_url=server_url, timeout=60) as http:
+        for case in cases:
+            response = http.request(case.method, case.path, **case.request_kwargs())
+            assert response.status_code == case.status, (case.name, response.text)
+            error = response.json()["error"]
+            assert error["message"] and (case.param is None or error["param"] == case.param), case.name
+        response = http.post(EDITS, data={"prompt": "x"}, files=[("image", ("big.png", bomb.getvalue(), "image/png"))])
+        assert response.status_code == 400 and response.json()["error"]["param"] == "image"
+        ok = http.post("/v1/images/generations", json={"prompt": "still alive", "size": "64x64", "num_inference_steps": 2})
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+        assert http.get("/health").json()["status"] == "ok"
