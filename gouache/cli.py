@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from gouache.errors import GouacheError
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--max-queue-len", type=int, default=64, help="images in flight before 429 (default: 64)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default: 600)")
+    serve.add_argument("--image-workers", type=int, default=1, help="processes for image decode/encode (default: 1)")
 
     generate = commands.add_parser("generate", help="make one image offline, without a server")
     _add_image_args(generate)
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as error:  # configuration mistakes: say what to fix
+    except (ValueError, OSError, GouacheError) as error:  # configuration mistakes: say what to fix
         print(f"gouache: error: {error}", file=sys.stderr)
         return 2
 
@@ -85,7 +87,7 @@ def _serve(args) -> int:
 
     engine = AsyncEngine.from_config(
         ModelConfig(args.model, args.dtype, args.device),
-        EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout),
+        EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size),
     )
     run_server(engine, ServerConfig(host=args.host, port=args.port))

@@ -5,7 +5,7 @@ Plain values only; encoded images are bytes (PNG/JPEG/WebP), never tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -14,7 +14,6 @@ class StepOutput:
 
     request_ids: list[str]  # [num_reqs] requests that advanced by one denoising step
     forward_s: float  # wall time of the model forwards (and sampler steps) of this step
-    batch_sizes: list[int] = field(default_factory=list)  # [num_forwards] requests per forward
 
 
 @dataclass

@@ -7,7 +7,7 @@ the same request id; nothing here imports torch.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -39,8 +39,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # ready to denoise, not admitted yet
     RUNNING = "running"  # admitted; denoised step by step
     POSTPROCESSING = "postprocessing"  # VAE decode and encode
-    FINISHED = "finished"
-    FAILED = "failed"
 
 
 @dataclass
@@ -55,7 +53,6 @@ class RequestState:
     steps_done: int = 0  # denoising steps completed so far
     status: RequestStatus = RequestStatus.WAITING
     first_step_time: float | None = None  # when its first step started (queueing time ends)
-    extra: dict = field(default_factory=dict)  # policy-specific bookkeeping (never tensors)
 
     @property
     def remaining_steps(self) -> int:

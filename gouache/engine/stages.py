@@ -34,9 +34,6 @@ class Stage:
         self.jobs.put(None)
         self._thread.join(timeout=30)
 
-    def pending(self) -> int:
-        return self.jobs.qsize()
-
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
             try:

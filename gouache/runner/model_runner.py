@@ -45,7 +45,6 @@ class ModelRunner:
         return StepOutput(
             request_ids=[rid for group in groups for rid in group],
             forward_s=time.perf_counter() - start,
-            batch_sizes=[len(group) for group in groups],
         )
 
     def decode(self, request_id: str, latents=None) -> np.ndarray:

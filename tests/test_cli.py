@@ -1,0 +1,46 @@
+import subprocess
+import sys
+
+from PIL import Image
+
+from gouache.cli import main
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("serve", "generate", "edit", "models", "export-model", "bench"):
+        assert command in out
+
+
+def test_generate_offline_writes_an_image_of_the_asked_size(tmp_path, capsys):
+    out = tmp_path / "fox.png"
+    assert main(["generate", "a red fox", "--size", "64x48", "--steps", "2", "--seed", "1", "-o", str(out)]) == 0
+    assert Image.open(out).size == (64, 48)
+
+
+def test_exported_model_directory_serves_the_same_images(tmp_path):
+    directory = tmp_path / "tiny-sd3"
+    assert main(["export-model", "tiny-sd3", str(directory)]) == 0
+    for model, name in (("tiny-sd3", "a.png"), (str(directory), "b.png")):
+        assert main(["generate", "fox", "--model", model, "--size", "32x32", "--steps", "2", "-o", str(tmp_path / name)]) == 0
+    assert Image.open(tmp_path / "a.png").tobytes() == Image.open(tmp_path / "b.png").tobytes()
+
+
+def test_edit_offline_keeps_pixels_outside_the_mask(tmp_path):
+    original = Image.effect_noise((64, 64), 60).convert("RGB")
+    mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (0, 0, 32, 64))  # repaint the left half
+    original.save(tmp_path / "in.png")
+    mask.save(tmp_path / "mask.png")
+    args = ["edit", "a cat", "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png"), "--size", "64x64",
+            "--steps", "2", "-o", str(tmp_path / "out.png")]
+    assert main(args) == 0
+    out = Image.open(tmp_path / "out.png")
+    assert out.crop((32, 0, 64, 64)).tobytes() == original.crop((32, 0, 64, 64)).tobytes()
+
+
+def test_configuration_mistakes_are_clear_errors(tmp_path, capsys):
+    assert main(["generate", "fox", "--size", "50x50", "-o", str(tmp_path / "x.png")]) == 2
+    assert "multiple of 16" in capsys.readouterr().err
+    assert main(["generate", "fox", "--model", "no-such-model", "-o", str(tmp_path / "x.png")]) == 2
+    assert "tiny-sdxl" in capsys.readouterr().err
