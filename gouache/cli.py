@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--max-queue-len", type=int, default=64, help="images in flight before 429 (default: 64)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default: 600)")
+    serve.add_argument("--patch-size", type=int, default=128,
+                       help="patch side in pixels under --policy patched; sizes must be multiples of it (default: 128)")
     serve.add_argument("--image-workers", type=int, default=1, help="processes for image decode/encode (default: 1)")
 
     generate = commands.add_parser("generate", help="make one image offline, without a server")
@@ -66,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench.serve import add_arguments
+    from gouache.bench import batching, serve
 
-    add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
+    serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
+    batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
     return parser
 
 
@@ -87,7 +90,8 @@ def _serve(args) -> int:
 
     engine = AsyncEngine.from_config(
         ModelConfig(args.model, args.dtype, args.device),
-        EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers),
+        EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
+                     patch_size=args.patch_size),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size),
     )
     run_server(engine, ServerConfig(host=args.host, port=args.port))
@@ -118,9 +122,9 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench.serve import run
+    from gouache.bench import batching, serve
 
-    return run(args)
+    return {"serve": serve, "batching": batching}[args.bench].run(args)
 
 
 _COMMANDS = {"serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}

@@ -45,6 +45,7 @@ class EngineConfig:
     image_workers: int = 1  # processes that decode uploads and encode PNG/JPEG/WebP
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
     max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for edit uploads
+    patch_size: int = 128  # pixels per patch side under patched batching; sizes must be multiples of it
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
@@ -52,6 +53,7 @@ class EngineConfig:
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
         _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
+        _check(self.patch_size > 0, f"patch_size must be positive, got {self.patch_size}")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from gouache.engine.imaging import DecodeError, decode_edit, encode_image
 from gouache.request import ImageRequest
+from gouache.sched.output import StepPlan
 
 _EXTENSIONS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
@@ -47,6 +48,6 @@ def run_offline(args) -> None:
     runner = ModelRunner(pipe)
     state = runner.prepare(request, image, mask)
     for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
-        runner.execute([[request.request_id]])
+        runner.execute(StepPlan(groups=[[request.request_id]]))
     Path(args.output).write_bytes(encode_image(runner.decode(request.request_id), output_format))
     print(f"wrote {args.output} ({width}x{height}, {request.num_inference_steps} steps, seed {args.seed})")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -55,11 +56,13 @@ def preview_steps(total_steps: int, partial_images: int) -> set[int]:
 class AsyncEngine:
     def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
                  metrics: Metrics | None = None):
-        self.info = info
         self.config = engine_config
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(pipe)
+        self.runner = ModelRunner(pipe, engine_config.patch_size)
         self.scheduler = Scheduler(make_policy(sched_config))
+        if self.scheduler.policy.mixes_shapes:  # every latent must cut into whole patches
+            info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
+        self.info = info
         self.core = EngineCore(self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure)
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)

@@ -80,7 +80,7 @@ class EngineCore:
             return None
         states = {rid: self.scheduler.running[rid] for rid in plan.request_ids}
         try:
-            output = self.runner.execute(plan.groups)
+            output = self.runner.execute(plan)
         except Exception as error:  # a failing step fails its requests, never the loop
             log.exception("denoising step failed")
             for rid in plan.request_ids:

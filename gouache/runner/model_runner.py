@@ -8,7 +8,9 @@ import numpy as np
 
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
+from gouache.sched.output import StepPlan
 from gouache.runner.families import Family, make_family
+from gouache.runner.families.base import DEFAULT_PATCH_PIXELS
 from gouache.runner.sampler import DenoiseState
 
 
@@ -17,9 +19,9 @@ class ModelRunner:
     `execute` from the engine thread; the only shared structure is `states`, whose entries
     are added before the scheduler learns of a request and removed after it finishes."""
 
-    def __init__(self, pipe):
+    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         self.pipe = pipe
-        self.family: Family = make_family(pipe)
+        self.family: Family = make_family(pipe, patch_pixels)
         self.states: dict[str, DenoiseState] = {}
 
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> RequestState:
@@ -37,13 +39,13 @@ class ModelRunner:
             deadline=deadline,
         )
 
-    def execute(self, groups: list[list[str]]) -> StepOutput:
-        """One denoising step: one batched forward per group (requests of one latent shape)."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One denoising step: one batched forward per group of the plan (patched if it says so)."""
         start = time.perf_counter()
-        for group in groups:
-            self.family.step([self.states[rid] for rid in group])
+        for group in plan.groups:
+            self.family.step([self.states[rid] for rid in group], patched=plan.patched)
         return StepOutput(
-            request_ids=[rid for group in groups for rid in group],
+            request_ids=plan.request_ids,
             forward_s=time.perf_counter() - start,
         )
 

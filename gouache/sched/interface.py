@@ -20,6 +20,7 @@ class Policy(ABC):
     """Chooses the requests of the next step. Must not mutate the states it is given."""
 
     name: str
+    mixes_shapes = False  # plans put several latent shapes in one (patched) forward
 
     def __init__(self, config: SchedulerConfig):
         self.config = config

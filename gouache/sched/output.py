@@ -11,6 +11,7 @@ class StepPlan:
 
     groups: list[list[str]] = field(default_factory=list)  # [num_forwards][reqs] request ids sharing one forward
     admit: list[str] = field(default_factory=list)  # waiting request ids that start running with this step
+    patched: bool = False  # groups may mix latent shapes: run them through the patch layout
 
     @property
     def request_ids(self) -> list[str]:

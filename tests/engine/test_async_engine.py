@@ -179,3 +179,26 @@ def test_edit_keeps_unmasked_pixels_and_rejects_bad_uploads(pipes):
     assert np.array_equal(out[keep], original[keep])
     assert not np.array_equal(out[~keep], original[~keep])
     assert not_image.param == "image" and mismatch.param == "mask"
+
+
+def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
+    pipe = pipes("tiny-sdxl")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
+    steps = record_steps(engine)
+    assert engine.info.size_step == 32  # sizes must cut into whole patches
+
+    async def scenario():
+        await engine.start()
+        now = time.monotonic()
+        handles = [
+            await engine.submit([ImageRequest(f"{w}x{h}-0", "a fox", w, h, 4, 5.0, seed=1, arrival_time=now)])
+            for w, h in ((64, 64), (96, 64), (64, 128))
+        ]
+        results = [await handle.images() for handle in handles]
+        await engine.aclose()
+        return results
+
+    results = run(scenario())
+    sizes = [Image.open(io.BytesIO(r[0].image)).size for r in results]
+    assert sizes == [(64, 64), (96, 64), (64, 128)]
+    assert max(len(ids) for ids in steps) == 3  # all three sizes in one step's single forward

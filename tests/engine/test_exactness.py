@@ -26,10 +26,10 @@ def reference_latents(pipe, r: ImageRequest) -> torch.Tensor:
     ).images
 
 
-def run_engine(pipe, arrivals: dict[int, list[ImageRequest]]) -> dict[str, torch.Tensor]:
+def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orca") -> dict[str, torch.Tensor]:
     """Drive the engine loop step by step; `arrivals[k]` join before step k. Returns final latents."""
-    runner = ModelRunner(pipe)
-    scheduler = Scheduler(make_policy(SchedulerConfig(policy="orca")))
+    runner = ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px images: 2x2 and 3x3 patches
+    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy)))
     results = {}
 
     def keep_finished(report):
@@ -46,19 +46,21 @@ def run_engine(pipe, arrivals: dict[int, list[ImageRequest]]) -> dict[str, torch
     return results
 
 
+@pytest.mark.parametrize("policy", ["orca", "patched"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_engine_matches_pipeline_alone_and_in_a_changing_batch(pipes, name):
+def test_engine_matches_pipeline_alone_and_in_a_changing_batch(pipes, name, policy):
     pipe = pipes(name)
     alone = request("alone", seed=7, steps=4)
     main = request("main", seed=7, steps=4)
-    # batch-mates: one already running, one joining mid-way, one of another size, one without CFG
+    # batch-mates: one already running, one joining mid-way, two of other (non-square) sizes,
+    # one without CFG; under `patched` all sizes share one forward
     others = {
         0: [request("early", seed=1, steps=2, prompt="blue sky"), main],
-        1: [request("wide", seed=2, steps=3, width=96)],
-        2: [request("nocfg", seed=3, steps=3, guidance=1.0)],
+        1: [request("wide", seed=2, steps=3, width=96), request("tall", seed=4, steps=2, height=96)],
+        2: [request("nocfg", seed=3, steps=3, guidance=1.0), request("big", seed=5, steps=2, width=96, height=96)],
     }
-    solo = run_engine(pipe, {0: [alone]})["alone"]
-    batched = run_engine(pipe, others)
+    solo = run_engine(pipe, {0: [alone]}, policy)["alone"]
+    batched = run_engine(pipe, others, policy)
     expected = reference_latents(pipe, alone)
     assert expected.abs().mean() > 0.1  # non-trivial latents
     assert (solo - expected).abs().max() <= 1e-4

@@ -36,9 +36,7 @@ def test_split_cuts_the_right_pixels_and_merge_restores_every_image():
 
 
 def test_neighbour_indices_point_at_the_adjacent_blocks():
-    images = [torch.randn(2, h, w) for h, w in SHAPES]
     layout = PatchLayout.build(SHAPES, 4)
-    patches = layout.split(images)
     for index, (left, right, top, bottom) in enumerate(layout.neighbours):
         for other, (dr, dc) in ((left, (0, -1)), (right, (0, 1)), (top, (-1, 0)), (bottom, (1, 0))):
             row, col = layout.patch_position[index]

@@ -106,3 +106,15 @@ def test_sched_and_sim_import_no_torch():
     code = "import sys, gouache.sched.interface, gouache.sched.policies; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_patched_runs_every_size_in_one_forward_and_admits_fcfs():
+    s = scheduler("patched", max_batch=3)
+    s.add(make_state("a", shape=(32, 32), steps=1))
+    s.add(make_state("b", shape=(32, 48)))
+    s.add(make_state("c", shape=(64, 64)))
+    s.add(make_state("d", shape=(32, 32)))
+    plan, finished = run_step(s)
+    assert plan.patched and plan.groups == [["a", "b", "c"]] and finished == ["a"]
+    plan, _ = run_step(s)
+    assert plan.groups == [["b", "c", "d"]] and plan.admit == ["d"]

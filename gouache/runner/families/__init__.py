@@ -12,5 +12,5 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
-def make_family(pipe) -> Family:
-    return FAMILIES[family_of(pipe)](pipe)
+def make_family(pipe, patch_pixels: int) -> Family:
+    return FAMILIES[family_of(pipe)](pipe, patch_pixels)

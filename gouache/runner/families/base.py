@@ -13,19 +13,30 @@ import numpy as np
 import torch
 
 from gouache.request import ImageRequest
+from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
+
+
+DEFAULT_PATCH_PIXELS = 128  # patch side in image pixels: a common factor of 256..1024 sizes
 
 
 class Family(ABC):
     name: str
     # scheduler.step gets the pipeline's extra kwargs (generator, eta) as SD/SDXL pipelines pass them
     passes_step_kwargs = False
+    # latent pixels per unit of the denoiser's patch grid (Flux packs 2x2 latents into a token)
+    grid_unit = 1
 
-    def __init__(self, pipe):
+    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         self.pipe = pipe
         self.device = pipe.device
         self.dtype = pipe.dtype
         self.vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        unit = self.vae_scale * self.grid_unit
+        if patch_pixels % unit:
+            raise ValueError(f"patch size must be a multiple of {unit} pixels for {self.name}, got {patch_pixels}")
+        self.patch_pixels = patch_pixels
+        self.patch = patch_pixels // unit  # patch side in the denoiser's grid (latent pixels or tokens)
 
     # -- preparation (prep thread) --------------------------------------------------------
 
@@ -53,7 +64,7 @@ class Family(ABC):
         return request.guidance_scale > 1.0
 
     def _edit_tensors(self, image: np.ndarray, mask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        pixels = torch.from_numpy(image).permute(2, 0, 1)[None].to(self.device, torch.float32) / 127.5 - 1.0
+        pixels = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].to(self.device, torch.float32) / 127.5 - 1.0
         if mask is None:
             mask = np.ones(image.shape[:2], dtype=np.float32)
         pixel_mask = torch.from_numpy((mask >= 0.5).astype(np.float32))[None, None].to(self.device)
@@ -67,10 +78,11 @@ class Family(ABC):
     # -- denoising (engine thread) --------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, states: list[DenoiseState]) -> None:
-        """One denoising step for requests of one latent shape, in one batched forward."""
-        pred = self.forward(states)
-        for state, p in zip(states, pred.split([s.rows for s in states])):
+    def step(self, states: list[DenoiseState], patched: bool = False) -> None:
+        """One denoising step in one batched forward: of requests of one latent shape, or of
+        any mix of shapes cut into patches."""
+        preds = self.predict_patched(states) if patched else self.forward(states).split([s.rows for s in states])
+        for state, p in zip(states, preds):
             if state.rows == 2:
                 uncond, cond = p.chunk(2)
                 p = uncond + state.request.guidance_scale * (cond - uncond)
@@ -124,6 +136,13 @@ class Family(ABC):
         """The denoiser's prediction for all rows of all states, concatenated in order."""
 
     @abstractmethod
+    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+        """Per state, its rows' predictions, from one patched forward over all of them."""
+
+    def layout(self, samples: list[torch.Tensor]) -> PatchLayout:
+        return PatchLayout.build([tuple(x.shape[-2:]) for x in samples], self.patch)
+
+    @abstractmethod
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Clean latents of an image, in the denoiser's layout."""
 
@@ -135,6 +154,20 @@ class Family(ABC):
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """Undo scaling (and packing) so the VAE can decode."""
 
+
+
+def by_state(outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:
+    """Per-row outputs (in state order) stacked back into one [rows, ...] tensor per state."""
+    out, start = [], 0
+    for state in states:
+        out.append(torch.stack(outputs[start : start + state.rows]))
+        start += state.rows
+    return out
+
+
+def row_timesteps(states: list[DenoiseState]) -> torch.Tensor:
+    """[sum rows] timesteps: each state's own, repeated for its rows."""
+    return torch.cat([s.t.expand(s.rows) for s in states])
 
 
 def cat_cond(states: list[DenoiseState], key: str) -> torch.Tensor:

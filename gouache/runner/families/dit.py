@@ -7,7 +7,8 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from gouache.request import ImageRequest
-from gouache.runner.families.base import Family, cat_cond
+from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
+from gouache.runner.patch_dit import patched_flux_forward, patched_sd3_forward
 from gouache.runner.sampler import DenoiseState
 
 
@@ -75,11 +76,19 @@ class StableDiffusion3Family(FlowFamily):
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
         return self.pipe.transformer(
             hidden_states=torch.cat([torch.cat([s.latents] * s.rows) for s in states]),
-            timestep=torch.cat([s.t.expand(s.rows) for s in states]),
+            timestep=row_timesteps(states),
             encoder_hidden_states=cat_cond(states, "prompt_embeds"),
             pooled_projections=cat_cond(states, "pooled"),
             return_dict=False,
         )[0]
+
+    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+        samples = [s.latents[0] for s in states for _ in range(s.rows)]
+        outputs = patched_sd3_forward(
+            self.pipe.transformer, self.layout(samples), samples, row_timesteps(states),
+            cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled"),
+        )
+        return by_state(outputs, states)
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         return self.unscale(latents)
@@ -89,6 +98,7 @@ class FluxFamily(FlowFamily):
     """Guidance-distilled: guidance_scale feeds the guidance embedding; no CFG rows."""
 
     name = "flux"
+    grid_unit = 2  # a token is a 2x2 block of latents
 
     def uses_cfg(self, request: ImageRequest) -> bool:
         return False
@@ -142,7 +152,7 @@ class FluxFamily(FlowFamily):
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
         return self.pipe.transformer(
             hidden_states=torch.cat([s.latents for s in states]),
-            timestep=torch.cat([s.t.expand(1).to(s.latents.dtype) for s in states]) / 1000,
+            timestep=row_timesteps(states).to(self.dtype) / 1000,
             guidance=guidance,
             pooled_projections=cat_cond(states, "pooled"),
             encoder_hidden_states=cat_cond(states, "prompt_embeds"),
@@ -150,6 +160,21 @@ class FluxFamily(FlowFamily):
             img_ids=first.cond["image_ids"],
             return_dict=False,
         )[0]
+
+    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+        grids = [self.token_grid(s) for s in states]
+        first = states[0]
+        guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
+        outputs = patched_flux_forward(
+            self.pipe.transformer, self.layout(grids), grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
+            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"],
+        )
+        return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
+
+    def token_grid(self, state: DenoiseState) -> torch.Tensor:
+        """Packed latents [1, h*w, C] (raster order) as a grid [C, h, w] of tokens."""
+        h, w = self.latent_hw(state.request)
+        return state.latents[0].T.reshape(-1, h // 2, w // 2)
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         r = state.request

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from gouache.request import ImageRequest
-from gouache.runner.families.base import Family, cat_cond
+from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, Family, by_state, cat_cond, row_timesteps
+from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState
 
 
@@ -14,8 +17,8 @@ class StableDiffusionFamily(Family):
     name = "sd"
     passes_step_kwargs = True
 
-    def __init__(self, pipe):
-        super().__init__(pipe)
+    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
+        super().__init__(pipe, patch_pixels)
         self.unet = pipe.unet
         self.native_inpaint = self.unet.config.in_channels == 9
 
@@ -48,14 +51,21 @@ class StableDiffusionFamily(Family):
 
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
         inputs = torch.cat([self._model_input(s) for s in states])
-        timesteps = torch.cat([s.t.expand(s.rows) for s in states])
         return self.unet(
             inputs,
-            timesteps,
+            row_timesteps(states),
             encoder_hidden_states=cat_cond(states, "prompt_embeds"),
             added_cond_kwargs=self.added_cond(states),
             return_dict=False,
         )[0]
+
+    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+        samples = [row for s in states for row in self._model_input(s)]
+        outputs = patched_unet_forward(
+            self.unet, self.layout(samples), samples, row_timesteps(states),
+            cat_cond(states, "prompt_embeds"), self.added_cond(states),
+        )
+        return by_state(outputs, states)
 
     def _model_input(self, state: DenoiseState) -> torch.Tensor:
         x = state.scheduler.scale_model_input(torch.cat([state.latents] * state.rows), state.t)
@@ -90,17 +100,25 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
             do_classifier_free_guidance=rows == 2,
             negative_prompt=request.negative_prompt,
         )
-        size = (request.height, request.width)
-        projection_dim = self.pipe.text_encoder_2.config.projection_dim
-        time_ids = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype, text_encoder_projection_dim=projection_dim)
-        time_ids = time_ids.to(self.device)
+        time_ids, negative_time_ids = self._time_ids(request, positive.dtype)
         if rows == 1:
             return {"prompt_embeds": positive, "text_embeds": pooled, "time_ids": time_ids}
         return {
             "prompt_embeds": torch.cat([negative, positive]),
             "text_embeds": torch.cat([negative_pooled, pooled]),
-            "time_ids": torch.cat([time_ids, time_ids]),
+            "time_ids": torch.cat([negative_time_ids, time_ids]),
         }
+
+    def _time_ids(self, request: ImageRequest, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDXL's size conditioning, as the text-to-image or the inpaint pipeline builds it."""
+        size = (request.height, request.width)
+        projection_dim = self.pipe.text_encoder_2.config.projection_dim
+        if "aesthetic_score" in inspect.signature(self.pipe._get_add_time_ids).parameters:
+            # img2img/inpaint pipelines: the defaults of their __call__ (aesthetic scores 6.0 / 2.5)
+            ids, negative = self.pipe._get_add_time_ids(size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype, projection_dim)
+        else:
+            ids = negative = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection_dim)
+        return ids.to(self.device), negative.to(self.device)
 
     def added_cond(self, states: list[DenoiseState]) -> dict:
         return {"text_embeds": cat_cond(states, "text_embeds"), "time_ids": cat_cond(states, "time_ids")}

@@ -6,8 +6,9 @@ from gouache.config import SchedulerConfig
 from gouache.sched.interface import Policy
 from gouache.sched.policies.fcfs_static import FcfsStaticPolicy
 from gouache.sched.policies.orca import OrcaPolicy
+from gouache.sched.policies.patched import PatchedPolicy
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy)}
 
 
 def make_policy(config: SchedulerConfig) -> Policy:

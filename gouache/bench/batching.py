@@ -1,0 +1,134 @@
+"""`gouache bench batching`: one denoising step of a mixed-size batch, patched vs grouped.
+
+Grouped is what `orca` does (one forward per resolution); patched is one forward over the
+patches of every image. Both run the engine's own step path (family.forward /
+family.predict_patched) on prepared requests, CFG rows included. The split/merge cost is
+timed on its own, and the patching overhead shows directly in the one-resolution mixes,
+where both modes do the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MIXES = "SSS,SML,SSM,MML,LLL,4S,4M,4L,4S4M4L"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny-sdxl")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--sizes", default="256,384,512", help="S,M,L square sizes in pixels")
+    p.add_argument("--mixes", default=DEFAULT_MIXES, help="batch compositions, e.g. SML or 4S4M4L")
+    p.add_argument("--patch-size", type=int, default=128, help="patch side in pixels")
+    p.add_argument("--steps", type=int, default=20, help="schedule length of the prepared requests")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per mix (median reported)")
+    p.add_argument("--out", default="benchmarks/results/batching.json")
+
+
+def parse_mix(mix: str) -> list[str]:
+    """'SML' -> [S, M, L]; '4S2L' -> [S, S, S, S, L, L]."""
+    if not re.fullmatch(r"(\d*[SML])+", mix):
+        raise ValueError(f"mix must be letters S/M/L with optional counts, like SML or 4S4M, got {mix!r}")
+    return [letter for count, letter in re.findall(r"(\d*)([SML])", mix) for _ in range(int(count or 1))]
+
+
+def _median_s(fn, repeats: int, sync) -> float:
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(args) -> int:
+    import torch
+
+    from gouache.request import ImageRequest
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.models import load_pipeline
+
+    pipe = load_pipeline(args.model, args.dtype, args.device)
+    pipe.set_progress_bar_config(disable=True)
+    runner = ModelRunner(pipe, args.patch_size)
+    family = runner.family
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sizes = dict(zip("SML", (int(s) for s in args.sizes.split(","))))
+    rows = []
+    for mix in args.mixes.split(","):
+        letters = parse_mix(mix)
+        states = []
+        for i, letter in enumerate(letters):
+            request = ImageRequest(f"{mix}-{i}", "a red fox", sizes[letter], sizes[letter], args.steps, 5.0, seed=i)
+            runner.prepare(request)
+            states.append(runner.states.pop(request.request_id))
+        groups: dict[int, list] = {}
+        for letter, state in zip(letters, states):
+            groups.setdefault(sizes[letter], []).append(state)
+        with torch.no_grad():
+            grouped = _median_s(lambda: [family.forward(g) for g in groups.values()], args.repeats, sync)
+            patched = _median_s(lambda: family.predict_patched(states), args.repeats, sync)
+        samples = [family.token_grid(s) if family.name == "flux" else s.latents[0] for s in states]
+        layout = family.layout(samples)
+        split_merge = _median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
+        rows.append({"mix": mix, "images": len(letters), "resolutions": len(groups), "grouped_ms": grouped * 1e3,
+                     "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped, "split_merge_ms": split_merge * 1e3})
+        print(f"{mix}: grouped {grouped * 1e3:.1f} ms, patched {patched * 1e3:.1f} ms", file=sys.stderr)
+    table = format_table(rows)
+    print(table)
+    command = "gouache bench batching " + " ".join(sys.argv[3:])
+    result = {"command": command.strip(), "model": args.model, "device": _device_name(args.device), "dtype": args.dtype,
+              "sizes": sizes, "patch_size": args.patch_size, "results": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(f"`{command.strip()}` on {result['device']}\n\n{table}\n")
+    plot(rows, out.with_suffix(".png"), f"{args.model} on {result['device']}")
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+def _device_name(device: str) -> str:
+    import os
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| mix | images | resolutions | grouped ms | patched ms | patched / grouped | split+merge ms |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mix']} | {r['images']} | {r['resolutions']} | {r['grouped_ms']:.1f} | {r['patched_ms']:.1f} | "
+                     f"{r['patched_vs_grouped']:.2f} | {r['split_merge_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["grouped_ms"] for r in rows], 0.4, label="grouped (one forward per resolution)")
+    ax.bar([i + 0.2 for i in x], [r["patched_ms"] for r in rows], 0.4, label="patched (one forward)")
+    ax.set_xticks(list(x), [r["mix"] for r in rows])
+    ax.set_ylabel("step latency (ms)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,272 @@
+"""Patch-aware operators: run one diffusers UNet forward over a mixed-resolution patch batch.
+
+PatchedServe §4.2. The batch is `[num_patches, C, s, s]` in `PatchLayout` order. Pixel-wise
+operators (linear, 1x1 convs, cross-attention, feed-forward, nearest upsampling, time
+embeddings) are exact per patch and left alone. Three kinds need the rest of the image:
+
+- convolutions with kernel > 1 read their neighbours' border pixels (halo stitching);
+- GroupNorm takes its statistics over every patch of an image;
+- self-attention regathers each image's tokens; images of one resolution are contiguous, so
+  that is a reshape `[k * P, T, C] -> [k, P * T, C]`.
+
+`patch_unet` installs these on an unmodified UNet from the outside (module wrappers and an
+attention processor) and restores the originals on exit. The patch grid is the same at every
+level of the UNet; only the patch side `s` changes, and it is read off each input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention
+from torch import nn
+
+from gouache.runner.layout import PatchLayout
+
+
+@dataclass(frozen=True)
+class PatchTensors:
+    """A layout's per-patch indices as tensors on one device (n = num_patches)."""
+
+    neighbours: torch.Tensor  # [4, n] left, right, top, bottom patch; n (halo_pad's zero patch) at the border
+    image: torch.Tensor  # [n] layout position of each patch's image: segment ids for GroupNorm
+    caller: torch.Tensor  # [n] caller index of each patch's image: which conditioning row it gets
+    per_image: torch.Tensor  # [num_images] patches per image, in layout order
+
+    @classmethod
+    def build(cls, layout: PatchLayout) -> PatchTensors:
+        n = layout.num_patches
+        neighbours = torch.tensor(layout.neighbours, dtype=torch.long).reshape(n, 4).T.contiguous()
+        neighbours[neighbours < 0] = n
+        image = torch.tensor(layout.patch_image, dtype=torch.long)
+        caller = torch.tensor(layout.order, dtype=torch.long)[image]
+        return cls(neighbours, image, caller, torch.tensor(layout.request_offsets).diff())
+
+    def to(self, device: torch.device) -> PatchTensors:
+        return PatchTensors(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+
+class PatchIndex:
+    """A layout's index tensors, built once per layout and device (not per forward), and its
+    resolution groups for self-attention."""
+
+    def __init__(self, layout: PatchLayout):
+        self.layout = layout
+        self._by_device = {torch.device("cpu"): PatchTensors.build(layout)}
+        # Per resolution group: (first patch, image count, patches per image).
+        self.groups = [(layout.request_offsets[pos], k, per) for pos, k, per in layout.groups]
+
+    def tensors(self, device: torch.device) -> PatchTensors:
+        if device not in self._by_device:
+            self._by_device[device] = self._by_device[torch.device("cpu")].to(device)
+        return self._by_device[device]
+
+
+# ---------------------------------------------------------------------------------- conv
+
+
+def halo_pad(x: torch.Tensor, neighbours: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[n, C, s, s] -> [n, C, s + 2 rows, s + 2 cols]: each patch framed by its neighbours'
+    border pixels, zeros at the image border. `neighbours` is `PatchIndex`'s [4, n] table.
+
+    Two stages, four index_selects whatever n is: first the left/right columns, then whole
+    padded rows from the top/bottom neighbours. Those rows already hold the top neighbour's
+    left/right halo, i.e. the diagonal neighbours' corner pixels.
+    """
+    n, c, s, _ = x.shape
+    if rows > s or cols > s:
+        raise ValueError(f"halo {rows}x{cols} is wider than the patch side {s} at this level")
+    # Patch n is all zeros: the image border's padding, where a neighbour index is n.
+    out = x.new_empty(n + 1, c, s + 2 * rows, s + 2 * cols)
+    out[n] = 0
+    middle = slice(rows, rows + s)
+    out[:n, :, middle, cols : cols + s] = x
+    left, right, top, bottom = neighbours
+    if cols:
+        band = out[:, :, middle]
+        out[:n, :, middle, :cols] = band[..., s : s + cols].index_select(0, left)
+        out[:n, :, middle, s + cols :] = band[..., cols : 2 * cols].index_select(0, right)
+    if rows:
+        out[:n, :, :rows] = out[:, :, s : s + rows].index_select(0, top)
+        out[:n, :, s + rows :] = out[:, :, rows : 2 * rows].index_select(0, bottom)
+    return out[:n]
+
+
+class HaloConv2d(nn.Module):
+    """A Conv2d run on halo-padded patches; equal to the conv on each whole image."""
+
+    def __init__(self, conv: nn.Conv2d, index: PatchIndex):
+        super().__init__()
+        self.halo = _check_conv(conv)
+        self.conv, self.index = conv, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, stride = x.shape[-1], self.conv.stride
+        if s % stride[0] or s % stride[1]:
+            # A strided window would straddle patches differently from the whole image.
+            raise ValueError(f"patch side {s} is not a multiple of the conv stride {stride}")
+        padded = halo_pad(x, self.index.tensors(x.device).neighbours, *self.halo)
+        c = self.conv
+        return F.conv2d(padded, c.weight, c.bias, c.stride, 0, c.dilation, c.groups)
+
+
+def _check_conv(conv: nn.Conv2d) -> tuple[int, int]:
+    """The (rows, cols) halo a conv needs: its padding, which must be the symmetric 'same'
+    padding of an odd kernel, so that padding with neighbours instead of zeros is exact."""
+    if type(conv).forward is not nn.Conv2d.forward:
+        raise TypeError(f"{type(conv).__name__} overrides Conv2d.forward; cannot patch it exactly")
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        raise ValueError(f"unsupported conv padding {conv.padding!r} ({conv.padding_mode})")
+    for k, p, d in zip(conv.kernel_size, conv.padding, conv.dilation):
+        if k % 2 == 0 or p != d * (k - 1) // 2:
+            raise ValueError(
+                f"conv kernel {conv.kernel_size} with padding {conv.padding}: only 'same' padding "
+                "(dilation * (k - 1) / 2) can be replaced by a halo (diffusers' Downsample2D with "
+                "padding=0 pads asymmetrically before the conv)"
+            )
+    return conv.padding[0], conv.padding[1]
+
+
+# ------------------------------------------------------------------------------ groupnorm
+
+
+class PatchGroupNorm(nn.Module):
+    """GroupNorm with statistics over all patches of each image; equal to the whole image's."""
+
+    def __init__(self, norm: nn.GroupNorm, index: PatchIndex):
+        super().__init__()
+        if type(norm).forward is not nn.GroupNorm.forward:
+            raise TypeError(f"{type(norm).__name__} overrides GroupNorm.forward")
+        self.norm, self.index = norm, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, g = self.index.tensors(x.device), self.norm.num_groups
+        image, per_image = idx.image, idx.per_image.unsqueeze(1)  # [n], [num_images, 1]
+        # Statistics in fp32 at least, as torch's own kernels accumulate half inputs.
+        xg = x.reshape(x.shape[0], g, -1).to(torch.promote_types(x.dtype, torch.float32))
+        # Two passes: the image mean, then the mean of squared deviations from it. A one-pass
+        # E[x^2] - E[x]^2 cancels badly when |mean| >> std. (torch.var_mean would do a stable
+        # pass per patch, but its CPU kernel is ~20x slower than these reductions.)
+        count = per_image * xg.shape[-1]
+        mean = _segment_sum(xg.sum(-1), image, count.shape[0]) / count  # [num_images, G]
+        dev = xg - mean.index_select(0, image).unsqueeze(-1)
+        # vector_norm reduces without a dev-sized temporary (vecdot makes one).
+        squares = torch.linalg.vector_norm(dev, dim=-1).square()
+        var = _segment_sum(squares, image, count.shape[0]) / count
+        rstd = torch.rsqrt(var + self.norm.eps)
+        # y = dev * scale (+ bias) per (patch, channel), the affine folded into the scale, in
+        # place on dev, which is ours (torch.addcmul's broadcast is ~2x slower on CPU).
+        scale = rstd.index_select(0, image).repeat_interleave(x.shape[1] // g, dim=1)  # [n, C]
+        shape = x.shape[:2] + (1,) * (x.ndim - 2)
+        if not self.norm.affine:
+            return dev.reshape(x.shape).mul_(scale.reshape(shape)).to(x.dtype)
+        y = dev.reshape(x.shape).mul_((scale * self.norm.weight).reshape(shape))
+        return y.add_(self.norm.bias.reshape(shape[1:])).to(x.dtype)
+
+
+def _segment_sum(values: torch.Tensor, segment: torch.Tensor, count: int) -> torch.Tensor:
+    """[n, G] per patch -> [count, G] per image."""
+    return values.new_zeros(count, values.shape[1]).index_add_(0, segment, values)
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+class PatchSelfAttnProcessor:
+    """Wraps a self-attention processor: it sees every image of a resolution as one batch."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor], index: PatchIndex):
+        self.inner, self.index = inner, index
+
+    # The signature mirrors AttnProcessor2_0's: Attention.forward filters kwargs by it.
+    def __call__(
+        self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None,
+        temb=None, *args, **kwargs,
+    ) -> torch.Tensor:
+        # Tokens of a patch batch, unmasked: a mask or a 4-D input would need regathering too.
+        if hidden_states.ndim != 3 or attention_mask is not None or encoder_hidden_states is not None:
+            raise ValueError("patched self-attention takes [patches, tokens, C] without masks or context")
+        t = hidden_states.shape[1]
+        outs = []
+        for first, k, per in self.index.groups:
+            h = hidden_states[first : first + k * per].reshape(k, per * t, -1)
+            y = self.inner(attn, h, None, None, temb, *args, **kwargs)
+            outs.append(y.reshape(k * per, t, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+# ---------------------------------------------------------------------------- installation
+
+
+@contextlib.contextmanager
+def patch_unet(unet: nn.Module, layout: PatchLayout) -> Iterator[PatchIndex]:
+    """Make `unet` run on `layout`'s patch batch; restore its modules and processors on exit."""
+    index = PatchIndex(layout)
+    self_attn = [m for m in unet.modules() if isinstance(m, Attention) and not m.is_cross_attention]
+    swaps = _module_swaps(unet, index, skip=set(map(id, self_attn)))
+    processors = [(m, m.processor) for m in self_attn]
+    try:
+        for parent, name, _, new in swaps:
+            setattr(parent, name, new)
+        for module, inner in processors:
+            module.set_processor(PatchSelfAttnProcessor(inner, index))
+        yield index
+    finally:
+        for parent, name, old, _ in swaps:
+            setattr(parent, name, old)
+        for module, inner in processors:
+            module.set_processor(inner)
+
+
+def _module_swaps(unet: nn.Module, index: PatchIndex, skip: set[int]) -> list[tuple]:
+    """(parent, attribute, original, wrapper) for every conv and GroupNorm to replace. Built
+    before any swap so that a failed check leaves the UNet untouched. Norms inside a patched
+    self-attention module see whole images already."""
+    swaps = []
+    for parent in unet.modules():
+        if id(parent) in skip:
+            continue
+        for name, child in parent.named_children():
+            if isinstance(child, (HaloConv2d, PatchGroupNorm)):
+                raise RuntimeError("this UNet is already patched; patch_unet does not nest")
+            if isinstance(child, nn.Conv2d) and max(child.kernel_size) > 1:
+                swaps.append((parent, name, child, HaloConv2d(child, index)))
+            elif isinstance(child, nn.GroupNorm):
+                swaps.append((parent, name, child, PatchGroupNorm(child, index)))
+    return swaps
+
+
+def patched_unet_forward(
+    unet: nn.Module,
+    layout: PatchLayout,
+    samples: list[torch.Tensor],
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """One UNet forward over every image of `layout`, cut into patches.
+
+    samples: [C, h, w] per image in caller order; timestep: [num_images] (or a scalar);
+    encoder_hidden_states: [num_images, L, D]; added_cond_kwargs: [num_images, ...] tensors.
+    Returns the UNet's output as [C_out, h, w] per image, in caller order.
+    """
+    factor = 2 ** getattr(unet, "num_upsamplers", 0)
+    if layout.patch % factor:
+        raise ValueError(f"patch side {layout.patch} must be a multiple of {factor} for this UNet's levels")
+    x = layout.split(samples)
+    with patch_unet(unet, layout) as index:
+        caller = index.tensors(x.device).caller
+
+        def per_patch(t: torch.Tensor) -> torch.Tensor:  # repeat an image's conditioning
+            return t if t.ndim == 0 else t.index_select(0, caller.to(t.device))
+
+        added = {k: per_patch(v) for k, v in (added_cond_kwargs or {}).items()} or None
+        out = unet(
+            x, per_patch(torch.as_tensor(timestep, device=x.device)), per_patch(encoder_hidden_states),
+            added_cond_kwargs=added, return_dict=False,
+        )[0]
+    return layout.merge(out)
