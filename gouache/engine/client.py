@@ -24,14 +24,15 @@ from gouache.engine.handle import EngineStats, RequestHandle
 from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
 from gouache.engine.stages import Stage
 from gouache.errors import (
-    EngineStoppedError, GouacheError, InvalidRequestError, QueueFullError, RequestTimeoutError, WorkerFailureError,
+    DeadlineUnattainableError, EngineStoppedError, GouacheError, InvalidRequestError, QueueFullError,
+    RequestTimeoutError, WorkerFailureError,
 )
 from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo
 from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.interface import Scheduler
+from gouache.sched.interface import Scheduler, StepTimePredictor
 from gouache.sched.policies import make_policy
 
 log = logging.getLogger(__name__)
@@ -55,15 +56,17 @@ def preview_steps(total_steps: int, partial_images: int) -> set[int]:
 
 class AsyncEngine:
     def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, predictor: StepTimePredictor | None = None):
         self.config = engine_config
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(pipe, engine_config.patch_size)
-        self.scheduler = Scheduler(make_policy(sched_config))
+        self.scheduler = Scheduler(make_policy(sched_config, predictor))
         if self.scheduler.policy.mixes_shapes:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         self.info = info
-        self.core = EngineCore(self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure)
+        self.core = EngineCore(
+            self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop
+        )
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
         self.codecs = ProcessPoolExecutor(engine_config.image_workers, mp_context=multiprocessing.get_context("spawn"))
@@ -184,6 +187,14 @@ class AsyncEngine:
             elif state.steps_done in preview_steps(state.num_steps, entry.request.partial_images):
                 self.post.put("preview", rid, self.runner.states[rid].latents)
         self.metrics.running_batch.set(len(self.scheduler.running))
+
+    def _on_drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            entry = self._images.get(rid)
+            if entry is not None:
+                slo = entry.request.slo_ms
+                message = f"the request cannot finish within its slo_ms={slo:g} even if started now; it was dropped"
+                self._fail(entry.handle.request_id, DeadlineUnattainableError(message))
 
     def _on_step_failure(self, request_ids: list[str], error: Exception) -> None:
         for rid in request_ids:

@@ -36,12 +36,14 @@ class StepReport:
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, metrics: Metrics,
-                 on_step: Callable[[StepReport], None], on_failure: Callable[[list[str], Exception], None]):
+                 on_step: Callable[[StepReport], None], on_failure: Callable[[list[str], Exception], None],
+                 on_drop: Callable[[list[str]], None]):
         self.runner = runner
         self.scheduler = scheduler
         self.metrics = metrics
         self.on_step = on_step  # called in the loop thread after every step
         self.on_failure = on_failure  # called with the ids of a step that raised
+        self.on_drop = on_drop  # called with the ids the policy dropped (deadline unattainable)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gouache-engine", daemon=True)
@@ -76,7 +78,11 @@ class EngineCore:
     def step(self) -> StepReport | None:
         start = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
-        if not plan:
+        if plan.drop:
+            for rid in plan.drop:
+                self.runner.release(rid)
+            self.on_drop(plan.drop)
+        if not plan.groups:
             return None
         states = {rid: self.scheduler.running[rid] for rid in plan.request_ids}
         try:

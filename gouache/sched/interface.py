@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 from gouache.config import SchedulerConfig
 from gouache.outputs import StepOutput
@@ -16,14 +17,24 @@ from gouache.request import RequestState, RequestStatus
 from gouache.sched.output import StepPlan
 
 
+class StepTimePredictor(Protocol):
+    """Predicted seconds of one denoising step of a batch, from its latent shapes."""
+
+    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float: ...
+
+
 class Policy(ABC):
     """Chooses the requests of the next step. Must not mutate the states it is given."""
 
     name: str
     mixes_shapes = False  # plans put several latent shapes in one (patched) forward
+    needs_predictor = False  # SLO-aware policies plan with predicted step times
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None):
+        if self.needs_predictor and predictor is None:
+            raise ValueError(f"policy {self.name!r} needs a step-time cost model (see `gouache profile`)")
         self.config = config
+        self.predictor = predictor
 
     @abstractmethod
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
@@ -58,7 +69,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, now: float) -> StepPlan:
+        """Ask the policy, then apply its plan: dropped requests are forgotten (the caller
+        reports them), admitted ones start running."""
         plan = self.policy.plan(list(self.waiting.values()), list(self.running.values()), now)
+        for request_id in plan.drop:
+            del self.waiting[request_id]
         for request_id in plan.admit:
             state = self.waiting.pop(request_id)
             state.status = RequestStatus.RUNNING

@@ -202,3 +202,28 @@ def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
     sizes = [Image.open(io.BytesIO(r[0].image)).size for r in results]
     assert sizes == [(64, 64), (96, 64), (64, 128)]
     assert max(len(ids) for ids in steps) == 3  # all three sizes in one step's single forward
+
+
+class _Fixed:
+    """A predictor that says every step takes 50 ms, whatever the batch."""
+
+    def step_time(self, shapes, patched):
+        return 0.05
+
+
+def test_unattainable_deadline_is_an_explicit_error(pipes):
+    pipe = pipes("tiny-sdxl")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_size=32),
+                         SchedulerConfig(policy="patched-slo"), predictor=_Fixed())
+
+    async def scenario():
+        await engine.start()
+        hopeless = await engine.submit(images("hopeless", steps=20, slo_ms=100))  # needs >= 1 s
+        with pytest.raises(GouacheError) as error:
+            await hopeless.images()
+        fine = await (await engine.submit(images("fine", steps=2, slo_ms=60_000))).images()
+        await engine.aclose()
+        return error.value, fine
+
+    error, fine = run(scenario())
+    assert error.kind == "deadline_unattainable" and error.status == 503 and len(fine) == 1

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from gouache.config import SchedulerConfig
-from gouache.sched.interface import Policy
+from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.policies.fcfs_static import FcfsStaticPolicy
 from gouache.sched.policies.orca import OrcaPolicy
 from gouache.sched.policies.patched import PatchedPolicy
+from gouache.sched.policies.patched_slo import PatchedSloPolicy
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy, PatchedSloPolicy)
+}
 
 
-def make_policy(config: SchedulerConfig) -> Policy:
+def make_policy(config: SchedulerConfig, predictor: StepTimePredictor | None = None) -> Policy:
     if config.policy not in POLICIES:
         raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
-    return POLICIES[config.policy](config)
+    return POLICIES[config.policy](config, predictor)
