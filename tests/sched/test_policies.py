@@ -103,7 +103,10 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_sched_and_sim_import_no_torch():
-    code = "import sys, gouache.sched.interface, gouache.sched.policies; print('torch' in sys.modules)"
+    code = (
+        "import sys, gouache.sched.interface, gouache.sched.policies, gouache.sched.router, gouache.cache.load_plan\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

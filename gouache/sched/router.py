@@ -1,0 +1,108 @@
+"""Replica choice for a new request: round-robin, least-requests, least-tokens, mask-aware.
+
+A router sees each replica as a `ReplicaLoad` (plain values the replica reports) and returns
+the index of the replica to send the request to. `mask-aware` is InstGenIE Algorithm 2
+(§4.4): the cost of a replica is the predicted latency of the new request there, from the
+per-step cost of the replica's batch with it (regression models + the cache load plan), times
+its steps, plus the time the replica needs before a slot frees up.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    tokens: int  # latent tokens of the image
+    steps: int  # denoising steps still to run
+    mask_ratio: float = 1.0  # fraction of tokens an edit recomputes; 1.0 for generation
+
+
+@dataclass
+class ReplicaLoad:
+    """What the router knows about one replica."""
+
+    running: list[RouteRequest] = field(default_factory=list)  # in the denoising batch
+    waiting: list[RouteRequest] = field(default_factory=list)  # queued behind it
+    max_batch: int = 8
+
+    @property
+    def requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def tokens(self) -> float:
+        """Tokens still to compute per step: masked tokens for edits."""
+        return sum(r.tokens * r.mask_ratio for r in (*self.running, *self.waiting))
+
+
+class Router(ABC):
+    name: str
+
+    @abstractmethod
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        """Index of the replica that gets `request`."""
+
+
+class RoundRobinRouter(Router):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        return next(self._next) % len(replicas)
+
+
+class LeastRequestsRouter(Router):
+    name = "least-requests"
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        return min(range(len(replicas)), key=lambda i: (replicas[i].requests, i))
+
+
+class LeastTokensRouter(Router):
+    name = "least-tokens"
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        return min(range(len(replicas)), key=lambda i: (replicas[i].tokens, i))
+
+
+BatchStepCost = Callable[[Sequence[RouteRequest]], float]  # seconds per step of a batch
+
+
+class MaskAwareRouter(Router):
+    """InstGenIE Algorithm 2 with an injected batch step-cost model (see `costmodel`)."""
+
+    name = "mask-aware"
+
+    def __init__(self, step_cost: BatchStepCost):
+        self.step_cost = step_cost
+
+    def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
+        return min(range(len(replicas)), key=lambda i: (self.cost(request, replicas[i]), i))
+
+    def cost(self, request: RouteRequest, replica: ReplicaLoad) -> float:
+        """Predicted seconds from now until `request` finishes on `replica`.
+
+        With a free slot it joins the running batch at once and runs its steps at the step
+        cost of the batch with it. Without one it first waits for the requests queued before
+        it, plus itself, to get slots; under continuous batching a slot frees up every
+        (mean remaining steps / max_batch) steps of the full batch."""
+        running = replica.running
+        if len(running) < replica.max_batch and not replica.waiting:
+            return request.steps * self.step_cost([*running, request])
+        full = running[: replica.max_batch]
+        mean_steps = sum(r.steps for r in full) / len(full)
+        wait = (len(replica.waiting) + 1) * mean_steps / replica.max_batch * self.step_cost(full)
+        return wait + request.steps * self.step_cost([*full[1:], request])
+
+
+ROUTERS: dict[str, Callable[..., Router]] = {
+    cls.name: cls for cls in (RoundRobinRouter, LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter)
+}

@@ -1,0 +1,40 @@
+from gouache.sched.router import (
+    LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, ReplicaLoad, RoundRobinRouter, RouteRequest,
+)
+
+
+def req(rid="r", tokens=4096, steps=20, mask=1.0):
+    return RouteRequest(rid, tokens, steps, mask)
+
+
+def test_round_robin_cycles():
+    router = RoundRobinRouter()
+    replicas = [ReplicaLoad() for _ in range(3)]
+    assert [router.route(req(), replicas) for _ in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_least_requests_and_least_tokens_disagree_when_masks_differ():
+    small_edits = ReplicaLoad(running=[req(mask=0.1), req(mask=0.1)])  # 2 requests, 819 tokens
+    one_generation = ReplicaLoad(running=[req()])  # 1 request, 4096 tokens
+    replicas = [small_edits, one_generation]
+    assert LeastRequestsRouter().route(req(), replicas) == 1
+    assert LeastTokensRouter().route(req(), replicas) == 0
+
+
+def test_mask_aware_uses_the_batch_cost_model():
+    # per-step cost: fixed 10 ms + 1 ms per 1,000 masked tokens
+    router = MaskAwareRouter(lambda batch: 0.010 + sum(r.tokens * r.mask_ratio for r in batch) / 1e6)
+    light = ReplicaLoad(running=[req(mask=0.1)] * 3)
+    heavy = ReplicaLoad(running=[req()])
+    assert router.cost(req(mask=0.1), light) < router.cost(req(mask=0.1), heavy)
+    assert router.route(req(mask=0.1), [heavy, light]) == 1
+
+
+def test_mask_aware_counts_the_wait_for_a_slot():
+    router = MaskAwareRouter(lambda batch: 0.01 * len(batch))
+    full = ReplicaLoad(running=[req(steps=10)] * 2, waiting=[req()], max_batch=2)
+    free = ReplicaLoad(running=[req(steps=10)], max_batch=2)
+    # full: waits (1 + 1) * 10 / 2 steps of 0.02 s = 0.2 s, then 20 steps of 0.02 s
+    assert abs(router.cost(req(), full) - (0.2 + 0.4)) < 1e-9
+    assert abs(router.cost(req(), free) - 0.4) < 1e-9
+    assert router.route(req(), [full, free]) == 1
