@@ -1,0 +1,1 @@
+"""The discrete-event simulator: the live scheduler and policies on a simulated clock (no torch)."""

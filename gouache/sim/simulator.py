@@ -1,0 +1,300 @@
+"""A discrete-event simulator that drives the live scheduler and policies on a simulated clock.
+
+The engine loop is `plan = scheduler.schedule(now); output = runner.execute(plan);
+scheduler.update(plan, output)`. Here `execute` becomes `step_cost(plan, states)` seconds
+on a clock that jumps from event to event (arrivals, step completions, in a heap); the
+`Scheduler` and `Policy` objects are the very ones the engine runs.
+
+Conventions (they fix the exact times the tests compute by hand):
+- All events at one instant are applied before anyone schedules: a request that arrives
+  exactly when a step ends can join the next step.
+- A request finishes when the step that does its last denoising step ends (post-processing,
+  VAE decode, is not simulated).
+- Nothing is lost: a request is finished, dropped by its policy, or left unfinished (the
+  policy stopped planning with work left and no event came to wake it). Dropped and
+  unfinished requests count as SLO misses. Late requests keep running and count as misses.
+
+One replica with one device today. `Replica` is the engine loop of one replica, so N
+devices (a step's cost and busy time spread over them) and R replicas behind a router
+(`Simulator._route`) add to it without changing the event loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gouache.outputs import StepOutput
+from gouache.request import RequestState
+from gouache.sched.interface import Policy, Scheduler
+from gouache.sched.output import StepPlan
+from gouache.sim.workloads import SimRequest
+
+# seconds one step plan takes on the device, given the states of the requests in it
+StepCost = Callable[[StepPlan, dict[str, RequestState]], float]
+
+VAE_SCALE = 8  # pixels per latent pixel of the SD/SDXL/SD3/FLUX VAEs
+
+
+@dataclass(frozen=True)
+class LinearStepCost:
+    """cost = base_s + Σ over the plan's forwards (per_forward_s + megapixels in it × per_megapixel_s).
+
+    A stand-in for tests and examples until the profiled cost models (`gouache.sched.costmodel`)
+    plug in: a forward has a fixed launch cost and work grows with pixels, nothing else (no
+    batching saturation, no patching overhead, no masks). It is also a `StepTimePredictor`,
+    so SLO-aware policies can plan with exactly the cost the simulator charges.
+    """
+
+    base_s: float = 0.0  # per step, whatever it holds (sampler, scheduling, launch)
+    per_megapixel_s: float = 0.0  # per million image pixels in a forward
+    per_forward_s: float = 0.0  # per forward pass (one per group of the plan)
+    vae_scale: int = VAE_SCALE  # image pixels per latent pixel, a side
+
+    def __call__(self, plan: StepPlan, states: dict[str, RequestState]) -> float:
+        total = self.base_s
+        for group in plan.groups:
+            latent_pixels = 0
+            for rid in group:
+                height, width = states[rid].shape
+                latent_pixels += height * width
+            total += self.per_forward_s + latent_pixels * self.vae_scale**2 / 1e6 * self.per_megapixel_s
+        return total
+
+    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
+        """The same cost from latent shapes: one forward if patched, else one per distinct shape."""
+        if patched:
+            return self.base_s + self._forward(shapes)
+        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for shape in shapes:
+            by_shape.setdefault(tuple(shape), []).append(shape)
+        return self.base_s + sum(self._forward(group) for group in by_shape.values())
+
+    def _forward(self, shapes: Sequence[tuple[int, int]]) -> float:
+        latent_pixels = sum(h * w for h, w in shapes)
+        return self.per_forward_s + latent_pixels * self.vae_scale**2 / 1e6 * self.per_megapixel_s
+
+
+def linear_step_cost(base_s: float = 0.0, per_megapixel_s: float = 0.0, per_forward_s: float = 0.0,
+                     vae_scale: int = VAE_SCALE) -> LinearStepCost:
+    """The default step cost for tests and examples; see `LinearStepCost`."""
+    return LinearStepCost(base_s, per_megapixel_s, per_forward_s, vae_scale)
+
+
+def standalone_latency(step_cost: StepCost, vae_scale: int = VAE_SCALE) -> Callable[[int, int, int], float]:
+    """(width, height, steps) -> seconds for one request alone on the device under `step_cost`.
+
+    Pass it to `make_workload` to set SLOs as a multiple of the standalone latency.
+    """
+    def latency(width: int, height: int, steps: int) -> float:
+        state = _state(SimRequest("solo", 0.0, width, height, steps), vae_scale)
+        return steps * step_cost(StepPlan(groups=[["solo"]], admit=["solo"]), {"solo": state})
+    return latency
+
+
+def _state(request: SimRequest, vae_scale: int) -> RequestState:
+    return RequestState(
+        request_id=request.request_id,
+        shape=(request.height // vae_scale, request.width // vae_scale),
+        num_steps=request.steps,
+        arrival_time=request.arrival,
+        deadline=request.deadline,
+    )
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request."""
+
+    request: SimRequest
+    first_step: float | None = None  # when its first denoising step began (queueing ends)
+    finish: float | None = None  # when its last denoising step ended
+    dropped_at: float | None = None  # when its policy dropped it
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish is None else self.finish - self.request.arrival
+
+    @property
+    def queueing(self) -> float | None:
+        return None if self.first_step is None else self.first_step - self.request.arrival
+
+    @property
+    def met_slo(self) -> bool | None:
+        """None without an SLO; False if dropped, unfinished or late."""
+        deadline = self.request.deadline
+        if deadline is None:
+            return None
+        return self.finish is not None and self.finish <= deadline
+
+
+@dataclass
+class SimMetrics:
+    """The numbers a run is judged by. Latencies are over finished requests."""
+
+    num_requests: int
+    finished: int
+    dropped: int  # removed by the policy (e.g. hopeless under an SLO policy)
+    unfinished: int  # still waiting or running when no event was left
+    slo_attainment: float | None  # met / requests with an SLO; None if none has one
+    latency_mean_s: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    latency_p99_s: float | None
+    queueing_mean_s: float | None  # arrival -> first step, over requests that started
+    utilization: float  # device busy time / makespan
+    makespan_s: float  # first arrival -> last step end
+    throughput_rps: float  # finished / makespan
+    num_steps: int  # step plans executed
+
+
+@dataclass
+class SimResult:
+    """One simulated run: a record per request (trace order) and the device's accounting."""
+
+    policy: str
+    records: list[RequestRecord]
+    busy_s: float  # time the device spent executing steps
+    start: float  # first arrival
+    end: float  # last step end (or last arrival if later)
+    num_steps: int
+
+    def metrics(self) -> SimMetrics:
+        latencies = np.array([r.latency for r in self.records if r.finish is not None])
+        queueing = [r.queueing for r in self.records if r.first_step is not None]
+        slo = [r.met_slo for r in self.records if r.met_slo is not None]
+        makespan = self.end - self.start
+
+        def pct(q: float) -> float | None:
+            return float(np.percentile(latencies, q)) if latencies.size else None
+
+        return SimMetrics(
+            num_requests=len(self.records),
+            finished=int(latencies.size),
+            dropped=sum(r.dropped_at is not None for r in self.records),
+            unfinished=sum(r.finish is None and r.dropped_at is None for r in self.records),
+            slo_attainment=sum(slo) / len(slo) if slo else None,
+            latency_mean_s=float(latencies.mean()) if latencies.size else None,
+            latency_p50_s=pct(50), latency_p95_s=pct(95), latency_p99_s=pct(99),
+            queueing_mean_s=float(np.mean(queueing)) if queueing else None,
+            utilization=self.busy_s / makespan if makespan > 0 else 0.0,
+            makespan_s=makespan,
+            throughput_rps=latencies.size / makespan if makespan > 0 else 0.0,
+            num_steps=self.num_steps,
+        )
+
+
+class Replica:
+    """The engine loop of one replica, with `execute` replaced by `step_cost` on a simulated clock."""
+
+    def __init__(self, policy: Policy, step_cost: StepCost, records: dict[str, RequestRecord]):
+        self.scheduler = Scheduler(policy)
+        self.step_cost = step_cost
+        self.records = records  # shared with the simulator; this replica fills in its requests' times
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self._in_flight: tuple[StepPlan, StepOutput] | None = None  # the running step and what it will report
+
+    @property
+    def idle(self) -> bool:
+        return self._in_flight is None
+
+    def add(self, state: RequestState) -> None:
+        self.scheduler.add(state)
+
+    def start_step(self, now: float) -> float | None:
+        """Plan and launch one step; its end time, or None if the policy planned no forward."""
+        plan = self.scheduler.schedule(now)
+        self._record_drops(plan, now)
+        while plan.drop and not plan.groups and self.scheduler.waiting:
+            plan = self.scheduler.schedule(now)  # as the engine loop does: plan again at once
+            self._record_drops(plan, now)
+        if not plan.groups:
+            return None
+        ids = plan.request_ids
+        running = self.scheduler.running
+        cost = self.step_cost(plan, {rid: running[rid] for rid in ids})
+        if not (math.isfinite(cost) and cost >= 0):
+            raise ValueError(f"step_cost must return finite seconds >= 0, got {cost} for {plan}")
+        self._in_flight = (plan, StepOutput(request_ids=ids, forward_s=cost))
+        self.busy_s += cost
+        self.num_steps += 1
+        return now + cost
+
+    def finish_step(self, now: float) -> None:
+        plan, output = self._in_flight
+        self._in_flight = None
+        for state in self.scheduler.update(plan, output):
+            self._close(state, finish=now)
+
+    def close(self) -> None:
+        """At the end of a run: record when the requests still held had started, if they had."""
+        for state in [*self.scheduler.waiting.values(), *self.scheduler.running.values()]:
+            self._close(state)
+
+    def _close(self, state: RequestState, finish: float | None = None) -> None:
+        record = self.records[state.request_id]
+        record.first_step = state.first_step_time  # the Scheduler stamps it when the first step is planned
+        record.finish = finish
+
+    def _record_drops(self, plan: StepPlan, now: float) -> None:
+        """The Scheduler has forgotten the waiting requests in `plan.drop`; the records keep them."""
+        for rid in plan.drop:
+            self.records[rid].dropped_at = now
+
+
+_STEP_DONE, _ARRIVAL = 0, 1  # event kinds; at one instant, all are applied before scheduling
+
+
+class Simulator:
+    """Runs a trace through one replica (one device) driven by `policy`."""
+
+    def __init__(self, policy: Policy, step_cost: StepCost, vae_scale: int = VAE_SCALE):
+        self.policy = policy
+        self.step_cost = step_cost
+        self.vae_scale = vae_scale  # pixels per latent pixel: RequestState.shape = (height, width) // vae_scale
+        self.replicas: list[Replica] = []  # those of the current (or last) run
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        records = {r.request_id: RequestRecord(r) for r in requests}
+        if len(records) != len(requests):
+            raise ValueError("request ids in a trace must be unique")
+        self.replicas = [Replica(self.policy, self.step_cost, records)]
+        events = [(r.arrival, _ARRIVAL, i, r) for i, r in enumerate(requests)]
+        heapq.heapify(events)
+        seq = len(events)  # tie-breaker: events of one kind at one instant keep their order
+        now = min((r.arrival for r in requests), default=0.0)
+        start, end = now, now
+        while events:
+            now = events[0][0]
+            while events and events[0][0] == now:
+                _, kind, _, payload = heapq.heappop(events)
+                if kind == _STEP_DONE:
+                    payload.finish_step(now)
+                else:
+                    self._route(payload).add(_state(payload, self.vae_scale))
+            end = now  # events leave the heap in time order
+            for replica in self.replicas:
+                if replica.idle and (step_end := replica.start_step(now)) is not None:
+                    heapq.heappush(events, (step_end, _STEP_DONE, seq, replica))
+                    seq += 1
+        for replica in self.replicas:
+            replica.close()
+        return SimResult(
+            policy=self.policy.name, records=list(records.values()),
+            busy_s=sum(r.busy_s for r in self.replicas), start=start, end=end,
+            num_steps=sum(r.num_steps for r in self.replicas),
+        )
+
+    def _route(self, request: SimRequest) -> Replica:
+        """The router's place: one replica for now."""
+        return self.replicas[0]
+
+
+def simulate(requests: Sequence[SimRequest], policy: Policy, step_cost: StepCost,
+             vae_scale: int = VAE_SCALE) -> SimResult:
+    return Simulator(policy, step_cost, vae_scale).run(requests)
