@@ -1,0 +1,79 @@
+"""Work-conserving elastic scale-up (TetriServe §4.2.3): devices the DP leaves idle get used.
+
+The DP only spends devices on requests that would otherwise become definitely late, and
+breaks ties toward fewer devices, so after it some devices are usually idle. "Requests with
+sufficient remaining steps are granted additional GPUs if T_i(k') < T_i(k), prioritizing
+those that benefit most from parallelism." Here a request not chosen this round counts as
+running on 0 devices, so starting it is the first upgrade: a lone request with a loose
+deadline still runs, which the paper's "no GPU remains unused" requires.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+from gouache.sched.rounds import RoundRequest, StepTime, cached, degrees, fastest_step, max_degree, steps_in_round
+
+
+def elastic_scale_up(
+    degrees_now: Mapping[str, int],
+    requests: Sequence[RoundRequest],
+    step_time: StepTime,
+    tau: float,
+    num_devices: int,
+) -> dict[str, int]:
+    """Hand the devices `degrees_now` leaves idle to `requests`; return the new degree per id.
+
+    A request at degree k (0 if absent) may move to any power of two k' > k that fits in the
+    idle devices if it then completes more steps this round (that is the paper's "sufficient
+    remaining steps" and T(k') < T(k) read through the round: extra speed that finishes no
+    extra step by t_{r+1} only leaves devices idle later in the round). Upgrades are granted
+    greedily by benefit per extra device: the drop of the request's lower bound LB_i, i.e.
+    extra steps x T_i^min, over k' - k. Ties go to the earlier deadline, then to the order of
+    `requests`. Entries of `degrees_now` for ids not in `requests` are kept as they are.
+    O((R + N) log R) step-time look-ups and heap operations: at most N upgrades happen.
+    """
+    step_time, out = cached(step_time), dict(degrees_now)
+    idle = num_devices - sum(out.values())
+    top = max_degree(num_devices)
+    heap: list[tuple[float, float, int, int, int]] = []  # (-benefit, deadline, index, from k, to k')
+
+    def push(i: int) -> None:
+        request = requests[i]
+        k = out.get(request.request_id, 0)
+        best = _best_upgrade(request, k, idle, step_time, tau, top)
+        if best is not None:
+            heapq.heappush(heap, (-best[0], request.deadline, i, k, best[1]))
+
+    for i in range(len(requests)):
+        push(i)
+    while heap and idle > 0:
+        _, _, i, k, k_new = heapq.heappop(heap)
+        if k_new - k > idle:  # fewer idle devices than when it was pushed: look again
+            push(i)
+            continue
+        out[requests[i].request_id] = k_new
+        idle -= k_new - k
+        push(i)
+    return out
+
+
+def _best_upgrade(
+    request: RoundRequest, k: int, idle: int, step_time: StepTime, tau: float, top: int
+) -> tuple[float, int] | None:
+    """(benefit per extra device, k') of the request's best upgrade from k, or None."""
+    s = request.remaining_steps
+    q_now = steps_in_round(step_time(request.resolution, k), tau, s) if k else 0
+    if q_now == s:
+        return None  # finishes this round already
+    t_min = fastest_step(request, step_time, top)
+    best: tuple[float, int] | None = None
+    for k_new in degrees(top):
+        if k_new <= k or k_new - k > idle:
+            continue
+        gain = steps_in_round(step_time(request.resolution, k_new), tau, s) - q_now
+        benefit = gain * t_min / (k_new - k)
+        if gain > 0 and (best is None or benefit > best[0]):
+            best = (benefit, k_new)
+    return best

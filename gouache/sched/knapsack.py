@@ -1,0 +1,280 @@
+"""TetriServe's deadline-aware round scheduler (§4.2, Algorithm 1) as pure functions.
+
+One round of τ seconds over N devices is decided in five steps, each its own function:
+
+1. `deadline_allocations`: per request, the least device-time plan (s^m, A^m) that meets its
+   deadline, mixing at most two power-of-two degrees (`minimal_feasible_degree` is the
+   single-degree case).
+2. `round_options`: its knapsack group O_i for this round: none, or one allocation m run for
+   q = min(s^m, floor(τ / T(A^m))) steps, each with width A^m and survival sv_i(o).
+3. `group_knapsack`: Algorithm 1's DP over capacity N, maximising surviving requests.
+4. `elastic_scale_up` (elastic.py), then `selective_batching` (batching.py): idle devices and
+   requests left out.
+5. `place` (placement.py): aligned device blocks, preserving last round's placement.
+
+`plan_round` ties them together. The round-knapsack policy calls it; nothing here imports
+torch, and `gouache.sched.knapsack` re-exports the whole API.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from gouache.sched.batching import batch_step, selective_batching
+from gouache.sched.elastic import elastic_scale_up
+from gouache.sched.placement import place
+from gouache.sched.rounds import (
+    Allocation,
+    BatchStepTime,
+    RoundAllocation,
+    RoundOption,
+    RoundPlan,
+    RoundRequest,
+    StepTime,
+    cached,
+    degrees,
+    fastest_step,
+    max_degree,
+    steps_in_round,
+    survives,
+)
+
+__all__ = [
+    "Allocation",
+    "BatchStepTime",
+    "RoundAllocation",
+    "RoundOption",
+    "RoundPlan",
+    "RoundRequest",
+    "StepTime",
+    "deadline_allocations",
+    "elastic_scale_up",
+    "group_knapsack",
+    "minimal_feasible_degree",
+    "place",
+    "plan_round",
+    "round_options",
+    "selective_batching",
+]
+
+
+def minimal_feasible_degree(
+    request: RoundRequest, step_time: StepTime, now: float, max_degree: int
+) -> int | None:
+    """The power-of-two degree k <= max_degree with which all remaining steps end by the
+    deadline (now + s x T(res, k) <= D) at the least device-time k x T(res, k) x s, the smaller
+    k on a tie; None if even the fastest degree misses. With sublinear scaling (the paper's
+    Fig. 2) this is the smallest feasible k."""
+    s, res = request.remaining_steps, request.resolution
+    feasible = [
+        (k * step_time(res, k), k) for k in degrees(max_degree) if now + s * step_time(res, k) <= request.deadline
+    ]
+    return min(feasible)[1] if feasible else None
+
+
+def deadline_allocations(
+    request: RoundRequest, step_time: StepTime, now: float, max_degree: int
+) -> list[Allocation] | None:
+    """§4.2.1: min sum_j A_j x T(A_j) subject to sum_j T(A_j) <= D - now, over the remaining steps.
+
+    Steps are interchangeable, so a plan is how many steps run at each degree. The linear
+    relaxation has one constraint besides the step count, so an optimum mixes at most two
+    degrees: x steps on a faster degree, the rest on a slower, cheaper one, with x the least
+    that meets the deadline (the paper's Fig. 5: "two parallelism degrees that just meet their
+    deadlines"). All single degrees and pairs are tried: O(|K|^2). Ties go to one degree, then
+    to fewer devices. Parts are in ascending degree; their order is no schedule, since the
+    plan is redone every round. None if no plan meets the deadline.
+    """
+    s, deadline = request.remaining_steps, request.deadline
+    times = {k: step_time(request.resolution, k) for k in degrees(max_degree)}
+    cheapest = min(times, key=lambda k: (k * times[k], k))
+    if now + s * times[cheapest] <= deadline:  # no plan costs less than every step at the cheapest degree
+        return [Allocation(s, cheapest)]
+    best: _Scored | None = None
+    for slow, t_slow in times.items():
+        if now + s * t_slow <= deadline:
+            best = _better(best, (s * slow * t_slow, 1, slow, [Allocation(s, slow)]))
+        for fast, t_fast in times.items():
+            if t_fast >= t_slow:
+                continue
+            fast_steps = (now + s * t_slow - deadline) / (t_slow - t_fast)
+            if not 0 < fast_steps <= s - 1:  # <= 0: `slow` alone suffices; > s - 1: only `fast` alone
+                continue
+            x = math.ceil(fast_steps)
+            while x < s and now + (s - x) * t_slow + x * t_fast > deadline:  # float rounding
+                x += 1
+            if x < s:
+                plan = sorted([Allocation(s - x, slow), Allocation(x, fast)], key=lambda a: a.degree)
+                best = _better(best, ((s - x) * slow * t_slow + x * fast * t_fast, 2, max(slow, fast), plan))
+    return best[3] if best else None
+
+
+_Scored = tuple[float, int, int, list[Allocation]]  # (device-time, parts, top degree, plan)
+
+
+def _better(best: _Scored | None, new: _Scored) -> _Scored:
+    """The cheaper plan; on a tie the one with fewer parts, then the smaller top degree."""
+    return new if best is None or new[:3] < best[:3] else best
+
+
+def round_options(
+    request: RoundRequest,
+    plan: Sequence[Allocation],
+    step_time: StepTime,
+    now: float,
+    tau: float,
+    num_devices: int,
+) -> list[RoundOption]:
+    """O_i (Algorithm 1, lines 3-12): "none" first, then each allocation m with q_i^m > 0 and
+    A_i^m <= N, run for q_i^m = min(s^m, floor(τ / T(A^m))) steps. sv_i(o) = [t_{r+1} + LB_i(o)
+    <= D] with LB_i(o) = (steps left after o) x T_i^min; see `rounds.survives` for a request
+    that finishes inside the round."""
+    step_time = cached(step_time)
+    t_min = fastest_step(request, step_time, max_degree(num_devices))
+    options = [RoundOption(0, 0, survives(request, 0, 0.0, t_min, tau, now))]
+    for part in plan:
+        if part.degree > num_devices:
+            continue
+        t = step_time(request.resolution, part.degree)
+        q = steps_in_round(t, tau, part.steps)
+        if q > 0:
+            options.append(RoundOption(part.degree, q, survives(request, q, t, t_min, tau, now)))
+    return options
+
+
+def group_knapsack(groups: Sequence[Sequence[RoundOption]], capacity: int) -> list[int]:
+    """Algorithm 1, lines 13-22: the index of the option chosen in each group.
+
+    Exactly one option per group is chosen (give each a width-0 "none" to allow skipping), the
+    widths sum to at most `capacity`, and the number of surviving options is maximal; among
+    maximal choices the total width is least (c* is the first argmax). dp[c] is the best count
+    with exactly c devices used (-1: unreachable); back[i][c] the option group i took to reach
+    c. O(R x N x |O|) time, O(R x N) for the back-pointers.
+    """
+    dp = [0] + [-1] * capacity
+    back: list[list[int]] = []
+    for options in groups:
+        if not options:
+            raise ValueError("every group needs at least one option (e.g. a width-0 'none')")
+        items = [(j, o.width, o.value) for j, o in enumerate(options)]
+        nxt, pick = [-1] * (capacity + 1), [-1] * (capacity + 1)
+        for c in range(capacity + 1):
+            for j, w, v in items:
+                if w <= c and dp[c - w] >= 0 and dp[c - w] + v > nxt[c]:
+                    nxt[c], pick[c] = dp[c - w] + v, j
+        dp = nxt
+        back.append(pick)
+    c = max(range(capacity + 1), key=lambda c: (dp[c], -c))
+    if dp[c] < 0:
+        raise ValueError(f"no choice fits in capacity {capacity}: some group has no option that narrow")
+    choice = [0] * len(groups)
+    for i in reversed(range(len(groups))):
+        choice[i] = back[i][c]
+        c -= groups[i][choice[i]].width
+    return choice
+
+
+def plan_round(
+    requests: Sequence[RoundRequest],
+    step_time: StepTime,
+    num_devices: int,
+    tau: float,
+    now: float,
+    previous_placement: Mapping[str, Sequence[int]] | None = None,
+    *,
+    batch_step_time: BatchStepTime | None = None,
+    max_batch: int = 8,
+    run_late: bool = True,
+) -> RoundPlan:
+    """Decide one round: which requests run, on which devices, for how many steps.
+
+    Requests are taken earliest deadline first, so every tie below favours the earlier one.
+    The DP runs on the urgent requests only: those that survive without running ("none" has
+    sv = 1) or cannot survive whatever they get take "none" in some optimal choice, and
+    leaving them out gives the same optimum (the paper: "to decide which requests must be
+    scheduled now"). Idle devices then go to the surviving requests (elastic scale-up), then,
+    if `run_late`, to the rest best-effort; requests still without devices may batch with a
+    same-resolution one-device request when `batch_step_time` is given. A scheduled request
+    runs floor(τ / T) steps (capped by what it has left), not the DP's q_i^m: doing more of
+    its work early never hurts its deadline. Requests that are definitely late under the
+    final plan are listed in `late` for the caller to drop or keep.
+    """
+    _validate(requests, num_devices, tau, max_batch)
+    cost = cached(step_time)
+    ordered = sorted(requests, key=lambda r: r.deadline)
+    chosen = _knapsack_choice(ordered, cost, num_devices, tau, now)
+
+    degree = {r.request_id: o.degree for r, o in zip(ordered, chosen) if o.degree}
+    degree = elastic_scale_up(degree, [r for r, o in zip(ordered, chosen) if o.survives], cost, tau, num_devices)
+    if run_late:
+        doomed = [r for r, o in zip(ordered, chosen) if not o.survives]
+        degree = elastic_scale_up(degree, doomed, cost, tau, num_devices)
+    by_id = {r.request_id: r for r in ordered}
+    host = {rid: rid for rid in degree}  # whose devices each running request uses
+    step_s = {rid: cost(by_id[rid].resolution, k) for rid, k in degree.items()}  # seconds per step
+    batches: list[list[str]] = []
+    if batch_step_time is not None:
+        batches = selective_batching(degree, ordered, cost, batch_step_time, tau, now, num_devices, max_batch, run_late)
+        for group in batches:
+            t = batch_step(by_id[group[0]].resolution, len(group), cost, batch_step_time)
+            host.update((rid, group[0]) for rid in group)
+            step_s.update((rid, t) for rid in group)
+    devices = place(degree, previous_placement or {}, num_devices)
+    allocations = {
+        rid: RoundAllocation(devices[host[rid]], steps_in_round(t, tau, by_id[rid].remaining_steps))
+        for rid, t in step_s.items()
+    }
+    late = [r.request_id for r in ordered if _late(r, allocations, step_s, cost, tau, now, num_devices)]
+    return RoundPlan(allocations=allocations, batches=batches, late=late)
+
+
+def _knapsack_choice(
+    ordered: Sequence[RoundRequest], cost: StepTime, num_devices: int, tau: float, now: float
+) -> list[RoundOption]:
+    """Algorithm 1 over the urgent requests: the option each request takes before scale-up."""
+    top = max_degree(num_devices)
+    options = []
+    for request in ordered:
+        plan = deadline_allocations(request, cost, now, top)
+        if plan is None:  # hopeless: its one allocation is the fastest degree, for best effort
+            plan = [Allocation(request.remaining_steps, _fastest(request, cost, top))]
+        options.append(round_options(request, plan, cost, now, tau, num_devices))
+    chosen = [opts[0] for opts in options]
+    urgent = [i for i, opts in enumerate(options) if not opts[0].survives and any(o.survives for o in opts)]
+    for i, j in zip(urgent, group_knapsack([options[i] for i in urgent], num_devices)):
+        chosen[i] = options[i][j]
+    return chosen
+
+
+def _late(
+    request: RoundRequest,
+    allocations: Mapping[str, RoundAllocation],
+    step_s: Mapping[str, float],
+    cost: StepTime,
+    tau: float,
+    now: float,
+    num_devices: int,
+) -> bool:
+    """Whether `request` is definitely late at t_{r+1} under the round's final plan."""
+    allocation = allocations.get(request.request_id)
+    done = allocation.steps if allocation else 0
+    t_min = fastest_step(request, cost, max_degree(num_devices))
+    return not survives(request, done, step_s.get(request.request_id, 0.0), t_min, tau, now)
+
+
+def _fastest(request: RoundRequest, step_time: StepTime, top: int) -> int:
+    """The degree with the least step time (the smaller on a tie): best effort for a late request."""
+    return min(degrees(top), key=lambda k: (step_time(request.resolution, k), k))
+
+
+def _validate(requests: Sequence[RoundRequest], num_devices: int, tau: float, max_batch: int) -> None:
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if not tau > 0:
+        raise ValueError(f"the round length tau must be > 0 seconds, got {tau}")
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("request ids must be unique within a round")
