@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("name")
     export.add_argument("directory")
 
+    from gouache.sim import command as simulate
+
+    simulate.add_arguments(commands.add_parser("simulate", help="run scheduling policies on a simulated clock"))
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     from gouache.bench import batching, serve
@@ -127,7 +131,13 @@ def _bench(args) -> int:
     return {"serve": serve, "batching": batching}[args.bench].run(args)
 
 
-_COMMANDS = {"serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
+def _simulate(args) -> int:
+    from gouache.sim.command import run
+
+    return run(args)
+
+
+_COMMANDS = {"simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ from gouache.cli import main
 
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "generate", "edit", "models", "export-model", "bench"):
+    for command in ("serve", "generate", "edit", "models", "export-model", "simulate", "bench"):
         assert command in out
 
 
@@ -44,3 +45,14 @@ def test_configuration_mistakes_are_clear_errors(tmp_path, capsys):
     assert "multiple of 16" in capsys.readouterr().err
     assert main(["generate", "fox", "--model", "no-such-model", "-o", str(tmp_path / "x.png")]) == 2
     assert "tiny-sdxl" in capsys.readouterr().err
+
+
+def test_simulate_runs_policies_on_the_same_workload_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    args = ["simulate", "--requests", "50", "--policies", "orca,patched-slo", "--out", str(out)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "| orca |" in table and "| patched-slo |" in table
+    data = json.loads(out.read_text())
+    assert [r["policy"] for r in data["results"]] == ["orca", "patched-slo"]
+    assert all(len(r["requests"]) == 50 for r in data["results"])
