@@ -1,0 +1,368 @@
+"""Cost models: what a step will cost, for the policies that plan against deadlines.
+
+- `BatchCostModel` (PatchedServe §6.1.2): per-step latency of a mixed-resolution batch, from a
+  table of measured compositions, else an SVR on the paper's features.
+- `ParallelCostModel` (TetriServe §4.2.1): per-step latency T(resolution, k) with k devices of
+  sequence parallelism, a lookup table; `h100_flux_default()` derives one from published figures.
+- `MaskCostModel` (InstGenIE §3.2, §4.4): compute and cache-load latency of a batch of masked
+  edits, two linear regressions on FLOPs and bytes.
+
+Each is a plain object with `to_json()` / `from_json()` (dicts of plain values); `save` and
+`load` write and read them as JSON files. Derivations and sources: docs/costmodels.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from gouache.sched.predictors import FitReport, LinearPredictor, SvrPredictor, evaluate, predictor_from_json
+
+Resolution = tuple[int, int]  # (height_px, width_px)
+Composition = Mapping[Resolution, int]  # {resolution: number of images of it in the batch}
+CompositionKey = tuple[tuple[int, int, int], ...]  # sorted (height, width, count), counts > 0
+
+
+def as_resolution(res: int | Sequence[int]) -> Resolution:
+    """`1024` means (1024, 1024); a pair is (height, width)."""
+    if isinstance(res, int):
+        return (res, res)
+    height, width = res
+    return (int(height), int(width))
+
+
+def composition_key(composition: Composition) -> CompositionKey:
+    return tuple(sorted((h, w, int(c)) for (h, w), c in composition.items() if c > 0))
+
+
+class BatchCostModel:
+    """Per-step seconds of one patched forward over a mix of resolutions.
+
+    Measured compositions are looked up exactly (the mean of their measurements); any other is
+    predicted by an SVR on PatchedServe's features: the count of each known resolution (in the
+    order of `resolutions`), the number of distinct resolutions, and the number of patches.
+    """
+
+    kind = "batch"
+
+    def __init__(
+        self,
+        resolutions: Sequence[int | Sequence[int]],
+        patch_px: int = 128,
+        vae_scale: int = 8,
+        predictor: SvrPredictor | None = None,
+    ):
+        self.resolutions = [as_resolution(r) for r in resolutions]  # feature order; fixed once fitted
+        if not self.resolutions or len(set(self.resolutions)) != len(self.resolutions):
+            raise ValueError("resolutions must be a non-empty list of distinct (height, width) sizes")
+        if patch_px <= 0:
+            raise ValueError(f"patch_px must be positive, got {patch_px}")
+        self.patch_px = patch_px  # patch side in pixels, for the patch-count feature
+        self.vae_scale = vae_scale  # pixels per latent cell, to read latent shapes in step_time
+        self.predictor = predictor or SvrPredictor()
+        self.table: dict[CompositionKey, tuple[float, int]] = {}  # key -> (mean seconds, measurements)
+        self.report: FitReport | None = None  # held-out errors of the last fit()
+
+    def features(self, composition: Composition) -> list[float]:
+        unknown = set(r for r, c in composition.items() if c > 0) - set(self.resolutions)
+        if unknown:
+            known = self.resolutions
+            raise ValueError(f"resolutions {sorted(unknown)} are not in this cost model's {known}; re-profile")
+        counts = [float(composition.get(r, 0)) for r in self.resolutions]
+        distinct = float(sum(c > 0 for c in counts))
+        patches = float(sum(c * self._patches(r) for r, c in zip(self.resolutions, counts)))
+        return [*counts, distinct, patches]
+
+    def record(self, composition: Composition, seconds: float) -> None:
+        """Add one measurement to the table (the table keeps the running mean)."""
+        key = composition_key(composition)
+        mean, n = self.table.get(key, (0.0, 0))
+        self.table[key] = ((mean * n + seconds) / (n + 1), n + 1)
+
+    def fit(self, samples: Sequence[tuple[Composition, float]], holdout: float = 0.2, seed: int = 0) -> FitReport:
+        """Report the errors of an SVR fitted with a seeded `holdout` share of the distinct
+        compositions held out, then keep an SVR refitted on all `samples` (the report describes
+        the split's model, a slightly pessimistic estimate of the kept one). The samples are also
+        recorded; the table accumulates across calls, the predictor is replaced."""
+        X = [self.features(c) for c, _ in samples]
+        y = [s for _, s in samples]
+        keys = [composition_key(c) for c, _ in samples]
+        self.report = evaluate(self.predictor, X, y, holdout, seed, groups=keys)
+        self.predictor = self.predictor.unfitted().fit(X, y)
+        for composition, seconds in samples:
+            self.record(composition, seconds)
+        return self.report
+
+    def predict(self, composition: Composition) -> float:
+        key = composition_key(composition)
+        if not key:
+            return 0.0
+        if key in self.table:
+            return self.table[key][0]
+        if not self.predictor.fitted:
+            raise RuntimeError(f"{dict(composition)} was not measured and no predictor is fitted; call fit()")
+        return float(self.predictor.predict([self.features(composition)])[0])
+
+    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
+        """`StepTimePredictor` for the policies: latent shapes -> seconds of one patched step."""
+        if not patched:
+            raise ValueError("BatchCostModel models patched forwards; grouped execution needs its own profile")
+        composition: dict[Resolution, int] = {}
+        for h, w in shapes:
+            res = (h * self.vae_scale, w * self.vae_scale)
+            composition[res] = composition.get(res, 0) + 1
+        return self.predict(composition)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "resolutions": [list(r) for r in self.resolutions],
+            "patch_px": self.patch_px,
+            "vae_scale": self.vae_scale,
+            "table": [
+                {"composition": [list(t) for t in key], "seconds": seconds, "n": n}
+                for key, (seconds, n) in self.table.items()
+            ],
+            "predictor": self.predictor.to_json(),
+            "report": self.report.to_json() if self.report else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BatchCostModel:
+        predictor = predictor_from_json(data["predictor"])
+        model = cls(data["resolutions"], data["patch_px"], data["vae_scale"], predictor)  # type: ignore[arg-type]
+        model.table = {tuple(tuple(t) for t in row["composition"]): (row["seconds"], row["n"]) for row in data["table"]}
+        model.report = FitReport.from_json(data["report"]) if data.get("report") else None
+        return model
+
+    def _patches(self, res: Resolution) -> int:
+        return math.ceil(res[0] / self.patch_px) * math.ceil(res[1] / self.patch_px)
+
+
+@dataclass
+class FluxH100Assumptions:
+    """Every number behind `ParallelCostModel.h100_flux_default()`; sources in docs/costmodels.md."""
+
+    # TetriServe Table 1: FLUX.1-dev TFLOPs by square image side. They are whole-generation
+    # totals, not per step (24,964 TFLOPs per step would take 25 s per step at full H100 peak).
+    table1_tflops: tuple[tuple[int, float], ...] = ((256, 556.48), (512, 1388.24), (1024, 5045.92), (2048, 24964.72))
+    table1_steps: int = 50  # steps those totals cover (assumed; reconciles the anchors below)
+    peak_tflops: float = 989.0  # H100 SXM dense bf16 tensor-core peak, TFLOP/s
+    mfu: float = 0.42  # achieved fraction of peak, eager PyTorch: xDiT's 1-H100 FLUX.1-dev 1024 px time
+    params: float = 12e9  # FLUX.1-dev transformer parameters (TetriServe §2.1: "12B")
+    bytes_per_param: int = 2  # bf16 weights
+    hbm_gbps: float = 3350.0  # H100 SXM HBM3 bandwidth, GB/s
+    hbm_efficiency: float = 0.8  # achieved fraction of HBM bandwidth when streaming weights (assumed)
+    px_per_token: int = 16  # 8x VAE downsampling, then 2x2 patchify (Table 1: 256 px -> 256 tokens)
+    text_tokens: int = 512  # T5 tokens joined to the image tokens (diffusers' FluxPipeline default)
+    hidden: int = 3072  # FLUX.1-dev hidden size
+    attention_layers: int = 57  # 19 double-stream + 38 single-stream blocks, one attention each
+    all_to_alls_per_layer: int = 4  # Ulysses: q, k, v sequence->head shards, output head->sequence
+    bytes_per_activation: int = 2  # bf16 activations
+    link_gbps: float = 450.0  # NVLink 4 per GPU per direction (900 GB/s both ways, TetriServe §6.1)
+    link_efficiency: float = 0.6  # achieved fraction of link bandwidth by NCCL all-to-all (assumed)
+    collective_latency_s: float = 40e-6  # fixed cost per all-to-all, fitted to xDiT's 2/4-GPU times
+    degrees: tuple[int, ...] = (1, 2, 4, 8)  # one 8-GPU node; FLUX's 24 heads split evenly
+
+    def step_time(self, side: int, k: int) -> float:
+        """Seconds of one FLUX.1-dev step of a side x side image on k H100s (Ulysses SP)."""
+        tflops = dict(self.table1_tflops)[side] / self.table1_steps
+        compute = tflops * 1e12 / (k * self.mfu * self.peak_tflops * 1e12)
+        # However few tokens a device holds, every step reads all weights once.
+        weights = self.params * self.bytes_per_param / (self.hbm_efficiency * self.hbm_gbps * 1e9)
+        return max(compute, weights) + self.communication_time(side, k)
+
+    def communication_time(self, side: int, k: int) -> float:
+        if k == 1:
+            return 0.0
+        tokens = (side // self.px_per_token) ** 2 + self.text_tokens
+        sent = tokens / k * self.hidden * self.bytes_per_activation * (k - 1) / k  # bytes out of each GPU
+        one = self.collective_latency_s + sent / (self.link_efficiency * self.link_gbps * 1e9)
+        return self.attention_layers * self.all_to_alls_per_layer * one
+
+    def table(self) -> dict[Resolution, dict[int, float]]:
+        return {(s, s): {k: self.step_time(s, k) for k in self.degrees} for s, _ in self.table1_tflops}
+
+
+class ParallelCostModel:
+    """T(resolution, k): per-step seconds with k devices of sequence parallelism, k a power of two."""
+
+    kind = "parallel"
+
+    def __init__(self, table: Mapping[int | Sequence[int], Mapping[int, float]], source: str = ""):
+        self.table: dict[Resolution, dict[int, float]] = {}
+        for res, row in table.items():
+            for k, seconds in row.items():
+                if k < 1 or k & (k - 1) or seconds <= 0:
+                    raise ValueError(f"{res}: degrees must be powers of two and times positive, got k={k}, {seconds} s")
+            self.table[as_resolution(res)] = {int(k): float(s) for k, s in sorted(row.items())}
+        self.source = source  # where the numbers came from: a profile run, or a derivation
+
+    @classmethod
+    def h100_flux_default(cls, assumptions: FluxH100Assumptions | None = None) -> ParallelCostModel:
+        """FLUX.1-dev on H100 SXM (NVLink), derived from published figures, not measured here."""
+        a = assumptions or FluxH100Assumptions()
+        return cls(a.table(), source=f"derived: FluxH100Assumptions{asdict(a)}; see docs/costmodels.md")
+
+    @property
+    def resolutions(self) -> list[Resolution]:
+        return list(self.table)
+
+    def degrees(self, res: int | Sequence[int]) -> list[int]:
+        return list(self._row(res))
+
+    def step_time(self, res: int | Sequence[int], k: int = 1) -> float:
+        row = self._row(res)
+        if k not in row:
+            raise KeyError(f"no profile of {as_resolution(res)} at k={k}; profiled degrees: {list(row)}")
+        return row[k]
+
+    def standalone_latency(self, res: int | Sequence[int], steps: int, k: int = 1) -> float:
+        """Seconds of `steps` denoising steps alone on k devices (no queueing)."""
+        return steps * self.step_time(res, k)
+
+    def scaling_efficiency(self, res: int | Sequence[int], k: int) -> float:
+        """T(res, 1) / (k * T(res, k)): 1 is linear scaling; below 1/k is a slowdown."""
+        return self.step_time(res, 1) / (k * self.step_time(res, k))
+
+    def to_json(self) -> dict[str, Any]:
+        rows = [
+            {"height": h, "width": w, "k": k, "seconds": seconds}
+            for (h, w), row in self.table.items()
+            for k, seconds in row.items()
+        ]
+        return {"kind": self.kind, "source": self.source, "table": rows}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParallelCostModel:
+        table: dict[Resolution, dict[int, float]] = {}
+        for row in data["table"]:
+            table.setdefault((row["height"], row["width"]), {})[row["k"]] = row["seconds"]
+        return cls(table, data.get("source", ""))
+
+    def _row(self, res: int | Sequence[int]) -> dict[int, float]:
+        key = as_resolution(res)
+        if key not in self.table:
+            raise KeyError(f"no profile of resolution {key}; profiled: {self.resolutions}")
+        return self.table[key]
+
+
+EditBatch = Sequence[tuple[int, float]]  # [(image tokens L, mask ratio m in [0, 1])], one per request
+
+
+@dataclass
+class MaskFitReport:
+    """R^2 of the two regressions on the samples they were fitted on (InstGenIE reports 0.99)."""
+
+    compute_r2: float
+    load_r2: float
+
+
+class MaskCostModel:
+    """Per-step compute and cache-load seconds of a batch of mask-aware edits (InstGenIE).
+
+    Following InstGenIE Table 1, per transformer block and request, only the m*L masked tokens
+    are computed: projections q, k, v, o (4 x 2mLH^2 FLOPs), the feed-forward H->4H->H
+    (2 x 8mLH^2), and attention of masked queries to all L keys (QK^T and AV: 2 x 2mL^2H).
+    The activations of the (1-m)*L unmasked tokens are loaded instead: (1-m)LH elements per
+    block. Latency is linear in each (§4.4), fitted per model and device.
+    """
+
+    kind = "mask"
+
+    def __init__(
+        self,
+        hidden: int,
+        num_blocks: int,
+        bytes_per_element: int = 2,
+        compute: LinearPredictor | None = None,
+        load: LinearPredictor | None = None,
+    ):
+        self.hidden = hidden  # H
+        self.num_blocks = num_blocks  # transformer blocks whose unmasked activations are cached
+        self.bytes_per_element = bytes_per_element  # of the cached activations (2 = bf16/fp16)
+        self.compute = compute or LinearPredictor()  # FLOPs -> seconds
+        self.load = load or LinearPredictor()  # bytes -> seconds
+        self.report: MaskFitReport | None = None
+
+    def flops(self, batch: EditBatch) -> float:
+        H = self.hidden
+        per_block = sum(24 * m * L * H * H + 4 * m * L * L * H for L, m in _checked(batch))
+        return self.num_blocks * per_block
+
+    def cache_bytes(self, batch: EditBatch) -> float:
+        return self.num_blocks * sum((1 - m) * L * self.hidden * self.bytes_per_element for L, m in _checked(batch))
+
+    def fit(
+        self, compute_samples: Sequence[tuple[EditBatch, float]], load_samples: Sequence[tuple[EditBatch, float]]
+    ) -> MaskFitReport:
+        """Fit both regressions on (batch, measured seconds) samples; returns their R^2."""
+        Xc, yc = [[self.flops(b)] for b, _ in compute_samples], [s for _, s in compute_samples]
+        Xl, yl = [[self.cache_bytes(b)] for b, _ in load_samples], [s for _, s in load_samples]
+        self.compute.fit(Xc, yc)
+        self.load.fit(Xl, yl)
+        self.report = MaskFitReport(self.compute.score(Xc, yc), self.load.score(Xl, yl))
+        return self.report
+
+    def compute_time(self, batch: EditBatch) -> float:
+        return float(self.compute.predict([[self.flops(batch)]])[0])
+
+    def load_time(self, batch: EditBatch) -> float:
+        return float(self.load.predict([[self.cache_bytes(batch)]])[0])
+
+    def predict(self, batch: EditBatch) -> float:
+        """Per-step seconds with block-wise pipelined loading (§4.2): the longer of the two."""
+        return max(self.compute_time(batch), self.load_time(batch)) if batch else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "hidden": self.hidden,
+            "num_blocks": self.num_blocks,
+            "bytes_per_element": self.bytes_per_element,
+            "compute": self.compute.to_json(),
+            "load": self.load.to_json(),
+            "report": asdict(self.report) if self.report else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MaskCostModel:
+        model = cls(
+            data["hidden"],
+            data["num_blocks"],
+            data["bytes_per_element"],
+            LinearPredictor.from_json(data["compute"]),
+            LinearPredictor.from_json(data["load"]),
+        )
+        model.report = MaskFitReport(**data["report"]) if data.get("report") else None
+        return model
+
+
+def _checked(batch: EditBatch) -> EditBatch:
+    for tokens, ratio in batch:
+        if tokens <= 0 or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"an edit needs tokens > 0 and a mask ratio in [0, 1], got ({tokens}, {ratio})")
+    return batch
+
+
+CostModel = BatchCostModel | ParallelCostModel | MaskCostModel
+COST_MODELS: dict[str, type[BatchCostModel] | type[ParallelCostModel] | type[MaskCostModel]] = {
+    cls.kind: cls for cls in (BatchCostModel, ParallelCostModel, MaskCostModel)
+}
+
+
+def save(model: CostModel, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(model.to_json(), indent=1))
+
+
+def load(path: str | Path) -> CostModel:
+    """Read a cost model written by `save`, whichever kind it is."""
+    data = json.loads(Path(path).read_text())
+    if data.get("kind") not in COST_MODELS:
+        kinds = ", ".join(COST_MODELS)
+        raise ValueError(f"{path}: unknown cost model kind {data.get('kind')!r}; expected one of {kinds}")
+    return COST_MODELS[data["kind"]].from_json(data)

@@ -1,0 +1,255 @@
+"""Fitted predictors behind the cost models: scikit-learn estimators with JSON-able state.
+
+Two kinds, picked by `kind` when loading:
+
+- `SvrPredictor` ("svr"): `SVR` after a `StandardScaler`, fitted on log(seconds) so that the
+  SVR's epsilon-tube is a relative tolerance (latencies span orders of magnitude); C and gamma
+  are fixed defaults or, with `search=True`, chosen by cross-validation. An SVR's state (support vectors, dual coefficients,
+  scaler statistics) is not a handful of numbers, so its JSON holds the chosen
+  hyper-parameters and the training samples, and loading refits with those hyper-parameters
+  (no search); `SVR` is deterministic, so the refit predicts identically.
+- `LinearPredictor` ("linear"): `LinearRegression`; its JSON holds the coefficients and the
+  intercept, and loading restores them without refitting.
+
+Nothing here imports torch (the scheduler must not; `tests/sched/test_costmodel.py` checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from sklearn.compose import TransformedTargetRegressor
+from sklearn.linear_model import LinearRegression
+from sklearn.metrics import r2_score
+from sklearn.model_selection import GridSearchCV, KFold
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.svm import SVR
+
+
+@dataclass
+class FitReport:
+    """Errors of a predictor fitted on a seeded split: relative errors |pred - true| / true."""
+
+    n_train: int  # samples it was fitted on
+    n_test: int  # held-out samples it was scored on
+    train_mape: float  # mean absolute percentage error on the training split, in percent
+    test_mape: float  # the same on the held-out split
+    test_max_rel_error: float  # worst held-out relative error, as a fraction (0.05 = 5 %)
+    test_r2: float  # coefficient of determination on the held-out split
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FitReport:
+        return cls(**data)
+
+
+def mape(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    """Mean absolute percentage error, in percent."""
+    return float(100.0 * np.mean(relative_errors(y_true, y_pred)))
+
+
+def relative_errors(y_true: np.ndarray, y_pred: np.ndarray) -> np.ndarray:
+    y_true, y_pred = np.asarray(y_true, float), np.asarray(y_pred, float)
+    return np.abs(y_pred - y_true) / np.abs(y_true)
+
+
+def split(groups: Sequence[Hashable], holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded (train, test) sample indices, holding out about `holdout` of the distinct groups
+    (all samples of a group fall on one side, so repeated measurements never leak)."""
+    if not 0.0 < holdout < 1.0:
+        raise ValueError(f"holdout must be a fraction in (0, 1), got {holdout}")
+    distinct = list(dict.fromkeys(groups))
+    order = np.random.default_rng(seed).permutation(len(distinct))
+    n_test = max(1, round(len(distinct) * holdout))
+    if len(distinct) - n_test < 2:
+        raise ValueError(f"{len(distinct)} distinct samples leave too few to fit after holding out {n_test}")
+    held_out = {distinct[i] for i in order[:n_test]}
+    test = np.array([i for i, g in enumerate(groups) if g in held_out], dtype=int)
+    train = np.array([i for i, g in enumerate(groups) if g not in held_out], dtype=int)
+    return train, test
+
+
+def evaluate(
+    predictor: SvrPredictor | LinearPredictor,
+    X,
+    y,
+    holdout: float = 0.2,
+    seed: int = 0,
+    groups: Sequence[Hashable] | None = None,
+) -> FitReport:
+    """Fit a copy of `predictor` on a seeded train split; report its errors on both splits.
+    `groups` (default: every sample its own) names samples that must stay together."""
+    X, y = np.asarray(X, float), np.asarray(y, float)
+    train, test = split(list(range(len(y))) if groups is None else groups, holdout, seed)
+    probe = predictor.unfitted().fit(X[train], y[train])
+    pred_train, pred_test = probe.predict(X[train]), probe.predict(X[test])
+    return FitReport(
+        n_train=len(train),
+        n_test=len(test),
+        train_mape=mape(y[train], pred_train),
+        test_mape=mape(y[test], pred_test),
+        test_max_rel_error=float(relative_errors(y[test], pred_test).max()),
+        test_r2=float(r2_score(y[test], pred_test)) if len(test) > 1 else float("nan"),
+    )
+
+
+SVR_GRID: dict[str, list[float]] = {"C": [10.0, 100.0], "gamma": [0.01, 0.03, 0.1]}  # searched with search=True
+
+
+class SvrPredictor:
+    """RBF support-vector regression of positive targets (seconds) on standardized features.
+
+    Defaults (C=100, gamma=0.03, epsilon=0.01 of log seconds, i.e. errors within ~1 % are
+    free) suit a few hundred profiled batches over 3-6 resolutions: a wider RBF than sklearn's
+    gamma="scale" extrapolates better to batches at the edge of what was profiled. With
+    `search=True`, `fit` instead picks C and gamma from `SVR_GRID` by seeded 5-fold
+    cross-validation on MAPE (a few seconds for 300 samples) and records them in `params`.
+    """
+
+    kind = "svr"
+
+    def __init__(self, C: float = 100.0, gamma: float = 0.03, epsilon: float = 0.01, search: bool = False):
+        self.params: dict[str, float] = {"C": C, "gamma": gamma, "epsilon": epsilon}  # SVR's, as fitted
+        self.search = search  # choose C and gamma by cross-validation at each fit
+        self._model: TransformedTargetRegressor | None = None
+        self._X: np.ndarray | None = None  # kept for serialization: loading refits on them
+        self._y: np.ndarray | None = None
+
+    def unfitted(self) -> SvrPredictor:
+        """A fresh predictor configured like this one."""
+        return SvrPredictor(**self.params, search=self.search)
+
+    def fit(self, X, y) -> SvrPredictor:
+        X, y = np.asarray(X, float), np.asarray(y, float)
+        if np.any(y <= 0):
+            raise ValueError("SVR targets are latencies and must be positive")
+        if self.search:
+            self.params = self._search(X, y)
+        return self._fit_with(self.params, X, y)
+
+    def _fit_with(self, params: dict[str, float], X: np.ndarray, y: np.ndarray) -> SvrPredictor:
+        self.params = dict(params)
+        self._model = self._build(self.params).fit(X, y)
+        self._X, self._y = X, y
+        return self
+
+    @property
+    def fitted(self) -> bool:
+        return self._model is not None
+
+    def predict(self, X) -> np.ndarray:
+        if self._model is None:
+            raise RuntimeError("SvrPredictor is not fitted; call fit() or load a fitted one")
+        return self._model.predict(np.asarray(X, float))
+
+    def score(self, X, y) -> float:
+        """R^2 of the predictions on (X, y)."""
+        return float(r2_score(np.asarray(y, float), self.predict(X)))
+
+    def to_json(self) -> dict[str, Any]:
+        fitted = self._X is not None
+        return {
+            "kind": self.kind,
+            "params": self.params,  # C, gamma, epsilon (the chosen ones, if searched)
+            "search": self.search,
+            "X": self._X.tolist() if fitted else None,  # [n_samples][n_features] training features
+            "y": self._y.tolist() if fitted else None,  # [n_samples] training targets, seconds
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SvrPredictor:
+        predictor = cls(**data["params"], search=data.get("search", False))
+        if data.get("X") is not None:  # refit with the stored hyper-parameters, never re-search
+            predictor._fit_with(data["params"], np.asarray(data["X"], float), np.asarray(data["y"], float))
+        return predictor
+
+    @staticmethod
+    def _build(params: dict[str, float]) -> TransformedTargetRegressor:
+        # log target: the epsilon-tube becomes relative, as latencies span orders of magnitude
+        regressor = make_pipeline(StandardScaler(), SVR(kernel="rbf", **params))
+        return TransformedTargetRegressor(regressor=regressor, func=np.log, inverse_func=np.exp, check_inverse=False)
+
+    def _search(self, X: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        grid = {f"regressor__svr__{name}": values for name, values in SVR_GRID.items()}
+        folds = KFold(n_splits=min(5, len(y)), shuffle=True, random_state=0)
+        scoring = "neg_mean_absolute_percentage_error"
+        search = GridSearchCV(self._build(self.params), grid, scoring=scoring, cv=folds).fit(X, y)
+        chosen = {name.removeprefix("regressor__svr__"): value for name, value in search.best_params_.items()}
+        return self.params | chosen
+
+
+class LinearPredictor:
+    """Ordinary least squares, y = intercept + coef . x."""
+
+    kind = "linear"
+
+    def __init__(self) -> None:
+        self._model: LinearRegression | None = None
+
+    def unfitted(self) -> LinearPredictor:
+        return LinearPredictor()
+
+    def fit(self, X, y) -> LinearPredictor:
+        self._model = LinearRegression().fit(np.asarray(X, float), np.asarray(y, float))
+        return self
+
+    @property
+    def fitted(self) -> bool:
+        return self._model is not None
+
+    @property
+    def coef(self) -> list[float]:
+        return self._require().coef_.tolist()
+
+    @property
+    def intercept(self) -> float:
+        return float(self._require().intercept_)
+
+    def predict(self, X) -> np.ndarray:
+        return self._require().predict(np.asarray(X, float))
+
+    def score(self, X, y) -> float:
+        """R^2 of the predictions on (X, y)."""
+        return float(r2_score(np.asarray(y, float), self.predict(X)))
+
+    def to_json(self) -> dict[str, Any]:
+        fitted = self._model is not None
+        return {
+            "kind": self.kind,
+            "coef": self.coef if fitted else None,  # [n_features]
+            "intercept": self.intercept if fitted else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LinearPredictor:
+        predictor = cls()
+        if data.get("coef") is not None:
+            model = LinearRegression()
+            model.coef_ = np.asarray(data["coef"], float)
+            model.intercept_ = float(data["intercept"])
+            model.n_features_in_ = len(model.coef_)
+            predictor._model = model
+        return predictor
+
+    def _require(self) -> LinearRegression:
+        if self._model is None:
+            raise RuntimeError("LinearPredictor is not fitted; call fit() or load a fitted one")
+        return self._model
+
+
+PREDICTORS: dict[str, type[SvrPredictor] | type[LinearPredictor]] = {
+    cls.kind: cls for cls in (SvrPredictor, LinearPredictor)
+}
+
+
+def predictor_from_json(data: dict[str, Any]) -> SvrPredictor | LinearPredictor:
+    """Rebuild a predictor saved by its `to_json()`, whichever kind it is."""
+    if data.get("kind") not in PREDICTORS:
+        raise ValueError(f"unknown predictor kind {data.get('kind')!r}; expected one of {', '.join(PREDICTORS)}")
+    return PREDICTORS[data["kind"]].from_json(data)

@@ -1,0 +1,275 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gouache.sched.costmodel import (
+    BatchCostModel,
+    FluxH100Assumptions,
+    MaskCostModel,
+    ParallelCostModel,
+    composition_key,
+    load,
+    save,
+)
+from gouache.sched.predictors import SVR_GRID, LinearPredictor, SvrPredictor, predictor_from_json
+
+RESOLUTIONS = [(512, 512), (768, 768), (1024, 1024), (768, 1024)]
+
+
+def synthetic_step_seconds(composition, rng=None):
+    """A GPU-like patched step: fixed cost, a cost per distinct resolution (one more attention
+    group and its kernels), work proportional to pixels with attention's superlinear share,
+    and a soft floor where a small batch leaves the device under-utilised; 3 % noise."""
+    work = sum(c * (h * w * 5e-8 + (h * w) ** 2 * 1.5e-14) for (h, w), c in composition.items())
+    distinct = sum(c > 0 for c in composition.values())
+    seconds = 0.008 + 0.004 * distinct + np.sqrt(work**2 + 0.03**2)
+    return seconds * (1 + 0.03 * rng.standard_normal()) if rng is not None else seconds
+
+
+def random_compositions(n, seed):
+    """n distinct batches of 1-20 images over 1-4 resolutions (PatchedServe used 300)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    while len(out) < n:
+        counts = rng.integers(0, 6, size=len(RESOLUTIONS)) * (rng.random(len(RESOLUTIONS)) < 0.6)
+        if counts.sum():
+            composition = {r: int(c) for r, c in zip(RESOLUTIONS, counts) if c}
+            out.setdefault(composition_key(composition), composition)
+    return list(out.values())
+
+
+@pytest.fixture(scope="module")
+def fitted_batch_model():
+    rng = np.random.default_rng(1)
+    samples = [(c, synthetic_step_seconds(c, rng)) for c in random_compositions(300, seed=0)]
+    model = BatchCostModel(RESOLUTIONS, patch_px=128)
+    model.fit(samples, holdout=0.2, seed=0)
+    return model
+
+
+# BatchCostModel
+
+
+def test_batch_features_follow_patchedserve():
+    model = BatchCostModel(RESOLUTIONS, patch_px=128)
+    # counts per resolution in order, distinct resolutions, patches (16 + 2*48 = 112)
+    assert model.features({(512, 512): 1, (768, 1024): 2}) == [1, 0, 0, 2, 2, 112]
+    with pytest.raises(ValueError, match="not in this cost model"):
+        model.features({(640, 640): 1})
+
+
+def test_held_out_split_keeps_repeated_measurements_together():
+    model = BatchCostModel(RESOLUTIONS)
+    compositions = random_compositions(20, seed=5)
+    samples = [(c, synthetic_step_seconds(c)) for c in compositions for _ in range(3)]
+    report = model.fit(samples, holdout=0.25, seed=0)
+    assert (report.n_train, report.n_test) == (45, 15)  # 5 of 20 compositions, 3 samples each
+    assert len(model.table) == 20 and all(n == 3 for _, n in model.table.values())
+
+
+def test_measured_compositions_are_looked_up_exactly():
+    model = BatchCostModel(RESOLUTIONS)
+    model.record({(512, 512): 2, (1024, 1024): 1}, 0.10)
+    model.record({(1024, 1024): 1, (512, 512): 2}, 0.14)  # same composition, other order
+    assert model.predict({(1024, 1024): 1, (512, 512): 2}) == pytest.approx(0.12)
+    assert model.predict({}) == 0.0
+    with pytest.raises(RuntimeError, match="no predictor"):
+        model.predict({(512, 512): 1})
+
+
+def test_svr_predicts_held_out_compositions(fitted_batch_model):
+    report = fitted_batch_model.report
+    assert (report.n_train, report.n_test) == (240, 60)
+    assert report.test_mape < 10.0
+    assert report.test_max_rel_error < 0.15
+    # compositions never measured, scored against the noiseless function
+    unseen = [c for c in random_compositions(400, seed=7) if composition_key(c) not in fitted_batch_model.table]
+    assert len(unseen) >= 50
+    errors = [abs(fitted_batch_model.predict(c) / synthetic_step_seconds(c) - 1) for c in unseen]
+    assert np.mean(errors) < 0.10
+
+
+def test_batch_json_round_trip_predicts_identically(fitted_batch_model, tmp_path):
+    path = tmp_path / "batch.json"
+    save(fitted_batch_model, path)
+    loaded = load(path)
+    assert isinstance(loaded, BatchCostModel) and loaded.report == fitted_batch_model.report
+    probes = random_compositions(40, seed=11)
+    assert [loaded.predict(c) for c in probes] == [fitted_batch_model.predict(c) for c in probes]
+
+
+def test_step_time_reads_latent_shapes(fitted_batch_model):
+    shapes = [(64, 64), (64, 64), (96, 128)]  # latents of 512x512 twice and 768x1024, VAE x8
+    assert fitted_batch_model.step_time(shapes, patched=True) == fitted_batch_model.predict(
+        {(512, 512): 2, (768, 1024): 1}
+    )
+    with pytest.raises(ValueError, match="patched"):
+        fitted_batch_model.step_time(shapes, patched=False)
+
+
+# ParallelCostModel
+
+
+def test_parallel_table_lookups_are_exact():
+    model = ParallelCostModel({512: {1: 0.2, 2: 0.12}, (768, 1024): {1: 0.5, 4: 0.15}})
+    assert model.step_time(512, 2) == 0.12
+    assert model.step_time((512, 512), 1) == 0.2
+    assert model.step_time((768, 1024), 4) == 0.15
+    assert model.degrees((768, 1024)) == [1, 4]
+    assert model.standalone_latency(512, steps=20) == pytest.approx(4.0)
+    assert model.standalone_latency(512, steps=20, k=2) == pytest.approx(2.4)
+    assert model.scaling_efficiency(512, 2) == pytest.approx(0.2 / 0.24)
+    with pytest.raises(KeyError, match="k=8"):
+        model.step_time(512, 8)
+    with pytest.raises(KeyError, match="resolution"):
+        model.step_time(256, 1)
+    with pytest.raises(ValueError, match="powers of two"):
+        ParallelCostModel({512: {3: 0.1}})
+
+
+def test_parallel_json_round_trip():
+    model = ParallelCostModel.h100_flux_default()
+    loaded = ParallelCostModel.from_json(json.loads(json.dumps(model.to_json())))
+    assert loaded.table == model.table and loaded.source == model.source
+
+
+def test_h100_default_is_derived_from_table1_and_the_stated_assumptions():
+    a = FluxH100Assumptions()
+    model = ParallelCostModel.h100_flux_default()
+    assert model.resolutions == [(256, 256), (512, 512), (1024, 1024), (2048, 2048)]
+    # single device, compute-bound: Table 1 TFLOPs / 50 steps / (0.42 * 989 TFLOP/s)
+    assert model.step_time(2048, 1) == pytest.approx(24964.72 / 50 / (0.42 * 989), rel=1e-9)
+    # the anchors it was reconciled with: ~0.24 s/step at 1024 px (xDiT, 1 H100, eager) and a
+    # whole 2048 px generation of about a minute on one H100 (TetriServe §1)
+    assert model.step_time(1024, 1) == pytest.approx(6.71 / 28, rel=0.05)
+    assert a.table1_steps * model.step_time(2048, 1) == pytest.approx(60, rel=0.05)
+
+
+def test_h100_default_is_monotone_in_pixels_and_degree():
+    model = ParallelCostModel.h100_flux_default()
+    sides = [256, 512, 1024, 2048]
+    for k in (1, 2, 4, 8):
+        times = [model.step_time(s, k) for s in sides]
+        assert times == sorted(times) and len(set(times)) == len(times)
+    for side in sides:
+        times = [model.step_time(side, k) for k in (1, 2, 4, 8)]
+        assert times == sorted(times, reverse=True)  # more devices never slower in this model
+
+
+def test_h100_default_scales_sublinearly_and_better_for_large_images():
+    model = ParallelCostModel.h100_flux_default()
+    for side in (1024, 2048):
+        assert model.step_time(side, 2) < model.step_time(side, 1)
+        assert 0.5 < model.scaling_efficiency(side, 2) < 1.0
+    for k in (2, 4, 8):
+        effs = [model.scaling_efficiency(s, k) for s in (256, 512, 1024, 2048)]
+        assert effs == sorted(effs) and effs[-1] < 1.0  # TetriServe Fig. 2: large images scale best
+
+
+def test_h100_default_small_images_gain_nothing_from_eight_devices():
+    model = ParallelCostModel.h100_flux_default()
+    # 256 px: each device still streams all 24 GB of weights per step and pays 228 all-to-alls,
+    # so going from 4 to 8 devices buys under 5 % while doubling the devices held.
+    assert model.step_time(256, 8) > 0.95 * model.step_time(256, 4)
+    assert model.scaling_efficiency(256, 8) < 0.25
+    # ... whereas at 2048 px compute dominates and 8 devices still almost halve the step
+    assert model.step_time(2048, 8) < 0.55 * model.step_time(2048, 4)
+
+
+# MaskCostModel
+
+
+def synthetic_edit_batches(n, seed):
+    rng = np.random.default_rng(seed)
+    return [
+        [(int(rng.choice([1024, 4096])), float(rng.uniform(0.05, 0.6))) for _ in range(rng.integers(1, 9))]
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def fitted_mask_model():
+    rng = np.random.default_rng(3)
+    model = MaskCostModel(hidden=3072, num_blocks=57)
+    batches = synthetic_edit_batches(120, seed=2)
+    compute = [(b, (0.01 + model.flops(b) / 400e12) * (1 + 0.03 * rng.standard_normal())) for b in batches]
+    loads = [(b, (0.002 + model.cache_bytes(b) / 25e9) * (1 + 0.03 * rng.standard_normal())) for b in batches]
+    model.fit(compute, loads)
+    return model
+
+
+def test_mask_flops_and_bytes_follow_instgenie_table1():
+    model = MaskCostModel(hidden=8, num_blocks=2, bytes_per_element=2)
+    # per block: 24 m L H^2 + 4 m L^2 H = 24*0.5*10*64 + 4*0.5*100*8 = 7680 + 1600
+    assert model.flops([(10, 0.5)]) == pytest.approx(2 * 9280)
+    assert model.flops([(10, 0.0)]) == 0.0
+    assert model.cache_bytes([(10, 0.25)]) == pytest.approx(2 * 0.75 * 10 * 8 * 2)
+    with pytest.raises(ValueError, match="mask ratio"):
+        model.flops([(10, 1.5)])
+
+
+def test_mask_regressions_fit_synthetic_data(fitted_mask_model):
+    report = fitted_mask_model.report
+    assert report.compute_r2 > 0.95 and report.load_r2 > 0.95
+    # the slopes recover the synthetic throughput (400 TFLOP/s) and bandwidth (25 GB/s)
+    assert 1 / fitted_mask_model.compute.coef[0] == pytest.approx(400e12, rel=0.05)
+    assert 1 / fitted_mask_model.load.coef[0] == pytest.approx(25e9, rel=0.05)
+
+
+def test_mask_predict_is_the_longer_of_compute_and_load(fitted_mask_model):
+    small_mask = [(4096, 0.05)] * 4  # little to compute, much to load
+    large_mask = [(4096, 0.9)] * 4
+    assert fitted_mask_model.predict(small_mask) == fitted_mask_model.load_time(small_mask)
+    assert fitted_mask_model.predict(large_mask) == fitted_mask_model.compute_time(large_mask)
+    assert fitted_mask_model.predict([]) == 0.0
+
+
+def test_mask_json_round_trip_predicts_identically(fitted_mask_model, tmp_path):
+    save(fitted_mask_model, tmp_path / "mask.json")
+    loaded = load(tmp_path / "mask.json")
+    batches = synthetic_edit_batches(20, seed=9)
+    assert [loaded.predict(b) for b in batches] == [fitted_mask_model.predict(b) for b in batches]
+    assert loaded.report == fitted_mask_model.report
+
+
+# predictors
+
+
+def test_predictors_round_trip_through_json():
+    X = np.random.default_rng(0).random((30, 2))
+    y = 1 + X @ [2.0, 3.0]
+    for predictor in (SvrPredictor().fit(X, y), LinearPredictor().fit(X, y)):
+        loaded = predictor_from_json(json.loads(json.dumps(predictor.to_json())))
+        assert np.array_equal(loaded.predict(X), predictor.predict(X))
+        assert loaded.score(X, y) > 0.99
+    with pytest.raises(RuntimeError, match="not fitted"):
+        SvrPredictor().predict(X)
+
+
+def test_svr_search_picks_from_the_grid_and_loading_does_not_search_again():
+    X = np.random.default_rng(0).random((40, 2))
+    y = np.exp(X @ [1.0, -0.5])
+    searched = SvrPredictor(search=True).fit(X, y)
+    assert searched.params["C"] in SVR_GRID["C"] and searched.params["gamma"] in SVR_GRID["gamma"]
+    data = json.loads(json.dumps(searched.to_json()))
+    loaded = predictor_from_json(data)
+    assert loaded.params == searched.params and loaded.search
+    assert np.array_equal(loaded.predict(X), searched.predict(X))
+
+
+def test_load_rejects_unknown_kinds(tmp_path):
+    (tmp_path / "x.json").write_text('{"kind": "nope"}')
+    with pytest.raises(ValueError, match="unknown cost model kind"):
+        load(tmp_path / "x.json")
+
+
+def test_cost_models_do_not_import_torch():
+    code = (
+        "import sys, gouache.sched.costmodel, gouache.sched.predictors; "
+        "gouache.sched.costmodel.ParallelCostModel.h100_flux_default(); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
