@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--policy", default="orca", choices=sorted(POLICIES), help="scheduling policy (default: orca)")
     serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--cost-model", default=None, help="step-cost JSON from `gouache profile` (for patched-slo)")
     serve.add_argument("--max-queue-len", type=int, default=64, help="images in flight before 429 (default: 64)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default: 600)")
     serve.add_argument("--patch-size", type=int, default=128,
@@ -66,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("name")
     export.add_argument("directory")
 
+    from gouache.bench import profile
     from gouache.sim import command as simulate
+
+    profile.add_arguments(commands.add_parser("profile", help="measure this device and fit the step-cost model"))
 
     simulate.add_arguments(commands.add_parser("simulate", help="run scheduling policies on a simulated clock"))
 
@@ -96,7 +100,7 @@ def _serve(args) -> int:
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size),
-        SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size),
+        SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model),
     )
     run_server(engine, ServerConfig(host=args.host, port=args.port))
     return 0
@@ -131,13 +135,19 @@ def _bench(args) -> int:
     return {"serve": serve, "batching": batching}[args.bench].run(args)
 
 
+def _profile(args) -> int:
+    from gouache.bench.profile import run
+
+    return run(args)
+
+
 def _simulate(args) -> int:
     from gouache.sim.command import run
 
     return run(args)
 
 
-_COMMANDS = {"simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
+_COMMANDS = {"profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,6 +31,7 @@ class SchedulerConfig:
 
     policy: str = "orca"  # a name from gouache.sched.policies.POLICIES
     max_batch_size: int = 8  # most requests denoised together in one step
+    cost_model: str | None = None  # JSON from `gouache profile`, for SLO-aware policies
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")

@@ -56,3 +56,15 @@ def test_simulate_runs_policies_on_the_same_workload_and_writes_json(tmp_path, c
     data = json.loads(out.read_text())
     assert [r["policy"] for r in data["results"]] == ["orca", "patched-slo"]
     assert all(len(r["requests"]) == 50 for r in data["results"])
+
+
+def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path):
+    from gouache.sched.costmodel import load
+
+    out = tmp_path / "cost.json"
+    args = ["profile", "--model", "tiny-sd3", "--sizes", "64,96", "--patch-size", "32", "--samples", "8",
+            "--max-batch", "2", "--repeats", "1", "--out", str(out)]
+    assert main(args) == 0
+    model = load(out)
+    assert model.step_time([(8, 8)], patched=True) > 0  # a 64 px image: latent 8x8
+    assert model.step_time([(8, 8), (12, 12)], patched=True) > 0

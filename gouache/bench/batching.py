@@ -38,7 +38,7 @@ def parse_mix(mix: str) -> list[str]:
     return [letter for count, letter in re.findall(r"(\d*)([SML])", mix) for _ in range(int(count or 1))]
 
 
-def _median_s(fn, repeats: int, sync) -> float:
+def median_s(fn, repeats: int, sync) -> float:
     fn()  # warm-up
     sync()
     times = []
@@ -75,11 +75,11 @@ def run(args) -> int:
         for letter, state in zip(letters, states):
             groups.setdefault(sizes[letter], []).append(state)
         with torch.no_grad():
-            grouped = _median_s(lambda: [family.forward(g) for g in groups.values()], args.repeats, sync)
-            patched = _median_s(lambda: family.predict_patched(states), args.repeats, sync)
+            grouped = median_s(lambda: [family.forward(g) for g in groups.values()], args.repeats, sync)
+            patched = median_s(lambda: family.predict_patched(states), args.repeats, sync)
         samples = [family.token_grid(s) if family.name == "flux" else s.latents[0] for s in states]
         layout = family.layout(samples)
-        split_merge = _median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
+        split_merge = median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
         rows.append({"mix": mix, "images": len(letters), "resolutions": len(groups), "grouped_ms": grouped * 1e3,
                      "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped, "split_merge_ms": split_merge * 1e3})
         print(f"{mix}: grouped {grouped * 1e3:.1f} ms, patched {patched * 1e3:.1f} ms", file=sys.stderr)

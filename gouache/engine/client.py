@@ -80,11 +80,13 @@ class AsyncEngine:
         import torch
 
         from gouache.runner.models import load_pipeline, model_info
+        from gouache.sched.costmodel import load as load_cost_model
 
         if engine_config.torch_threads:
             torch.set_num_threads(engine_config.torch_threads)
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
-        return cls(pipe, model_info(pipe, model_config.model), engine_config, sched_config)
+        predictor = load_cost_model(sched_config.cost_model) if sched_config.cost_model else None
+        return cls(pipe, model_info(pipe, model_config.model), engine_config, sched_config, predictor=predictor)
 
     # -- lifecycle -------------------------------------------------------------------------
 
