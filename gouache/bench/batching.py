@@ -20,7 +20,8 @@ DEFAULT_MIXES = "SSS,SML,SSM,MML,LLL,4S,4M,4L,4S4M4L"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny-sdxl")
+    p.add_argument("--model", default="tiny-sdxl",
+                   help="a pipeline (built-in or directory), or sdxl-arch / sd3-arch / flux-arch (bare full-size denoiser)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--sizes", default="256,384,512", help="S,M,L square sizes in pixels")
@@ -53,6 +54,30 @@ def median_s(fn, repeats: int, sync) -> float:
 def run(args) -> int:
     import torch
 
+    from gouache.runner.models import ARCH_CONFIGS
+
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sizes = dict(zip("SML", (int(s) for s in args.sizes.split(","))))
+    measure = _arch_rows if args.model in ARCH_CONFIGS else _pipeline_rows
+    rows = measure(args, sizes, sync)
+    table = format_table(rows)
+    print(table)
+    command = "gouache bench batching " + " ".join(sys.argv[3:])
+    result = {"command": command.strip(), "model": args.model, "device": _device_name(args.device), "dtype": args.dtype,
+              "sizes": sizes, "patch_size": args.patch_size, "results": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(f"`{command.strip()}` on {result['device']}\n\n{table}\n")
+    plot(rows, out.with_suffix(".png"), f"{args.model} on {result['device']}")
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
+    """The engine's own step path on prepared requests of a pipeline (CFG rows included)."""
+    import torch
+
     from gouache.request import ImageRequest
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.models import load_pipeline
@@ -61,8 +86,6 @@ def run(args) -> int:
     pipe.set_progress_bar_config(disable=True)
     runner = ModelRunner(pipe, args.patch_size)
     family = runner.family
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    sizes = dict(zip("SML", (int(s) for s in args.sizes.split(","))))
     rows = []
     for mix in args.mixes.split(","):
         letters = parse_mix(mix)
@@ -80,21 +103,36 @@ def run(args) -> int:
         samples = [family.token_grid(s) if family.name == "flux" else s.latents[0] for s in states]
         layout = family.layout(samples)
         split_merge = median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
-        rows.append({"mix": mix, "images": len(letters), "resolutions": len(groups), "grouped_ms": grouped * 1e3,
-                     "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped, "split_merge_ms": split_merge * 1e3})
-        print(f"{mix}: grouped {grouped * 1e3:.1f} ms, patched {patched * 1e3:.1f} ms", file=sys.stderr)
-    table = format_table(rows)
-    print(table)
-    command = "gouache bench batching " + " ".join(sys.argv[3:])
-    result = {"command": command.strip(), "model": args.model, "device": _device_name(args.device), "dtype": args.dtype,
-              "sizes": sizes, "patch_size": args.patch_size, "results": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(f"`{command.strip()}` on {result['device']}\n\n{table}\n")
-    plot(rows, out.with_suffix(".png"), f"{args.model} on {result['device']}")
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
-    return 0
+        rows.append(_row(mix, len(letters), len(groups), grouped, patched, split_merge))
+    return rows
+
+
+def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
+    """A bare full-size denoiser with random conditioning, one image per entry of the mix (no CFG)."""
+    import torch
+
+    from gouache.bench.denoiser_inputs import DenoiserBench
+    from gouache.runner.models import build_arch
+
+    model = build_arch(args.model, args.device, args.dtype)
+    rows = []
+    for mix in args.mixes.split(","):
+        letters = parse_mix(mix)
+        bench = DenoiserBench(model, [(sizes[x] // 8, sizes[x] // 8) for x in letters])
+        unit = 16 if bench.family == "flux" else 8  # pixels per token / per latent pixel
+        layout = bench.layout(args.patch_size // unit)
+        with torch.no_grad():
+            grouped = median_s(bench.grouped, args.repeats, sync)
+            patched = median_s(lambda: bench.patched(layout), args.repeats, sync)
+        split_merge = median_s(lambda: layout.merge(layout.split(bench.samples)), args.repeats, sync)
+        rows.append(_row(mix, len(letters), len(set(letters)), grouped, patched, split_merge))
+    return rows
+
+
+def _row(mix: str, images: int, resolutions: int, grouped: float, patched: float, split_merge: float) -> dict:
+    print(f"{mix}: grouped {grouped * 1e3:.1f} ms, patched {patched * 1e3:.1f} ms", file=sys.stderr)
+    return {"mix": mix, "images": images, "resolutions": resolutions, "grouped_ms": grouped * 1e3,
+            "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped, "split_merge_ms": split_merge * 1e3}
 
 
 def _device_name(device: str) -> str:
