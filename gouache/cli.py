@@ -69,10 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from gouache.bench import profile
     from gouache.sim import command as simulate
+    from gouache.sim import reproduce
 
     profile.add_arguments(commands.add_parser("profile", help="measure this device and fit the step-cost model"))
 
     simulate.add_arguments(commands.add_parser("simulate", help="run scheduling policies on a simulated clock"))
+    reproduce.add_arguments(commands.add_parser("reproduce", help="the papers' scheduling experiments, in one run"))
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
@@ -141,13 +143,19 @@ def _profile(args) -> int:
     return run(args)
 
 
+def _reproduce(args) -> int:
+    from gouache.sim.reproduce import run
+
+    return run(args)
+
+
 def _simulate(args) -> int:
     from gouache.sim.command import run
 
     return run(args)
 
 
-_COMMANDS = {"profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
+_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,59 @@
+"""`gouache reproduce`: the three papers' headline experiments, side by side, in one run.
+
+Each writes JSON, a markdown table and PNG plots under `--out/<name>/`. They run on the
+simulator with documented cost models (see docs/costmodels.md), not on GPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _patchedserve(out: Path) -> dict:
+    from gouache.sim.exp_patchedserve import patchedserve_experiment
+
+    return patchedserve_experiment(out)
+
+
+def _tetriserve(out: Path) -> dict:
+    from gouache.sim.exp_tetriserve import tetriserve_experiment
+
+    return tetriserve_experiment(out)
+
+
+def _instgenie(out: Path) -> dict:
+    from gouache.sim.exp_instgenie import instgenie_experiment
+
+    return instgenie_experiment(out)
+
+
+EXPERIMENTS: dict[str, Callable[[Path], dict]] = {
+    "patchedserve": _patchedserve,  # SLO satisfaction vs QPS: fcfs-static, orca, patched, patched-slo
+    "tetriserve": _tetriserve,  # SLO attainment vs SLO scale on 8 devices: fixed-sp-1/2/4/8, round-knapsack
+    "instgenie": _instgenie,  # P95 latency vs rate over 8 replicas: least-requests, least-tokens, mask-aware
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {', '.join(EXPERIMENTS)}")
+    p.add_argument("--out", default="benchmarks/results/reproduce", help="output folder")
+
+
+def run(args) -> int:
+    names = args.only.split(",")
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; choose from {', '.join(EXPERIMENTS)}")
+    for name in names:
+        out = Path(args.out) / name
+        out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        EXPERIMENTS[name](out)
+        print(f"{name}: wrote {out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        table = next(out.glob("*.md"), None)
+        if table is not None:
+            print(f"\n## {name}\n\n{table.read_text()}")
+    return 0
