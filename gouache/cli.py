@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, serve
+    from gouache.bench import batching, overhead, serve
 
+    overhead.add_arguments(bench_kinds.add_parser("overhead", help="scheduling decision time vs queue length"))
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
     return parser
@@ -132,9 +133,9 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, serve
+    from gouache.bench import batching, overhead, serve
 
-    return {"serve": serve, "batching": batching}[args.bench].run(args)
+    return {"serve": serve, "batching": batching, "overhead": overhead}[args.bench].run(args)
 
 
 def _profile(args) -> int:

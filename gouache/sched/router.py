@@ -91,16 +91,24 @@ class MaskAwareRouter(Router):
         """Predicted seconds from now until `request` finishes on `replica`.
 
         With a free slot it joins the running batch at once and runs its steps at the step
-        cost of the batch with it. Without one it first waits for the requests queued before
-        it, plus itself, to get slots; under continuous batching a slot frees up every
-        (mean remaining steps / max_batch) steps of the full batch."""
-        running = replica.running
+        cost of the batch with it. Without one it needs the k-th slot to free up, k = the
+        requests queued before it plus one: under continuous batching that is when the k-th
+        shortest running request finishes (queued requests beyond the running ones each wait
+        one more mean request length per batch width)."""
+        running = replica.running[: replica.max_batch]
         if len(running) < replica.max_batch and not replica.waiting:
             return request.steps * self.step_cost([*running, request])
-        full = running[: replica.max_batch]
-        mean_steps = sum(r.steps for r in full) / len(full)
-        wait = (len(replica.waiting) + 1) * mean_steps / replica.max_batch * self.step_cost(full)
-        return wait + request.steps * self.step_cost([*full[1:], request])
+        if not running:  # queued work but an empty batch: it is admitted all at once
+            return request.steps * self.step_cost([*replica.waiting[: replica.max_batch - 1], request])
+        remaining = sorted(r.steps for r in running)
+        k = len(replica.waiting) + 1
+        if k <= len(remaining):
+            wait_steps = remaining[k - 1]
+        else:
+            mean = sum(remaining) / len(remaining)
+            wait_steps = remaining[-1] + (k - len(remaining)) * mean / replica.max_batch
+        batch = [*running[1:], request]
+        return wait_steps * self.step_cost(running) + request.steps * self.step_cost(batch)
 
 
 ROUTERS: dict[str, Callable[..., Router]] = {

@@ -14,9 +14,17 @@ Conventions (they fix the exact times the tests compute by hand):
   policy stopped planning with work left and no event came to wake it). Dropped and
   unfinished requests count as SLO misses. Late requests keep running and count as misses.
 
-One replica with one device today. `Replica` is the engine loop of one replica, so N
-devices (a step's cost and busy time spread over them) and R replicas behind a router
-(`Simulator._route`) add to it without changing the event loop.
+R replicas, one device each: every replica is a `Replica` (its own `Scheduler` and policy
+instance); each arrival goes to the replica a router (`gouache.sched.router`) picks from the
+replicas' `ReplicaLoad`s at that instant, built from their queues and batches. One replica
+needs no router. A replica that is idle at an arrival admits its queue at that same instant,
+so its load reports the queued requests that fit its batch as running (this also keeps the
+mask-aware router's slot-wait estimate defined: it divides by the running count).
+
+A step cost sees only `RequestState`s (shape, steps). A cost that needs more of a request,
+such as an edit's mask ratio, holds a mapping from request id built from the trace (e.g.
+`MaskStepCost.for_trace` in `gouache.sim.exp_instgenie`); the simulator's interface to step
+costs does not change.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from gouache.outputs import StepOutput
 from gouache.request import RequestState
 from gouache.sched.interface import Policy, Scheduler
 from gouache.sched.output import StepPlan
-from gouache.sim.workloads import SimRequest
+from gouache.sched.router import ReplicaLoad, Router, RouteRequest
+from gouache.sim.workloads import SimRequest, latent_tokens
 
 # seconds one step plan takes on the device, given the states of the requests in it
 StepCost = Callable[[StepPlan, dict[str, RequestState]], float]
@@ -114,6 +123,7 @@ class RequestRecord:
     first_step: float | None = None  # when its first denoising step began (queueing ends)
     finish: float | None = None  # when its last denoising step ended
     dropped_at: float | None = None  # when its policy dropped it
+    replica: int | None = None  # index of the replica it was routed to
 
     @property
     def latency(self) -> float | None:
@@ -158,7 +168,7 @@ class SimResult:
 
     policy: str
     records: list[RequestRecord]
-    busy_s: float  # time the device spent executing steps
+    busy_s: float  # time a device spent executing steps; with R replicas the mean over them
     start: float  # first arrival
     end: float  # last step end (or last arrival if later)
     num_steps: int
@@ -246,24 +256,50 @@ class Replica:
         for rid in plan.drop:
             self.records[rid].dropped_at = now
 
+    def load(self) -> ReplicaLoad:
+        """What a router sees of this replica: its batch and its queue, as plain values."""
+        running = [self._route_request(s) for s in self.scheduler.running.values()]
+        waiting = [self._route_request(s) for s in self.scheduler.waiting.values()]
+        max_batch = self.scheduler.policy.config.max_batch_size
+        if self.idle:  # it plans before any time passes: its queue joins the batch that starts now
+            free = max(max_batch - len(running), 0)
+            running, waiting = running + waiting[:free], waiting[free:]
+        return ReplicaLoad(running=running, waiting=waiting, max_batch=max_batch)
+
+    def _route_request(self, state: RequestState) -> RouteRequest:
+        return route_request(self.records[state.request_id].request, state.remaining_steps)
+
 
 _STEP_DONE, _ARRIVAL = 0, 1  # event kinds; at one instant, all are applied before scheduling
 
 
 class Simulator:
-    """Runs a trace through one replica (one device) driven by `policy`."""
+    """Runs a trace through one replica per policy instance (one device each).
 
-    def __init__(self, policy: Policy, step_cost: StepCost, vae_scale: int = VAE_SCALE):
-        self.policy = policy
+    `policy` is one policy (one replica) or a sequence of distinct instances, one per replica;
+    with more than one, `router` picks each arrival's replica.
+    """
+
+    def __init__(self, policy: Policy | Sequence[Policy], step_cost: StepCost, vae_scale: int = VAE_SCALE,
+                 router: Router | None = None):
+        self.policies = [policy] if isinstance(policy, Policy) else list(policy)
+        if not self.policies:
+            raise ValueError("a simulation needs at least one replica: pass a policy")
+        if len({id(p) for p in self.policies}) != len(self.policies):
+            raise ValueError("each replica needs its own policy instance: make one per replica")
+        if len(self.policies) > 1 and router is None:
+            raise ValueError(f"{len(self.policies)} replicas need a router (see gouache.sched.router.ROUTERS)")
+        self.policy = self.policies[0]
         self.step_cost = step_cost
         self.vae_scale = vae_scale  # pixels per latent pixel: RequestState.shape = (height, width) // vae_scale
+        self.router = router  # picks each arrival's replica; None with one replica
         self.replicas: list[Replica] = []  # those of the current (or last) run
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         records = {r.request_id: RequestRecord(r) for r in requests}
         if len(records) != len(requests):
             raise ValueError("request ids in a trace must be unique")
-        self.replicas = [Replica(self.policy, self.step_cost, records)]
+        self.replicas = [Replica(policy, self.step_cost, records) for policy in self.policies]
         events = [(r.arrival, _ARRIVAL, i, r) for i, r in enumerate(requests)]
         heapq.heapify(events)
         seq = len(events)  # tie-breaker: events of one kind at one instant keep their order
@@ -276,7 +312,7 @@ class Simulator:
                 if kind == _STEP_DONE:
                     payload.finish_step(now)
                 else:
-                    self._route(payload).add(_state(payload, self.vae_scale))
+                    self._route(payload, records[payload.request_id]).add(_state(payload, self.vae_scale))
             end = now  # events leave the heap in time order
             for replica in self.replicas:
                 if replica.idle and (step_end := replica.start_step(now)) is not None:
@@ -286,15 +322,31 @@ class Simulator:
             replica.close()
         return SimResult(
             policy=self.policy.name, records=list(records.values()),
-            busy_s=sum(r.busy_s for r in self.replicas), start=start, end=end,
+            busy_s=sum(r.busy_s for r in self.replicas) / len(self.replicas), start=start, end=end,
             num_steps=sum(r.num_steps for r in self.replicas),
         )
 
-    def _route(self, request: SimRequest) -> Replica:
-        """The router's place: one replica for now."""
-        return self.replicas[0]
+    def _route(self, request: SimRequest, record: RequestRecord) -> Replica:
+        """The replica the router picks from the replicas' loads now (the only one without a router)."""
+        index = 0
+        if self.router is not None:
+            index = self.router.route(route_request(request), [replica.load() for replica in self.replicas])
+            if not 0 <= index < len(self.replicas):
+                raise ValueError(f"router {self.router.name!r} picked replica {index} of {len(self.replicas)}")
+        record.replica = index
+        return self.replicas[index]
 
 
-def simulate(requests: Sequence[SimRequest], policy: Policy, step_cost: StepCost,
-             vae_scale: int = VAE_SCALE) -> SimResult:
-    return Simulator(policy, step_cost, vae_scale).run(requests)
+def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest:
+    """The router's view of a request: latent tokens, steps still to run, mask ratio (1 = generation)."""
+    return RouteRequest(
+        request_id=request.request_id,
+        tokens=latent_tokens(request.width, request.height),
+        steps=request.steps if steps is None else steps,
+        mask_ratio=1.0 if request.mask_ratio is None else request.mask_ratio,
+    )
+
+
+def simulate(requests: Sequence[SimRequest], policy: Policy | Sequence[Policy], step_cost: StepCost,
+             vae_scale: int = VAE_SCALE, router: Router | None = None) -> SimResult:
+    return Simulator(policy, step_cost, vae_scale, router).run(requests)

@@ -32,9 +32,16 @@ def test_mask_aware_uses_the_batch_cost_model():
 
 def test_mask_aware_counts_the_wait_for_a_slot():
     router = MaskAwareRouter(lambda batch: 0.01 * len(batch))
-    full = ReplicaLoad(running=[req(steps=10)] * 2, waiting=[req()], max_batch=2)
+    full = ReplicaLoad(running=[req(steps=4), req(steps=10)], waiting=[req()], max_batch=2)
     free = ReplicaLoad(running=[req(steps=10)], max_batch=2)
-    # full: waits (1 + 1) * 10 / 2 steps of 0.02 s = 0.2 s, then 20 steps of 0.02 s
+    # full: it needs the 2nd slot, free when the 10-step request ends: 10 steps of 0.02 s = 0.2 s,
+    # then its 20 steps in a batch of two (0.02 s each)
     assert abs(router.cost(req(), full) - (0.2 + 0.4)) < 1e-9
     assert abs(router.cost(req(), free) - 0.4) < 1e-9
     assert router.route(req(), [full, free]) == 1
+
+
+def test_mask_aware_handles_a_queue_in_front_of_an_empty_batch():
+    router = MaskAwareRouter(lambda batch: 0.01 * len(batch))
+    idle_with_queue = ReplicaLoad(waiting=[req()], max_batch=2)
+    assert abs(router.cost(req(), idle_with_queue) - 20 * 0.02) < 1e-9

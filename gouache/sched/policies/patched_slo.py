@@ -41,10 +41,11 @@ class PatchedSloPolicy(Policy):
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
         batch, admit, drop = list(running), [], []
-        for candidate in sorted(waiting, key=lambda s: self.slack(s, now)):
+        alone: dict[tuple[int, int], float] = {}  # shape -> predicted step alone: one predictor call per shape
+        for candidate in sorted(waiting, key=lambda s: self.slack(s, now, alone)):
             if len(batch) >= self.config.max_batch_size:
                 break
-            if self._misses(candidate, self._step([candidate]), now):
+            if self._misses(candidate, self._alone(candidate, alone), now):
                 drop.append(candidate.request_id)
                 continue
             with_candidate = self._step([*batch, candidate])
@@ -58,14 +59,21 @@ class PatchedSloPolicy(Policy):
         groups = [[s.request_id for s in batch]] if batch else []
         return StepPlan(groups=groups, admit=admit, patched=True, drop=drop)
 
-    def slack(self, state: RequestState, now: float) -> float:
+    def slack(self, state: RequestState, now: float, alone: dict[tuple[int, int], float] | None = None) -> float:
         if state.deadline is None:
             return math.inf
-        alone = self._step([state])
-        return (state.deadline - now - state.remaining_steps * alone) / (state.num_steps * alone)
+        step = self._alone(state, {} if alone is None else alone)
+        return (state.deadline - now - state.remaining_steps * step) / (state.num_steps * step)
 
     def benefit(self, batch: list[RequestState], candidate: RequestState, with_candidate: float) -> float:
         return (self._step(batch) + self._step([candidate])) / with_candidate
+
+    def _alone(self, state: RequestState, memo: dict[tuple[int, int], float]) -> float:
+        """Predicted step time of `state` alone. A predictor sees only shapes, so within one plan
+        `memo` (shape -> seconds) answers for every request of a shape after the first."""
+        if state.shape not in memo:
+            memo[state.shape] = self._step([state])
+        return memo[state.shape]
 
     def _step(self, states: Sequence[RequestState]) -> float:
         return self.predictor.step_time([s.shape for s in states], patched=True)

@@ -1,0 +1,131 @@
+"""Scheduling decision time against the number of waiting requests (no GPU, no torch).
+
+For each step policy, the time of one `plan` call as the `Scheduler` makes it (the waiting
+and running dicts listed, the policy asked), with 10 to 10,000 requests waiting and half a
+batch running; for TetriServe's `plan_round`, one round over 8 devices with every request
+waiting. Median of repeated calls; the target is 1 ms at 1,000 waiting. Where a decision
+misses it, a cProfile of that case says where the time goes.
+
+    python -m gouache.bench.overhead [out.json]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import importlib.util
+import io
+import pstats
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from gouache.bench.batching import median_s
+from gouache.config import SchedulerConfig
+from gouache.request import RequestState
+from gouache.sched.policies import make_policy
+from gouache.sim.exp_patchedserve import SdxlH100Assumptions
+from gouache.sim.report import markdown_table, write_json
+from gouache.sim.simulator import standalone_latency
+from gouache.sim.workloads import PATCHEDSERVE_SIZES, TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
+
+WAITING = (10, 100, 1_000, 10_000)
+POLICIES = ("fcfs-static", "orca", "patched", "patched-slo")
+TARGET_S = 1e-3  # at 1,000 waiting
+NUM_DEVICES = 8  # for plan_round
+MAX_BATCH = 8
+NOW = 100.0  # the decision's clock
+BURST_S = 10.0  # the waiting requests arrived in the last BURST_S seconds: a burst, mostly still feasible
+
+
+def run_overhead(out_path: str | Path, waiting: Sequence[int] = WAITING) -> dict:
+    """Time every policy at every queue length; write JSON to `out_path` and a markdown table
+    beside it (.md); print the table; return the JSON data."""
+    rows, profiles = [], {}
+    deciders = {name: _step_policy(name) for name in POLICIES}
+    if importlib.util.find_spec("gouache.sched.knapsack") is not None:
+        deciders["plan_round (N=8)"] = _plan_round
+    for name, make_decision in deciders.items():
+        for n in waiting:
+            decide = make_decision(n)
+            seconds = median_s(decide, max(5, min(200, 30_000 // n)), lambda: None)  # more where a call is short
+            rows.append({"policy": name, "waiting": n, "median_ms": 1e3 * seconds})
+            if n == 1_000 and seconds > TARGET_S:
+                profiles[name] = _profile(decide)
+    table = markdown_table(_pivot(rows), digits=3)
+    data = {"benchmark": "scheduling decision time vs waiting requests", "target_ms_at_1000": 1e3 * TARGET_S,
+            "max_batch": MAX_BATCH, "rows": rows, "profiles_at_1000": profiles, "python": sys.version.split()[0]}
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out_path, data)
+    out_path.with_suffix(".md").write_text(f"# {data['benchmark']} (median ms)\n\n{table}")
+    print(table)
+    return data
+
+
+def _step_policy(name: str) -> Callable[[int], Callable[[], object]]:
+    cost = SdxlH100Assumptions().cost()  # the experiment's SDXL H100 model; patched-slo's predictor
+
+    def make(n: int) -> Callable[[], object]:
+        policy = make_policy(SchedulerConfig(policy=name, max_batch_size=MAX_BATCH), cost)
+        waiting = {s.request_id: s for s in _states(n, cost)}
+        running = {s.request_id: s for s in _states(MAX_BATCH // 2, cost, prefix="run", steps_done=25)}
+        if name == "fcfs-static":
+            running = {}  # it decides only when its batch is empty; otherwise it repeats the batch
+        return lambda: policy.plan(list(waiting.values()), list(running.values()), NOW)
+    return make
+
+
+def _states(n: int, cost, prefix: str = "w", steps_done: int = 0) -> list[RequestState]:
+    """n requests of PatchedServe's sizes, arrived in the last BURST_S seconds, SLO 5x standalone."""
+    spec = WorkloadSpec(n, rate=n / BURST_S, sizes=PATCHEDSERVE_SIZES, steps=50, slo_scale=5.0, seed=n)
+    states = []
+    for r in make_workload(spec, standalone_latency(cost)):
+        arrival = NOW - BURST_S + r.arrival
+        states.append(RequestState(f"{prefix}{r.request_id}", (r.height // 8, r.width // 8), r.steps, arrival,
+                                   deadline=arrival + r.slo_s, steps_done=steps_done))
+    return states
+
+
+def _plan_round(n: int) -> Callable[[], object]:
+    """One TetriServe round over every waiting request: FLUX on 8 H100s, TetriServe's SLOs x 1.5."""
+    from gouache.sched.costmodel import ParallelCostModel
+    from gouache.sched.knapsack import RoundRequest, plan_round
+
+    model = ParallelCostModel.h100_flux_default()
+    tau = max(model.step_time(size, NUM_DEVICES) for size in TETRISERVE_SIZES)  # the largest size's fastest step
+    spec = WorkloadSpec(n, rate=n / 2.0, sizes=TETRISERVE_SIZES, steps=50, seed=n)
+    requests = [RoundRequest(r.request_id, (r.height, r.width), r.steps,
+                             NOW - 2.0 + r.arrival + 1.5 * TETRISERVE_SLO_S[r.width, r.height])
+                for r in make_workload(spec)]
+    return lambda: plan_round(requests, model.step_time, NUM_DEVICES, tau, NOW)
+
+
+def _profile(decide: Callable[[], object], top: int = 6) -> list[dict]:
+    """The functions that take most of one decision's own time (cProfile, 5 calls)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        decide()
+    profiler.disable()
+    stats = pstats.Stats(profiler, stream=io.StringIO())
+    total = sum(row[2] for row in stats.stats.values())  # tottime of every function
+    ranked = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls_per_decision": row[1] / 5,
+             "share_of_time": row[2] / total} for (file, line, name), row in ranked]
+
+
+def _pivot(rows: list[dict]) -> list[dict]:
+    """One row per policy, one column per queue length."""
+    table: dict[str, dict] = {}
+    for row in rows:
+        table.setdefault(row["policy"], {"policy": row["policy"]})[f"{row['waiting']:,} waiting"] = row["median_ms"]
+    return list(table.values())
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default="benchmarks/results/overhead.json")
+
+
+def run(args) -> int:
+    run_overhead(args.out)
+    return 0
