@@ -9,7 +9,7 @@ from gouache.cli import main
 
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "generate", "edit", "models", "export-model", "simulate", "bench"):
+    for command in ("serve", "generate", "edit", "models", "export-model", "profile", "simulate", "reproduce", "bench"):
         assert command in out
 
 
