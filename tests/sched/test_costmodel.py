@@ -215,8 +215,8 @@ def test_mask_regressions_fit_synthetic_data(fitted_mask_model):
     report = fitted_mask_model.report
     assert report.compute_r2 > 0.95 and report.load_r2 > 0.95
     # the slopes recover the synthetic throughput (400 TFLOP/s) and bandwidth (25 GB/s)
-    assert 1 / fitted_mask_model.compute.coef[0] == pytest.approx(400e12, rel=0.05)
-    assert 1 / fitted_mask_model.load.coef[0] == pytest.approx(25e9, rel=0.05)
+    assert fitted_mask_model.compute.coef[0] == pytest.approx(1 / 400e12, rel=0.05)  # seconds per FLOP
+    assert fitted_mask_model.load.coef[0] == pytest.approx(1 / 25e9, rel=0.05)  # seconds per byte
 
 
 def test_mask_predict_is_the_longer_of_compute_and_load(fitted_mask_model):

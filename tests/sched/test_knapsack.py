@@ -49,7 +49,7 @@ def assert_valid(plan, requests, num_devices):
     for rid, a in plan.allocations.items():
         k = len(a.devices)
         assert k & (k - 1) == 0 and a.devices[0] % k == 0 and a.devices == tuple(range(a.devices[0], a.devices[0] + k))
-        assert 1 <= a.steps <= by_id[rid].remaining_steps
+        assert a.steps >= 1 and a.steps <= by_id[rid].remaining_steps
     for group in plan.batches:
         assert len(group) >= 2 and len({by_id[rid].resolution for rid in group}) == 1
         assert len({plan.allocations[rid].devices for rid in group}) == 1
