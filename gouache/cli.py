@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, overhead, serve
+    from gouache.bench import batching, overhead, serve, sim_to_real
 
+    sim_to_real.add_arguments(bench_kinds.add_parser("sim-to-real", help="live engine vs simulator on one workload"))
     overhead.add_arguments(bench_kinds.add_parser("overhead", help="scheduling decision time vs queue length"))
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
@@ -133,9 +134,10 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, overhead, serve
+    from gouache.bench import batching, overhead, serve, sim_to_real
 
-    return {"serve": serve, "batching": batching, "overhead": overhead}[args.bench].run(args)
+    kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real}
+    return kinds[args.bench].run(args)
 
 
 def _profile(args) -> int:
