@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--policy", default="orca", choices=sorted(POLICIES), help="scheduling policy (default: orca)")
     serve.add_argument("--max-batch-size", type=int, default=8)
-    serve.add_argument("--cost-model", default=None, help="step-cost JSON from `gouache profile` (for patched-slo)")
+    serve.add_argument("--cost-model", default=None,
+                       help="step-cost JSON from `gouache profile` (for patched-slo and round-knapsack)")
+    serve.add_argument("--round-s", type=float, default=0.5,
+                       help="round length in seconds under --policy round-knapsack (default: 0.5)")
     serve.add_argument("--max-queue-len", type=int, default=64, help="images in flight before 429 (default: 64)")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default: 600)")
     serve.add_argument("--patch-size", type=int, default=128,
@@ -104,7 +107,8 @@ def _serve(args) -> int:
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size),
-        SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model),
+        SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
+                        round_s=args.round_s),
     )
     run_server(engine, ServerConfig(host=args.host, port=args.port))
     return 0

@@ -32,9 +32,11 @@ class SchedulerConfig:
     policy: str = "orca"  # a name from gouache.sched.policies.POLICIES
     max_batch_size: int = 8  # most requests denoised together in one step
     cost_model: str | None = None  # JSON from `gouache profile`, for SLO-aware policies
+    round_s: float = 0.5  # round-knapsack's round length τ in seconds (at least one step is always taken)
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
 
 
 @dataclass

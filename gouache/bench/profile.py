@@ -2,7 +2,8 @@
 
 Times one patched denoising step (CFG rows included, the engine's own code path) for random
 compositions of the given sizes, fits `BatchCostModel` (exact table + SVR on PatchedServe's
-features) and writes it as JSON with its held-out error. `gouache serve --cost-model PATH`
+features), times the plain forward of 1..max-batch images of each size (what non-patching
+policies run, one forward per size) and writes it all as JSON with the SVR's held-out error. `gouache serve --cost-model PATH`
 loads it for SLO-aware policies; `gouache simulate` can use it as the step cost.
 """
 
@@ -69,6 +70,11 @@ def run(args) -> int:
         samples.append(({(size, size): count for size, count in composition.items()}, seconds))
     model = BatchCostModel(sizes, patch_px=args.patch_size, vae_scale=runner.family.vae_scale)
     report = model.fit(samples)
+    for size in tqdm(sizes, desc="plain forwards"):
+        for batch in range(1, args.max_batch + 1):
+            with torch.no_grad():
+                seconds = median_s(lambda: runner.family.forward(pool[size][:batch]), args.repeats, sync)
+            model.record_grouped(size, batch, seconds)
     out = Path(args.out or f"benchmarks/results/costmodel_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     save(model, out)

@@ -13,6 +13,7 @@ Each is a plain object with `to_json()` / `from_json()` (dicts of plain values);
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,10 @@ class BatchCostModel:
     Measured compositions are looked up exactly (the mean of their measurements); any other is
     predicted by an SVR on PatchedServe's features: the count of each known resolution (in the
     order of `resolutions`), the number of distinct resolutions, and the number of patches.
+
+    Policies that do not patch (orca, fcfs-static, round-knapsack) run one plain forward per
+    resolution; those are priced from a second table, `grouped`: seconds of a plain forward of
+    b images of one resolution, measured for b = 1..max and linear in b between and beyond.
     """
 
     kind = "batch"
@@ -65,6 +70,7 @@ class BatchCostModel:
         self.vae_scale = vae_scale  # pixels per latent cell, to read latent shapes in step_time
         self.predictor = predictor or SvrPredictor()
         self.table: dict[CompositionKey, tuple[float, int]] = {}  # key -> (mean seconds, measurements)
+        self.grouped: dict[Resolution, dict[int, float]] = {}  # resolution -> {batch size: s of a plain forward}
         self.report: FitReport | None = None  # held-out errors of the last fit()
 
     def features(self, composition: Composition) -> list[float]:
@@ -107,14 +113,38 @@ class BatchCostModel:
             raise RuntimeError(f"{dict(composition)} was not measured and no predictor is fitted; call fit()")
         return float(self.predictor.predict([self.features(composition)])[0])
 
+    def record_grouped(self, resolution: int | Sequence[int], batch: int, seconds: float) -> None:
+        """Set the measured seconds of one plain forward of `batch` images of `resolution`."""
+        if batch < 1 or not seconds > 0:
+            raise ValueError(f"a grouped measurement needs batch >= 1 and seconds > 0, got ({batch}, {seconds})")
+        self.grouped.setdefault(as_resolution(resolution), {})[batch] = seconds
+
+    def grouped_time(self, resolution: Resolution, batch: int) -> float:
+        """Seconds of one plain forward of `batch` images of `resolution`: measured, else
+        linear in the batch size through the nearest measured sizes (through the origin when
+        only one size was measured)."""
+        row = self.grouped.get(resolution)
+        if not row:
+            raise ValueError(f"no plain-forward profile of {resolution}; re-run `gouache profile` with that size")
+        if batch in row:
+            return row[batch]
+        sizes = sorted(row)
+        if len(sizes) == 1:
+            return row[sizes[0]] * batch / sizes[0]
+        i = min(max(bisect.bisect(sizes, batch), 1), len(sizes) - 1)  # the measured pair around (or nearest) batch
+        lo, hi = sizes[i - 1], sizes[i]
+        estimate = row[lo] + (row[hi] - row[lo]) / (hi - lo) * (batch - lo)
+        return max(estimate, 1e-6)  # a falling extrapolation must not price a forward at zero
+
     def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
-        """`StepTimePredictor` for the policies: latent shapes -> seconds of one patched step."""
-        if not patched:
-            raise ValueError("BatchCostModel models patched forwards; grouped execution needs its own profile")
+        """`StepTimePredictor` for the policies: latent shapes -> seconds of one step, one
+        patched forward over all of them, or one plain forward per resolution."""
         composition: dict[Resolution, int] = {}
         for h, w in shapes:
             res = (h * self.vae_scale, w * self.vae_scale)
             composition[res] = composition.get(res, 0) + 1
+        if not patched:
+            return sum(self.grouped_time(res, count) for res, count in composition.items())
         return self.predict(composition)
 
     def to_json(self) -> dict[str, Any]:
@@ -127,6 +157,11 @@ class BatchCostModel:
                 {"composition": [list(t) for t in key], "seconds": seconds, "n": n}
                 for key, (seconds, n) in self.table.items()
             ],
+            "grouped": [
+                {"resolution": list(res), "batch": b, "seconds": seconds}
+                for res, row in self.grouped.items()
+                for b, seconds in sorted(row.items())
+            ],
             "predictor": self.predictor.to_json(),
             "report": self.report.to_json() if self.report else None,
         }
@@ -136,6 +171,8 @@ class BatchCostModel:
         predictor = predictor_from_json(data["predictor"])
         model = cls(data["resolutions"], data["patch_px"], data["vae_scale"], predictor)  # type: ignore[arg-type]
         model.table = {tuple(tuple(t) for t in row["composition"]): (row["seconds"], row["n"]) for row in data["table"]}
+        for row in data.get("grouped", []):  # absent in files profiled before plain forwards were
+            model.record_grouped(row["resolution"], row["batch"], row["seconds"])
         model.report = FitReport.from_json(data["report"]) if data.get("report") else None
         return model
 

@@ -227,3 +227,25 @@ def test_unattainable_deadline_is_an_explicit_error(pipes):
 
     error, fine = run(scenario())
     assert error.kind == "deadline_unattainable" and error.status == 503 and len(fine) == 1
+
+
+def test_round_knapsack_serves_live_one_shape_per_step(pipes):
+    pipe = pipes("tiny-sdxl")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(),
+                         SchedulerConfig(policy="round-knapsack", round_s=0.1), predictor=_Fixed())
+    steps = record_steps(engine)
+    shapes = {"a-0": 64, "a-1": 64, "b-0": 96, "c-0": 64}
+
+    async def scenario():
+        await engine.start()
+        handles = [await engine.submit(images("a", n=2, steps=3)),
+                   await engine.submit(images("b", steps=3, size=96, slo_ms=60_000)),
+                   await engine.submit(images("c", steps=3))]
+        results = [await handle.images() for handle in handles]
+        await engine.aclose()
+        return results
+
+    results = run(scenario())
+    assert [len(r) for r in results] == [2, 1, 1]
+    assert all(len({shapes[rid] for rid in ids}) == 1 for ids in steps)  # rounds batch one resolution only
+    assert sorted(rid for ids in steps for rid in ids) == sorted([rid for rid in shapes for _ in range(3)])

@@ -106,8 +106,33 @@ def test_step_time_reads_latent_shapes(fitted_batch_model):
     assert fitted_batch_model.step_time(shapes, patched=True) == fitted_batch_model.predict(
         {(512, 512): 2, (768, 1024): 1}
     )
-    with pytest.raises(ValueError, match="patched"):
+    with pytest.raises(ValueError, match="no plain-forward profile"):
         fitted_batch_model.step_time(shapes, patched=False)
+
+
+def test_plain_forwards_are_measured_then_linear_in_the_batch_size():
+    model = BatchCostModel([512, 768])
+    for batch, seconds in ((1, 0.10), (2, 0.16), (4, 0.28)):
+        model.record_grouped(512, batch, seconds)
+    model.record_grouped(768, 2, 0.5)
+    assert model.grouped_time((512, 512), 2) == 0.16  # measured: exact
+    assert model.grouped_time((512, 512), 3) == pytest.approx(0.22)  # between 2 and 4
+    assert model.grouped_time((512, 512), 6) == pytest.approx(0.40)  # beyond: the last two sizes' slope
+    assert model.grouped_time((768, 768), 3) == pytest.approx(0.75)  # one size measured: proportional
+    # one plain forward per resolution: 2 x 512 and 1 x 768 (latent shapes, VAE x8)
+    assert model.step_time([(64, 64), (96, 96), (64, 64)], patched=False) == pytest.approx(0.16 + 0.25)
+
+
+def test_plain_forward_table_survives_json(tmp_path):
+    model = BatchCostModel([512])
+    model.record_grouped(512, 1, 0.1)
+    model.record_grouped(512, 3, 0.2)
+    model.record({(512, 512): 1}, 0.11)
+    save(model, tmp_path / "m.json")
+    loaded = load(tmp_path / "m.json")
+    assert loaded.grouped == {(512, 512): {1: 0.1, 3: 0.2}} and loaded.grouped_time((512, 512), 2) == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="batch >= 1"):
+        model.record_grouped(512, 0, 0.1)
 
 
 # ParallelCostModel

@@ -8,9 +8,10 @@ from gouache.sched.policies.fcfs_static import FcfsStaticPolicy
 from gouache.sched.policies.orca import OrcaPolicy
 from gouache.sched.policies.patched import PatchedPolicy
 from gouache.sched.policies.patched_slo import PatchedSloPolicy
+from gouache.sched.policies.round_knapsack_live import RoundKnapsackLivePolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy, PatchedSloPolicy)
+    cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy, PatchedSloPolicy, RoundKnapsackLivePolicy)
 }
 
 
