@@ -68,6 +68,7 @@ def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path):
     model = load(out)
     assert model.step_time([(8, 8)], patched=True) > 0  # a 64 px image: latent 8x8
     assert model.step_time([(8, 8), (12, 12)], patched=True) > 0
+    assert model.step_time([(8, 8), (8, 8)], patched=False) == model.grouped[(64, 64)][2]  # plain forwards measured
 
 
 def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
@@ -76,8 +77,13 @@ def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
                  "--max-batch", "2", "--repeats", "1", "--out", str(cost)]) == 0
     out = tmp_path / "s2r.json"
     args = ["bench", "sim-to-real", "--model", "tiny-sd3", "--cost-model", str(cost), "--patch-size", "32", "--sizes", "64",
-            "--requests", "3", "--rate", "5", "--steps", "2", "--max-batch-size", "2", "--out", str(out)]
+            "--requests", "3", "--rate", "5", "--steps", "2", "--max-batch-size", "2", "--policies", "patched,round-knapsack",
+            "--slo-scale", "100", "--out", str(out)]
     assert main(args) == 0
     data = json.loads(out.read_text())
-    assert len(data["live"]) == len(data["simulated"]) == 3
-    assert all(v > 0 for v in [*data["live"].values(), *data["simulated"].values()])
+    for policy in ("patched", "round-knapsack"):
+        run = data["runs"][policy]
+        assert len(run["live"]) == len(run["simulated"]) == 3  # generous SLOs: nothing dropped
+        assert all(v > 0 for v in [*run["live"].values(), *run["simulated"].values()])
+        assert run["live_forward_over_predicted_median"] > 0 and run["live_prep_median_s"] > 0
+    assert [(r["policy"], r["source"]) for r in data["rows"]][:2] == [("patched", "live engine"), ("patched", "simulator")]
