@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 
 from gouache.sched.rounds import (
     BatchStepTime,
@@ -52,19 +53,24 @@ def selective_batching(
     """Batches as lists of ids, the one-device host first; only groups of 2 or more.
 
     `degrees_now` is the round's degree per id (absent = not running); `requests` are all the
-    round's requests. Joiners are the requests absent from `degrees_now`. O(L x G) checks for L
-    joiners and G one-device hosts of their resolution, plus O(b x |K|) per change of a batch
-    of b: whether its members keep their outlook is computed once per size.
+    round's requests. Joiners are the requests absent from `degrees_now` whose resolution has a
+    one-device host (the others are skipped before any work). O(L x G) checks for L joiners
+    and G hosts of their resolution, plus O(b x |K|) per change of a batch of b: whether its
+    members keep their outlook is computed once per size.
     """
     step_time, batch_step_time, top = cached(step_time), cached(batch_step_time), max_degree(num_devices)
     groups: dict[object, list[list[RoundRequest]]] = {}
     for request in requests:
         if degrees_now.get(request.request_id) == 1:
             groups.setdefault(request.resolution, []).append([request])
+    if not groups:
+        return []
     members_ok: dict[int, bool] = {}  # id(group) -> its members keep their outlook with one more; dropped on change
-    joiners = sorted((r for r in requests if r.request_id not in degrees_now), key=lambda r: r.deadline)
+    joiners = sorted(
+        (r for r in requests if r.resolution in groups and r.request_id not in degrees_now), key=attrgetter("deadline")
+    )
     for joiner in joiners:
-        for group in sorted(groups.get(joiner.resolution, ()), key=len):
+        for group in sorted(groups[joiner.resolution], key=len):
             if len(group) >= max_batch:
                 continue
             t_old = batch_step(joiner.resolution, len(group), step_time, batch_step_time)

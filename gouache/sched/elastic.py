@@ -11,9 +11,9 @@ deadline still runs, which the paper's "no GPU remains unused" requires.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
-from gouache.sched.rounds import RoundRequest, StepTime, cached, degrees, fastest_step, max_degree, steps_in_round
+from gouache.sched.rounds import RoundRequest, StepTable, StepTime, cached, max_degree, steps_in_round
 
 
 def elastic_scale_up(
@@ -32,12 +32,21 @@ def elastic_scale_up(
     greedily by benefit per extra device: the drop of the request's lower bound LB_i, i.e.
     extra steps x T_i^min, over k' - k. Ties go to the earlier deadline, then to the order of
     `requests`. Entries of `degrees_now` for ids not in `requests` are kept as they are.
-    O((R + N) log R) step-time look-ups and heap operations: at most N upgrades happen.
+
+    The heap is lazy: an entry computed when more devices were idle is looked at again when
+    popped. Requests absent from `degrees_now` with the same resolution and remaining steps
+    have the same upgrades, so of each such class only the first by (deadline, order) is in
+    the heap; the next takes its place when it is upgraded. O(R) to form the classes, then
+    O((C + N) log C) step-time look-ups and heap operations for C classes and running
+    requests: at most N upgrades happen.
     """
     step_time, out = cached(step_time), dict(degrees_now)
     idle = num_devices - sum(out.values())
+    if idle <= 0:
+        return out
     top = max_degree(num_devices)
     heap: list[tuple[float, float, int, int, int]] = []  # (-benefit, deadline, index, from k, to k')
+    waiting: dict[tuple[Hashable, int], list[tuple[float, int]]] = {}  # (res, s) -> heap of (deadline, index) at 0
 
     def push(i: int) -> None:
         request = requests[i]
@@ -46,34 +55,47 @@ def elastic_scale_up(
         if best is not None:
             heapq.heappush(heap, (-best[0], request.deadline, i, k, best[1]))
 
-    for i in range(len(requests)):
-        push(i)
+    for i, request in enumerate(requests):
+        if request.request_id in out:
+            push(i)
+        else:
+            waiting.setdefault((request.resolution, request.remaining_steps), []).append((request.deadline, i))
+    for queue in waiting.values():
+        heapq.heapify(queue)
+        push(queue[0][1])
     while heap and idle > 0:
         _, _, i, k, k_new = heapq.heappop(heap)
         if k_new - k > idle:  # fewer idle devices than when it was pushed: look again
             push(i)
             continue
-        out[requests[i].request_id] = k_new
+        request = requests[i]
+        starts = request.request_id not in out  # the head of its class: the next in line moves up
+        out[request.request_id] = k_new
         idle -= k_new - k
         push(i)
+        if starts:
+            queue = waiting[(request.resolution, request.remaining_steps)]
+            heapq.heappop(queue)
+            if queue:
+                push(queue[0][1])
     return out
 
 
 def _best_upgrade(
-    request: RoundRequest, k: int, idle: int, step_time: StepTime, tau: float, top: int
+    request: RoundRequest, k: int, idle: int, step_time: StepTable, tau: float, top: int
 ) -> tuple[float, int] | None:
     """(benefit per extra device, k') of the request's best upgrade from k, or None."""
     s = request.remaining_steps
     q_now = steps_in_round(step_time(request.resolution, k), tau, s) if k else 0
     if q_now == s:
         return None  # finishes this round already
-    t_min = fastest_step(request, step_time, top)
+    row = step_time.row(request.resolution, top)
     best: tuple[float, int] | None = None
-    for k_new in degrees(top):
+    for k_new, t in row.times:
         if k_new <= k or k_new - k > idle:
             continue
-        gain = steps_in_round(step_time(request.resolution, k_new), tau, s) - q_now
-        benefit = gain * t_min / (k_new - k)
+        gain = steps_in_round(t, tau, s) - q_now
+        benefit = gain * row.fastest / (k_new - k)
         if gain > 0 and (best is None or benefit > best[0]):
             best = (benefit, k_new)
     return best

@@ -2,9 +2,11 @@
 
 One round of τ seconds over N devices is decided in five steps, each its own function:
 
-1. `deadline_allocations`: per request, the least device-time plan (s^m, A^m) that meets its
-   deadline, mixing at most two power-of-two degrees (`minimal_feasible_degree` is the
-   single-degree case).
+1. `deadline_allocations`: per urgent request, the least device-time plan (s^m, A^m) that
+   meets its deadline, mixing at most two power-of-two degrees (`minimal_feasible_degree` is
+   the single-degree case). A request is urgent if it neither survives the round without
+   running nor is lost whatever it gets; in a burst most requests are one or the other, and
+   those two tests cost O(1) per request.
 2. `round_options`: its knapsack group O_i for this round: none, or one allocation m run for
    q = min(s^m, floor(τ / T(A^m))) steps, each with width A^m and survival sv_i(o).
 3. `group_knapsack`: Algorithm 1's DP over capacity N, maximising surviving requests.
@@ -19,7 +21,9 @@ torch, and `gouache.sched.knapsack` re-exports the whole API.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Hashable, Mapping, Sequence
+from operator import attrgetter
 
 from gouache.sched.batching import batch_step, selective_batching
 from gouache.sched.elastic import elastic_scale_up
@@ -31,10 +35,10 @@ from gouache.sched.rounds import (
     RoundOption,
     RoundPlan,
     RoundRequest,
+    StepTable,
     StepTime,
     cached,
     degrees,
-    fastest_step,
     max_degree,
     steps_in_round,
     survives,
@@ -87,35 +91,32 @@ def deadline_allocations(
     plan is redone every round. None if no plan meets the deadline.
     """
     s, deadline = request.remaining_steps, request.deadline
-    times = {k: step_time(request.resolution, k) for k in degrees(max_degree)}
-    cheapest = min(times, key=lambda k: (k * times[k], k))
-    if now + s * times[cheapest] <= deadline:  # no plan costs less than every step at the cheapest degree
+    row = cached(step_time).row(request.resolution, max_degree)
+    cheapest, t_cheap = row.cheapest
+    if now + s * t_cheap <= deadline:  # no plan costs less than every step at the cheapest degree
         return [Allocation(s, cheapest)]
-    best: _Scored | None = None
-    for slow, t_slow in times.items():
+    # Plans are scored (device-time, parts, top degree), the least wins, the earlier on a tie;
+    # only the winner's Allocations are made.
+    best: tuple[float, int, int] | None = None
+    plan: tuple[tuple[int, int], ...] = ()  # the best's (steps, degree) parts
+    for (slow, t_slow), faster in zip(row.times, row.faster):
         if now + s * t_slow <= deadline:
-            best = _better(best, (s * slow * t_slow, 1, slow, [Allocation(s, slow)]))
-        for fast, t_fast in times.items():
-            if t_fast >= t_slow:
-                continue
-            fast_steps = (now + s * t_slow - deadline) / (t_slow - t_fast)
+            score = (s * slow * t_slow, 1, slow)
+            if best is None or score < best:
+                best, plan = score, ((s, slow),)
+        over = now + s * t_slow - deadline  # seconds over the deadline with every step on `slow`
+        for fast, t_fast in faster:
+            fast_steps = over / (t_slow - t_fast)
             if not 0 < fast_steps <= s - 1:  # <= 0: `slow` alone suffices; > s - 1: only `fast` alone
                 continue
             x = math.ceil(fast_steps)
             while x < s and now + (s - x) * t_slow + x * t_fast > deadline:  # float rounding
                 x += 1
             if x < s:
-                plan = sorted([Allocation(s - x, slow), Allocation(x, fast)], key=lambda a: a.degree)
-                best = _better(best, ((s - x) * slow * t_slow + x * fast * t_fast, 2, max(slow, fast), plan))
-    return best[3] if best else None
-
-
-_Scored = tuple[float, int, int, list[Allocation]]  # (device-time, parts, top degree, plan)
-
-
-def _better(best: _Scored | None, new: _Scored) -> _Scored:
-    """The cheaper plan; on a tie the one with fewer parts, then the smaller top degree."""
-    return new if best is None or new[:3] < best[:3] else best
+                score = ((s - x) * slow * t_slow + x * fast * t_fast, 2, max(slow, fast))
+                if best is None or score < best:
+                    best, plan = score, ((s - x, slow), (x, fast)) if slow < fast else ((x, fast), (s - x, slow))
+    return [Allocation(steps, k) for steps, k in plan] if plan else None
 
 
 def round_options(
@@ -131,7 +132,7 @@ def round_options(
     <= D] with LB_i(o) = (steps left after o) x T_i^min; see `rounds.survives` for a request
     that finishes inside the round."""
     step_time = cached(step_time)
-    t_min = fastest_step(request, step_time, max_degree(num_devices))
+    t_min = step_time.fastest(request.resolution, max_degree(num_devices))
     options = [RoundOption(0, 0, survives(request, 0, 0.0, t_min, tau, now))]
     for part in plan:
         if part.degree > num_devices:
@@ -157,12 +158,13 @@ def group_knapsack(groups: Sequence[Sequence[RoundOption]], capacity: int) -> li
     for options in groups:
         if not options:
             raise ValueError("every group needs at least one option (e.g. a width-0 'none')")
-        items = [(j, o.width, o.value) for j, o in enumerate(options)]
         nxt, pick = [-1] * (capacity + 1), [-1] * (capacity + 1)
-        for c in range(capacity + 1):
-            for j, w, v in items:
-                if w <= c and dp[c - w] >= 0 and dp[c - w] + v > nxt[c]:
-                    nxt[c], pick[c] = dp[c - w] + v, j
+        for j, o in enumerate(options):  # each capacity sees the options in order: the first best is kept
+            w, v = o.width, o.value
+            for c in range(w, capacity + 1):
+                count = dp[c - w]
+                if count >= 0 and count + v > nxt[c]:
+                    nxt[c], pick[c] = count + v, j
         dp = nxt
         back.append(pick)
     c = max(range(capacity + 1), key=lambda c: (dp[c], -c))
@@ -193,24 +195,23 @@ def plan_round(
     The DP runs on the urgent requests only: those that survive without running ("none" has
     sv = 1) or cannot survive whatever they get take "none" in some optimal choice, and
     leaving them out gives the same optimum (the paper: "to decide which requests must be
-    scheduled now"). Idle devices then go to the surviving requests (elastic scale-up), then,
-    if `run_late`, to the rest best-effort; requests still without devices may batch with a
-    same-resolution one-device request when `batch_step_time` is given. A scheduled request
-    runs floor(τ / T) steps (capped by what it has left), not the DP's q_i^m: doing more of
-    its work early never hurts its deadline. Requests that are definitely late under the
-    final plan are listed in `late` for the caller to drop or keep.
+    scheduled now"); they are told apart in O(1) each (`_knapsack_choice`). Idle devices
+    then go to the surviving requests (elastic scale-up), then, if `run_late`, to the rest
+    best-effort; requests still without devices may batch with a same-resolution one-device
+    request when `batch_step_time` is given. A scheduled request runs floor(τ / T) steps
+    (capped by what it has left), not the DP's q_i^m: doing more of its work early never
+    hurts its deadline. Requests that are definitely late under the final plan are listed in
+    `late` for the caller to drop or keep.
     """
-    _validate(requests, num_devices, tau, max_batch)
+    by_id = _index(requests, num_devices, tau, max_batch)
     cost = cached(step_time)
-    ordered = sorted(requests, key=lambda r: r.deadline)
-    chosen = _knapsack_choice(ordered, cost, num_devices, tau, now)
-
-    degree = {r.request_id: o.degree for r, o in zip(ordered, chosen) if o.degree}
-    degree = elastic_scale_up(degree, [r for r, o in zip(ordered, chosen) if o.survives], cost, tau, num_devices)
-    if run_late:
+    ordered = sorted(requests, key=attrgetter("deadline"))
+    chosen, degree = _knapsack_choice(ordered, cost, num_devices, tau, now)
+    if sum(degree.values()) < num_devices:  # else scale-up has nothing to hand out
+        degree = elastic_scale_up(degree, [r for r, o in zip(ordered, chosen) if o.survives], cost, tau, num_devices)
+    if run_late and sum(degree.values()) < num_devices:
         doomed = [r for r, o in zip(ordered, chosen) if not o.survives]
         degree = elastic_scale_up(degree, doomed, cost, tau, num_devices)
-    by_id = {r.request_id: r for r in ordered}
     host = {rid: rid for rid in degree}  # whose devices each running request uses
     step_s = {rid: cost(by_id[rid].resolution, k) for rid, k in degree.items()}  # seconds per step
     batches: list[list[str]] = []
@@ -225,42 +226,83 @@ def plan_round(
         rid: RoundAllocation(devices[host[rid]], steps_in_round(t, tau, by_id[rid].remaining_steps))
         for rid, t in step_s.items()
     }
-    late = [r.request_id for r in ordered if _late(r, allocations, step_s, cost, tau, now, num_devices)]
+    # A request that does not run is late iff its "none" does not survive, which its knapsack
+    # option (a "none" unless it runs) already says: only the running ones are tested again.
+    top = max_degree(num_devices)
+    late_running = {rid: _late(by_id[rid], a.steps, step_s[rid], cost, tau, now, top) for rid, a in allocations.items()}
+    late = [r.request_id for r, o in zip(ordered, chosen) if late_running.get(r.request_id, not o.survives)]
     return RoundPlan(allocations=allocations, batches=batches, late=late)
 
 
 def _knapsack_choice(
-    ordered: Sequence[RoundRequest], cost: StepTime, num_devices: int, tau: float, now: float
-) -> list[RoundOption]:
-    """Algorithm 1 over the urgent requests: the option each request takes before scale-up."""
+    ordered: Sequence[RoundRequest], cost: StepTable, num_devices: int, tau: float, now: float
+) -> tuple[list[RoundOption], dict[str, int]]:
+    """Algorithm 1 over the urgent requests: the option each request takes before scale-up,
+    and the degree of each request it runs (by id).
+
+    A request takes "none" without its options (O(|K|^2) to build) when "none" survives, and
+    when no option can save it. With T_min its fastest step and q_cap = floor(τ / T_min), an
+    option runs q <= min(s, q_cap) steps of T >= T_min seconds. Unfinished (q < s), it
+    survives iff t_{r+1} + (s - q) x T_min <= D: at best with s - q = max(s - q_cap, 1) steps
+    left. Finishing (q = s, so q_cap >= s), iff now + s x T <= D: at best with T = T_min. If
+    neither best case survives, no option does (float rounding is monotone, so this holds as
+    computed). The rest get options as Algorithm 1 writes them; those some option saves
+    enter the DP.
+    """
     top = max_degree(num_devices)
-    options = []
+    end = now + tau  # t_{r+1}
+    bounds = _Bounds(cost, top, tau)
+    chosen: list[RoundOption] = []
+    urgent: list[int] = []  # indices into `ordered` of the DP's groups
+    groups: list[list[RoundOption]] = []
     for request in ordered:
+        t_min, q_cap = bounds[request.resolution]
+        s, deadline = request.remaining_steps, request.deadline
+        if end + s * t_min <= deadline:  # "none" survives, as rounds.survives(request, 0, 0.0, t_min, tau, now)
+            chosen.append(_WAITS)
+            continue
+        fewest_left = s - q_cap if s > q_cap else 1  # steps left after the longest unfinished option
+        can_finish = q_cap >= s and now + s * t_min <= deadline
+        if end + fewest_left * t_min > deadline and not can_finish:
+            chosen.append(_LOST)
+            continue
         plan = deadline_allocations(request, cost, now, top)
         if plan is None:  # hopeless: its one allocation is the fastest degree, for best effort
-            plan = [Allocation(request.remaining_steps, _fastest(request, cost, top))]
-        options.append(round_options(request, plan, cost, now, tau, num_devices))
-    chosen = [opts[0] for opts in options]
-    urgent = [i for i, opts in enumerate(options) if not opts[0].survives and any(o.survives for o in opts)]
-    for i, j in zip(urgent, group_knapsack([options[i] for i in urgent], num_devices)):
-        chosen[i] = options[i][j]
-    return chosen
+            plan = [Allocation(s, _fastest(request, cost, top))]
+        options = round_options(request, plan, cost, now, tau, num_devices)
+        if any(o.survives for o in options):
+            urgent.append(len(chosen))
+            groups.append(options)
+        chosen.append(options[0])
+    running = {}
+    for i, options, j in zip(urgent, groups, group_knapsack(groups, num_devices)):
+        chosen[i] = options[j]
+        if options[j].degree:
+            running[ordered[i].request_id] = options[j].degree
+    return chosen, running
 
 
-def _late(
-    request: RoundRequest,
-    allocations: Mapping[str, RoundAllocation],
-    step_s: Mapping[str, float],
-    cost: StepTime,
-    tau: float,
-    now: float,
-    num_devices: int,
-) -> bool:
-    """Whether `request` is definitely late at t_{r+1} under the round's final plan."""
-    allocation = allocations.get(request.request_id)
-    done = allocation.steps if allocation else 0
-    t_min = fastest_step(request, cost, max_degree(num_devices))
-    return not survives(request, done, step_s.get(request.request_id, 0.0), t_min, tau, now)
+_WAITS = RoundOption(0, 0, True)  # "none", and the request survives it
+_LOST = RoundOption(0, 0, False)  # "none", and no option would save the request
+
+
+class _Bounds(dict[Hashable, tuple[float, int]]):
+    """resolution -> (T_min, floor(τ / T_min)): its fastest step and the most steps a round
+    holds at that speed. Filled on first use: once per resolution, not per request."""
+
+    def __init__(self, cost: StepTable, top: int, tau: float):
+        super().__init__()
+        self.cost, self.top, self.tau = cost, top, tau
+
+    def __missing__(self, resolution: Hashable) -> tuple[float, int]:
+        t_min = self.cost.fastest(resolution, self.top)
+        bound = self[resolution] = (t_min, steps_in_round(t_min, self.tau, sys.maxsize))
+        return bound
+
+
+def _late(request: RoundRequest, steps: int, step_s: float, cost: StepTable, tau: float, now: float, top: int) -> bool:
+    """Whether `request`, run `steps` steps of `step_s` seconds this round, is definitely late at t_{r+1}."""
+    return not survives(request, steps, step_s, cost.fastest(request.resolution, top), tau, now)
 
 
 def _fastest(request: RoundRequest, step_time: StepTime, top: int) -> int:
@@ -268,13 +310,15 @@ def _fastest(request: RoundRequest, step_time: StepTime, top: int) -> int:
     return min(degrees(top), key=lambda k: (step_time(request.resolution, k), k))
 
 
-def _validate(requests: Sequence[RoundRequest], num_devices: int, tau: float, max_batch: int) -> None:
+def _index(requests: Sequence[RoundRequest], num_devices: int, tau: float, max_batch: int) -> dict[str, RoundRequest]:
+    """id -> request, after checking the round's arguments."""
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if not tau > 0:
         raise ValueError(f"the round length tau must be > 0 seconds, got {tau}")
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    ids = [r.request_id for r in requests]
-    if len(set(ids)) != len(ids):
+    by_id = {r.request_id: r for r in requests}
+    if len(by_id) != len(requests):
         raise ValueError("request ids must be unique within a round")
+    return by_id

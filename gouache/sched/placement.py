@@ -39,11 +39,11 @@ def place(
         k, own = degrees[rid], set(previous.get(rid, ()))
         best: tuple[tuple[int, int, int], range] | None = None
         for start in range(0, num_devices - k + 1, k):
-            block = range(start, start + k)
-            if not all(free[d] for d in block):
+            if not all(free[start : start + k]):
                 continue
-            taken_from_others = sum(1 for d in block if reserved.get(d, rid) != rid)
-            key = (taken_from_others, -sum(1 for d in block if d in own), start)
+            block = range(start, start + k)
+            taken_from_others = sum(1 for d in block if reserved.get(d, rid) != rid) if reserved else 0
+            key = (taken_from_others, -len(own.intersection(block)), start)
             if best is None or key < best[0]:
                 best = (key, block)
         if best is None:  # impossible by the largest-first argument above

@@ -22,9 +22,12 @@ BatchStepTime = Callable[[Any, int], float]  # (resolution, batch size b) -> s p
 _FLOOR_SLACK = 1e-9  # τ / T is floored; this keeps 0.3 / 0.1 = 2.9999999999999996 at 3 steps
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RoundRequest:
-    """The scheduler's view of one request at a round boundary (no `now`-relative fields)."""
+    """The scheduler's view of one request at a round boundary (no `now`-relative fields).
+
+    Treat as immutable; it is not frozen because a round policy builds one per request every
+    round, and a frozen dataclass takes three times as long to build."""
 
     request_id: str
     resolution: Hashable  # cost-model key, e.g. (height, width); only equal resolutions batch
@@ -111,14 +114,24 @@ def survives(request: RoundRequest, done: int, step_s: float, t_min: float, tau:
     return now + tau + left * t_min <= request.deadline
 
 
+@dataclass(frozen=True)
+class DegreeRow:
+    """T(res, k) over the degrees K for one resolution, and what round planning reads of it."""
+
+    times: tuple[tuple[int, float], ...]  # [|K|] (k, T(res, k)), ascending k
+    faster: tuple[tuple[tuple[int, float], ...], ...]  # [|K|] per entry of times, the (k', T') with T' < T, in order
+    cheapest: tuple[int, float]  # the (k, T) of least device-time k x T per step, the smaller k on a tie
+    fastest: float  # T_min: the least T over K
+
+
 class StepTable:
     """A cost function T(res, k), memoised and checked to be positive (inf = cannot run), with
-    T_min per resolution: one round asks for the same few values thousands of times."""
+    its row over K per resolution: one round asks for the same few values thousands of times."""
 
     def __init__(self, step_time: StepTime):
         self._step_time = step_time
         self._times: dict[Any, dict[int, float]] = {}
-        self._fastest: dict[tuple[Any, int], float] = {}
+        self._rows: dict[tuple[Any, int], DegreeRow] = {}
 
     def __call__(self, resolution: Any, k: int) -> float:
         row = self._times.setdefault(resolution, {})
@@ -130,11 +143,22 @@ class StepTable:
             row[k] = t
         return t
 
+    def row(self, resolution: Any, top: int) -> DegreeRow:
+        """The row of `resolution` over K = degrees(top)."""
+        row = self._rows.get((resolution, top))
+        if row is None:
+            times = tuple((k, self(resolution, k)) for k in degrees(top))
+            row = self._rows[(resolution, top)] = DegreeRow(
+                times=times,
+                faster=tuple(tuple((k, t) for k, t in times if t < t_slow) for _, t_slow in times),
+                cheapest=min(times, key=lambda kt: (kt[0] * kt[1], kt[0])),
+                fastest=min(t for _, t in times),
+            )
+        return row
+
     def fastest(self, resolution: Any, top: int) -> float:
-        t = self._fastest.get((resolution, top))
-        if t is None:
-            t = self._fastest[(resolution, top)] = min(self(resolution, k) for k in degrees(top))
-        return t
+        """T_min: the least T(res, k) over K."""
+        return self.row(resolution, top).fastest
 
 
 def cached(step_time: StepTime) -> StepTable:

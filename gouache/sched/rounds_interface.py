@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -74,9 +74,12 @@ class RoundPolicy(ABC):
         """The cost model's key of a state: (height, width) in pixels."""
         return (state.shape[0] * self.config.vae_scale, state.shape[1] * self.config.vae_scale)
 
-    def round_request(self, state: RoundState) -> RoundRequest:
-        deadline = math.inf if state.deadline is None else state.deadline
-        return RoundRequest(state.request_id, self.resolution(state), state.remaining_steps, deadline)
+    def round_requests(self, states: Iterable[RoundState]) -> list[RoundRequest]:
+        """Each state as the `RoundRequest` the round planners read. A round converts every
+        request, so `resolution` is inlined here."""
+        vae, inf = self.config.vae_scale, math.inf
+        return [RoundRequest(s.request_id, (s.shape[0] * vae, s.shape[1] * vae), s.remaining_steps,
+                             inf if s.deadline is None else s.deadline) for s in states]
 
     @abstractmethod
     def plan(self, waiting: Sequence[RoundState], running: Sequence[RoundState], now: float,

@@ -19,6 +19,8 @@ from gouache.sched.knapsack import (
     selective_batching,
 )
 
+from . import round_reference as reference
+
 # Seconds per step by resolution and degree, shaped like the paper's Fig. 2: small images scale poorly.
 TABLE = {
     256: {1: 0.05, 2: 0.04, 4: 0.035, 8: 0.035},
@@ -331,3 +333,104 @@ def test_importing_knapsack_does_not_import_torch():
     code = "import sys, gouache.sched.knapsack; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- the fast paths decide exactly as the plain algorithm ---------------------------------------
+# `round_reference` is plan_round as first written: options for every request, a heap of every
+# request in scale-up, lateness tested per request. The fast one must match it on every case.
+
+
+# Step times that do not fall with the degree everywhere (communication outgrows the split work),
+# so a "faster" degree can be a smaller one.
+ODD = {
+    256: {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.09},
+    512: {1: 0.10, 2: 0.06, 4: 0.07, 8: 0.05},
+    1024: {1: 0.40, 2: 0.22, 4: 0.25, 8: 0.12},
+    2048: {1: 1.60, 2: 0.85, 4: 0.45, 8: 0.50},
+}
+
+
+def odd_step_time(resolution, k):
+    return ODD[resolution][k]
+
+
+def boundary_deadline(rng, res, steps, tau, now, n, step_time=step_time):
+    """A deadline on or next to one of the round's survival thresholds, where rounding bites."""
+    t_min = min(step_time(res, k) for k in (1, 2, 4, 8) if k <= n)
+    q = rng.choice([rng.randint(0, steps), math.floor(tau / t_min + 1e-9)])  # any, or the most a round holds
+    threshold = rng.choice([now + tau + steps * t_min, now + steps * t_min, now + tau + max(steps - q, 1) * t_min,
+                            now + steps * step_time(res, 1)])
+    return threshold + rng.choice([0.0, 0.0, 1e-12, -1e-12, 1e-9, -1e-9])
+
+
+def random_round(rng, size=None, step_time=step_time):
+    n = rng.choice([1, 2, 3, 4, 6, 8])
+    tau, now = rng.choice([0.3, 0.5, 1.0, 2.0]), rng.choice([0.0, 7.3, rng.uniform(0, 100)])
+    requests = []
+    for i in range(size if size is not None else rng.randint(1, 60)):
+        res, steps = rng.choice(list(TABLE)), rng.choice([1, 2, 5, 20, 30, rng.randint(1, 50)])
+        deadline = rng.choice([
+            now + rng.uniform(0.05, 15), now + rng.uniform(0.05, 15), math.inf,
+            boundary_deadline(rng, res, steps, tau, now, n, step_time),
+            requests[-1].deadline if requests else now + 1.0,  # a tie with the one before
+        ])
+        requests.append(req(f"r{i}", res, steps, deadline))
+    rng.shuffle(requests)
+    return requests, n, tau, now
+
+
+def test_plan_round_decides_as_the_reference_on_random_rounds():
+    rng = random.Random(23)
+    for case in range(400):
+        cost = rng.choice([step_time, odd_step_time])
+        requests, n, tau, now = random_round(rng, step_time=cost)
+        kwargs = {"batch_step_time": rng.choice([None, batch_time]), "max_batch": rng.choice([2, 8]),
+                  "run_late": rng.random() < 0.7}
+        first = plan_round(requests, cost, n, tau, now, **kwargs)
+        assert first == reference.plan_round(requests, cost, n, tau, now, **kwargs), case
+        previous = {rid: a.devices for rid, a in first.allocations.items()}
+        later = now + tau / 2
+        assert plan_round(requests, cost, n, tau, later, previous, **kwargs) == reference.plan_round(
+            requests, cost, n, tau, later, previous, **kwargs), case
+
+
+def test_plan_round_decides_as_the_reference_on_the_benchmark_round():
+    """The overhead benchmark's round: 1,000 FLUX requests on 8 H100s, most of them not urgent."""
+    from gouache.bench.overhead import round_case
+
+    requests, model, tau, now = round_case(1_000)
+    plan = plan_round(requests, model.step_time, 8, tau, now)
+    assert plan == reference.plan_round(requests, model.step_time, 8, tau, now)
+    assert 0 < len(plan.late) < len(requests)
+
+
+def test_deadline_allocations_equal_the_reference():
+    rng = random.Random(29)
+    for _ in range(2000):
+        cost = rng.choice([step_time, odd_step_time])
+        requests, n, tau, now = random_round(rng, size=1, step_time=cost)
+        top = rng.choice([1, 2, 4, 8])
+        assert deadline_allocations(requests[0], cost, now, top) == reference.deadline_allocations(
+            requests[0], cost, now, top)
+
+
+def test_elastic_scale_up_equals_the_reference():
+    """Requests in any order, many of one (resolution, steps) class, with tied deadlines."""
+    rng = random.Random(31)
+    for case in range(600):
+        cost = rng.choice([step_time, odd_step_time])
+        requests, n, tau, _ = random_round(rng, step_time=cost)
+        running = {r.request_id: k for r in requests[: rng.randint(0, 3)] for k in [rng.choice([1, 2, 4])]}
+        while sum(running.values()) > n:
+            running.popitem()
+        got = elastic_scale_up(running, requests, cost, tau, n)
+        assert got == reference.elastic_scale_up(running, requests, cost, tau, n), case
+
+
+def test_selective_batching_equals_the_reference():
+    rng = random.Random(37)
+    for case in range(300):
+        requests, n, tau, now = random_round(rng)
+        ones = {r.request_id: 1 for r in rng.sample(requests, min(n, len(requests)))}
+        args = (ones, requests, step_time, batch_time, tau, now, n, rng.choice([2, 3, 8]), rng.random() < 0.5)
+        assert selective_batching(*args) == reference.selective_batching(*args), case

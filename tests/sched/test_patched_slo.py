@@ -1,3 +1,5 @@
+import random
+
 import pytest
 
 from gouache.config import SchedulerConfig
@@ -78,3 +80,76 @@ def test_requests_without_slo_are_fcfs_after_those_with_one():
 def test_needs_a_predictor():
     with pytest.raises(ValueError, match="cost model"):
         make_policy(SchedulerConfig(policy="patched-slo"))
+
+
+# -- exactness of the fast path ------------------------------------------------------------------
+
+
+class ByShape:
+    """A shape-dependent, non-linear predictor: patched step time grows with the pixels batched."""
+
+    def step_time(self, shapes, patched):
+        pixels = sum(h * w for h, w in shapes)
+        return 0.02 + 1e-5 * pixels + 2e-11 * pixels**2
+
+
+def random_states(rng, n, prefix="w", started=False):
+    """Few shapes, step counts and deadlines, so slacks tie often; every 4th-ish without an SLO."""
+    states = []
+    for i in range(n):
+        state = make_state(f"{prefix}{i}", shape=rng.choice([(32, 32), (64, 64), (64, 96)]), steps=rng.choice([4, 10]),
+                           arrival=float(i))
+        state.steps_done = rng.randint(0, state.num_steps - 1) if started else 0
+        state.deadline = None if rng.random() < 0.25 else rng.choice([2.0, 3.0, 5.0, rng.uniform(0.5, 30)])
+        states.append(state)
+    return states
+
+
+def reference_slack(policy, s, now):
+    """slack_i as first written: one predictor call per request."""
+    if s.deadline is None:
+        return float("inf")
+    alone = policy.predictor.step_time([s.shape], patched=True)
+    return (s.deadline - now - s.remaining_steps * alone) / (s.num_steps * alone)
+
+
+def reference_plan(policy, waiting, running, now):
+    """The policy as first written: sorted by slack, every step time asked afresh."""
+    def alone(s):
+        return policy.predictor.step_time([s.shape], patched=True)
+
+    def step(states):
+        return policy.predictor.step_time([s.shape for s in states], patched=True)
+
+    def misses(s, t):
+        return s.deadline is not None and now + s.remaining_steps * t > s.deadline
+
+    batch, admit, drop = list(running), [], []
+    for candidate in sorted(waiting, key=lambda s: reference_slack(policy, s, now)):
+        if len(batch) >= policy.config.max_batch_size:
+            break
+        if misses(candidate, alone(candidate)):
+            drop.append(candidate.request_id)
+            continue
+        with_candidate, without = step([*batch, candidate]), step(batch) if batch else 0.0
+        if any(misses(s, with_candidate) and not misses(s, without) for s in batch):
+            break
+        if batch and (step(batch) + step([candidate])) / with_candidate < 1.0:
+            break
+        batch.append(candidate)
+        admit.append(candidate.request_id)
+    return [[s.request_id for s in batch]] if batch else [], admit, drop
+
+
+@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByShape()], ids=["linear", "extra", "by-shape"])
+def test_order_and_plan_equal_the_plain_sorted_by_slack_policy(predictor):
+    rng = random.Random(13)
+    for _ in range(200):
+        policy = make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=rng.choice([1, 4, 8])), predictor)
+        waiting = random_states(rng, rng.randint(0, 40))
+        running = random_states(rng, rng.randint(0, 3), prefix="r", started=True)
+        now = rng.choice([0.0, 0.5, rng.uniform(0, 3)])
+        plain = sorted(waiting, key=lambda s: reference_slack(policy, s, now))
+        assert [s.request_id for s in policy.by_slack(waiting, now)] == [s.request_id for s in plain]
+        plan = policy.plan(waiting, running, now)
+        assert (plan.groups, plan.admit, plan.drop) == reference_plan(policy, waiting, running, now)

@@ -4,8 +4,8 @@ Each step, waiting requests are taken in order of least slack,
 
     slack_i = (deadline_i - now - predicted_remaining_i) / standalone_i,
 
-(requests without an SLO have infinite slack and come last, FCFS). For the most urgent
-candidate the predictor gives the step time of the batch with it:
+(requests without an SLO have infinite slack and come last, FCFS; ties keep arrival order).
+For the most urgent candidate the predictor gives the step time of the batch with it:
 
 - if the candidate cannot meet its deadline even alone, started now, it is dropped (the
   client gets "deadline unattainable");
@@ -20,15 +20,18 @@ meet their deadline in a smaller batch. The benefit of Eq. 1 is taken as the spe
 batching the candidate in over running it separately, (T(A) + T({c})) / T(A + {c}); the
 extracted formula's throughput ratio is garbled, and this is the quantity its text describes
 ("adding a candidate request improves system throughput"). An empty batch always admits.
+
+The slack of every waiting request is computed every step, so it is kept cheap: the predictor
+is asked once per shape present (a predictor sees only shapes), not once per request.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gouache.request import RequestState
-from gouache.sched.interface import Policy
+from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.output import StepPlan
 
 BENEFIT_THRESHOLD = 1.0  # admit when batching is at least as fast as separate forwards
@@ -41,39 +44,50 @@ class PatchedSloPolicy(Policy):
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
         batch, admit, drop = list(running), [], []
-        alone: dict[tuple[int, int], float] = {}  # shape -> predicted step alone: one predictor call per shape
-        for candidate in sorted(waiting, key=lambda s: self.slack(s, now, alone)):
+        alone = StepAlone(self.predictor)
+        batch_step = self._step(batch) if batch else 0.0  # T(batch); after an admission, its T(batch + {c})
+        for candidate in self.by_slack(waiting, now, alone):
             if len(batch) >= self.config.max_batch_size:
                 break
-            if self._misses(candidate, self._alone(candidate, alone), now):
+            if self._misses(candidate, alone[candidate.shape], now):
                 drop.append(candidate.request_id)
                 continue
             with_candidate = self._step([*batch, candidate])
-            without = self._step(batch) if batch else 0.0
-            if any(self._misses(s, with_candidate, now) and not self._misses(s, without, now) for s in batch):
+            if any(self._misses(s, with_candidate, now) and not self._misses(s, batch_step, now) for s in batch):
                 break  # schedulability test: it would push a batch member past its deadline
-            if batch and self.benefit(batch, candidate, with_candidate) < BENEFIT_THRESHOLD:
+            if batch and self.benefit(batch_step, alone[candidate.shape], with_candidate) < BENEFIT_THRESHOLD:
                 break
             batch.append(candidate)
             admit.append(candidate.request_id)
+            batch_step = with_candidate
         groups = [[s.request_id for s in batch]] if batch else []
         return StepPlan(groups=groups, admit=admit, patched=True, drop=drop)
 
-    def slack(self, state: RequestState, now: float, alone: dict[tuple[int, int], float] | None = None) -> float:
-        if state.deadline is None:
-            return math.inf
-        step = self._alone(state, {} if alone is None else alone)
-        return (state.deadline - now - state.remaining_steps * step) / (state.num_steps * step)
+    def by_slack(
+        self, waiting: Sequence[RequestState], now: float, alone: StepAlone | None = None
+    ) -> list[RequestState]:
+        """`waiting` sorted by slack; the sort is stable, so ties keep their order."""
+        return sorted(waiting, key=self.slack_key(now, StepAlone(self.predictor) if alone is None else alone))
 
-    def benefit(self, batch: list[RequestState], candidate: RequestState, with_candidate: float) -> float:
-        return (self._step(batch) + self._step([candidate])) / with_candidate
+    def slack(self, state: RequestState, now: float) -> float:
+        """slack_i at `now` (inf without an SLO)."""
+        return self.slack_key(now, StepAlone(self.predictor))(state)
 
-    def _alone(self, state: RequestState, memo: dict[tuple[int, int], float]) -> float:
-        """Predicted step time of `state` alone. A predictor sees only shapes, so within one plan
-        `memo` (shape -> seconds) answers for every request of a shape after the first."""
-        if state.shape not in memo:
-            memo[state.shape] = self._step([state])
-        return memo[state.shape]
+    @staticmethod
+    def slack_key(now: float, alone: StepAlone) -> Callable[[RequestState], float]:
+        """slack_i as a sort key at `now`; `alone` answers T({i}) per shape. It runs for every
+        waiting request every step, so `remaining_steps` is inlined."""
+        def slack(state: RequestState) -> float:
+            if state.deadline is None:
+                return math.inf
+            step = alone[state.shape]
+            return (state.deadline - now - (state.num_steps - state.steps_done) * step) / (state.num_steps * step)
+        return slack
+
+    @staticmethod
+    def benefit(batch_step: float, candidate_step: float, with_candidate: float) -> float:
+        """Eq. 1 as we read it: (T(A) + T({c})) / T(A + {c})."""
+        return (batch_step + candidate_step) / with_candidate
 
     def _step(self, states: Sequence[RequestState]) -> float:
         return self.predictor.step_time([s.shape for s in states], patched=True)
@@ -81,3 +95,16 @@ class PatchedSloPolicy(Policy):
     @staticmethod
     def _misses(state: RequestState, step_time: float, now: float) -> bool:
         return state.deadline is not None and now + state.remaining_steps * step_time > state.deadline
+
+
+class StepAlone(dict[tuple[int, int], float]):
+    """shape -> predicted seconds of one step of a request of that shape alone. Filled on first
+    use: within one plan the predictor is asked once per shape, not once per request."""
+
+    def __init__(self, predictor: StepTimePredictor):
+        super().__init__()
+        self.predictor = predictor
+
+    def __missing__(self, shape: tuple[int, int]) -> float:
+        step = self[shape] = self.predictor.step_time([shape], patched=True)
+        return step

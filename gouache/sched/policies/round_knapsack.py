@@ -21,7 +21,7 @@ class RoundKnapsackPolicy(RoundPolicy):
 
     def plan(self, waiting: Sequence[RoundState], running: Sequence[RoundState], now: float,
              num_devices: int, previous_placement: Placement | None = None) -> RoundPlan:
-        requests = [self.round_request(s) for s in (*running, *waiting)]
+        requests = self.round_requests((*running, *waiting))
         return plan_round(
             requests, self.step_time, num_devices, self.config.tau, now, previous_placement,
             batch_step_time=self.batch_step_time, max_batch=self.config.max_batch, run_late=self.config.run_late,
