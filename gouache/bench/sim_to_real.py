@@ -2,16 +2,18 @@
 with the profiled cost model, per policy; how far apart are their latency distributions?
 
 Latency here is arrival -> end of the last denoising step in both (the live side sees it as
-the last progress event), so VAE decode and image encoding, which the simulator does not
-model, are left out on both sides. Every request carries an SLO of `--slo-scale` x its
+the last progress event). The simulator charges each request's preparation and
+post-processing (text encoding, VAE decode, image encoding: `gouache profile` measures them)
+as device work between steps, since live they run in threads and processes that share the
+device with the engine loop; a request's own decode is not part of its latency. Every request carries an SLO of `--slo-scale` x its
 standalone latency under the cost model, so deadline-aware policies have deadlines to plan
 for; a request a policy drops counts as a miss on both sides.
 
 Two live diagnostics say why the sides differ when they do: the median ratio of each live
 step's measured forward time to the cost model's prediction for that batch (about 1 when the
-device was as quiet as while profiling; other processes on the machine push it up), and the
-median preparation time (text encoding, initial latents) before a request reaches the queue,
-which the simulator does not model either.
+device was as quiet as while profiling; the stages and other processes push it up), and the
+median preparation time before a request reaches the queue, which the simulator charges as
+device work but does not delay the request by.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def run(args) -> int:
     for policy in args.policies.split(","):
         live = asyncio.run(live_run(args, policy, trace, model))
         config = SchedulerConfig(policy=policy, max_batch_size=args.max_batch_size, round_s=args.round_s)
-        result = simulate(trace, make_policy(config, model), step_cost)
+        result = simulate(trace, make_policy(config, model), step_cost, stage_cost=lambda s: model.stage_time(s.shape))
         simulated = {r.request.request_id: r.latency for r in result.records if r.latency is not None}
         dropped = {r.request.request_id for r in result.records if r.dropped_at is not None}
         live_row = _row(policy, "live engine", live.latency, live.dropped, trace)

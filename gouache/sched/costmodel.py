@@ -50,6 +50,8 @@ class BatchCostModel:
     Policies that do not patch (orca, fcfs-static, round-knapsack) run one plain forward per
     resolution; those are priced from a second table, `grouped`: seconds of a plain forward of
     b images of one resolution, measured for b = 1..max and linear in b between and beyond.
+    `stages` holds what one request costs the device outside its steps (preparation, and
+    post-processing), for a simulator that charges it.
     """
 
     kind = "batch"
@@ -71,6 +73,7 @@ class BatchCostModel:
         self.predictor = predictor or SvrPredictor()
         self.table: dict[CompositionKey, tuple[float, int]] = {}  # key -> (mean seconds, measurements)
         self.grouped: dict[Resolution, dict[int, float]] = {}  # resolution -> {batch size: s of a plain forward}
+        self.stages: dict[Resolution, tuple[float, float]] = {}  # resolution -> (prep s, post s) of one request
         self.report: FitReport | None = None  # held-out errors of the last fit()
 
     def features(self, composition: Composition) -> list[float]:
@@ -136,6 +139,19 @@ class BatchCostModel:
         estimate = row[lo] + (row[hi] - row[lo]) / (hi - lo) * (batch - lo)
         return max(estimate, 1e-6)  # a falling extrapolation must not price a forward at zero
 
+    def record_stages(self, resolution: int | Sequence[int], prep_s: float, post_s: float) -> None:
+        """Set the measured device seconds of one request's preparation and post-processing."""
+        if prep_s < 0 or post_s < 0:
+            raise ValueError(f"stage times must be >= 0 seconds, got ({prep_s}, {post_s})")
+        self.stages[as_resolution(resolution)] = (prep_s, post_s)
+
+    def stage_time(self, shape: tuple[int, int]) -> tuple[float, float]:
+        """(prep, post) seconds of a request with latent `shape`: a simulator's `StageCost`."""
+        res = (shape[0] * self.vae_scale, shape[1] * self.vae_scale)
+        if res not in self.stages:
+            raise ValueError(f"no stage profile of {res}; re-run `gouache profile` with that size")
+        return self.stages[res]
+
     def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
         """`StepTimePredictor` for the policies: latent shapes -> seconds of one step, one
         patched forward over all of them, or one plain forward per resolution."""
@@ -162,6 +178,7 @@ class BatchCostModel:
                 for res, row in self.grouped.items()
                 for b, seconds in sorted(row.items())
             ],
+            "stages": [{"resolution": list(res), "prep_s": prep, "post_s": post} for res, (prep, post) in self.stages.items()],
             "predictor": self.predictor.to_json(),
             "report": self.report.to_json() if self.report else None,
         }
@@ -173,6 +190,8 @@ class BatchCostModel:
         model.table = {tuple(tuple(t) for t in row["composition"]): (row["seconds"], row["n"]) for row in data["table"]}
         for row in data.get("grouped", []):  # absent in files profiled before plain forwards were
             model.record_grouped(row["resolution"], row["batch"], row["seconds"])
+        for row in data.get("stages", []):
+            model.record_stages(row["resolution"], row["prep_s"], row["post_s"])
         model.report = FitReport.from_json(data["report"]) if data.get("report") else None
         return model
 

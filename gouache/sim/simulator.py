@@ -13,6 +13,11 @@ Conventions (they fix the exact times the tests compute by hand):
 - Nothing is lost: a request is finished, dropped by its policy, or left unfinished (the
   policy stopped planning with work left and no event came to wake it). Dropped and
   unfinished requests count as SLO misses. Late requests keep running and count as misses.
+- Stage work (optional `stage_cost`): a request's preparation (text encoding, initial latents)
+  and post-processing (VAE decode, image encoding) share the device with the steps. Each adds
+  its seconds to the replica's backlog when the request arrives or finishes; an idle device
+  works the backlog off as time passes, and the next step takes whatever is left on top of
+  its own cost. The request itself is not delayed by its own stages.
 
 R replicas, one device each: every replica is a `Replica` (its own `Scheduler` and policy
 instance); each arrival goes to the replica a router (`gouache.sched.router`) picks from the
@@ -45,6 +50,8 @@ from gouache.sim.workloads import SimRequest, latent_tokens
 
 # seconds one step plan takes on the device, given the states of the requests in it
 StepCost = Callable[[StepPlan, dict[str, RequestState]], float]
+# seconds of device work a request costs outside its steps: (preparation on arrival, post-processing when done)
+StageCost = Callable[[RequestState], tuple[float, float]]
 
 VAE_SCALE = 8  # pixels per latent pixel of the SD/SDXL/SD3/FLUX VAEs
 
@@ -201,23 +208,31 @@ class SimResult:
 class Replica:
     """The engine loop of one replica, with `execute` replaced by `step_cost` on a simulated clock."""
 
-    def __init__(self, policy: Policy, step_cost: StepCost, records: dict[str, RequestRecord]):
+    def __init__(self, policy: Policy, step_cost: StepCost, records: dict[str, RequestRecord],
+                 stage_cost: StageCost | None = None):
         self.scheduler = Scheduler(policy)
         self.step_cost = step_cost
+        self.stage_cost = stage_cost
         self.records = records  # shared with the simulator; this replica fills in its requests' times
         self.busy_s = 0.0
         self.num_steps = 0
         self._in_flight: tuple[StepPlan, StepOutput] | None = None  # the running step and what it will report
+        self._backlog_s = 0.0  # stage work not yet done
+        self._idle_since = 0.0  # while idle: since when the backlog has been worked off
 
     @property
     def idle(self) -> bool:
         return self._in_flight is None
 
-    def add(self, state: RequestState) -> None:
+    def add(self, state: RequestState, now: float) -> None:
         self.scheduler.add(state)
+        if self.stage_cost is not None:
+            self._work_off(now)
+            self._backlog_s += self.stage_cost(state)[0]
 
     def start_step(self, now: float) -> float | None:
         """Plan and launch one step; its end time, or None if the policy planned no forward."""
+        self._work_off(now)
         plan = self.scheduler.schedule(now)
         self._record_drops(plan, now)
         while plan.drop and not plan.groups and self.scheduler.waiting:
@@ -230,6 +245,7 @@ class Replica:
         cost = self.step_cost(plan, {rid: running[rid] for rid in ids})
         if not (math.isfinite(cost) and cost >= 0):
             raise ValueError(f"step_cost must return finite seconds >= 0, got {cost} for {plan}")
+        cost, self._backlog_s = cost + self._backlog_s, 0.0
         self._in_flight = (plan, StepOutput(request_ids=ids, forward_s=cost))
         self.busy_s += cost
         self.num_steps += 1
@@ -237,9 +253,17 @@ class Replica:
 
     def finish_step(self, now: float) -> None:
         plan, output = self._in_flight
-        self._in_flight = None
+        self._in_flight, self._idle_since = None, now
         for state in self.scheduler.update(plan, output):
             self._close(state, finish=now)
+            if self.stage_cost is not None:
+                self._backlog_s += self.stage_cost(state)[1]
+
+    def _work_off(self, now: float) -> None:
+        """An idle device spends the time since it went idle on the stage backlog."""
+        if self.idle:
+            self._backlog_s = max(0.0, self._backlog_s - (now - self._idle_since))
+            self._idle_since = now
 
     def close(self) -> None:
         """At the end of a run: record when the requests still held had started, if they had."""
@@ -281,7 +305,7 @@ class Simulator:
     """
 
     def __init__(self, policy: Policy | Sequence[Policy], step_cost: StepCost, vae_scale: int = VAE_SCALE,
-                 router: Router | None = None):
+                 router: Router | None = None, stage_cost: StageCost | None = None):
         self.policies = [policy] if isinstance(policy, Policy) else list(policy)
         if not self.policies:
             raise ValueError("a simulation needs at least one replica: pass a policy")
@@ -293,13 +317,14 @@ class Simulator:
         self.step_cost = step_cost
         self.vae_scale = vae_scale  # pixels per latent pixel: RequestState.shape = (height, width) // vae_scale
         self.router = router  # picks each arrival's replica; None with one replica
+        self.stage_cost = stage_cost  # per request (prep, post) seconds on its replica's device; None = free
         self.replicas: list[Replica] = []  # those of the current (or last) run
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         records = {r.request_id: RequestRecord(r) for r in requests}
         if len(records) != len(requests):
             raise ValueError("request ids in a trace must be unique")
-        self.replicas = [Replica(policy, self.step_cost, records) for policy in self.policies]
+        self.replicas = [Replica(policy, self.step_cost, records, self.stage_cost) for policy in self.policies]
         events = [(r.arrival, _ARRIVAL, i, r) for i, r in enumerate(requests)]
         heapq.heapify(events)
         seq = len(events)  # tie-breaker: events of one kind at one instant keep their order
@@ -312,7 +337,7 @@ class Simulator:
                 if kind == _STEP_DONE:
                     payload.finish_step(now)
                 else:
-                    self._route(payload, records[payload.request_id]).add(_state(payload, self.vae_scale))
+                    self._route(payload, records[payload.request_id]).add(_state(payload, self.vae_scale), now)
             end = now  # events leave the heap in time order
             for replica in self.replicas:
                 if replica.idle and (step_end := replica.start_step(now)) is not None:
@@ -348,5 +373,5 @@ def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest
 
 
 def simulate(requests: Sequence[SimRequest], policy: Policy | Sequence[Policy], step_cost: StepCost,
-             vae_scale: int = VAE_SCALE, router: Router | None = None) -> SimResult:
-    return Simulator(policy, step_cost, vae_scale, router).run(requests)
+             vae_scale: int = VAE_SCALE, router: Router | None = None, stage_cost: StageCost | None = None) -> SimResult:
+    return Simulator(policy, step_cost, vae_scale, router, stage_cost).run(requests)

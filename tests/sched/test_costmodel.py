@@ -135,6 +135,16 @@ def test_plain_forward_table_survives_json(tmp_path):
         model.record_grouped(512, 0, 0.1)
 
 
+def test_stage_times_are_read_by_latent_shape_and_survive_json(tmp_path):
+    model = BatchCostModel([512])
+    model.record_stages(512, 0.02, 0.1)
+    save(model, tmp_path / "m.json")
+    loaded = load(tmp_path / "m.json")
+    assert loaded.stage_time((64, 64)) == (0.02, 0.1)  # latent 64x64 = 512 px, VAE x8
+    with pytest.raises(ValueError, match="no stage profile"):
+        loaded.stage_time((96, 96))
+
+
 # ParallelCostModel
 
 

@@ -136,6 +136,24 @@ def test_fcfs_static_matches_hand_computed_times():
     assert result.metrics().queueing_mean_s == pytest.approx((0 + 4 + 8) / 3)
 
 
+def test_stage_work_is_charged_to_the_next_step():
+    # each request: 0.25 s of preparation on arrival, 1 s of post-processing when done (orca, as above)
+    # t=0     a's prep is backlog: [[a]] = 2.5 + 0.25                       -> 2.75
+    # t=2.75  b's and c's preps: [[a, b], [c]] = 8.5 + 0.5                  -> 11.75; a, c done
+    # t=11.75 their post-processing: [[b]] = 2.5 + 2                         -> 16.25
+    result = simulate(HAND_TRACE, policy("orca"), HAND_COST, stage_cost=lambda state: (0.25, 1.0))
+    assert times(result) == {"a": (0.0, pytest.approx(11.75)), "b": (2.75, pytest.approx(16.25)),
+                             "c": (2.75, pytest.approx(11.75))}
+
+
+@pytest.mark.parametrize("arrival, finish", [(3.0, 6.0), (10.0, 12.5)])
+def test_an_idle_device_works_off_the_stage_backlog(arrival, finish):
+    # a's 1 s of post-processing starts at 2.5: half is left at 3.0, none at 10.0
+    trace = [SimRequest("a", 0.0, 512, 512, 1), SimRequest("b", arrival, 512, 512, 1)]
+    result = simulate(trace, policy("orca"), HAND_COST, stage_cost=lambda state: (0.0, 1.0))
+    assert times(result)["b"] == (arrival, pytest.approx(finish))
+
+
 def test_arrival_at_a_step_end_joins_the_next_step():
     trace = [SimRequest("a", 0.0, 512, 512, 2), SimRequest("b", 2.5, 512, 512, 1)]
     result = simulate(trace, policy("orca"), HAND_COST)
