@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--patch-size", type=int, default=128,
                        help="patch side in pixels under --policy patched; sizes must be multiples of it (default: 128)")
     serve.add_argument("--image-workers", type=int, default=1, help="processes for image decode/encode (default: 1)")
+    serve.add_argument("--torch-threads", type=int, default=None,
+                       help="intra-op threads of torch (default: torch's); profile with the same number")
 
     generate = commands.add_parser("generate", help="make one image offline, without a server")
     _add_image_args(generate)
@@ -106,7 +108,7 @@ def _serve(args) -> int:
     engine = AsyncEngine.from_config(
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
-                     patch_size=args.patch_size),
+                     patch_size=args.patch_size, torch_threads=args.torch_threads),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

@@ -69,6 +69,7 @@ def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path):
     assert model.step_time([(8, 8)], patched=True) > 0  # a 64 px image: latent 8x8
     assert model.step_time([(8, 8), (12, 12)], patched=True) > 0
     assert model.step_time([(8, 8), (8, 8)], patched=False) == model.grouped[(64, 64)][2]  # plain forwards measured
+    assert len(model.table) == 5  # all of 64, 96, 64+64, 64+96, 96+96 were timed
     prep, post = model.stage_time((12, 12))
     assert prep > 0 and post > 0
 

@@ -8,6 +8,14 @@ writes it all as JSON with the SVR's held-out error. The stages are preparation 
 encoding, initial latents) and post-processing: VAE decode, plus image encoding when the
 device is the CPU (on a GPU the codec processes do not use the device). `gouache serve --cost-model PATH`
 loads it for SLO-aware policies; `gouache simulate` can use it as the step cost.
+
+Each piece is timed on a thread of its own, as the engine runs it: preparation on a "prep"
+thread, steps on an "engine" thread, decoding on a "post" thread, the model loaded on the
+main thread. This matters on a CPU: torch's OpenMP runtime spins its idle workers only while
+it has no more threads than cores, so once several threads run torch (the engine always has
+four), each parallel region pays for waking its workers. On the 2-core CPU a tiny-sdxl
+step takes about 1.4x as long on such a thread as on a lone main thread; a profile taken on
+the main thread predicted live steps 1.2-1.5x too fast.
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from itertools import combinations_with_replacement
 from pathlib import Path
 
 from tqdm import tqdm
@@ -30,15 +42,25 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--sizes", default="256,384,512", help="square sizes in pixels the server will see")
     p.add_argument("--patch-size", type=int, default=128)
-    p.add_argument("--samples", type=int, default=60, help="random compositions to time")
+    p.add_argument("--samples", type=int, default=60,
+                   help="compositions to time (every one, if there are no more than this)")
     p.add_argument("--max-batch", type=int, default=6, help="most images in a profiled batch")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="intra-op threads of torch, as `gouache serve --torch-threads` will run (default: torch's)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json)")
 
 
-def random_compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[dict[int, int]]:
-    """Every single-size batch of one (the standalone times), then random mixes."""
+def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[dict[int, int]]:
+    """The batches to time. When there are at most `n` compositions of 1..max_batch images, all
+    of them: the table then prices every batch the server can form from measurements, and the
+    SVR never extrapolates. Otherwise every single-size batch of one (the standalone times),
+    then random mixes."""
+    every = [dict(Counter(picks)) for total in range(1, max_batch + 1)
+             for picks in combinations_with_replacement(sizes, total)]
+    if len(every) <= n:
+        return every
     rng = random.Random(seed)
     out = [{size: 1} for size in sizes]
     while len(out) < n:
@@ -53,37 +75,71 @@ def run(args) -> int:
 
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.models import load_pipeline
-    from gouache.sched.costmodel import BatchCostModel, save
+    from gouache.sched.costmodel import save
 
     sizes = [int(s) for s in args.sizes.split(",")]
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
     runner = ModelRunner(pipe, args.patch_size)
-    pool, prep_s = _prepare_pool(runner, sizes, args.max_batch, sync)
-    samples = []
-    for composition in tqdm(random_compositions(sizes, args.samples, args.max_batch, args.seed), desc="profiling"):
-        states = [s for size, count in composition.items() for s in pool[size][:count]]
-        with torch.no_grad():
-            seconds = median_s(lambda: runner.family.predict_patched(states), args.repeats, sync)
-        samples.append(({(size, size): count for size, count in composition.items()}, seconds))
-    model = BatchCostModel(sizes, patch_px=args.patch_size, vae_scale=runner.family.vae_scale)
-    report = model.fit(samples)
-    for size in tqdm(sizes, desc="plain forwards and stages"):
-        for batch in range(1, args.max_batch + 1):
-            with torch.no_grad():
-                seconds = median_s(lambda: runner.family.forward(pool[size][:batch]), args.repeats, sync)
-            model.record_grouped(size, batch, seconds)
-        model.record_stages(size, prep_s[size], _post_s(runner, pool[size][0], args, sync))
+    prep, engine, post = (ThreadPoolExecutor(1, f"gouache-{name}") for name in ("prep", "engine", "post"))
+    with prep, engine, post:
+        pool, prep_s = prep.submit(_prepare_pool, runner, sizes, args.max_batch, sync).result()
+        model = engine.submit(_time_steps, runner, pool, sizes, args, sync).result()
+        for size in sizes:
+            model.record_stages(size, prep_s[size], post.submit(_post_s, runner, pool[size][0], args, sync).result())
     out = Path(args.out or f"benchmarks/results/costmodel_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     save(model, out)
+    report = model.report
     summary = {"command": "gouache profile " + " ".join(sys.argv[2:]), "model": args.model, "device": args.device,
-               "samples": len(samples), "fit": report.to_json()}
+               "torch_threads": torch.get_num_threads(), "samples": report.n_train + report.n_test, "fit": report.to_json()}
     out.with_suffix(".report.json").write_text(json.dumps(summary, indent=2))
     print(f"test MAPE {report.test_mape:.1f} %, worst held-out error {report.test_max_rel_error:.1%}, "
           f"R² {report.test_r2:.3f}; wrote {out}")
     return 0
+
+
+def _time_steps(runner, pool: dict[int, list], sizes: list[int], args, sync):
+    """The cost model of the denoiser's steps: patched steps of the compositions (the fit), and
+    plain forwards of 1..max-batch images of each size."""
+    from gouache.sched.costmodel import BatchCostModel
+
+    family = runner.family
+    mixes = compositions(sizes, args.samples, args.max_batch, args.seed)
+    plain = [(size, batch) for size in sizes for batch in range(1, args.max_batch + 1)]
+    calls = [partial(family.predict_patched, _states(pool, mix)) for mix in mixes]
+    calls += [partial(family.forward, pool[size][:batch]) for size, batch in plain]
+    seconds = _median_over_rounds(calls, args.repeats, sync)
+    model = BatchCostModel(sizes, patch_px=args.patch_size, vae_scale=family.vae_scale)
+    model.fit([({(size, size): count for size, count in mix.items()}, t) for mix, t in zip(mixes, seconds)])
+    for (size, batch), t in zip(plain, seconds[len(mixes):]):
+        model.record_grouped(size, batch, t)
+    return model
+
+
+def _states(pool: dict[int, list], mix: dict[int, int]) -> list:
+    return [state for size, count in mix.items() for state in pool[size][:count]]
+
+
+def _median_over_rounds(calls: list, repeats: int, sync) -> list[float]:
+    """Median seconds of each call, timed once per round over `repeats` rounds after a warm-up
+    round. A shared machine slows down for seconds at a time; spread over rounds, such a spell
+    costs every call a little instead of a few calls a lot."""
+    import torch
+
+    times: list[list[float]] = [[] for _ in calls]
+    with torch.no_grad():
+        for round_ in tqdm(range(repeats + 1), desc=f"timing {len(calls)} batches"):
+            for call, seen in zip(calls, times):
+                start = time.perf_counter()
+                call()
+                sync()
+                if round_:
+                    seen.append(time.perf_counter() - start)
+    return [statistics.median(seen) for seen in times]
 
 
 def _prepare_pool(runner, sizes: list[int], max_batch: int, sync) -> tuple[dict[int, list], dict[int, float]]:
