@@ -27,16 +27,13 @@ class RoundRequest:
     """The scheduler's view of one request at a round boundary (no `now`-relative fields).
 
     Treat as immutable; it is not frozen because a round policy builds one per request every
-    round, and a frozen dataclass takes three times as long to build."""
+    round, and a frozen dataclass takes three times as long to build. For the same reason it
+    checks nothing itself: `plan_round` rejects remaining_steps < 1 as it reads each request."""
 
     request_id: str
     resolution: Hashable  # cost-model key, e.g. (height, width); only equal resolutions batch
-    remaining_steps: int  # denoising steps still to run, >= 1
+    remaining_steps: int  # denoising steps still to run, >= 1 (finished requests leave the round)
     deadline: float = math.inf  # absolute seconds on the caller's clock; inf = no SLO
-
-    def __post_init__(self) -> None:
-        if self.remaining_steps < 1:
-            raise ValueError(f"{self.request_id}: remaining_steps must be >= 1 (finished requests leave the round)")
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,18 @@ def test_policies_plan_from_request_states():
     assert sum(len(a.devices) for a in knap.allocations.values()) <= 4 and "w1" in knap.allocations
 
 
+def test_a_policy_reuses_its_conversions_until_a_request_steps():
+    knap = policy("round-knapsack")
+    waiting = RequestState("w", (64, 64), 10, 0.0, deadline=2.0)
+    running = RequestState("r", (32, 32), 10, 0.0)
+    first = knap.round_requests([running, waiting])
+    running.steps_done = 3
+    second = knap.round_requests([running, waiting])
+    assert second[1] is first[1]  # the waiting one did not change
+    assert (first[0].remaining_steps, second[0].remaining_steps) == (10, 7)
+    assert second[0].resolution == (256, 256) and second[1].deadline == 2.0
+
+
 def test_registry_holds_the_round_policies():
     assert tuple(round_policy_registry()) == ROUND_POLICY_NAMES
     assert {policy(name).name for name in ROUND_POLICY_NAMES} == set(ROUND_POLICY_NAMES)
