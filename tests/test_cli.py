@@ -90,3 +90,6 @@ def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
         assert all(v > 0 for v in [*run["live"].values(), *run["simulated"].values()])
         assert run["live_forward_over_predicted_median"] > 0 and run["live_prep_median_s"] > 0
     assert [(r["policy"], r["source"]) for r in data["rows"]][:2] == [("patched", "live engine"), ("patched", "simulator")]
+    speed = data["runs"]["patched"]["live_forward_over_predicted_median"]
+    assert data["rows"][2]["source"] == f"simulator, steps x {speed:.2f}"
+    assert len(data["runs"]["patched"]["simulated_at_live_speed"]) == 3

@@ -1,7 +1,7 @@
 """`gouache profile`: measure the served model on this device and fit its step-cost model.
 
-Times one patched denoising step (CFG rows included, the engine's own code path) for random
-compositions of the given sizes, fits `BatchCostModel` (exact table + SVR on PatchedServe's
+Times one patched denoising step (CFG rows included, the engine's own code path) for
+compositions of the given sizes (every one of up to --max-batch images when they are few), fits `BatchCostModel` (exact table + SVR on PatchedServe's
 features), times the plain forward of 1..max-batch images of each size (what non-patching
 policies run, one forward per size) and what one request costs outside its steps, then
 writes it all as JSON with the SVR's held-out error. The stages are preparation (text
@@ -11,11 +11,10 @@ loads it for SLO-aware policies; `gouache simulate` can use it as the step cost.
 
 Each piece is timed on a thread of its own, as the engine runs it: preparation on a "prep"
 thread, steps on an "engine" thread, decoding on a "post" thread, the model loaded on the
-main thread. This matters on a CPU: torch's OpenMP runtime spins its idle workers only while
-it has no more threads than cores, so once several threads run torch (the engine always has
-four), each parallel region pays for waking its workers. On the 2-core CPU a tiny-sdxl
-step takes about 1.4x as long on such a thread as on a lone main thread; a profile taken on
-the main thread predicted live steps 1.2-1.5x too fast.
+main thread. This matters on a CPU: on the 2-core CPU a tiny-sdxl step takes about 1.4x as
+long on another thread as on the main one (likely torch's OpenMP runtime, which stops
+spinning idle workers once more threads use it than there are cores), and a profile taken on
+the main thread predicted live steps 1.2-1.5x too fast (docs/scheduling.md).
 """
 
 from __future__ import annotations
