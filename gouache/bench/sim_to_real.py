@@ -33,11 +33,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 from gouache.bench.serve import percentile
 from gouache.sim.report import markdown_table, write_json
+from gouache.sim.simulator import PredictedStepCost, simulate, standalone_latency
 from gouache.sim.workloads import SimRequest, WorkloadSpec, make_workload
 
 COLUMNS = ["policy", "source", "finished", "dropped", "p50_s", "p95_s", "mean_s", "slo_attainment", "p50_gap"]
@@ -112,29 +112,20 @@ def _observe(engine, model, out: LiveRun, arrivals: dict[str, float]) -> None:
         add(state)
 
     def noting_step(report) -> None:
-        out.forward_ratio.append(report.output.forward_s / predicted_step(model, report.plan, report.states))
+        out.forward_ratio.append(report.output.forward_s / PredictedStepCost(model)(report.plan, report.states))
         on_step(report)
 
     engine.core.add, engine.core.on_step = noting_add, noting_step
 
 
-def predicted_step(model, plan, states) -> float:
-    """The cost model's seconds for a step plan: one patched forward, or one plain forward per group."""
-    shapes = [[states[rid].shape for rid in group] for group in plan.groups]
-    if plan.patched:
-        return model.step_time([s for group in shapes for s in group], patched=True)
-    return sum(model.step_time(group, patched=False) for group in shapes)
-
-
 def run(args) -> int:
     from gouache.sched.costmodel import load
-    from gouache.sim.simulator import standalone_latency
 
     model = load(args.cost_model)
     sizes = [(int(s), int(s)) for s in args.sizes.split(",")]
     spec = WorkloadSpec(args.requests, args.rate, sizes=sizes, steps=args.steps, slo_scale=args.slo_scale,
                         seed=args.seed)
-    trace = make_workload(spec, standalone_latency(partial(predicted_step, model)))
+    trace = make_workload(spec, standalone_latency(PredictedStepCost(model)))
     shares_cores = not args.torch_threads or args.torch_threads >= (os.cpu_count() or 1)
     rows, runs, load_avg = [], {}, {"start": os.getloadavg()[0]}
     for policy in args.policies.split(","):
@@ -178,17 +169,14 @@ def _simulated(args, policy: str, trace: list[SimRequest], model, scale: float,
     unscaled model, as it does live."""
     from gouache.config import SchedulerConfig
     from gouache.sched.policies import make_policy
-    from gouache.sim.simulator import simulate
-
-    def step_cost(plan, states) -> float:
-        return scale * predicted_step(model, plan, states)
 
     def stage_cost(state) -> tuple[float, float]:
         prep, post = model.stage_time(state.shape)
         return scale * prep, scale * post
 
     config = SchedulerConfig(policy=policy, max_batch_size=args.max_batch_size, round_s=args.round_s)
-    result = simulate(trace, make_policy(config, model), step_cost, stage_cost=stage_cost if charge_stages else None)
+    result = simulate(trace, make_policy(config, model), PredictedStepCost(model, scale),
+                      stage_cost=stage_cost if charge_stages else None)
     simulated = {r.request.request_id: r.latency for r in result.records if r.latency is not None}
     return simulated, {r.request.request_id for r in result.records if r.dropped_at is not None}
 

@@ -26,7 +26,7 @@ def result_to_dict(result: SimResult, per_request: bool = True) -> dict:
     if per_request:
         data["requests"] = [
             {**asdict(r.request), "first_step": r.first_step, "finish": r.finish,
-             "dropped_at": r.dropped_at, "met_slo": r.met_slo}
+             "dropped_at": r.dropped_at, "met_slo": r.met_slo, "replica": r.replica}
             for r in result.records
         ]
     return data

@@ -43,7 +43,7 @@ import numpy as np
 
 from gouache.outputs import StepOutput
 from gouache.request import RequestState
-from gouache.sched.interface import Policy, Scheduler
+from gouache.sched.interface import Policy, Scheduler, StepTimePredictor
 from gouache.sched.output import StepPlan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sim.workloads import SimRequest, latent_tokens
@@ -90,6 +90,13 @@ class LinearStepCost:
             by_shape.setdefault(tuple(shape), []).append(shape)
         return self.base_s + sum(self._forward(group) for group in by_shape.values())
 
+    def batch_step_time(self, batch: Sequence[RouteRequest]) -> float:
+        """The same cost of one forward over the router's view of requests (16 pixels a token
+        side, `latent_tokens`), an edit counting its masked pixels only: the mask-aware
+        router's cost model."""
+        pixels = sum(r.tokens * r.mask_ratio for r in batch) * 16**2
+        return self.base_s + self.per_forward_s + pixels / 1e6 * self.per_megapixel_s
+
     def _forward(self, shapes: Sequence[tuple[int, int]]) -> float:
         latent_pixels = sum(h * w for h, w in shapes)
         return self.per_forward_s + latent_pixels * self.vae_scale**2 / 1e6 * self.per_megapixel_s
@@ -99,6 +106,22 @@ def linear_step_cost(base_s: float = 0.0, per_megapixel_s: float = 0.0, per_forw
                      vae_scale: int = VAE_SCALE) -> LinearStepCost:
     """The default step cost for tests and examples; see `LinearStepCost`."""
     return LinearStepCost(base_s, per_megapixel_s, per_forward_s, vae_scale)
+
+
+@dataclass(frozen=True)
+class PredictedStepCost:
+    """A `StepCost` from a `StepTimePredictor`, such as a `BatchCostModel` from `gouache
+    profile`: one patched forward over the whole plan, or one plain forward per group, times
+    `scale` (a device that runs faster or slower than when it was profiled)."""
+
+    predictor: StepTimePredictor
+    scale: float = 1.0
+
+    def __call__(self, plan: StepPlan, states: dict[str, RequestState]) -> float:
+        shapes = [[states[rid].shape for rid in group] for group in plan.groups]
+        if plan.patched:
+            return self.scale * self.predictor.step_time([s for group in shapes for s in group], patched=True)
+        return self.scale * sum(self.predictor.step_time(group, patched=False) for group in shapes)
 
 
 def standalone_latency(step_cost: StepCost, vae_scale: int = VAE_SCALE) -> Callable[[int, int, int], float]:

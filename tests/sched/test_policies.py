@@ -1,6 +1,3 @@
-import subprocess
-import sys
-
 import pytest
 
 from gouache.config import SchedulerConfig
@@ -100,15 +97,6 @@ def test_first_step_time_marks_end_of_queueing():
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="orca"):
         make_policy(SchedulerConfig(policy="nope"))
-
-
-def test_sched_and_sim_import_no_torch():
-    code = (
-        "import sys, gouache.sched.interface, gouache.sched.policies, gouache.sched.router, gouache.cache.load_plan\n"
-        "print('torch' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
 
 
 def test_patched_runs_every_size_in_one_forward_and_admits_fcfs():

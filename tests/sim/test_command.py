@@ -1,0 +1,60 @@
+"""`gouache simulate` over every kind of policy, router and cost it offers."""
+
+import json
+
+import pytest
+
+from gouache.cli import main
+from gouache.sched.router import ROUTERS, RouteRequest
+from gouache.sim.simulator import linear_step_cost
+
+
+def simulate(tmp_path, *args: str) -> list[dict]:
+    out = tmp_path / "sim.json"
+    assert main(["simulate", *args, "--out", str(out)]) == 0
+    return json.loads(out.read_text())["results"]
+
+
+def test_round_policies_run_over_a_device_pool(tmp_path):
+    results = simulate(tmp_path, "--policies", "round-knapsack,fixed-sp-8", "--devices", "8", "--sizes", "256,1024",
+                       "--requests", "40", "--rate", "0.2", "--slo-scale", "1.5")
+    assert [r["policy"] for r in results] == ["round-knapsack", "fixed-sp-8"]
+    for result in results:
+        assert result["metrics"]["finished"] + result["metrics"]["unfinished"] == 40
+        assert all(r["finish"] is None or r["finish"] > r["arrival"] for r in result["requests"])
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_step_policies_run_on_replicas_behind_every_router(tmp_path, router):
+    (result,) = simulate(tmp_path, "--policies", "orca", "--replicas", "3", "--router", router,
+                         "--requests", "60", "--rate", "1.0", "--sizes", "512,1024")
+    assert result["metrics"]["finished"] == 60
+    assert {r["replica"] for r in result["requests"]} == {0, 1, 2}
+
+
+def test_edits_are_priced_by_their_masks(tmp_path):
+    small, large = (simulate(tmp_path, "--policies", "orca", "--mask-mean", str(m), "--replicas", "2", "--router",
+                             "mask-aware", "--requests", "40", "--rate", "0.3", "--sizes", "1024", "--steps", "28")[0]
+                    for m in (0.11, 0.5))
+    assert small["metrics"]["latency_p50_s"] < large["metrics"]["latency_p50_s"]
+    assert all(0 < r["mask_ratio"] < 1 for r in small["requests"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policies", "orca,fixed-sp-2", "--devices", "2"], "separate commands"),
+    (["--policies", "fixed-sp-1", "--sizes", "300"], "no step times of [(300, 300)]"),
+    (["--policies", "patched-slo", "--mask-mean", "0.2"], "without --mask-mean"),
+    (["--policies", "fixed-sp-1", "--mask-mean", "0.2"], "for step policies"),
+    (["--policies", "no-such-policy"], "unknown policies no-such-policy"),
+])
+def test_what_cannot_run_is_refused_with_a_reason(capsys, args, message):
+    assert main(["simulate", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_stand_in_prices_routed_requests_as_it_prices_steps():
+    cost = linear_step_cost(base_s=0.01, per_megapixel_s=0.08, per_forward_s=0.02)
+    full = [RouteRequest("a", 32 * 32, 10), RouteRequest("b", 64 * 64, 10)]  # 512 px and 1024 px images
+    assert cost.batch_step_time(full) == pytest.approx(cost.step_time([(64, 64), (128, 128)], patched=True))
+    half = [RouteRequest("a", 32 * 32, 10, mask_ratio=0.5)]
+    assert cost.batch_step_time(half) == pytest.approx(0.01 + 0.02 + 0.5 * 512 * 512 / 1e6 * 0.08)
