@@ -1,13 +1,14 @@
 """`gouache profile`: measure the served model on this device and fit its step-cost model.
 
 Times one patched denoising step (CFG rows included, the engine's own code path) for
-compositions of the given sizes (every one of up to --max-batch images when they are few), fits `BatchCostModel` (exact table + SVR on PatchedServe's
-features), times the plain forward of 1..max-batch images of each size (what non-patching
-policies run, one forward per size) and what one request costs outside its steps, then
-writes it all as JSON with the SVR's held-out error. The stages are preparation (text
-encoding, initial latents) and post-processing: VAE decode, plus image encoding when the
-device is the CPU (on a GPU the codec processes do not use the device). `gouache serve --cost-model PATH`
-loads it for SLO-aware policies; `gouache simulate` can use it as the step cost.
+compositions of the given sizes (every one of up to --max-batch images when they are few),
+fits `BatchCostModel` (exact table + SVR on PatchedServe's features), times the plain forward
+of 1..max-batch images of each size (what non-patching policies run, one forward per size)
+and what one request costs outside its steps, then writes it all as JSON with the SVR's
+held-out error. The stages are preparation (text encoding, initial latents) and
+post-processing: VAE decode, plus image encoding when the device is the CPU (on a GPU the
+codec processes do not use the device). `gouache serve --cost-model PATH` loads it for
+SLO-aware policies; `gouache simulate --cost-model PATH` uses it as the step cost.
 
 Each piece is timed on a thread of its own, as the engine runs it: preparation on a "prep"
 thread, steps on an "engine" thread, decoding on a "post" thread, the model loaded on the
@@ -94,7 +95,8 @@ def run(args) -> int:
     save(model, out)
     report = model.report
     summary = {"command": "gouache profile " + " ".join(sys.argv[2:]), "model": args.model, "device": args.device,
-               "torch_threads": torch.get_num_threads(), "samples": report.n_train + report.n_test, "fit": report.to_json()}
+               "torch_threads": torch.get_num_threads(), "samples": report.n_train + report.n_test,
+               "fit": report.to_json()}
     out.with_suffix(".report.json").write_text(json.dumps(summary, indent=2))
     print(f"test MAPE {report.test_mape:.1f} %, worst held-out error {report.test_max_rel_error:.1%}, "
           f"R² {report.test_r2:.3f}; wrote {out}")

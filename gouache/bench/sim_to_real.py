@@ -81,7 +81,8 @@ async def live_run(args, policy: str, trace: list[SimRequest], model) -> LiveRun
 
     sched = SchedulerConfig(policy=policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                             round_s=args.round_s)
-    engine = AsyncEngine.from_config(ModelConfig(args.model), EngineConfig(patch_size=args.patch_size, torch_threads=args.torch_threads), sched)
+    engine_config = EngineConfig(patch_size=args.patch_size, torch_threads=args.torch_threads)
+    engine = AsyncEngine.from_config(ModelConfig(args.model), engine_config, sched)
     out, arrivals = LiveRun(), {}
     _observe(engine, model, out, arrivals)
     await engine.start()
@@ -158,7 +159,8 @@ def run(args) -> int:
         f"(the device's speed during the live run against the profile's).\n\n{notes}\n"
         f"- 1-minute load average {load_avg['start']:.2f} at start, {load_avg['end']:.2f} at end "
         f"({os.cpu_count()} cores)\n"
-        f"- stage work (preparation, decode, encode) charged to the simulated device: {'yes' if shares_cores else 'no'}\n")
+        f"- stage work (preparation, decode, encode) charged to the simulated device: "
+        f"{'yes' if shares_cores else 'no'}\n")
     return 0
 
 

@@ -226,8 +226,8 @@ def plan_round(
         rid: RoundAllocation(devices[host[rid]], steps_in_round(t, tau, by_id[rid].remaining_steps))
         for rid, t in step_s.items()
     }
-    return RoundPlan(allocations=allocations, batches=batches,
-                     late=_late_ids(ordered, chosen, unsure, allocations, step_s, cost, tau, now, max_degree(num_devices)))
+    late = _late_ids(ordered, chosen, unsure, allocations, step_s, cost, tau, now, max_degree(num_devices))
+    return RoundPlan(allocations=allocations, batches=batches, late=late)
 
 
 def _late_ids(ordered: Sequence[RoundRequest], chosen: Sequence[RoundOption], unsure: list[int],

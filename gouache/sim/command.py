@@ -62,10 +62,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    names = args.policies.split(",")
-    unknown = [n for n in names if n not in POLICIES and n not in ROUND_POLICY_NAMES]
+    names, known = args.policies.split(","), sorted({*POLICIES, *ROUND_POLICY_NAMES})
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(sorted({*POLICIES, *ROUND_POLICY_NAMES}))}")
+        raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(known)}")
     pool = [_in_pool(n, args.devices) for n in names]
     if len(set(pool)) > 1:
         raise ValueError("run step policies and round policies (fixed-sp-k, round-knapsack with --devices > 1) "
