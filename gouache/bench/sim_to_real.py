@@ -107,13 +107,14 @@ async def live_run(args, policy: str, trace: list[SimRequest], model) -> LiveRun
 def _observe(engine, model, out: LiveRun, arrivals: dict[str, float]) -> None:
     """Hook the engine's queue entry and step callbacks to collect the diagnostics."""
     add, on_step = engine.core.add, engine.core.on_step
+    predicted = PredictedStepCost(model)
 
     def noting_add(state) -> None:
         out.prep_s.append(time.monotonic() - arrivals[state.request_id])
         add(state)
 
     def noting_step(report) -> None:
-        out.forward_ratio.append(report.output.forward_s / PredictedStepCost(model)(report.plan, report.states))
+        out.forward_ratio.append(report.output.forward_s / predicted(report.plan, report.states))
         on_step(report)
 
     engine.core.add, engine.core.on_step = noting_add, noting_step
