@@ -11,7 +11,8 @@ POLICY ?= orca
 
 install: $(STAMP)
 
-# torch first, pinned to the CPU wheel, so no dependency can pull a CUDA build
+# torch==2.13.0 before anything else, so that no dependency can pull another torch. The build
+# (CPU or CUDA) is whatever the package index serves for that pin.
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

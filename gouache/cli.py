@@ -1,12 +1,42 @@
-"""`gouache` command line: serve, generate, edit, models, export-model, bench."""
+"""`gouache` command line: serve, generate, edit, models, export-model, profile, simulate, reproduce, bench."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.errors import GouacheError
+
+
+class Given(argparse.Action):
+    """Stores a flag's value as `store` does and notes its dest in `args.given`, so that a
+    command can refuse a flag the rest of its command line would ignore, even one typed with
+    its default value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def given(args: argparse.Namespace) -> frozenset[str]:
+    """The dests of the `Given` flags typed on this command line."""
+    return getattr(args, "given", frozenset())
+
+
+def refuse_ignored(ignored: dict[str, str]) -> None:
+    """Raise one error naming every flag (by dest) that this command line would ignore, and why."""
+    if ignored:
+        lines = (f"--{dest.replace('_', '-')} would be ignored: {why}" for dest, why in ignored.items())
+        raise ValueError("\n  ".join(lines))
+
+
+def _policies_where(attribute: str) -> str:
+    """The serve policies whose class sets `attribute` (`needs_predictor`, `mixes_shapes`)."""
+    from gouache.sched.policies import POLICIES
+
+    return ", ".join(name for name, cls in POLICIES.items() if getattr(cls, attribute))
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -18,9 +48,12 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-sdxl", help="built-in model name or local diffusers directory (default: tiny-sdxl)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--model", default="tiny-sdxl",
+                   help="built-in model name (see `gouache models`) or local diffusers directory "
+                        "(default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default: %(default)s)")
 
 
 def _add_image_args(p: argparse.ArgumentParser) -> None:
@@ -29,9 +62,12 @@ def _add_image_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", type=_size, default=None, help="WxH in pixels (default: the model's)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
-    p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--output", default="out.png", help="output file; the extension picks png/jpeg/webp")
+    p.add_argument("--negative-prompt", default=None,
+                   help="what to steer away from; needs classifier-free guidance (--guidance > 1, not FLUX) "
+                        "(default: none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: %(default)s)")
+    p.add_argument("-o", "--output", default="out.png",
+                   help="output file; its extension picks png / jpeg / webp (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,31 +78,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible image server")
     _add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--policy", default="orca", choices=sorted(POLICIES), help="scheduling policy (default: orca)")
-    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument("--policy", default="orca", choices=sorted(POLICIES),
+                       help="scheduling policy (default: %(default)s)")
+    serve.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size,
+                       help="most images denoised together in one step (default: %(default)s)")
     serve.add_argument("--cost-model", default=None,
-                       help="step-cost JSON from `gouache profile` (for patched-slo and round-knapsack)")
-    serve.add_argument("--round-s", type=float, default=0.5,
-                       help="round length in seconds under --policy round-knapsack (default: 0.5)")
-    serve.add_argument("--max-queue-len", type=int, default=64, help="images in flight before 429 (default: 64)")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails (default: 600)")
-    serve.add_argument("--patch-size", type=int, default=128,
-                       help="patch side in pixels under --policy patched; sizes must be multiples of it (default: 128)")
-    serve.add_argument("--image-workers", type=int, default=1, help="processes for image decode/encode (default: 1)")
+                       help="step-cost JSON from `gouache profile`; needed by, and only by, the policies that plan "
+                            f"with step times: {_policies_where('needs_predictor')} (default: none)")
+    serve.add_argument("--round-s", type=float, default=SchedulerConfig.round_s, action=Given,
+                       help="round length in seconds; only with --policy round-knapsack (default: %(default)s)")
+    serve.add_argument("--max-queue-len", type=int, default=EngineConfig.max_queue_len,
+                       help="images waiting or running before new requests get 429 (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=EngineConfig.request_timeout_s,
+                       help="seconds before an unfinished request fails with 504 (default: %(default)s)")
+    serve.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
+                       help="patch side in pixels; only with the patching policies "
+                            f"({_policies_where('mixes_shapes')}), where sizes must be multiples of it "
+                            "(default: %(default)s)")
+    serve.add_argument("--image-workers", type=int, default=EngineConfig.image_workers,
+                       help="processes that decode uploads and encode images (default: %(default)s)")
     serve.add_argument("--torch-threads", type=int, default=None,
                        help="intra-op threads of torch (default: torch's); profile with the same number")
+    serve.add_argument("--api-key", default=os.environ.get("GOUACHE_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every route but /health "
+                            "(default: $GOUACHE_API_KEY, else no key)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model ids clients may use; the first is listed first "
+                            "(default: the built-in's name, or a directory's folder name)")
+    serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds running requests may still finish before they are "
+                            "cancelled (default: %(default)s)")
 
     generate = commands.add_parser("generate", help="make one image offline, without a server")
     _add_image_args(generate)
 
     edit = commands.add_parser("edit", help="edit an image offline: repaint where the mask is transparent")
     _add_image_args(edit)
-    edit.add_argument("--image", required=True, help="the image to edit")
-    edit.add_argument("--mask", default=None, help="PNG whose transparent pixels mark the region to repaint")
+    edit.add_argument("--image", required=True, help="the image to edit (PNG, JPEG or WebP)")
+    edit.add_argument("--mask", default=None,
+                      help="PNG of the image's size whose fully transparent pixels are repainted "
+                           "(default: the image's own transparent pixels, else the whole image)")
 
-    commands.add_parser("models", help="list the built-in models")
+    commands.add_parser("models", help="list the built-in models and the full-size benchmark architectures")
 
     export = commands.add_parser("export-model", help="write a built-in model as a diffusers directory")
     export.add_argument("name")
@@ -83,11 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, overhead, serve, sim_to_real
+    from gouache.bench import batching, overhead, serve, sim_to_real, soak
 
     sim_to_real.add_arguments(bench_kinds.add_parser("sim-to-real", help="live engine vs simulator on one workload"))
     overhead.add_arguments(bench_kinds.add_parser("overhead", help="scheduling decision time vs queue length"))
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
+    soak.add_arguments(bench_kinds.add_parser(
+        "soak", help="overload each policy for minutes: lost requests, latency, memory, fds, leaked processes"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
     return parser
 
@@ -105,15 +163,40 @@ def _serve(args) -> int:
     from gouache.api.server import run_server
     from gouache.engine.client import AsyncEngine
 
-    engine = AsyncEngine.from_config(
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s)
+    engine = AsyncEngine.from_config(*_engine_configs(args))
+    return run_server(engine, config)
+
+
+def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
+    """The engine's configs from `gouache serve`'s flags. A flag the chosen policy would ignore
+    is refused: the policy classes' `needs_predictor` and `mixes_shapes` say what each reads."""
+    from gouache.sched.policies import POLICIES
+    from gouache.sched.rounds_interface import ROUND_POLICY_NAMES
+
+    policy = POLICIES[args.policy]
+    if policy.needs_predictor and not args.cost_model:
+        raise ValueError(f"--policy {args.policy} plans with predicted step times: give it --cost-model "
+                         "(a JSON from `gouache profile`)")
+    ignored = {}
+    if args.cost_model and not policy.needs_predictor:
+        ignored["cost_model"] = (f"--policy {args.policy} plans without step times; only "
+                                 f"{_policies_where('needs_predictor')} read it")
+    if "round_s" in given(args) and args.policy not in ROUND_POLICY_NAMES:
+        rounds = ", ".join(name for name in POLICIES if name in ROUND_POLICY_NAMES)
+        ignored["round_s"] = f"--policy {args.policy} does not plan in rounds; only {rounds} does"
+    if "patch_size" in given(args) and not policy.mixes_shapes:
+        ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_shapes')} "
+                                 "cut them into patches")
+    refuse_ignored(ignored)
+    return (
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )
-    run_server(engine, ServerConfig(host=args.host, port=args.port))
-    return 0
 
 
 def _generate(args) -> int:
@@ -124,10 +207,12 @@ def _generate(args) -> int:
 
 
 def _models(args) -> int:
-    from gouache.runner.models import BUILTIN_MODELS
+    from gouache.runner.models import ARCH_CONFIGS, BUILTIN_MODELS, arch_description
 
     for name, spec in BUILTIN_MODELS.items():
         print(f"{name:20s} {spec.description}")
+    for name in ARCH_CONFIGS:
+        print(f"{name:20s} {arch_description(name)}")
     return 0
 
 
@@ -140,9 +225,9 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, overhead, serve, sim_to_real
+    from gouache.bench import batching, overhead, serve, sim_to_real, soak
 
-    kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real}
+    kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak}
     return kinds[args.bench].run(args)
 
 

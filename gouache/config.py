@@ -72,6 +72,9 @@ class ServerConfig:
     max_n: int = 10  # most images per request (OpenAI allows 1-10)
     max_steps: int = 200  # most num_inference_steps per request
     file_ttl_s: float = 3600.0  # how long `response_format=url` images stay downloadable
+    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer <key>`
+    served_model_names: tuple[str, ...] = ()  # ids clients may pass as `model`; () = the model's own id
+    shutdown_grace_s: float = 30.0  # on SIGTERM / SIGINT, how long running requests may still finish
 
     def __post_init__(self) -> None:
         _check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
@@ -80,3 +83,6 @@ class ServerConfig:
         _check(1 <= self.max_n <= 10, "max_n must be in 1..10")
         _check(self.max_steps >= 1, "max_steps must be >= 1")
         _check(self.max_body_bytes > 0 and self.file_ttl_s > 0, "max_body_bytes and file_ttl_s must be positive")
+        _check(self.api_key is None or bool(self.api_key.strip()), "api_key must not be empty")
+        _check(all(name.strip() for name in self.served_model_names), "served model names must not be empty")
+        _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")

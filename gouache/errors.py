@@ -72,3 +72,14 @@ class WorkerFailureError(GouacheError):
 class EngineStoppedError(GouacheError):
     kind = "engine_stopped"
     status = 503
+
+
+class ShuttingDownError(GouacheError):
+    """The server is draining before it exits: new requests are refused, late ones cancelled."""
+
+    kind = "shutting_down"
+    status = 503
+
+    def __init__(self, message: str, retry_after_s: int = 5):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # another replica (or this one, restarted) can take it by then

@@ -15,3 +15,13 @@ class ModelInfo:
     default_guidance: float  # guidance_scale when the request names none
     uses_cfg: bool  # classifier-free guidance (a negative prompt is meaningful)
     inpaint_channels: bool  # a 9-channel inpainting UNet (masked image as input)
+    # (width, height) pixel sizes the server can serve, when its policy plans with a cost model
+    # that prices only the sizes it was profiled at; None: any size the rules above allow
+    sizes: tuple[tuple[int, int], ...] | None = None
+
+
+def unpriced_message(sizes: tuple[tuple[int, int], ...], width: int, height: int) -> str:
+    """Why width x height is refused by a server whose cost model prices only `sizes`."""
+    listed = ", ".join(f"{w}x{h}" for w, h in sizes)
+    return (f"this server's scheduling cost model prices only {listed}, not {width}x{height}; ask for one of "
+            f"those sizes (the operator can re-profile with `gouache profile --sizes` to serve others)")

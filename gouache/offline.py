@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from gouache.cli import refuse_ignored
 from gouache.engine.imaging import DecodeError, decode_edit, encode_image
 from gouache.request import ImageRequest
 from gouache.sched.output import StepPlan
@@ -46,6 +47,10 @@ def run_offline(args) -> None:
             raise ValueError(decoded.message)
         image, mask = decoded.image, decoded.mask
     runner = ModelRunner(pipe)
+    if request.negative_prompt and not runner.family.uses_cfg(request):
+        refuse_ignored({"negative_prompt": f"{args.model} at guidance {request.guidance_scale} runs without "
+                                           "classifier-free guidance (FLUX is guidance-distilled; the others "
+                                           "need --guidance > 1)"})
     state = runner.prepare(request, image, mask)
     for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
         runner.execute(StepPlan(groups=[[request.request_id]]))

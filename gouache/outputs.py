@@ -5,7 +5,7 @@ Plain values only; encoded images are bytes (PNG/JPEG/WebP), never tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -14,6 +14,7 @@ class StepOutput:
 
     request_ids: list[str]  # [num_reqs] requests that advanced by one denoising step
     forward_s: float  # wall time of the model forwards (and sampler steps) of this step
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step failed (it did not advance)
 
 
 @dataclass

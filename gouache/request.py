@@ -23,6 +23,7 @@ class ImageRequest:
     seed: int  # seeds this image's own torch.Generator, so batch-mates never change it
     negative_prompt: str | None = None
     output_format: str = "png"  # png | jpeg | webp
+    output_compression: int | None = None  # jpeg/webp quality 0-100 (OpenAI's name; 100 = best); None = 95
     partial_images: int = 0  # decoded previews to stream while denoising (0 = none)
     slo_ms: float | None = None  # deadline relative to arrival, for SLO-aware policies
     image: bytes | None = None  # edit: the uploaded image, still encoded

@@ -1,10 +1,14 @@
+import argparse
 import json
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
-from gouache.cli import main
+from gouache.cli import build_parser, main
+from gouache.sched.policies import POLICIES
+from gouache.sched.rounds_interface import ROUND_POLICY_NAMES
 
 
 def test_help_lists_every_command():
@@ -93,3 +97,114 @@ def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
     speed = data["runs"]["patched"]["live_forward_over_predicted_median"]
     assert data["rows"][2]["source"] == f"simulator, steps x {speed:.2f}"
     assert len(data["runs"]["patched"]["simulated_at_live_speed"]) == 3
+
+
+class _EngineBuilt(Exception):
+    """Raised by the stand-in `AsyncEngine.from_config`: the flags were accepted."""
+
+
+@pytest.fixture
+def built_configs(monkeypatch):
+    """`gouache serve` up to building its engine: the configs it would build it from."""
+    from gouache.engine.client import AsyncEngine
+
+    configs = {}
+
+    def from_config(model_config, engine_config, sched_config):
+        configs.update(model=model_config, engine=engine_config, scheduler=sched_config)
+        raise _EngineBuilt
+
+    monkeypatch.setattr(AsyncEngine, "from_config", from_config)
+    return configs
+
+
+def _refused(capsys, argv: list[str], flag: str) -> bool:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code == 2 and flag in err and "gouache: error:" in err
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, capsys, tmp_path):
+    cls = POLICIES[policy]
+    cost = ["--cost-model", str(tmp_path / "cost.json")]
+    base = ["serve", "--policy", policy, *(cost if cls.needs_predictor else [])]
+    if not cls.needs_predictor:
+        assert _refused(capsys, [*base, *cost], "--cost-model")
+    else:
+        assert _refused(capsys, ["serve", "--policy", policy], "--cost-model")
+    if policy not in ROUND_POLICY_NAMES:
+        assert _refused(capsys, [*base, "--round-s", "0.5"], "--round-s")
+    if not cls.mixes_shapes:
+        assert _refused(capsys, [*base, "--patch-size", "128"], "--patch-size")
+
+
+def test_serve_passes_the_flags_its_policy_reads(built_configs):
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "orca"])
+    assert built_configs["scheduler"].cost_model is None and built_configs["engine"].patch_size == 128
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json", "--round-s", "2"])
+    assert built_configs["scheduler"].round_s == 2.0 and built_configs["scheduler"].cost_model == "c.json"
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json"])
+    assert built_configs["scheduler"].round_s == 0.5
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "patched", "--patch-size", "64"])
+    assert built_configs["engine"].patch_size == 64
+
+
+def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):
+    out = str(tmp_path / "x.png")
+    assert _refused(capsys, ["generate", "fox", "--negative-prompt", "blur", "--guidance", "1", "--size", "32x32",
+                             "--steps", "1", "-o", out], "--negative-prompt")
+    assert _refused(capsys, ["generate", "fox", "--model", "tiny-flux", "--negative-prompt", "blur", "--size", "32x32",
+                             "--steps", "1", "-o", out], "--negative-prompt")
+
+
+def test_bench_batching_refuses_flags_it_would_ignore(monkeypatch, capsys, tmp_path):
+    from gouache.runner import models
+
+    def build_arch(*args):
+        raise AssertionError("the flags were accepted")
+
+    monkeypatch.setattr(models, "build_arch", build_arch)
+    quick = ["--mixes", "SML", "--repeats", "1", "--out", str(tmp_path / "b.json")]
+    assert _refused(capsys, ["bench", "batching", "--model", "sdxl-arch", "--steps", "5", *quick], "--steps")
+    assert _refused(capsys, ["bench", "batching", "--model", "tiny-sd", "--sizes", "32,64,96,128", *quick], "--sizes")
+
+
+def _commands(parser: argparse.ArgumentParser, path: str = "gouache") -> dict[str, argparse.ArgumentParser]:
+    """Every (sub)command's parser by its command line, e.g. "gouache bench batching"."""
+    commands = {path: parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                commands |= _commands(sub, f"{path} {name}")
+    return commands
+
+
+@pytest.mark.parametrize("command", list(_commands(build_parser())))
+def test_every_option_names_its_default(command):
+    parser = _commands(build_parser())[command]
+    missing = [action.option_strings[-1] for action in parser._actions
+               if action.option_strings and action.default not in (None, argparse.SUPPRESS)
+               and "default" not in (action.help or "")]
+    assert not missing
+
+
+def test_models_lists_the_full_size_benchmark_architectures(capsys):
+    from gouache.runner.models import ARCH_CONFIGS, BUILTIN_MODELS
+
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in [*BUILTIN_MODELS, *ARCH_CONFIGS]:
+        assert any(line.startswith(name + " ") for line in lines)
+    for name in ARCH_CONFIGS:
+        assert "GPU benchmark" in next(line for line in lines if line.startswith(name + " "))
+
+
+def test_torch_importing_commands_print_no_torchvision_warning():
+    run = subprocess.run([sys.executable, "-m", "gouache.cli", "models"], capture_output=True, text=True, check=True)
+    assert "tiny-sdxl" in run.stdout
+    assert "torchvision" not in run.stderr

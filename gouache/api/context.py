@@ -48,6 +48,7 @@ class ApiContext:
     config: ServerConfig
     limits: Limits  # validation bounds from config and the served model
     files: FileStore  # images of response_format=url responses
+    model_ids: tuple[str, ...]  # names clients may pass as `model`; the first is the main one
     inflight: InflightRequests = field(default_factory=InflightRequests)
     started: int = field(default_factory=lambda: int(time.time()))  # unix seconds, for /v1/models
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import asyncio
+
     from gouache.engine.handle import EngineStats, RequestHandle
     from gouache.metrics import Metrics
     from gouache.model_info import ModelInfo
@@ -14,12 +16,13 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     info: ModelInfo  # the served model: its name and size rules
     metrics: Metrics  # the API counts errors and request latency here
+    died: asyncio.Event | None  # set once started, if the engine loop dies; the server then exits
 
     async def submit(self, requests: list[ImageRequest]) -> RequestHandle:
         """Accept all n images of one API request (ids "<api id>-<i>", seeds base + i).
 
-        Raises InvalidRequestError (bad upload; `.param` names the field), QueueFullError or
-        EngineStoppedError.
+        Raises InvalidRequestError (bad upload; `.param` names the field), QueueFullError,
+        ShuttingDownError or EngineStoppedError.
         """
         ...
 
@@ -27,6 +30,11 @@ class Engine(Protocol):
 
     async def start(self) -> None:
         """Start serving on the running loop (handles push events onto it); run_server calls it."""
+        ...
+
+    async def drain(self, grace_s: float) -> None:
+        """Admit nothing more; let what is in flight finish for up to `grace_s` seconds, then fail
+        the rest with ShuttingDownError. The server calls it on SIGTERM / SIGINT."""
         ...
 
     async def aclose(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+import logging
 import secrets
 import time
 from collections.abc import Coroutine
@@ -21,13 +23,15 @@ from starlette.datastructures import FormData, UploadFile
 from gouache.api.context import ApiContext, get_context
 from gouache.api.errors import NotFoundError
 from gouache.api.protocol import (
-    MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
+    IGNORED_FIELDS, MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
 )
 from gouache.api.streaming import ImageEventStream, StreamShape
+from gouache.engine.imaging import DecodeError, read_size
 from gouache.errors import CancelledError, InvalidRequestError, UnknownModelError
 from gouache.outputs import ImageEvent
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
 
 _FILE_FIELDS = ("image", "image[]", "mask")
 _MAX_FORM_FIELDS = 64  # far more than the API has; stops field floods before validation
@@ -40,6 +44,7 @@ async def create_images(request: Request, ctx: ApiContext = Depends(get_context)
     _require_content_type(request, "application/json", also=("", "application/x-www-form-urlencoded"))
     body = await request.body()
     params = ImageGenerationRequest.model_validate_json(body, strict=True, context=ctx.validation_context)
+    _log_ignored(params)
     return await _serve(request, ctx, params, api_id, arrival, "image_generation")
 
 
@@ -48,10 +53,13 @@ async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) 
     arrival, api_id = _start(request)
     _require_content_type(request, "multipart/form-data")
     form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
-    image = await _read_upload(_first_upload(form, ("image", "image[]")), "image")
-    mask_field = _first_upload(form, ("mask",))
+    image = await _read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
+    mask_field = _only_upload(form, ("mask",), "mask")
     mask = None if mask_field is None else await _read_upload(mask_field, "mask")
     params = ImageEditRequest.model_validate(_text_fields(form), context=ctx.validation_context)
+    _log_ignored(params)
+    if params.size == "auto":
+        params = params.at_upload_size(*_upload_size(image), ctx.limits)
     return await _serve(request, ctx, params, api_id, arrival, "image_edit", image, mask)
 
 
@@ -86,8 +94,8 @@ async def _serve(
     mask: bytes | None = None,
 ) -> Response:
     info = ctx.engine.info
-    if params.model is not None and params.model != info.name:
-        message = f"The model '{params.model}' does not exist; this server serves '{info.name}'."
+    if params.model is not None and params.model not in ctx.model_ids:
+        message = f"The model '{params.model}' does not exist; this server serves {', '.join(map(repr, ctx.model_ids))}."
         raise UnknownModelError(message, "model")
     handle = await ctx.engine.submit(params.to_requests(api_id, info, arrival, image, mask))
     ctx.inflight.add(api_id, handle)
@@ -139,10 +147,33 @@ def _images_response(
     return ImagesResponse(created=int(time.time()), data=data, output_format=params.output_format, size=params.size)
 
 
-def _first_upload(form: FormData, names: tuple[str, ...]) -> UploadFile | str | None:
-    """The first value sent under any of `names` (OpenAI clients send `image` or `image[]`)."""
+def _only_upload(form: FormData, names: tuple[str, ...], param: str) -> UploadFile | str | None:
+    """The one value sent under any of `names` (OpenAI clients send `image` or `image[]`), if any.
+
+    OpenAI's gpt-image models take several images as references; gouache edits one image, so
+    more than one is refused rather than all but the first dropped.
+    """
     values = [value for name in names for value in form.getlist(name)]
+    if len(values) > 1:
+        raise InvalidRequestError(f"Invalid value for '{param}': {len(values)} files were sent; an edit takes one {param}.", param)
     return values[0] if values else None
+
+
+def _upload_size(image: bytes) -> tuple[int, int]:
+    size = read_size(image, "image")
+    if isinstance(size, DecodeError):
+        raise InvalidRequestError(size.message, size.param)
+    return size
+
+
+def _log_ignored(params: ImageParams) -> None:
+    for name in params.ignored_fields():
+        _log_ignored_once(name)
+
+
+@functools.cache  # once per field name and process: an operator needs to know, not to be flooded
+def _log_ignored_once(name: str) -> None:
+    logger.warning("field %s is accepted and ignored: %s", name, IGNORED_FIELDS[name])
 
 
 async def _read_upload(value: UploadFile | str | None, param: str) -> bytes:

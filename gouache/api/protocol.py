@@ -15,17 +15,31 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gouache.errors import InvalidRequestError
 from gouache.request import ImageRequest
+
+from gouache.model_info import unpriced_message
 
 if TYPE_CHECKING:
     from gouache.config import ServerConfig
     from gouache.model_info import ModelInfo
 
-MAX_SEED = 2**32 - 1  # seeds are 32-bit like most diffusion front ends; image i uses seed + i
+MAX_SEED = 2**32 - 1  # seeds are 32-bit like most diffusion front ends
 MAX_PROMPT_CHARS = 32_000  # OpenAI's limit for GPT image models
 MAX_GUIDANCE = 50.0  # beyond this every model produces noise; almost surely a mistake
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
+# OpenAI fields that official clients send and gouache accepts but cannot honour, with why; the
+# API logs each once per process. Fields whose value would change the image in a way gouache
+# does not (`background: "transparent"`) are refused instead.
+IGNORED_FIELDS = {
+    "quality": "the model's steps decide quality; send num_inference_steps",
+    "style": "only DALL-E 3 has styles",
+    "moderation": "gouache does no content moderation",
+    "input_fidelity": "an edit keeps the pixels outside its mask exactly, whatever the fidelity",
+    "user": "gouache keeps no per-user records",
+    "safety_identifier": "gouache keeps no per-user records",
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,7 @@ class Limits:
     max_pixels: int = 2048 * 2048
     size_step: int = 8  # width and height must be multiples of this
     default_size: int = 1024  # pixels per side for size "auto" or absent
+    sizes: tuple[tuple[int, int], ...] | None = None  # the only (width, height) allowed, if restricted
 
     @classmethod
     def of(cls, config: ServerConfig, info: ModelInfo) -> Limits:
@@ -50,6 +65,7 @@ class Limits:
             max_pixels=config.max_pixels,
             size_step=info.size_step,
             default_size=info.default_size,
+            sizes=info.sizes,
         )
 
     def check_size(self, width: int, height: int) -> None:
@@ -60,6 +76,8 @@ class Limits:
             raise ValueError(f"width and height must be between {self.min_size} and {self.max_size} pixels")
         if width * height > self.max_pixels:
             raise ValueError(f"width*height must be at most {self.max_pixels} pixels")
+        if self.sizes is not None and (width, height) not in self.sizes:
+            raise ValueError(unpriced_message(self.sizes, width, height))
 
 
 def _limits(info: ValidationInfo) -> Limits:
@@ -75,16 +93,17 @@ class ImageParams(BaseModel):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None  # must be the served model's name when given
     n: int = 1  # 1..limits.max_n
-    size: str = Field("auto", validate_default=True)  # "WxH" or "auto"; normalized to "WxH"
-    response_format: Literal["b64_json", "url"] = "b64_json"  # ignored when streaming (always b64)
-    output_format: Literal["png", "jpeg", "webp"] = "png"
+    size: str = Field("auto", validate_default=True)  # "WxH" or "auto"; normalized to "WxH" (edits: see there)
+    # Before response_format and partial_images: their validators read it.
     stream: bool = False
-    partial_images: int = Field(0, ge=0, le=3)  # previews per image; only used when streaming
+    response_format: Literal["b64_json", "url"] = "b64_json"  # streams are always b64: "url" is refused
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)  # jpeg/webp quality, 100 = best
+    partial_images: int = Field(0, ge=0, le=3)  # previews per image; needs stream
+    background: Literal["transparent", "opaque", "auto"] | None = None  # images are opaque
+    # In IGNORED_FIELDS: accepted so that official clients work, logged, otherwise ignored.
     user: str | None = None
-    # Accepted so that official clients work; they do not change what gouache makes.
     quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
-    background: Literal["transparent", "opaque", "auto"] | None = None
-    output_compression: int | None = Field(None, ge=0, le=100)
     safety_identifier: str | None = None
     # gouache extensions; None means the model's default
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
@@ -105,6 +124,34 @@ class ImageParams(BaseModel):
         if not prompt.strip():
             raise ValueError("must not be empty")
         return prompt
+
+    @field_validator("response_format")
+    @classmethod
+    def _b64_when_streaming(cls, response_format: str, info: ValidationInfo) -> str:
+        if response_format == "url" and info.data.get("stream"):
+            raise ValueError("must be 'b64_json' with stream=true: streamed images are always sent as base64")
+        return response_format
+
+    @field_validator("output_compression")
+    @classmethod
+    def _compression_is_lossy(cls, compression: int | None, info: ValidationInfo) -> int | None:
+        if compression is not None and info.data.get("output_format", "png") == "png":
+            raise ValueError("applies to output_format 'jpeg' and 'webp' only; png is lossless")
+        return compression
+
+    @field_validator("partial_images")
+    @classmethod
+    def _partials_need_stream(cls, partial_images: int, info: ValidationInfo) -> int:
+        if partial_images and not info.data.get("stream"):
+            raise ValueError("needs stream=true: previews are sent as stream events")
+        return partial_images
+
+    @field_validator("background")
+    @classmethod
+    def _opaque(cls, background: str | None) -> str | None:
+        if background == "transparent":
+            raise ValueError("gouache makes opaque images only; send 'opaque' or 'auto'")
+        return background
 
     @field_validator("n")
     @classmethod
@@ -127,12 +174,21 @@ class ImageParams(BaseModel):
     def _size_allowed(cls, size: str, info: ValidationInfo) -> str:
         limits = _limits(info)
         if size == "auto":
-            return f"{limits.default_size}x{limits.default_size}"
+            return cls._auto_size(limits)
         match = _SIZE.fullmatch(size)
         if match is None:
             raise ValueError("must be 'auto' or WIDTHxHEIGHT in pixels, e.g. '1024x768'")
         limits.check_size(int(match[1]), int(match[2]))
         return size
+
+    @classmethod
+    def _auto_size(cls, limits: Limits) -> str:
+        """What `size` "auto" (or absent) stands for."""
+        return f"{limits.default_size}x{limits.default_size}"
+
+    def ignored_fields(self) -> list[str]:
+        """The IGNORED_FIELDS this request sent."""
+        return [name for name in IGNORED_FIELDS if name in self.model_fields_set]
 
     @property
     def width_height(self) -> tuple[int, int]:
@@ -142,7 +198,11 @@ class ImageParams(BaseModel):
     def to_requests(
         self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None
     ) -> list[ImageRequest]:
-        """The n ImageRequests of this API request, with the model's defaults filled in."""
+        """The n ImageRequests of this API request, with the model's defaults filled in.
+
+        Image i gets seed (seed + i) mod 2**32, so every seed in the response is one the API
+        takes back, and sent back with n=1 it makes that image again.
+        """
         seed = secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
         width, height = self.width_height
         return [
@@ -153,10 +213,11 @@ class ImageParams(BaseModel):
                 height=height,
                 num_inference_steps=self.num_inference_steps or info.default_steps,
                 guidance_scale=info.default_guidance if self.guidance_scale is None else self.guidance_scale,
-                seed=seed + i,
+                seed=(seed + i) % (MAX_SEED + 1),
                 negative_prompt=self.negative_prompt,
                 output_format=self.output_format,
-                partial_images=self.partial_images if self.stream else 0,
+                output_compression=self.output_compression,
+                partial_images=self.partial_images,
                 slo_ms=self.slo_ms,
                 image=image,
                 mask=mask,
@@ -169,18 +230,33 @@ class ImageParams(BaseModel):
 class ImageGenerationRequest(ImageParams):
     """JSON body of POST /v1/images/generations."""
 
-    style: Literal["vivid", "natural"] | None = None  # accepted and ignored
-    moderation: Literal["low", "auto"] | None = None  # accepted and ignored
+    style: Literal["vivid", "natural"] | None = None  # in IGNORED_FIELDS
+    moderation: Literal["low", "auto"] | None = None  # in IGNORED_FIELDS
 
 
 class ImageEditRequest(ImageParams):
     """Text fields of the multipart body of POST /v1/images/edits (the files are read apart).
 
-    `size` absent or "auto" means the model's default size, not the upload's size: the API does
-    not decode uploads, so it cannot know it. The engine resizes the upload to `size`.
+    `size` absent or "auto" means the upload's size, which only the upload's header tells:
+    validation leaves it "auto" and the API, having read the header, calls `at_upload_size`
+    before anything reads the size. Any other `size` and the engine resizes the upload to it.
     """
 
-    input_fidelity: Literal["high", "low"] | None = None  # accepted and ignored
+    input_fidelity: Literal["high", "low"] | None = None  # in IGNORED_FIELDS
+
+    @classmethod
+    def _auto_size(cls, limits: Limits) -> str:
+        return "auto"
+
+    def at_upload_size(self, width: int, height: int, limits: Limits) -> ImageEditRequest:
+        """This request with `size` "auto" resolved to the upload's width x height, or an
+        InvalidRequestError naming `size` if the model cannot take that size."""
+        try:
+            limits.check_size(width, height)
+        except ValueError as error:
+            message = f"the image is {width}x{height}, which this model cannot take ({error}); send `size` to resize it"
+            raise InvalidRequestError(f"Invalid value for 'size': {message}.", "size") from None
+        return self.model_copy(update={"size": f"{width}x{height}"})
 
 
 class ImageData(BaseModel):

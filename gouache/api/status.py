@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Depends
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gouache.api.context import ApiContext, get_context
@@ -15,26 +13,24 @@ from gouache.errors import UnknownModelError
 router = APIRouter()
 
 
-def _model_card(ctx: ApiContext) -> ModelCard:
-    return ModelCard(id=ctx.engine.info.name, created=ctx.started)
-
-
 @router.get("/v1/models")
 async def list_models(ctx: ApiContext = Depends(get_context)) -> ModelList:
-    return ModelList(data=[_model_card(ctx)])
+    return ModelList(data=[ModelCard(id=name, created=ctx.started) for name in ctx.model_ids])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, ctx: ApiContext = Depends(get_context)) -> ModelCard:
-    if model_id != ctx.engine.info.name:
+    if model_id not in ctx.model_ids:
         raise UnknownModelError(f"The model '{model_id}' does not exist.", "model")
-    return _model_card(ctx)
+    return ModelCard(id=model_id, created=ctx.started)
 
 
 @router.get("/health")
-async def health(ctx: ApiContext = Depends(get_context)) -> dict[str, Any]:
+async def health(ctx: ApiContext = Depends(get_context)) -> JSONResponse:
+    """200 while serving; 503 while draining for a shutdown or once the engine loop died."""
     stats = ctx.engine.stats()
-    return {"status": "ok", "model": ctx.engine.info.name, "waiting": stats.waiting, "running": stats.running}
+    body = {"status": stats.status, "model": ctx.model_ids[0], "waiting": stats.waiting, "running": stats.running}
+    return JSONResponse(body, status_code=200 if stats.status == "ok" else 503)
 
 
 @router.get("/metrics")

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.types import Receive, Scope, Send
 
 from gouache.api.errors import error_body
@@ -40,7 +40,8 @@ class StreamShape:
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+    """One event on the wire; its data is compact one-line JSON, as OpenAI sends."""
+    return format_sse_event(data_str=json.dumps(data, separators=(",", ":")), event=event)
 
 
 def encode_event(event: Event, shape: StreamShape) -> bytes:
@@ -59,7 +60,7 @@ def encode_event(event: Event, shape: StreamShape) -> bytes:
     return sse(name, {"type": name, "b64_json": b64, "seed": event.seed, **common})
 
 
-class ImageEventStream(StreamingResponse):
+class ImageEventStream(EventSourceResponse):
     """The events of one request as SSE. However the response ends (all images sent, client gone,
     server error) `on_close` runs, which aborts the request unless it already finished."""
 
@@ -74,7 +75,7 @@ class ImageEventStream(StreamingResponse):
     ):
         self._metrics, self._arrival, self._on_close = metrics, arrival, on_close
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
-        super().__init__(self._events(handle, shape), media_type="text/event-stream", headers=headers)
+        super().__init__(self._events(handle, shape), headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Cleanup lives here, not in the generator: a client that leaves before the first

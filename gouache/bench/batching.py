@@ -16,20 +16,28 @@ import sys
 import time
 from pathlib import Path
 
+from gouache.cli import Given, given, refuse_ignored
+
 DEFAULT_MIXES = "SSS,SML,SSM,MML,LLL,4S,4M,4L,4S4M4L"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny-sdxl",
-                   help="a pipeline (built-in or directory), or sdxl-arch / sd3-arch / flux-arch (bare full-size denoiser)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--sizes", default="256,384,512", help="S,M,L square sizes in pixels")
-    p.add_argument("--mixes", default=DEFAULT_MIXES, help="batch compositions, e.g. SML or 4S4M4L")
-    p.add_argument("--patch-size", type=int, default=128, help="patch side in pixels")
-    p.add_argument("--steps", type=int, default=20, help="schedule length of the prepared requests")
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per mix (median reported)")
-    p.add_argument("--out", default="benchmarks/results/batching.json")
+                   help="a pipeline (built-in or directory), or sdxl-arch / sd3-arch / flux-arch "
+                        "(bare full-size denoiser) (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations (default: %(default)s)")
+    p.add_argument("--sizes", default="256,384,512", help="S,M,L: three square sizes in pixels (default: %(default)s)")
+    p.add_argument("--mixes", default=DEFAULT_MIXES,
+                   help="comma-separated batch compositions, e.g. SML or 4S4M4L (default: %(default)s)")
+    p.add_argument("--patch-size", type=int, default=128, help="patch side in pixels (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, action=Given,
+                   help="schedule length of the prepared requests; pipelines only (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed repetitions per mix, median reported (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/batching.json",
+                   help="JSON path; the table (.md) and plot (.png) go beside it (default: %(default)s)")
 
 
 def parse_mix(mix: str) -> list[str]:
@@ -57,7 +65,12 @@ def run(args) -> int:
     from gouache.runner.models import ARCH_CONFIGS
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    sizes = dict(zip("SML", (int(s) for s in args.sizes.split(","))))
+    sides = [int(s) for s in args.sizes.split(",")]
+    if len(sides) != 3:
+        raise ValueError(f"--sizes must be three square sizes in pixels, S,M,L; got {args.sizes!r}")
+    sizes = dict(zip("SML", sides))
+    if args.model in ARCH_CONFIGS and "steps" in given(args):
+        refuse_ignored({"steps": f"{args.model} is a bare denoiser timed on random inputs, with no schedule"})
     measure = _arch_rows if args.model in ARCH_CONFIGS else _pipeline_rows
     rows = measure(args, sizes, sync)
     table = format_table(rows)

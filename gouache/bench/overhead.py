@@ -144,15 +144,16 @@ def _profile(decide: Callable[[], object], top: int = 6) -> list[dict]:
 
 
 def _pivot(rows: list[dict]) -> list[dict]:
-    """One row per policy, one column per queue length."""
+    """One row per policy, one column per queue length, of median milliseconds."""
     table: dict[str, dict] = {}
     for row in rows:
-        table.setdefault(row["policy"], {"policy": row["policy"]})[f"{row['waiting']:,} waiting"] = row["median_ms"]
+        table.setdefault(row["policy"], {"policy": row["policy"]})[f"ms, {row['waiting']:,} waiting"] = row["median_ms"]
     return list(table.values())
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default="benchmarks/results/overhead.json")
+    p.add_argument("--out", default="benchmarks/results/overhead.json",
+                   help="JSON path; the table (.md) goes beside it (default: %(default)s)")
 
 
 def run(args) -> int:

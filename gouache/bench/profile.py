@@ -37,16 +37,23 @@ from gouache.bench.batching import median_s
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny-sdxl")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--sizes", default="256,384,512", help="square sizes in pixels the server will see")
-    p.add_argument("--patch-size", type=int, default=128)
+    p.add_argument("--model", default="tiny-sdxl",
+                   help="built-in model name or local diffusers directory (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations (default: %(default)s)")
+    p.add_argument("--sizes", default="256,384,512",
+                   help="comma-separated square sizes in pixels the server will see (default: %(default)s)")
+    p.add_argument("--patch-size", type=int, default=128,
+                   help="patch side in pixels, as `gouache serve --patch-size` will run (default: %(default)s)")
     p.add_argument("--samples", type=int, default=60,
-                   help="compositions to time (every one, if there are no more than this)")
-    p.add_argument("--max-batch", type=int, default=6, help="most images in a profiled batch")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+                   help="compositions to time (every one, if there are no more than this) (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=6, help="most images in a profiled batch (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed rounds over all batches, after a warm-up round; medians kept (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random mixes, drawn when there are more compositions than --samples "
+                        "(default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of torch, as `gouache serve --torch-threads` will run (default: torch's)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json)")
@@ -132,14 +139,16 @@ def _median_over_rounds(calls: list, repeats: int, sync) -> list[float]:
     import torch
 
     times: list[list[float]] = [[] for _ in calls]
-    with torch.no_grad():
-        for round_ in tqdm(range(repeats + 1), desc=f"timing {len(calls)} batches"):
+    bar = tqdm(total=len(calls) * (repeats + 1), desc="timing batches (1 warm-up round)", unit="batch")
+    with torch.no_grad(), bar:
+        for round_ in range(repeats + 1):
             for call, seen in zip(calls, times):
                 start = time.perf_counter()
                 call()
                 sync()
                 if round_:
                     seen.append(time.perf_counter() - start)
+                bar.update()
     return [statistics.median(seen) for seen in times]
 
 

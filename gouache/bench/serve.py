@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from gouache.stats import percentile
+
 
 @dataclass
 class TraceItem:
@@ -40,15 +42,15 @@ class Sample:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny-sdxl")
-    p.add_argument("--policies", default="orca,fcfs-static", help="comma-separated policies to compare")
-    p.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (Poisson)")
-    p.add_argument("--requests", type=int, default=40, help="requests per policy")
-    p.add_argument("--sizes", default="256x256,384x384,256x384", help="comma-separated WxH, drawn uniformly")
-    p.add_argument("--steps", default="10,20,30", help="comma-separated step counts, drawn uniformly")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/serve.json", help="JSON output path")
+    p.add_argument("--model", default="tiny-sdxl", help="model each server serves (default: %(default)s)")
+    p.add_argument("--policies", default="orca,fcfs-static", help="comma-separated policies to compare (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=1.0, help="mean arrivals in requests/s, Poisson (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=40, help="requests per policy (default: %(default)s)")
+    p.add_argument("--sizes", default="256x256,384x384,256x384", help="comma-separated WxH in pixels, drawn uniformly (default: %(default)s)")
+    p.add_argument("--steps", default="10,20,30", help="comma-separated step counts, drawn uniformly (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="each server's images per step (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival trace (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/serve.json", help="JSON output path (default: %(default)s)")
 
 
 def make_trace(n: int, rate: float, sizes: list[tuple[int, int]], steps: list[int], seed: int) -> list[TraceItem]:
@@ -59,12 +61,6 @@ def make_trace(n: int, rate: float, sizes: list[tuple[int, int]], steps: list[in
         w, h = rng.choice(sizes)
         trace.append(TraceItem(round(t, 4), w, h, rng.choice(steps), seed * 1000 + i))
     return trace
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 def summarize(samples: list[Sample], wall_s: float) -> dict:
@@ -133,27 +129,35 @@ def scrape(base_url: str) -> dict:
     return out
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float = 300) -> bool:
+    """Poll /health until it answers 200 (True), or the process exits or time runs out (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 def start_server(model: str, policy: str, max_batch: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "gouache.cli", "serve", "--model", model, "--policy", policy, "--port", str(port),
            "--max-batch-size", str(max_batch), "--max-queue-len", "1000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server for {policy} exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return proc, base_url
-        except httpx.HTTPError:
-            time.sleep(0.5)
+    if wait_healthy(proc, base_url):
+        return proc, base_url
+    if proc.poll() is not None:
+        raise RuntimeError(f"server for {policy} exited: {proc.stderr.read()[-2000:]}")
     proc.kill()
     raise RuntimeError(f"server for {policy} did not become healthy in 300 s")
 

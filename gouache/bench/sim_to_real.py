@@ -35,31 +35,31 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gouache.bench.serve import percentile
 from gouache.sim.report import markdown_table, write_json
 from gouache.sim.simulator import PredictedStepCost, simulate, standalone_latency
 from gouache.sim.workloads import SimRequest, WorkloadSpec, make_workload
+from gouache.stats import percentile
 
 COLUMNS = ["policy", "source", "finished", "dropped", "p50_s", "p95_s", "mean_s", "slo_attainment", "p50_gap"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny-sdxl")
+    p.add_argument("--model", default="tiny-sdxl", help="model of the live engine (default: %(default)s)")
     p.add_argument("--cost-model", required=True, help="JSON from `gouache profile` for the same model and sizes")
     p.add_argument("--policies", default="patched,orca,round-knapsack",
-                   help="comma-separated step policies the cost model can price")
-    p.add_argument("--patch-size", type=int, default=128)
-    p.add_argument("--requests", type=int, default=30)
-    p.add_argument("--rate", type=float, default=0.5)
-    p.add_argument("--sizes", default="256,384")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = scale x standalone latency")
-    p.add_argument("--max-batch-size", type=int, default=4)
-    p.add_argument("--round-s", type=float, default=0.5, help="round length of round-knapsack")
-    p.add_argument("--seed", type=int, default=0)
+                   help="comma-separated step policies the cost model can price (default: %(default)s)")
+    p.add_argument("--patch-size", type=int, default=128, help="patch side in pixels for patching policies (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=30, help="requests per policy (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=0.5, help="mean arrivals in requests/s, Poisson (default: %(default)s)")
+    p.add_argument("--sizes", default="256,384", help="comma-separated square sides in pixels (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per request (default: %(default)s)")
+    p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = scale x standalone latency (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=int, default=4, help="images per step (default: %(default)s)")
+    p.add_argument("--round-s", type=float, default=0.5, help="round length of round-knapsack in seconds (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival trace (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of torch in the live engine: the number the cost model was profiled with")
-    p.add_argument("--out", default="benchmarks/results/sim_to_real.json")
+    p.add_argument("--out", default="benchmarks/results/sim_to_real.json", help="JSON output path (default: %(default)s)")
 
 
 @dataclass
@@ -189,5 +189,5 @@ def _row(policy: str, source: str, latency: dict[str, float], dropped: set[str],
     met = sum(1 for r in trace if r.request_id in latency and r.slo_s and latency[r.request_id] <= r.slo_s)
     with_slo = sum(1 for r in trace if r.slo_s)
     return {"policy": policy, "source": source, "finished": len(values), "dropped": len(dropped),
-            "p50_s": statistics.median(values), "p95_s": percentile(values, 95), "mean_s": statistics.fmean(values),
+            "p50_s": percentile(values, 50), "p95_s": percentile(values, 95), "mean_s": statistics.fmean(values),
             "slo_attainment": met / with_slo if with_slo else None}

@@ -10,25 +10,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import multiprocessing
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, StepReport
 from gouache.engine.handle import EngineStats, RequestHandle
 from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
 from gouache.engine.stages import Stage
 from gouache.errors import (
     DeadlineUnattainableError, EngineStoppedError, GouacheError, InvalidRequestError, QueueFullError,
-    RequestTimeoutError, WorkerFailureError,
+    RequestTimeoutError, ShuttingDownError, WorkerFailureError,
 )
 from gouache.metrics import Metrics
-from gouache.model_info import ModelInfo
+from gouache.model_info import ModelInfo, unpriced_message
 from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus
 from gouache.runner.model_runner import ModelRunner
@@ -60,59 +60,83 @@ class AsyncEngine:
         self.config = engine_config
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(pipe, engine_config.patch_size)
-        self.scheduler = Scheduler(make_policy(sched_config, predictor))
-        if self.scheduler.policy.mixes_shapes:  # every latent must cut into whole patches
+        policy = make_policy(sched_config, predictor)
+        self.scheduler = Scheduler(policy)
+        if policy.mixes_shapes:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
+        priced = predictor.sizes(policy.mixes_shapes) if policy.needs_predictor else None
+        if priced is not None:  # the policy cannot plan a size its cost model never saw
+            info = replace(info, sizes=tuple(sorted((w, h) for h, w in priced)))
         self.info = info
         self.core = EngineCore(
-            self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop
+            self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop, self._on_death
         )
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
-        self.codecs = ProcessPoolExecutor(engine_config.image_workers, mp_context=multiprocessing.get_context("spawn"))
+        self.codecs = CodecPool(engine_config.image_workers)
         self._images: dict[str, _Image] = {}  # in-flight images by id; guarded by _lock
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counts = {"finished": 0, "failed": 0}
+        self._draining = False  # set by drain(): nothing new is admitted
+        self.died: asyncio.Event | None = None  # set (on the API's loop) if the engine loop dies
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
         import torch
 
-        from gouache.runner.models import load_pipeline, model_info
+        from gouache.runner.models import load_pipeline, model_id, model_info
+        from gouache.sched.costmodel import BatchCostModel
         from gouache.sched.costmodel import load as load_cost_model
 
         if engine_config.torch_threads:
             torch.set_num_threads(engine_config.torch_threads)
-        pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
         predictor = load_cost_model(sched_config.cost_model) if sched_config.cost_model else None
-        return cls(pipe, model_info(pipe, model_config.model), engine_config, sched_config, predictor=predictor)
+        if predictor is not None and not isinstance(predictor, BatchCostModel):
+            raise ValueError(f"{sched_config.cost_model} is a {predictor.kind!r} cost model; --cost-model takes "
+                             "the step-cost model of `gouache profile` (kind 'batch')")
+        pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
+        return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config, predictor=predictor)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.died = asyncio.Event()
         for part in (self.core, self.prep, self.post):
             part.start()
         # start the codec processes now, not on the first request
-        await self._loop.run_in_executor(self.codecs, encode_image, np.zeros((8, 8, 3), np.uint8), "png")
+        await asyncio.wrap_future(self.codecs.submit(encode_image, np.zeros((8, 8, 3), np.uint8), "png"))
+
+    async def drain(self, grace_s: float) -> None:
+        """Admit nothing more; give what is in flight `grace_s` seconds to finish; fail the rest."""
+        self._draining = True
+        deadline = self._loop.time() + grace_s
+        while self._images and self.core.running and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._images:
+            log.warning("cancelling %d images still in flight after %g s of grace", len(self._images), grace_s)
+        self._fail_all(ShuttingDownError(f"the server shut down before this request finished ({grace_s:g} s grace)"))
 
     async def aclose(self) -> None:
-        with self._lock:
-            ids = {image.handle.request_id for image in self._images.values()}
-        for api_id in ids:
-            self._fail(api_id, EngineStoppedError("the server is shutting down"))
+        """Fail what is still in flight, stop the threads, wait for the codec processes to exit."""
+        self._draining = True
+        self._fail_all(EngineStoppedError("the server is shutting down"))
         self.core.stop()
         self.prep.stop()
         self.post.stop()
-        self.codecs.shutdown(wait=False, cancel_futures=True)
+        await self._loop.run_in_executor(None, self.codecs.shutdown)
 
     # -- the API's calls -------------------------------------------------------------------
 
     async def submit(self, requests: list[ImageRequest]) -> RequestHandle:
         """Accept the n images of one API request, or raise a GouacheError."""
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica or after its restart")
         if self._loop is None or not self.core.running:
             raise EngineStoppedError("the engine is not running")
+        for request in requests:
+            self._check_size(request)
         self._check_capacity(len(requests))
         decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
         api_id = requests[0].request_id.rsplit("-", 1)[0]
@@ -135,7 +159,8 @@ class AsyncEngine:
             statuses = [image.status for image in self._images.values()]
         waiting = sum(s in (RequestStatus.PREPARING, RequestStatus.WAITING) for s in statuses)
         running = sum(s == RequestStatus.RUNNING for s in statuses)
-        return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"])
+        status = "dead" if not self.core.running else "draining" if self._draining else "ok"
+        return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
 
     # -- preparation -----------------------------------------------------------------------
 
@@ -146,10 +171,14 @@ class AsyncEngine:
                 retry_after_s=max(1, len(self._images) // 4),
             )
 
+    def _check_size(self, request: ImageRequest) -> None:
+        if self.info.sizes is not None and (request.width, request.height) not in self.info.sizes:
+            raise InvalidRequestError(unpriced_message(self.info.sizes, request.width, request.height), "size")
+
     async def _decode_edit(self, request: ImageRequest) -> DecodedEdit:
-        result = await self._loop.run_in_executor(
-            self.codecs, decode_edit, request.image, request.mask, request.width, request.height, self.config.max_upload_pixels
-        )
+        result = await asyncio.wrap_future(self.codecs.submit(
+            decode_edit, request.image, request.mask, request.width, request.height, self.config.max_upload_pixels
+        ))
         if isinstance(result, DecodeError):
             raise InvalidRequestError(result.message, param=result.param)
         return result
@@ -159,14 +188,13 @@ class AsyncEngine:
             return
         image, mask = (decoded.image, decoded.mask) if decoded else (None, None)
         state = self.runner.prepare(request, image, mask)
-        with self._lock:
+        with self._lock:  # under the lock, so that an abort reaches the engine's inbox after the add
             entry = self._images.get(request.request_id)
             if entry is not None:
                 entry.status = RequestStatus.WAITING
+                self.core.add(state)
         if entry is None:
             self.runner.release(request.request_id)
-        else:
-            self.core.add(state)
 
     # -- the engine loop's callbacks (engine thread) ---------------------------------------
 
@@ -198,24 +226,28 @@ class AsyncEngine:
                 message = f"the request cannot finish within its slo_ms={slo:g} even if started now; it was dropped"
                 self._fail(entry.handle.request_id, DeadlineUnattainableError(message))
 
-    def _on_step_failure(self, request_ids: list[str], error: Exception) -> None:
-        for rid in request_ids:
-            self.runner.release(rid)
+    def _on_step_failure(self, reasons: dict[str, str]) -> None:
+        for rid, why in reasons.items():
             entry = self._images.get(rid)
             if entry is not None:
-                self._fail(entry.handle.request_id, WorkerFailureError(f"denoising failed: {error}"))
+                self._fail(entry.handle.request_id, WorkerFailureError(f"denoising failed: {why}"))
+
+    def _on_death(self, error: BaseException) -> None:
+        self._fail_all(EngineStoppedError(f"the engine stopped ({type(error).__name__}: {error}); the server exits"))
+        self._loop.call_soon_threadsafe(self.died.set)
 
     # -- post-processing -------------------------------------------------------------------
 
     def _postprocess(self, kind: str, rid: str, latents) -> None:
+        # A preview's request may still be running: only the engine thread releases its state.
+        # A final's request has left the scheduler: its state is this stage's to release.
         entry = self._images.get(rid)
-        if entry is None:  # aborted meanwhile
-            self.runner.release(rid)
-            return
-        pixels = self.runner.decode(rid, latents)
+        pixels = None if entry is None else self.runner.decode(rid, latents)
         if kind == "final":
             self.runner.release(rid)
-        future = self.codecs.submit(encode_image, pixels, entry.request.output_format)
+        if pixels is None:  # aborted meanwhile
+            return
+        future = self.codecs.submit(encode_image, pixels, entry.request.output_format, entry.request.output_compression)
         future.add_done_callback(lambda f: self._deliver(kind, rid, f))
 
     def _deliver(self, kind: str, rid: str, future: Future) -> None:
@@ -236,8 +268,10 @@ class AsyncEngine:
         entry.handle.push(ImageEvent(entry.index, future.result(), entry.request.seed))
 
     def _on_stage_failure(self, job: tuple, error: Exception) -> None:
-        rid = job[0].request_id if isinstance(job[0], ImageRequest) else job[1]
-        self.runner.release(rid)
+        preparing = isinstance(job[0], ImageRequest)
+        rid = job[0].request_id if preparing else job[1]
+        if preparing or job[0] == "final":  # not in the scheduler: no step can be using its state
+            self.runner.release(rid)
         entry = self._images.get(rid)
         if entry is not None:
             self._fail(entry.handle.request_id, WorkerFailureError(f"{type(error).__name__}: {error}"))
@@ -260,6 +294,12 @@ class AsyncEngine:
         if entries:  # the API counts the error in the metrics when it answers
             self._counts["failed"] += len(entries)
             entries[0].handle.push(ErrorEvent(error.kind, error.message, error.status))
+
+    def _fail_all(self, error: GouacheError) -> None:
+        with self._lock:
+            api_ids = {image.handle.request_id for image in self._images.values()}
+        for api_id in api_ids:
+            self._fail(api_id, error)
 
     def _expire(self, api_id: str) -> None:
         timeout = self.config.request_timeout_s

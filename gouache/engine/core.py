@@ -35,15 +35,19 @@ class StepReport:
 
 
 class EngineCore:
+    """The loop. No request can stop it: a step or a plan that fails fails the requests it
+    concerns and the loop goes on. Should the loop itself die (a bug), `on_death` is told."""
+
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, metrics: Metrics,
-                 on_step: Callable[[StepReport], None], on_failure: Callable[[list[str], Exception], None],
-                 on_drop: Callable[[list[str]], None]):
+                 on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str]], None],
+                 on_drop: Callable[[list[str]], None], on_death: Callable[[BaseException], None]):
         self.runner = runner
         self.scheduler = scheduler
         self.metrics = metrics
         self.on_step = on_step  # called in the loop thread after every step
-        self.on_failure = on_failure  # called with the ids of a step that raised
+        self.on_failure = on_failure  # called with {request id: why} of requests that failed and were forgotten
         self.on_drop = on_drop  # called with the ids the policy dropped (deadline unattainable)
+        self.on_death = on_death  # called in the loop thread if the loop itself raises
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gouache-engine", daemon=True)
@@ -71,28 +75,28 @@ class EngineCore:
     # -- the loop --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox(block=not self.scheduler.has_work())
-            self.step()
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox(block=not self.scheduler.has_work())
+                self.step()
+        except BaseException as error:  # a bug in the loop: say so; the server exits non-zero
+            log.critical("the engine loop died", exc_info=True)
+            self._stop.set()  # `running` is False from here on
+            self.on_death(error)
 
     def step(self) -> StepReport | None:
         start = time.perf_counter()
-        plan = self.scheduler.schedule(time.monotonic())
-        if plan.drop:
-            for rid in plan.drop:
-                self.runner.release(rid)
-            self.on_drop(plan.drop)
-        if not plan.groups:
+        plan = self._schedule(time.monotonic())
+        if plan is None or not plan.groups:
             return None
         states = {rid: self.scheduler.running[rid] for rid in plan.request_ids}
         try:
             output = self.runner.execute(plan)
-        except Exception as error:  # a failing step fails its requests, never the loop
+        except Exception as error:  # outside any one request's work: the step's requests fail
             log.exception("denoising step failed")
-            for rid in plan.request_ids:
-                self.scheduler.abort(rid)
-            self.on_failure(plan.request_ids, error)
+            self._fail({rid: f"denoising failed: {error}" for rid in plan.request_ids})
             return None
+        self._fail(output.failed)
         finished = self.scheduler.update(plan, output)
         report = StepReport(plan, output, finished, states)
         self.on_step(report)
@@ -101,6 +105,31 @@ class EngineCore:
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
+
+    def _schedule(self, now: float) -> StepPlan | None:
+        """The policy's plan, with dropped requests reported; None if planning failed, after
+        failing the requests the policy cannot plan (all of them if no one alone is to blame)."""
+        try:
+            plan = self.scheduler.schedule(now)
+        except Exception as error:
+            log.exception("planning failed")
+            blamed = self.scheduler.unplannable(now)
+            if not blamed:
+                blamed = {rid: f"{type(error).__name__}: {error}" for rid in self.scheduler.request_ids()}
+            self._fail({rid: f"the scheduler could not plan it: {why}" for rid, why in blamed.items()})
+            return None
+        if plan.drop:
+            for rid in plan.drop:
+                self.runner.release(rid)
+            self.on_drop(plan.drop)
+        return plan
+
+    def _fail(self, reasons: dict[str, str]) -> None:
+        for rid in reasons:
+            self.scheduler.abort(rid)
+            self.runner.release(rid)
+        if reasons:
+            self.on_failure(reasons)
 
     def _drain_inbox(self, block: bool) -> None:
         try:

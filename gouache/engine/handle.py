@@ -18,6 +18,7 @@ class EngineStats:
     running: int  # requests in the denoising batch
     finished: int  # images returned since start
     failed: int  # images that ended with an error since start
+    status: str = "ok"  # ok | draining (shutting down, admits nothing) | dead (the engine loop died)
 
 
 class RequestHandle:

@@ -1,4 +1,5 @@
-"""CPU-heavy image work that runs in worker processes: upload decoding and output encoding.
+"""CPU-heavy image work that runs in worker processes: upload decoding and output encoding;
+and the one cheap read the API does itself, an upload's size from its header.
 
 Imports only Pillow and NumPy so that worker processes start fast and never touch the model.
 Errors come back as values, since exception pickling across processes loses fields.
@@ -14,6 +15,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 _FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+_UNREADABLE = (UnidentifiedImageError, OSError, ValueError, SyntaxError)  # what Pillow raises on bad bytes
 
 
 @dataclass
@@ -37,17 +39,47 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image | DecodeError
             image.load()
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return DecodeError(f"{field} has more than {max_pixels} pixels; send a smaller image", field)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
-        return DecodeError(f"{field} is not a readable PNG, JPEG or WebP image", field)
+    except _UNREADABLE:
+        return _unreadable(field)
     return image
 
 
-def _repaint_mask(image: Image.Image) -> np.ndarray:
-    """1 where to repaint. With alpha: fully transparent pixels (OpenAI). Without: white pixels."""
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        alpha = np.asarray(image.convert("RGBA"))[..., 3]
-        return (alpha == 0).astype(np.float32)
-    return (np.asarray(image.convert("L")) >= 128).astype(np.float32)
+def _unreadable(field: str) -> DecodeError:
+    return DecodeError(f"{field} is not a readable PNG, JPEG or WebP image", field)
+
+
+def read_size(data: bytes, field: str) -> tuple[int, int] | DecodeError:
+    """An upload's (width, height) from its header alone; its pixels are not decoded."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except Image.DecompressionBombError:
+        return DecodeError(f"{field} has too many pixels; send a smaller image", field)
+    except _UNREADABLE:
+        return _unreadable(field)
+
+
+def _transparent(image: Image.Image) -> np.ndarray | None:
+    """1 at fully transparent pixels, or None if the image has no transparency at all.
+
+    Pillow's `has_transparency_data` covers alpha channels, palettes with alpha and PNG colour
+    keys (tRNS, `info["transparency"]`); converting to RGBA turns a keyed pixel's alpha to 0.
+    """
+    if not image.has_transparency_data:
+        return None
+    return (np.asarray(image.convert("RGBA"))[..., 3] == 0).astype(np.float32)
+
+
+def _repaint_region(image: Image.Image, mask: Image.Image | None) -> np.ndarray:
+    """float32 [H, W], 1 = repaint (OpenAI's rule): the fully transparent pixels of the mask, or
+    of the image when there is no mask. A mask without transparency repaints its white pixels;
+    an opaque image without a mask is repainted whole."""
+    transparent = _transparent(image if mask is None else mask)
+    if transparent is not None:
+        return transparent
+    if mask is None:
+        return np.ones((image.height, image.width), np.float32)
+    return (np.asarray(mask.convert("L")) >= 128).astype(np.float32)
 
 
 def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height: int, max_pixels: int) -> DecodedEdit | DecodeError:
@@ -55,16 +87,14 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
     image = _open(image_bytes, "image", max_pixels)
     if isinstance(image, DecodeError):
         return image
-    if mask_bytes is None:
-        has_alpha = image.mode in ("RGBA", "LA") or "transparency" in image.info
-        mask = _repaint_mask(image) if has_alpha else np.ones((image.height, image.width), np.float32)
-    else:
+    mask_image = None
+    if mask_bytes is not None:
         mask_image = _open(mask_bytes, "mask", max_pixels)
         if isinstance(mask_image, DecodeError):
             return mask_image
         if mask_image.size != image.size:
             return DecodeError(f"mask is {mask_image.width}x{mask_image.height} but image is {image.width}x{image.height}; they must match", "mask")
-        mask = _repaint_mask(mask_image)
+    mask = _repaint_region(image, mask_image)
     rgb = image.convert("RGB")
     if rgb.size != (width, height):
         rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
@@ -72,9 +102,10 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
     return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32))
 
 
-def encode_image(pixels: np.ndarray, output_format: str) -> bytes:
-    """uint8 [H, W, 3] -> PNG / JPEG / WebP bytes."""
+def encode_image(pixels: np.ndarray, output_format: str, compression: int | None = None) -> bytes:
+    """uint8 [H, W, 3] -> PNG / JPEG / WebP bytes; `compression` is the JPEG / WebP quality
+    (0-100, OpenAI's `output_compression`), 95 when None."""
     buffer = io.BytesIO()
-    options = {"compress_level": 4} if output_format == "png" else {"quality": 95}
+    options = {"compress_level": 4} if output_format == "png" else {"quality": 95 if compression is None else compression}
     Image.fromarray(pixels).save(buffer, format=_FORMATS[output_format], **options)
     return buffer.getvalue()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
+import torch
 
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
@@ -13,11 +15,14 @@ from gouache.runner.families import Family, make_family
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS
 from gouache.runner.sampler import DenoiseState
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """One model on one device. `prepare` and `decode` are called from the stage threads,
-    `execute` from the engine thread; the only shared structure is `states`, whose entries
-    are added before the scheduler learns of a request and removed after it finishes."""
+    `execute` from the engine thread; the only shared structure is `states`. An entry is added
+    before the scheduler learns of its request, and removed only where no step can be using it:
+    by the engine thread between steps, or by a stage once the request left the scheduler."""
 
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         self.pipe = pipe
@@ -40,18 +45,47 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """One denoising step: one batched forward per group of the plan (patched if it says so)."""
-        start = time.perf_counter()
-        for group in plan.groups:
-            self.family.step([self.states[rid] for rid in group], patched=plan.patched)
-        return StepOutput(
-            request_ids=plan.request_ids,
-            forward_s=time.perf_counter() - start,
-        )
+        """One denoising step: one batched forward per group of the plan (patched if it says so).
 
-    def decode(self, request_id: str, latents=None) -> np.ndarray:
-        """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot."""
-        state = self.states[request_id]
+        One request's error fails that request only: a forward that raises is retried one
+        request at a time, and each request's sampler step is its own.
+        """
+        start = time.perf_counter()
+        stepped: list[str] = []
+        failed: dict[str, str] = {rid: "its denoising state is gone" for rid in plan.request_ids if rid not in self.states}
+        for group in plan.groups:
+            present = [rid for rid in group if rid not in failed]
+            for rid, prediction in self._predict(present, plan.patched, failed):
+                try:
+                    self.family.advance(self.states[rid], prediction)
+                except Exception as error:
+                    log.exception("sampler step of %s failed", rid)
+                    failed[rid] = f"{type(error).__name__}: {error}"
+                else:
+                    stepped.append(rid)
+        return StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed)
+
+    def _predict(self, ids: list[str], patched: bool, failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
+        """(id, prediction) of one forward over `ids`; if it raises, of each request alone, and
+        the requests that fail alone go to `failed`."""
+        if not ids:
+            return []
+        try:
+            return list(zip(ids, self.family.predict([self.states[rid] for rid in ids], patched)))
+        except Exception as error:
+            if len(ids) == 1:
+                log.exception("denoising %s failed", ids[0])
+                failed[ids[0]] = f"{type(error).__name__}: {error}"
+                return []
+            log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
+        return [pair for rid in ids for pair in self._predict([rid], False, failed)]
+
+    def decode(self, request_id: str, latents=None) -> np.ndarray | None:
+        """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;
+        None if the request was released meanwhile."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
         return self.family.decode(state, state.latents if latents is None else latents)
 
     def release(self, request_id: str) -> None:

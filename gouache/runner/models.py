@@ -333,6 +333,11 @@ def default_size(pipe: DiffusionPipeline) -> int:
     return int(sample_size) * pipe.vae_scale_factor
 
 
+def model_id(model: str) -> str:
+    """The id clients see for `--model`: a built-in's name, a directory's folder name (never a path)."""
+    return model if model in BUILDERS else os.path.basename(os.path.normpath(model))
+
+
 def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
     family = family_of(pipe)
     tiny = name in BUILTIN_MODELS
@@ -383,6 +388,13 @@ ARCH_CONFIGS: dict[str, tuple[type[torch.nn.Module], dict]] = {
         ),
     ),
 }
+
+
+def arch_description(name: str) -> str:
+    """One line for `gouache models`: which published denoiser `name` is and what it is for."""
+    published = {"sdxl-arch": "SDXL base 1.0", "sd3-arch": "SD3 medium", "flux-arch": "FLUX.1-dev"}
+    return (f"GPU benchmark model (`gouache bench batching` only): full-size {published[name]} "
+            f"{ARCH_CONFIGS[name][0].__name__}, random weights, no download")
 
 
 @contextlib.contextmanager

@@ -163,6 +163,12 @@ class BatchCostModel:
             return sum(self.grouped_time(res, count) for res, count in composition.items())
         return self.predict(composition)
 
+    def sizes(self, patched: bool) -> set[Resolution]:
+        """What `step_time` prices: a patched batch of the profiled resolutions (the SVR's features
+        count images per known resolution, so it cannot price another), or plain forwards of
+        the resolutions in `grouped`."""
+        return set(self.resolutions) if patched else set(self.grouped)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,

@@ -7,6 +7,7 @@ and the simulator can drive the same policy objects.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
@@ -21,6 +22,9 @@ class StepTimePredictor(Protocol):
     """Predicted seconds of one denoising step of a batch, from its latent shapes."""
 
     def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float: ...
+
+    def sizes(self, patched: bool) -> set[tuple[int, int]] | None:
+        """The (height, width) pixel sizes `step_time` can price; None: any."""
 
 
 class Policy(ABC):
@@ -67,6 +71,24 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def request_ids(self) -> list[str]:
+        return [*self.waiting, *self.running]
+
+    def unplannable(self, now: float) -> dict[str, str]:
+        """The requests the policy fails to plan even alone, with the error each raised.
+
+        For the engine to blame a failed plan on the requests that caused it. Each probe plans
+        with a copy of the policy, so a policy's own state (a round in progress) is untouched.
+        """
+        blamed = {}
+        for state in [*self.waiting.values(), *self.running.values()]:
+            alone = ([state], []) if state.request_id in self.waiting else ([], [state])
+            try:
+                copy.deepcopy(self.policy).plan(*alone, now)
+            except Exception as error:
+                blamed[state.request_id] = f"{type(error).__name__}: {error}"
+        return blamed
 
     def schedule(self, now: float) -> StepPlan:
         """Ask the policy, then apply its plan: dropped requests are forgotten (the caller

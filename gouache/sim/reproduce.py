@@ -38,8 +38,10 @@ EXPERIMENTS: dict[str, Callable[[Path], dict]] = {
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {', '.join(EXPERIMENTS)}")
-    p.add_argument("--out", default="benchmarks/results/reproduce", help="output folder")
+    p.add_argument("--only", default=",".join(EXPERIMENTS),
+                   help="comma-separated subset of the experiments (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/reproduce",
+                   help="output folder; each experiment writes under OUT/<name>/ (default: %(default)s)")
 
 
 def run(args) -> int:

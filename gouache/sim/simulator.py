@@ -47,6 +47,7 @@ from gouache.sched.interface import Policy, Scheduler, StepTimePredictor
 from gouache.sched.output import StepPlan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sim.workloads import SimRequest, latent_tokens
+from gouache.stats import percentile
 
 # seconds one step plan takes on the device, given the states of the requests in it
 StepCost = Callable[[StepPlan, dict[str, RequestState]], float]
@@ -210,7 +211,7 @@ class SimResult:
         makespan = self.end - self.start
 
         def pct(q: float) -> float | None:
-            return float(np.percentile(latencies, q)) if latencies.size else None
+            return percentile(latencies.tolist(), q) if latencies.size else None
 
         return SimMetrics(
             num_requests=len(self.records),

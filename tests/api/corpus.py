@@ -113,6 +113,10 @@ def _generation_cases(config: ServerConfig, size_step: int) -> list[Malformed]:
         _gen("bad quality", "quality", quality="ultra"),
         _gen("bad style", "style", style="cubist"),
         _gen("output_compression 101", "output_compression", output_compression=101),
+        _gen("output_compression with png", "output_compression", output_compression=80),
+        _gen("background transparent", "background", background="transparent"),
+        _gen("partial_images without stream", "partial_images", partial_images=2),
+        _gen("url with stream", "response_format", stream=True, response_format="url"),
         _gen("negative_prompt int", "negative_prompt", negative_prompt=5),
         _gen("unknown field", "foo", foo=1),
         Malformed("huge body", "POST", GENERATIONS, 413, content=b" " * (config.max_body_bytes + 1),
@@ -120,8 +124,11 @@ def _generation_cases(config: ServerConfig, size_step: int) -> list[Malformed]:
     ]  # fmt: skip
 
 
-def _edit_cases() -> list[Malformed]:
+def _edit_cases(config: ServerConfig, size_step: int) -> list[Malformed]:
     image = ("image", ("in.png", png(), "image/png"))
+    mask = ("mask", ("m.png", png(), "image/png"))
+    off_step = 100 if 100 % size_step else config.min_size + 1
+    too_small = config.min_size // 2
     text = {"prompt": "paint it blue"}
     return [
         _edit("edit missing image", "image", text, [("mask", ("m.png", png(), "image/png"))]),
@@ -130,6 +137,15 @@ def _edit_cases() -> list[Malformed]:
         _edit("edit non-image upload", "image", text, [("image", ("in.png", b"hello, world", "image/png"))]),
         _edit("edit non-image mask", "mask", text, [image, ("mask", ("m.png", b"GIF89a?", "image/png"))]),
         _edit("edit mask size mismatch", "mask", text, [image, ("mask", ("m.png", png(32, 32), "image/png"))]),
+        _edit("edit two images", "image", text, [image, image]),
+        _edit("edit image and image[]", "image", text, [image, ("image[]", ("b.png", png(), "image/png"))]),
+        _edit("edit two masks", "mask", text, [image, mask, mask]),
+        _edit("edit upload off step, no size", "size", text, [("image", ("in.png", png(off_step, off_step), "image/png"))]),
+        _edit("edit upload too small, size auto", "size", {**text, "size": "auto"},
+              [("image", ("in.png", png(too_small, too_small), "image/png"))]),
+        _edit("edit non-image upload, size given", "image", {**text, "size": "64x64"},
+              [("image", ("in.png", b"hello, world", "image/png"))]),
+        _edit("edit partial_images without stream", "partial_images", {**text, "partial_images": "1"}, [image]),
         _edit("edit missing prompt", "prompt", {"n": "1"}, [image]),
         _edit("edit empty prompt", "prompt", {"prompt": ""}, [image]),
         _edit("edit n abc", "n", {**text, "n": "abc"}, [image]),
@@ -160,7 +176,7 @@ def _route_cases() -> list[Malformed]:
 
 def malformed_requests(config: ServerConfig | None = None, size_step: int = 8) -> list[Malformed]:
     config = config or ServerConfig()
-    return _generation_cases(config, size_step) + _edit_cases() + _route_cases()
+    return _generation_cases(config, size_step) + _edit_cases(config, size_step) + _route_cases()
 
 
 MALFORMED_REQUESTS = malformed_requests()  # for the default ServerConfig and a size step of 8

@@ -68,6 +68,9 @@ class FakeEngine:
         self.hold = False  # while True, requests stop before their images until aborted
         self.running = 0  # requests submitted and not ended
         self.started = False
+        self.status = "ok"  # what stats() reports: ok | draining | dead
+        self.died: asyncio.Event | None = None
+        self.drained_with: float | None = None  # grace_s of the last drain() call
         self._tasks: set[asyncio.Task] = set()
 
     async def submit(self, requests: list[ImageRequest]) -> RequestHandle:
@@ -87,11 +90,14 @@ class FakeEngine:
     async def start(self) -> None:
         self.started = True
 
+    async def drain(self, grace_s: float) -> None:
+        self.status, self.drained_with = "draining", grace_s
+
     async def aclose(self) -> None:
         self.started = False
 
     def stats(self) -> EngineStats:
-        return EngineStats(waiting=0, running=self.running, finished=0, failed=0)
+        return EngineStats(waiting=0, running=self.running, finished=0, failed=0, status=self.status)
 
     async def _run(self, handle: RequestHandle, requests: list[ImageRequest]) -> None:
         self.running += 1

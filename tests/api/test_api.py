@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
 
+from gouache.api import images
 from gouache.errors import QueueFullError
 from gouache.outputs import ErrorEvent
 from tests.api.corpus import EDITS, GENERATIONS, png
@@ -49,10 +51,29 @@ async def test_extensions_and_non_square_size(client: httpx.AsyncClient, engine:
     assert (request.num_inference_steps, request.guidance_scale, request.slo_ms) == (3, 2.0, 500.0)
 
 
-async def test_openai_only_fields_are_accepted_and_ignored(client: httpx.AsyncClient):
-    extras = {"quality": "high", "style": "vivid", "background": "auto", "moderation": "low", "output_compression": 80}
-    response = await client.post(GENERATIONS, json={"prompt": "fox", "user": "u1", "size": "auto", "n": None, **extras})
+async def test_fields_gouache_cannot_honour_are_logged_once_each(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+):
+    images._log_ignored_once.cache_clear()  # once per process: forget what earlier tests logged
+    extras = {"quality": "high", "style": "vivid", "moderation": "low", "user": "u1", "safety_identifier": "s1"}
+    with caplog.at_level(logging.WARNING, logger="gouache.api.images"):
+        for _ in range(2):
+            response = await client.post(GENERATIONS, json={"prompt": "fox", "size": "auto", "n": None, **extras})
+            assert response.status_code == 200, response.text
+        edit = {"prompt": "blue", "quality": "low", "input_fidelity": "high"}
+        response = await client.post(EDITS, data=edit, files=[("image", ("in.png", png(), "image/png"))])
+        assert response.status_code == 200, response.text
+    logged = [record.getMessage() for record in caplog.records if "accepted and ignored" in record.getMessage()]
+    assert sorted(message.split()[1] for message in logged) == sorted([*extras, "input_fidelity"])
+
+
+async def test_values_gouache_honours_are_accepted(client: httpx.AsyncClient, engine: FakeEngine):
+    body = {"prompt": "fox", "background": "opaque", "output_format": "jpeg", "output_compression": 40}
+    response = await client.post(GENERATIONS, json=body)
     assert response.status_code == 200, response.text
+    assert engine.submitted[0].output_compression == 40
+    streamed = await client.post(GENERATIONS, json={"prompt": "fox", "stream": True, "response_format": "b64_json"})
+    assert parse_sse(streamed.text)[-1][0] == "image_generation.completed"
 
 
 async def test_url_response_is_downloadable(client: httpx.AsyncClient):
@@ -142,10 +163,27 @@ async def test_edit_multipart(client: httpx.AsyncClient, engine: FakeEngine):
     assert (first.seed, first.guidance_scale, len(engine.submitted)) == (7, 3.5, 2)
 
 
-async def test_edit_without_size_uses_model_default(client: httpx.AsyncClient, engine: FakeEngine):
-    response = await client.post(EDITS, data={"prompt": "blue"}, files=[("image", ("in.png", png(), "image/png"))])
+@pytest.mark.parametrize("size", [None, "auto"])
+async def test_edit_without_size_keeps_the_upload_size(client: httpx.AsyncClient, engine: FakeEngine, size: str | None):
+    data = {"prompt": "blue"} if size is None else {"prompt": "blue", "size": size}
+    response = await client.post(EDITS, data=data, files=[("image", ("in.png", png(96, 64), "image/png"))])
     assert response.status_code == 200, response.text
-    assert (engine.submitted[0].width, engine.submitted[0].height, engine.submitted[0].mask) == (256, 256, None)
+    body = response.json()
+    assert body["size"] == "96x64" and open_image(body["data"][0]["b64_json"]).size == (96, 64)
+    assert (engine.submitted[0].width, engine.submitted[0].height, engine.submitted[0].mask) == (96, 64, None)
+    streamed = await client.post(EDITS, data={**data, "stream": "true"}, files=[("image", ("in.png", png(96, 64), "image/png"))])
+    assert parse_sse(streamed.text)[-1][1]["size"] == "96x64"
+
+
+async def test_edit_upload_of_a_size_the_model_cannot_take(client: httpx.AsyncClient, engine: FakeEngine):
+    files = [("image", ("in.png", png(100, 64), "image/png"))]
+    response = await client.post(EDITS, data={"prompt": "blue"}, files=files)
+    assert response.status_code == 400 and not engine.submitted
+    error = response.json()["error"]
+    assert error["param"] == "size" and "100x64" in error["message"] and "multiples of 8" in error["message"]
+    resized = await client.post(EDITS, data={"prompt": "blue", "size": "128x64"}, files=files)
+    assert resized.status_code == 200 and resized.json()["size"] == "128x64"
+    assert (engine.submitted[0].width, engine.submitted[0].height) == (128, 64)
 
 
 async def test_edit_stream_uses_edit_event_names(client: httpx.AsyncClient):

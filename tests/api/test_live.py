@@ -51,7 +51,11 @@ def test_openai_edit(live_url: str, engine: FakeEngine):
 def test_openai_edit_with_image_list(live_url: str, engine: FakeEngine):
     first, second = io.BytesIO(png()), io.BytesIO(png(32, 32))
     first.name, second.name = "a.png", "b.png"
-    _client(live_url).images.edit(image=[first, second], prompt="blue")
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(live_url).images.edit(image=[first, second], prompt="blue")
+    assert refused.value.body["param"] == "image" and not engine.submitted
+    first.seek(0)
+    _client(live_url).images.edit(image=[first], prompt="blue")
     assert engine.submitted[0].image == png()
 
 

@@ -7,7 +7,8 @@ from pydantic import ValidationError
 
 from gouache.api.errors import from_validation_errors
 from gouache.api.files import FileStore
-from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest, Limits
+from gouache.api.protocol import MAX_SEED, ImageEditRequest, ImageGenerationRequest, Limits
+from gouache.errors import InvalidRequestError
 from tests.api.fake_engine import FAKE_INFO
 
 LIMITS = Limits(max_n=4, max_steps=50, min_size=64, max_size=1024, max_pixels=512 * 1024, size_step=16, default_size=512)
@@ -58,11 +59,43 @@ def test_to_requests_fills_defaults_and_seeds():
     assert (requests[0].width, requests[0].num_inference_steps, requests[0].partial_images) == (512, 4, 0)
 
 
-def test_partial_images_only_when_streaming():
-    plain = ImageGenerationRequest.model_validate({"prompt": "p", "partial_images": 2}, context=CONTEXT)
+def test_seeds_of_n_images_wrap_to_stay_valid():
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "n": 3, "seed": MAX_SEED}, context=CONTEXT)
+    seeds = [r.seed for r in params.to_requests("a", FAKE_INFO, 0.0)]
+    assert seeds == [MAX_SEED, 0, 1]
+    for seed in seeds:  # each, sent back with n=1, is accepted and makes the same image
+        again = ImageGenerationRequest.model_validate({"prompt": "p", "seed": seed}, context=CONTEXT)
+        assert again.to_requests("b", FAKE_INFO, 0.0)[0].seed == seed
+
+
+def test_partial_images_need_stream():
+    assert "needs stream=true" in _json_error('{"prompt": "p", "partial_images": 2}').message
     streamed = ImageGenerationRequest.model_validate({"prompt": "p", "partial_images": 2, "stream": True}, context=CONTEXT)
-    assert plain.to_requests("a", FAKE_INFO, 0.0)[0].partial_images == 0
     assert streamed.to_requests("a", FAKE_INFO, 0.0)[0].partial_images == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [('"background": "transparent"', "background"), ('"output_compression": 50', "output_compression"),
+     ('"stream": true, "response_format": "url"', "response_format")],
+)  # fmt: skip
+def test_values_gouache_cannot_honour_are_refused(body: str, param: str):
+    assert _json_error(f'{{"prompt": "p", {body}}}').param == param
+
+
+def test_output_compression_reaches_the_image_requests():
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "output_format": "webp", "output_compression": 30}, context=CONTEXT)
+    assert params.to_requests("a", FAKE_INFO, 0.0)[0].output_compression == 30
+
+
+def test_edit_size_auto_is_the_upload_size():
+    params = ImageEditRequest.model_validate({"prompt": "p"}, context=CONTEXT)
+    assert params.size == "auto" and params.at_upload_size(96, 64, LIMITS).width_height == (96, 64)
+    with pytest.raises(InvalidRequestError) as refused:
+        params.at_upload_size(100, 64, LIMITS)
+    assert refused.value.param == "size" and "100x64" in refused.value.message and "multiples of 16" in refused.value.message
+    sized = ImageEditRequest.model_validate({"prompt": "p", "size": "128x64"}, context=CONTEXT)
+    assert sized.width_height == (128, 64)
 
 
 def test_file_store_expires_files():

@@ -100,8 +100,11 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server_url):
             assert response.status_code == case.status, (case.name, response.text)
             error = response.json()["error"]
             assert error["message"] and (case.param is None or error["param"] == case.param), case.name
-        response = http.post(EDITS, data={"prompt": "x"}, files=[("image", ("big.png", bomb.getvalue(), "image/png"))])
+        files = [("image", ("big.png", bomb.getvalue(), "image/png"))]
+        response = http.post(EDITS, data={"prompt": "x", "size": "64x64"}, files=files)
         assert response.status_code == 400 and response.json()["error"]["param"] == "image"
+        unsized = http.post(EDITS, data={"prompt": "x"}, files=files)  # its own size is too large too
+        assert unsized.status_code == 400 and unsized.json()["error"]["param"] == "size"
         ok = http.post("/v1/images/generations", json={"prompt": "still alive", "size": "64x64", "num_inference_steps": 2})
         assert ok.status_code == 200 and len(ok.json()["data"]) == 1
         assert http.get("/health").json()["status"] == "ok"

@@ -210,6 +210,9 @@ class _Fixed:
     def step_time(self, shapes, patched):
         return 0.05
 
+    def sizes(self, patched):
+        return None
+
 
 def test_unattainable_deadline_is_an_explicit_error(pipes):
     pipe = pipes("tiny-sdxl")

@@ -36,7 +36,8 @@ def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orc
         for state in report.finished:
             results[state.request_id] = runner.states.pop(state.request_id).latents
 
-    core = EngineCore(runner, scheduler, Metrics(), keep_finished, lambda ids, e: pytest.fail(str(e)), pytest.fail)
+    core = EngineCore(runner, scheduler, Metrics(), keep_finished, lambda reasons: pytest.fail(str(reasons)), pytest.fail,
+                      lambda error: pytest.fail(str(error)))
     step = 0
     while step <= max(arrivals) or scheduler.has_work():
         for r in arrivals.get(step, []):

@@ -58,3 +58,36 @@ def test_the_stand_in_prices_routed_requests_as_it_prices_steps():
     assert cost.batch_step_time(full) == pytest.approx(cost.step_time([(64, 64), (128, 128)], patched=True))
     half = [RouteRequest("a", 32 * 32, 10, mask_ratio=0.5)]
     assert cost.batch_step_time(half) == pytest.approx(0.01 + 0.02 + 0.5 * 512 * 512 / 1e6 * 0.08)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--policies", "round-knapsack", "--devices", "8", "--max-batch-size", "1"], "--max-batch-size"),
+    (["--policies", "fixed-sp-8", "--devices", "8", "--replicas", "2"], "--replicas"),
+    (["--policies", "fixed-sp-1", "--router", "least-requests"], "--router"),
+    (["--policies", "fixed-sp-1", "--per-forward-ms", "5"], "--per-forward-ms"),
+    (["--policies", "fixed-sp-2", "--devices", "2", "--round-s", "1"], "--round-s"),
+    (["--policies", "orca", "--devices", "4"], "--devices"),
+    (["--policies", "orca", "--round-s", "1"], "--round-s"),
+    (["--policies", "orca", "--router", "mask-aware"], "--router"),
+    (["--policies", "orca", "--mask-mean", "0.2", "--per-megapixel-ms", "50"], "--per-megapixel-ms"),
+])
+def test_flags_the_run_would_ignore_are_refused(capsys, args, flag):
+    assert main(["simulate", "--requests", "20", "--sizes", "512,1024", *args]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "ignore" in err
+
+
+def test_a_trace_refuses_the_flags_that_generate_requests(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival,width,height,steps,slo_s\n0.0,512,512,10,20\n1.0,512,512,10,20\n")
+    assert len(simulate(tmp_path, "--policies", "orca", "--trace", str(trace))[0]["requests"]) == 2
+    for flag, value in (("--rate", "2"), ("--slo-scale", "3"), ("--seed", "0"), ("--sizes", "512")):
+        assert main(["simulate", "--policies", "orca", "--trace", str(trace), flag, value]) == 2
+        assert flag in capsys.readouterr().err
+
+
+def test_round_knapsack_on_one_device_takes_the_round_length(tmp_path):
+    args = ["--policies", "round-knapsack", "--requests", "30", "--rate", "0.5", "--sizes", "512,1024"]
+    finishes = [[r["finish"] for r in simulate(tmp_path, *args, "--round-s", round_s)[0]["requests"]]
+                for round_s in ("0.01", "30")]
+    assert finishes[0] != finishes[1]

@@ -26,6 +26,8 @@ class Family(ABC):
     passes_step_kwargs = False
     # latent pixels per unit of the denoiser's patch grid (Flux packs 2x2 latents into a token)
     grid_unit = 1
+    # the denoiser takes an image as input (9-channel inpainting), so generations need one too
+    needs_image = False
 
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         self.pipe = pipe
@@ -51,6 +53,8 @@ class Family(ABC):
             generator=generator, rows=rows,
         )
         state.cond = self.encode_text(request, rows)
+        if image is None and self.needs_image:  # a generation repaints all of a blank image
+            image = np.zeros((request.height, request.width, 3), np.uint8)
         pixels = pixel_mask = None
         if image is not None:
             pixels, pixel_mask = self._edit_tensors(image, mask)
@@ -78,19 +82,21 @@ class Family(ABC):
     # -- denoising (engine thread) --------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, states: list[DenoiseState], patched: bool = False) -> None:
-        """One denoising step in one batched forward: of requests of one latent shape, or of
-        any mix of shapes cut into patches."""
-        preds = self.predict_patched(states) if patched else self.forward(states).split([s.rows for s in states])
-        for state, p in zip(states, preds):
-            if state.rows == 2:
-                uncond, cond = p.chunk(2)
-                p = uncond + state.request.guidance_scale * (cond - uncond)
-            t = state.t
-            state.latents = state.scheduler.step(p, t, state.latents, **state.step_kwargs, return_dict=False)[0]
-            state.step += 1
-            if state.edit is not None and self.blends_edits:
-                self._blend(state)
+    def predict(self, states: list[DenoiseState], patched: bool = False) -> list[torch.Tensor]:
+        """Per state, its rows' noise predictions from one batched forward: of requests of one
+        latent shape, or of any mix of shapes cut into patches. Changes no state."""
+        return self.predict_patched(states) if patched else list(self.forward(states).split([s.rows for s in states]))
+
+    @torch.no_grad()
+    def advance(self, state: DenoiseState, prediction: torch.Tensor) -> None:
+        """One sampler step of `state` from its rows' `prediction` (guidance applied here)."""
+        if state.rows == 2:
+            uncond, cond = prediction.chunk(2)
+            prediction = uncond + state.request.guidance_scale * (cond - uncond)
+        state.latents = state.scheduler.step(prediction, state.t, state.latents, **state.step_kwargs, return_dict=False)[0]
+        state.step += 1
+        if state.edit is not None and self.blends_edits:
+            self._blend(state)
 
     @property
     def blends_edits(self) -> bool:

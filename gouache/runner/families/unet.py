@@ -20,7 +20,7 @@ class StableDiffusionFamily(Family):
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         super().__init__(pipe, patch_pixels)
         self.unet = pipe.unet
-        self.native_inpaint = self.unet.config.in_channels == 9
+        self.native_inpaint = self.needs_image = self.unet.config.in_channels == 9
 
     @property
     def blends_edits(self) -> bool:

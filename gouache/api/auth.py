@@ -1,0 +1,46 @@
+"""ASGI middleware requiring `Authorization: Bearer <key>` on every route but /health.
+
+/health stays open so that load balancers and process managers can probe without the key.
+Keys are compared in constant time; a missing or wrong key gets 401 in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gouache.api.errors import error_response
+from gouache.errors import GouacheError
+
+if TYPE_CHECKING:
+    from gouache.metrics import Metrics
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class AuthenticationError(GouacheError):
+    kind = "invalid_api_key"
+    status = 401
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str, metrics: Metrics):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers", ())).get(b"authorization")
+        if sent is not None and hmac.compare_digest(sent, self.expected):
+            return await self.app(scope, receive, send)
+        message = ("Missing API key: send the header 'Authorization: Bearer YOUR_KEY'." if sent is None
+                   else "Incorrect API key provided.")
+        error = AuthenticationError(message)
+        self.metrics.errors.labels(error.kind).inc()
+        response = error_response(error)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
