@@ -21,6 +21,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.types import Receive, Scope, Send
 
 from gouache.api.errors import error_body
+from gouache.errors import CancelledError
 from gouache.outputs import ErrorEvent, Event, ImageEvent, PartialImageEvent, ProgressEvent
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class ImageEventStream(EventSourceResponse):
         headers: dict[str, str],
     ):
         self._metrics, self._arrival, self._on_close = metrics, arrival, on_close
+        self._ended = False  # the request's own last event was sent
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
         super().__init__(self._events(handle, shape), headers=headers)
 
@@ -83,6 +85,8 @@ class ImageEventStream(EventSourceResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self._ended:  # the client left first: its request is cancelled
+                self._metrics.errors.labels(CancelledError.kind).inc()
             self._on_close()
 
     async def _events(self, handle: RequestHandle, shape: StreamShape) -> AsyncIterator[bytes]:
@@ -92,11 +96,13 @@ class ImageEventStream(EventSourceResponse):
                 if isinstance(event, ErrorEvent):
                     self._metrics.errors.labels(event.kind).inc()
                 images += isinstance(event, ImageEvent)
+                self._ended = isinstance(event, ErrorEvent) or images == handle.n
                 yield encode_event(event, shape)
             if images == handle.n:
                 self._metrics.request_latency.observe(time.monotonic() - self._arrival)
         except Exception:
             logger.exception("image stream %s failed", handle.request_id)
             self._metrics.errors.labels("server_error").inc()
+            self._ended = True
             message = "The server had an error while processing your request."
             yield sse("error", {"type": "error", **error_body(message, 500, "server_error")})

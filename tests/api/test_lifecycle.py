@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gouache.bench.server_process import descendants
+
 pytestmark = pytest.mark.slow
 STEP_S_AT_256 = 0.03  # about, for tiny-sdxl on this CPU: only to size requests that outlast a signal
 
@@ -34,7 +36,7 @@ class Server:
             assert self.proc.poll() is None, self.proc.stderr.read()
             assert time.monotonic() < deadline, "server did not become healthy"
             time.sleep(0.3)
-        self.children = descendants(self.proc.pid)  # the codec worker and multiprocessing's tracker
+        self.children = set(descendants(self.proc.pid))  # the codec worker and multiprocessing's tracker
 
     def _healthy(self) -> bool:
         try:
@@ -51,23 +53,6 @@ class Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def survivors(pids: set[int], wait_s: float = 5.0) -> list[str]:
@@ -178,10 +163,48 @@ def test_a_killed_codec_worker_is_replaced_and_the_next_request_is_served_within
         started = time.monotonic()
         after = generate(server.url, timeout=5)
         served_in = time.monotonic() - started
-        server.children = descendants(server.proc.pid)
+        server.children = set(descendants(server.proc.pid))
         replacement = codec_worker(server)
     finally:
         server.kill()
     assert in_flight in ("image_generation.completed", "error")  # never lost, never hung
     assert after.status_code == 200 and served_in < 5
     assert replacement
+
+
+def test_the_server_exits_1_when_the_engine_loop_dies():
+    """Before: the engine thread died and the server went on serving 503s and /health 200 "ok"
+    (tests/api/test_auth.py checks /health's 503, test_supervision.py the engine's "dead")."""
+    import asyncio
+
+    from gouache.api.server import serve
+    from gouache.config import EngineConfig, SchedulerConfig, ServerConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.runner.models import load_pipeline, model_info
+
+    pipe = load_pipeline("tiny-sdxl")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(), SchedulerConfig())
+
+    def broken_update(plan, output):
+        raise SystemError("a bug in the loop")
+
+    engine.scheduler.update = broken_update
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def scenario():
+        server = asyncio.create_task(serve(engine, ServerConfig(port=port)))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            while True:
+                try:
+                    await client.get("/health")
+                    break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.1)
+            failed = await client.post("/v1/images/generations", json={"prompt": "a fox", "size": "64x64"})
+        return failed, await asyncio.wait_for(server, 30)
+
+    failed, exit_code = asyncio.run(scenario())
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_stopped"
+    assert exit_code == 1

@@ -89,6 +89,7 @@ def test_delete_aborts_a_stream(live_url: str, engine: FakeEngine):
     name, data = parse_sse(text)[-1]
     assert name == "error" and data["error"]["code"] == "cancelled"
     assert engine.aborted == [api_id]
+    assert engine.metrics.registry.get_sample_value("gouache_errors_total", {"kind": "cancelled"}) == 1  # once, not also as abandoned
 
 
 def test_stream_client_disconnect_aborts(live_url: str, engine: FakeEngine):
@@ -98,6 +99,8 @@ def test_stream_client_disconnect_aborts(live_url: str, engine: FakeEngine):
             api_id = response.headers["x-request-id"]
             next(response.iter_lines())  # the first progress event: the request is running
     _wait_for(lambda: engine.aborted == [api_id])
+    # counted like a DELETE or a plain request's disconnect (before: not counted at all)
+    _wait_for(lambda: engine.metrics.registry.get_sample_value("gouache_errors_total", {"kind": "cancelled"}) == 1)
 
 
 def test_client_disconnect_aborts_a_plain_request(live_url: str, engine: FakeEngine):

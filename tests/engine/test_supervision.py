@@ -215,3 +215,29 @@ def test_a_dead_engine_loop_is_reported_and_fails_what_is_in_flight(pipes):
         return result, status, refused.value.kind
 
     assert run(scenario()) == ("engine_stopped", "dead", "engine_stopped")
+
+
+@pytest.mark.parametrize("stage", ["prepare", "decode"])
+def test_a_stage_job_that_raises_fails_its_request_and_the_stage_goes_on(pipes, stage):
+    engine = make_engine(pipes, "orca")
+    original = getattr(engine.runner.family, stage)
+
+    def poisoned(state_or_request, *args):
+        request = getattr(state_or_request, "request", state_or_request)
+        if request.prompt == "poison":
+            raise RuntimeError(f"{stage} breaks on this request")
+        return original(state_or_request, *args)
+
+    setattr(engine.runner.family, stage, poisoned)
+
+    async def scenario():
+        await engine.start()
+        poison = await engine.submit([ImageRequest("poison-0", "poison", 64, 64, 3, 5.0, seed=0,
+                                                   arrival_time=time.monotonic())])
+        mate = await engine.submit(images("mate", steps=3))
+        results = [await outcome(poison), await outcome(mate)]
+        left = len(engine.runner.states)
+        await engine.aclose()
+        return results, left
+
+    assert run(scenario()) == (["worker_failure", "images"], 0)
