@@ -8,7 +8,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gouache.cli import refuse_ignored
-from gouache.engine.imaging import DecodeError, decode_edit, encode_image
+from gouache.engine.imaging import DecodeError, decode_edit, encode_image, read_size
+from gouache.errors import WorkerFailureError
 from gouache.request import ImageRequest
 from gouache.sched.output import StepPlan
 
@@ -17,15 +18,16 @@ _EXTENSIONS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 def run_offline(args) -> None:
     from gouache.runner.model_runner import ModelRunner
-    from gouache.runner.models import load_pipeline, model_info
+    from gouache.runner.models import load_pipeline, model_id, model_info
 
     output_format = _EXTENSIONS.get(Path(args.output).suffix.lower())
     if output_format is None:
         raise ValueError(f"output file must end in one of {', '.join(_EXTENSIONS)}, got {args.output!r}")
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
-    info = model_info(pipe, args.model)
-    width, height = args.size or (info.default_size, info.default_size)
+    info = model_info(pipe, model_id(args.model))
+    image_bytes = Path(args.image).read_bytes() if getattr(args, "image", None) else None
+    width, height = args.size or _upload_size(image_bytes) or (info.default_size, info.default_size)
     if width % info.size_step or height % info.size_step:
         raise ValueError(f"size must be a multiple of {info.size_step} pixels per side, got {width}x{height}")
     request = ImageRequest(
@@ -40,9 +42,9 @@ def run_offline(args) -> None:
         output_format=output_format,
     )
     image = mask = None
-    if getattr(args, "image", None):
+    if image_bytes is not None:
         mask_bytes = Path(args.mask).read_bytes() if args.mask else None
-        decoded = decode_edit(Path(args.image).read_bytes(), mask_bytes, width, height, 4096 * 4096)
+        decoded = decode_edit(image_bytes, mask_bytes, width, height, 4096 * 4096)
         if isinstance(decoded, DecodeError):
             raise ValueError(decoded.message)
         image, mask = decoded.image, decoded.mask
@@ -53,6 +55,18 @@ def run_offline(args) -> None:
                                            "need --guidance > 1)"})
     state = runner.prepare(request, image, mask)
     for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
-        runner.execute(StepPlan(groups=[[request.request_id]]))
+        failed = runner.execute(StepPlan(groups=[[request.request_id]])).failed
+        if failed:
+            raise WorkerFailureError(f"denoising failed: {failed[request.request_id]}")
     Path(args.output).write_bytes(encode_image(runner.decode(request.request_id), output_format))
     print(f"wrote {args.output} ({width}x{height}, {request.num_inference_steps} steps, seed {args.seed})")
+
+
+def _upload_size(image_bytes: bytes | None) -> tuple[int, int] | None:
+    """An edit keeps its image's size unless --size says otherwise (as the API does)."""
+    if image_bytes is None:
+        return None
+    size = read_size(image_bytes, "image")
+    if isinstance(size, DecodeError):
+        raise ValueError(size.message)
+    return size

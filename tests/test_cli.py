@@ -44,6 +44,13 @@ def test_edit_offline_keeps_pixels_outside_the_mask(tmp_path):
     assert out.crop((32, 0, 64, 64)).tobytes() == original.crop((32, 0, 64, 64)).tobytes()
 
 
+def test_edit_offline_without_size_keeps_the_image_size(tmp_path):
+    Image.effect_noise((96, 64), 60).convert("RGB").save(tmp_path / "in.png")
+    args = ["edit", "a cat", "--image", str(tmp_path / "in.png"), "--steps", "2", "-o", str(tmp_path / "out.png")]
+    assert main(args) == 0
+    assert Image.open(tmp_path / "out.png").size == (96, 64)  # before: the model's default, 128x128
+
+
 def test_configuration_mistakes_are_clear_errors(tmp_path, capsys):
     assert main(["generate", "fox", "--size", "50x50", "-o", str(tmp_path / "x.png")]) == 2
     assert "multiple of 16" in capsys.readouterr().err

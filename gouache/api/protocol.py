@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gouache.errors import InvalidRequestError
-from gouache.request import ImageRequest
-
 from gouache.model_info import unpriced_message
+from gouache.request import ImageRequest
 
 if TYPE_CHECKING:
     from gouache.config import ServerConfig
@@ -205,6 +204,12 @@ class ImageParams(BaseModel):
         """
         seed = secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
         width, height = self.width_height
+        guidance = info.default_guidance if self.guidance_scale is None else self.guidance_scale
+        if self.negative_prompt is not None and not (info.uses_cfg and guidance > 1.0):
+            why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
+                   else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above 1")
+            raise InvalidRequestError(f"Invalid value for 'negative_prompt': it would be ignored: {why}.",
+                                      "negative_prompt")
         return [
             ImageRequest(
                 request_id=f"{api_id}-{i}",
@@ -212,7 +217,7 @@ class ImageParams(BaseModel):
                 width=width,
                 height=height,
                 num_inference_steps=self.num_inference_steps or info.default_steps,
-                guidance_scale=info.default_guidance if self.guidance_scale is None else self.guidance_scale,
+                guidance_scale=guidance,
                 seed=(seed + i) % (MAX_SEED + 1),
                 negative_prompt=self.negative_prompt,
                 output_format=self.output_format,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pydantic import ValidationError
 
@@ -66,6 +68,24 @@ def test_seeds_of_n_images_wrap_to_stay_valid():
     for seed in seeds:  # each, sent back with n=1, is accepted and makes the same image
         again = ImageGenerationRequest.model_validate({"prompt": "p", "seed": seed}, context=CONTEXT)
         assert again.to_requests("b", FAKE_INFO, 0.0)[0].seed == seed
+
+
+@pytest.mark.parametrize("info_changes, guidance, why", [
+    ({"uses_cfg": False, "name": "fake-flux"}, None, "guidance-distilled"),
+    ({}, 1.0, "guidance_scale 1 turns classifier-free guidance off"),
+])
+def test_a_negative_prompt_that_would_be_ignored_is_refused(info_changes, guidance, why):
+    """Before: FLUX and guidance <= 1 dropped the negative prompt without a word."""
+    body = {"prompt": "p", "negative_prompt": "blurry", **({} if guidance is None else {"guidance_scale": guidance})}
+    params = ImageGenerationRequest.model_validate(body, context=CONTEXT)
+    with pytest.raises(InvalidRequestError) as refused:
+        params.to_requests("a", dataclasses.replace(FAKE_INFO, **info_changes), 0.0)
+    assert refused.value.param == "negative_prompt" and why in refused.value.message
+
+
+def test_a_negative_prompt_with_guidance_reaches_the_image_requests():
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "negative_prompt": "blurry"}, context=CONTEXT)
+    assert params.to_requests("a", FAKE_INFO, 0.0)[0].negative_prompt == "blurry"
 
 
 def test_partial_images_need_stream():
