@@ -1,4 +1,4 @@
-"""What the API needs to know about the served model, without importing torch."""
+"""What the API needs to know about the served model and how it is served, without torch."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class ModelInfo:
     # (width, height) pixel sizes the server can serve, when its policy plans with a cost model
     # that prices only the sizes it was profiled at; None: any size the rules above allow
     sizes: tuple[tuple[int, int], ...] | None = None
+    deadlines: bool = False  # the server's policy schedules by `slo_ms`
 
 
 def unpriced_message(sizes: tuple[tuple[int, int], ...], width: int, height: int) -> str:

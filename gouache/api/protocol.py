@@ -205,6 +205,10 @@ class ImageParams(BaseModel):
         seed = secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
         width, height = self.width_height
         guidance = info.default_guidance if self.guidance_scale is None else self.guidance_scale
+        if self.slo_ms is not None and not info.deadlines:
+            raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
+                                      "deadline and would ignore it (deadline-aware: --policy patched-slo or "
+                                      "round-knapsack).", "slo_ms")
         if self.negative_prompt is not None and not (info.uses_cfg and guidance > 1.0):
             why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
                    else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above 1")

@@ -62,6 +62,7 @@ class AsyncEngine:
         self.runner = ModelRunner(pipe, engine_config.patch_size)
         policy = make_policy(sched_config, predictor)
         self.scheduler = Scheduler(policy)
+        info = replace(info, deadlines=policy.uses_deadlines)
         if policy.mixes_shapes:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         priced = predictor.sizes(policy.mixes_shapes) if policy.needs_predictor else None

@@ -33,6 +33,7 @@ class Policy(ABC):
     name: str
     mixes_shapes = False  # plans put several latent shapes in one (patched) forward
     needs_predictor = False  # SLO-aware policies plan with predicted step times
+    uses_deadlines = False  # plans read requests' deadlines (slo_ms); others would ignore them
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None):
         if self.needs_predictor and predictor is None:

@@ -28,6 +28,7 @@ FAKE_INFO = ModelInfo(
     default_guidance=7.5,
     uses_cfg=True,
     inpaint_channels=False,
+    deadlines=True,
 )
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 

@@ -83,6 +83,15 @@ def test_a_negative_prompt_that_would_be_ignored_is_refused(info_changes, guidan
     assert refused.value.param == "negative_prompt" and why in refused.value.message
 
 
+def test_slo_ms_is_refused_where_the_policy_ignores_deadlines():
+    """Before: orca, patched and fcfs-static accepted slo_ms and never looked at it."""
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "slo_ms": 500}, context=CONTEXT)
+    with pytest.raises(InvalidRequestError) as refused:
+        params.to_requests("a", dataclasses.replace(FAKE_INFO, deadlines=False), 0.0)
+    assert refused.value.param == "slo_ms" and "patched-slo" in refused.value.message
+    assert params.to_requests("a", FAKE_INFO, 0.0)[0].slo_ms == 500
+
+
 def test_a_negative_prompt_with_guidance_reaches_the_image_requests():
     params = ImageGenerationRequest.model_validate({"prompt": "p", "negative_prompt": "blurry"}, context=CONTEXT)
     assert params.to_requests("a", FAKE_INFO, 0.0)[0].negative_prompt == "blurry"

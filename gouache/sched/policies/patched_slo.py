@@ -41,6 +41,7 @@ class PatchedSloPolicy(Policy):
     name = "patched-slo"
     mixes_shapes = True
     needs_predictor = True
+    uses_deadlines = True
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
         batch, admit, drop = list(running), [], []

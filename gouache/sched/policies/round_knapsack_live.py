@@ -36,6 +36,7 @@ DEVICES = 1  # until multi-device execution exists
 class RoundKnapsackLivePolicy(Policy):
     name = "round-knapsack"
     needs_predictor = True
+    uses_deadlines = True
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None):
         super().__init__(config, predictor)
