@@ -80,6 +80,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._counts = {"finished": 0, "failed": 0}
         self._draining = False  # set by drain(): nothing new is admitted
+        self._dead = False  # set when the engine loop died
         self.died: asyncio.Event | None = None  # set (on the API's loop) if the engine loop dies
 
     @classmethod
@@ -160,7 +161,7 @@ class AsyncEngine:
             statuses = [image.status for image in self._images.values()]
         waiting = sum(s in (RequestStatus.PREPARING, RequestStatus.WAITING) for s in statuses)
         running = sum(s == RequestStatus.RUNNING for s in statuses)
-        status = "dead" if not self.core.running else "draining" if self._draining else "ok"
+        status = "dead" if self._dead else "draining" if self._draining else "ok"
         return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
 
     # -- preparation -----------------------------------------------------------------------
@@ -234,6 +235,7 @@ class AsyncEngine:
                 self._fail(entry.handle.request_id, WorkerFailureError(f"denoising failed: {why}"))
 
     def _on_death(self, error: BaseException) -> None:
+        self._dead = True
         self._fail_all(EngineStoppedError(f"the engine stopped ({type(error).__name__}: {error}); the server exits"))
         self._loop.call_soon_threadsafe(self.died.set)
 
