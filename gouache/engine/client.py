@@ -21,6 +21,7 @@ from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, StepReport
 from gouache.engine.handle import EngineStats, RequestHandle
+from gouache.engine.heap_trim import HeapTrimmer
 from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
 from gouache.engine.stages import Stage
 from gouache.errors import (
@@ -75,6 +76,7 @@ class AsyncEngine:
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
         self.codecs = CodecPool(engine_config.image_workers)
+        self.heap = HeapTrimmer()
         self._images: dict[str, _Image] = {}  # in-flight images by id; guarded by _lock
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -248,6 +250,7 @@ class AsyncEngine:
         pixels = None if entry is None else self.runner.decode(rid, latents)
         if kind == "final":
             self.runner.release(rid)
+            self.heap.maybe_trim()
         if pixels is None:  # aborted meanwhile
             return
         future = self.codecs.submit(encode_image, pixels, entry.request.output_format, entry.request.output_compression)
