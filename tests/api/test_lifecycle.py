@@ -116,7 +116,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_leaves_no_process(
     server = Server("--shutdown-grace-s", "30")
     try:
         with httpx.Client() as client:
-            stream = Stream(client, server.url, steps=int(1.5 / STEP_S_AT_256))
+            stream = Stream(client, server.url, steps=int(3.0 / STEP_S_AT_256))
             assert stream.next_event()[0] == "gouache.progress"
             os.kill(server.proc.pid, signal.SIGTERM)
             time.sleep(0.3)
