@@ -6,30 +6,9 @@ import argparse
 import os
 import sys
 
+from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.errors import GouacheError
-
-
-class Given(argparse.Action):
-    """Stores a flag's value as `store` does and notes its dest in `args.given`, so that a
-    command can refuse a flag the rest of its command line would ignore, even one typed with
-    its default value."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
-
-
-def given(args: argparse.Namespace) -> frozenset[str]:
-    """The dests of the `Given` flags typed on this command line."""
-    return getattr(args, "given", frozenset())
-
-
-def refuse_ignored(ignored: dict[str, str]) -> None:
-    """Raise one error naming every flag (by dest) that this command line would ignore, and why."""
-    if ignored:
-        lines = (f"--{dest.replace('_', '-')} would be ignored: {why}" for dest, why in ignored.items())
-        raise ValueError("\n  ".join(lines))
 
 
 def _policies_where(attribute: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gouache.cli import refuse_ignored
+from gouache.cli_flags import refuse_ignored
 from gouache.engine.imaging import DecodeError, decode_edit, encode_image, read_size
 from gouache.errors import WorkerFailureError
 from gouache.request import ImageRequest

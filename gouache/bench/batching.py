@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from gouache.cli import Given, given, refuse_ignored
+from gouache.cli_flags import Given, given, refuse_ignored
 
 DEFAULT_MIXES = "SSS,SML,SSM,MML,LLL,4S,4M,4L,4S4M4L"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from gouache.cli import Given, given, refuse_ignored
+from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.config import SchedulerConfig
 from gouache.sched.costmodel import BatchCostModel, ParallelCostModel, load
 from gouache.sched.policies import POLICIES, make_policy

@@ -1,0 +1,27 @@
+"""Flags a command line typed, so that a command can refuse one the rest of its line would ignore."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class Given(argparse.Action):
+    """Stores a flag's value as `store` does and notes its dest in `args.given`, so that a
+    command can refuse a flag the rest of its command line would ignore, even one typed with
+    its default value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def given(args: argparse.Namespace) -> frozenset[str]:
+    """The dests of the `Given` flags typed on this command line."""
+    return getattr(args, "given", frozenset())
+
+
+def refuse_ignored(ignored: dict[str, str]) -> None:
+    """Raise one error naming every flag (by dest) that this command line would ignore, and why."""
+    if ignored:
+        lines = (f"--{dest.replace('_', '-')} would be ignored: {why}" for dest, why in ignored.items())
+        raise ValueError("\n  ".join(lines))
