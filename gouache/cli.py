@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -142,6 +143,8 @@ def _serve(args) -> int:
     from gouache.api.server import run_server
     from gouache.engine.client import AsyncEngine
 
+    _log_to_stderr()
+
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s)
     engine = AsyncEngine.from_config(*_engine_configs(args))
@@ -176,6 +179,16 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )
+
+
+def _log_to_stderr() -> None:
+    """gouache's own INFO lines (draining, a replaced worker, ...) beside uvicorn's, in its style."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log = logging.getLogger("gouache")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def _generate(args) -> int:
