@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from gouache.bench.soak import KINDS, RESULTS, Outcome, Seen, add_arguments, judge, make_trace, parse_mix, run, tally
+from gouache.bench.soak import add_arguments, run
+from gouache.bench.soak_trace import KINDS, RESULTS, Outcome, Seen, judge, make_trace, parse_mix, tally
 
 SIZES = [(64, 64), (64, 128)]
 UNIFORM = {kind: 1.0 for kind in KINDS}
@@ -94,3 +95,15 @@ def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
                 "children_seen", "latency_p99_s", "errors_by_code", "server_errors_total", "after_drain"):
         assert key in row
     assert out.with_suffix(".md").read_text().startswith("`gouache bench soak")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policies", "orca,patched", "--cost-model", "costmodel.json"], "--cost-model would be ignored"),
+    (["--policies", "orca,round-knapsack"], "round-knapsack need --cost-model"),
+    (["--policies", "orca,no-such"], "unknown policies"),
+])
+def test_policies_and_cost_model_are_checked_before_any_server_starts(flags, message):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match=message):
+        run(parser.parse_args(flags))
