@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model ids clients may use; the first is listed first "
                             "(default: the built-in's name, or a directory's folder name)")
-    serve.add_argument("--shutdown-grace-s", type=float, default=30.0,
+    serve.add_argument("--shutdown-grace-s", type=float, default=ServerConfig.shutdown_grace_s,
                        help="on SIGTERM/SIGINT, seconds running requests may still finish before they are "
                             "cancelled (default: %(default)s)")
 

@@ -215,3 +215,11 @@ def test_torch_importing_commands_print_no_torchvision_warning():
     run = subprocess.run([sys.executable, "-m", "gouache.cli", "models"], capture_output=True, text=True, check=True)
     assert "tiny-sdxl" in run.stdout
     assert "torchvision" not in run.stderr
+
+
+@pytest.mark.parametrize("policies, message", [("orca,patched-slo", "patched-slo need a cost model"),
+                                               ("orca,nope", "unknown policies")])
+def test_bench_serve_refuses_policies_it_cannot_start(policies, message, capsys):
+    """Before: a patched-slo server without --cost-model never became healthy."""
+    assert main(["bench", "serve", "--policies", policies]) == 2
+    assert message in capsys.readouterr().err

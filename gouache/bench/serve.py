@@ -186,10 +186,19 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
+    from gouache.sched.policies import POLICIES
+
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in POLICIES]
+    planned = [p for p in policies if p in POLICIES and POLICIES[p].needs_predictor]
+    if unknown or planned:  # refused before any server starts, not as a server that never comes up
+        raise ValueError(f"unknown policies {unknown}" if unknown else
+                         f"{', '.join(planned)} need a cost model, which bench serve does not pass; "
+                         "use `gouache bench soak --cost-model` or `gouache bench sim-to-real`")
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     steps = [int(s) for s in args.steps.split(",")]
     trace = make_trace(args.requests, args.rate, sizes, steps, args.seed)
-    rows = [bench_policy(args.model, policy, trace, args.max_batch_size) for policy in args.policies.split(",")]
+    rows = [bench_policy(args.model, policy, trace, args.max_batch_size) for policy in policies]
     table = format_table(rows)
     print(table)
     command = "gouache bench serve " + " ".join(sys.argv[3:])
