@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 HOST ?= 127.0.0.1
 PORT ?= 8000
-MODEL ?= tiny-sdxl
+MODEL ?= shapes-unet
 POLICY ?= orca
 
 .PHONY: install serve test bench clean

@@ -1,4 +1,4 @@
-"""`gouache` command line: serve, generate, edit, models, export-model, profile, simulate, reproduce, bench."""
+"""`gouache` command line: serve, generate, edit, models, export-model, train, profile, simulate, reproduce, bench."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-sdxl",
+    p.add_argument("--model", default=ModelConfig.model,
                    help="built-in model name (see `gouache models`) or local diffusers directory "
                         "(default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gouache.bench import profile
     from gouache.sim import command as simulate
     from gouache.sim import reproduce
+    from gouache.train import command as train
+
+    train.add_arguments(commands.add_parser("train", help="train a shapes model (vae, unet, dit) from a seed"))
 
     profile.add_arguments(commands.add_parser("profile", help="measure this device and fit the step-cost model"))
 
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, overhead, serve, sim_to_real, soak
+    from gouache.bench import batching, fidelity, overhead, serve, sim_to_real, soak
 
     sim_to_real.add_arguments(bench_kinds.add_parser("sim-to-real", help="live engine vs simulator on one workload"))
     overhead.add_arguments(bench_kinds.add_parser("overhead", help="scheduling decision time vs queue length"))
@@ -127,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_arguments(bench_kinds.add_parser(
         "soak", help="overload each policy for minutes: lost requests, latency, memory, fds, leaked processes"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
+    fidelity.add_arguments(bench_kinds.add_parser(
+        "fidelity", help="a candidate configuration's images vs the exact ones: SSIM, PSNR, prompt alignment"))
     return parser
 
 
@@ -217,10 +222,17 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, overhead, serve, sim_to_real, soak
+    from gouache.bench import batching, fidelity, overhead, serve, sim_to_real, soak
 
-    kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak}
+    kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
+             "fidelity": fidelity}
     return kinds[args.bench].run(args)
+
+
+def _train(args) -> int:
+    from gouache.train.command import run
+
+    return run(args)
 
 
 def _profile(args) -> int:
@@ -241,7 +253,7 @@ def _simulate(args) -> int:
     return run(args)
 
 
-_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "bench": _bench}
+_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "train": _train, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

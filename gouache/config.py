@@ -16,7 +16,7 @@ def _check(ok: bool, message: str) -> None:
 class ModelConfig:
     """Which model to serve and where it runs."""
 
-    model: str = "tiny-sdxl"  # a built-in name (see `gouache models`) or a local diffusers directory
+    model: str = "shapes-unet"  # a built-in name (see `gouache models`) or a local diffusers directory
     dtype: str = "float32"  # weights and activations: float32 | float16 | bfloat16
     device: str = "cpu"  # torch device string: cpu, cuda, cuda:1
 

@@ -13,13 +13,14 @@ from gouache.sched.rounds_interface import ROUND_POLICY_NAMES
 
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "generate", "edit", "models", "export-model", "profile", "simulate", "reproduce", "bench"):
+    for command in ("serve", "generate", "edit", "models", "export-model", "train", "profile", "simulate", "reproduce", "bench"):
         assert command in out
 
 
 def test_generate_offline_writes_an_image_of_the_asked_size(tmp_path, capsys):
     out = tmp_path / "fox.png"
-    assert main(["generate", "a red fox", "--size", "64x48", "--steps", "2", "--seed", "1", "-o", str(out)]) == 0
+    assert main(["generate", "a red fox", "--model", "tiny-sdxl", "--size", "64x48", "--steps", "2", "--seed", "1",
+                 "-o", str(out)]) == 0
     assert Image.open(out).size == (64, 48)
 
 
@@ -48,14 +49,14 @@ def test_edit_offline_without_size_keeps_the_image_size(tmp_path):
     Image.effect_noise((96, 64), 60).convert("RGB").save(tmp_path / "in.png")
     args = ["edit", "a cat", "--image", str(tmp_path / "in.png"), "--steps", "2", "-o", str(tmp_path / "out.png")]
     assert main(args) == 0
-    assert Image.open(tmp_path / "out.png").size == (96, 64)  # before: the model's default, 128x128
+    assert Image.open(tmp_path / "out.png").size == (96, 64)  # not the model's default, 128x128
 
 
 def test_configuration_mistakes_are_clear_errors(tmp_path, capsys):
     assert main(["generate", "fox", "--size", "50x50", "-o", str(tmp_path / "x.png")]) == 2
-    assert "multiple of 16" in capsys.readouterr().err
+    assert "multiple of 32" in capsys.readouterr().err
     assert main(["generate", "fox", "--model", "no-such-model", "-o", str(tmp_path / "x.png")]) == 2
-    assert "tiny-sdxl" in capsys.readouterr().err
+    assert "shapes-unet" in capsys.readouterr().err
 
 
 def test_simulate_runs_policies_on_the_same_workload_and_writes_json(tmp_path, capsys):

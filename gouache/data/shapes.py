@@ -73,6 +73,16 @@ def caption(scene: Scene) -> str:
     return f"{shapes} on a {scene.background} background"
 
 
+# Every word a caption can use, in a fixed order (a tokenizer makes each one token).
+WORDS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        ["a", "and", "on", "background", ","]
+        + [w for p in POSITIONS for w in _phrase(p).split()]
+        + [*COLOURS, *KINDS, *BACKGROUNDS]
+    )
+)
+
+
 def _alternatives(words) -> str:
     return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
 

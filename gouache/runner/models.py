@@ -29,6 +29,7 @@ from transformers import (
 
 from gouache.errors import UnknownModelError
 from gouache.model_info import ModelInfo
+from gouache.runner import trained
 from gouache.runner.tokenizer import build_tokenizer
 
 T = TypeVar("T")
@@ -45,12 +46,17 @@ T5_HIDDEN = 64  # d_model of the tiny T5: SD3 pads the two CLIPs' concatenated s
 SEED_DENOISER, SEED_VAE, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3 = 0, 1, 2, 3, 4
 
 
+TINY_DEFAULT_SIZE = 256  # pixels per side: small enough for CPU tests at full pipeline speed
+TINY_DEFAULT_STEPS = 20  # every built-in's default step count
+
+
 @dataclass(frozen=True)
 class BuiltinSpec:
-    """What `gouache models` lists about a built-in tiny model."""
+    """What `gouache models` lists about a built-in model."""
 
     family: str  # sd | sdxl | sd3 | flux
     description: str  # one line for humans
+    default_size: int = TINY_DEFAULT_SIZE  # pixels per side of a request without `size`
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -60,10 +66,20 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-flux": BuiltinSpec("flux", "FLUX.1-dev-style transformer, guidance-distilled, CLIP + T5"),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
+    "shapes-unet": BuiltinSpec(
+        "sd", "SD1.5-style UNet trained here on coloured shapes (`gouache train unet`); 64-128 px",
+        default_size=trained.SIZE,
+    ),
+    "shapes-unet-inpaint": BuiltinSpec(
+        "sd", "shapes-unet fine-tuned into a 9-channel inpainting UNet (`gouache train inpaint`)",
+        default_size=trained.SIZE,
+    ),
+    "shapes-dit": BuiltinSpec(
+        "sd3", "SD3 MMDiT trained here on coloured shapes (`gouache train dit`); 64-128 px",
+        default_size=trained.SIZE,
+    ),
 }
 
-TINY_DEFAULT_SIZE = 256  # pixels per side: small enough for CPU tests at full pipeline speed
-TINY_DEFAULT_STEPS = 20
 DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28}
 DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5}
 
@@ -245,6 +261,58 @@ def build_tiny_flux() -> DiffusionPipeline:
     )
 
 
+def shapes_sd(vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DConditionModel) -> StableDiffusionPipeline:
+    """The shapes UNet's pipeline around the given components (trained or in training)."""
+    return StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
+        scheduler=euler_scheduler(), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def shapes_sd_inpaint(
+    vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DConditionModel
+) -> StableDiffusionInpaintPipeline:
+    """The shapes inpainting UNet's pipeline (9 input channels) around the given components."""
+    return StableDiffusionInpaintPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
+        scheduler=euler_scheduler(), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def shapes_sd3(
+    vae: AutoencoderKL, text_encoder: CLIPTextModelWithProjection, transformer: SD3Transformer2DModel
+) -> StableDiffusion3Pipeline:
+    """The shapes DiT's pipeline: one CLIP in both of SD3's CLIP slots and no T5 (the pipeline
+    then appends zeros in its place)."""
+    tokenizer = trained.tokenizer()
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None,
+    )
+
+
+def build_shapes_unet() -> DiffusionPipeline:
+    unet, text_encoder = trained.unet(), trained.text_encoder(with_projection=False, layers=2)
+    trained.load_weights({"unet": unet, "text_encoder": text_encoder}, "shapes-unet")
+    return shapes_sd(trained.load_vae(), text_encoder, unet)
+
+
+def build_shapes_unet_inpaint() -> DiffusionPipeline:
+    unet, text_encoder = trained.unet(in_channels=9), trained.text_encoder(with_projection=False, layers=2)
+    trained.load_weights({"unet": unet, "text_encoder": text_encoder}, "shapes-unet-inpaint")
+    return shapes_sd_inpaint(trained.load_vae(), text_encoder, unet)
+
+
+def build_shapes_dit() -> DiffusionPipeline:
+    transformer, text_encoder = trained.dit(), trained.text_encoder(with_projection=True, layers=3)
+    trained.load_weights({"transformer": transformer, "text_encoder": text_encoder}, "shapes-dit")
+    return shapes_sd3(trained.load_vae(), text_encoder, transformer)
+
+
 BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-sd": build_tiny_sd,
     "tiny-sdxl": build_tiny_sdxl,
@@ -252,6 +320,9 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-flux": build_tiny_flux,
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
+    "shapes-unet": build_shapes_unet,
+    "shapes-unet-inpaint": build_shapes_unet_inpaint,
+    "shapes-dit": build_shapes_dit,
 }
 
 
@@ -340,14 +411,14 @@ def model_id(model: str) -> str:
 
 def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
     family = family_of(pipe)
-    tiny = name in BUILTIN_MODELS
+    builtin = BUILTIN_MODELS.get(name)
     net = denoiser(pipe)
     return ModelInfo(
         name=name,
         family=family,
         size_step=size_step(pipe, family),
-        default_size=TINY_DEFAULT_SIZE if tiny else default_size(pipe),
-        default_steps=TINY_DEFAULT_STEPS if tiny else DEFAULT_STEPS[family],
+        default_size=builtin.default_size if builtin else default_size(pipe),
+        default_steps=TINY_DEFAULT_STEPS if builtin else DEFAULT_STEPS[family],
         default_guidance=DEFAULT_GUIDANCE[family],
         uses_cfg=family != "flux",  # FLUX.1-dev is guidance-distilled: guidance is an input
         inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,

@@ -47,7 +47,31 @@ KINDS: dict[str, SpecialTokens] = {
 }
 
 
-def byte_vocab() -> dict[str, int]:
+def _bpe(symbols: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
+    """Apply merges to a symbol list as BPE does: always the adjacent pair of lowest rank first."""
+    while len(symbols) > 1:
+        pairs = [(ranks.get(pair, len(ranks)), i) for i, pair in enumerate(zip(symbols, symbols[1:]))]
+        rank, i = min(pairs)
+        if rank == len(ranks):
+            break
+        symbols = symbols[:i] + [symbols[i] + symbols[i + 1]] + symbols[i + 2 :]
+    return symbols
+
+
+def word_merges(words: tuple[str, ...]) -> list[tuple[str, str]]:
+    """MERGES plus the fewest merges after them that make each word (alone, and after a space) one
+    token, so a model's text encoder sees whole words instead of bytes."""
+    merges = list(MERGES)
+    to_symbols = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
+    for word in words:
+        for spelled in (word, " " + word):
+            symbols = list(to_symbols(spelled)[0][0])
+            while len(tokens := _bpe(symbols, {m: r for r, m in enumerate(merges)})) > 1:
+                merges.append((tokens[0], tokens[1]))  # joins the first two; the rest wait their turn
+    return merges
+
+
+def byte_vocab(merges: list[tuple[str, str]] = MERGES) -> dict[str, int]:
     """The 256 byte symbols first, then one token per merge; special tokens come after.
 
     Special tokens get ids >= 256 on purpose: CLIPTextModel treats `eos_token_id == 2` as a
@@ -56,7 +80,7 @@ def byte_vocab() -> dict[str, int]:
     # alphabet() is an unordered list; sorting makes the ids the same in every process.
     symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: i for i, symbol in enumerate(symbols)}
-    for left, right in MERGES:
+    for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
     return vocab
 
@@ -72,13 +96,15 @@ def _post_processor(special: SpecialTokens, ids: dict[str, int]) -> processors.T
     )
 
 
-def build_backend(kind: str) -> Tokenizer:
-    """The `tokenizers` object: byte-level BPE with the special tokens of `kind`."""
+def build_backend(kind: str, words: tuple[str, ...] = ()) -> Tokenizer:
+    """The `tokenizers` object: byte-level BPE with the special tokens of `kind` (and `words` as
+    single tokens)."""
     special = KINDS[kind]
-    vocab = byte_vocab()
+    merges = word_merges(words)
+    vocab = byte_vocab(merges)
     for token in special.in_order():
         vocab[token] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, unk_token=special.unk))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=special.unk))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(special.in_order())
@@ -86,16 +112,17 @@ def build_backend(kind: str) -> Tokenizer:
     return backend
 
 
-def build_tokenizer(max_length: int, kind: str = "clip") -> PreTrainedTokenizerFast:
+def build_tokenizer(max_length: int, kind: str = "clip", words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A drop-in tokenizer for a diffusers pipeline's CLIP (`kind="clip"`) or T5 (`"t5"`) slot.
 
-    `max_length` becomes `model_max_length`, which the pipelines pad and truncate prompts to.
+    `max_length` becomes `model_max_length`, which the pipelines pad and truncate prompts to;
+    each of `words` is one token (any other text still tokenizes, byte by byte at worst).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown tokenizer kind {kind!r}; expected one of {sorted(KINDS)}")
     special = KINDS[kind]
     return PreTrainedTokenizerFast(
-        tokenizer_object=build_backend(kind),
+        tokenizer_object=build_backend(kind, words),
         bos_token=special.bos,
         eos_token=special.eos,
         pad_token=special.pad,

@@ -10,9 +10,21 @@ from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import Scheduler
-from gouache.sched.policies import make_policy
+from gouache.sched.policies import POLICIES, make_policy
 
 FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"]
+TRAINED = ["shapes-unet", "shapes-dit"]
+# Random-weight built-ins under the two batching modes; the trained models under every policy.
+CASES = [(name, policy) for name in FAMILIES for policy in ("orca", "patched")] + [
+    (name, policy) for name in TRAINED for policy in POLICIES
+]
+
+
+class FlatCost:
+    """Step times for the policies that plan with them: 0.1 s per image, patched or not."""
+
+    def step_time(self, shapes, patched):
+        return 0.1 * len(shapes)
 
 
 def request(rid: str, seed: int, steps: int, width: int = 64, height: int = 64, guidance: float = 5.0, prompt="a red fox"):
@@ -29,7 +41,8 @@ def reference_latents(pipe, r: ImageRequest) -> torch.Tensor:
 def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orca") -> dict[str, torch.Tensor]:
     """Drive the engine loop step by step; `arrivals[k]` join before step k. Returns final latents."""
     runner = ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px images: 2x2 and 3x3 patches
-    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy)))
+    predictor = FlatCost() if POLICIES[policy].needs_predictor else None
+    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
     results = {}
 
     def keep_finished(report):
@@ -47,8 +60,7 @@ def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orc
     return results
 
 
-@pytest.mark.parametrize("policy", ["orca", "patched"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(("name", "policy"), CASES)
 def test_engine_matches_pipeline_alone_and_in_a_changing_batch(pipes, name, policy):
     pipe = pipes(name)
     alone = request("alone", seed=7, steps=4)

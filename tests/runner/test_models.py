@@ -119,7 +119,7 @@ def test_another_process_builds_the_same_weights(pipes):
     assert out.stdout.strip().splitlines()[-1] == state_digest(pipes["tiny-flux"])
 
 
-@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux", "shapes-unet", "shapes-dit"])
 def test_export_then_load_gives_identical_latents(pipes, name, tmp_path):
     export_model(name, str(tmp_path / name))
     loaded = load_pipeline(str(tmp_path / name))
@@ -203,3 +203,15 @@ def test_pipelines_truncate_long_prompts(pipes):
     # the pipelines batch_decode the cut-off tail to warn about it: that must work too
     embeds = pipes["tiny-sdxl"].encode_prompt("word " * 200, do_classifier_free_guidance=False)[0]
     assert embeds.shape == (1, 77, 64)
+
+
+def test_every_shapes_caption_word_is_one_token():
+    from gouache.data.shapes import WORDS
+    from gouache.runner.trained import tokenizer
+
+    tok = tokenizer()
+    for word in WORDS:
+        assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
+        assert len(tok(f"a {word}", add_special_tokens=False).input_ids) == 2, word
+    longest = "a purple triangle at the bottom right, a yellow square at the top left and a green circle in the center on a black background"
+    assert len(tok(longest).input_ids) == 28 <= tok.model_max_length

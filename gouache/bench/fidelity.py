@@ -1,0 +1,323 @@
+"""`gouache bench fidelity`: how far a candidate engine configuration's images are from the exact
+ones, and whether they still show what the prompt asked for.
+
+Prompts are shapes captions (`gouache.data.shapes`) at one or more sizes, each with one or more
+seeds. The reference (exact: default steps, `orca`) and the candidate (fewer steps, another
+policy, another batch size; later, the approximations) each make every image in this process.
+Reported: SSIM and PSNR of candidate against reference, the checker's prompt alignment for both
+(colour, shape, position, all), and whether the candidate is acceptable (SSIM >= 0.95 and
+alignment within 2 points of the reference's). Writes JSON, a markdown table and a contact sheet
+(reference | candidate | difference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.data.checker import check
+from gouache.data.shapes import Scene, caption, sample_scene
+
+SSIM_ACCEPTABLE = 0.95  # mean SSIM against the reference at or above which a candidate may ship
+ALIGNMENT_POINTS = 2.0  # ... if its "all ok" alignment is at most this many points below the reference's
+ALIGNMENT_KEYS = ("colour", "shape", "position", "all")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One engine configuration every prompt runs through."""
+
+    label: str
+    policy: str = "orca"
+    steps: int | None = None  # None: the model's default
+    max_batch_size: int = 8
+    patch_size: int = 32  # pixels per patch under patched policies
+    cost_model: str | None = None  # for policies that plan with step times
+
+    def describe(self) -> str:
+        steps = "default" if self.steps is None else str(self.steps)
+        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One image to make: a scene's caption at a size, with a seed."""
+
+    scene: Scene
+    width: int
+    height: int
+    seed: int
+
+    @property
+    def caption(self) -> str:
+        return caption(self.scene)
+
+
+@dataclass
+class Result:
+    """One setup's images and what they cost."""
+
+    setup: Setup
+    images: list[np.ndarray] = field(default_factory=list)  # [H, W, 3] uint8, in prompt order
+    seconds: float = 0.0
+
+
+def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
+    """n scenes (deterministic from `seed`), sizes taken in turn, each with seeds 0..seeds-1."""
+    rng = random.Random(f"fidelity:{seed}")
+    scenes = [sample_scene(rng) for _ in range(n)]
+    return [
+        Prompt(scene, *sizes[i % len(sizes)], seed=s) for i, scene in enumerate(scenes) for s in range(seeds)
+    ]
+
+
+def generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None = None) -> Result:
+    """Every prompt through an in-process engine at once, so the policy batches them as it would."""
+    return asyncio.run(_generate(model, setup, prompts, torch_threads))
+
+
+async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None) -> Result:
+    from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.request import ImageRequest
+
+    engine = AsyncEngine.from_config(
+        ModelConfig(model),
+        EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads),
+        SchedulerConfig(policy=setup.policy, max_batch_size=setup.max_batch_size, cost_model=setup.cost_model),
+    )
+    info = engine.info
+    await engine.start()
+    start = time.perf_counter()
+    try:
+        handles = [
+            await engine.submit([ImageRequest(
+                f"fidelity-{i}-0", p.caption, p.width, p.height, setup.steps or info.default_steps,
+                info.default_guidance, p.seed,
+            )])
+            for i, p in enumerate(prompts)
+        ]
+        events = await asyncio.gather(*(h.images() for h in handles))
+    finally:
+        await engine.aclose()
+    images = [np.asarray(Image.open(io.BytesIO(e[0].image)).convert("RGB")) for e in events]
+    return Result(setup, images, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean structural similarity of two [H, W, 3] uint8 images (Wang et al. 2004: Gaussian window
+    sigma 1.5, K1 0.01, K2 0.03), averaged over the colour channels."""
+    from scipy.ndimage import gaussian_filter
+
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    x, y = a.astype(np.float64), b.astype(np.float64)
+
+    def blur(v: np.ndarray) -> np.ndarray:
+        return gaussian_filter(v, sigma=(1.5, 1.5, 0), truncate=3.5)
+
+    mx, my = blur(x), blur(y)
+    vx, vy, cov = blur(x * x) - mx * mx, blur(y * y) - my * my, blur(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cov + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB (inf for equal images)."""
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+def alignment(images: list[np.ndarray], prompts: list[Prompt]) -> dict[str, float]:
+    """What the checker finds, as fractions: per image (every asked shape right in colour, kind,
+    position, all three), per asked shape (`object_*`), and per image by its number of shapes
+    (`all_1shape`, ...; absent when no prompt has that many)."""
+    images_ok, objects_ok = dict.fromkeys(ALIGNMENT_KEYS, 0), dict.fromkeys(ALIGNMENT_KEYS, 0)
+    by_count: dict[int, list[bool]] = {}
+    for image, prompt in zip(images, prompts):
+        result = check(image, prompt.scene)
+        for key, ok in zip(ALIGNMENT_KEYS, (result.colour_ok, result.shape_ok, result.position_ok, result.all_ok)):
+            images_ok[key] += ok
+        for shape in result.shapes:
+            verdicts = (shape.colour_ok, shape.shape_ok, shape.position_ok)
+            for key, ok in zip(ALIGNMENT_KEYS, (*verdicts, all(verdicts))):
+                objects_ok[key] += ok
+        by_count.setdefault(len(result.shapes), []).append(result.all_ok)
+    n, objects = max(len(images), 1), max(sum(len(p.scene.shapes) for p in prompts), 1)
+    return {
+        **{key: value / n for key, value in images_ok.items()},
+        **{f"object_{key}": value / objects for key, value in objects_ok.items()},
+        **{f"all_{count}shape": sum(oks) / len(oks) for count, oks in sorted(by_count.items())},
+    }
+
+
+def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict:
+    """The report's numbers for one candidate against the reference."""
+    ssims = [ssim(r, c) for r, c in zip(reference.images, candidate.images)]
+    psnrs = [psnr(r, c) for r, c in zip(reference.images, candidate.images)]
+    ref_align, cand_align = alignment(reference.images, prompts), alignment(candidate.images, prompts)
+    finite = [p for p in psnrs if np.isfinite(p)]
+    summary = {
+        "ssim_mean": float(np.mean(ssims)), "ssim_min": float(np.min(ssims)),
+        "psnr_mean_db": float(np.mean(finite)) if finite else None,  # over the images that differ
+        "identical_images": sum(not np.isfinite(p) for p in psnrs),
+        "reference_alignment": ref_align, "candidate_alignment": cand_align,
+        "alignment_drop_points": 100 * (ref_align["all"] - cand_align["all"]),
+    }
+    summary["acceptable"] = bool(
+        summary["ssim_mean"] >= SSIM_ACCEPTABLE and summary["alignment_drop_points"] <= ALIGNMENT_POINTS
+    )
+    summary["per_image"] = [
+        {"caption": p.caption, "size": f"{p.width}x{p.height}", "seed": p.seed, "ssim": s,
+         "psnr_db": q if np.isfinite(q) else None,  # None: identical images
+         "reference_ok": check(r, p.scene).all_ok, "candidate_ok": check(c, p.scene).all_ok}
+        for p, s, q, r, c in zip(prompts, ssims, psnrs, reference.images, candidate.images)
+    ]
+    return summary
+
+
+# --------------------------------------------------------------------------- contact sheet
+
+
+def contact_sheet(reference: Result, candidate: Result, prompts: list[Prompt], rows: int, path: Path) -> None:
+    """One row per prompt: reference | candidate | |difference| x4, under a header naming both."""
+    rows = min(rows, len(prompts))
+    cell_w = max(p.width for p in prompts[:rows]) + 8
+    cell_h = max(p.height for p in prompts[:rows]) + 8
+    header = 30
+    sheet = Image.new("RGB", (3 * cell_w, header + rows * cell_h), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for col, text in enumerate((f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}",
+                                "|difference| x4")):
+        draw.text((col * cell_w + 4, 4), text[:40], fill=(0, 0, 0))
+        draw.text((col * cell_w + 4, 16), text[40:80], fill=(0, 0, 0))
+    for row in range(rows):
+        ref, cand = reference.images[row], candidate.images[row]
+        diff = np.clip(4 * np.abs(ref.astype(np.int16) - cand.astype(np.int16)), 0, 255).astype(np.uint8)
+        for col, image in enumerate((ref, cand, diff)):
+            sheet.paste(Image.fromarray(image), (col * cell_w + 4, header + row * cell_h + 4))
+    sheet.save(path)
+
+
+# ------------------------------------------------------------------------------ command
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="shapes-unet",
+                   help="a shapes-trained built-in (shapes-unet, shapes-dit) or a directory of one "
+                        "(default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=50, help="distinct shapes captions (default: %(default)s)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per caption (default: %(default)s)")
+    p.add_argument("--sizes", default="128x128",
+                   help="comma-separated WxH sizes, taken in turn by the captions (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="reference steps (default: the model's)")
+    p.add_argument("--policy", default="orca", help="reference policy (default: %(default)s)")
+    p.add_argument("--candidate-steps", type=int, default=None, action=Given,
+                   help="candidate steps (default: half the reference's when no other candidate option is given, "
+                        "else the reference's)")
+    p.add_argument("--candidate-policy", default=None, action=Given,
+                   help="candidate policy (default: the reference's)")
+    p.add_argument("--candidate-max-batch-size", type=int, default=None, action=Given,
+                   help="candidate's most requests per step, another batch mix (default: the reference's, 8)")
+    p.add_argument("--patch-size", type=int, default=32,
+                   help="patch side in pixels under patched policies (default: %(default)s)")
+    p.add_argument("--cost-model", default=None,
+                   help="JSON from `gouache profile`, for policies that plan with step times (default: none)")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--sheet-rows", type=int, default=8, help="prompts shown on the contact sheet (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/fidelity.json",
+                   help="JSON path; the table (.md) and contact sheet (.png) go beside it (default: %(default)s)")
+
+
+def setups(args) -> tuple[Setup, Setup]:
+    """The reference and the candidate the flags describe."""
+    from gouache.runner.models import BUILTIN_MODELS, TINY_DEFAULT_STEPS
+
+    reference = Setup("reference", args.policy, args.steps, 8, args.patch_size, args.cost_model)
+    chosen = given(args) & {"candidate_steps", "candidate_policy", "candidate_max_batch_size"}
+    if not chosen:
+        default_steps = args.steps or (TINY_DEFAULT_STEPS if args.model in BUILTIN_MODELS else None)
+        if default_steps is None:
+            raise ValueError("give --steps (or a --candidate-* option): a directory model's default steps are unknown here")
+        return reference, replace(reference, label="candidate", steps=max(default_steps // 2, 1))
+    candidate = replace(
+        reference, label="candidate",
+        steps=args.candidate_steps if "candidate_steps" in chosen else reference.steps,
+        policy=args.candidate_policy or reference.policy,
+        max_batch_size=args.candidate_max_batch_size or reference.max_batch_size,
+    )
+    return reference, candidate
+
+
+def _check_policies(cost_model: str | None, *policies: str) -> None:
+    """Known policies; a cost model exactly when one of them plans with step times."""
+    from gouache.sched.policies import POLICIES
+
+    for policy in policies:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        if POLICIES[policy].needs_predictor and cost_model is None:
+            raise ValueError(f"policy {policy} plans with predicted step times: give --cost-model")
+    if cost_model is not None and not any(POLICIES[p].needs_predictor for p in policies):
+        refuse_ignored({"cost_model": "neither policy plans with step times"})
+
+
+def _parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for part in text.split(","):
+        w, _, h = part.strip().lower().partition("x")
+        if not (w.isdigit() and h.isdigit()):
+            raise ValueError(f"--sizes takes WxH values like 128x128,64x128; got {part!r}")
+        sizes.append((int(w), int(h)))
+    return sizes
+
+
+def run(args) -> int:
+    from gouache.sim.report import markdown_table
+
+    if args.prompts < 1 or args.seeds < 1:
+        raise ValueError("--prompts and --seeds must be at least 1")
+    reference_setup, candidate_setup = setups(args)
+    _check_policies(args.cost_model, reference_setup.policy, candidate_setup.policy)
+    prompts = make_prompts(args.prompts, args.seeds, _parse_sizes(args.sizes))
+    reference = generate(args.model, reference_setup, prompts, args.torch_threads)
+    candidate = generate(args.model, candidate_setup, prompts, args.torch_threads)
+    summary = compare(reference, candidate, prompts)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    options = sys.argv[sys.argv.index("fidelity") + 1:] if "fidelity" in sys.argv else []  # none when called directly
+    report = {
+        "command": shlex.join(["gouache", "bench", "fidelity", *options]),
+        "model": args.model, "prompts": args.prompts, "seeds": args.seeds, "sizes": args.sizes, "images": len(prompts),
+        "reference": {**asdict(reference_setup), "seconds": reference.seconds},
+        "candidate": {**asdict(candidate_setup), "seconds": candidate.seconds},
+        **summary,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    rows = [
+        {"setup": r.setup.label, "config": r.setup.describe(), "seconds": r.seconds,
+         **{f"{k} ok %": 100 * v for k, v in summary[f"{r.setup.label}_alignment"].items()}}
+        for r in (reference, candidate)
+    ]
+    table = markdown_table(rows, digits=1) + "\n" + markdown_table([{
+        "SSIM mean": summary["ssim_mean"], "SSIM min": summary["ssim_min"], "PSNR mean dB": summary["psnr_mean_db"],
+        "alignment drop (points)": summary["alignment_drop_points"], "acceptable": summary["acceptable"],
+    }])
+    out.with_suffix(".md").write_text(f"`{report['command']}`\n\n{table}")
+    contact_sheet(reference, candidate, prompts, args.sheet_rows, out.with_suffix(".png"))
+    print(table)
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}", file=sys.stderr)
+    return 0

@@ -1,0 +1,127 @@
+"""The shapes family: small diffusers models trained here (`gouache train`) on the procedural
+shapes dataset (`gouache.data.shapes`), so their pictures can be checked by a program.
+
+This module holds what training and serving must agree on: the architectures, the tokenizer, the
+weight files. The pipelines that put them together are in `models.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+from gouache.data.shapes import WORDS
+from gouache.runner.tokenizer import build_tokenizer
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+SIZE = 128  # default pixels per side; trained on 64..128, square and not
+TRAIN_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128), (128, 64), (64, 128), (128, 96), (96, 128))
+TEXT_LENGTH = 32  # tokens; the longest caption (three shapes) is 28 with <bos> and <eos>
+TEXT_HIDDEN = 64
+# How each component's weights are stored: fp16 halves the repository's bytes; they load as fp32.
+STORED_DTYPE = torch.float16
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """CLIP-style byte-level BPE in which every caption word is one token."""
+    return build_tokenizer(TEXT_LENGTH, "clip", WORDS)
+
+
+def text_encoder(with_projection: bool, layers: int) -> CLIPTextModel:
+    """A CLIP text encoder over `tokenizer()`. SD3 reads the penultimate layer, so its has 3 layers."""
+    tok = tokenizer()
+    config = CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
+        projection_dim=TEXT_HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
+        max_position_embeddings=TEXT_LENGTH,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+
+
+def vae() -> AutoencoderKL:
+    """4 latent channels at 1/8 of the pixels, as SD's; narrow at full resolution, where it is costly.
+
+    `scaling_factor` and `shift_factor` are set after training from the latents' statistics."""
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 64, 64), layers_per_block=1, norm_num_groups=8,
+        latent_channels=4, sample_size=SIZE, scaling_factor=1.0, shift_factor=0.0,
+        force_upcast=False,
+    )
+
+
+def unet(in_channels: int = 4) -> UNet2DConditionModel:
+    """SD1.5's layout at 1/10 the width: 16x16 latents at 128 px, cross-attention at 1/2 and 1/4."""
+    return UNet2DConditionModel(
+        sample_size=SIZE // 8, in_channels=in_channels, out_channels=4,
+        block_out_channels=(32, 64, 64), layers_per_block=1, norm_num_groups=8,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=TEXT_HIDDEN,
+        attention_head_dim=4,  # diffusers' legacy name for the number of heads
+    )
+
+
+def dit() -> SD3Transformer2DModel:
+    """An SD3 MMDiT on the same 4-channel latents: one token per 2x2 latent patch (64 at 128 px)."""
+    return SD3Transformer2DModel(
+        sample_size=SIZE // 8, patch_size=2, in_channels=4, out_channels=4, num_layers=4,
+        attention_head_dim=32, num_attention_heads=4,
+        joint_attention_dim=2 * TEXT_HIDDEN,  # the two CLIP slots' states, concatenated
+        caption_projection_dim=128,  # heads * head_dim
+        pooled_projection_dim=2 * TEXT_HIDDEN,
+        pos_embed_max_size=16,  # patches per side: up to 256 px
+    )
+
+
+def weights_path(name: str, directory: Path = WEIGHTS_DIR) -> Path:
+    return directory / f"{name}.safetensors"
+
+
+def save_weights(
+    components: dict[str, torch.nn.Module], name: str, directory: Path = WEIGHTS_DIR,
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """Store the components' weights in one `<directory>/<name>.safetensors`, keys prefixed by
+    component, in STORED_DTYPE; `metadata` (strings) rides along in the file's header."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        f"{component}.{key}": value.detach().to(STORED_DTYPE).contiguous()
+        for component, module in components.items()
+        for key, value in module.state_dict().items()
+    }
+    path = weights_path(name, directory)
+    save_file(state, str(path), metadata=metadata)
+    return path
+
+
+def load_weights(components: dict[str, torch.nn.Module], name: str, directory: Path = WEIGHTS_DIR) -> dict[str, str]:
+    """Fill the components (built by this module's constructors) from `save_weights`'s file, in
+    fp32 and in eval mode; returns the file's metadata."""
+    path = weights_path(name, directory)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; `gouache train` writes it")
+    with safe_open(str(path), "pt") as file:
+        metadata = file.metadata() or {}
+        state = {key: file.get_tensor(key).float() for key in file.keys()}
+    for component, module in components.items():
+        prefix = f"{component}."
+        module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+        module.eval()
+    return metadata
+
+
+def load_vae(directory: Path = WEIGHTS_DIR) -> AutoencoderKL:
+    """The trained VAE with the latent scale and shift measured after its training."""
+    model = vae()
+    metadata = load_weights({"vae": model}, "shapes-vae", directory)
+    model.register_to_config(
+        scaling_factor=float(metadata["scaling_factor"]), shift_factor=float(metadata["shift_factor"])
+    )
+    return model

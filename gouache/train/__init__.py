@@ -1,0 +1,1 @@
+"""Training loops for the shapes family (`gouache train vae|unet|dit`): seeded, on the CPU."""

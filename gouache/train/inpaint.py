@@ -1,0 +1,72 @@
+"""Fine-tune the shapes UNet into a 9-channel inpainting UNet (SD1.5-inpainting's layout: noisy
+latents, the mask at latent resolution, the VAE latents of the image with the mask's region
+blanked). It starts from the trained UNet, whose input convolution gets zero weights for the five
+new channels, so step 0 already generates; the masks are random rectangles (and, one time in
+ten, the whole image: a plain generation), the caption describes the whole target image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gouache.runner import trained
+from gouache.runner.models import euler_scheduler, shapes_sd_inpaint
+from gouache.train.loop import Report, Schedule, seed_everything, shapes_batch, train
+from gouache.train.unet import BATCH, denoising_loss, drop_captions
+
+WHOLE_IMAGE = 0.1  # share of masks that repaint everything
+
+
+def random_masks(batch: int, height: int, width: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, 1, H, W] of 0 (keep) and 1 (repaint): a rectangle of 1/6 to 2/3 of each side, or all."""
+    masks = torch.zeros(batch, 1, height, width)
+    for mask in masks:
+        if torch.rand((), generator=generator) < WHOLE_IMAGE:
+            mask.fill_(1.0)
+            continue
+        h = int(height * (1 / 6 + torch.rand((), generator=generator).item() / 2))
+        w = int(width * (1 / 6 + torch.rand((), generator=generator).item() / 2))
+        top = int(torch.randint(0, height - h + 1, (), generator=generator))
+        left = int(torch.randint(0, width - w + 1, (), generator=generator))
+        mask[:, top : top + h, left : left + w] = 1.0
+    return masks
+
+
+def widened_unet(source: torch.nn.Module) -> torch.nn.Module:
+    """A 9-channel UNet with `source`'s weights; the new input channels start at zero."""
+    unet = trained.unet(in_channels=9)
+    state = source.state_dict()
+    conv = state["conv_in.weight"]
+    state["conv_in.weight"] = torch.cat([conv, conv.new_zeros(conv.shape[0], 5, *conv.shape[2:])], dim=1)
+    unet.load_state_dict(state)
+    return unet
+
+
+def train_inpaint(seed: int, steps: int, out: Path) -> Report:
+    generator = seed_everything(seed)
+    vae = trained.load_vae(out).requires_grad_(False)
+    source, text_encoder = trained.unet(), trained.text_encoder(with_projection=False, layers=2)
+    trained.load_weights({"unet": source, "text_encoder": text_encoder}, "shapes-unet", out)
+    model = torch.nn.ModuleDict({"unet": widened_unet(source), "text_encoder": text_encoder.requires_grad_(True)})
+    pipe = shapes_sd_inpaint(vae, model["text_encoder"], model["unet"])
+    alphas = euler_scheduler().alphas_cumprod
+    scale = vae.config.scaling_factor
+
+    def loss_of(step: int) -> torch.Tensor:
+        batch = shapes_batch(seed, step, BATCH, trained.TRAIN_SIZES)
+        pixels = batch.pixels
+        masks = random_masks(len(pixels), pixels.shape[2], pixels.shape[3], generator)
+        with torch.no_grad():
+            latents = vae.encode(pixels).latent_dist.sample(generator) * scale
+            kept = vae.encode(pixels * (masks < 0.5)).latent_dist.sample(generator) * scale
+        small_masks = F.interpolate(masks, size=latents.shape[2:])
+        embeds = pipe.encode_prompt(drop_captions(batch.captions, generator), "cpu", 1, False)[0]
+        return denoising_loss(model["unet"], latents, embeds, alphas, generator, torch.cat([small_masks, kept], dim=1))
+
+    kept_model, report = train("inpaint", model, loss_of, Schedule(steps=steps, lr=2e-4, warmup=100), seed)
+    trained.save_weights(
+        {"unet": kept_model["unet"], "text_encoder": kept_model["text_encoder"]}, "shapes-unet-inpaint", out
+    )
+    return report

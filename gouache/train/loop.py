@@ -1,0 +1,143 @@
+"""What every trainer shares: seeded batches of shapes, the optimisation loop with a progress bar
+and an exponential moving average, and the loss-curve report."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gouache.data.shapes import caption, render, sample_scene
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One training batch: images of one size, in [-1, 1], with their captions."""
+
+    pixels: torch.Tensor  # [B, 3, H, W] float32
+    captions: list[str]
+
+
+def shapes_batch(seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...]) -> Batch:
+    """Batch `step` of run `seed`: one size drawn from `sizes`, `batch` fresh scenes at that size.
+    It depends on (seed, step) alone, so a run can be replayed."""
+    rng = random.Random(f"train:{seed}:{step}")
+    width, height = rng.choice(sizes)
+    scenes = [sample_scene(rng) for _ in range(batch)]
+    images = np.stack([render(s, width, height, seed=rng.getrandbits(32)) for s in scenes])
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return Batch(pixels, [caption(s) for s in scenes])
+
+
+@dataclass
+class Schedule:
+    """The optimiser's settings for one run."""
+
+    steps: int
+    lr: float
+    warmup: int = 200  # linear warm-up steps
+    final_lr_fraction: float = 0.1  # cosine decay ends at lr * this
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    ema_decay: float | None = 0.999  # None: keep the last weights
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(self.steps - self.warmup, 1)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return self.lr * (self.final_lr_fraction + (1 - self.final_lr_fraction) * cosine)
+
+
+@dataclass
+class Report:
+    """What a run measured: its losses (one per step) and wall time."""
+
+    name: str
+    seed: int
+    schedule: dict
+    params: int
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def smoothed(self, window: int = 50) -> list[float]:
+        values = np.asarray(self.losses)
+        if len(values) < window:
+            return values.tolist()
+        return np.convolve(values, np.ones(window) / window, mode="valid").tolist()
+
+    def write(self, directory: Path, command: str) -> tuple[Path, Path]:
+        """`train_<name>.json` (losses smoothed, settings, time, command) and `train_<name>.png`."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        directory.mkdir(parents=True, exist_ok=True)
+        smooth = self.smoothed()
+        json_path, png_path = directory / f"train_{self.name}.json", directory / f"train_{self.name}.png"
+        summary = {k: v for k, v in asdict(self).items() if k != "losses"}
+        summary.update(
+            command=command, steps=len(self.losses), minutes=round(self.seconds / 60, 2),
+            final_loss=smooth[-1] if smooth else None, loss_smoothed_every_50=smooth[::50],
+        )
+        json_path.write_text(json.dumps(summary, indent=1) + "\n")
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(self.losses, alpha=0.25, lw=0.5, label="per step")
+        ax.plot(range(len(self.losses) - len(smooth), len(self.losses)), smooth, lw=1.5, label="mean of 50")
+        ax.set(xlabel="step", ylabel="loss", yscale="log", title=f"gouache train: {self.name} ({self.seconds / 60:.1f} min)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png_path, dpi=110)
+        plt.close(fig)
+        return json_path, png_path
+
+
+def train(
+    name: str, model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], schedule: Schedule, seed: int,
+) -> tuple[torch.nn.Module, Report]:
+    """Minimise `loss_of(step)` over `model`'s parameters; returns the weights to keep (the moving
+    average where the schedule has one) and the report."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimiser = torch.optim.AdamW(params, lr=schedule.lr, weight_decay=schedule.weight_decay)
+    ema = None
+    if schedule.ema_decay is not None:
+        ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(schedule.ema_decay)
+        )
+    report = Report(name, seed, asdict(schedule), sum(p.numel() for p in params))
+    model.train()
+    start = time.perf_counter()
+    with tqdm(range(schedule.steps), desc=f"train {name}", unit="step", dynamic_ncols=True) as bar:
+        for step in bar:
+            for group in optimiser.param_groups:
+                group["lr"] = schedule.lr_at(step)
+            loss = loss_of(step)
+            optimiser.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, schedule.clip_norm)
+            optimiser.step()
+            if ema is not None:
+                ema.update_parameters(model)
+            report.losses.append(loss.item())
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{np.mean(report.losses[-50:]):.4f}")
+    report.seconds = time.perf_counter() - start
+    kept = ema.module if ema is not None else model
+    return kept.eval(), report
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed torch's global RNG (weight init, dropout) and return a generator for the run's noise."""
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+

@@ -1,0 +1,91 @@
+import json
+
+import numpy as np
+import pytest
+
+from gouache.bench.fidelity import Result, Setup, alignment, compare, make_prompts, psnr, ssim
+from gouache.data.checker import Degrade
+from gouache.data.shapes import Scene, render
+
+
+def renders(prompts):
+    return [render(p.scene, p.width, p.height, seed=p.seed) for p in prompts]
+
+
+def test_prompts_are_deterministic_take_sizes_in_turn_and_repeat_per_seed():
+    prompts = make_prompts(3, 2, [(64, 64), (128, 64)])
+    assert prompts == make_prompts(3, 2, [(64, 64), (128, 64)])
+    assert [(p.width, p.height, p.seed) for p in prompts] == [
+        (64, 64, 0), (64, 64, 1), (128, 64, 0), (128, 64, 1), (64, 64, 0), (64, 64, 1)]
+    assert prompts[0].scene == prompts[1].scene != prompts[2].scene
+
+
+def test_ssim_and_psnr_are_perfect_only_for_equal_images_and_fall_with_damage():
+    image = renders(make_prompts(1, 1, [(96, 96)]))[0]
+    assert ssim(image, image) == pytest.approx(1.0) and psnr(image, image) == float("inf")
+    mild, strong = Degrade(blur_radius=0.5, noise_sigma=4), Degrade(blur_radius=2.0, noise_sigma=30)
+    assert 1.0 > ssim(image, mild.apply(image, 0)) > ssim(image, strong.apply(image, 0))
+    assert psnr(image, mild.apply(image, 0)) > psnr(image, strong.apply(image, 0))
+    assert ssim(image, strong.apply(image, 0)) == pytest.approx(ssim(strong.apply(image, 0), image))
+
+
+def test_alignment_accepts_the_datasets_renders_and_rejects_blank_images():
+    prompts = make_prompts(20, 1, [(128, 128), (64, 128)])
+    found = alignment(renders(prompts), prompts)
+    assert set(found) >= {"colour", "shape", "position", "all", "object_all", "all_1shape", "all_2shape", "all_3shape"}
+    assert set(found.values()) == {1.0}
+    blank = [np.full((p.height, p.width, 3), 255, np.uint8) for p in prompts]
+    assert set(alignment(blank, prompts).values()) == {0.0}
+
+
+def test_alignment_counts_images_and_objects_apart():
+    prompts = [p for p in make_prompts(30, 1, [(128, 128)]) if len(p.scene.shapes) == 2][:2]
+    images = renders(prompts)
+    images[0] = render(Scene(prompts[0].scene.shapes[:1], prompts[0].scene.background), 128, 128, 0)  # one shape short
+    found = alignment(images, prompts)
+    assert found["all"] == 0.5 and found["object_all"] == 0.75 and found["all_2shape"] == 0.5
+
+
+def test_a_damaged_candidate_is_not_acceptable_and_an_equal_one_is():
+    prompts = make_prompts(12, 1, [(128, 128)])
+    reference = Result(Setup("reference"), renders(prompts))
+    same = compare(reference, Result(Setup("candidate"), renders(prompts)), prompts)
+    assert same["acceptable"] and same["ssim_mean"] == pytest.approx(1.0) and same["identical_images"] == 12
+    damaged = [Degrade(blur_radius=3.0, noise_sigma=60).apply(image, i) for i, image in enumerate(reference.images)]
+    worse = compare(reference, Result(Setup("candidate"), damaged), prompts)
+    assert not worse["acceptable"] and worse["ssim_mean"] < 0.6
+    assert worse["candidate_alignment"]["all"] < worse["reference_alignment"]["all"]
+
+
+def run_fidelity(tmp_path, *options):
+    from gouache.cli import main
+
+    out = tmp_path / "fidelity.json"
+    assert main(["bench", "fidelity", "--prompts", "6", "--out", str(out), *options]) == 0
+    return json.loads(out.read_text())
+
+
+def test_on_the_trained_unet_a_two_step_candidate_scores_visibly_worse(tmp_path):
+    report = run_fidelity(tmp_path, "--candidate-steps", "2")
+    assert report["command"] is not None and (tmp_path / "fidelity.png").stat().st_size > 1000
+    assert report["reference"]["steps"] is None and report["candidate"]["steps"] == 2
+    assert not report["acceptable"] and report["ssim_mean"] < 0.8
+    assert report["candidate_alignment"]["all"] < report["reference_alignment"]["all"]
+
+
+def test_on_the_trained_unet_patched_batching_is_an_exact_candidate(tmp_path):
+    report = run_fidelity(tmp_path, "--sizes", "128x128,64x128,96x96", "--candidate-policy", "patched")
+    assert report["acceptable"] and report["ssim_mean"] > 0.999
+    assert report["candidate_alignment"] == report["reference_alignment"]
+
+
+def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
+    from gouache.cli import main
+
+    out = str(tmp_path / "f.json")
+    assert main(["bench", "fidelity", "--candidate-policy", "patched-slo", "--out", out]) == 2
+    assert "give --cost-model" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--cost-model", "c.json", "--out", out]) == 2
+    assert "--cost-model would be ignored" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--sizes", "128", "--out", out]) == 2
+    assert "WxH" in capsys.readouterr().err
