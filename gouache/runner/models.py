@@ -10,6 +10,7 @@ is what tests, the simulator and multi-process runners rely on.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -342,10 +343,13 @@ def load_pipeline(model: str, dtype: str = "float32", device: str = "cpu") -> Di
         if dtype != "float32":  # built in fp32; a no-op cast would only log a warning
             pipe = pipe.to(dtype=torch_dtype(dtype))
         return pipe.to(device)
-    if os.path.isfile(os.path.join(model, "model_index.json")):
+    index = os.path.join(model, "model_index.json")
+    if os.path.isfile(index):
+        with open(index) as file:  # a component saved as absent ([null, null]), e.g. SD3 without T5,
+            absent = {k: None for k, v in json.load(file).items() if v == [None, None]}  # loads as absent
         # `dtype=` is diffusers' current spelling of `torch_dtype=` (deprecated in 0.42)
         pipe = DiffusionPipeline.from_pretrained(
-            model, local_files_only=True, dtype=torch_dtype(dtype)
+            model, local_files_only=True, dtype=torch_dtype(dtype), **absent
         )
         return pipe.to(device)
     raise UnknownModelError(

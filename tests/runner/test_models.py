@@ -138,7 +138,7 @@ def test_unknown_model_names_the_builtins(tmp_path):
 
 
 def test_model_info_of_builtins(pipes):
-    info = {name: model_info(pipe, name) for name, pipe in pipes.items()}
+    info = {name: model_info(pipe, name) for name, pipe in pipes.items() if name.startswith("tiny-")}
     assert {i.size_step for i in info.values()} == {16}
     assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
