@@ -262,20 +262,11 @@ def build_tiny_flux() -> DiffusionPipeline:
     )
 
 
-def shapes_sd(vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DConditionModel) -> StableDiffusionPipeline:
-    """The shapes UNet's pipeline around the given components (trained or in training)."""
-    return StableDiffusionPipeline(
-        vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
-        scheduler=euler_scheduler(), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
-def shapes_sd_inpaint(
-    vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DConditionModel
-) -> StableDiffusionInpaintPipeline:
-    """The shapes inpainting UNet's pipeline (9 input channels) around the given components."""
-    return StableDiffusionInpaintPipeline(
+def shapes_sd(vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DConditionModel) -> DiffusionPipeline:
+    """A shapes UNet's pipeline around the given components (trained or in training): SD1.5's, or
+    its inpainting one for a 9-channel UNet."""
+    cls = StableDiffusionInpaintPipeline if unet.config.in_channels == 9 else StableDiffusionPipeline
+    return cls(
         vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
         scheduler=euler_scheduler(), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
@@ -296,16 +287,12 @@ def shapes_sd3(
     )
 
 
-def build_shapes_unet() -> DiffusionPipeline:
-    unet, text_encoder = trained.unet(), trained.text_encoder(with_projection=False, layers=2)
-    trained.load_weights({"unet": unet, "text_encoder": text_encoder}, "shapes-unet")
+def build_shapes_unet(in_channels: int = 4) -> DiffusionPipeline:
+    """shapes-unet, or with 9 input channels shapes-unet-inpaint."""
+    name = "shapes-unet-inpaint" if in_channels == 9 else "shapes-unet"
+    unet, text_encoder = trained.unet(in_channels), trained.text_encoder(with_projection=False, layers=2)
+    trained.load_weights({"unet": unet, "text_encoder": text_encoder}, name)
     return shapes_sd(trained.load_vae(), text_encoder, unet)
-
-
-def build_shapes_unet_inpaint() -> DiffusionPipeline:
-    unet, text_encoder = trained.unet(in_channels=9), trained.text_encoder(with_projection=False, layers=2)
-    trained.load_weights({"unet": unet, "text_encoder": text_encoder}, "shapes-unet-inpaint")
-    return shapes_sd_inpaint(trained.load_vae(), text_encoder, unet)
 
 
 def build_shapes_dit() -> DiffusionPipeline:
@@ -322,7 +309,7 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
     "shapes-unet": build_shapes_unet,
-    "shapes-unet-inpaint": build_shapes_unet_inpaint,
+    "shapes-unet-inpaint": lambda: build_shapes_unet(in_channels=9),
     "shapes-dit": build_shapes_dit,
 }
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gouache.runner import trained
-from gouache.runner.models import euler_scheduler, shapes_sd_inpaint
+from gouache.runner.models import euler_scheduler, shapes_sd
 from gouache.train.loop import Report, Schedule, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions
 
@@ -50,7 +50,7 @@ def train_inpaint(seed: int, steps: int, out: Path) -> Report:
     source, text_encoder = trained.unet(), trained.text_encoder(with_projection=False, layers=2)
     trained.load_weights({"unet": source, "text_encoder": text_encoder}, "shapes-unet", out)
     model = torch.nn.ModuleDict({"unet": widened_unet(source), "text_encoder": text_encoder.requires_grad_(True)})
-    pipe = shapes_sd_inpaint(vae, model["text_encoder"], model["unet"])
+    pipe = shapes_sd(vae, model["text_encoder"], model["unet"])
     alphas = euler_scheduler().alphas_cumprod
     scale = vae.config.scaling_factor
 

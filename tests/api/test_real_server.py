@@ -1,8 +1,10 @@
 """`gouache serve` as a user runs it (a real process, the real engine, tiny-sdxl), driven by the
-official openai client and by the malformed-request corpus."""
+official openai client and by the malformed-request corpus; and the README's first request, on
+the default model."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
 import subprocess
@@ -22,12 +24,13 @@ from tests.api.helpers import open_image
 SIZE_STEP = 16  # tiny-sdxl
 
 
-@pytest.fixture(scope="module")
-def server_url():
+@contextlib.contextmanager
+def running_server(*flags: str):
+    """`gouache serve FLAGS` on a free port; yields its URL once /health says ok."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gouache.cli", "serve", "--model", "tiny-sdxl", "--port", str(port)]
+    cmd = [sys.executable, "-m", "gouache.cli", "serve", *flags, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -39,9 +42,26 @@ def server_url():
                 break
         except httpx.HTTPError:
             time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with running_server("--model", "tiny-sdxl") as url:
+        yield url
+
+
+def test_the_readmes_first_request_gets_a_picture_from_the_default_model():
+    body = {"prompt": "a red circle at the top left and a blue square at the bottom right on a white background"}
+    with running_server() as url:
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["shapes-unet"]
+        response = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert open_image(response.json()["data"][0]["b64_json"]).size == (128, 128)
 
 
 def client(url: str) -> openai.OpenAI:
