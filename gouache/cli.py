@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.cli_flags import Given, given, refuse_ignored, size_arg
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.errors import GouacheError
 
@@ -17,14 +17,6 @@ def _policies_where(attribute: str) -> str:
     from gouache.sched.policies import POLICIES
 
     return ", ".join(name for name, cls in POLICIES.items() if getattr(cls, attribute))
-
-
-def _size(text: str) -> tuple[int, int]:
-    try:
-        width, height = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must look like 512x512, got {text!r}") from None
-    return width, height
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_image_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt")
     _add_model_args(p)
-    p.add_argument("--size", type=_size, default=None, help="WxH in pixels (default: the model's)")
+    p.add_argument("--size", type=size_arg, default=None, help="WxH in pixels (default: the model's)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
     p.add_argument("--negative-prompt", default=None,
@@ -204,7 +196,8 @@ def _generate(args) -> int:
 
 
 def _models(args) -> int:
-    from gouache.runner.models import ARCH_CONFIGS, BUILTIN_MODELS, arch_description
+    from gouache.runner.arch import ARCH_CONFIGS, arch_description
+    from gouache.runner.models import BUILTIN_MODELS
 
     for name, spec in BUILTIN_MODELS.items():
         print(f"{name:20s} {spec.description}")

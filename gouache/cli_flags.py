@@ -25,3 +25,20 @@ def refuse_ignored(ignored: dict[str, str]) -> None:
     if ignored:
         lines = (f"--{dest.replace('_', '-')} would be ignored: {why}" for dest, why in ignored.items())
         raise ValueError("\n  ".join(lines))
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """'128x64' -> (128, 64); ValueError saying what a size looks like otherwise."""
+    try:
+        width, height = (int(v) for v in text.strip().lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a size looks like WxH, e.g. 512x512; got {text!r}") from None
+    return width, height
+
+
+def size_arg(text: str) -> tuple[int, int]:
+    """`parse_size` as an argparse `type`, keeping its message."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

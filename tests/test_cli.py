@@ -171,12 +171,12 @@ def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):
 
 
 def test_bench_batching_refuses_flags_it_would_ignore(monkeypatch, capsys, tmp_path):
-    from gouache.runner import models
+    from gouache.runner import arch
 
     def build_arch(*args):
         raise AssertionError("the flags were accepted")
 
-    monkeypatch.setattr(models, "build_arch", build_arch)
+    monkeypatch.setattr(arch, "build_arch", build_arch)
     quick = ["--mixes", "SML", "--repeats", "1", "--out", str(tmp_path / "b.json")]
     assert _refused(capsys, ["bench", "batching", "--model", "sdxl-arch", "--steps", "5", *quick], "--steps")
     assert _refused(capsys, ["bench", "batching", "--model", "tiny-sd", "--sizes", "32,64,96,128", *quick], "--sizes")
@@ -202,7 +202,8 @@ def test_every_option_names_its_default(command):
 
 
 def test_models_lists_the_full_size_benchmark_architectures(capsys):
-    from gouache.runner.models import ARCH_CONFIGS, BUILTIN_MODELS
+    from gouache.runner.arch import ARCH_CONFIGS
+    from gouache.runner.models import BUILTIN_MODELS
 
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()

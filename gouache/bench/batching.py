@@ -62,7 +62,7 @@ def median_s(fn, repeats: int, sync) -> float:
 def run(args) -> int:
     import torch
 
-    from gouache.runner.models import ARCH_CONFIGS
+    from gouache.runner.arch import ARCH_CONFIGS
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sides = [int(s) for s in args.sizes.split(",")]
@@ -125,7 +125,7 @@ def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
     import torch
 
     from gouache.bench.denoiser_inputs import DenoiserBench
-    from gouache.runner.models import build_arch
+    from gouache.runner.arch import build_arch
 
     model = build_arch(args.model, args.device, args.dtype)
     rows = []

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from gouache.cli_flags import Given, given, refuse_ignored
-from gouache.data.checker import check
+from gouache.cli_flags import Given, given, parse_size, refuse_ignored
+from gouache.data.checker import Check, check
 from gouache.data.shapes import Scene, caption, sample_scene
 
 SSIM_ACCEPTABLE = 0.95  # mean SSIM against the reference at or above which a candidate may ship
@@ -141,22 +141,26 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
 
 
-def alignment(images: list[np.ndarray], prompts: list[Prompt]) -> dict[str, float]:
-    """What the checker finds, as fractions: per image (every asked shape right in colour, kind,
+def checks(images: list[np.ndarray], prompts: list[Prompt]) -> list[Check]:
+    """The checker's verdict on each image against its prompt's scene."""
+    return [check(image, prompt.scene) for image, prompt in zip(images, prompts)]
+
+
+def alignment(verdicts: list[Check]) -> dict[str, float]:
+    """What the checker found, as fractions: per image (every asked shape right in colour, kind,
     position, all three), per asked shape (`object_*`), and per image by its number of shapes
-    (`all_1shape`, ...; absent when no prompt has that many)."""
+    (`all_1shape`, ...; absent when no image has that many)."""
     images_ok, objects_ok = dict.fromkeys(ALIGNMENT_KEYS, 0), dict.fromkeys(ALIGNMENT_KEYS, 0)
     by_count: dict[int, list[bool]] = {}
-    for image, prompt in zip(images, prompts):
-        result = check(image, prompt.scene)
+    for result in verdicts:
         for key, ok in zip(ALIGNMENT_KEYS, (result.colour_ok, result.shape_ok, result.position_ok, result.all_ok)):
             images_ok[key] += ok
         for shape in result.shapes:
-            verdicts = (shape.colour_ok, shape.shape_ok, shape.position_ok)
-            for key, ok in zip(ALIGNMENT_KEYS, (*verdicts, all(verdicts))):
+            found = (shape.colour_ok, shape.shape_ok, shape.position_ok)
+            for key, ok in zip(ALIGNMENT_KEYS, (*found, all(found))):
                 objects_ok[key] += ok
         by_count.setdefault(len(result.shapes), []).append(result.all_ok)
-    n, objects = max(len(images), 1), max(sum(len(p.scene.shapes) for p in prompts), 1)
+    n, objects = max(len(verdicts), 1), max(sum(len(r.shapes) for r in verdicts), 1)
     return {
         **{key: value / n for key, value in images_ok.items()},
         **{f"object_{key}": value / objects for key, value in objects_ok.items()},
@@ -168,7 +172,8 @@ def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict
     """The report's numbers for one candidate against the reference."""
     ssims = [ssim(r, c) for r, c in zip(reference.images, candidate.images)]
     psnrs = [psnr(r, c) for r, c in zip(reference.images, candidate.images)]
-    ref_align, cand_align = alignment(reference.images, prompts), alignment(candidate.images, prompts)
+    ref_checks, cand_checks = checks(reference.images, prompts), checks(candidate.images, prompts)
+    ref_align, cand_align = alignment(ref_checks), alignment(cand_checks)
     finite = [p for p in psnrs if np.isfinite(p)]
     summary = {
         "ssim_mean": float(np.mean(ssims)), "ssim_min": float(np.min(ssims)),
@@ -183,8 +188,8 @@ def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict
     summary["per_image"] = [
         {"caption": p.caption, "size": f"{p.width}x{p.height}", "seed": p.seed, "ssim": s,
          "psnr_db": q if np.isfinite(q) else None,  # None: identical images
-         "reference_ok": check(r, p.scene).all_ok, "candidate_ok": check(c, p.scene).all_ok}
-        for p, s, q, r, c in zip(prompts, ssims, psnrs, reference.images, candidate.images)
+         "reference_ok": r.all_ok, "candidate_ok": c.all_ok}
+        for p, s, q, r, c in zip(prompts, ssims, psnrs, ref_checks, cand_checks)
     ]
     return summary
 
@@ -275,16 +280,6 @@ def _check_policies(cost_model: str | None, *policies: str) -> None:
         refuse_ignored({"cost_model": "neither policy plans with step times"})
 
 
-def _parse_sizes(text: str) -> list[tuple[int, int]]:
-    sizes = []
-    for part in text.split(","):
-        w, _, h = part.strip().lower().partition("x")
-        if not (w.isdigit() and h.isdigit()):
-            raise ValueError(f"--sizes takes WxH values like 128x128,64x128; got {part!r}")
-        sizes.append((int(w), int(h)))
-    return sizes
-
-
 def run(args) -> int:
     from gouache.sim.report import markdown_table
 
@@ -292,7 +287,7 @@ def run(args) -> int:
         raise ValueError("--prompts and --seeds must be at least 1")
     reference_setup, candidate_setup = setups(args)
     _check_policies(args.cost_model, reference_setup.policy, candidate_setup.policy)
-    prompts = make_prompts(args.prompts, args.seeds, _parse_sizes(args.sizes))
+    prompts = make_prompts(args.prompts, args.seeds, [parse_size(part) for part in args.sizes.split(",")])
     reference = generate(args.model, reference_setup, prompts, args.torch_threads)
     candidate = generate(args.model, candidate_setup, prompts, args.torch_threads)
     summary = compare(reference, candidate, prompts)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFilter
 
+from gouache.cli_flags import parse_size
 from gouache.data.shapes import BACKGROUNDS, COLOURS, KINDS, POSITIONS, Scene, Shape, ShapesDataset, cell_of
 
 NAMES = tuple(COLOURS) + tuple(BACKGROUNDS)
@@ -231,11 +232,6 @@ def accuracy(n: int, seed: int, sizes: list[tuple[int, int]], degrade: Degrade |
     }
 
 
-def _size(text: str) -> tuple[int, int]:
-    w, _, h = text.partition("x")
-    return int(w), int(h)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gouache.data.checker", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=500, help="images per condition")
@@ -245,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", type=float, default=12.0, help="degraded: noise std, 0..255 units")
     p.add_argument("--out", type=Path, help="write JSON here, and a .md table beside it")
     args = p.parse_args(argv)
-    sizes = [_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     rows = {
         "clean": accuracy(args.n, args.seed, sizes),
         "degraded": accuracy(args.n, args.seed, sizes, Degrade(args.blur, args.noise, args.seed)),

@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from gouache.errors import UnknownModelError
+from gouache.runner.arch import build_arch
 from gouache.runner.models import (
     BUILDERS,
     BUILTIN_MODELS,
-    build_arch,
     denoiser,
     export_model,
     load_pipeline,
