@@ -237,7 +237,7 @@ def add_arguments(p) -> None:
                    help="candidate policy (default: the reference's)")
     p.add_argument("--candidate-max-batch-size", type=int, default=None, action=Given,
                    help="candidate's most requests per step, another batch mix (default: the reference's, 8)")
-    p.add_argument("--patch-size", type=int, default=32,
+    p.add_argument("--patch-size", type=int, default=32, action=Given,
                    help="patch side in pixels under patched policies (default: %(default)s)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `gouache profile`, for policies that plan with step times (default: none)")
@@ -267,26 +267,33 @@ def setups(args) -> tuple[Setup, Setup]:
     return reference, candidate
 
 
-def _check_policies(cost_model: str | None, *policies: str) -> None:
-    """Known policies; a cost model exactly when one of them plans with step times."""
+def _check_flags(args, *policies: str) -> None:
+    """Counts of at least one; known policies; --cost-model exactly when a policy plans with step
+    times; --patch-size only when one cuts images into patches."""
     from gouache.sched.policies import POLICIES
 
+    for flag in ("prompts", "seeds", "steps", "candidate_steps", "candidate_max_batch_size", "patch_size", "sheet_rows"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     for policy in policies:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-        if POLICIES[policy].needs_predictor and cost_model is None:
+        if POLICIES[policy].needs_predictor and args.cost_model is None:
             raise ValueError(f"policy {policy} plans with predicted step times: give --cost-model")
-    if cost_model is not None and not any(POLICIES[p].needs_predictor for p in policies):
-        refuse_ignored({"cost_model": "neither policy plans with step times"})
+    ignored = {}
+    if args.cost_model is not None and not any(POLICIES[p].needs_predictor for p in policies):
+        ignored["cost_model"] = "neither policy plans with step times"
+    if "patch_size" in given(args) and not any(POLICIES[p].mixes_shapes for p in policies):
+        ignored["patch_size"] = "neither policy cuts images into patches"
+    refuse_ignored(ignored)
 
 
 def run(args) -> int:
     from gouache.sim.report import markdown_table
 
-    if args.prompts < 1 or args.seeds < 1:
-        raise ValueError("--prompts and --seeds must be at least 1")
     reference_setup, candidate_setup = setups(args)
-    _check_policies(args.cost_model, reference_setup.policy, candidate_setup.policy)
+    _check_flags(args, reference_setup.policy, candidate_setup.policy)
     prompts = make_prompts(args.prompts, args.seeds, [parse_size(part) for part in args.sizes.split(",")])
     reference = generate(args.model, reference_setup, prompts, args.torch_threads)
     candidate = generate(args.model, candidate_setup, prompts, args.torch_threads)

@@ -90,3 +90,8 @@ def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     assert "--cost-model would be ignored" in capsys.readouterr().err
     assert main(["bench", "fidelity", "--sizes", "128", "--out", out]) == 2
     assert "WxH" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--patch-size", "64", "--out", out]) == 2
+    assert "--patch-size would be ignored" in capsys.readouterr().err
+    for flag in ("--candidate-steps", "--sheet-rows", "--prompts"):
+        assert main(["bench", "fidelity", flag, "0", "--out", out]) == 2
+        assert f"{flag} must be at least 1" in capsys.readouterr().err
