@@ -172,11 +172,12 @@ def tiny_unet(in_channels: int, sdxl: bool) -> UNet2DConditionModel:
     )
 
 
-def euler_scheduler() -> EulerDiscreteScheduler:
-    """SD1.5's and SDXL's published noise schedule (the two configs agree on every value)."""
+def euler_scheduler(prediction_type: str = "epsilon") -> EulerDiscreteScheduler:
+    """SD1.5's and SDXL's published noise schedule (the two configs agree on every value); the
+    network predicts the noise ("epsilon", as theirs do) or the velocity ("v_prediction")."""
     return EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-        beta_schedule="scaled_linear", prediction_type="epsilon", steps_offset=1,
+        beta_schedule="scaled_linear", prediction_type=prediction_type, steps_offset=1,
         timestep_spacing="leading", interpolation_type="linear", use_karras_sigmas=False,
     )
 
@@ -267,7 +268,7 @@ def shapes_sd(vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DCondi
     cls = StableDiffusionInpaintPipeline if unet.config.in_channels == 9 else StableDiffusionPipeline
     return cls(
         vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
-        scheduler=euler_scheduler(), safety_checker=None, feature_extractor=None,
+        scheduler=euler_scheduler(trained.UNET_PREDICTION), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
     )
 

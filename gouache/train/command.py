@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 # kind -> steps that fit in 30 minutes on a 2-core CPU (see benchmarks/results/train_*.json)
-DEFAULT_STEPS = {"vae": 3000, "unet": 3500, "inpaint": 1500, "dit": 3300}
+DEFAULT_STEPS = {"vae": 3000, "unet": 4600, "inpaint": 1500, "dit": 3300}
 
 
 def default_out() -> Path:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gouache.runner import trained
-from gouache.runner.models import euler_scheduler, shapes_sd
+from gouache.runner.models import shapes_sd
 from gouache.train.loop import Report, Schedule, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions
 
@@ -51,7 +51,7 @@ def train_inpaint(seed: int, steps: int, out: Path) -> Report:
     trained.load_weights({"unet": source, "text_encoder": text_encoder}, "shapes-unet", out)
     model = torch.nn.ModuleDict({"unet": widened_unet(source), "text_encoder": text_encoder.requires_grad_(True)})
     pipe = shapes_sd(vae, model["text_encoder"], model["unet"])
-    alphas = euler_scheduler().alphas_cumprod
+    alphas = pipe.scheduler.alphas_cumprod
     scale = vae.config.scaling_factor
 
     def loss_of(step: int) -> torch.Tensor:
