@@ -57,6 +57,7 @@ class BuiltinSpec:
     family: str  # sd | sdxl | sd3 | flux
     description: str  # one line for humans
     default_size: int = TINY_DEFAULT_SIZE  # pixels per side of a request without `size`
+    default_guidance: float | None = None  # a request's guidance scale when it gives none; None: the family's
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -68,11 +69,11 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
         "sd", "SD1.5-style UNet trained here on coloured shapes (`gouache train unet`); 64-128 px",
-        default_size=trained.SIZE,
+        default_size=trained.SIZE, default_guidance=trained.UNET_GUIDANCE,
     ),
     "shapes-unet-inpaint": BuiltinSpec(
         "sd", "shapes-unet fine-tuned into a 9-channel inpainting UNet (`gouache train inpaint`)",
-        default_size=trained.SIZE,
+        default_size=trained.SIZE, default_guidance=trained.UNET_GUIDANCE,
     ),
     "shapes-dit": BuiltinSpec(
         "sd3", "SD3 MMDiT trained here on coloured shapes (`gouache train dit`); 64-128 px",
@@ -172,17 +173,20 @@ def tiny_unet(in_channels: int, sdxl: bool) -> UNet2DConditionModel:
     )
 
 
-def euler_scheduler(prediction_type: str = "epsilon") -> EulerDiscreteScheduler:
+def euler_scheduler(prediction_type: str = "epsilon", zero_terminal_snr: bool = False) -> EulerDiscreteScheduler:
     """SD1.5's and SDXL's published noise schedule (the two configs agree on every value); the
-    network predicts the noise ("epsilon", as theirs do) or the velocity ("v_prediction")."""
+    network predicts the noise ("epsilon", as theirs do) or the velocity ("v_prediction").
+
+    `zero_terminal_snr` rescales the schedule so that its last step is pure noise and samples from
+    the last step on ("trailing"), as Lin et al. (2024) propose: SD's own schedule leaves 7 % of the
+    image in its noisiest latents, so a model trained on it reads the layout from the noise and
+    not from the prompt."""
     return EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
         beta_schedule="scaled_linear", prediction_type=prediction_type, steps_offset=1,
-        timestep_spacing="leading", interpolation_type="linear", use_karras_sigmas=False,
+        timestep_spacing="trailing" if zero_terminal_snr else "leading", interpolation_type="linear",
+        use_karras_sigmas=False, rescale_betas_zero_snr=zero_terminal_snr,
     )
-
-
-# -------------------------------------------------------------------------------- pipelines
 
 
 def build_tiny_sd(inpaint: bool = False) -> DiffusionPipeline:
@@ -268,7 +272,7 @@ def shapes_sd(vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DCondi
     cls = StableDiffusionInpaintPipeline if unet.config.in_channels == 9 else StableDiffusionPipeline
     return cls(
         vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
-        scheduler=euler_scheduler(trained.UNET_PREDICTION), safety_checker=None, feature_extractor=None,
+        scheduler=euler_scheduler(trained.UNET_PREDICTION, zero_terminal_snr=True), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
     )
 
@@ -410,7 +414,7 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         size_step=size_step(pipe, family),
         default_size=builtin.default_size if builtin else default_size(pipe),
         default_steps=TINY_DEFAULT_STEPS if builtin else DEFAULT_STEPS[family],
-        default_guidance=DEFAULT_GUIDANCE[family],
+        default_guidance=builtin.default_guidance if builtin and builtin.default_guidance else DEFAULT_GUIDANCE[family],
         uses_cfg=family != "flux",  # FLUX.1-dev is guidance-distilled: guidance is an input
         inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,
     )

@@ -25,6 +25,7 @@ TRAIN_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128), (128
 # layout is decided) far more than the noise's loss does (v_prediction learnt colour 2.4x as
 # often in the same 7 minutes of training; docs/models.md).
 UNET_PREDICTION = "v_prediction"
+UNET_GUIDANCE = 3.0  # the shapes UNets' default guidance scale: 7.5 oversaturates and misplaces (docs/models.md)
 TEXT_LENGTH = 32  # tokens; the longest caption (three shapes) is 28 with <bos> and <eos>
 TEXT_HIDDEN = 64
 # How each component's weights are stored: fp16 halves the repository's bytes; they load as fp32.
@@ -96,7 +97,7 @@ def save_weights(
     component, in STORED_DTYPE; `metadata` (strings) rides along in the file's header."""
     directory.mkdir(parents=True, exist_ok=True)
     state = {
-        f"{component}.{key}": value.detach().to(STORED_DTYPE).contiguous()
+        f"{component}.{key}": value.detach().to("cpu", STORED_DTYPE).contiguous()
         for component, module in components.items()
         for key, value in module.state_dict().items()
     }

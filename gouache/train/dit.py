@@ -20,7 +20,7 @@ from diffusers.models.attention_processor import Attention
 
 from gouache.runner import trained
 from gouache.runner.models import shapes_sd3
-from gouache.train.loop import Report, Schedule, seed_everything, shapes_batch, train
+from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import drop_captions
 
 BATCH = 32
@@ -57,35 +57,35 @@ class CollapsedJointAttention:
         return image, text
 
 
-def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(prompt embeds with one zero token for the pipeline's ZERO_TOKENS, pooled embeds, key bias)."""
     embeds, _, pooled, _ = pipe.encode_prompt(
-        prompt=captions, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False, max_sequence_length=1,
+        prompt=captions, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False, max_sequence_length=1,
     )
-    key_bias = torch.zeros(embeds.shape[1])
+    key_bias = torch.zeros(embeds.shape[1], device=embeds.device)
     key_bias[-1] = math.log(ZERO_TOKENS)
     return embeds, pooled, key_bias
 
 
-def train_dit(seed: int, steps: int, out: Path) -> Report:
-    generator = seed_everything(seed)
-    vae = trained.load_vae(out).requires_grad_(False)
+def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+    generator = seed_everything(seed, device)
+    vae = trained.load_vae(out).requires_grad_(False).to(device)
     model = torch.nn.ModuleDict(
         {"transformer": trained.dit(), "text_encoder": trained.text_encoder(with_projection=True, layers=3)}
-    )
+    ).to(device)
     processors = model["transformer"].attn_processors  # the pipeline's own, put back after training
     model["transformer"].set_attn_processor(CollapsedJointAttention())
     pipe = shapes_sd3(vae, model["text_encoder"], model["transformer"])
     scale, shift = vae.config.scaling_factor, vae.config.shift_factor
 
     def loss_of(step: int) -> torch.Tensor:
-        batch = shapes_batch(seed, step, BATCH, trained.TRAIN_SIZES)
+        batch = shapes_batch(seed, step, BATCH, trained.TRAIN_SIZES, device)
         with torch.no_grad():
             latents = (vae.encode(batch.pixels).latent_dist.sample(generator) - shift) * scale
-        embeds, pooled, key_bias = collapsed_inputs(pipe, drop_captions(batch.captions, generator))
-        u = torch.sigmoid(torch.randn(len(latents), generator=generator))
+        embeds, pooled, key_bias = collapsed_inputs(pipe, drop_captions(batch.captions, generator), device)
+        u = torch.sigmoid(torch.randn(len(latents), generator=generator, device=device))
         sigma = (SHIFT * u / (1 + (SHIFT - 1) * u)).view(-1, 1, 1, 1)
-        noise = torch.randn(latents.shape, generator=generator)
+        noise = torch.randn(latents.shape, generator=generator, device=device)
         noisy = (1 - sigma) * latents + sigma * noise
         predicted = model["transformer"](
             hidden_states=noisy, encoder_hidden_states=embeds, pooled_projections=pooled,
@@ -95,5 +95,6 @@ def train_dit(seed: int, steps: int, out: Path) -> Report:
 
     kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=5e-4), seed)
     kept["transformer"].set_attn_processor(processors)
-    trained.save_weights({"transformer": kept["transformer"], "text_encoder": kept["text_encoder"]}, "shapes-dit", out)
+    if is_writer():
+        trained.save_weights({"transformer": kept["transformer"], "text_encoder": kept["text_encoder"]}, "shapes-dit", out)
     return report

@@ -1,5 +1,9 @@
 """What every trainer shares: seeded batches of shapes, the optimisation loop with a progress bar
-and an exponential moving average, and the loss-curve report."""
+and an exponential moving average, and the loss-curve report.
+
+A run may be data-parallel over several processes (`gouache train --workers`): each draws its own
+share of every batch and the gradients are averaged over them before each optimiser step, so all
+processes hold the same weights throughout and the first one writes them."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from gouache.data.shapes import caption, render, sample_scene
@@ -26,14 +31,32 @@ class Batch:
     captions: list[str]
 
 
-def shapes_batch(seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...]) -> Batch:
-    """Batch `step` of run `seed`: one size drawn from `sizes`, `batch` fresh scenes at that size.
-    It depends on (seed, step) alone, so a run can be replayed."""
-    rng = random.Random(f"train:{seed}:{step}")
+def process_group() -> tuple[int, int]:
+    """(this process's rank, number of processes) of the run: (0, 1) unless data-parallel."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run's weights and report (the first one)."""
+    return process_group()[0] == 0
+
+
+def shapes_batch(
+    seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...], device: torch.device | str = "cpu",
+) -> Batch:
+    """This process's share of batch `step` of run `seed`, on `device`: one size drawn from `sizes`,
+    and `batch` / processes fresh scenes at that size. It depends on (seed, step, rank, processes)
+    alone, so a run can be replayed."""
+    rank, world = process_group()
+    if batch % world:
+        raise ValueError(f"a batch of {batch} does not split over {world} processes")
+    rng = random.Random(f"train:{seed}:{step}" + (f":{rank}/{world}" if world > 1 else ""))
     width, height = rng.choice(sizes)
-    scenes = [sample_scene(rng) for _ in range(batch)]
+    scenes = [sample_scene(rng) for _ in range(batch // world)]
     images = np.stack([render(s, width, height, seed=rng.getrandbits(32)) for s in scenes])
-    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    pixels = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return Batch(pixels, [caption(s) for s in scenes])
 
 
@@ -117,13 +140,15 @@ def train(
     report = Report(name, seed, asdict(schedule), sum(p.numel() for p in params))
     model.train()
     start = time.perf_counter()
-    with tqdm(range(schedule.steps), desc=f"train {name}", unit="step", dynamic_ncols=True) as bar:
+    quiet = not is_writer()
+    with tqdm(range(schedule.steps), desc=f"train {name}", unit="step", dynamic_ncols=True, disable=quiet) as bar:
         for step in bar:
             for group in optimiser.param_groups:
                 group["lr"] = schedule.lr_at(step)
             loss = loss_of(step)
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
+            loss = average_over_processes(params, loss.detach())
             torch.nn.utils.clip_grad_norm_(params, schedule.clip_norm)
             optimiser.step()
             if ema is not None:
@@ -136,8 +161,28 @@ def train(
     return kept.eval(), report
 
 
-def seed_everything(seed: int) -> torch.Generator:
-    """Seed torch's global RNG (weight init, dropout) and return a generator for the run's noise."""
+def average_over_processes(params: list[torch.nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+    """Replace each gradient (and the loss) by its mean over the run's processes, in one
+    all-reduce; returns the mean loss. A no-op in a single-process run."""
+    world = process_group()[1]
+    if world == 1:
+        return loss
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads] + [loss.reshape(1)])
+    dist.all_reduce(flat)
+    flat /= world
+    start = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[start : start + g.numel()].view_as(g)
+        start += g.numel()
+    return flat[-1]
+
+
+def seed_everything(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """Seed torch's global RNG (weight init, dropout; the same in every process, so all start from
+    the same weights) and return this process's generator on `device` for the run's noise (a GPU's
+    generator draws other numbers than the CPU's: a run replays on the device kind it ran on)."""
     torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
+    rank, world = process_group()
+    return torch.Generator(device).manual_seed(seed if world == 1 else seed * 1000 + rank)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from gouache.runner import trained
-from gouache.train.loop import Report, Schedule, seed_everything, shapes_batch, train
+from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 
 CROP = 64
 BATCH = 16
@@ -20,8 +20,8 @@ STATS_IMAGES = 256
 def crops(pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """A random CROP x CROP window of each image."""
     _, _, h, w = pixels.shape
-    ys = torch.randint(0, h - CROP + 1, (len(pixels),), generator=generator).tolist()
-    xs = torch.randint(0, w - CROP + 1, (len(pixels),), generator=generator).tolist()
+    ys = torch.randint(0, h - CROP + 1, (len(pixels),), generator=generator, device=generator.device).tolist()
+    xs = torch.randint(0, w - CROP + 1, (len(pixels),), generator=generator, device=generator.device).tolist()
     return torch.stack([p[:, y : y + CROP, x : x + CROP] for p, y, x in zip(pixels, ys, xs)])
 
 
@@ -29,26 +29,28 @@ def crops(pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 def latent_stats(vae, seed: int) -> tuple[float, float]:
     """Mean and standard deviation of latents drawn from the posteriors of STATS_IMAGES full renders
     (drawn, as the diffusion models' training and the pipelines draw them)."""
-    generator, values = torch.Generator().manual_seed(seed + 1), []
+    generator, values = torch.Generator(vae.device).manual_seed(seed + 1), []
     for step in range(STATS_IMAGES // BATCH):
-        batch = shapes_batch(seed + 1, step, BATCH, trained.TRAIN_SIZES)  # images training never saw
+        batch = shapes_batch(seed + 1, step, BATCH, trained.TRAIN_SIZES, vae.device)  # images training never saw
         values.append(vae.encode(batch.pixels).latent_dist.sample(generator).flatten())
     flat = torch.cat(values)
     return flat.mean().item(), flat.std().item()
 
 
-def train_vae(seed: int, steps: int, out: Path) -> Report:
-    generator = seed_everything(seed)
-    vae = trained.vae()
+def train_vae(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+    generator = seed_everything(seed, device)
+    vae = trained.vae().to(device)
 
     def loss_of(step: int) -> torch.Tensor:
-        pixels = crops(shapes_batch(seed, step, BATCH, trained.TRAIN_SIZES).pixels, generator)
+        pixels = crops(shapes_batch(seed, step, BATCH, trained.TRAIN_SIZES, device).pixels, generator)
         posterior = vae.encode(pixels).latent_dist
         reconstruction = vae.decode(posterior.sample(generator)).sample
         kl = posterior.kl().mean() / posterior.mean[0].numel()
         return torch.nn.functional.mse_loss(reconstruction, pixels) + KL_WEIGHT * kl
 
     kept, report = train("vae", vae, loss_of, Schedule(steps=steps, lr=1e-3, ema_decay=None), seed)
+    if not is_writer():
+        return report
     mean, std = latent_stats(kept, seed)
     report.extra.update(latent_mean=mean, latent_std=std)
     trained.save_weights(

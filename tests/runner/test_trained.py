@@ -32,6 +32,7 @@ def test_model_info(name):
     assert (info.default_size, info.default_steps) == (128, 20)
     assert info.size_step == (16 if name == "shapes-dit" else 32)
     assert info.inpaint_channels == name.endswith("-inpaint")
+    assert info.default_guidance == (7.0 if name == "shapes-dit" else trained.UNET_GUIDANCE)
 
 
 @pytest.mark.parametrize("name", list(DRAWN))

@@ -1,5 +1,5 @@
 """`gouache train` end to end for a few steps: weights that load into the built-in architectures,
-a loss curve, and the same weights again from the same seed."""
+a loss curve, and the same weights again from the same seed, in one process or data-parallel in two."""
 
 import json
 
@@ -15,7 +15,8 @@ from gouache.runner import trained
 def trained_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
     for kind in ("vae", "unet", "inpaint", "dit"):
-        assert main(["train", kind, "--steps", "2", "--out", str(out), "--report", str(out)]) == 0
+        workers = "2" if kind == "unet" else "1"  # each spawn costs seconds: one kind tries two processes
+        assert main(["train", kind, "--steps", "2", "--workers", workers, "--out", str(out), "--report", str(out)]) == 0
     return out
 
 
@@ -23,7 +24,9 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
     for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"), ("dit", "shapes-dit")):
         assert trained.weights_path(name, trained_dir).is_file()
         report = json.loads((trained_dir / f"train_{kind}.json").read_text())
-        assert report["command"] == f"gouache train {kind} --seed 0 --steps 2"
+        workers = 2 if kind == "unet" else 1
+        assert report["command"] == f"gouache train {kind} --seed 0 --steps 2 --workers {workers}"
+        assert (report["extra"]["workers"], report["extra"]["device"]) == (workers, "cpu")
         assert report["steps"] == 2 and report["seconds"] > 0
         assert (trained_dir / f"train_{kind}.png").stat().st_size > 1000
 
@@ -35,12 +38,20 @@ def test_the_vae_stores_its_latent_scale_and_shift(trained_dir):
     assert vae.config.shift_factor == pytest.approx(report["extra"]["latent_mean"])
 
 
-def test_the_same_seed_trains_the_same_weights(trained_dir, tmp_path):
-    (tmp_path / "shapes-vae.safetensors").write_bytes((trained_dir / "shapes-vae.safetensors").read_bytes())
-    assert main(["train", "unet", "--steps", "2", "--out", str(tmp_path), "--report", str(tmp_path)]) == 0
-    again, first = load_file(str(tmp_path / "shapes-unet.safetensors")), load_file(str(trained_dir / "shapes-unet.safetensors"))
+def weights_after(out, workers, trained_dir):
+    out.mkdir()
+    (out / "shapes-vae.safetensors").write_bytes((trained_dir / "shapes-vae.safetensors").read_bytes())
+    assert main(["train", "unet", "--steps", "2", "--workers", str(workers), "--out", str(out), "--report", str(out)]) == 0
+    return load_file(str(out / "shapes-unet.safetensors"))
+
+
+def test_the_same_seed_and_workers_train_the_same_weights(trained_dir, tmp_path):
+    first = load_file(str(trained_dir / "shapes-unet.safetensors"))
+    again = weights_after(tmp_path / "again", 2, trained_dir)
     assert again.keys() == first.keys()
     assert all(torch.equal(again[k], first[k]) for k in first)
+    alone = weights_after(tmp_path / "alone", 1, trained_dir)  # another split of the batches
+    assert not all(torch.equal(alone[k], first[k]) for k in first)
 
 
 def test_unet_and_dit_need_the_vae_first(tmp_path, capsys):
@@ -48,6 +59,13 @@ def test_unet_and_dit_need_the_vae_first(tmp_path, capsys):
     assert "shapes-vae.safetensors is missing" in capsys.readouterr().err
 
 
-def test_steps_must_be_positive(tmp_path, capsys):
+def test_steps_and_workers_must_be_positive(tmp_path, capsys):
     assert main(["train", "vae", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
+    assert main(["train", "vae", "--workers", "0", "--out", str(tmp_path)]) == 2
+    assert "--workers must be at least 1" in capsys.readouterr().err
+
+
+def test_workers_are_cpu_processes(tmp_path, capsys):
+    assert main(["train", "vae", "--device", "cuda", "--workers", "2", "--out", str(tmp_path)]) == 2
+    assert "on --device cuda train with --workers 1" in capsys.readouterr().err
