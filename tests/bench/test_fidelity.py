@@ -72,6 +72,8 @@ def test_on_the_trained_unet_a_two_step_candidate_scores_visibly_worse(tmp_path)
     assert report["command"] is not None and (tmp_path / "fidelity.png").stat().st_size > 1000
     assert report["reference"]["steps"] is None and report["candidate"]["steps"] == 2
     assert not report["acceptable"] and report["ssim_mean"] < 0.8 and report["psnr_mean_db"] < 20
+    reference, candidate = report["reference_alignment"], report["candidate_alignment"]
+    assert candidate["object_position"] < reference["object_position"] - 0.2  # 58 % against 100 % when written
 
 
 def test_on_the_trained_unet_patched_batching_is_an_exact_candidate(tmp_path):

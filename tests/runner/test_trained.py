@@ -13,10 +13,15 @@ SHAPES_MODELS = [name for name in BUILTIN_MODELS if name.startswith("shapes-")]
 BUDGET_MB = 25  # the issue's limit on the repository's weights
 
 # (caption, size, seed) that the checker accepted in `benchmarks/results/fidelity_shapes-unet.json`
-# (the only one of its 200); a change to the weights or to the models' numerics shows here.
-# shapes-dit had none accepted there, so it has no such test yet.
+# (78 of its 200 were), one to three shapes; a change to the weights or to the models' numerics
+# shows here. shapes-dit had none accepted there, so it has no such test yet.
 DRAWN = {
-    "shapes-unet": [("a blue triangle at the bottom left on a gray background", (128, 128), 0)],
+    "shapes-unet": [
+        ("a red circle at the top left on a gray background", (128, 128), 0),
+        ("a blue circle at the bottom left and a yellow triangle at the right on a black background", (128, 128), 0),
+        ("a blue triangle in the center, a purple square at the bottom right and a green triangle at the bottom "
+         "on a white background", (128, 128), 0),
+    ],
 }
 
 

@@ -24,9 +24,13 @@ def test_one_token_with_log_n_bias_equals_the_pipelines_n_zero_tokens():
         embeds, collapsed_pooled, key_bias = collapsed_inputs(pipe, CAPTIONS)
         torch.testing.assert_close(embeds, full[:, : trained.TEXT_LENGTH + 1])
         torch.testing.assert_close(collapsed_pooled, pooled)
-        transformer.set_attn_processor(CollapsedJointAttention())
-        collapsed = transformer(
-            hidden_states=latents, encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
-            joint_attention_kwargs={"key_bias": key_bias},
-        ).sample
-    torch.testing.assert_close(collapsed, reference, rtol=1e-4, atol=1e-5)
+        for processor in (CollapsedJointAttention(), CollapsedJointAttention(record=True)):
+            transformer.set_attn_processor(processor)
+            collapsed = transformer(
+                hidden_states=latents, encoder_hidden_states=embeds, pooled_projections=pooled, timestep=timestep,
+                joint_attention_kwargs={"key_bias": key_bias},
+            ).sample
+            torch.testing.assert_close(collapsed, reference, rtol=1e-4, atol=1e-5)
+    # the recording one kept each block's image-to-text attention: [B, 4 x 6 patches, text tokens + the zero one]
+    assert [m.shape for m in processor.maps] == [(2, 24, trained.TEXT_LENGTH + 1)] * transformer.config.num_layers
+    assert all(0 < m.sum(-1).min() and m.sum(-1).max() < 1 for m in processor.maps)  # the rest goes to image keys
