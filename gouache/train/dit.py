@@ -1,6 +1,7 @@
 """Train the shapes DiT (SD3 MMDiT) and its CLIP text encoder together: rectified flow (predict
 noise - image) at noise levels drawn logit-normal and shifted like the pipeline's sampler
-(shift 3), captions dropped 10 % of the time for classifier-free guidance.
+(shift 3), captions dropped 10 % of the time for classifier-free guidance, and the UNet's token
+grounding loss (`grounding.py`) on the image tokens' attention to the text.
 
 The SD3 pipeline appends `max_sequence_length` (256) all-zero T5 tokens to every prompt. Those
 tokens stay identical to each other through every block, so attending to 256 of them equals
@@ -20,10 +21,12 @@ from diffusers.models.attention_processor import Attention
 
 from gouache.runner import trained
 from gouache.runner.models import shapes_sd3
+from gouache.train.grounding import grounding_loss
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import drop_captions
 
 BATCH = 32
+GROUNDING_WEIGHT = 1.0  # the grounding loss's weight against the flow-matching loss, as the UNet's
 SHIFT = 3.0  # the pipeline scheduler's shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma)
 # How many zero tokens the pipeline appends in the T5 slot when the model has no T5.
 ZERO_TOKENS = inspect.signature(StableDiffusion3Pipeline.encode_prompt).parameters["max_sequence_length"].default
@@ -31,7 +34,12 @@ ZERO_TOKENS = inspect.signature(StableDiffusion3Pipeline.encode_prompt).paramete
 
 class CollapsedJointAttention:
     """SD3's joint attention (image and text tokens attend to all of both) with an additive bias
-    per text key: log(n) on a token that stands for n identical ones, 0 elsewhere."""
+    per text key: log(n) on a token that stands for n identical ones, 0 elsewhere. With `record`,
+    each call also keeps the image queries' attention probabilities on the text keys, averaged over
+    heads ([B, image tokens, text tokens]), for the grounding loss."""
+
+    def __init__(self, record: bool = False) -> None:
+        self.maps: list[torch.Tensor] | None = [] if record else None
 
     def __call__(
         self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
@@ -47,8 +55,13 @@ class CollapsedJointAttention:
         query = torch.cat([heads(attn.to_q(hidden_states)), heads(attn.add_q_proj(encoder_hidden_states))], dim=2)
         key = torch.cat([heads(attn.to_k(hidden_states)), heads(attn.add_k_proj(encoder_hidden_states))], dim=2)
         value = torch.cat([heads(attn.to_v(hidden_states)), heads(attn.add_v_proj(encoder_hidden_states))], dim=2)
-        bias = torch.cat([key_bias.new_zeros(image_tokens), key_bias])
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias.view(1, 1, 1, -1))
+        bias = torch.cat([key_bias.new_zeros(image_tokens), key_bias]).view(1, 1, 1, -1)
+        if self.maps is None:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+        else:
+            probs = (query @ key.transpose(-1, -2) * attn.scale + bias).softmax(dim=-1)
+            self.maps.append(probs[:, :, :image_tokens, image_tokens:].mean(dim=1))
+            out = probs @ value
         out = out.transpose(1, 2).reshape(batch, -1, query.shape[1] * query.shape[-1])
         image, text = out[:, :image_tokens], out[:, image_tokens:]
         image = attn.to_out[1](attn.to_out[0](image))
@@ -74,7 +87,8 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         {"transformer": trained.dit(), "text_encoder": trained.text_encoder(with_projection=True, layers=3)}
     ).to(device)
     processors = model["transformer"].attn_processors  # the pipeline's own, put back after training
-    model["transformer"].set_attn_processor(CollapsedJointAttention())
+    recorder = CollapsedJointAttention(record=True)
+    model["transformer"].set_attn_processor(recorder)
     pipe = shapes_sd3(vae, model["text_encoder"], model["transformer"])
     scale, shift = vae.config.scaling_factor, vae.config.shift_factor
 
@@ -82,7 +96,8 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         batch = shapes_batch(seed, step, BATCH, trained.TRAIN_SIZES, device)
         with torch.no_grad():
             latents = (vae.encode(batch.pixels).latent_dist.sample(generator) - shift) * scale
-        embeds, pooled, key_bias = collapsed_inputs(pipe, drop_captions(batch.captions, generator), device)
+        captions = drop_captions(batch.captions, generator)
+        embeds, pooled, key_bias = collapsed_inputs(pipe, captions, device)
         u = torch.sigmoid(torch.randn(len(latents), generator=generator, device=device))
         sigma = (SHIFT * u / (1 + (SHIFT - 1) * u)).view(-1, 1, 1, 1)
         noise = torch.randn(latents.shape, generator=generator, device=device)
@@ -91,7 +106,8 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
             hidden_states=noisy, encoder_hidden_states=embeds, pooled_projections=pooled,
             timestep=sigma.flatten() * 1000, joint_attention_kwargs={"key_bias": key_bias},
         ).sample
-        return F.mse_loss(predicted, noise - latents)
+        maps, recorder.maps = recorder.maps, []
+        return F.mse_loss(predicted, noise - latents) + GROUNDING_WEIGHT * grounding_loss(maps, batch.pixels, captions)
 
     kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=5e-4), seed)
     kept["transformer"].set_attn_processor(processors)

@@ -1,10 +1,12 @@
-"""Token grounding for the shapes UNet's training (after TokenCompose, Wang et al., CVPR 2024): the
+"""Token grounding for the shapes models' training (after TokenCompose, Wang et al., CVPR 2024): the
 tokens of a caption's phrase ("red", "circle", "top", "left") should put their cross-attention
 inside the shape that phrase describes. The dataset knows every shape's pixels, so this costs one
 mask per shape; without it the UNet learnt colours from the prompt but took its layout from the
 noise (position at chance after 58 000 images; docs/models.md).
 
-Only training installs `RecordingCrossAttention`; the served UNet keeps diffusers' processors."""
+The UNet's cross-attention records through `RecordingCrossAttention`, the DiT's joint attention
+through `dit.CollapsedJointAttention(record=True)`; only training installs them, the served
+models keep diffusers' processors."""
 
 from __future__ import annotations
 
