@@ -47,13 +47,23 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.kind]
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
-    cpu = args.device == "cpu"
+    import torch.multiprocessing
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device; give cpu or cuda (cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: gouache trains on cpu or cuda")
+    cpu = device.type == "cpu"
     if args.workers is None:
         args.workers = (os.cpu_count() or 1) if cpu else 1
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1 and not cpu:
         raise ValueError(f"--workers {args.workers} runs CPU processes; on --device {args.device} train with --workers 1")
+    if not cpu and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch sees no CUDA device on this machine")
     out = args.out if args.out is not None else default_out()
     for name in NEEDS[args.kind]:
         if not weights_path(name, out).is_file():
@@ -61,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
     if args.workers == 1:
         train_and_report(args, steps, out)
         return 0
-    import torch.multiprocessing
-
     with socket.socket() as s:  # a free port for the processes to meet on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -69,3 +69,18 @@ def test_steps_and_workers_must_be_positive(tmp_path, capsys):
 def test_workers_are_cpu_processes(tmp_path, capsys):
     assert main(["train", "vae", "--device", "cuda", "--workers", "2", "--out", str(tmp_path)]) == 2
     assert "on --device cuda train with --workers 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "'gpu' is not a torch device; give cpu or cuda"),
+    ("meta", "--device meta: gouache trains on cpu or cuda"),
+])
+def test_devices_it_cannot_train_on_are_refused(tmp_path, capsys, device, message):
+    assert main(["train", "vae", "--device", device, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_refused(tmp_path, capsys):
+    assert main(["train", "vae", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "torch sees no CUDA device on this machine" in capsys.readouterr().err
