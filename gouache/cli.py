@@ -13,7 +13,7 @@ from gouache.errors import GouacheError
 
 
 def _policies_where(attribute: str) -> str:
-    """The serve policies whose class sets `attribute` (`needs_predictor`, `mixes_shapes`)."""
+    """The serve policies whose class sets `attribute` (`needs_predictor`, `mixes_resolutions`)."""
     from gouache.sched.policies import POLICIES
 
     return ", ".join(name for name, cls in POLICIES.items() if getattr(cls, attribute))
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds before an unfinished request fails with 504 (default: %(default)s)")
     serve.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
                        help="patch side in pixels; only with the patching policies "
-                            f"({_policies_where('mixes_shapes')}), where sizes must be multiples of it "
+                            f"({_policies_where('mixes_resolutions')}), where sizes must be multiples of it "
                             "(default: %(default)s)")
     serve.add_argument("--image-workers", type=int, default=EngineConfig.image_workers,
                        help="processes that decode uploads and encode images (default: %(default)s)")
@@ -150,9 +150,8 @@ def _serve(args) -> int:
 
 def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     """The engine's configs from `gouache serve`'s flags. A flag the chosen policy would ignore
-    is refused: the policy classes' `needs_predictor` and `mixes_shapes` say what each reads."""
+    is refused: the policy classes' `needs_predictor` and `mixes_resolutions` say what each reads."""
     from gouache.sched.policies import POLICIES
-    from gouache.sched.rounds_interface import ROUND_POLICY_NAMES
 
     policy = POLICIES[args.policy]
     if policy.needs_predictor and not args.cost_model:
@@ -162,11 +161,10 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if args.cost_model and not policy.needs_predictor:
         ignored["cost_model"] = (f"--policy {args.policy} plans without step times; only "
                                  f"{_policies_where('needs_predictor')} read it")
-    if "round_s" in given(args) and args.policy not in ROUND_POLICY_NAMES:
-        rounds = ", ".join(name for name in POLICIES if name in ROUND_POLICY_NAMES)
-        ignored["round_s"] = f"--policy {args.policy} does not plan in rounds; only {rounds} does"
-    if "patch_size" in given(args) and not policy.mixes_shapes:
-        ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_shapes')} "
+    if "round_s" in given(args) and not policy.rounds:
+        ignored["round_s"] = f"--policy {args.policy} does not plan in rounds; only {_policies_where('rounds')} does"
+    if "patch_size" in given(args) and not policy.mixes_resolutions:
+        ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_resolutions')} "
                                  "cut them into patches")
     refuse_ignored(ignored)
     return (

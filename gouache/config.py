@@ -33,6 +33,7 @@ class SchedulerConfig:
     max_batch_size: int = 8  # most requests denoised together in one step
     cost_model: str | None = None  # JSON from `gouache profile`, for SLO-aware policies
     round_s: float = 0.5  # round-knapsack's round length τ in seconds (at least one step is always taken)
+    run_late: bool = True  # round-knapsack gives idle devices to requests that will miss their deadline anyway
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")

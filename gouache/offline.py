@@ -11,7 +11,7 @@ from gouache.cli_flags import refuse_ignored
 from gouache.engine.imaging import DecodeError, decode_edit, encode_image, read_size
 from gouache.errors import WorkerFailureError
 from gouache.request import ImageRequest
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
 
 _EXTENSIONS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
@@ -55,7 +55,7 @@ def run_offline(args) -> None:
                                            "need --guidance > 1)"})
     state = runner.prepare(request, image, mask)
     for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
-        failed = runner.execute(StepPlan(groups=[[request.request_id]])).failed
+        failed = runner.execute(Batch((request.request_id,))).failed
         if failed:
             raise WorkerFailureError(f"denoising failed: {failed[request.request_id]}")
     Path(args.output).write_bytes(encode_image(runner.decode(request.request_id), output_format))

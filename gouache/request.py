@@ -47,13 +47,14 @@ class RequestState:
     """The scheduler's view of a request: plain values, no tensors."""
 
     request_id: str
-    shape: tuple[int, int]  # (latent height, latent width); requests of one shape can share a forward
+    resolution: tuple[int, int]  # (height, width) in pixels; requests of one resolution can share a plain forward
     num_steps: int  # denoising steps in total
     arrival_time: float  # time.monotonic() at acceptance
     deadline: float | None = None  # absolute time.monotonic() deadline, None if no SLO
     steps_done: int = 0  # denoising steps completed so far
     status: RequestStatus = RequestStatus.WAITING
     first_step_time: float | None = None  # when its first step started (queueing time ends)
+    devices: tuple[int, ...] = ()  # the devices its last batch was planned on; () before any
 
     @property
     def remaining_steps(self) -> int:

@@ -143,7 +143,7 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
         assert _refused(capsys, ["serve", "--policy", policy], "--cost-model")
     if policy not in ROUND_POLICY_NAMES:
         assert _refused(capsys, [*base, "--round-s", "0.5"], "--round-s")
-    if not cls.mixes_shapes:
+    if not cls.mixes_resolutions:
         assert _refused(capsys, [*base, "--patch-size", "128"], "--patch-size")
 
 

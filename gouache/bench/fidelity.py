@@ -284,7 +284,7 @@ def _check_flags(args, *policies: str) -> None:
     ignored = {}
     if args.cost_model is not None and not any(POLICIES[p].needs_predictor for p in policies):
         ignored["cost_model"] = "neither policy plans with step times"
-    if "patch_size" in given(args) and not any(POLICIES[p].mixes_shapes for p in policies):
+    if "patch_size" in given(args) and not any(POLICIES[p].mixes_resolutions for p in policies):
         ignored["patch_size"] = "neither policy cuts images into patches"
     refuse_ignored(ignored)
 

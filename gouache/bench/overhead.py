@@ -97,20 +97,22 @@ def _plan_round(n: int) -> Callable[[], object]:
     from gouache.sched.rounds import cached
 
     requests, model, tau, now = round_case(n)
-    step_time = cached(model.step_time)  # memoised across rounds, as the round policy holds it
+    step_time = cached(lambda res, k: model.seconds(res, k))  # memoised across rounds, as the round policy holds it
     return lambda: plan_round(requests, step_time, NUM_DEVICES, tau, now)
 
 
 def _round_policy(n: int) -> Callable[[], object]:
     """The same round through the `round-knapsack` policy, from the simulator's request states."""
-    from gouache.sched.rounds_interface import RoundConfig, make_round_policy
+    from gouache.config import SchedulerConfig
+    from gouache.sched.interface import Devices
+    from gouache.sched.policies import make_policy
 
     requests, model, tau, now = round_case(n)
-    policy = make_round_policy("round-knapsack", model.step_time, RoundConfig(tau=tau))
-    vae = policy.config.vae_scale
-    waiting = {r.request_id: RequestState(r.request_id, (r.resolution[0] // vae, r.resolution[1] // vae),
-                                          r.remaining_steps, now - 2.0, deadline=r.deadline) for r in requests}
-    return lambda: policy.plan(list(waiting.values()), [], now, NUM_DEVICES)
+    policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=tau), model)
+    waiting = {r.request_id: RequestState(r.request_id, r.resolution, r.remaining_steps, now - 2.0, deadline=r.deadline)
+               for r in requests}
+    devices = Devices(NUM_DEVICES, tuple(range(NUM_DEVICES)))
+    return lambda: policy.plan(list(waiting.values()), [], now, devices)
 
 
 def round_case(n: int) -> tuple[list, object, float, float]:
@@ -121,7 +123,7 @@ def round_case(n: int) -> tuple[list, object, float, float]:
     from gouache.sched.rounds import RoundRequest
 
     model = ParallelCostModel.h100_flux_default()
-    tau = max(model.step_time(size, NUM_DEVICES) for size in TETRISERVE_SIZES)
+    tau = max(model.seconds(size, NUM_DEVICES) for size in TETRISERVE_SIZES)
     spec = WorkloadSpec(n, rate=n / 2.0, sizes=TETRISERVE_SIZES, steps=50, seed=n)
     requests = [RoundRequest(r.request_id, (r.height, r.width), r.steps,
                              NOW - 2.0 + r.arrival + 1.5 * TETRISERVE_SLO_S[r.width, r.height])

@@ -121,7 +121,7 @@ def _time_steps(runner, pool: dict[int, list], sizes: list[int], args, sync):
     calls = [partial(family.predict_patched, _states(pool, mix)) for mix in mixes]
     calls += [partial(family.forward, pool[size][:batch]) for size, batch in plain]
     seconds = _median_over_rounds(calls, args.repeats, sync)
-    model = BatchCostModel(sizes, patch_px=args.patch_size, vae_scale=family.vae_scale)
+    model = BatchCostModel(sizes, patch_px=args.patch_size)
     model.fit([({(size, size): count for size, count in mix.items()}, t) for mix, t in zip(mixes, seconds)])
     for (size, batch), t in zip(plain, seconds[len(mixes):]):
         model.record_grouped(size, batch, t)

@@ -114,7 +114,7 @@ def _observe(engine, model, out: LiveRun, arrivals: dict[str, float]) -> None:
         add(state)
 
     def noting_step(report) -> None:
-        out.forward_ratio.append(report.output.forward_s / predicted(report.plan, report.states))
+        out.forward_ratio.append(report.output.forward_s / predicted(report.batch, report.states))
         on_step(report)
 
     engine.core.add, engine.core.on_step = noting_add, noting_step
@@ -174,7 +174,7 @@ def _simulated(args, policy: str, trace: list[SimRequest], model, scale: float,
     from gouache.sched.policies import make_policy
 
     def stage_cost(state) -> tuple[float, float]:
-        prep, post = model.stage_time(state.shape)
+        prep, post = model.stage_time(state.resolution)
         return scale * prep, scale * post
 
     config = SchedulerConfig(policy=policy, max_batch_size=args.max_batch_size, round_s=args.round_s)

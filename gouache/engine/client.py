@@ -33,8 +33,9 @@ from gouache.model_info import ModelInfo, unpriced_message
 from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.interface import Scheduler, StepTimePredictor
+from gouache.sched.interface import StepTimePredictor
 from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,11 @@ class AsyncEngine:
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(pipe, engine_config.patch_size)
         policy = make_policy(sched_config, predictor)
-        self.scheduler = Scheduler(policy)
+        self.scheduler = Scheduler(policy)  # one device: an engine runs one model runner
         info = replace(info, deadlines=policy.uses_deadlines)
-        if policy.mixes_shapes:  # every latent must cut into whole patches
+        if policy.mixes_resolutions:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
-        priced = predictor.sizes(policy.mixes_shapes) if policy.needs_predictor else None
+        priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw
             info = replace(info, sizes=tuple(sorted((w, h) for h, w in priced)))
         self.info = info

@@ -1,6 +1,8 @@
-"""The engine loop of one replica: schedule -> execute one denoising step -> update.
+"""The engine loop of one replica: schedule -> execute one denoising step of a ready run -> advance.
 
-Runs in its own thread. Everything else (text encoding, VAE, image codecs) happens in the
+The scheduler hands out plans of batches (runs); with one device they run one after the
+other, a step at a time, so aborts and new arrivals are seen between any two steps. Runs in
+its own thread. Everything else (text encoding, VAE, image codecs) happens in the
 stages, so a step is never held up by them. Other threads talk to the loop only through
 its inbox.
 """
@@ -12,14 +14,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gouache.metrics import Metrics
 from gouache.outputs import StepOutput
 from gouache.request import RequestState
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.interface import Scheduler
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
+from gouache.sched.scheduler import Run, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 class StepReport:
     """What one step did, for the engine's listeners (events, metrics)."""
 
-    plan: StepPlan
+    batch: Batch  # the batch the step belonged to, with the members that stepped
     output: StepOutput
     finished: list[RequestState]  # done denoising; their states are still in the runner
     states: dict[str, RequestState]  # every request that stepped, by id
@@ -85,20 +87,24 @@ class EngineCore:
             self.on_death(error)
 
     def step(self) -> StepReport | None:
+        """One denoising step of the first ready run, planning first if none is ready."""
         start = time.perf_counter()
-        plan = self._schedule(time.monotonic())
-        if plan is None or not plan.groups:
+        run = self._next_run(time.monotonic())
+        if run is None:
             return None
-        states = {rid: self.scheduler.running[rid] for rid in plan.request_ids}
+        ids = self.scheduler.members(run, time.monotonic())
+        batch = replace(run.batch, request_ids=tuple(ids))
+        states = {rid: self.scheduler.running[rid] for rid in ids}
         try:
-            output = self.runner.execute(plan)
+            output = self.runner.execute(batch)
         except Exception as error:  # outside any one request's work: the step's requests fail
             log.exception("denoising step failed")
-            self._fail({rid: f"denoising failed: {error}" for rid in plan.request_ids})
+            self.scheduler.end(run)
+            self._fail({rid: f"denoising failed: {error}" for rid in ids})
             return None
         self._fail(output.failed)
-        finished = self.scheduler.update(plan, output)
-        report = StepReport(plan, output, finished, states)
+        finished = self.scheduler.advance(run, output.request_ids, time.monotonic()).finished
+        report = StepReport(batch, output, finished, states)
         self.on_step(report)
         step_s = time.perf_counter() - start
         self.metrics.step_latency.observe(step_s)
@@ -106,9 +112,21 @@ class EngineCore:
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
 
-    def _schedule(self, now: float) -> StepPlan | None:
-        """The policy's plan, with dropped requests reported; None if planning failed, after
-        failing the requests the policy cannot plan (all of them if no one alone is to blame)."""
+    def _next_run(self, now: float) -> Run | None:
+        """The run to step next: the first ready one with members left, after planning when
+        the scheduler has something to decide; None if nothing can step now."""
+        while True:
+            for run in self.scheduler.ready():
+                if self.scheduler.members(run, now):
+                    return run
+                self.scheduler.end(run)  # every member finished, failed or was aborted
+            if not self._schedule(now):
+                return None
+
+    def _schedule(self, now: float) -> bool:
+        """Ask for a plan, reporting dropped requests; whether it gave runs or drops (so the
+        caller looks again). On a failed plan, fail the requests the policy cannot plan (all
+        of them if no one alone is to blame)."""
         try:
             plan = self.scheduler.schedule(now)
         except Exception as error:
@@ -117,12 +135,12 @@ class EngineCore:
             if not blamed:
                 blamed = {rid: f"{type(error).__name__}: {error}" for rid in self.scheduler.request_ids()}
             self._fail({rid: f"the scheduler could not plan it: {why}" for rid, why in blamed.items()})
-            return None
+            return bool(blamed)
         if plan.drop:
             for rid in plan.drop:
                 self.runner.release(rid)
             self.on_drop(plan.drop)
-        return plan
+        return bool(plan)
 
     def _fail(self, reasons: dict[str, str]) -> None:
         for rid in reasons:

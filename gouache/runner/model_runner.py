@@ -10,7 +10,7 @@ import torch
 
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS
 from gouache.runner.sampler import DenoiseState
@@ -33,36 +33,36 @@ class ModelRunner:
         """Text encoding and initial latents; returns the scheduler's view of the request."""
         state = self.family.prepare(request, image, mask)
         self.states[request.request_id] = state
-        scale = self.family.vae_scale
-        shape = (request.height // scale, request.width // scale)
         deadline = request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None
         return RequestState(
             request_id=request.request_id,
-            shape=shape,
+            resolution=(request.height, request.width),
             num_steps=len(state.timesteps),
             arrival_time=request.arrival_time,
             deadline=deadline,
         )
 
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """One denoising step: one batched forward per group of the plan (patched if it says so).
+    def execute(self, batch: Batch) -> StepOutput:
+        """One denoising step of the batch: one forward (patched if it says so), then each
+        member's sampler step. The runner holds one device: a batch of degree 1 only.
 
         One request's error fails that request only: a forward that raises is retried one
         request at a time, and each request's sampler step is its own.
         """
+        if batch.degree != 1:
+            raise ValueError(f"this runner holds one device; a batch of degree {batch.degree} needs an executor")
         start = time.perf_counter()
         stepped: list[str] = []
-        failed: dict[str, str] = {rid: "its denoising state is gone" for rid in plan.request_ids if rid not in self.states}
-        for group in plan.groups:
-            present = [rid for rid in group if rid not in failed]
-            for rid, prediction in self._predict(present, plan.patched, failed):
-                try:
-                    self.family.advance(self.states[rid], prediction)
-                except Exception as error:
-                    log.exception("sampler step of %s failed", rid)
-                    failed[rid] = f"{type(error).__name__}: {error}"
-                else:
-                    stepped.append(rid)
+        failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
+        present = [rid for rid in batch.request_ids if rid not in failed]
+        for rid, prediction in self._predict(present, batch.patched, failed):
+            try:
+                self.family.advance(self.states[rid], prediction)
+            except Exception as error:
+                log.exception("sampler step of %s failed", rid)
+                failed[rid] = f"{type(error).__name__}: {error}"
+            else:
+                stepped.append(rid)
         return StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed)
 
     def _predict(self, ids: list[str], patched: bool, failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:

@@ -60,7 +60,6 @@ class BatchCostModel:
         self,
         resolutions: Sequence[int | Sequence[int]],
         patch_px: int = 128,
-        vae_scale: int = 8,
         predictor: SvrPredictor | None = None,
     ):
         self.resolutions = [as_resolution(r) for r in resolutions]  # feature order; fixed once fitted
@@ -69,7 +68,6 @@ class BatchCostModel:
         if patch_px <= 0:
             raise ValueError(f"patch_px must be positive, got {patch_px}")
         self.patch_px = patch_px  # patch side in pixels, for the patch-count feature
-        self.vae_scale = vae_scale  # pixels per latent cell, to read latent shapes in step_time
         self.predictor = predictor or SvrPredictor()
         self.table: dict[CompositionKey, tuple[float, int]] = {}  # key -> (mean seconds, measurements)
         self.grouped: dict[Resolution, dict[int, float]] = {}  # resolution -> {batch size: s of a plain forward}
@@ -145,19 +143,20 @@ class BatchCostModel:
             raise ValueError(f"stage times must be >= 0 seconds, got ({prep_s}, {post_s})")
         self.stages[as_resolution(resolution)] = (prep_s, post_s)
 
-    def stage_time(self, shape: tuple[int, int]) -> tuple[float, float]:
-        """(prep, post) seconds of a request with latent `shape`: a simulator's `StageCost`."""
-        res = (shape[0] * self.vae_scale, shape[1] * self.vae_scale)
+    def stage_time(self, res: Resolution) -> tuple[float, float]:
+        """(prep, post) seconds of a request of resolution `res`: a simulator's `StageCost`."""
         if res not in self.stages:
             raise ValueError(f"no stage profile of {res}; re-run `gouache profile` with that size")
         return self.stages[res]
 
-    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
-        """`StepTimePredictor` for the policies: latent shapes -> seconds of one step, one
-        patched forward over all of them, or one plain forward per resolution."""
+    def step_time(self, resolutions: Sequence[Resolution], patched: bool, degree: int = 1) -> float:
+        """`StepTimePredictor` for the policies: seconds of one step, one patched forward over
+        all of `resolutions`, or one plain forward per resolution; one device only (inf beyond)."""
+        if degree != 1:
+            return math.inf
         composition: dict[Resolution, int] = {}
-        for h, w in shapes:
-            res = (h * self.vae_scale, w * self.vae_scale)
+        for res in resolutions:
+            res = (res[0], res[1])
             composition[res] = composition.get(res, 0) + 1
         if not patched:
             return sum(self.grouped_time(res, count) for res, count in composition.items())
@@ -174,7 +173,6 @@ class BatchCostModel:
             "kind": self.kind,
             "resolutions": [list(r) for r in self.resolutions],
             "patch_px": self.patch_px,
-            "vae_scale": self.vae_scale,
             "table": [
                 {"composition": [list(t) for t in key], "seconds": seconds, "n": n}
                 for key, (seconds, n) in self.table.items()
@@ -192,7 +190,7 @@ class BatchCostModel:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BatchCostModel:
         predictor = predictor_from_json(data["predictor"])
-        model = cls(data["resolutions"], data["patch_px"], data["vae_scale"], predictor)  # type: ignore[arg-type]
+        model = cls(data["resolutions"], data["patch_px"], predictor)  # type: ignore[arg-type]
         model.table = {tuple(tuple(t) for t in row["composition"]): (row["seconds"], row["n"]) for row in data["table"]}
         for row in data.get("grouped", []):  # absent in files profiled before plain forwards were
             model.record_grouped(row["resolution"], row["batch"], row["seconds"])
@@ -229,6 +227,17 @@ class FluxH100Assumptions:
     link_efficiency: float = 0.6  # achieved fraction of link bandwidth by NCCL all-to-all (assumed)
     collective_latency_s: float = 40e-6  # fixed cost per all-to-all, fitted to xDiT's 2/4-GPU times
     degrees: tuple[int, ...] = (1, 2, 4, 8)  # one 8-GPU node; FLUX's 24 heads split evenly
+    latent_channels: int = 16  # FLUX VAE latents, one per 8x8 pixels
+    text_dim: int = 4096  # T5-XXL states a request carries with it (text_tokens of them)
+
+    def handoff(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per megapixel) to move a started request to other devices
+        between rounds: its T5 states and one collective's latency, then its latents (pixels /
+        64 x channels values), over the same link as the all-to-alls."""
+        link = self.link_efficiency * self.link_gbps * 1e9
+        text = self.text_tokens * self.text_dim * self.bytes_per_activation
+        latents_per_megapixel = 1e6 / 64 * self.latent_channels * self.bytes_per_activation
+        return self.collective_latency_s + text / link, latents_per_megapixel / link
 
     def step_time(self, side: int, k: int) -> float:
         """Seconds of one FLUX.1-dev step of a side x side image on k H100s (Ulysses SP)."""
@@ -277,19 +286,31 @@ class ParallelCostModel:
     def degrees(self, res: int | Sequence[int]) -> list[int]:
         return list(self._row(res))
 
-    def step_time(self, res: int | Sequence[int], k: int = 1) -> float:
+    def seconds(self, res: int | Sequence[int], k: int = 1) -> float:
+        """T(res, k): one step of one image of `res` on k devices."""
         row = self._row(res)
         if k not in row:
             raise KeyError(f"no profile of {as_resolution(res)} at k={k}; profiled degrees: {list(row)}")
         return row[k]
 
+    def step_time(self, resolutions: Sequence[Resolution], patched: bool, degree: int = 1) -> float:
+        """`StepTimePredictor` for the policies: T(res, degree) of one image; inf for a batch or a
+        patched forward, which this model does not price (so round policies never batch on it),
+        and for a degree it has no time for."""
+        if patched or len(resolutions) != 1:
+            return math.inf
+        return self._row(resolutions[0]).get(degree, math.inf)
+
+    def sizes(self, patched: bool) -> set[Resolution] | None:
+        return set() if patched else set(self.table)
+
     def standalone_latency(self, res: int | Sequence[int], steps: int, k: int = 1) -> float:
         """Seconds of `steps` denoising steps alone on k devices (no queueing)."""
-        return steps * self.step_time(res, k)
+        return steps * self.seconds(res, k)
 
     def scaling_efficiency(self, res: int | Sequence[int], k: int) -> float:
         """T(res, 1) / (k * T(res, k)): 1 is linear scaling; below 1/k is a slowdown."""
-        return self.step_time(res, 1) / (k * self.step_time(res, k))
+        return self.seconds(res, 1) / (k * self.seconds(res, k))
 
     def to_json(self) -> dict[str, Any]:
         rows = [

@@ -1,39 +1,55 @@
-"""The policy interface and the scheduler that applies its plans.
+"""The interfaces of scheduling: what a policy is, what it reads, and what it plans with.
 
-A policy is pure: it reads the waiting and running `RequestState`s and returns a `StepPlan`.
-The `Scheduler` owns the states and is the only thing that changes them, so the live engine
-and the simulator can drive the same policy objects.
+A policy is pure: it reads the waiting and running `RequestState`s, the free devices and a cost
+model, and returns a `Plan` (plan.py). The `Scheduler` (scheduler.py) owns the states and is
+the only thing that changes them, so the live engine and the simulator drive the same policy
+objects.
 """
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from gouache.config import SchedulerConfig
-from gouache.outputs import StepOutput
-from gouache.request import RequestState, RequestStatus
-from gouache.sched.output import StepPlan
+from gouache.request import RequestState
+from gouache.sched.plan import Plan
+
+Resolution = tuple[int, int]  # (height, width) in pixels
 
 
 class StepTimePredictor(Protocol):
-    """Predicted seconds of one denoising step of a batch, from its latent shapes."""
+    """Predicted seconds of one denoising step of one forward, from its images' resolutions."""
 
-    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float: ...
+    def step_time(self, resolutions: Sequence[Resolution], patched: bool, degree: int = 1) -> float:
+        """One forward over `resolutions` (one patched forward if `patched`, else one plain
+        forward per distinct resolution) on `degree` devices of sequence parallelism;
+        math.inf where it cannot run (a degree or batch the model does not price)."""
 
-    def sizes(self, patched: bool) -> set[tuple[int, int]] | None:
-        """The (height, width) pixel sizes `step_time` can price; None: any."""
+    def sizes(self, patched: bool) -> set[Resolution] | None:
+        """The resolutions `step_time` can price; None: any."""
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The device pool of one replica as a policy sees it when it plans."""
+
+    count: int  # devices 0..count-1
+    free: tuple[int, ...]  # those running nothing now, ascending
 
 
 class Policy(ABC):
-    """Chooses the requests of the next step. Must not mutate the states it is given."""
+    """Chooses batches for the free devices. Must not mutate the states it is given."""
 
     name: str
-    mixes_shapes = False  # plans put several latent shapes in one (patched) forward
+    mixes_resolutions = False  # plans put several resolutions in one (patched) forward
     needs_predictor = False  # SLO-aware policies plan with predicted step times
     uses_deadlines = False  # plans read requests' deadlines (slo_ms); others would ignore them
+    rounds = False  # plans are rounds (Plan.until), made only when every device is free
+    min_devices = 1  # the smallest pool it can plan
+    max_devices: int | None = 1  # the largest pool it can plan; None: any (it places by degree)
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None):
         if self.needs_predictor and predictor is None:
@@ -42,80 +58,15 @@ class Policy(ABC):
         self.predictor = predictor
 
     @abstractmethod
-    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
-        """`waiting` is in arrival order; `running` in admission order."""
+    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
+             devices: Devices) -> Plan:
+        """`waiting` is in arrival order; `running` (admitted, not in a batch that is still
+        running) in admission order; batches may use `devices.free` only."""
 
 
-def group_by_shape(states: Sequence[RequestState]) -> list[list[str]]:
-    """One group per latent shape, in order of first appearance: one forward pass each."""
-    groups: dict[tuple[int, int], list[str]] = {}
+def group_by_resolution(states: Sequence[RequestState]) -> list[list[str]]:
+    """One group per resolution, in order of first appearance: one plain forward each."""
+    groups: dict[Resolution, list[str]] = {}
     for state in states:
-        groups.setdefault(state.shape, []).append(state.request_id)
+        groups.setdefault(state.resolution, []).append(state.request_id)
     return list(groups.values())
-
-
-class Scheduler:
-    """Holds request states; asks the policy for a plan each step and applies it."""
-
-    def __init__(self, policy: Policy):
-        self.policy = policy
-        self.waiting: dict[str, RequestState] = {}  # insertion order = arrival order
-        self.running: dict[str, RequestState] = {}  # insertion order = admission order
-
-    def add(self, state: RequestState) -> None:
-        state.status = RequestStatus.WAITING
-        self.waiting[state.request_id] = state
-
-    def abort(self, request_id: str) -> RequestState | None:
-        """Forget a request wherever it is; returns its state if it was known."""
-        return self.waiting.pop(request_id, None) or self.running.pop(request_id, None)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def request_ids(self) -> list[str]:
-        return [*self.waiting, *self.running]
-
-    def unplannable(self, now: float) -> dict[str, str]:
-        """The requests the policy fails to plan even alone, with the error each raised.
-
-        For the engine to blame a failed plan on the requests that caused it. Each probe plans
-        with a copy of the policy, so a policy's own state (a round in progress) is untouched.
-        """
-        blamed = {}
-        for state in [*self.waiting.values(), *self.running.values()]:
-            alone = ([state], []) if state.request_id in self.waiting else ([], [state])
-            try:
-                copy.deepcopy(self.policy).plan(*alone, now)
-            except Exception as error:
-                blamed[state.request_id] = f"{type(error).__name__}: {error}"
-        return blamed
-
-    def schedule(self, now: float) -> StepPlan:
-        """Ask the policy, then apply its plan: dropped requests are forgotten (the caller
-        reports them), admitted ones start running."""
-        plan = self.policy.plan(list(self.waiting.values()), list(self.running.values()), now)
-        for request_id in plan.drop:
-            del self.waiting[request_id]
-        for request_id in plan.admit:
-            state = self.waiting.pop(request_id)
-            state.status = RequestStatus.RUNNING
-            self.running[request_id] = state
-        for request_id in plan.request_ids:
-            state = self.running[request_id]
-            if state.first_step_time is None:
-                state.first_step_time = now
-        return plan
-
-    def update(self, plan: StepPlan, output: StepOutput) -> list[RequestState]:
-        """Advance the requests that stepped; return (and forget) those that finished."""
-        finished = []
-        for request_id in output.request_ids:
-            state = self.running.get(request_id)
-            if state is None:  # aborted while its step ran
-                continue
-            state.steps_done += 1
-            if state.done:
-                state.status = RequestStatus.POSTPROCESSING
-                finished.append(self.running.pop(request_id))
-        return finished

@@ -33,7 +33,7 @@ from gouache.sched.rounds import (
     BatchStepTime,
     RoundAllocation,
     RoundOption,
-    RoundPlan,
+    RoundDecision,
     RoundRequest,
     StepTable,
     StepTime,
@@ -49,7 +49,7 @@ __all__ = [
     "BatchStepTime",
     "RoundAllocation",
     "RoundOption",
-    "RoundPlan",
+    "RoundDecision",
     "RoundRequest",
     "StepTime",
     "deadline_allocations",
@@ -188,7 +188,7 @@ def plan_round(
     batch_step_time: BatchStepTime | None = None,
     max_batch: int = 8,
     run_late: bool = True,
-) -> RoundPlan:
+) -> RoundDecision:
     """Decide one round: which requests run, on which devices, for how many steps.
 
     Requests are taken earliest deadline first, so every tie below favours the earlier one.
@@ -227,7 +227,7 @@ def plan_round(
         for rid, t in step_s.items()
     }
     late = _late_ids(ordered, chosen, unsure, allocations, step_s, cost, tau, now, max_degree(num_devices))
-    return RoundPlan(allocations=allocations, batches=batches, late=late)
+    return RoundDecision(allocations=allocations, batches=batches, late=late)
 
 
 def _late_ids(ordered: Sequence[RoundRequest], chosen: Sequence[RoundOption], unsure: list[int],

@@ -70,8 +70,8 @@ class RoundAllocation:
 
 
 @dataclass
-class RoundPlan:
-    """The decision for one round of τ seconds."""
+class RoundDecision:
+    """What the round planner decided for one round of τ seconds (a policy turns it into a `Plan`)."""
 
     allocations: dict[str, RoundAllocation]  # request id -> devices and steps; absent = idles this round
     batches: list[list[str]]  # [groups][members] ids sharing one forward on the same devices, host first; each >= 2

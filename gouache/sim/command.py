@@ -1,19 +1,19 @@
 """`gouache simulate`: any policy on a generated or recorded workload, on a simulated clock.
 
-Two kinds of policy, one kind per run so that all share one trace and its SLOs:
+Every policy runs the same way: `--replicas` replicas of `--devices` devices each, an arrival
+going where `--router` sends it (with more than one replica).
 
-- step policies (orca, patched, patched-slo, ...) on `--replicas` replicas of one device
-  each, an arrival going where `--router` sends it. Steps cost what `--cost-model` (a batch
-  model from `gouache profile`) predicts, or a linear stand-in; with `--mask-mean` every
-  request is an edit and steps cost what InstGenIE's FLUX edit model says
-  (`exp_instgenie.COST_MODELS["3-term"]`), which the mask-aware router also plans with.
-- round policies (round-knapsack, fixed-sp-1/2/4/8) over one pool of `--devices` devices,
-  costed by T(resolution, k) from `--cost-model` (a parallel model) or the documented H100
-  FLUX.1-dev default. That model has no batch step times, so nothing is batched in a pool.
-  With one device, round-knapsack is the engine's own one-device form, a step policy.
+- One device per replica: steps cost what `--cost-model` (a batch model from `gouache
+  profile`) predicts, or a linear stand-in; with `--mask-mean` every request is an edit and
+  steps cost what InstGenIE's FLUX edit model says (`exp_instgenie.COST_MODELS["3-term"]`),
+  which the mask-aware router also plans with.
+- Several devices per replica (round-knapsack, fixed-sp-k): steps cost T(resolution, k) from
+  `--cost-model` (a parallel model) or the documented H100 FLUX.1-dev default, with the
+  hand-off of a request that changes devices charged from the same documentation. That model
+  has no batch step times, so nothing is batched. Step policies plan one device only.
 
-A flag the run would not read (`--max-batch-size` for a pool, `--rate` with `--trace`, ...)
-is refused with the reason.
+A flag the run would not read (`--per-forward-ms` with a cost model, `--rate` with `--trace`,
+...) is refused with the reason.
 
 SLOs are `--slo-scale` x each request's standalone latency under the run's cost.
 """
@@ -24,14 +24,14 @@ import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.config import SchedulerConfig
-from gouache.sched.costmodel import BatchCostModel, ParallelCostModel, load
+from gouache.sched.costmodel import BatchCostModel, FluxH100Assumptions, ParallelCostModel, load
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.router import ROUTERS
 from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy, shortest_round
-from gouache.sched.rounds_interface import ROUND_POLICY_NAMES, RoundConfig, make_round_policy
-from gouache.sim.cluster import simulate_cluster
 from gouache.sim.report import markdown_table, result_to_dict, summary_row, write_json
-from gouache.sim.simulator import PredictedStepCost, SimResult, linear_step_cost, simulate, standalone_latency
+from gouache.sim.simulator import (
+    LinearHandoff, PredictedStepCost, SimResult, linear_step_cost, simulate, standalone_latency,
+)
 from gouache.sim.workloads import MIXES, SimRequest, WorkloadSpec, make_workload, read_trace
 
 _COLUMNS = ["policy", "slo_attainment", "latency_p50_s", "latency_p95_s", "latency_p99_s", "queueing_mean_s",
@@ -44,7 +44,7 @@ _STAND_IN = ("per_forward_ms", "per_megapixel_ms")  # the linear stand-in step c
 
 
 def add_arguments(p) -> None:
-    names = sorted({*POLICIES, *ROUND_POLICY_NAMES})
+    names = sorted(POLICIES)
     p.add_argument("--policies", default="fcfs-static,orca",
                    help=f"comma-separated, from {', '.join(names)} (default: %(default)s)")
     p.add_argument("--trace", default=None,
@@ -68,22 +68,21 @@ def add_arguments(p) -> None:
     p.add_argument("--mask-mean", type=float, default=None,
                    help="every request is an edit with a Beta mask ratio of this mean, in (0, 1) (InstGenIE: 0.11, "
                         "0.19), priced by InstGenIE's FLUX edit model; with --trace the trace's mask_ratio column "
-                        "is used and this only picks that model; step policies only (default: generations)")
+                        "is used and this only picks that model; one device per replica (default: generations)")
     p.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size, action=Given,
-                   help="most requests in one step, for step policies (default: %(default)s)")
+                   help="most requests in one forward (default: %(default)s)")
     p.add_argument("--replicas", type=int, default=1, action=Given,
-                   help="replicas of one device each, for step policies (default: %(default)s)")
+                   help="replicas, each with its own scheduler and --devices devices (default: %(default)s)")
     p.add_argument("--router", default="least-requests", choices=sorted(ROUTERS), action=Given,
                    help="which replica an arrival goes to, with --replicas > 1 (default: %(default)s)")
     p.add_argument("--devices", type=int, default=1, action=Given,
-                   help="devices in the pool of the round policies (default: %(default)s)")
+                   help="devices per replica; more than one for round-knapsack and fixed-sp-k (default: %(default)s)")
     p.add_argument("--round-s", type=float, default=None,
                    help="round length in seconds of round-knapsack (default: one step of the largest size on all "
                         f"devices of a pool; {SchedulerConfig.round_s} on one device)")
     p.add_argument("--cost-model", default=None,
-                   help="JSON from `gouache profile` (step policies) or a parallel T(res, k) model (round policies) "
-                        "(default: the linear stand-in for step policies, TetriServe's H100 FLUX.1-dev model "
-                        "for a pool)")
+                   help="JSON from `gouache profile` (one device) or a parallel T(res, k) model (several) "
+                        "(default: the linear stand-in on one device, TetriServe's H100 FLUX.1-dev model on several)")
     p.add_argument("--seed", type=int, default=0, action=Given,
                    help="seed of the generated workload (default: %(default)s)")
     p.add_argument("--per-forward-ms", type=float, default=20.0, action=Given,
@@ -94,16 +93,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    names, known = args.policies.split(","), sorted({*POLICIES, *ROUND_POLICY_NAMES})
-    unknown = [n for n in names if n not in known]
+    names = args.policies.split(",")
+    unknown = [n for n in names if n not in POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(known)}")
-    pool = [_in_pool(n, args.devices) for n in names]
-    if len(set(pool)) > 1:
-        raise ValueError("run step policies and round policies (fixed-sp-k, round-knapsack with --devices > 1) "
-                         "in separate commands: they need different cost models")
-    _refuse_ignored(args, names, pool[0])
-    results = _run_pool(args, names) if pool[0] else _run_replicas(args, names)
+        raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(sorted(POLICIES))}")
+    if args.replicas < 1 or args.devices < 1:
+        raise ValueError(f"--replicas and --devices must be >= 1, got {args.replicas} and {args.devices}")
+    _refuse_ignored(args, names)
+    results = _run_parallel(args, names) if args.devices > 1 else _run_one_device(args, names)
     print(markdown_table([summary_row(r) for r in results], _COLUMNS))
     if args.out:
         write_json(args.out, {"command": "gouache simulate " + " ".join(sys.argv[2:]),
@@ -112,35 +109,22 @@ def run(args) -> int:
     return 0
 
 
-def _refuse_ignored(args, names: list[str], pool: bool) -> None:
+def _refuse_ignored(args, names: list[str]) -> None:
     """Refuse every flag that this run would not read, saying why."""
     typed, ignored = given(args), {}
     if args.trace:
         ignored |= {d: "--trace replays its own arrivals, sizes, steps and SLOs" for d in _GENERATING if d in typed}
     if args.round_s is not None and RoundKnapsackPolicy.name not in names:
         ignored["round_s"] = "only round-knapsack plans in rounds"
-    if pool:
-        ignored |= {d: "round policies run on one pool of --devices devices"
-                    for d in ("replicas", "router") if d in typed}
-        if "max_batch_size" in typed:
-            ignored["max_batch_size"] = ("round policies over a pool never batch: a parallel T(resolution, k) "
-                                         "cost model has no batch step times")
-        ignored |= {d: "round policies are priced by the parallel cost model (--cost-model or the H100 FLUX default)"
+    if "router" in typed and args.replicas == 1:
+        ignored["router"] = "one replica has nothing to route; add --replicas"
+    if args.devices > 1:
+        ignored |= {d: "several devices are priced by the parallel cost model (--cost-model or the H100 FLUX default)"
                     for d in _STAND_IN if d in typed}
-    else:
-        if "devices" in typed and not set(names) & set(ROUND_POLICY_NAMES):
-            ignored["devices"] = "it sizes the round policies' pool; step policies run on --replicas"
-        if "router" in typed and args.replicas == 1:
-            ignored["router"] = "one replica has nothing to route; add --replicas"
-        if args.cost_model or args.mask_mean is not None:
-            ignored |= {d: "the stand-in prices steps only without --cost-model and --mask-mean"
-                        for d in _STAND_IN if d in typed}
+    elif args.cost_model or args.mask_mean is not None:
+        ignored |= {d: "the stand-in prices steps only without --cost-model and --mask-mean"
+                    for d in _STAND_IN if d in typed}
     refuse_ignored(ignored)
-
-
-def _in_pool(name: str, devices: int) -> bool:
-    """Whether `name` runs as a round policy over the device pool."""
-    return name not in POLICIES or (name in ROUND_POLICY_NAMES and devices > 1)
 
 
 def _workload(args, latency) -> list[SimRequest]:
@@ -152,9 +136,7 @@ def _workload(args, latency) -> list[SimRequest]:
     return make_workload(spec, latency)
 
 
-def _run_replicas(args, names: list[str]) -> list[SimResult]:
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+def _run_one_device(args, names: list[str]) -> list[SimResult]:
     if args.mask_mean is not None:
         from gouache.sim.exp_instgenie import COST_MODELS
 
@@ -172,12 +154,16 @@ def _run_replicas(args, names: list[str]) -> list[SimResult]:
         if predictor is None and POLICIES[name].needs_predictor:
             raise ValueError(f"{name} plans with predicted step times, which the edit cost model has not; "
                              "run it without --mask-mean")
-        config = SchedulerConfig(policy=name, max_batch_size=args.max_batch_size,
-                                 round_s=SchedulerConfig.round_s if args.round_s is None else args.round_s)
-        policies = [make_policy(config, predictor) for _ in range(args.replicas)]
-        router = _router(args.router, cost) if args.replicas > 1 else None
-        results.append(simulate(requests, policies, cost, router=router))
+        results.append(simulate(requests, _policies(args, name, predictor), cost,
+                                router=_router(args.router, cost) if args.replicas > 1 else None))
     return results
+
+
+def _policies(args, name: str, predictor, round_s: float | None = None) -> list:
+    """One instance of policy `name` per replica."""
+    config = SchedulerConfig(policy=name, max_batch_size=args.max_batch_size,
+                             round_s=round_s or args.round_s or SchedulerConfig.round_s)
+    return [make_policy(config, predictor) for _ in range(args.replicas)]
 
 
 def _predictor(cost):
@@ -194,8 +180,8 @@ def _step_cost(args):
         return linear_step_cost(per_forward_s=args.per_forward_ms / 1e3, per_megapixel_s=args.per_megapixel_ms / 1e3)
     model = load(args.cost_model)
     if not isinstance(model, BatchCostModel):
-        raise ValueError(f"{args.cost_model} is a {model.kind} cost model; step policies need a batch one "
-                         "(`gouache profile`)")
+        raise ValueError(f"{args.cost_model} is a {model.kind} cost model; one device per replica needs a batch one "
+                         "(`gouache profile`), or give --devices")
     return PredictedStepCost(model)
 
 
@@ -208,13 +194,19 @@ def _router(name: str, cost):
     return ROUTERS[name](cost.batch_step_time)
 
 
-def _run_pool(args, names: list[str]) -> list[SimResult]:
+def _run_parallel(args, names: list[str]) -> list[SimResult]:
     if args.mask_mean is not None:
-        raise ValueError("--mask-mean is for step policies; round policies price generations only")
-    model = load(args.cost_model) if args.cost_model else ParallelCostModel.h100_flux_default()
-    if not isinstance(model, ParallelCostModel):
-        raise ValueError(f"{args.cost_model} is a {model.kind} cost model; round policies need a parallel "
-                         "T(resolution, k) one")
+        raise ValueError("--mask-mean prices edits on one device per replica; drop --devices")
+    if args.cost_model:
+        model, handoff = load(args.cost_model), None
+        if not isinstance(model, ParallelCostModel):
+            raise ValueError(f"{args.cost_model} is a {model.kind} cost model; --devices > 1 needs a parallel "
+                             "T(resolution, k) one")
+    else:
+        assumptions = FluxH100Assumptions()
+        model = ParallelCostModel.h100_flux_default(assumptions)
+        handoff = LinearHandoff(*assumptions.handoff(), source="FluxH100Assumptions.handoff()")
+
     def latency(width: int, height: int, steps: int) -> float:
         _check_profiled(model, [(height, width)])
         return model.standalone_latency((height, width), steps)
@@ -222,9 +214,10 @@ def _run_pool(args, names: list[str]) -> list[SimResult]:
     requests = _workload(args, latency)
     present = sorted({(r.height, r.width) for r in requests})
     _check_profiled(model, present)
-    tau = shortest_round(model.step_time, present, args.devices) if args.round_s is None else args.round_s
-    config = RoundConfig(tau=tau)
-    return [simulate_cluster(requests, make_round_policy(name, model.step_time, config), args.devices, model.step_time)
+    tau = args.round_s or shortest_round(lambda res, k: model.seconds(res, k), present, args.devices)
+    return [simulate(requests, _policies(args, name, model, tau), PredictedStepCost(model),
+                     router=_router(args.router, model) if args.replicas > 1 else None,
+                     num_devices=args.devices, handoff=handoff)
             for name in names]
 
 

@@ -29,11 +29,11 @@ import numpy as np
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.costmodel import MaskCostModel, ParallelCostModel
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RouteRequest, Router
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
-from gouache.sim.simulator import VAE_SCALE, simulate
+from gouache.sim.simulator import simulate
 from gouache.sim.workloads import MASK_MEANS, SimRequest, WorkloadSpec, make_workload
 
 ROUTERS = ("least-requests", "least-tokens", "mask-aware")
@@ -65,14 +65,11 @@ class MaskStepCost:
     hidden: int = 3072  # FLUX.1-dev hidden size
     num_blocks: int = 57  # 19 double-stream + 38 single-stream blocks
     mask_ratio: Mapping[str, float] = field(default_factory=dict, repr=False)  # request id -> mask ratio
-    vae_scale: int = VAE_SCALE  # image pixels per latent pixel, a side
-    patch: int = 2  # latent pixels per token, a side (DiT patchify)
+    px_per_token: int = 16  # FLUX: 8x VAE downsampling, then 2x2 patchify
 
-    def __call__(self, plan: StepPlan, states: dict[str, RequestState]) -> float:
-        return sum(
-            self.per_forward_s + sum(self.request_s(self.tokens(states[rid].shape), self.mask_ratio.get(rid, 1.0))
-                                     for rid in group)
-            for group in plan.groups
+    def __call__(self, batch: Batch, states: dict[str, RequestState]) -> float:
+        return self.per_forward_s + sum(
+            self.request_s(self.tokens(states[rid].resolution), self.mask_ratio.get(rid, 1.0)) for rid in batch.request_ids
         )
 
     def batch_step_time(self, batch: Sequence[RouteRequest]) -> float:
@@ -88,8 +85,8 @@ class MaskStepCost:
             full = self._full_s[tokens] = flops / self.flops_per_s
         return self.per_request_s + mask_ratio * full
 
-    def tokens(self, shape: tuple[int, int]) -> int:
-        return (shape[0] // self.patch) * (shape[1] // self.patch)
+    def tokens(self, resolution: tuple[int, int]) -> int:
+        return (resolution[0] // self.px_per_token) * (resolution[1] // self.px_per_token)
 
     def for_trace(self, requests: Sequence[SimRequest]) -> MaskStepCost:
         """This cost with the trace's mask ratios, for the simulator to charge."""

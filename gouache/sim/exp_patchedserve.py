@@ -12,6 +12,7 @@ The step cost (`GpuBatchStepCost`) is derived, not measured: see `SdxlH100Assump
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +21,10 @@ import numpy as np
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
-from gouache.sim.simulator import VAE_SCALE, simulate, standalone_latency
+from gouache.sim.simulator import simulate, standalone_latency
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, WorkloadSpec, make_workload
 
 POLICIES = ("fcfs-static", "orca", "patched", "patched-slo")
@@ -54,22 +55,26 @@ class GpuBatchStepCost:
     per_megapixel2_s: float  # GPU seconds per megapixel squared, per image (self-attention)
     sharpness: float = 3.0  # n of the soft maximum; large n = hard roofline
     patch_overhead: float = 0.05  # extra time of a patched forward: halo gathers, per-image GroupNorm
-    vae_scale: int = VAE_SCALE  # image pixels per latent pixel, a side
 
-    def __call__(self, plan: StepPlan, states: dict[str, RequestState]) -> float:
-        return sum(self.forward([states[rid].shape for rid in group], plan.patched) for group in plan.groups)
+    def __call__(self, batch: Batch, states: dict[str, RequestState]) -> float:
+        return self.forward([states[rid].resolution for rid in batch.request_ids], batch.patched)
 
-    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
-        """The same cost from latent shapes: one forward if patched, else one per distinct shape."""
+    def step_time(self, resolutions: Sequence[tuple[int, int]], patched: bool, degree: int = 1) -> float:
+        """The same cost: one forward if patched, else one per distinct resolution; one device."""
+        if degree != 1:
+            return math.inf
         if patched:
-            return self.forward(shapes, True)
-        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for shape in shapes:
-            by_shape.setdefault(tuple(shape), []).append(shape)
-        return sum(self.forward(group, False) for group in by_shape.values())
+            return self.forward(resolutions, True)
+        by_resolution: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for res in resolutions:
+            by_resolution.setdefault(tuple(res), []).append(res)
+        return sum(self.forward(group, False) for group in by_resolution.values())
 
-    def forward(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
-        work = sum(self.work(h * w * self.vae_scale**2 / 1e6) for h, w in shapes)
+    def sizes(self, patched: bool) -> None:
+        return None
+
+    def forward(self, resolutions: Sequence[tuple[int, int]], patched: bool) -> float:
+        work = sum(self.work(h * w / 1e6) for h, w in resolutions)
         n = self.sharpness
         busy = (work**n + self.floor_s**n) ** (1 / n)
         return self.per_forward_s + busy * (1 + self.patch_overhead if patched else 1.0)

@@ -12,7 +12,10 @@ its default rate; xDiT with SP = 1, 2, 4, 8 as the baselines. Our choices where 
 - τ = one step of 2048 px on 8 devices (`shortest_round`): the shortest round in which every
   resolution can progress, aligned with the tightest requests' steps;
 - 300 requests per workload (the paper samples 300 prompts), three seeded workloads per point
-  (900 requests), the same arrivals and sizes at every SLO scale, so scales differ in deadlines only.
+  (900 requests), the same arrivals and sizes at every SLO scale, so scales differ in deadlines only;
+- a request that changes devices between rounds waits for its latents and T5 states to move
+  (`FluxH100Assumptions.handoff()`, over the same NVLink as the all-to-alls); round-knapsack
+  also runs with that hand-off free, the row `round-knapsack, free hand-off`.
 
 `tetriserve_experiment(out_dir)` writes tetriserve.json, tetriserve.md and one PNG per mix.
 """
@@ -26,15 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.config import SchedulerConfig
+from gouache.sched.interface import StepTimePredictor
+from gouache.sched.policies import make_policy
 from gouache.sched.policies.round_knapsack import shortest_round
-from gouache.sched.rounds import StepTime
-from gouache.sched.rounds_interface import RoundConfig, make_round_policy
-from gouache.sim.cluster import ClusterResult, simulate_cluster
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
+from gouache.sim.simulator import HandoffCost, LinearHandoff, PredictedStepCost, SimResult, simulate
 from gouache.sim.workloads import TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
 
 FIXED_SP = ("fixed-sp-1", "fixed-sp-2", "fixed-sp-4", "fixed-sp-8")
 ADAPTIVE = "round-knapsack"
+FREE_HANDOFF = "round-knapsack, free hand-off"  # the same policy with moving latents charged nothing
 
 
 @dataclass
@@ -59,25 +64,36 @@ class TetriServeSetup:
 
 
 def tetriserve_experiment(out_dir: str | Path, setup: TetriServeSetup | None = None,
-                          step_time: StepTime | None = None) -> dict:
+                          model: StepTimePredictor | None = None, handoff: LinearHandoff | None = None) -> dict:
     """Run the sweep, write JSON, a markdown table and a plot per mix to `out_dir`; return the JSON.
 
-    `step_time(resolution (h, w) px, k) -> seconds` defaults to the FLUX.1-dev H100 table.
+    `model` prices T(resolution, k) and defaults to the FLUX.1-dev H100 table; `handoff` is what
+    moving a started request to other devices costs, by default the H100 figure derived with
+    it. round-knapsack also runs with hand-offs free, to show what charging them changes.
     """
     setup = setup or TetriServeSetup()
-    name, source = "caller's step_time", ""
-    if step_time is None:
-        from gouache.sched.costmodel import ParallelCostModel  # pulls in scikit-learn: only when needed
+    name, source = "caller's model", ""
+    if model is None or handoff is None:
+        from gouache.sched.costmodel import FluxH100Assumptions, ParallelCostModel  # pulls in scikit-learn
 
-        model = ParallelCostModel.h100_flux_default()
-        step_time, name, source = model.step_time, "ParallelCostModel.h100_flux_default()", model.source
+        if model is None:
+            model = ParallelCostModel.h100_flux_default()
+            name, source = "ParallelCostModel.h100_flux_default()", model.source
+        if handoff is None:
+            assumptions = FluxH100Assumptions()
+            handoff = LinearHandoff(*assumptions.handoff(), source="FluxH100Assumptions.handoff()")
+
+    def step_time(res, k):
+        return model.step_time([res], patched=False, degree=k)
+
     tau = shortest_round(step_time, TETRISERVE_SIZES, setup.num_devices, setup.steps_per_round)
-    runs = [_run(setup, step_time, tau, mix, scale, seed)
+    runs = [_run(setup, model, handoff, tau, mix, scale, seed)
             for mix in setup.mixes for scale in setup.slo_scales for seed in setup.seeds]
     points = _average([row for rows in runs for row in rows])
     data = {
         "experiment": "TetriServe §6.2: SLO attainment ratio vs SLO scale",
         "setup": asdict(setup), "tau_s": tau, "cost_model": name, "cost_model_source": source,
+        "handoff": {"fixed_s": handoff.fixed_s, "per_megapixel_s": handoff.per_megapixel_s, "source": handoff.source},
         "step_times": {f"{w}x{h}": {k: step_time((h, w), k) for k in (1, 2, 4, 8) if k <= setup.num_devices}
                        for w, h in TETRISERVE_SIZES},
         "points": points, "improvement": improvements(points),
@@ -94,20 +110,24 @@ def tetriserve_experiment(out_dir: str | Path, setup: TetriServeSetup | None = N
     return data
 
 
-def _run(setup: TetriServeSetup, step_time: StepTime, tau: float, mix: str, scale: float, seed: int) -> list[dict]:
+def _run(setup: TetriServeSetup, model: StepTimePredictor, handoff: HandoffCost, tau: float, mix: str,
+         scale: float, seed: int) -> list[dict]:
     spec = WorkloadSpec(setup.num_requests, setup.rate_rpm / 60.0, sizes=TETRISERVE_SIZES, mix=mix,
                         steps=setup.steps, slo_scale=scale, seed=seed)
     requests = make_workload(spec, lambda width, height, steps: TETRISERVE_SLO_S[(width, height)])
+    runs = [(name, name, handoff) for name in setup.policies]
+    if ADAPTIVE in setup.policies:
+        runs.append((FREE_HANDOFF, ADAPTIVE, None))
     rows = []
-    for name in setup.policies:
-        policy = make_round_policy(name, step_time, RoundConfig(tau=tau))
-        result = simulate_cluster(requests, policy, setup.num_devices, step_time)
-        rows.append({**summary_row(result, mix=mix, slo_scale=scale, seed=seed),
+    for label, name, charged in runs:
+        policy = make_policy(SchedulerConfig(policy=name, round_s=tau), model)
+        result = simulate(requests, policy, PredictedStepCost(model), num_devices=setup.num_devices, handoff=charged)
+        rows.append({**summary_row(result, mix=mix, slo_scale=scale, seed=seed), "policy": label,
                      "slo_attainment_by_size": attainment_by_size(result)})
     return rows
 
 
-def attainment_by_size(result: ClusterResult) -> dict[str, float]:
+def attainment_by_size(result: SimResult) -> dict[str, float]:
     """SLO attainment per image width (the paper's spider plots), over requests with an SLO."""
     met: dict[int, list[bool]] = {}
     for record in result.records:
@@ -148,9 +168,11 @@ def improvements(points: Sequence[dict]) -> dict[str, dict]:
                 continue
             best = max(fixed, key=fixed.get)
             gain = here[ADAPTIVE] - fixed[best]
+            free = here.get(FREE_HANDOFF)
             per_scale.append({"slo_scale": scale, "best_fixed": best, "best_fixed_sar": fixed[best],
                               "round_knapsack_sar": here[ADAPTIVE], "gain_points": 100 * gain,
-                              "gain_relative_pct": 100 * gain / fixed[best] if fixed[best] else math.inf})
+                              "gain_relative_pct": 100 * gain / fixed[best] if fixed[best] else math.inf,
+                              "free_handoff_gain_points": None if free is None else 100 * (free - fixed[best])})
         if per_scale:
             out[mix] = {
                 "per_scale": per_scale,
@@ -182,7 +204,9 @@ def render_markdown(data: dict) -> str:
         lines.append(markdown_table(table))
         lines.append(f"round-knapsack over the best fixed degree: mean {summary['mean_gain_points']:+.1f} points "
                      f"({summary['mean_gain_relative_pct']:+.1f} %), max {summary['max_gain_points']:+.1f} points "
-                     f"({summary['max_gain_relative_pct']:+.1f} %).\n")
+                     f"({summary['max_gain_relative_pct']:+.1f} %), with hand-offs charged "
+                     f"({data['handoff']['fixed_s'] * 1e6:.0f} us + {data['handoff']['per_megapixel_s'] * 1e6:.1f} us/MP, "
+                     f"{data['handoff']['source']}).\n")
         by_size = [{"policy": p["policy"], "slo_scale": p["slo_scale"], **p["slo_attainment_by_size"]}
                    for p in data["points"] if p["mix"] == mix and p["slo_scale"] in (min(setup["slo_scales"]),
                                                                                      max(setup["slo_scales"]))]

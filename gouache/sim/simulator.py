@@ -1,9 +1,15 @@
 """A discrete-event simulator that drives the live scheduler and policies on a simulated clock.
 
-The engine loop is `plan = scheduler.schedule(now); output = runner.execute(plan);
-scheduler.update(plan, output)`. Here `execute` becomes `step_cost(plan, states)` seconds
-on a clock that jumps from event to event (arrivals, step completions, in a heap); the
-`Scheduler` and `Policy` objects are the very ones the engine runs.
+The engine loop is `plan = scheduler.schedule(now)`, then each ready run of the plan steps on
+its devices and `scheduler.advance(run, ...)` follows it. Here a run's steps cost
+`step_cost(batch, states)` seconds each on a clock that jumps from event to event (arrivals,
+the ends of runs' segments, in a heap); the `Scheduler` and `Policy` objects are the very
+ones the engine runs, step policies, run-to-completion and round policies alike.
+
+A segment is as many steps of a run as keep its members unchanged: up to the first member's
+last step, the run's own step count, or the step that crosses its round's end. The run's
+first segment also waits for the replica's stage backlog and, for a member that moved from
+other devices, for its latents (`handoff`).
 
 Conventions (they fix the exact times the tests compute by hand):
 - All events at one instant are applied before anyone schedules: a request that arrives
@@ -14,22 +20,23 @@ Conventions (they fix the exact times the tests compute by hand):
   policy stopped planning with work left and no event came to wake it). Dropped and
   unfinished requests count as SLO misses. Late requests keep running and count as misses.
 - Stage work (optional `stage_cost`): a request's preparation (text encoding, initial latents)
-  and post-processing (VAE decode, image encoding) share the device with the steps. Each adds
-  its seconds to the replica's backlog when the request arrives or finishes; an idle device
-  works the backlog off as time passes, and the next step takes whatever is left on top of
-  its own cost. The request itself is not delayed by its own stages.
+  and post-processing (VAE decode, image encoding) share the devices with the steps. Each adds
+  its seconds to the replica's backlog when the request arrives or finishes; while no run
+  steps, the replica works the backlog off as time passes, and the next run to start takes
+  whatever is left on top of its first step. The request itself is not delayed by its own
+  stages.
 
-R replicas, one device each: every replica is a `Replica` (its own `Scheduler` and policy
-instance); each arrival goes to the replica a router (`gouache.sched.router`) picks from the
-replicas' `ReplicaLoad`s at that instant, built from their queues and batches. One replica
-needs no router. A replica that is idle at an arrival admits its queue at that same instant,
-so its load reports the queued requests that fit its batch as running (this also keeps the
-mask-aware router's slot-wait estimate defined: it divides by the running count).
+R replicas of `num_devices` devices each: every replica is a `Replica` (its own `Scheduler`
+and policy instance); each arrival goes to the replica a router (`gouache.sched.router`)
+picks from the replicas' `ReplicaLoad`s at that instant, built from their queues and batches.
+One replica needs no router. A replica that is idle at an arrival admits its queue at that
+same instant, so its load reports the queued requests that fit its batch as running (this
+also keeps the mask-aware router's slot-wait estimate defined: it divides by the running
+count).
 
-A step cost sees only `RequestState`s (shape, steps). A cost that needs more of a request,
-such as an edit's mask ratio, holds a mapping from request id built from the trace (e.g.
-`MaskStepCost.for_trace` in `gouache.sim.exp_instgenie`); the simulator's interface to step
-costs does not change.
+A step cost sees only the batch and its `RequestState`s (resolution, steps). A cost that needs
+more of a request, such as an edit's mask ratio, holds a mapping from request id built from the
+trace (e.g. `MaskStepCost.for_trace` in `gouache.sim.exp_instgenie`).
 """
 
 from __future__ import annotations
@@ -37,109 +44,121 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gouache.outputs import StepOutput
 from gouache.request import RequestState
-from gouache.sched.interface import Policy, Scheduler, StepTimePredictor
-from gouache.sched.output import StepPlan
+from gouache.sched.interface import Policy, Resolution, StepTimePredictor
+from gouache.sched.plan import Batch, Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
+from gouache.sched.scheduler import Run, Scheduler
 from gouache.sim.workloads import SimRequest, latent_tokens
 from gouache.stats import percentile
 
-# seconds one step plan takes on the device, given the states of the requests in it
-StepCost = Callable[[StepPlan, dict[str, RequestState]], float]
+# seconds of one step of a batch (its members now) on its devices
+StepCost = Callable[[Batch, dict[str, RequestState]], float]
 # seconds of device work a request costs outside its steps: (preparation on arrival, post-processing when done)
 StageCost = Callable[[RequestState], tuple[float, float]]
+# seconds to bring a started request's latents and embeddings to the devices of its next batch
+HandoffCost = Callable[[RequestState], float]
 
-VAE_SCALE = 8  # pixels per latent pixel of the SD/SDXL/SD3/FLUX VAEs
+_SLACK = 1e-9  # float slack when counting the steps that start before a round's end
 
 
 @dataclass(frozen=True)
 class LinearStepCost:
-    """cost = base_s + Σ over the plan's forwards (per_forward_s + megapixels in it × per_megapixel_s).
+    """cost of a forward = per_forward_s + megapixels in it x per_megapixel_s, on one device.
 
     A stand-in for tests and examples until the profiled cost models (`gouache.sched.costmodel`)
     plug in: a forward has a fixed launch cost and work grows with pixels, nothing else (no
-    batching saturation, no patching overhead, no masks). It is also a `StepTimePredictor`,
-    so SLO-aware policies can plan with exactly the cost the simulator charges.
+    batching saturation, no patching overhead, no masks, no parallelism). It is also a
+    `StepTimePredictor`, so SLO-aware policies can plan with exactly the cost the simulator
+    charges.
     """
 
-    base_s: float = 0.0  # per step, whatever it holds (sampler, scheduling, launch)
     per_megapixel_s: float = 0.0  # per million image pixels in a forward
-    per_forward_s: float = 0.0  # per forward pass (one per group of the plan)
-    vae_scale: int = VAE_SCALE  # image pixels per latent pixel, a side
+    per_forward_s: float = 0.0  # per forward pass (one per batch of a plan)
 
-    def __call__(self, plan: StepPlan, states: dict[str, RequestState]) -> float:
-        total = self.base_s
-        for group in plan.groups:
-            latent_pixels = 0
-            for rid in group:
-                height, width = states[rid].shape
-                latent_pixels += height * width
-            total += self.per_forward_s + latent_pixels * self.vae_scale**2 / 1e6 * self.per_megapixel_s
-        return total
+    def __call__(self, batch: Batch, states: dict[str, RequestState]) -> float:
+        if batch.degree != 1:
+            raise ValueError("the linear stand-in prices one device; give a parallel cost model for degrees > 1")
+        return self._forward([states[rid].resolution for rid in batch.request_ids])
 
-    def step_time(self, shapes: Sequence[tuple[int, int]], patched: bool) -> float:
-        """The same cost from latent shapes: one forward if patched, else one per distinct shape."""
+    def step_time(self, resolutions: Sequence[Resolution], patched: bool, degree: int = 1) -> float:
+        """The same cost: one forward if patched, else one per distinct resolution."""
+        if degree != 1:
+            return math.inf
         if patched:
-            return self.base_s + self._forward(shapes)
-        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for shape in shapes:
-            by_shape.setdefault(tuple(shape), []).append(shape)
-        return self.base_s + sum(self._forward(group) for group in by_shape.values())
+            return self._forward(resolutions)
+        by_resolution: dict[tuple[int, int], list[Resolution]] = {}
+        for res in resolutions:
+            by_resolution.setdefault(tuple(res), []).append(res)
+        return sum(self._forward(group) for group in by_resolution.values())
+
+    def sizes(self, patched: bool) -> None:
+        return None
 
     def batch_step_time(self, batch: Sequence[RouteRequest]) -> float:
         """The same cost of one forward over the router's view of requests (16 pixels a token
         side, `latent_tokens`), an edit counting its masked pixels only: the mask-aware
         router's cost model."""
         pixels = sum(r.tokens * r.mask_ratio for r in batch) * 16**2
-        return self.base_s + self.per_forward_s + pixels / 1e6 * self.per_megapixel_s
+        return self.per_forward_s + pixels / 1e6 * self.per_megapixel_s
 
-    def _forward(self, shapes: Sequence[tuple[int, int]]) -> float:
-        latent_pixels = sum(h * w for h, w in shapes)
-        return self.per_forward_s + latent_pixels * self.vae_scale**2 / 1e6 * self.per_megapixel_s
+    def _forward(self, resolutions: Sequence[Resolution]) -> float:
+        pixels = sum(h * w for h, w in resolutions)
+        return self.per_forward_s + pixels / 1e6 * self.per_megapixel_s
 
 
-def linear_step_cost(base_s: float = 0.0, per_megapixel_s: float = 0.0, per_forward_s: float = 0.0,
-                     vae_scale: int = VAE_SCALE) -> LinearStepCost:
+def linear_step_cost(per_megapixel_s: float = 0.0, per_forward_s: float = 0.0) -> LinearStepCost:
     """The default step cost for tests and examples; see `LinearStepCost`."""
-    return LinearStepCost(base_s, per_megapixel_s, per_forward_s, vae_scale)
+    return LinearStepCost(per_megapixel_s, per_forward_s)
 
 
 @dataclass(frozen=True)
 class PredictedStepCost:
-    """A `StepCost` from a `StepTimePredictor`, such as a `BatchCostModel` from `gouache
-    profile`: one patched forward over the whole plan, or one plain forward per group, times
-    `scale` (a device that runs faster or slower than when it was profiled)."""
+    """A `StepCost` from a `StepTimePredictor` (a `BatchCostModel` from `gouache profile`, a
+    `ParallelCostModel`): the batch's forward at its degree, times `scale` (a device that runs
+    faster or slower than when it was profiled)."""
 
     predictor: StepTimePredictor
     scale: float = 1.0
 
-    def __call__(self, plan: StepPlan, states: dict[str, RequestState]) -> float:
-        shapes = [[states[rid].shape for rid in group] for group in plan.groups]
-        if plan.patched:
-            return self.scale * self.predictor.step_time([s for group in shapes for s in group], patched=True)
-        return self.scale * sum(self.predictor.step_time(group, patched=False) for group in shapes)
+    def __call__(self, batch: Batch, states: dict[str, RequestState]) -> float:
+        resolutions = [states[rid].resolution for rid in batch.request_ids]
+        return self.scale * self.predictor.step_time(resolutions, batch.patched, batch.degree)
 
 
-def standalone_latency(step_cost: StepCost, vae_scale: int = VAE_SCALE) -> Callable[[int, int, int], float]:
-    """(width, height, steps) -> seconds for one request alone on the device under `step_cost`.
+@dataclass(frozen=True)
+class LinearHandoff:
+    """`HandoffCost`: a fixed latency plus a time per megapixel of the request's image (its
+    latents grow with pixels; its text embeddings are in the fixed part)."""
+
+    fixed_s: float
+    per_megapixel_s: float
+    source: str = ""  # where the two numbers come from
+
+    def __call__(self, state: RequestState) -> float:
+        height, width = state.resolution
+        return self.fixed_s + height * width / 1e6 * self.per_megapixel_s
+
+
+def standalone_latency(step_cost: StepCost) -> Callable[[int, int, int], float]:
+    """(width, height, steps) -> seconds for one request alone on one device under `step_cost`.
 
     Pass it to `make_workload` to set SLOs as a multiple of the standalone latency.
     """
     def latency(width: int, height: int, steps: int) -> float:
-        state = _state(SimRequest("solo", 0.0, width, height, steps), vae_scale)
-        return steps * step_cost(StepPlan(groups=[["solo"]], admit=["solo"]), {"solo": state})
+        state = _state(SimRequest("solo", 0.0, width, height, steps))
+        return steps * step_cost(Batch(("solo",)), {"solo": state})
     return latency
 
 
-def _state(request: SimRequest, vae_scale: int) -> RequestState:
+def _state(request: SimRequest) -> RequestState:
     return RequestState(
         request_id=request.request_id,
-        shape=(request.height // vae_scale, request.width // vae_scale),
+        resolution=(request.height, request.width),
         num_steps=request.steps,
         arrival_time=request.arrival,
         deadline=request.deadline,
@@ -195,14 +214,18 @@ class SimMetrics:
 
 @dataclass
 class SimResult:
-    """One simulated run: a record per request (trace order) and the device's accounting."""
+    """One simulated run: a record per request (trace order) and the devices' accounting."""
 
     policy: str
     records: list[RequestRecord]
-    busy_s: float  # time a device spent executing steps; with R replicas the mean over them
+    busy_device_s: float  # device-seconds spent on steps (and stage work), all devices together
+    devices: int  # replicas x devices per replica
     start: float  # first arrival
     end: float  # last step end (or last arrival if later)
-    num_steps: int
+    num_steps: int  # steps run, counted once per batch step
+    num_plans: int  # non-empty plans made
+    device_s: dict[str, float] = field(default_factory=dict)  # request id -> device-seconds it used
+    plans: list[tuple[float, Plan]] = field(default_factory=list)  # (time, plan), if record_plans
 
     def metrics(self) -> SimMetrics:
         latencies = np.array([r.latency for r in self.records if r.finish is not None])
@@ -222,31 +245,45 @@ class SimResult:
             latency_mean_s=float(latencies.mean()) if latencies.size else None,
             latency_p50_s=pct(50), latency_p95_s=pct(95), latency_p99_s=pct(99),
             queueing_mean_s=float(np.mean(queueing)) if queueing else None,
-            utilization=self.busy_s / makespan if makespan > 0 else 0.0,
+            utilization=self.busy_device_s / (self.devices * makespan) if makespan > 0 else 0.0,
             makespan_s=makespan,
             throughput_rps=latencies.size / makespan if makespan > 0 else 0.0,
             num_steps=self.num_steps,
         )
 
 
+@dataclass
+class _Segment:
+    """Steps of one run in flight: `steps` of them by `members`, ending at `end`."""
+
+    run: Run
+    members: list[str]
+    steps: int
+    end: float
+
+
 class Replica:
-    """The engine loop of one replica, with `execute` replaced by `step_cost` on a simulated clock."""
+    """The engine loop of one replica, its steps replaced by `step_cost` on a simulated clock."""
 
     def __init__(self, policy: Policy, step_cost: StepCost, records: dict[str, RequestRecord],
-                 stage_cost: StageCost | None = None):
-        self.scheduler = Scheduler(policy)
+                 stage_cost: StageCost | None = None, num_devices: int = 1, handoff: HandoffCost | None = None,
+                 plans: list[tuple[float, Plan]] | None = None):
+        self.scheduler = Scheduler(policy, num_devices)
         self.step_cost = step_cost
         self.stage_cost = stage_cost
+        self.handoff = handoff
         self.records = records  # shared with the simulator; this replica fills in its requests' times
-        self.busy_s = 0.0
-        self.num_steps = 0
-        self._in_flight: tuple[StepPlan, StepOutput] | None = None  # the running step and what it will report
+        self.plans = plans  # where to keep every plan, or None
+        self.busy_device_s = 0.0
+        self.device_s: dict[str, float] = {}
+        self.num_steps = self.num_plans = 0
+        self.segments: dict[int, _Segment] = {}  # id(run) -> its segment in flight
         self._backlog_s = 0.0  # stage work not yet done
         self._idle_since = 0.0  # while idle: since when the backlog has been worked off
 
     @property
     def idle(self) -> bool:
-        return self._in_flight is None
+        return not self.segments
 
     def add(self, state: RequestState, now: float) -> None:
         self.scheduler.add(state)
@@ -254,37 +291,73 @@ class Replica:
             self._work_off(now)
             self._backlog_s += self.stage_cost(state)[0]
 
-    def start_step(self, now: float) -> float | None:
-        """Plan and launch one step; its end time, or None if the policy planned no forward."""
+    def decide(self, now: float) -> list[_Segment]:
+        """Plan if it is time to, and start every ready run not yet stepping; the segments started."""
         self._work_off(now)
-        plan = self.scheduler.schedule(now)
-        self._record_drops(plan, now)
-        while plan.drop and not plan.groups and self.scheduler.waiting:
-            plan = self.scheduler.schedule(now)  # as the engine loop does: plan again at once
-            self._record_drops(plan, now)
-        if not plan.groups:
-            return None
-        ids = plan.request_ids
-        running = self.scheduler.running
-        cost = self.step_cost(plan, {rid: running[rid] for rid in ids})
-        if not (math.isfinite(cost) and cost >= 0):
-            raise ValueError(f"step_cost must return finite seconds >= 0, got {cost} for {plan}")
-        cost, self._backlog_s = cost + self._backlog_s, 0.0
-        self._in_flight = (plan, StepOutput(request_ids=ids, forward_s=cost))
-        self.busy_s += cost
-        self.num_steps += 1
-        return now + cost
+        plan = self._schedule(now)
+        while plan.drop and not plan.batches and self.scheduler.waiting:
+            plan = self._schedule(now)  # as the engine loop does: plan again at once
+        started = []
+        for run in self.scheduler.ready():
+            if id(run) not in self.segments and (segment := self._start(run, now)) is not None:
+                started.append(segment)
+        return started
 
-    def finish_step(self, now: float) -> None:
-        plan, output = self._in_flight
-        self._in_flight, self._idle_since = None, now
-        for state in self.scheduler.update(plan, output):
+    def segment_done(self, segment: _Segment, now: float) -> list[_Segment]:
+        """A segment ended at `now`: advance its run; start its next segment if the run goes on."""
+        del self.segments[id(segment.run)]
+        if not self.segments:
+            self._idle_since = now
+        advance = self.scheduler.advance(segment.run, segment.members, now, segment.steps)
+        for state in advance.finished:
             self._close(state, finish=now)
             if self.stage_cost is not None:
                 self._backlog_s += self.stage_cost(state)[1]
+        if advance.ended:
+            return []
+        segment = self._start(segment.run, now)
+        return [] if segment is None else [segment]
+
+    def _schedule(self, now: float) -> Plan:
+        plan = self.scheduler.schedule(now)
+        for rid in plan.drop:  # the Scheduler has forgotten them; the records keep them
+            self.records[rid].dropped_at = now
+        if plan:
+            self.num_plans += 1
+            if self.plans is not None:
+                self.plans.append((now, plan))
+        return plan
+
+    def _start(self, run: Run, now: float) -> _Segment | None:
+        """The next segment of `run` from `now`: as many steps as keep its members the same."""
+        members = self.scheduler.members(run, now)
+        until = self.scheduler.until
+        if not members or (until is not None and now >= until - _SLACK):
+            self.scheduler.end(run)
+            return None
+        states = {rid: self.scheduler.running[rid] for rid in members}
+        step_s = self.step_cost(replace(run.batch, request_ids=tuple(members)), states)
+        if not (math.isfinite(step_s) and step_s > 0):
+            raise ValueError(f"step_cost must return finite seconds > 0, got {step_s} for {run.batch}")
+        wait = 0.0
+        if run.steps_run == 0:
+            wait, self._backlog_s = self._backlog_s, 0.0
+            moved = [self.scheduler.running[rid] for rid in run.moved if rid in states]
+            if moved and self.handoff is not None:
+                wait += max(self.handoff(state) for state in moved)  # they move at the same time
+        steps = min(run.left, min(s.remaining_steps for s in states.values()))
+        if until is not None:
+            steps = min(steps, max(1, math.ceil((until - now - wait) / step_s - _SLACK)))
+        seconds = wait + steps * step_s
+        self.busy_device_s += seconds * run.batch.degree
+        for rid in members:
+            self.device_s[rid] = self.device_s.get(rid, 0.0) + seconds * run.batch.degree / len(members)
+        self.num_steps += steps
+        segment = self.segments[id(run)] = _Segment(run, members, steps, now + seconds)
+        return segment
 
     def _work_off(self, now: float) -> None:
-        """An idle device spends the time since it went idle on the stage backlog."""
+        """An idle replica spends the time since it went idle on the stage backlog."""
         if self.idle:
             self._backlog_s = max(0.0, self._backlog_s - (now - self._idle_since))
             self._idle_since = now
@@ -296,13 +369,8 @@ class Replica:
 
     def _close(self, state: RequestState, finish: float | None = None) -> None:
         record = self.records[state.request_id]
-        record.first_step = state.first_step_time  # the Scheduler stamps it when the first step is planned
+        record.first_step = state.first_step_time  # the Scheduler stamps it when the first step starts
         record.finish = finish
-
-    def _record_drops(self, plan: StepPlan, now: float) -> None:
-        """The Scheduler has forgotten the waiting requests in `plan.drop`; the records keep them."""
-        for rid in plan.drop:
-            self.records[rid].dropped_at = now
 
     def load(self) -> ReplicaLoad:
         """What a router sees of this replica: its batch and its queue, as plain values."""
@@ -318,18 +386,19 @@ class Replica:
         return route_request(self.records[state.request_id].request, state.remaining_steps)
 
 
-_STEP_DONE, _ARRIVAL = 0, 1  # event kinds; at one instant, all are applied before scheduling
+_SEGMENT_DONE, _ARRIVAL = 0, 1  # event kinds; at one instant, all are applied before scheduling
 
 
 class Simulator:
-    """Runs a trace through one replica per policy instance (one device each).
+    """Runs a trace through one replica per policy instance, each with `num_devices` devices.
 
     `policy` is one policy (one replica) or a sequence of distinct instances, one per replica;
     with more than one, `router` picks each arrival's replica.
     """
 
-    def __init__(self, policy: Policy | Sequence[Policy], step_cost: StepCost, vae_scale: int = VAE_SCALE,
-                 router: Router | None = None, stage_cost: StageCost | None = None):
+    def __init__(self, policy: Policy | Sequence[Policy], step_cost: StepCost, router: Router | None = None,
+                 stage_cost: StageCost | None = None, num_devices: int = 1, handoff: HandoffCost | None = None,
+                 record_plans: bool = False):
         self.policies = [policy] if isinstance(policy, Policy) else list(policy)
         if not self.policies:
             raise ValueError("a simulation needs at least one replica: pass a policy")
@@ -337,18 +406,24 @@ class Simulator:
             raise ValueError("each replica needs its own policy instance: make one per replica")
         if len(self.policies) > 1 and router is None:
             raise ValueError(f"{len(self.policies)} replicas need a router (see gouache.sched.router.ROUTERS)")
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         self.policy = self.policies[0]
         self.step_cost = step_cost
-        self.vae_scale = vae_scale  # pixels per latent pixel: RequestState.shape = (height, width) // vae_scale
         self.router = router  # picks each arrival's replica; None with one replica
-        self.stage_cost = stage_cost  # per request (prep, post) seconds on its replica's device; None = free
+        self.stage_cost = stage_cost  # per request (prep, post) seconds on its replica's devices; None = free
+        self.num_devices = num_devices  # per replica
+        self.handoff = handoff  # seconds to move a started request between device groups; None = free
+        self.record_plans = record_plans  # keep every plan in the result, for tests and traces
         self.replicas: list[Replica] = []  # those of the current (or last) run
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         records = {r.request_id: RequestRecord(r) for r in requests}
         if len(records) != len(requests):
             raise ValueError("request ids in a trace must be unique")
-        self.replicas = [Replica(policy, self.step_cost, records, self.stage_cost) for policy in self.policies]
+        plans: list[tuple[float, Plan]] | None = [] if self.record_plans else None
+        self.replicas = [Replica(policy, self.step_cost, records, self.stage_cost, self.num_devices, self.handoff, plans)
+                         for policy in self.policies]
         events = [(r.arrival, _ARRIVAL, i, r) for i, r in enumerate(requests)]
         heapq.heapify(events)
         seq = len(events)  # tie-breaker: events of one kind at one instant keep their order
@@ -358,21 +433,28 @@ class Simulator:
             now = events[0][0]
             while events and events[0][0] == now:
                 _, kind, _, payload = heapq.heappop(events)
-                if kind == _STEP_DONE:
-                    payload.finish_step(now)
+                if kind == _SEGMENT_DONE:
+                    replica, segment = payload
+                    started = [(replica, s) for s in replica.segment_done(segment, now)]
                 else:
-                    self._route(payload, records[payload.request_id]).add(_state(payload, self.vae_scale), now)
+                    self._route(payload, records[payload.request_id]).add(_state(payload), now)
+                    started = []
+                for item in started:
+                    heapq.heappush(events, (item[1].end, _SEGMENT_DONE, seq, item))
+                    seq += 1
             end = now  # events leave the heap in time order
             for replica in self.replicas:
-                if replica.idle and (step_end := replica.start_step(now)) is not None:
-                    heapq.heappush(events, (step_end, _STEP_DONE, seq, replica))
+                for segment in replica.decide(now):
+                    heapq.heappush(events, (segment.end, _SEGMENT_DONE, seq, (replica, segment)))
                     seq += 1
         for replica in self.replicas:
             replica.close()
         return SimResult(
             policy=self.policy.name, records=list(records.values()),
-            busy_s=sum(r.busy_s for r in self.replicas) / len(self.replicas), start=start, end=end,
-            num_steps=sum(r.num_steps for r in self.replicas),
+            busy_device_s=sum(r.busy_device_s for r in self.replicas), devices=len(self.replicas) * self.num_devices,
+            start=start, end=end, num_steps=sum(r.num_steps for r in self.replicas),
+            num_plans=sum(r.num_plans for r in self.replicas),
+            device_s={rid: s for r in self.replicas for rid, s in r.device_s.items()}, plans=plans or [],
         )
 
     def _route(self, request: SimRequest, record: RequestRecord) -> Replica:
@@ -397,5 +479,6 @@ def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest
 
 
 def simulate(requests: Sequence[SimRequest], policy: Policy | Sequence[Policy], step_cost: StepCost,
-             vae_scale: int = VAE_SCALE, router: Router | None = None, stage_cost: StageCost | None = None) -> SimResult:
-    return Simulator(policy, step_cost, vae_scale, router, stage_cost).run(requests)
+             router: Router | None = None, stage_cost: StageCost | None = None, num_devices: int = 1,
+             handoff: HandoffCost | None = None, record_plans: bool = False) -> SimResult:
+    return Simulator(policy, step_cost, router, stage_cost, num_devices, handoff, record_plans).run(requests)

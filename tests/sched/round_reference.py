@@ -12,7 +12,7 @@ from gouache.sched.rounds import (
     Allocation,
     RoundAllocation,
     RoundOption,
-    RoundPlan,
+    RoundDecision,
     degrees,
     max_degree,
     steps_in_round,
@@ -204,4 +204,4 @@ def plan_round(requests, step_time, num_devices, tau, now, previous_placement=No
         done = allocation.steps if allocation else 0
         if not survives(r, done, step_s.get(r.request_id, 0.0), t_min_of(r, step_time, top), tau, now):
             late.append(r.request_id)
-    return RoundPlan(allocations=allocations, batches=batches, late=late)
+    return RoundDecision(allocations=allocations, batches=batches, late=late)

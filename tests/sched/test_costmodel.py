@@ -1,3 +1,4 @@
+import math
 import json
 import subprocess
 import sys
@@ -101,13 +102,14 @@ def test_batch_json_round_trip_predicts_identically(fitted_batch_model, tmp_path
     assert [loaded.predict(c) for c in probes] == [fitted_batch_model.predict(c) for c in probes]
 
 
-def test_step_time_reads_latent_shapes(fitted_batch_model):
-    shapes = [(64, 64), (64, 64), (96, 128)]  # latents of 512x512 twice and 768x1024, VAE x8
-    assert fitted_batch_model.step_time(shapes, patched=True) == fitted_batch_model.predict(
+def test_step_time_reads_pixel_resolutions(fitted_batch_model):
+    resolutions = [(512, 512), (512, 512), (768, 1024)]
+    assert fitted_batch_model.step_time(resolutions, patched=True) == fitted_batch_model.predict(
         {(512, 512): 2, (768, 1024): 1}
     )
+    assert fitted_batch_model.step_time(resolutions, patched=True, degree=2) == math.inf  # one device only
     with pytest.raises(ValueError, match="no plain-forward profile"):
-        fitted_batch_model.step_time(shapes, patched=False)
+        fitted_batch_model.step_time(resolutions, patched=False)
 
 
 def test_plain_forwards_are_measured_then_linear_in_the_batch_size():
@@ -119,8 +121,8 @@ def test_plain_forwards_are_measured_then_linear_in_the_batch_size():
     assert model.grouped_time((512, 512), 3) == pytest.approx(0.22)  # between 2 and 4
     assert model.grouped_time((512, 512), 6) == pytest.approx(0.40)  # beyond: the last two sizes' slope
     assert model.grouped_time((768, 768), 3) == pytest.approx(0.75)  # one size measured: proportional
-    # one plain forward per resolution: 2 x 512 and 1 x 768 (latent shapes, VAE x8)
-    assert model.step_time([(64, 64), (96, 96), (64, 64)], patched=False) == pytest.approx(0.16 + 0.25)
+    # one plain forward per resolution: 2 x 512 and 1 x 768
+    assert model.step_time([(512, 512), (768, 768), (512, 512)], patched=False) == pytest.approx(0.16 + 0.25)
 
 
 def test_plain_forward_table_survives_json(tmp_path):
@@ -135,14 +137,14 @@ def test_plain_forward_table_survives_json(tmp_path):
         model.record_grouped(512, 0, 0.1)
 
 
-def test_stage_times_are_read_by_latent_shape_and_survive_json(tmp_path):
+def test_stage_times_are_read_by_resolution_and_survive_json(tmp_path):
     model = BatchCostModel([512])
     model.record_stages(512, 0.02, 0.1)
     save(model, tmp_path / "m.json")
     loaded = load(tmp_path / "m.json")
-    assert loaded.stage_time((64, 64)) == (0.02, 0.1)  # latent 64x64 = 512 px, VAE x8
+    assert loaded.stage_time((512, 512)) == (0.02, 0.1)
     with pytest.raises(ValueError, match="no stage profile"):
-        loaded.stage_time((96, 96))
+        loaded.stage_time((768, 768))
 
 
 # ParallelCostModel
@@ -150,17 +152,17 @@ def test_stage_times_are_read_by_latent_shape_and_survive_json(tmp_path):
 
 def test_parallel_table_lookups_are_exact():
     model = ParallelCostModel({512: {1: 0.2, 2: 0.12}, (768, 1024): {1: 0.5, 4: 0.15}})
-    assert model.step_time(512, 2) == 0.12
-    assert model.step_time((512, 512), 1) == 0.2
-    assert model.step_time((768, 1024), 4) == 0.15
+    assert model.seconds(512, 2) == 0.12
+    assert model.seconds((512, 512), 1) == 0.2
+    assert model.seconds((768, 1024), 4) == 0.15
     assert model.degrees((768, 1024)) == [1, 4]
     assert model.standalone_latency(512, steps=20) == pytest.approx(4.0)
     assert model.standalone_latency(512, steps=20, k=2) == pytest.approx(2.4)
     assert model.scaling_efficiency(512, 2) == pytest.approx(0.2 / 0.24)
     with pytest.raises(KeyError, match="k=8"):
-        model.step_time(512, 8)
+        model.seconds(512, 8)
     with pytest.raises(KeyError, match="resolution"):
-        model.step_time(256, 1)
+        model.seconds(256, 1)
     with pytest.raises(ValueError, match="powers of two"):
         ParallelCostModel({512: {3: 0.1}})
 
@@ -176,28 +178,28 @@ def test_h100_default_is_derived_from_table1_and_the_stated_assumptions():
     model = ParallelCostModel.h100_flux_default()
     assert model.resolutions == [(256, 256), (512, 512), (1024, 1024), (2048, 2048)]
     # single device, compute-bound: Table 1 TFLOPs / 50 steps / (0.42 * 989 TFLOP/s)
-    assert model.step_time(2048, 1) == pytest.approx(24964.72 / 50 / (0.42 * 989), rel=1e-9)
+    assert model.seconds(2048, 1) == pytest.approx(24964.72 / 50 / (0.42 * 989), rel=1e-9)
     # the anchors it was reconciled with: ~0.24 s/step at 1024 px (xDiT, 1 H100, eager) and a
     # whole 2048 px generation of about a minute on one H100 (TetriServe §1)
-    assert model.step_time(1024, 1) == pytest.approx(6.71 / 28, rel=0.05)
-    assert a.table1_steps * model.step_time(2048, 1) == pytest.approx(60, rel=0.05)
+    assert model.seconds(1024, 1) == pytest.approx(6.71 / 28, rel=0.05)
+    assert a.table1_steps * model.seconds(2048, 1) == pytest.approx(60, rel=0.05)
 
 
 def test_h100_default_is_monotone_in_pixels_and_degree():
     model = ParallelCostModel.h100_flux_default()
     sides = [256, 512, 1024, 2048]
     for k in (1, 2, 4, 8):
-        times = [model.step_time(s, k) for s in sides]
+        times = [model.seconds(s, k) for s in sides]
         assert times == sorted(times) and len(set(times)) == len(times)
     for side in sides:
-        times = [model.step_time(side, k) for k in (1, 2, 4, 8)]
+        times = [model.seconds(side, k) for k in (1, 2, 4, 8)]
         assert times == sorted(times, reverse=True)  # more devices never slower in this model
 
 
 def test_h100_default_scales_sublinearly_and_better_for_large_images():
     model = ParallelCostModel.h100_flux_default()
     for side in (1024, 2048):
-        assert model.step_time(side, 2) < model.step_time(side, 1)
+        assert model.seconds(side, 2) < model.seconds(side, 1)
         assert 0.5 < model.scaling_efficiency(side, 2) < 1.0
     for k in (2, 4, 8):
         effs = [model.scaling_efficiency(s, k) for s in (256, 512, 1024, 2048)]
@@ -208,10 +210,10 @@ def test_h100_default_small_images_gain_nothing_from_eight_devices():
     model = ParallelCostModel.h100_flux_default()
     # 256 px: each device still streams all 24 GB of weights per step and pays 228 all-to-alls,
     # so going from 4 to 8 devices buys under 5 % while doubling the devices held.
-    assert model.step_time(256, 8) > 0.95 * model.step_time(256, 4)
+    assert model.seconds(256, 8) > 0.95 * model.seconds(256, 4)
     assert model.scaling_efficiency(256, 8) < 0.25
     # ... whereas at 2048 px compute dominates and 8 devices still almost halve the step
-    assert model.step_time(2048, 8) < 0.55 * model.step_time(2048, 4)
+    assert model.seconds(2048, 8) < 0.55 * model.seconds(2048, 4)
 
 
 # MaskCostModel

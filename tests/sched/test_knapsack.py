@@ -396,8 +396,8 @@ def test_plan_round_decides_as_the_reference_on_the_benchmark_round():
     from gouache.bench.overhead import round_case
 
     requests, model, tau, now = round_case(1_000)
-    plan = plan_round(requests, model.step_time, 8, tau, now)
-    assert plan == reference.plan_round(requests, model.step_time, 8, tau, now)
+    plan = plan_round(requests, model.seconds, 8, tau, now)
+    assert plan == reference.plan_round(requests, model.seconds, 8, tau, now)
     assert 0 < len(plan.late) < len(requests)
 
 

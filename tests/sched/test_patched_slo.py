@@ -3,10 +3,11 @@ import random
 import pytest
 
 from gouache.config import SchedulerConfig
-from gouache.sched.interface import Scheduler
+from gouache.sched.interface import Devices
+from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
 
-from .factories import make_state
+from .factories import groups, make_state, run_step
 
 
 class Linear:
@@ -15,8 +16,8 @@ class Linear:
     def __init__(self, base=0.1, per_image=0.05, extra=0.0):
         self.base, self.per_image, self.extra = base, per_image, extra
 
-    def step_time(self, shapes, patched):
-        return self.base + self.per_image * len(shapes) + (self.extra if len(shapes) > 1 else 0.0)
+    def step_time(self, resolutions, patched, degree=1):
+        return self.base + self.per_image * len(resolutions) + (self.extra if len(resolutions) > 1 else 0.0)
 
 
 def scheduler(predictor=None, max_batch=8):
@@ -35,7 +36,7 @@ def test_least_slack_request_goes_first():
     s.add(with_deadline("relaxed", deadline=100.0))
     s.add(with_deadline("urgent", deadline=3.0))  # alone: 10 steps x 0.15 s = 1.5 s
     plan = s.schedule(0.0)
-    assert plan.admit == ["urgent"] and plan.groups == [["urgent"]]
+    assert plan.admit == ["urgent"] and groups(plan) == [["urgent"]]
 
 
 def test_hopeless_request_is_dropped_and_others_still_run():
@@ -50,10 +51,10 @@ def test_hopeless_request_is_dropped_and_others_still_run():
 def test_schedulability_test_protects_running_requests():
     s = scheduler()
     s.add(with_deadline("running", deadline=1.6))  # 10 x 0.15 = 1.5 s alone: just fits
-    s.schedule(0.0)
+    run_step(s)
     s.add(with_deadline("newcomer", deadline=50.0))  # with it, steps take 0.2 s: 2.0 s > 1.6 s
     plan = s.schedule(0.0)
-    assert plan.admit == [] and plan.groups == [["running"]]
+    assert plan.admit == [] and groups(plan) == [["running"]]
     assert list(s.waiting) == ["newcomer"]
 
 
@@ -85,11 +86,11 @@ def test_needs_a_predictor():
 # -- exactness of the fast path ------------------------------------------------------------------
 
 
-class ByShape:
-    """A shape-dependent, non-linear predictor: patched step time grows with the pixels batched."""
+class ByResolution:
+    """A resolution-dependent, non-linear predictor: patched step time grows with the pixels batched."""
 
-    def step_time(self, shapes, patched):
-        pixels = sum(h * w for h, w in shapes)
+    def step_time(self, resolutions, patched, degree=1):
+        pixels = sum(h * w for h, w in resolutions) / 64
         return 0.02 + 1e-5 * pixels + 2e-11 * pixels**2
 
 
@@ -97,7 +98,7 @@ def random_states(rng, n, prefix="w", started=False):
     """Few shapes, step counts and deadlines, so slacks tie often; every 4th-ish without an SLO."""
     states = []
     for i in range(n):
-        state = make_state(f"{prefix}{i}", shape=rng.choice([(32, 32), (64, 64), (64, 96)]), steps=rng.choice([4, 10]),
+        state = make_state(f"{prefix}{i}", resolution=rng.choice([(256, 256), (512, 512), (512, 768)]), steps=rng.choice([4, 10]),
                            arrival=float(i))
         state.steps_done = rng.randint(0, state.num_steps - 1) if started else 0
         state.deadline = None if rng.random() < 0.25 else rng.choice([2.0, 3.0, 5.0, rng.uniform(0.5, 30)])
@@ -109,17 +110,17 @@ def reference_slack(policy, s, now):
     """slack_i as first written: one predictor call per request."""
     if s.deadline is None:
         return float("inf")
-    alone = policy.predictor.step_time([s.shape], patched=True)
+    alone = policy.predictor.step_time([s.resolution], patched=True)
     return (s.deadline - now - s.remaining_steps * alone) / (s.num_steps * alone)
 
 
 def reference_plan(policy, waiting, running, now):
     """The policy as first written: sorted by slack, every step time asked afresh."""
     def alone(s):
-        return policy.predictor.step_time([s.shape], patched=True)
+        return policy.predictor.step_time([s.resolution], patched=True)
 
     def step(states):
-        return policy.predictor.step_time([s.shape for s in states], patched=True)
+        return policy.predictor.step_time([s.resolution for s in states], patched=True)
 
     def misses(s, t):
         return s.deadline is not None and now + s.remaining_steps * t > s.deadline
@@ -141,7 +142,7 @@ def reference_plan(policy, waiting, running, now):
     return [[s.request_id for s in batch]] if batch else [], admit, drop
 
 
-@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByShape()], ids=["linear", "extra", "by-shape"])
+@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByResolution()], ids=["linear", "extra", "by-resolution"])
 def test_order_and_plan_equal_the_plain_sorted_by_slack_policy(predictor):
     rng = random.Random(13)
     for _ in range(200):
@@ -151,5 +152,5 @@ def test_order_and_plan_equal_the_plain_sorted_by_slack_policy(predictor):
         now = rng.choice([0.0, 0.5, rng.uniform(0, 3)])
         plain = sorted(waiting, key=lambda s: reference_slack(policy, s, now))
         assert [s.request_id for s in policy.by_slack(waiting, now)] == [s.request_id for s in plain]
-        plan = policy.plan(waiting, running, now)
-        assert (plan.groups, plan.admit, plan.drop) == reference_plan(policy, waiting, running, now)
+        plan = policy.plan(waiting, running, now, Devices(1, (0,)))
+        assert (groups(plan), plan.admit, plan.drop) == reference_plan(policy, waiting, running, now)

@@ -1,12 +1,11 @@
 import pytest
 
 from gouache.config import SchedulerConfig
-from gouache.outputs import StepOutput
 from gouache.request import RequestStatus
-from gouache.sched.interface import Scheduler
+from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
 
-from .factories import make_state, run_step
+from .factories import groups, make_state, run_step
 
 
 def scheduler(policy: str, max_batch: int = 8) -> Scheduler:
@@ -17,10 +16,10 @@ def test_orca_new_request_joins_at_next_step():
     s = scheduler("orca")
     s.add(make_state("a", steps=3))
     plan, _ = run_step(s)
-    assert plan.groups == [["a"]] and plan.admit == ["a"]
+    assert groups(plan) == [["a"]] and plan.admit == ["a"]
     s.add(make_state("b", steps=3))
     plan, _ = run_step(s)
-    assert plan.groups == [["a", "b"]] and plan.admit == ["b"]
+    assert groups(plan) == [["a", "b"]] and plan.admit == ["b"]
 
 
 def test_orca_finished_request_leaves_at_once_and_frees_its_slot():
@@ -36,11 +35,11 @@ def test_orca_finished_request_leaves_at_once_and_frees_its_slot():
 
 def test_orca_groups_one_forward_per_shape():
     s = scheduler("orca")
-    s.add(make_state("a", shape=(32, 32)))
-    s.add(make_state("b", shape=(32, 48)))
-    s.add(make_state("c", shape=(32, 32)))
+    s.add(make_state("a", resolution=(256, 256)))
+    s.add(make_state("b", resolution=(256, 384)))
+    s.add(make_state("c", resolution=(256, 256)))
     plan, _ = run_step(s)
-    assert plan.groups == [["a", "c"], ["b"]]
+    assert groups(plan) == [["a", "c"], ["b"]]
 
 
 def test_orca_respects_max_batch_size():
@@ -56,21 +55,21 @@ def test_fcfs_static_batch_runs_to_completion_without_joins():
     s.add(make_state("a", steps=2))
     s.add(make_state("b", steps=1))
     plan, finished = run_step(s)
-    assert plan.groups == [["a", "b"]] and finished == ["b"]
+    assert groups(plan) == [["a", "b"]] and finished == ["b"]
     s.add(make_state("c", steps=1))
     plan, finished = run_step(s)
-    assert plan.groups == [["a"]] and finished == ["a"]  # "c" waits although a slot is free
+    assert groups(plan) == [["a"]] and finished == ["a"]  # "c" waits although a slot is free
     plan, finished = run_step(s)
-    assert plan.groups == [["c"]] and finished == ["c"]
+    assert groups(plan) == [["c"]] and finished == ["c"]
 
 
 def test_fcfs_static_batches_only_the_head_requests_shape():
     s = scheduler("fcfs-static")
-    s.add(make_state("a", shape=(32, 32)))
-    s.add(make_state("b", shape=(64, 64)))
-    s.add(make_state("c", shape=(32, 32)))
+    s.add(make_state("a", resolution=(256, 256)))
+    s.add(make_state("b", resolution=(512, 512)))
+    s.add(make_state("c", resolution=(256, 256)))
     plan, _ = run_step(s)
-    assert plan.groups == [["a", "c"]]
+    assert groups(plan) == [["a", "c"]]
 
 
 def test_abort_removes_waiting_and_running_requests():
@@ -82,7 +81,9 @@ def test_abort_removes_waiting_and_running_requests():
     assert s.abort("a").status == RequestStatus.RUNNING
     assert s.abort("c").status == RequestStatus.WAITING
     assert s.abort("zzz") is None
-    finished = s.update(plan, StepOutput(plan.request_ids, 0.0))
+    run = s.ready()[0]
+    assert s.members(run, 0.0) == ["b"]  # the run goes on without the aborted request
+    finished = s.advance(run, plan.request_ids, 0.0).finished
     assert finished == [] and list(s.running) == ["b"] and s.running["b"].steps_done == 1
 
 
@@ -101,11 +102,11 @@ def test_unknown_policy_is_a_clear_error():
 
 def test_patched_runs_every_size_in_one_forward_and_admits_fcfs():
     s = scheduler("patched", max_batch=3)
-    s.add(make_state("a", shape=(32, 32), steps=1))
-    s.add(make_state("b", shape=(32, 48)))
-    s.add(make_state("c", shape=(64, 64)))
-    s.add(make_state("d", shape=(32, 32)))
+    s.add(make_state("a", resolution=(256, 256), steps=1))
+    s.add(make_state("b", resolution=(256, 384)))
+    s.add(make_state("c", resolution=(512, 512)))
+    s.add(make_state("d", resolution=(256, 256)))
     plan, finished = run_step(s)
-    assert plan.patched and plan.groups == [["a", "b", "c"]] and finished == ["a"]
+    assert plan.batches[0].patched and groups(plan) == [["a", "b", "c"]] and finished == ["a"]
     plan, _ = run_step(s)
-    assert plan.groups == [["b", "c", "d"]] and plan.admit == ["d"]
+    assert groups(plan) == [["b", "c", "d"]] and plan.admit == ["d"]

@@ -1,17 +1,21 @@
-"""Scheduling policies, picked by name (`--policy`)."""
+"""Scheduling policies, picked by name (`--policy`): one registry for step, run-to-completion
+and round policies alike."""
 
 from __future__ import annotations
 
 from gouache.config import SchedulerConfig
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.policies.fcfs_static import FcfsStaticPolicy
+from gouache.sched.policies.fixed_sp import DEGREES, fixed_sp
 from gouache.sched.policies.orca import OrcaPolicy
 from gouache.sched.policies.patched import PatchedPolicy
 from gouache.sched.policies.patched_slo import PatchedSloPolicy
-from gouache.sched.policies.round_knapsack_live import RoundKnapsackLivePolicy
+from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy, PatchedSloPolicy, RoundKnapsackLivePolicy)
+    cls.name: cls
+    for cls in (FcfsStaticPolicy, OrcaPolicy, PatchedPolicy, PatchedSloPolicy, RoundKnapsackPolicy,
+                *(fixed_sp(k) for k in DEGREES))
 }
 
 

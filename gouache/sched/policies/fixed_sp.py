@@ -9,30 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gouache.sched.rounds import BatchStepTime, RoundAllocation, RoundPlan, StepTime
-from gouache.sched.rounds_interface import Placement, RoundConfig, RoundPolicy, RoundState
+from gouache.request import RequestState
+from gouache.sched.interface import Devices, Policy
+from gouache.sched.plan import Batch, Plan
+
+DEGREES = (1, 2, 4, 8)
 
 
-class FixedSpPolicy(RoundPolicy):
-    preemptive = False
+class FixedSpPolicy(Policy):
+    degree: int
+    max_devices = None
 
-    def __init__(self, step_time: StepTime, config: RoundConfig | None = None,
-                 batch_step_time: BatchStepTime | None = None, *, degree: int):
-        if degree < 1 or degree & (degree - 1):
-            raise ValueError(f"the sequence-parallel degree must be a power of two, got {degree}")
-        super().__init__(step_time, config, batch_step_time)
-        self.degree = degree
-        self.name = f"fixed-sp-{degree}"
+    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
+             devices: Devices) -> Plan:
+        k, free = self.degree, set(devices.free)
+        blocks = [tuple(range(a, a + k)) for a in range(0, devices.count - k + 1, k) if free.issuperset(range(a, a + k))]
+        queue = [*running, *sorted(waiting, key=lambda s: s.arrival_time)]
+        batches = [Batch((s.request_id,), block, s.remaining_steps) for s, block in zip(queue, blocks)]
+        waiting_ids = {s.request_id for s in waiting}
+        return Plan(batches=batches, admit=[b.request_ids[0] for b in batches if b.request_ids[0] in waiting_ids])
 
-    def plan(self, waiting: Sequence[RoundState], running: Sequence[RoundState], now: float,
-             num_devices: int, previous_placement: Placement | None = None) -> RoundPlan:
-        k = self.degree
-        if k > num_devices:
-            raise ValueError(f"{self.name} needs {k} devices but the pool has {num_devices}")
-        held = previous_placement or {}
-        allocations = {s.request_id: RoundAllocation(tuple(held[s.request_id]), s.remaining_steps) for s in running}
-        busy = {d for a in allocations.values() for d in a.devices}
-        free = [tuple(range(a, a + k)) for a in range(0, num_devices - k + 1, k) if busy.isdisjoint(range(a, a + k))]
-        for state, block in zip(sorted(waiting, key=lambda s: s.arrival_time), free):
-            allocations[state.request_id] = RoundAllocation(block, state.remaining_steps)
-        return RoundPlan(allocations=allocations, batches=[], late=[])
+
+def fixed_sp(degree: int) -> type[FixedSpPolicy]:
+    """The policy class `fixed-sp-<degree>`."""
+    return type(f"FixedSp{degree}Policy", (FixedSpPolicy,), {"name": f"fixed-sp-{degree}", "degree": degree,
+                                                             "min_devices": degree})

@@ -11,16 +11,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gouache.request import RequestState
-from gouache.sched.interface import Policy
-from gouache.sched.output import StepPlan
+from gouache.sched.interface import Devices, Policy
+from gouache.sched.plan import Plan, one_step
 
 
 class PatchedPolicy(Policy):
     name = "patched"
-    mixes_shapes = True
+    mixes_resolutions = True
 
-    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
+    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
+             devices: Devices) -> Plan:
         free = max(self.config.max_batch_size - len(running), 0)
         admitted = list(waiting[:free])
         batch = [s.request_id for s in (*running, *admitted)]
-        return StepPlan(groups=[batch] if batch else [], admit=[s.request_id for s in admitted], patched=True)
+        return one_step([batch], [s.request_id for s in admitted], patched=True)

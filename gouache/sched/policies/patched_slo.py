@@ -22,7 +22,7 @@ extracted formula's throughput ratio is garbled, and this is the quantity its te
 ("adding a candidate request improves system throughput"). An empty batch always admits.
 
 The slack of every waiting request is computed every step, so it is kept cheap: the predictor
-is asked once per shape present (a predictor sees only shapes), not once per request.
+is asked once per resolution present (a predictor sees only resolutions), not once per request.
 """
 
 from __future__ import annotations
@@ -31,38 +31,38 @@ import math
 from collections.abc import Callable, Sequence
 
 from gouache.request import RequestState
-from gouache.sched.interface import Policy, StepTimePredictor
-from gouache.sched.output import StepPlan
+from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
+from gouache.sched.plan import Plan, one_step
 
 BENEFIT_THRESHOLD = 1.0  # admit when batching is at least as fast as separate forwards
 
 
 class PatchedSloPolicy(Policy):
     name = "patched-slo"
-    mixes_shapes = True
+    mixes_resolutions = True
     needs_predictor = True
     uses_deadlines = True
 
-    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float) -> StepPlan:
+    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
+             devices: Devices) -> Plan:
         batch, admit, drop = list(running), [], []
         alone = StepAlone(self.predictor)
         batch_step = self._step(batch) if batch else 0.0  # T(batch); after an admission, its T(batch + {c})
         for candidate in self.by_slack(waiting, now, alone):
             if len(batch) >= self.config.max_batch_size:
                 break
-            if self._misses(candidate, alone[candidate.shape], now):
+            if self._misses(candidate, alone[candidate.resolution], now):
                 drop.append(candidate.request_id)
                 continue
             with_candidate = self._step([*batch, candidate])
             if any(self._misses(s, with_candidate, now) and not self._misses(s, batch_step, now) for s in batch):
                 break  # schedulability test: it would push a batch member past its deadline
-            if batch and self.benefit(batch_step, alone[candidate.shape], with_candidate) < BENEFIT_THRESHOLD:
+            if batch and self.benefit(batch_step, alone[candidate.resolution], with_candidate) < BENEFIT_THRESHOLD:
                 break
             batch.append(candidate)
             admit.append(candidate.request_id)
             batch_step = with_candidate
-        groups = [[s.request_id for s in batch]] if batch else []
-        return StepPlan(groups=groups, admit=admit, patched=True, drop=drop)
+        return one_step([[s.request_id for s in batch]], admit, patched=True, drop=drop)
 
     def by_slack(
         self, waiting: Sequence[RequestState], now: float, alone: StepAlone | None = None
@@ -76,12 +76,12 @@ class PatchedSloPolicy(Policy):
 
     @staticmethod
     def slack_key(now: float, alone: StepAlone) -> Callable[[RequestState], float]:
-        """slack_i as a sort key at `now`; `alone` answers T({i}) per shape. It runs for every
+        """slack_i as a sort key at `now`; `alone` answers T({i}) per resolution. It runs for every
         waiting request every step, so `remaining_steps` is inlined."""
         def slack(state: RequestState) -> float:
             if state.deadline is None:
                 return math.inf
-            step = alone[state.shape]
+            step = alone[state.resolution]
             return (state.deadline - now - (state.num_steps - state.steps_done) * step) / (state.num_steps * step)
         return slack
 
@@ -91,21 +91,21 @@ class PatchedSloPolicy(Policy):
         return (batch_step + candidate_step) / with_candidate
 
     def _step(self, states: Sequence[RequestState]) -> float:
-        return self.predictor.step_time([s.shape for s in states], patched=True)
+        return self.predictor.step_time([s.resolution for s in states], patched=True)
 
     @staticmethod
     def _misses(state: RequestState, step_time: float, now: float) -> bool:
         return state.deadline is not None and now + state.remaining_steps * step_time > state.deadline
 
 
-class StepAlone(dict[tuple[int, int], float]):
-    """shape -> predicted seconds of one step of a request of that shape alone. Filled on first
-    use: within one plan the predictor is asked once per shape, not once per request."""
+class StepAlone(dict[Resolution, float]):
+    """resolution -> predicted seconds of one step of a request of that resolution alone. Filled on first
+    use: within one plan the predictor is asked once per resolution, not once per request."""
 
     def __init__(self, predictor: StepTimePredictor):
         super().__init__()
         self.predictor = predictor
 
-    def __missing__(self, shape: tuple[int, int]) -> float:
-        step = self[shape] = self.predictor.step_time([shape], patched=True)
+    def __missing__(self, resolution: Resolution) -> float:
+        step = self[resolution] = self.predictor.step_time([resolution], patched=True)
         return step

@@ -1,31 +1,76 @@
-"""`round-knapsack`: TetriServe's deadline-aware round scheduler (§4.2) as a round policy.
+"""`round-knapsack`: TetriServe's deadline-aware round scheduler (§4.2) over a replica's devices.
 
-Every τ seconds all unfinished requests, started or not, are replanned by `plan_round`
+At every round boundary all unfinished requests, started or not, are replanned by `plan_round`
 (knapsack.py): least-device-time deadline plans, Algorithm 1's group knapsack over the urgent
-ones, elastic scale-up of the idle devices, optional selective batching, and aligned placement
-that keeps last round's devices where the degree is unchanged.
+ones, elastic scale-up of the idle devices, selective batching where the cost model prices
+batches, and aligned placement that keeps last round's devices where the degree is unchanged.
+Each request (or selective batch) becomes a `Batch` on its devices for its q = floor(τ / T)
+steps; the plan ends at now + τ. Late requests keep running best-effort; nothing is dropped.
+Requests without an SLO have an infinite deadline.
+
+A round lasts τ = max(`round_s`, the slowest fastest-step among the requests present): a round
+shorter than a step would give every request q = 0 steps and no device would ever run. The
+scheduler plans the next round when τ has passed and every batch has stopped at a step
+boundary, or earlier when all are done, so a pool whose work ended early does not idle.
+
+Step times come from the cost model: T(res, k) is one image on k devices, B(res, b) a plain
+forward of b images on one device (math.inf where the model prices no batch: then nothing is
+batched).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Sequence
 
+from gouache.config import SchedulerConfig
+from gouache.request import RequestState
+from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
 from gouache.sched.knapsack import plan_round
-from gouache.sched.rounds import RoundPlan, StepTime, cached, max_degree
-from gouache.sched.rounds_interface import Placement, RoundPolicy, RoundState
+from gouache.sched.plan import Batch, Plan
+from gouache.sched.rounds import RoundRequest, StepTime, cached, max_degree
 
 
-class RoundKnapsackPolicy(RoundPolicy):
+class RoundKnapsackPolicy(Policy):
     name = "round-knapsack"
-    preemptive = True
+    needs_predictor = True
+    uses_deadlines = True
+    rounds = True
+    max_devices = None
 
-    def plan(self, waiting: Sequence[RoundState], running: Sequence[RoundState], now: float,
-             num_devices: int, previous_placement: Placement | None = None) -> RoundPlan:
-        requests = self.round_requests((*running, *waiting))
-        return plan_round(
-            requests, self.step_time, num_devices, self.config.tau, now, previous_placement,
-            batch_step_time=self.batch_step_time, max_batch=self.config.max_batch, run_late=self.config.run_late,
-        )
+    def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None):
+        super().__init__(config, predictor)
+        self.step_time = cached(self._one_image)  # T(res, k), memoised for the policy's life
+        self.batch_step_time = cached(self._batch)  # B(res, b)
+
+    def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
+             devices: Devices) -> Plan:
+        states = [*running, *waiting]
+        if not states:
+            return Plan()
+        requests = [RoundRequest(s.request_id, s.resolution, s.remaining_steps,
+                                 math.inf if s.deadline is None else s.deadline) for s in states]
+        tau = max(self.config.round_s, shortest_round(self.step_time, {r.resolution for r in requests}, devices.count))
+        previous = {s.request_id: s.devices for s in states if s.devices}
+        decision = plan_round(requests, self.step_time, devices.count, tau, now, previous,
+                              batch_step_time=self.batch_step_time, max_batch=self.config.max_batch_size,
+                              run_late=self.config.run_late)
+        batched = {rid for group in decision.batches for rid in group}
+        groups = [tuple(group) for group in decision.batches]
+        groups += [(rid,) for rid in decision.allocations if rid not in batched]
+        batches = [
+            Batch(group, decision.allocations[group[0]].devices, max(decision.allocations[r].steps for r in group))
+            for group in groups
+        ]
+        waiting_ids = {s.request_id for s in waiting}
+        admit = [rid for group in groups for rid in group if rid in waiting_ids]
+        return Plan(batches=batches, admit=admit, until=now + tau, late=decision.late)
+
+    def _one_image(self, resolution: Resolution, k: int) -> float:
+        return self.predictor.step_time([resolution], patched=False, degree=k)
+
+    def _batch(self, resolution: Resolution, batch: int) -> float:
+        return self.predictor.step_time([resolution] * batch, patched=False)
 
 
 def shortest_round(step_time: StepTime, resolutions: Iterable[Hashable], num_devices: int, steps: int = 1) -> float:

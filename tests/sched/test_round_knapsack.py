@@ -1,32 +1,31 @@
-"""`round-knapsack` on the engine's one device: rounds of τ handed out step by step."""
+"""`round-knapsack` on one device through the `Scheduler`: rounds of τ run step by step, as the engine does."""
 
 import pytest
 
 from gouache.config import SchedulerConfig
-from gouache.outputs import StepOutput
-from gouache.sched.interface import Scheduler
+from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
 from gouache.sim.simulator import LinearStepCost, simulate
 from gouache.sim.workloads import SimRequest
 
-from .factories import make_state, run_step
+from .factories import groups, make_state, run_step
 
 
-class PerShape:
-    """A plain forward of b images of one shape takes 0.05 + 0.1 b s (one image: 0.15 s)."""
+class PerResolution:
+    """A plain forward of b images of one resolution takes 0.05 + 0.1 b s (one image: 0.15 s)."""
 
-    def step_time(self, shapes, patched):
-        assert not patched  # the policy never patches: it batches one resolution at a time
-        return sum(0.05 + 0.1 * shapes.count(shape) for shape in set(shapes))
+    def step_time(self, resolutions, patched, degree=1):
+        assert not patched and degree == 1  # one device; the policy batches one resolution at a time
+        return sum(0.05 + 0.1 * resolutions.count(res) for res in set(resolutions))
 
 
 def scheduler(round_s=0.5, max_batch=8):
     return Scheduler(make_policy(SchedulerConfig(policy="round-knapsack", max_batch_size=max_batch, round_s=round_s),
-                                 PerShape()))
+                                 PerResolution()))
 
 
-def state(rid, shape=(32, 32), steps=10, arrival=0.0, deadline=None):
-    s = make_state(rid, shape=shape, steps=steps, arrival=arrival)
+def state(rid, resolution=(256, 256), steps=10, arrival=0.0, deadline=None):
+    s = make_state(rid, resolution=resolution, steps=steps, arrival=arrival)
     s.deadline = deadline
     return s
 
@@ -36,19 +35,22 @@ def drive(s: Scheduler, arrivals: dict[float, list], until: float = 100.0):
     (start time, group) of every step and each request's finish time."""
     now, steps, finished = 0.0, [], {}
     pending = sorted(arrivals.items())
-    predictor = PerShape()
+    predictor = PerResolution()
     while (pending or s.has_work()) and now < until:
         while pending and pending[0][0] <= now + 1e-12:
             for st in pending.pop(0)[1]:
                 s.add(st)
-        plan = s.schedule(now)
-        if not plan.groups:
+        if not s.ready():
+            s.schedule(now)
+        if not s.ready():
             assert not s.has_work(), "work is left but nothing was planned"
             now = pending[0][0]
             continue
-        steps.append((round(now, 6), plan.groups[0]))
-        now += predictor.step_time([s.running[rid].shape for rid in plan.groups[0]], patched=False)
-        done = s.update(plan, StepOutput(request_ids=plan.request_ids, forward_s=0.0))
+        run = s.ready()[0]
+        members = s.members(run, now)
+        steps.append((round(now, 6), members))
+        now += predictor.step_time([s.running[rid].resolution for rid in members], patched=False)
+        done = s.advance(run, members, now).finished
         finished.update((st.request_id, round(now, 6)) for st in done)
     return steps, finished
 
@@ -57,8 +59,8 @@ def test_an_urgent_request_preempts_at_the_round_boundary():
     # "loose" (no SLO) runs floor(0.5 / 0.15) = 3 steps, then "urgent" (deadline 1.35 s, 5 steps of
     # 0.15 s) takes the device for the next two rounds and meets it; "loose" resumes after.
     s = scheduler()
-    steps, finished = drive(s, {0.0: [state("loose", steps=8)], 0.1: [state("urgent", shape=(16, 16), steps=5,
-                                                                              arrival=0.1, deadline=1.35)]})
+    steps, finished = drive(s, {0.0: [state("loose", steps=8)], 0.1: [state("urgent", resolution=(128, 128), steps=5,
+                                                                                   arrival=0.1, deadline=1.35)]})
     assert [g for _, g in steps[:3]] == [["loose"]] * 3  # the round is held: urgent waits for its end
     assert [g for _, g in steps[3:8]] == [["urgent"]] * 5
     assert finished["urgent"] == pytest.approx(1.2) and finished["urgent"] <= 1.35
@@ -70,9 +72,9 @@ def test_orca_would_have_made_the_urgent_request_late():
     s = Scheduler(make_policy(SchedulerConfig(policy="orca")))
     s.add(state("loose", steps=8))
     run_step(s, 0.0)
-    s.add(state("urgent", shape=(16, 16), steps=5, arrival=0.1, deadline=1.35))
+    s.add(state("urgent", resolution=(128, 128), steps=5, arrival=0.1, deadline=1.35))
     plan, _ = run_step(s, 0.15)
-    assert plan.groups == [["loose"], ["urgent"]]  # two plain forwards in one step: 0.3 s, so 0.15 + 5 x 0.3 > 1.35
+    assert groups(plan) == [["loose"], ["urgent"]]  # two plain forwards in one step: 0.3 s, so 0.15 + 5 x 0.3 > 1.35
 
 
 def test_same_shape_requests_batch_when_no_slo_suffers():
@@ -80,7 +82,7 @@ def test_same_shape_requests_batch_when_no_slo_suffers():
     s.add(state("a"))
     s.add(state("b"))
     plan = s.schedule(0.0)
-    assert plan.groups == [["a", "b"]] and plan.admit == ["a", "b"]
+    assert groups(plan) == [["a", "b"]] and plan.admit == ["a", "b"]
 
 
 def test_a_round_shorter_than_a_step_still_runs_one_step():
@@ -93,10 +95,12 @@ def test_an_aborted_request_leaves_its_round():
     s = scheduler()
     s.add(state("a"))
     s.add(state("b"))
-    run_step(s, 0.0)
+    plan = s.schedule(0.0)
+    assert groups(plan) == [["a", "b"]]
+    run = s.ready()[0]
+    s.advance(run, s.members(run, 0.0), 0.25)
     s.abort("b")
-    plan, _ = run_step(s, 0.25)
-    assert plan.groups == [["a"]]
+    assert s.members(run, 0.25) == ["a"]
 
 
 def test_needs_a_cost_model():
