@@ -8,7 +8,6 @@ from PIL import Image
 
 from gouache.cli import build_parser, main
 from gouache.sched.policies import POLICIES
-from gouache.sched.rounds_interface import ROUND_POLICY_NAMES
 
 
 def test_help_lists_every_command():
@@ -141,7 +140,7 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
         assert _refused(capsys, [*base, *cost], "--cost-model")
     else:
         assert _refused(capsys, ["serve", "--policy", policy], "--cost-model")
-    if policy not in ROUND_POLICY_NAMES:
+    if not cls.rounds:
         assert _refused(capsys, [*base, "--round-s", "0.5"], "--round-s")
     if not cls.mixes_resolutions:
         assert _refused(capsys, [*base, "--patch-size", "128"], "--patch-size")

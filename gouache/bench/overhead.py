@@ -26,6 +26,7 @@ from pathlib import Path
 from gouache.bench.batching import median_s
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
+from gouache.sched.interface import Devices
 from gouache.sched.policies import make_policy
 from gouache.sim.exp_patchedserve import SdxlH100Assumptions
 from gouache.sim.report import markdown_table, write_json
@@ -76,7 +77,8 @@ def _step_policy(name: str) -> Callable[[int], Callable[[], object]]:
         running = {s.request_id: s for s in _states(MAX_BATCH // 2, cost, prefix="run", steps_done=25)}
         if name == "fcfs-static":
             running = {}  # it decides only when its batch is empty; otherwise it repeats the batch
-        return lambda: policy.plan(list(waiting.values()), list(running.values()), NOW)
+        devices = Devices(1, (0,))
+        return lambda: policy.plan(list(waiting.values()), list(running.values()), NOW, devices)
     return make
 
 
@@ -86,7 +88,7 @@ def _states(n: int, cost, prefix: str = "w", steps_done: int = 0) -> list[Reques
     states = []
     for r in make_workload(spec, standalone_latency(cost)):
         arrival = NOW - BURST_S + r.arrival
-        states.append(RequestState(f"{prefix}{r.request_id}", (r.height // 8, r.width // 8), r.steps, arrival,
+        states.append(RequestState(f"{prefix}{r.request_id}", (r.height, r.width), r.steps, arrival,
                                    deadline=arrival + r.slo_s, steps_done=steps_done))
     return states
 
@@ -103,10 +105,6 @@ def _plan_round(n: int) -> Callable[[], object]:
 
 def _round_policy(n: int) -> Callable[[], object]:
     """The same round through the `round-knapsack` policy, from the simulator's request states."""
-    from gouache.config import SchedulerConfig
-    from gouache.sched.interface import Devices
-    from gouache.sched.policies import make_policy
-
     requests, model, tau, now = round_case(n)
     policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=tau), model)
     waiting = {r.request_id: RequestState(r.request_id, r.resolution, r.remaining_steps, now - 2.0, deadline=r.deadline)

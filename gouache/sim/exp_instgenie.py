@@ -116,7 +116,7 @@ class FluxEditAssumptions:
     An H100 has the H800's compute, so the H800 ratios are used as they are.
     """
 
-    full_step_s: float = field(default_factory=lambda: ParallelCostModel.h100_flux_default().step_time(1024, 1))
+    full_step_s: float = field(default_factory=lambda: ParallelCostModel.h100_flux_default().seconds(1024, 1))
     speedup: float = 1.9
     at_mask: float = 0.2
     batching_gain: float | None = 1.29

@@ -111,7 +111,7 @@ class SdxlH100Assumptions:
         low, high = 0.0, self.step_1024_s - self.per_forward_s
         for _ in range(60):  # the 512 px step grows with the floor
             floor = (low + high) / 2
-            low, high = (floor, high) if self._with(floor).forward([(64, 64)], False) < target_512 else (low, floor)
+            low, high = (floor, high) if self._with(floor).forward([(512, 512)], False) < target_512 else (low, floor)
         return self._with((low + high) / 2)
 
     def _with(self, floor: float) -> GpuBatchStepCost:

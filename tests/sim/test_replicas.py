@@ -5,7 +5,8 @@ import pytest
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.costmodel import MaskCostModel
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
+from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RoundRobinRouter, RouteRequest
 from gouache.sim.exp_instgenie import FluxEditAssumptions, MaskStepCost, instgenie_experiment
@@ -31,16 +32,17 @@ def replica_of(result) -> dict[str, int]:
     return {r.request.request_id: r.replica for r in result.records}
 
 
-class CountingCost:
-    """Wraps a step cost and counts the steps each request took part in."""
+def count_steps(monkeypatch) -> Counter[str]:
+    """Count the steps each request is advanced by, as the simulator reports them to the Scheduler."""
+    steps: Counter[str] = Counter()
+    advance = Scheduler.advance
 
-    def __init__(self, cost):
-        self.cost = cost
-        self.steps: Counter[str] = Counter()
+    def counting(self, run, stepped, now, steps_run=1):
+        steps.update({rid: steps_run for rid in stepped if rid in self.running})
+        return advance(self, run, stepped, now, steps_run)
 
-    def __call__(self, plan, states):
-        self.steps.update(plan.request_ids)
-        return self.cost(plan, states)
+    monkeypatch.setattr(Scheduler, "advance", counting)
+    return steps
 
 
 # -- routing on hand-made traces -----------------------------------------------------------
@@ -88,10 +90,10 @@ def test_mask_step_cost_charges_masked_compute_per_request_and_fixed_costs():
     trace = [SimRequest("e", 0.0, 512, 512, 1, mask_ratio=0.25), SimRequest("g", 0.0, 512, 512, 1)]
     charged = cost.for_trace(trace)
     assert charged.mask_ratio == {"e": 0.25}  # g is a generation: m = 1
-    states = {rid: RequestState(rid, (64, 64), 1, 0.0) for rid in ("e", "g")}  # 512 px latents
-    one_forward = StepPlan(groups=[["e", "g"]])
+    states = {rid: RequestState(rid, (512, 512), 1, 0.0) for rid in ("e", "g")}
+    one_forward = Batch(("e", "g"))
     assert charged(one_forward, states) == pytest.approx(0.05 + (0.02 + 0.25) + (0.02 + 1.0))
-    assert charged(StepPlan(groups=[["e"], ["g"]]), states) == pytest.approx(0.05 + 0.27 + 0.05 + 1.02)
+    assert charged(Batch(("e",)), states) + charged(Batch(("g",)), states) == pytest.approx(0.05 + 0.27 + 0.05 + 1.02)
     view = [RouteRequest("e", TOKENS_512, 1, 0.25), RouteRequest("g", TOKENS_512, 1, 1.0)]
     assert cost.batch_step_time(view) == pytest.approx(charged(one_forward, states))
 
@@ -100,15 +102,15 @@ def test_mask_step_cost_charges_masked_compute_per_request_and_fixed_costs():
 
 @pytest.mark.parametrize("router_name", ["round-robin", "least-requests", "least-tokens", "mask-aware"])
 @pytest.mark.parametrize("policy_name", ["orca", "patched"])
-def test_every_request_runs_all_its_steps_and_finishes_exactly_once(policy_name, router_name):
+def test_every_request_runs_all_its_steps_and_finishes_exactly_once(policy_name, router_name, monkeypatch):
     trace = make_workload(WorkloadSpec(num_requests=150, rate=3.0, sizes=PATCHEDSERVE_SIZES, steps=8,
                                        mask_mean=0.19, seed=4))
     cost = FluxEditAssumptions().cost()
     router = {"round-robin": RoundRobinRouter(), "least-requests": LeastRequestsRouter(),
               "least-tokens": LeastTokensRouter(), "mask-aware": MaskAwareRouter(cost.batch_step_time)}[router_name]
-    counting = CountingCost(cost.for_trace(trace))
-    result = simulate(trace, policies(policy_name, 3), counting, router=router)
-    assert counting.steps == {r.request_id: r.steps for r in trace}  # no request ran twice or partly
+    steps = count_steps(monkeypatch)
+    result = simulate(trace, policies(policy_name, 3), cost.for_trace(trace), router=router)
+    assert steps == {r.request_id: r.steps for r in trace}  # no request ran twice or partly
     assert all(r.finish is not None and r.replica in (0, 1, 2) for r in result.records)
     assert result.metrics().finished == len(trace) == len(result.records)
     assert len({r.replica for r in result.records}) == 3  # the load was spread
@@ -147,7 +149,7 @@ def test_replicas_need_their_own_policies_and_a_router():
 
 def test_sdxl_cost_reproduces_its_anchors_and_batching_pays():
     cost = SdxlH100Assumptions().cost()
-    small, medium, large = (64, 64), (96, 96), (128, 128)
+    small, medium, large = (512, 512), (768, 768), (1024, 1024)
     assert cost.step_time([large], patched=False) == pytest.approx(0.100)
     assert cost.step_time([large], patched=False) / cost.step_time([small], patched=False) == pytest.approx(1.3)
     mixed = [small, medium, large]

@@ -7,7 +7,7 @@ import pytest
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.interface import Policy
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import make_policy
 from gouache.sim.report import markdown_table, plot_sweep, result_to_dict, summary_row
 from gouache.sim.simulator import linear_step_cost, simulate, standalone_latency
@@ -17,7 +17,7 @@ from gouache.sim.workloads import (
 )
 
 # 512² costs 1 s of pixels and 1024² costs 4 s: 0.262144 MP × 15625/4096 s/MP = 1.0
-HAND_COST = linear_step_cost(base_s=0.5, per_forward_s=1.0, per_megapixel_s=15625 / 4096)
+HAND_COST = linear_step_cost(per_forward_s=1.5, per_megapixel_s=15625 / 4096)
 HAND_TRACE = [
     SimRequest("a", arrival=0.0, width=512, height=512, steps=2),
     SimRequest("b", arrival=1.0, width=512, height=512, steps=2),
@@ -114,16 +114,16 @@ def test_recorded_arrivals_replay_without_ids_or_optional_columns(tmp_path):
 # -- simulator -----------------------------------------------------------------------------
 
 def test_orca_matches_hand_computed_times():
-    # step cost = 0.5 + Σ forwards (1 + pixel cost); a 512² costs 1, a 1024² costs 4.
-    # t=0    a alone: [[a]] = 2.5                       -> 2.5
-    # t=2.5  b, c join: [[a, b], [c]] = 0.5 + 3 + 5 = 8.5 -> 11.0; a (2 steps) and c (1 step) done
-    # t=11   [[b]] = 2.5                                -> 13.5; b done
+    # a forward costs 1.5 + pixel cost; a 512² costs 1, a 1024² costs 4. A step's forwards run in turn.
+    # t=0    a alone: [a] = 2.5                          -> 2.5
+    # t=2.5  b, c join: [a, b] = 3.5, then [c] = 5.5     -> 6.0 a (2 steps) done, 11.5 c (1 step) done
+    # t=11.5 [b] = 2.5                                   -> 14.0; b done
     result = simulate(HAND_TRACE, policy("orca"), HAND_COST)
-    assert times(result) == {"a": (0.0, pytest.approx(11.0)), "b": (2.5, pytest.approx(13.5)),
-                             "c": (2.5, pytest.approx(11.0))}
+    assert times(result) == {"a": (0.0, pytest.approx(6.0)), "b": (2.5, pytest.approx(14.0)),
+                             "c": (6.0, pytest.approx(11.5))}
     m = result.metrics()
-    assert m.num_steps == 3 and m.utilization == pytest.approx(1.0) and m.makespan_s == pytest.approx(13.5)
-    assert m.queueing_mean_s == pytest.approx((0 + 1.5 + 0.5) / 3)
+    assert m.num_steps == 4 and m.utilization == pytest.approx(1.0) and m.makespan_s == pytest.approx(14.0)
+    assert m.queueing_mean_s == pytest.approx((0 + 1.5 + 4.0) / 3)
 
 
 def test_fcfs_static_matches_hand_computed_times():
@@ -136,12 +136,13 @@ def test_fcfs_static_matches_hand_computed_times():
 
 def test_stage_work_is_charged_to_the_next_step():
     # each request: 0.25 s of preparation on arrival, 1 s of post-processing when done (orca, as above)
-    # t=0     a's prep is backlog: [[a]] = 2.5 + 0.25                       -> 2.75
-    # t=2.75  b's and c's preps: [[a, b], [c]] = 8.5 + 0.5                  -> 11.75; a, c done
-    # t=11.75 their post-processing: [[b]] = 2.5 + 2                         -> 16.25
+    # t=0     a's prep is backlog: [a] = 0.25 + 2.5                        -> 2.75
+    # t=2.75  b's and c's preps: [a, b] = 0.5 + 3.5                        -> 6.75; a done
+    # t=6.75  a's post-processing: [c] = 1 + 5.5                           -> 13.25; c done
+    # t=13.25 c's post-processing: [b] = 1 + 2.5                           -> 16.75
     result = simulate(HAND_TRACE, policy("orca"), HAND_COST, stage_cost=lambda state: (0.25, 1.0))
-    assert times(result) == {"a": (0.0, pytest.approx(11.75)), "b": (2.75, pytest.approx(16.25)),
-                             "c": (2.75, pytest.approx(11.75))}
+    assert times(result) == {"a": (0.0, pytest.approx(6.75)), "b": (2.75, pytest.approx(16.75)),
+                             "c": (6.75, pytest.approx(13.25))}
 
 
 @pytest.mark.parametrize("arrival, finish", [(3.0, 6.0), (10.0, 12.5)])
@@ -160,21 +161,22 @@ def test_arrival_at_a_step_end_joins_the_next_step():
 
 @pytest.mark.parametrize("name", ["orca", "fcfs-static", "patched"])
 def test_single_request_latency_is_steps_times_step_cost(name):
-    cost = linear_step_cost(base_s=0.003, per_forward_s=0.02, per_megapixel_s=0.07)
+    cost = linear_step_cost(per_forward_s=0.023, per_megapixel_s=0.07)
     request = SimRequest("only", arrival=3.0, width=768, height=1024, steps=25)
     result = simulate([request], policy(name), cost)
-    one_step = 0.003 + 0.02 + 768 * 1024 / 1e6 * 0.07
+    one_step = 0.023 + 768 * 1024 / 1e6 * 0.07
     assert result.records[0].latency == pytest.approx(25 * one_step)
     assert result.records[0].queueing == 0.0
 
 
 def test_linear_cost_predicts_what_it_charges():
-    states = {"a": RequestState("a", (64, 64), 2, 0.0), "b": RequestState("b", (64, 64), 2, 0.0),
-              "c": RequestState("c", (128, 128), 1, 0.0)}
-    shapes = [s.shape for s in states.values()]
-    grouped, patched = StepPlan(groups=[["a", "b"], ["c"]]), StepPlan(groups=[["a", "b", "c"]], patched=True)
-    assert HAND_COST(grouped, states) == pytest.approx(HAND_COST.step_time(shapes, patched=False)) == pytest.approx(8.5)
-    assert HAND_COST(patched, states) == pytest.approx(HAND_COST.step_time(shapes, patched=True)) == pytest.approx(7.5)
+    states = {"a": RequestState("a", (512, 512), 2, 0.0), "b": RequestState("b", (512, 512), 2, 0.0),
+              "c": RequestState("c", (1024, 1024), 1, 0.0)}
+    resolutions = [s.resolution for s in states.values()]
+    grouped = HAND_COST(Batch(("a", "b")), states) + HAND_COST(Batch(("c",)), states)
+    patched = HAND_COST(Batch(("a", "b", "c"), patched=True), states)
+    assert grouped == pytest.approx(HAND_COST.step_time(resolutions, patched=False)) == pytest.approx(9.0)
+    assert patched == pytest.approx(HAND_COST.step_time(resolutions, patched=True)) == pytest.approx(7.5)
 
 
 def test_slo_misses_are_recorded_not_dropped():
@@ -186,24 +188,24 @@ def test_slo_misses_are_recorded_not_dropped():
 
 
 class _DropSmallOneAtATime(Policy):
-    """Drops one 512-wide request (latent width 64) per plan and runs nothing while any is left."""
+    """Drops one 512-wide request per plan and runs nothing while any is left."""
 
     name = "drop-small"
 
-    def plan(self, waiting, running, now):
-        small = [s.request_id for s in waiting if s.shape[1] == 64]
-        return StepPlan(drop=small[:1]) if small else make_policy(self.config).plan(waiting, running, now)
+    def plan(self, waiting, running, now, devices):
+        small = [s.request_id for s in waiting if s.resolution[1] == 512]
+        return Plan(drop=small[:1]) if small else make_policy(self.config).plan(waiting, running, now, devices)
 
 
 class _Never(Policy):
     name = "never"
 
-    def plan(self, waiting, running, now):
-        return StepPlan()
+    def plan(self, waiting, running, now, devices):
+        return Plan()
 
 
 def test_patched_slo_drops_are_recorded_as_misses():
-    # a needs 2 × 2.5 s alone but has 1 s: dropped on arrival. c alone: 0.5 + 1 + 4 = 5.5 s.
+    # a needs 2 × 2.5 s alone but has 1 s: dropped on arrival. c alone: 1.5 + 4 = 5.5 s.
     trace = [SimRequest("a", 0.0, 512, 512, 2, slo_s=1.0), SimRequest("c", 1.0, 1024, 1024, 1, slo_s=50.0)]
     result = simulate(trace, make_policy(SchedulerConfig(policy="patched-slo"), HAND_COST), HAND_COST)
     assert result.records[0].dropped_at == 0.0 and result.records[0].first_step is None
@@ -226,7 +228,7 @@ def test_a_stalled_policy_leaves_requests_unfinished_not_lost():
 
 
 def test_orca_queues_less_than_fcfs_static_under_moderate_poisson_load():
-    cost = linear_step_cost(base_s=0.005, per_forward_s=0.02, per_megapixel_s=0.08)
+    cost = linear_step_cost(per_forward_s=0.025, per_megapixel_s=0.08)
     requests = make_workload(WorkloadSpec(num_requests=400, rate=0.2, sizes=PATCHEDSERVE_SIZES, seed=0))
     fcfs = simulate(requests, policy("fcfs-static"), cost).metrics()
     orca = simulate(requests, policy("orca"), cost).metrics()
@@ -236,7 +238,7 @@ def test_orca_queues_less_than_fcfs_static_under_moderate_poisson_load():
 
 
 def test_ten_thousand_requests_all_finish():  # ~270k simulated steps, ~3.5 s on 2 cores
-    cost = linear_step_cost(base_s=0.005, per_forward_s=0.02, per_megapixel_s=0.08)
+    cost = linear_step_cost(per_forward_s=0.025, per_megapixel_s=0.08)
     requests = make_workload(WorkloadSpec(num_requests=10_000, rate=0.2, sizes=PATCHEDSERVE_SIZES, seed=1))
     result = simulate(requests, policy("orca"), cost)
     assert result.metrics().finished == 10_000
@@ -249,12 +251,12 @@ def test_report_dict_table_and_plot(tmp_path):
     for name in ("fcfs-static", "orca"):
         result = simulate(HAND_TRACE, policy(name), HAND_COST)
         data = json.loads(json.dumps(result_to_dict(result)))
-        assert data["requests"][2]["finish"] == pytest.approx(15.5 if name == "fcfs-static" else 11.0)
+        assert data["requests"][2]["finish"] == pytest.approx(15.5 if name == "fcfs-static" else 11.5)
         for scale in (1.0, 2.0):
             rows.append(summary_row(result, scale=scale))
     table = markdown_table(rows, ["policy", "scale", "latency_p50_s", "slo_attainment"])
     assert table.splitlines()[0] == "| policy | scale | latency_p50_s | slo_attainment |"
-    assert "| orca | 1.000 | 11.000 | – |" in table
+    assert "| orca | 1.000 | 9.500 | – |" in table
     plot_sweep(rows, "scale", "latency_mean_s", tmp_path / "sweep.png", title="hand trace")
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert not math.isnan(rows[0]["latency_mean_s"])
