@@ -41,7 +41,7 @@ def record_steps(engine: AsyncEngine) -> list[list[str]]:
     log, inner = [], engine.core.on_step
 
     def on_step(report):
-        log.append(report.plan.request_ids)
+        log.append(list(report.batch.request_ids))
         inner(report)
 
     engine.core.on_step = on_step
@@ -207,7 +207,7 @@ def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
 class _Fixed:
     """A predictor that says every step takes 50 ms, whatever the batch."""
 
-    def step_time(self, shapes, patched):
+    def step_time(self, resolutions, patched, degree=1):
         return 0.05
 
     def sizes(self, patched):

@@ -6,7 +6,7 @@ import pytest
 
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.output import StepPlan
+from gouache.sched.plan import Batch
 
 
 @pytest.mark.parametrize("name", ["tiny-sd", "tiny-sd-inpaint", "tiny-sdxl-inpaint", "tiny-sd3", "tiny-flux"])
@@ -19,7 +19,7 @@ def test_edit_repaints_only_the_mask(pipes, name):
     request = ImageRequest("e", "a cat", 96, 64, 3, 4.0, seed=1, image=b"-")
     state = runner.prepare(request, original, mask)
     for _ in range(state.num_steps):
-        runner.execute(StepPlan(groups=[["e"]]))
+        runner.execute(Batch(("e",)))
     out = runner.decode("e")
     assert out.shape == original.shape
     assert np.array_equal(out[mask == 0], original[mask == 0])

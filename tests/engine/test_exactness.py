@@ -9,22 +9,22 @@ from gouache.engine.core import EngineCore
 from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.interface import Scheduler
+from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import POLICIES, make_policy
 
 FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"]
 TRAINED = ["shapes-unet", "shapes-dit"]
 # Random-weight built-ins under the two batching modes; the trained models under every policy.
 CASES = [(name, policy) for name in FAMILIES for policy in ("orca", "patched")] + [
-    (name, policy) for name in TRAINED for policy in POLICIES
+    (name, policy) for name in TRAINED for policy in POLICIES if POLICIES[policy].min_devices == 1
 ]
 
 
 class FlatCost:
     """Step times for the policies that plan with them: 0.1 s per image, patched or not."""
 
-    def step_time(self, shapes, patched):
-        return 0.1 * len(shapes)
+    def step_time(self, resolutions, patched, degree=1):
+        return 0.1 * len(resolutions)
 
 
 def request(rid: str, seed: int, steps: int, width: int = 64, height: int = 64, guidance: float = 5.0, prompt="a red fox"):

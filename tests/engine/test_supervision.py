@@ -99,12 +99,12 @@ def test_a_size_the_cost_model_never_saw_is_refused_at_admission_or_served(pipes
 
 
 class _RaisesAt96:
-    """A predictor that claims to price every size but raises on 96 px latents (12x12)."""
+    """A predictor that claims to price every size but raises on 96 px images."""
 
-    def step_time(self, shapes, patched):
-        if (12, 12) in shapes:
+    def step_time(self, resolutions, patched, degree=1):
+        if (96, 96) in resolutions:
             raise ValueError("no profile of 96x96")
-        return 0.01 * len(shapes)
+        return 0.01 * len(resolutions)
 
     def sizes(self, patched):
         return None
@@ -205,10 +205,10 @@ def test_generation_on_an_inpainting_model_repaints_a_blank_image(pipes, name):
 def test_a_dead_engine_loop_is_reported_and_fails_what_is_in_flight(pipes):
     engine = make_engine(pipes, "orca")
 
-    def broken_update(plan, output):
+    def broken_advance(run, stepped, now, steps=1):
         raise SystemError("a bug in the loop")
 
-    engine.scheduler.update = broken_update
+    engine.scheduler.advance = broken_advance
 
     async def scenario():
         await engine.start()
