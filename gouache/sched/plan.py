@@ -52,7 +52,6 @@ class Plan:
     admit: list[str] = field(default_factory=list)  # waiting ids that start running with this plan
     drop: list[str] = field(default_factory=list)  # waiting ids dropped as unattainable
     until: float | None = None  # a round's end on the caller's clock; None: each batch runs all its steps
-    late: list[str] = field(default_factory=list)  # ids that will miss their deadline anyway (informative)
 
     @property
     def request_ids(self) -> list[str]:

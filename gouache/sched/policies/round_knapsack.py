@@ -64,7 +64,7 @@ class RoundKnapsackPolicy(Policy):
         ]
         waiting_ids = {s.request_id for s in waiting}
         admit = [rid for group in groups for rid in group if rid in waiting_ids]
-        return Plan(batches=batches, admit=admit, until=now + tau, late=decision.late)
+        return Plan(batches=batches, admit=admit, until=now + tau)
 
     def _one_image(self, resolution: Resolution, k: int) -> float:
         return self.predictor.step_time([resolution], patched=False, degree=k)
