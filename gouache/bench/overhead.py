@@ -30,7 +30,7 @@ from gouache.sched.interface import Devices
 from gouache.sched.policies import make_policy
 from gouache.sim.exp_patchedserve import SdxlH100Assumptions
 from gouache.sim.report import markdown_table, write_json
-from gouache.sim.simulator import standalone_latency
+from gouache.sim.costs import standalone_latency
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
 
 WAITING = (10, 100, 1_000, 10_000)

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gouache.sim.report import markdown_table, write_json
-from gouache.sim.simulator import PredictedStepCost, simulate, standalone_latency
+from gouache.sim.costs import PredictedStepCost, standalone_latency
+from gouache.sim.simulator import simulate
 from gouache.sim.workloads import SimRequest, WorkloadSpec, make_workload
 from gouache.stats import percentile
 

@@ -34,7 +34,8 @@ from gouache.sched.interface import StepTimePredictor
 from gouache.sched.policies import make_policy
 from gouache.sched.policies.round_knapsack import shortest_round
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
-from gouache.sim.simulator import HandoffCost, LinearHandoff, PredictedStepCost, SimResult, simulate
+from gouache.sim.costs import HandoffCost, LinearHandoff, PredictedStepCost
+from gouache.sim.simulator import SimResult, simulate
 from gouache.sim.workloads import TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
 
 FIXED_SP = ("fixed-sp-1", "fixed-sp-2", "fixed-sp-4", "fixed-sp-8")

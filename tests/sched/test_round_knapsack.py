@@ -5,7 +5,8 @@ import pytest
 from gouache.config import SchedulerConfig
 from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
-from gouache.sim.simulator import LinearStepCost, simulate
+from gouache.sim.costs import LinearStepCost
+from gouache.sim.simulator import simulate
 from gouache.sim.workloads import SimRequest
 
 from .factories import groups, make_state, run_step

@@ -6,7 +6,7 @@ import pytest
 
 from gouache.cli import main
 from gouache.sched.router import ROUTERS, RouteRequest
-from gouache.sim.simulator import linear_step_cost
+from gouache.sim.costs import linear_step_cost
 
 
 def simulate(tmp_path, *args: str) -> list[dict]:

@@ -11,7 +11,8 @@ from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RoundRobinRouter, RouteRequest
 from gouache.sim.exp_instgenie import FluxEditAssumptions, MaskStepCost, instgenie_experiment
 from gouache.sim.exp_patchedserve import SdxlH100Assumptions, patchedserve_experiment
-from gouache.sim.simulator import Simulator, linear_step_cost, simulate, standalone_latency
+from gouache.sim.costs import linear_step_cost, standalone_latency
+from gouache.sim.simulator import Simulator, simulate
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, SimRequest, WorkloadSpec, make_workload
 
 ONE_SECOND_STEPS = linear_step_cost(per_forward_s=1.0)  # every step takes 1 s, whatever it holds

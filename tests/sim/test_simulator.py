@@ -10,7 +10,8 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import make_policy
 from gouache.sim.report import markdown_table, plot_sweep, result_to_dict, summary_row
-from gouache.sim.simulator import linear_step_cost, simulate, standalone_latency
+from gouache.sim.costs import linear_step_cost, standalone_latency
+from gouache.sim.simulator import simulate
 from gouache.sim.workloads import (
     PATCHEDSERVE_SIZES, TETRISERVE_SIZES, SimRequest, WorkloadSpec, inter_arrival_cv, make_workload,
     read_trace, size_probabilities, write_trace,
