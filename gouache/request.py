@@ -54,7 +54,7 @@ class RequestState:
     steps_done: int = 0  # denoising steps completed so far
     status: RequestStatus = RequestStatus.WAITING
     first_step_time: float | None = None  # when its first step started (queueing time ends)
-    devices: tuple[int, ...] = ()  # the devices its last batch was planned on; () before any
+    devices: tuple[int, ...] = ()  # its devices in the last plan that could place it; () if it had none
 
     @property
     def remaining_steps(self) -> int:

@@ -77,11 +77,11 @@ def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path):
             "--max-batch", "2", "--repeats", "1", "--out", str(out)]
     assert main(args) == 0
     model = load(out)
-    assert model.step_time([(8, 8)], patched=True) > 0  # a 64 px image: latent 8x8
-    assert model.step_time([(8, 8), (12, 12)], patched=True) > 0
-    assert model.step_time([(8, 8), (8, 8)], patched=False) == model.grouped[(64, 64)][2]  # plain forwards measured
+    assert model.step_time([(64, 64)], patched=True) > 0  # pixels, as the scheduler sees them
+    assert model.step_time([(64, 64), (96, 96)], patched=True) > 0
+    assert model.step_time([(64, 64), (64, 64)], patched=False) == model.grouped[(64, 64)][2]  # plain forwards measured
     assert len(model.table) == 5  # all of 64, 96, 64+64, 64+96, 96+96 were timed
-    prep, post = model.stage_time((12, 12))
+    prep, post = model.stage_time((96, 96))
     assert prep > 0 and post > 0
 
 

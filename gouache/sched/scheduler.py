@@ -13,8 +13,10 @@ policy:
   stop at their first step boundary past `Plan.until`, and the next round is planned when the
   last one has stopped (or all are done).
 
-A request remembers the devices it ran on last (`RequestState.devices`), for placement
-preservation and so a driver can charge moving its latents (`Run.moved`).
+A request remembers its devices in the last plan it was offered to (`RequestState.devices`,
+() if that plan left it out), for placement preservation (TetriServe keeps last round's
+devices); the scheduler also remembers where its latents are, however long ago it ran, so a
+driver can charge moving them (`Run.moved`).
 """
 
 from __future__ import annotations
@@ -50,19 +52,30 @@ class Advance:
     ended: bool = False  # the run is over: its devices are free
 
 
+def check_devices(policy: Policy | type[Policy], num_devices: int) -> None:
+    """Refuse a pool size the policy cannot plan (a step policy plans one device, fixed-sp-k k or more)."""
+    least, most = policy.min_devices, policy.max_devices
+    if num_devices < least or (most is not None and num_devices > most):
+        if least == most:
+            allowed = f"exactly {least} device{'s' * (least > 1)}"
+        else:
+            allowed = f"{least} or more devices" if most is None else f"{least} to {most} devices"
+        raise ValueError(f"policy {policy.name!r} plans {allowed}, not {num_devices}")
+
+
 class Scheduler:
     """Owns the waiting and running states of one replica's pool of `num_devices` devices."""
 
     def __init__(self, policy: Policy, num_devices: int = 1):
-        if num_devices < policy.min_devices or (policy.max_devices is not None and num_devices > policy.max_devices):
-            most = "any number" if policy.max_devices is None else policy.max_devices
-            raise ValueError(f"policy {policy.name!r} plans {policy.min_devices} to {most} devices, not {num_devices}")
+        check_devices(policy, num_devices)
         self.policy = policy
         self.num_devices = num_devices
         self.waiting: dict[str, RequestState] = {}  # insertion order = arrival order
         self.running: dict[str, RequestState] = {}  # insertion order = admission order
         self.runs: list[Run] = []  # the current plans' batches that have not ended, in plan order
         self.until: float | None = None  # the current round's end, while its batches run
+        self.lost: set[int] = set()  # devices whose workers died: never free again
+        self.latents_on: dict[str, tuple[int, ...]] = {}  # started request -> devices holding its latents
 
     def add(self, state: RequestState) -> None:
         state.status = RequestStatus.WAITING
@@ -71,6 +84,7 @@ class Scheduler:
     def abort(self, request_id: str) -> RequestState | None:
         """Forget a request wherever it is; returns its state if it was known. A run it was in
         goes on without it."""
+        self.latents_on.pop(request_id, None)
         return self.waiting.pop(request_id, None) or self.running.pop(request_id, None)
 
     def has_work(self) -> bool:
@@ -80,8 +94,17 @@ class Scheduler:
         return [*self.waiting, *self.running]
 
     def free_devices(self) -> tuple[int, ...]:
-        busy = {d for run in self.runs for d in run.devices}
+        busy = {d for run in self.runs for d in run.devices} | self.lost
         return tuple(d for d in range(self.num_devices) if d not in busy)
+
+    def lose(self, devices: set[int]) -> list[RequestState]:
+        """Devices are gone for good: their runs end, and the requests in those runs or whose
+        latents were there are forgotten and returned (the caller fails them)."""
+        self.lost |= devices
+        for run in [r for r in self.runs if devices & set(r.devices)]:
+            self.end(run)
+        gone = [rid for rid, where in self.latents_on.items() if devices & set(where)]
+        return [state for rid in gone if (state := self.abort(rid)) is not None]
 
     def ready(self) -> list[Run]:
         """The runs that may step now: the first of the runs on each device group."""
@@ -125,13 +148,14 @@ class Scheduler:
             state = self.waiting.pop(rid)
             state.status = RequestStatus.RUNNING
             self.running[rid] = state
+        for state in running:
+            state.devices = ()  # unless the plan places it again
         for batch in plan.batches:
             moved = []
             for rid in batch.request_ids:
-                state = self.running[rid]
-                if state.steps_done and state.devices != batch.devices:
+                if self.latents_on.get(rid, batch.devices) != batch.devices:
                     moved.append(rid)
-                state.devices = batch.devices
+                self.running[rid].devices = batch.devices
             self.runs.append(Run(batch, batch.steps, tuple(moved)))
         self.until = plan.until if plan.batches else None
         return plan
@@ -158,8 +182,10 @@ class Scheduler:
             if state is None:  # aborted while its step ran
                 continue
             state.steps_done += steps
+            self.latents_on[rid] = run.devices
             if state.done:
                 state.status = RequestStatus.POSTPROCESSING
+                self.latents_on.pop(rid, None)
                 result.finished.append(self.running.pop(rid))
         run.left -= steps
         run.steps_run += steps

@@ -27,6 +27,7 @@ from gouache.config import SchedulerConfig
 from gouache.sched.costmodel import BatchCostModel, FluxH100Assumptions, ParallelCostModel, load
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.router import ROUTERS
+from gouache.sched.scheduler import check_devices
 from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy, shortest_round
 from gouache.sim.report import markdown_table, result_to_dict, summary_row, write_json
 from gouache.sim.costs import LinearHandoff, PredictedStepCost, linear_step_cost, standalone_latency
@@ -98,6 +99,8 @@ def run(args) -> int:
         raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(sorted(POLICIES))}")
     if args.replicas < 1 or args.devices < 1:
         raise ValueError(f"--replicas and --devices must be >= 1, got {args.replicas} and {args.devices}")
+    for name in names:
+        check_devices(POLICIES[name], args.devices)
     _refuse_ignored(args, names)
     results = _run_parallel(args, names) if args.devices > 1 else _run_one_device(args, names)
     print(markdown_table([summary_row(r) for r in results], _COLUMNS))
@@ -120,6 +123,8 @@ def _refuse_ignored(args, names: list[str]) -> None:
     if args.devices > 1:
         ignored |= {d: "several devices are priced by the parallel cost model (--cost-model or the H100 FLUX default)"
                     for d in _STAND_IN if d in typed}
+        if "max_batch_size" in typed:
+            ignored["max_batch_size"] = "the parallel cost model prices no batches, so nothing is batched"
     elif args.cost_model or args.mask_mean is not None:
         ignored |= {d: "the stand-in prices steps only without --cost-model and --mask-mean"
                     for d in _STAND_IN if d in typed}

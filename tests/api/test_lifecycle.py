@@ -185,10 +185,10 @@ def test_the_server_exits_1_when_the_engine_loop_dies():
     pipe = load_pipeline("tiny-sdxl")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(), SchedulerConfig())
 
-    def broken_update(plan, output):
+    def broken_advance(run, stepped, now, steps=1):
         raise SystemError("a bug in the loop")
 
-    engine.scheduler.update = broken_update
+    engine.scheduler.advance = broken_advance
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -24,6 +24,13 @@ def test_round_policies_run_over_a_device_pool(tmp_path):
         assert all(r["finish"] is None or r["finish"] > r["arrival"] for r in result["requests"])
 
 
+def test_any_policy_runs_on_replicas_of_device_pools(tmp_path):
+    (knapsack, fixed_one) = simulate(tmp_path, "--policies", "round-knapsack,fixed-sp-1", "--devices", "2",
+                                     "--replicas", "2", "--sizes", "256,1024", "--requests", "30", "--rate", "0.5")
+    for result in (knapsack, fixed_one):
+        assert result["metrics"]["finished"] == 30 and {r["replica"] for r in result["requests"]} == {0, 1}
+
+
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 def test_step_policies_run_on_replicas_behind_every_router(tmp_path, router):
     (result,) = simulate(tmp_path, "--policies", "orca", "--replicas", "3", "--router", router,
@@ -41,10 +48,11 @@ def test_edits_are_priced_by_their_masks(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--policies", "orca,fixed-sp-2", "--devices", "2"], "separate commands"),
-    (["--policies", "fixed-sp-1", "--sizes", "300"], "no step times of [(300, 300)]"),
+    (["--policies", "orca,fixed-sp-2", "--devices", "2"], "policy 'orca' plans exactly 1 device, not 2"),
+    (["--policies", "fixed-sp-4", "--devices", "2"], "policy 'fixed-sp-4' plans 4 or more devices, not 2"),
+    (["--policies", "fixed-sp-2", "--devices", "2", "--sizes", "300"], "no step times of [(300, 300)]"),
     (["--policies", "patched-slo", "--mask-mean", "0.2"], "without --mask-mean"),
-    (["--policies", "fixed-sp-1", "--mask-mean", "0.2"], "for step policies"),
+    (["--policies", "fixed-sp-2", "--devices", "2", "--mask-mean", "0.2"], "drop --devices"),
     (["--policies", "no-such-policy"], "unknown policies no-such-policy"),
 ])
 def test_what_cannot_run_is_refused_with_a_reason(capsys, args, message):
@@ -62,11 +70,9 @@ def test_the_stand_in_prices_routed_requests_as_it_prices_steps():
 
 @pytest.mark.parametrize("args, flag", [
     (["--policies", "round-knapsack", "--devices", "8", "--max-batch-size", "1"], "--max-batch-size"),
-    (["--policies", "fixed-sp-8", "--devices", "8", "--replicas", "2"], "--replicas"),
     (["--policies", "fixed-sp-1", "--router", "least-requests"], "--router"),
-    (["--policies", "fixed-sp-1", "--per-forward-ms", "5"], "--per-forward-ms"),
+    (["--policies", "fixed-sp-2", "--devices", "2", "--per-forward-ms", "5"], "--per-forward-ms"),
     (["--policies", "fixed-sp-2", "--devices", "2", "--round-s", "1"], "--round-s"),
-    (["--policies", "orca", "--devices", "4"], "--devices"),
     (["--policies", "orca", "--round-s", "1"], "--round-s"),
     (["--policies", "orca", "--router", "mask-aware"], "--router"),
     (["--policies", "orca", "--mask-mean", "0.2", "--per-megapixel-ms", "50"], "--per-megapixel-ms"),
