@@ -8,15 +8,17 @@ import os
 import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
-from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from gouache.config import EXECUTORS, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.errors import GouacheError
 
 
-def _policies_where(attribute: str) -> str:
-    """The serve policies whose class sets `attribute` (`needs_predictor`, `mixes_resolutions`)."""
+def _policies_where(attribute: str, value=True) -> str:
+    """The serve policies whose class sets `attribute` (`needs_predictor`, `mixes_resolutions`)
+    to `value` (any true value by default)."""
     from gouache.sched.policies import POLICIES
 
-    return ", ".join(name for name, cls in POLICIES.items() if getattr(cls, attribute))
+    return ", ".join(name for name, cls in POLICIES.items()
+                     if (getattr(cls, attribute) if value is True else getattr(cls, attribute) == value))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes that decode uploads and encode images (default: %(default)s)")
     serve.add_argument("--torch-threads", type=int, default=None,
                        help="intra-op threads of torch (default: torch's); profile with the same number")
+    serve.add_argument("--executor", default=EngineConfig.executor, choices=EXECUTORS,
+                       help="uniproc: the model runs in this process on one device; multiproc: one worker process "
+                            "per device (gloo on the CPU, NCCL on GPUs), started and supervised here "
+                            "(default: %(default)s)")
+    serve.add_argument("--devices", type=int, default=EngineConfig.devices,
+                       help="devices (worker processes) under --executor multiproc; more than one for "
+                            f"{_policies_where('max_devices', None)} (default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("GOUACHE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health "
                             "(default: $GOUACHE_API_KEY, else no key)")
@@ -170,7 +179,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     return (
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
-                     patch_size=args.patch_size, torch_threads=args.torch_threads),
+                     patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
+                     devices=args.devices),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EXECUTORS = ("uniproc", "multiproc")  # where the model runs: see gouache/executor
+
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -50,6 +52,8 @@ class EngineConfig:
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
     max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for edit uploads
     patch_size: int = 128  # pixels per patch side under patched batching; sizes must be multiples of it
+    executor: str = "uniproc"  # uniproc: the model in this process; multiproc: one worker process per device
+    devices: int = 1  # devices of this replica (worker processes under multiproc)
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
@@ -58,6 +62,10 @@ class EngineConfig:
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
         _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
         _check(self.patch_size > 0, f"patch_size must be positive, got {self.patch_size}")
+        _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
+        _check(self.executor != "uniproc" or self.devices == 1,
+               f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc")
 
 
 @dataclass

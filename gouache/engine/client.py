@@ -32,10 +32,12 @@ from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo, unpriced_message
 from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus
+from gouache.executor.base import Executor
+from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import StepTimePredictor
-from gouache.sched.policies import make_policy
-from gouache.sched.scheduler import Scheduler
+from gouache.sched.policies import POLICIES, make_policy
+from gouache.sched.scheduler import Scheduler, check_devices
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +60,20 @@ def preview_steps(total_steps: int, partial_images: int) -> set[int]:
 
 class AsyncEngine:
     def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
-                 metrics: Metrics | None = None, predictor: StepTimePredictor | None = None):
+                 metrics: Metrics | None = None, predictor: StepTimePredictor | None = None,
+                 executor: Executor | None = None):
+        """`executor` runs the steps (default: `uniproc`, on `pipe` in this process); `pipe`
+        itself prepares and decodes."""
         self.config = engine_config
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(pipe, engine_config.patch_size)
+        self.runner = ModelRunner(pipe, engine_config.patch_size)  # prepares and decodes
+        self.pool = DevicePool(self.runner, executor) if executor is not None else DevicePool.in_process(self.runner)
         policy = make_policy(sched_config, predictor)
-        self.scheduler = Scheduler(policy)  # one device: an engine runs one model runner
+        try:
+            self.scheduler = Scheduler(policy, self.pool.num_devices)
+        except ValueError:
+            self.pool.shutdown()
+            raise
         info = replace(info, deadlines=policy.uses_deadlines)
         if policy.mixes_resolutions:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
@@ -72,7 +82,7 @@ class AsyncEngine:
             info = replace(info, sizes=tuple(sorted((w, h) for h, w in priced)))
         self.info = info
         self.core = EngineCore(
-            self.runner, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop, self._on_death
+            self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop, self._on_death
         )
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
@@ -91,17 +101,28 @@ class AsyncEngine:
         import torch
 
         from gouache.runner.models import load_pipeline, model_id, model_info
-        from gouache.sched.costmodel import BatchCostModel
+        from gouache.sched.costmodel import BatchCostModel, ParallelCostModel
         from gouache.sched.costmodel import load as load_cost_model
 
         if engine_config.torch_threads:
             torch.set_num_threads(engine_config.torch_threads)
         predictor = load_cost_model(sched_config.cost_model) if sched_config.cost_model else None
-        if predictor is not None and not isinstance(predictor, BatchCostModel):
+        if predictor is not None and not isinstance(predictor, BatchCostModel | ParallelCostModel):
             raise ValueError(f"{sched_config.cost_model} is a {predictor.kind!r} cost model; --cost-model takes "
-                             "the step-cost model of `gouache profile` (kind 'batch')")
+                             "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
+                             "(kind 'parallel')")
+        check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
-        return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config, predictor=predictor)
+        executor = None
+        if engine_config.executor == "multiproc":
+            from gouache.executor.multiproc import MultiprocExecutor
+            from gouache.executor.worker import WorkerSpec
+
+            spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
+                              engine_config.torch_threads)
+            executor = MultiprocExecutor(spec, engine_config.devices)
+        return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config,
+                   predictor=predictor, executor=executor)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -130,6 +151,7 @@ class AsyncEngine:
         self.core.stop()
         self.prep.stop()
         self.post.stop()
+        self.pool.shutdown()
         await self._loop.run_in_executor(None, self.codecs.shutdown)
 
     # -- the API's calls -------------------------------------------------------------------
@@ -199,7 +221,7 @@ class AsyncEngine:
                 entry.status = RequestStatus.WAITING
                 self.core.add(state)
         if entry is None:
-            self.runner.release(request.request_id)
+            self.pool.release(request.request_id)
 
     # -- the engine loop's callbacks (engine thread) ---------------------------------------
 
@@ -210,7 +232,7 @@ class AsyncEngine:
             entry, state = self._images.get(rid), report.states[rid]
             if entry is None:  # aborted while it was being added
                 if rid in finished:
-                    self.runner.release(rid)
+                    self.pool.release(rid)
                 continue
             if entry.status is RequestStatus.WAITING:
                 entry.status = RequestStatus.RUNNING
@@ -250,7 +272,7 @@ class AsyncEngine:
         entry = self._images.get(rid)
         pixels = None if entry is None else self.runner.decode(rid, latents)
         if kind == "final":
-            self.runner.release(rid)
+            self.pool.release(rid)
             self.heap.maybe_trim()
         if pixels is None:  # aborted meanwhile
             return
@@ -278,7 +300,7 @@ class AsyncEngine:
         preparing = isinstance(job[0], ImageRequest)
         rid = job[0].request_id if preparing else job[1]
         if preparing or job[0] == "final":  # not in the scheduler: no step can be using its state
-            self.runner.release(rid)
+            self.pool.release(rid)
         entry = self._images.get(rid)
         if entry is not None:
             self._fail(entry.handle.request_id, WorkerFailureError(f"{type(error).__name__}: {error}"))

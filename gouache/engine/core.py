@@ -1,10 +1,16 @@
-"""The engine loop of one replica: schedule -> execute one denoising step of a ready run -> advance.
+"""The engine loop of one replica: schedule -> launch a step of every ready run -> advance each as it ends.
 
-The scheduler hands out plans of batches (runs); with one device they run one after the
-other, a step at a time, so aborts and new arrivals are seen between any two steps. Runs in
-its own thread. Everything else (text encoding, VAE, image codecs) happens in the
-stages, so a step is never held up by them. Other threads talk to the loop only through
-its inbox.
+The scheduler hands out plans of batches (runs) on device blocks. The loop launches one
+denoising step of every ready run on its devices (`DevicePool.submit`: runs on disjoint blocks
+step at once), and as each step ends it advances that run and launches its next step, so aborts
+and new arrivals are seen between any two steps of a run. With one in-process device a step
+runs inside `submit`. Runs in its own thread. Everything else (text encoding, VAE, image
+codecs) happens in the stages, so a step is never held up by them. Other threads talk to the
+loop only through its inbox.
+
+A device whose worker dies is lost for good: the requests running on it or holding their
+state there fail with an explicit error, and the pool plans on the devices left; with none
+left the engine is dead.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 
 from gouache.metrics import Metrics
 from gouache.outputs import StepOutput
 from gouache.request import RequestState
-from gouache.runner.model_runner import ModelRunner
+from gouache.executor.base import WorkerDied
+from gouache.executor.pool import DevicePool
 from gouache.sched.plan import Batch
 from gouache.sched.scheduler import Run, Scheduler
 
@@ -36,11 +44,22 @@ class StepReport:
     states: dict[str, RequestState]  # every request that stepped, by id
 
 
+@dataclass
+class _Flight:
+    """A step of a run launched on its devices."""
+
+    run: Run
+    batch: Batch  # the members that were launched
+    states: dict[str, RequestState]
+    future: Future
+    start: float  # perf_counter at launch
+
+
 class EngineCore:
     """The loop. No request can stop it: a step or a plan that fails fails the requests it
     concerns and the loop goes on. Should the loop itself die (a bug), `on_death` is told."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, metrics: Metrics,
+    def __init__(self, runner: DevicePool, scheduler: Scheduler, metrics: Metrics,
                  on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str]], None],
                  on_drop: Callable[[list[str]], None], on_death: Callable[[BaseException], None]):
         self.runner = runner
@@ -51,6 +70,7 @@ class EngineCore:
         self.on_drop = on_drop  # called with the ids the policy dropped (deadline unattainable)
         self.on_death = on_death  # called in the loop thread if the loop itself raises
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._flights: list[_Flight] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gouache-engine", daemon=True)
 
@@ -86,42 +106,79 @@ class EngineCore:
             self._stop.set()  # `running` is False from here on
             self.on_death(error)
 
-    def step(self) -> StepReport | None:
-        """One denoising step of the first ready run, planning first if none is ready."""
-        start = time.perf_counter()
-        run = self._next_run(time.monotonic())
-        if run is None:
+    def step(self, wait_s: float = 0.05) -> StepReport | None:
+        """Launch a step of every ready run not stepping (planning when the scheduler has
+        something to decide), then finish one step that has ended, waiting up to `wait_s`
+        seconds for one; None if none ended (or none was launched)."""
+        self._launch(time.monotonic())
+        if not self._flights:
             return None
-        ids = self.scheduler.members(run, time.monotonic())
-        batch = replace(run.batch, request_ids=tuple(ids))
-        states = {rid: self.scheduler.running[rid] for rid in ids}
+        ended = [f for f in self._flights if f.future.done()]
+        if not ended:
+            wait([f.future for f in self._flights], timeout=wait_s, return_when=FIRST_COMPLETED)
+            ended = [f for f in self._flights if f.future.done()]
+        return self._finish(ended[0]) if ended else None
+
+    def _launch(self, now: float) -> None:
+        """Start a step of each ready run that is not stepping; plan again while a plan gives
+        runs or drops."""
+        while True:
+            stepping = {id(f.run) for f in self._flights}
+            for run in self.scheduler.ready():
+                if id(run) in stepping:
+                    continue
+                ids = self.scheduler.members(run, now)
+                if not ids:
+                    self.scheduler.end(run)  # every member finished, failed or was aborted
+                    continue
+                batch = replace(run.batch, request_ids=tuple(ids))
+                states = {rid: self.scheduler.running[rid] for rid in ids}
+                start = time.perf_counter()
+                try:
+                    future = self.runner.submit(batch)
+                except Exception as error:
+                    future = Future()
+                    future.set_exception(error)
+                self._flights.append(_Flight(run, batch, states, future, start))
+            if not self._schedule(now):
+                return
+
+    def _finish(self, flight: _Flight) -> StepReport | None:
+        self._flights.remove(flight)
+        run, ids = flight.run, list(flight.batch.request_ids)
         try:
-            output = self.runner.execute(batch)
+            output = flight.future.result()
+        except WorkerDied as error:
+            self._lose(run, ids, error)
+            return None
         except Exception as error:  # outside any one request's work: the step's requests fail
-            log.exception("denoising step failed")
+            log.error("denoising step failed: %s", error)
             self.scheduler.end(run)
             self._fail({rid: f"denoising failed: {error}" for rid in ids})
             return None
         self._fail(output.failed)
         finished = self.scheduler.advance(run, output.request_ids, time.monotonic()).finished
-        report = StepReport(batch, output, finished, states)
+        report = StepReport(flight.batch, output, finished, flight.states)
         self.on_step(report)
-        step_s = time.perf_counter() - start
+        step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
 
-    def _next_run(self, now: float) -> Run | None:
-        """The run to step next: the first ready one with members left, after planning when
-        the scheduler has something to decide; None if nothing can step now."""
-        while True:
-            for run in self.scheduler.ready():
-                if self.scheduler.members(run, now):
-                    return run
-                self.scheduler.end(run)  # every member finished, failed or was aborted
-            if not self._schedule(now):
-                return None
+    def _lose(self, run: Run, ids: list[str], error: WorkerDied) -> None:
+        """A worker died: its devices are lost, and with them the requests that were there."""
+        dead = self.runner.dead()
+        if run in self.scheduler.runs:
+            self.scheduler.end(run)
+        reasons = dict.fromkeys(ids, str(error))
+        for state in self.scheduler.lose(dead):
+            reasons.setdefault(state.request_id, f"its latents were on a device that died ({error})")
+        for rid in self.runner.stranded(dead):
+            reasons.setdefault(rid, f"its latents were on a device that died ({error})")
+        self._fail(reasons)
+        if len(self.scheduler.lost) == self.scheduler.num_devices:
+            raise RuntimeError(f"every device's worker died; the last: {error}")
 
     def _schedule(self, now: float) -> bool:
         """Ask for a plan, reporting dropped requests; whether it gave runs or drops (so the

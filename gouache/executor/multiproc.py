@@ -1,0 +1,206 @@
+"""`multiproc`: one worker process per device, started and supervised by the engine.
+
+Each worker joins one torch.distributed world (gloo on the CPU, NCCL on GPUs) and makes the
+process groups of every aligned device block up front, in the same order on every rank, so a
+batch can run on any block at any degree without making a group while serving. Calls go over
+one pipe per worker (tensors through shared memory, torch's multiprocessing pickler); one
+thread per worker reads its replies, and a closed pipe means the worker died: every call
+pending on it fails with `WorkerDied` at once and the rank stays dead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from gouache.executor.base import Executor, WorkerDied
+from gouache.executor.worker import WorkerSpec, aligned_blocks
+
+log = logging.getLogger(__name__)
+
+
+class _Call:
+    """One submit: its future and the replies still awaited, by rank."""
+
+    def __init__(self, ranks: list[int]):
+        self.future: Future[list[Any]] = Future()
+        self.ranks = ranks
+        self.results: dict[int, Any] = {}
+        self.lock = threading.Lock()
+
+    def reply(self, rank: int, ok: bool, value: Any) -> None:
+        with self.lock:
+            if self.future.done():
+                return
+            if not ok:
+                self.future.set_exception(value if isinstance(value, BaseException) else RuntimeError(value))
+                return
+            self.results[rank] = value
+            if len(self.results) == len(self.ranks):
+                self.future.set_result([self.results[r] for r in self.ranks])
+
+
+class MultiprocExecutor(Executor):
+    kind = "multiproc"
+
+    def __init__(self, spec: WorkerSpec, num_devices: int, start_timeout_s: float = 600.0,
+                 collective_timeout_s: float = 60.0):
+        if num_devices < 1:
+            raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+        self.num_devices = num_devices
+        context = mp.get_context("spawn")
+        port = _free_port()
+        self._procs, self._conns, self._send_locks = [], [], []
+        for rank in range(num_devices):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"gouache-worker-{rank}", daemon=True,
+                                      args=(rank, num_devices, port, spec, collective_timeout_s, child))
+            process.start()
+            child.close()
+            self._procs.append(process)
+            self._conns.append(parent)
+            self._send_locks.append(threading.Lock())
+        self._calls: dict[int, _Call] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._dead: dict[int, str] = {}
+        self._closing = False
+        self._readers = [threading.Thread(target=self._read, args=(rank,), name=f"gouache-worker-{rank}-reader",
+                                          daemon=True) for rank in range(num_devices)]
+        for reader in self._readers:
+            reader.start()
+        try:
+            self.collective_rpc("ping", timeout=start_timeout_s)  # every worker loaded and in the world
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
+        ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
+        call = _Call(ranks)
+        with self._lock:
+            dead = [r for r in ranks if r in self._dead]
+            if dead:
+                call.future.set_exception(WorkerDied(dead[0], self._dead[dead[0]]))
+                return call.future
+            call_id = next(self._ids)
+            self._calls[call_id] = call
+        for rank in ranks:
+            try:
+                with self._send_locks[rank]:
+                    self._conns[rank].send((call_id, method, args))
+            except (OSError, EOFError) as error:
+                self._died(rank, f"its pipe is closed ({error})")
+        call.future.add_done_callback(lambda _: self._forget(call_id))
+        return call.future
+
+    def dead(self) -> set[int]:
+        with self._lock:
+            return set(self._dead)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        for rank, conn in enumerate(self._conns):
+            try:
+                with self._send_locks[rank]:
+                    conn.send(None)
+            except (OSError, EOFError):
+                pass
+        for process in self._procs:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker, as a crash would (for tests and fault drills)."""
+        self._procs[rank].kill()
+
+    def _read(self, rank: int) -> None:
+        conn = self._conns[rank]
+        while True:
+            try:
+                call_id, ok, value = conn.recv()
+            except (EOFError, OSError) as error:
+                self._procs[rank].join(timeout=1)
+                code = self._procs[rank].exitcode
+                self._died(rank, "shut down" if self._closing else f"its process ended (exit code {code})")
+                return
+            with self._lock:
+                call = self._calls.get(call_id)
+            if call is not None:
+                call.reply(rank, ok, value)
+
+    def _died(self, rank: int, why: str) -> None:
+        with self._lock:
+            if rank in self._dead:
+                return
+            self._dead[rank] = why
+            pending = [c for c in self._calls.values() if rank in c.ranks]
+        if not self._closing:
+            log.error("the worker of device %d died: %s", rank, why)
+        for call in pending:
+            call.reply(rank, False, WorkerDied(rank, why))
+
+    def _forget(self, call_id: int) -> None:
+        with self._lock:
+            self._calls.pop(call_id, None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world: int, port: int, spec: WorkerSpec, collective_timeout_s: float, conn) -> None:
+    """A worker process: join the world, make the block groups, load the model, serve calls."""
+    import torch
+    import torch.distributed as dist
+
+    from gouache.executor.worker import Worker
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.models import load_pipeline
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops its workers itself
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    device = spec.device_of(rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s))
+    groups = {}
+    for block in aligned_blocks(world):  # every rank makes every group, in one order
+        group = dist.new_group(list(block))
+        if rank in block:
+            groups[block] = group
+    worker = Worker(rank, ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels), groups)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the engine is gone
+            break
+        if message is None:
+            break
+        call_id, method, args = message
+        try:
+            reply = (call_id, True, getattr(worker, method)(*args))
+        except Exception as error:
+            reply = (call_id, False, f"{type(error).__name__}: {error}")
+        try:
+            conn.send(reply)
+        except (OSError, EOFError):
+            break
+    dist.destroy_process_group()

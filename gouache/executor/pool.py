@@ -1,0 +1,118 @@
+"""The engine's device pool: runs each batch on the devices its plan gives, moving denoising
+states between device blocks as requests change devices (the hand-off).
+
+Preparation (text encoding, initial latents) and decoding stay in the driver's `ModelRunner`,
+which keeps every request's `DenoiseState` from `prepare` to `release`. A block of workers gets
+a request's state with the first batch it runs there: from the driver if the request never ran,
+else exported from the block that ran it last (and dropped there). After each step the block's
+reply carries the members' latents and step counts back into the driver's state, for previews
+and the final decode; the sampler itself moves only with a hand-off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+
+from gouache.executor.base import Executor
+from gouache.executor.worker import RunOutput
+from gouache.outputs import StepOutput
+from gouache.runner.model_runner import ModelRunner
+from gouache.sched.plan import Batch
+
+
+class DevicePool:
+    """`submit` from the engine thread; `release` from any thread."""
+
+    def __init__(self, runner: ModelRunner, executor: Executor):
+        self.runner = runner
+        self.executor = executor
+        self.held: dict[str, tuple[int, ...]] = {}  # request id -> the block whose workers hold its state
+        self.handoffs = 0
+        self.handoff_s = 0.0  # seconds spent moving states between blocks
+        self._lock = threading.Lock()  # guards `held`
+
+    @classmethod
+    def in_process(cls, runner: ModelRunner) -> DevicePool:
+        """One device, the driver's own runner: the `uniproc` executor."""
+        from gouache.executor.uniproc import UniprocExecutor
+
+        return cls(runner, UniprocExecutor(runner))
+
+    @property
+    def num_devices(self) -> int:
+        return self.executor.num_devices
+
+    def dead(self) -> set[int]:
+        return self.executor.dead()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def submit(self, batch: Batch) -> Future[StepOutput]:
+        """One step of `batch` on its devices; the future's `StepOutput` names the members
+        that stepped and those that failed (one whose state could not be fetched included)."""
+        failed: dict[str, str] = {}
+        incoming = {}
+        for rid in batch.request_ids:
+            with self._lock:
+                where = self.held.get(rid)
+            if where == batch.devices:
+                continue
+            if rid not in self.runner.states:
+                failed[rid] = "its denoising state is gone"
+                continue
+            try:
+                incoming[rid] = self._fetch(rid, where)
+            except Exception as error:
+                failed[rid] = f"its denoising state could not be moved to devices {batch.devices}: {error}"
+        members = tuple(rid for rid in batch.request_ids if rid not in failed)
+        if not members:
+            done: Future[StepOutput] = Future()
+            done.set_result(StepOutput(request_ids=[], forward_s=0.0, failed=failed))
+            return done
+        with self._lock:
+            self.held.update(dict.fromkeys(incoming, batch.devices))
+        call = self.executor.submit("execute", (Batch(members, batch.devices, 1, batch.patched), incoming),
+                                    ranks=batch.devices)
+        result: Future[StepOutput] = Future()
+
+        def finish(call: Future) -> None:
+            try:
+                output: RunOutput = call.result()[0]
+            except BaseException as error:
+                result.set_exception(error)
+                return
+            for rid in output.step.request_ids:
+                state = self.runner.states.get(rid)
+                if state is not None:
+                    state.latents, state.step = output.latents[rid], output.steps[rid]
+            output.step.failed.update(failed)
+            result.set_result(output.step)
+
+        call.add_done_callback(finish)
+        return result
+
+    def release(self, request_id: str) -> None:
+        """Forget a request everywhere (finished and decoded, failed, or aborted)."""
+        self.runner.release(request_id)
+        with self._lock:
+            where = self.held.pop(request_id, None)
+        if where is not None and not self.executor.dead() & set(where):
+            self.executor.submit("release", ([request_id],), ranks=where)
+
+    def stranded(self, dead: set[int]) -> list[str]:
+        """The requests whose only state beyond the driver's sampler was on a dead device."""
+        with self._lock:
+            return [rid for rid, where in self.held.items() if dead & set(where)]
+
+    def _fetch(self, rid: str, where: tuple[int, ...] | None):
+        if where is None:
+            return self.runner.states[rid]
+        start = time.perf_counter()
+        state = self.executor.collective_rpc("export", ([rid],), ranks=where)[0][rid]
+        self.handoffs += 1
+        self.handoff_s += time.perf_counter() - start
+        return state

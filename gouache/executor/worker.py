@@ -1,0 +1,106 @@
+"""One device's worker: a model runner, the denoising states whose latents it holds, and the
+process groups of the aligned device blocks it belongs to.
+
+A batch of degree k runs on the k workers of its block at once, each with the same full
+states; Ulysses sequence parallelism (`gouache.runner.ulysses`) shards the image tokens inside
+the forward and every rank ends the step with identical latents and sampler state. So each
+worker of a block holds a whole copy of its requests' states, and a request can run at another
+degree next round on any block that receives its state (the hand-off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from gouache.outputs import StepOutput
+from gouache.runner.model_runner import ModelRunner
+from gouache.runner.sampler import DenoiseState
+from gouache.sched.plan import Batch
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process loads: the same model as the driver's, on its own device."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu": every worker on the CPU (gloo); "cuda": worker i on cuda:i (NCCL)
+    patch_pixels: int = 128
+    torch_threads: int | None = None
+
+    def device_of(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.device.startswith("cuda") else "cpu"
+
+
+@dataclass
+class RunOutput:
+    """What one step of a batch did on its block (every rank returns the same)."""
+
+    step: StepOutput
+    latents: dict[str, torch.Tensor] = field(default_factory=dict)  # each stepped member's latents after it
+    steps: dict[str, int] = field(default_factory=dict)  # each stepped member's denoising steps done
+
+
+def aligned_blocks(num_devices: int) -> list[tuple[int, ...]]:
+    """Every aligned power-of-two block of two or more devices, smallest first: the process
+    groups a pool of `num_devices` can need (2N - 1 blocks with the singletons)."""
+    blocks, k = [], 2
+    while k <= num_devices:
+        blocks += [tuple(range(a, a + k)) for a in range(0, num_devices - k + 1, k)]
+        k *= 2
+    return blocks
+
+
+class Worker:
+    """Runs the batches of one device. `groups` maps each block of two or more devices this
+    worker is in to its process group (all made at start, in one order on every rank)."""
+
+    def __init__(self, rank: int, runner: ModelRunner, groups: dict[tuple[int, ...], object] | None = None):
+        self.rank = rank
+        self.runner = runner
+        self.groups = groups or {}
+
+    def ping(self) -> int:
+        return self.rank
+
+    def execute(self, batch: Batch, incoming: dict[str, DenoiseState]) -> RunOutput:
+        """Take `incoming` states (new to this block or moved to it), then run one step of
+        `batch` on its devices."""
+        self.runner.states.update(incoming)
+        with self._parallel(batch):
+            step = self.runner.execute(Batch(batch.request_ids, (0,), 1, batch.patched))
+        states = {rid: self.runner.states[rid] for rid in step.request_ids}
+        return RunOutput(step, {rid: s.latents for rid, s in states.items()}, {rid: s.step for rid, s in states.items()})
+
+    def export(self, request_ids: list[str]) -> dict[str, DenoiseState]:
+        """Hand these requests' states over (they leave this worker)."""
+        return {rid: self.runner.states.pop(rid) for rid in request_ids if rid in self.runner.states}
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.runner.release(rid)
+
+    def held(self) -> list[str]:
+        return list(self.runner.states)
+
+    @contextlib.contextmanager
+    def _parallel(self, batch: Batch):
+        if batch.degree == 1:
+            yield
+            return
+        if batch.patched:
+            raise ValueError("patched batches run on one device; a batch of degree > 1 runs plain forwards")
+        group = self.groups.get(batch.devices)
+        if group is None:
+            raise ValueError(f"worker {self.rank} has no process group for devices {batch.devices}")
+        transformer = getattr(self.runner.pipe, "transformer", None)
+        if transformer is None:
+            raise ValueError("UNet models run at degree 1 (data parallel over devices); "
+                             "sequence parallelism is for the DiTs")
+        from gouache.runner.ulysses import ulysses
+
+        with ulysses(transformer, group):
+            yield

@@ -1,0 +1,146 @@
+"""The multiproc executor: worker processes on gloo run round-knapsack plans whose degrees
+change between rounds, with the pixels of one device, and survive a worker's death."""
+
+import time
+
+import pytest
+import torch
+
+from gouache.config import SchedulerConfig
+from gouache.engine.core import EngineCore
+from gouache.executor.base import WorkerDied
+from gouache.executor.multiproc import MultiprocExecutor
+from gouache.executor.pool import DevicePool
+from gouache.executor.worker import WorkerSpec
+from gouache.metrics import Metrics
+from gouache.request import ImageRequest
+from gouache.runner.model_runner import ModelRunner
+from gouache.runner.models import load_pipeline
+from gouache.sched.costmodel import ParallelCostModel
+from gouache.sched.interface import Policy
+from gouache.sched.plan import Batch, Plan
+from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
+
+MODEL = "tiny-sd3"  # 2 heads: degrees 1 and 2
+# Two devices make a 64 px step almost twice as fast: alone, a request takes both (elastic
+# scale-up); two requests get one device each.
+COST = ParallelCostModel({(64, 64): {1: 0.1, 2: 0.051}})
+
+
+def request(rid, seed, steps=6):
+    return ImageRequest(rid, "a red circle", 64, 64, steps, 4.0, seed)
+
+
+class Loop:
+    """An EngineCore on a device pool, driven by hand; keeps final latents, failures, degrees."""
+
+    def __init__(self, executor=None, round_s=0.15):
+        self.runner = ModelRunner(load_pipeline(MODEL))
+        self.pool = DevicePool(self.runner, executor) if executor else DevicePool.in_process(self.runner)
+        policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=round_s), COST)
+        self.scheduler = Scheduler(policy, self.pool.num_devices)
+        self.latents, self.failed, self.degrees = {}, {}, {}
+        self.core = EngineCore(self.pool, self.scheduler, Metrics(), self.on_step, self.failed.update,
+                               pytest.fail, lambda error: pytest.fail(str(error)))
+
+    def on_step(self, report):
+        for rid in report.output.request_ids:
+            self.degrees.setdefault(rid, []).append(report.batch.degree)
+        for state in report.finished:
+            self.latents[state.request_id] = self.runner.states[state.request_id].latents.clone()
+            self.pool.release(state.request_id)
+
+    def add(self, r):
+        self.scheduler.add(self.runner.prepare(r))
+
+    def run(self, later=(), after_steps=2, timeout_s=120):
+        """Step until idle; `later` requests join once `after_steps` steps have been reported."""
+        reports, deadline = 0, time.monotonic() + timeout_s
+        while self.scheduler.has_work() or later:
+            if later and reports >= after_steps:
+                for r in later:
+                    self.add(r)
+                later = ()
+            reports += self.core.step() is not None
+            assert time.monotonic() < deadline, "the loop stalled"
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
+    yield executor
+    executor.shutdown()
+
+
+def assert_equal_latents(got, expected):
+    assert set(got) == set(expected)
+    for rid in got:
+        assert (got[rid] - expected[rid]).abs().max() <= 1e-4, rid
+        assert got[rid].abs().mean() > 0.1  # non-trivial latents
+
+
+def test_round_knapsack_on_two_workers_equals_one_device(two_workers):
+    first, second = request("first", seed=1), request("second", seed=2, steps=4)
+    pooled, alone = Loop(two_workers), Loop()
+    for loop in (pooled, alone):
+        loop.add(first)
+        loop.run(later=[second])
+    assert not pooled.failed
+    assert_equal_latents(pooled.latents, alone.latents)
+    assert pooled.degrees["first"][0] == 2  # alone, it took both devices (elastic scale-up)
+
+
+class Script(Policy):
+    """A round policy that plays fixed placements, one step a round, cycling: a on both
+    devices; a and b one each; swapped (both hand off); both on both devices, one after the
+    other."""
+
+    name, rounds, max_devices = "script", True, None
+    ROUNDS = [{"a": (0, 1)}, {"a": (0,), "b": (1,)}, {"a": (1,), "b": (0,)}, {"a": (0, 1), "b": (0, 1)}]
+
+    def __init__(self):
+        super().__init__(SchedulerConfig())
+        self.count = 0
+
+    def plan(self, waiting, running, now, devices):
+        present = {s.request_id for s in [*running, *waiting]}
+        script = self.ROUNDS[self.count % len(self.ROUNDS)]
+        self.count += 1
+        batches = [Batch((rid,), block) for rid, block in script.items() if rid in present]
+        admit = [s.request_id for s in waiting if s.request_id in script]
+        return Plan(batches=batches, admit=admit, until=now)
+
+
+def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_workers):
+    a, b = request("a", seed=5, steps=7), request("b", seed=6, steps=5)
+    pooled, alone = Loop(two_workers), Loop()
+    pooled.scheduler = pooled.core.scheduler = Scheduler(Script(), 2)
+    for loop in (pooled, alone):
+        loop.add(a)
+        loop.add(b)
+        loop.run()
+    assert not pooled.failed
+    assert_equal_latents(pooled.latents, alone.latents)
+    assert pooled.degrees == {"a": [2, 1, 1, 2, 2, 1, 1], "b": [1, 1, 2, 1, 1]}
+    # rounds 0-6; a: (0,1) (0,) (1,) (0,1) (0,1) (0,) (1,), 5 moves; b from round 1: (1,) (0,) (0,1) - (1,) (0,), 4
+    assert pooled.pool.handoffs == 9
+
+
+def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
+    try:
+        loop = Loop(executor)
+        loop.add(request("doomed", seed=3, steps=50))
+        loop.core.step()  # a step on both devices: the request holds its latents there
+        executor.kill(1)
+        loop.run()
+        assert set(loop.failed) == {"doomed"} and "device 1 died" in loop.failed["doomed"]
+        assert executor.dead() == {1} and loop.scheduler.lost == {1}
+        with pytest.raises(WorkerDied, match="device 1"):
+            executor.collective_rpc("ping", ranks=[1])
+        loop.add(request("next", seed=4, steps=3))
+        loop.run()
+        assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
+    finally:
+        executor.shutdown()
