@@ -56,7 +56,12 @@ def add_arguments(p) -> None:
                         "(default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of torch, as `gouache serve --torch-threads` will run (default: torch's)")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="more than 1: measure T(size, k) for k = 1, 2, 4, ... <= DEVICES and the hand-off through "
+                        "that many worker processes instead (a parallel cost model for round-knapsack over "
+                        "devices; --samples, --max-batch and --seed do not apply) (default: %(default)s)")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json, "
+                                               "parallel_<model>.json with --devices)")
 
 
 def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[dict[int, int]]:
@@ -78,6 +83,10 @@ def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[di
 
 
 def run(args) -> int:
+    if args.devices > 1:
+        from gouache.bench import profile_parallel
+
+        return profile_parallel.run(args)
     import torch
 
     from gouache.runner.model_runner import ModelRunner

@@ -12,7 +12,6 @@ and the final decode; the sampler itself moves only with a hand-off.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future
 
 
@@ -30,8 +29,7 @@ class DevicePool:
         self.runner = runner
         self.executor = executor
         self.held: dict[str, tuple[int, ...]] = {}  # request id -> the block whose workers hold its state
-        self.handoffs = 0
-        self.handoff_s = 0.0  # seconds spent moving states between blocks
+        self.handoffs = 0  # states moved from one block to another
         self._lock = threading.Lock()  # guards `held`
 
     @classmethod
@@ -111,8 +109,6 @@ class DevicePool:
     def _fetch(self, rid: str, where: tuple[int, ...] | None):
         if where is None:
             return self.runner.states[rid]
-        start = time.perf_counter()
         state = self.executor.collective_rpc("export", ([rid],), ranks=where)[0][rid]
         self.handoffs += 1
-        self.handoff_s += time.perf_counter() - start
         return state

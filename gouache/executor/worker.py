@@ -83,9 +83,6 @@ class Worker:
         for rid in request_ids:
             self.runner.release(rid)
 
-    def held(self) -> list[str]:
-        return list(self.runner.states)
-
     @contextlib.contextmanager
     def _parallel(self, batch: Batch):
         if batch.degree == 1:

@@ -30,7 +30,7 @@ from gouache.sched.router import ROUTERS
 from gouache.sched.scheduler import check_devices
 from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy, shortest_round
 from gouache.sim.report import markdown_table, result_to_dict, summary_row, write_json
-from gouache.sim.costs import LinearHandoff, PredictedStepCost, linear_step_cost, standalone_latency
+from gouache.sim.costs import LinearHandoff, PredictedStepCost, linear_step_cost, load_handoff, standalone_latency
 from gouache.sim.simulator import SimResult, simulate
 from gouache.sim.workloads import MIXES, SimRequest, WorkloadSpec, make_workload, read_trace
 
@@ -202,7 +202,7 @@ def _run_parallel(args, names: list[str]) -> list[SimResult]:
     if args.mask_mean is not None:
         raise ValueError("--mask-mean prices edits on one device per replica; drop --devices")
     if args.cost_model:
-        model, handoff = load(args.cost_model), None
+        model, handoff = load(args.cost_model), load_handoff(args.cost_model)
         if not isinstance(model, ParallelCostModel):
             raise ValueError(f"{args.cost_model} is a {model.kind} cost model; --devices > 1 needs a parallel "
                              "T(resolution, k) one")

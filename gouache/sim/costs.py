@@ -4,9 +4,11 @@ Pixels throughout; nothing here imports torch."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from gouache.request import RequestState
 from gouache.sched.interface import Resolution, StepTimePredictor
@@ -97,6 +99,14 @@ class LinearHandoff:
     def __call__(self, state: RequestState) -> float:
         height, width = state.resolution
         return self.fixed_s + height * width / 1e6 * self.per_megapixel_s
+
+
+def load_handoff(path: str | Path) -> LinearHandoff | None:
+    """The hand-off a parallel cost model's JSON carries (`gouache profile --devices`), if any."""
+    entry = json.loads(Path(path).read_text()).get("handoff")
+    if entry is None:
+        return None
+    return LinearHandoff(entry["fixed_s"], entry["per_megapixel_s"], entry.get("source", str(path)))
 
 
 def standalone_latency(step_cost: StepCost) -> Callable[[int, int, int], float]:

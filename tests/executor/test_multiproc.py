@@ -144,3 +144,19 @@ def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():
         assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
     finally:
         executor.shutdown()
+
+
+def test_profile_measures_degrees_and_the_handoff_for_the_simulator(tmp_path):
+    from gouache.cli import main
+    from gouache.sched.costmodel import load
+    from gouache.sim.costs import load_handoff
+
+    out = tmp_path / "parallel.json"
+    assert main(["profile", "--model", MODEL, "--devices", "2", "--sizes", "64,96", "--repeats", "2",
+                 "--torch-threads", "1", "--out", str(out)]) == 0
+    model, handoff = load(out), load_handoff(out)
+    assert model.kind == "parallel" and model.resolutions == [(64, 64), (96, 96)]
+    assert all(model.degrees(res) == [1, 2] and model.seconds(res, 2) > 0 for res in model.resolutions)
+    assert handoff.fixed_s >= 0 and handoff.per_megapixel_s >= 0 and "--devices 2" in handoff.source
+    assert main(["simulate", "--policies", "round-knapsack,fixed-sp-2", "--devices", "2", "--cost-model", str(out),
+                 "--sizes", "64,96", "--requests", "10", "--rate", "2", "--steps", "5"]) == 0

@@ -1,0 +1,96 @@
+"""`gouache profile --devices N`: T(resolution, k) and the hand-off, measured through the engine's
+own multiproc executor, for round-knapsack over N devices.
+
+For each size, one request is prepared in the driver and stepped through `DevicePool` on the
+block (0..k-1) for each k in 1, 2, 4, ... <= N: a step to move it there and one to warm up,
+then `--repeats` timed steps, median kept. The time is a whole `submit` until its result (the
+pipe, the workers' collectives, the latents coming back), which is what the engine loop waits
+for. The hand-off is the extra time of a step that first moves the request from device 0 to
+device 1, over a step that does not (median of `--repeats` moves), fitted over the sizes as a
+fixed time plus a time per megapixel. Writes a `ParallelCostModel` JSON (kind "parallel") with
+a "handoff" entry, which `gouache serve --cost-model` and `gouache simulate --cost-model` read.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+
+def degrees_up_to(num_devices: int) -> list[int]:
+    return [1 << i for i in range(num_devices.bit_length()) if 1 << i <= num_devices]
+
+
+def run(args) -> int:
+    from gouache.executor.multiproc import MultiprocExecutor
+    from gouache.executor.pool import DevicePool
+    from gouache.executor.worker import WorkerSpec
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.models import load_pipeline
+    from gouache.sched.costmodel import ParallelCostModel
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    degrees = degrees_up_to(args.devices)
+    spec = WorkerSpec(args.model, args.dtype, args.device, args.patch_size, args.torch_threads)
+    executor = MultiprocExecutor(spec, args.devices)
+    try:
+        pool = DevicePool(ModelRunner(load_pipeline(args.model, args.dtype, "cpu")), executor)
+        table, moves = {}, {}
+        with tqdm(total=len(sizes) * (len(degrees) + 1), desc="timing degrees and hand-offs", unit="row") as bar:
+            for size in sizes:
+                table[(size, size)], moves[size] = _time_size(pool, size, degrees, args.repeats, bar)
+    finally:
+        executor.shutdown()
+    pixels = np.array([size * size / 1e6 for size in sizes])
+    extra = np.array([moves[size] - table[(size, size)][1] for size in sizes])
+    per_megapixel, fixed = np.polyfit(pixels, extra, 1) if len(sizes) > 1 else (0.0, float(extra[0]))
+    source = f"gouache profile --devices {args.devices} on {args.device} ({args.model})"
+    model = ParallelCostModel(table, source=source)
+    data = {**model.to_json(), "handoff": {"fixed_s": max(float(fixed), 0.0), "per_megapixel_s": max(float(per_megapixel), 0.0),
+                                            "measured_s": {str(size): moves[size] - table[(size, size)][1] for size in sizes},
+                                            "source": source}}
+    out = Path(args.out or f"benchmarks/results/parallel_{args.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**data, "command": "gouache profile " + " ".join(sys.argv[2:])}, indent=1) + "\n")
+    for (h, w), row in table.items():
+        print(f"{w}x{h}: " + ", ".join(f"k={k} {s * 1e3:.1f} ms" for k, s in row.items())
+              + f"; hand-off +{(moves[w] - row[1]) * 1e3:.1f} ms")
+    print(f"wrote {out}")
+    return 0
+
+
+def _time_size(pool, size: int, degrees: list[int], repeats: int, bar) -> tuple[dict[int, float], float]:
+    from gouache.request import ImageRequest
+    from gouache.sched.plan import Batch
+
+    steps = (len(degrees) + 1) * (repeats + 2) * 2 + 2
+    request = ImageRequest(f"profile-{size}", "a red fox", size, size, steps, 5.0, seed=0)
+    pool.runner.prepare(request)
+    rid = request.request_id
+
+    def step(devices: tuple[int, ...]) -> float:
+        start = time.perf_counter()
+        output = pool.submit(Batch((rid,), devices)).result()
+        if output.failed:
+            raise RuntimeError(f"profiling step failed: {output.failed}")
+        return time.perf_counter() - start
+
+    row = {}
+    for k in degrees:
+        block = tuple(range(k))
+        step(block)  # move there
+        step(block)  # warm up
+        row[k] = statistics.median(step(block) for _ in range(repeats))
+        bar.update()
+    moved = []
+    for i in range(repeats):  # alternate devices 0 and 1 (device 0 only when there is one)
+        moved.append(step((i % 2,) if len(degrees) > 1 else (0,)))
+    bar.update()
+    pool.release(rid)
+    return row, statistics.median(moved)
