@@ -30,6 +30,11 @@ class Metrics:
             "gouache_queueing_seconds", "Acceptance to first denoising step of an image", buckets=_REQUEST_BUCKETS, registry=r
         )
         self.images = Counter("gouache_images_total", "Images returned", registry=r)
+        self.image_steps = Counter("gouache_image_steps_total",
+                                   "Denoising steps of one image, by the sequence-parallel degree it ran at",
+                                   ["degree"], registry=r)
+        self.handoffs = Counter("gouache_handoffs_total",
+                                "Denoising states moved from one device block to another", registry=r)
         self.errors = Counter("gouache_errors_total", "Requests that ended with an error", ["kind"], registry=r)
 
     def render(self) -> bytes:

@@ -67,7 +67,9 @@ class AsyncEngine:
         self.config = engine_config
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(pipe, engine_config.patch_size)  # prepares and decodes
-        self.pool = DevicePool(self.runner, executor) if executor is not None else DevicePool.in_process(self.runner)
+        count = self.metrics.handoffs.inc
+        self.pool = (DevicePool(self.runner, executor, count) if executor is not None
+                     else DevicePool.in_process(self.runner, count))
         policy = make_policy(sched_config, predictor)
         try:
             self.scheduler = Scheduler(policy, self.pool.num_devices)

@@ -160,6 +160,7 @@ class EngineCore:
         finished = self.scheduler.advance(run, output.request_ids, time.monotonic()).finished
         report = StepReport(flight.batch, output, finished, flight.states)
         self.on_step(report)
+        self.metrics.image_steps.labels(str(flight.batch.degree)).inc(len(output.request_ids))
         step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off

@@ -12,6 +12,7 @@ and the final decode; the sampler itself moves only with a hand-off.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 
@@ -25,19 +26,20 @@ from gouache.sched.plan import Batch
 class DevicePool:
     """`submit` from the engine thread; `release` from any thread."""
 
-    def __init__(self, runner: ModelRunner, executor: Executor):
+    def __init__(self, runner: ModelRunner, executor: Executor, on_handoff: Callable[[], None] = lambda: None):
         self.runner = runner
         self.executor = executor
+        self.on_handoff = on_handoff  # called at each hand-off (the engine counts them in /metrics)
         self.held: dict[str, tuple[int, ...]] = {}  # request id -> the block whose workers hold its state
         self.handoffs = 0  # states moved from one block to another
         self._lock = threading.Lock()  # guards `held`
 
     @classmethod
-    def in_process(cls, runner: ModelRunner) -> DevicePool:
+    def in_process(cls, runner: ModelRunner, on_handoff: Callable[[], None] = lambda: None) -> DevicePool:
         """One device, the driver's own runner: the `uniproc` executor."""
         from gouache.executor.uniproc import UniprocExecutor
 
-        return cls(runner, UniprocExecutor(runner))
+        return cls(runner, UniprocExecutor(runner), on_handoff)
 
     @property
     def num_devices(self) -> int:
@@ -111,4 +113,5 @@ class DevicePool:
             return self.runner.states[rid]
         state = self.executor.collective_rpc("export", ([rid],), ranks=where)[0][rid]
         self.handoffs += 1
+        self.on_handoff()
         return state

@@ -41,7 +41,8 @@ class Loop:
         policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=round_s), COST)
         self.scheduler = Scheduler(policy, self.pool.num_devices)
         self.latents, self.failed, self.degrees = {}, {}, {}
-        self.core = EngineCore(self.pool, self.scheduler, Metrics(), self.on_step, self.failed.update,
+        self.metrics = Metrics()
+        self.core = EngineCore(self.pool, self.scheduler, self.metrics, self.on_step, self.failed.update,
                                pytest.fail, lambda error: pytest.fail(str(error)))
 
     def on_step(self, report):
@@ -125,6 +126,8 @@ def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_wor
     assert pooled.degrees == {"a": [2, 1, 1, 2, 2, 1, 1], "b": [1, 1, 2, 1, 1]}
     # rounds 0-6; a: (0,1) (0,) (1,) (0,1) (0,1) (0,) (1,), 5 moves; b from round 1: (1,) (0,) (0,1) - (1,) (0,), 4
     assert pooled.pool.handoffs == 9
+    steps = {k: pooled.metrics.image_steps.labels(str(k))._value.get() for k in (1, 2)}
+    assert steps == {1: 8, 2: 4}  # /metrics counts image steps by degree
 
 
 def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():
