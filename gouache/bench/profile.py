@@ -34,6 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from gouache.bench.batching import median_s
+from gouache.cli_flags import Given, given, refuse_ignored
 
 
 def add_arguments(p) -> None:
@@ -44,14 +45,14 @@ def add_arguments(p) -> None:
                    help="weights and activations (default: %(default)s)")
     p.add_argument("--sizes", default="256,384,512",
                    help="comma-separated square sizes in pixels the server will see (default: %(default)s)")
-    p.add_argument("--patch-size", type=int, default=128,
+    p.add_argument("--patch-size", type=int, default=128, action=Given,
                    help="patch side in pixels, as `gouache serve --patch-size` will run (default: %(default)s)")
-    p.add_argument("--samples", type=int, default=60,
+    p.add_argument("--samples", type=int, default=60, action=Given,
                    help="compositions to time (every one, if there are no more than this) (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=6, help="most images in a profiled batch (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=6, action=Given, help="most images in a profiled batch (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed rounds over all batches, after a warm-up round; medians kept (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=int, default=0, action=Given,
                    help="seed of the random mixes, drawn when there are more compositions than --samples "
                         "(default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None,
@@ -59,7 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--devices", type=int, default=1,
                    help="more than 1: measure T(size, k) for k = 1, 2, 4, ... <= DEVICES and the hand-off through "
                         "that many worker processes instead (a parallel cost model for round-knapsack over "
-                        "devices; --samples, --max-batch and --seed do not apply) (default: %(default)s)")
+                        "devices; --samples, --max-batch, --seed and --patch-size are refused with it) "
+                        "(default: %(default)s)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json, "
                                                "parallel_<model>.json with --devices)")
 
@@ -83,8 +85,13 @@ def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[di
 
 
 def run(args) -> int:
+    if args.devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if args.devices > 1:
         from gouache.bench import profile_parallel
+
+        refuse_ignored({dest: "--devices times one request per size at each degree; it fits no batch model"
+                        for dest in ("samples", "max_batch", "seed", "patch_size") if dest in given(args)})
 
         return profile_parallel.run(args)
     import torch

@@ -23,24 +23,26 @@ import numpy as np
 from tqdm import tqdm
 
 
-def degrees_up_to(num_devices: int) -> list[int]:
-    return [1 << i for i in range(num_devices.bit_length()) if 1 << i <= num_devices]
-
-
 def run(args) -> int:
     from gouache.executor.multiproc import MultiprocExecutor
     from gouache.executor.pool import DevicePool
     from gouache.executor.worker import WorkerSpec
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.models import load_pipeline
+    from gouache.runner.ulysses import check_degree
     from gouache.sched.costmodel import ParallelCostModel
+    from gouache.sched.rounds import degrees as degrees_of
+    from gouache.sched.rounds import max_degree
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    degrees = degrees_up_to(args.devices)
+    degrees = list(degrees_of(max_degree(args.devices)))
     spec = WorkerSpec(args.model, args.dtype, args.device, args.patch_size, args.torch_threads)
+    pipe = load_pipeline(args.model, args.dtype, "cpu")
+    for k in degrees:
+        check_degree(pipe, k)
     executor = MultiprocExecutor(spec, args.devices)
     try:
-        pool = DevicePool(ModelRunner(load_pipeline(args.model, args.dtype, "cpu")), executor)
+        pool = DevicePool(ModelRunner(pipe), executor)
         table, moves = {}, {}
         with tqdm(total=len(sizes) * (len(degrees) + 1), desc="timing degrees and hand-offs", unit="row") as bar:
             for size in sizes:

@@ -117,6 +117,10 @@ class AsyncEngine:
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
         executor = None
         if engine_config.executor == "multiproc":
+            from gouache.runner.ulysses import check_degree
+
+            for degree in make_policy(sched_config, predictor).degrees(engine_config.devices):
+                check_degree(pipe, degree)  # refused now, not in the middle of a request
             from gouache.executor.multiproc import MultiprocExecutor
             from gouache.executor.worker import WorkerSpec
 

@@ -93,11 +93,8 @@ class Worker:
         group = self.groups.get(batch.devices)
         if group is None:
             raise ValueError(f"worker {self.rank} has no process group for devices {batch.devices}")
-        transformer = getattr(self.runner.pipe, "transformer", None)
-        if transformer is None:
-            raise ValueError("UNet models run at degree 1 (data parallel over devices); "
-                             "sequence parallelism is for the DiTs")
-        from gouache.runner.ulysses import ulysses
+        from gouache.runner.ulysses import check_degree, ulysses
 
-        with ulysses(transformer, group):
+        check_degree(self.runner.pipe, batch.degree)
+        with ulysses(self.runner.pipe.transformer, group):
             yield

@@ -210,6 +210,17 @@ def embedder_and_processor(transformer: nn.Module, degree: int) -> tuple[str, ty
     return embedder, processor
 
 
+def check_degree(pipe, degree: int) -> None:
+    """Refuse a degree above 1 that `pipe` cannot run sequence parallel, with the reason."""
+    if degree == 1:
+        return
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        raise ValueError(f"{type(pipe).__name__} denoises with a UNet, which runs at degree 1 only (data parallel "
+                         f"over devices), not {degree}; sequence parallelism is for the DiTs")
+    embedder_and_processor(transformer, degree)
+
+
 @contextlib.contextmanager
 def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator[None]:
     """While inside, a call of `transformer` made on every rank of `group`, each with the same

@@ -57,6 +57,11 @@ class Policy(ABC):
         self.config = config
         self.predictor = predictor
 
+    def degrees(self, num_devices: int) -> set[int]:
+        """The sequence-parallel degrees its plans can give a batch on a pool of `num_devices`,
+        so a server can refuse, before serving, a degree its model cannot run."""
+        return {1}
+
     @abstractmethod
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:

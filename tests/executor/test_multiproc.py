@@ -163,3 +163,28 @@ def test_profile_measures_degrees_and_the_handoff_for_the_simulator(tmp_path):
     assert handoff.fixed_s >= 0 and handoff.per_megapixel_s >= 0 and "--devices 2" in handoff.source
     assert main(["simulate", "--policies", "round-knapsack,fixed-sp-2", "--devices", "2", "--cost-model", str(out),
                  "--sizes", "64,96", "--requests", "10", "--rate", "2", "--steps", "5"]) == 0
+
+
+@pytest.mark.parametrize("model, policy, devices, cost, message", [
+    ("tiny-sd", "fixed-sp-2", 2, None, "UNet, which runs at degree 1 only"),
+    ("tiny-sd3", "fixed-sp-4", 4, None, "do not divide by degree 4"),
+    ("tiny-sd3", "round-knapsack", 4, {(64, 64): {1: 0.1, 4: 0.03}}, "do not divide by degree 4"),
+])
+def test_a_degree_the_model_cannot_run_is_refused_before_any_worker_starts(tmp_path, model, policy, devices, cost,
+                                                                           message):
+    from gouache.config import EngineConfig, ModelConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.sched.costmodel import save
+
+    path = None
+    if cost:
+        path = tmp_path / "parallel.json"
+        save(ParallelCostModel(cost), path)
+    config = SchedulerConfig(policy=policy, cost_model=str(path) if path else None)
+    with pytest.raises(ValueError, match=message):
+        AsyncEngine.from_config(ModelConfig(model), EngineConfig(executor="multiproc", devices=devices), config)
+
+
+def test_round_knapsack_plans_only_the_degrees_its_cost_model_prices():
+    policy = make_policy(SchedulerConfig(policy="round-knapsack"), COST)
+    assert policy.degrees(4) == {1, 2} and make_policy(SchedulerConfig(policy="fixed-sp-2")).degrees(4) == {2}

@@ -20,6 +20,9 @@ class FixedSpPolicy(Policy):
     degree: int
     max_devices = None
 
+    def degrees(self, num_devices: int) -> set[int]:
+        return {self.degree}
+
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
         k, free = self.degree, set(devices.free)

@@ -28,7 +28,7 @@ from gouache.request import RequestState
 from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
 from gouache.sched.knapsack import plan_round
 from gouache.sched.plan import Batch, Plan
-from gouache.sched.rounds import RoundRequest, StepTime, cached, max_degree
+from gouache.sched.rounds import RoundRequest, StepTime, cached, degrees, max_degree
 
 
 class RoundKnapsackPolicy(Policy):
@@ -69,6 +69,11 @@ class RoundKnapsackPolicy(Policy):
         admit = [rid for group in groups for rid in group if rid in waiting_ids]
         return Plan(batches=batches, admit=admit, until=now + tau)
 
+    def degrees(self, num_devices: int) -> set[int]:
+        """The degrees the cost model prices for some size (a degree it has no time for is never planned)."""
+        sizes = self.predictor.sizes(False) or ()
+        return {k for k in degrees(max_degree(num_devices)) if any(math.isfinite(self.step_time(res, k)) for res in sizes)}
+
     def round_requests(self, states: Sequence[RequestState]) -> list[RoundRequest]:
         """Each state as the `RoundRequest` the round planner reads.
 
@@ -101,7 +106,7 @@ def pool_of(devices: Devices) -> tuple[int, int]:
     block the round places inside it is an aligned block of the whole pool too."""
     if len(devices.free) == devices.count:
         return 0, devices.count
-    free, k = set(devices.free), 1 << (devices.count.bit_length() - 1)
+    free, k = set(devices.free), max_degree(devices.count)
     while k:
         for start in range(0, devices.count - k + 1, k):
             if free.issuperset(range(start, start + k)):
