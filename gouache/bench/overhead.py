@@ -117,7 +117,7 @@ def round_case(n: int) -> tuple[list, object, float, float]:
     """(requests, cost model, τ, now) of the timed round: n requests of TetriServe's sizes
     arrived in the last 2 s, SLOs x 1.5, with τ the largest size's fastest step. The knapsack
     tests check that the fast `plan_round` decides this round exactly as the plain one."""
-    from gouache.sched.costmodel import ParallelCostModel
+    from gouache.sched.parallel_costmodel import ParallelCostModel
     from gouache.sched.rounds import RoundRequest
 
     model = ParallelCostModel.h100_flux_default()

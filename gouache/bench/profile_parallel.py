@@ -30,7 +30,7 @@ def run(args) -> int:
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.models import load_pipeline
     from gouache.runner.ulysses import check_degree
-    from gouache.sched.costmodel import ParallelCostModel
+    from gouache.sched.parallel_costmodel import ParallelCostModel
     from gouache.sched.rounds import degrees as degrees_of
     from gouache.sched.rounds import max_degree
 

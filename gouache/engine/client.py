@@ -103,7 +103,8 @@ class AsyncEngine:
         import torch
 
         from gouache.runner.models import load_pipeline, model_id, model_info
-        from gouache.sched.costmodel import BatchCostModel, ParallelCostModel
+        from gouache.sched.costmodel import BatchCostModel
+        from gouache.sched.parallel_costmodel import ParallelCostModel
         from gouache.sched.costmodel import load as load_cost_model
 
         if engine_config.torch_threads:

@@ -20,6 +20,14 @@ from gouache.sched.plan import Plan
 Resolution = tuple[int, int]  # (height, width) in pixels
 
 
+def as_resolution(res: int | Sequence[int]) -> Resolution:
+    """`1024` means (1024, 1024); a pair is (height, width)."""
+    if isinstance(res, int):
+        return (res, res)
+    height, width = res
+    return (int(height), int(width))
+
+
 class StepTimePredictor(Protocol):
     """Predicted seconds of one denoising step of one forward, from its images' resolutions."""
 

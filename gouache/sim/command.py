@@ -24,7 +24,8 @@ import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.config import SchedulerConfig
-from gouache.sched.costmodel import BatchCostModel, FluxH100Assumptions, ParallelCostModel, load
+from gouache.sched.costmodel import BatchCostModel, load
+from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.router import ROUTERS
 from gouache.sched.scheduler import check_devices

@@ -28,7 +28,8 @@ import numpy as np
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
-from gouache.sched.costmodel import MaskCostModel, ParallelCostModel
+from gouache.sched.costmodel import MaskCostModel
+from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RouteRequest, Router

@@ -33,6 +33,7 @@ from gouache.config import SchedulerConfig
 from gouache.sched.interface import StepTimePredictor
 from gouache.sched.policies import make_policy
 from gouache.sched.policies.round_knapsack import shortest_round
+from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.costs import HandoffCost, LinearHandoff, PredictedStepCost
 from gouache.sim.simulator import SimResult, simulate
@@ -74,15 +75,11 @@ def tetriserve_experiment(out_dir: str | Path, setup: TetriServeSetup | None = N
     """
     setup = setup or TetriServeSetup()
     name, source = "caller's model", ""
-    if model is None or handoff is None:
-        from gouache.sched.costmodel import FluxH100Assumptions, ParallelCostModel  # pulls in scikit-learn
-
-        if model is None:
-            model = ParallelCostModel.h100_flux_default()
-            name, source = "ParallelCostModel.h100_flux_default()", model.source
-        if handoff is None:
-            assumptions = FluxH100Assumptions()
-            handoff = LinearHandoff(*assumptions.handoff(), source="FluxH100Assumptions.handoff()")
+    if model is None:
+        model = ParallelCostModel.h100_flux_default()
+        name, source = "ParallelCostModel.h100_flux_default()", model.source
+    if handoff is None:
+        handoff = LinearHandoff(*FluxH100Assumptions().handoff(), source="FluxH100Assumptions.handoff()")
 
     def step_time(res, k):
         return model.step_time([res], patched=False, degree=k)

@@ -6,15 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from gouache.sched.costmodel import (
-    BatchCostModel,
-    FluxH100Assumptions,
-    MaskCostModel,
-    ParallelCostModel,
-    composition_key,
-    load,
-    save,
-)
+from gouache.sched.costmodel import BatchCostModel, MaskCostModel, composition_key, load, save
+from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sched.predictors import SVR_GRID, LinearPredictor, SvrPredictor, predictor_from_json
 
 RESOLUTIONS = [(512, 512), (768, 768), (1024, 1024), (768, 1024)]

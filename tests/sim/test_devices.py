@@ -7,7 +7,7 @@ import pytest
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
-from gouache.sched.costmodel import ParallelCostModel
+from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.interface import Devices, Policy
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import POLICIES, make_policy
