@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class RouteRequest:
     request_id: str
-    tokens: int  # latent tokens of the image
+    pixels: int  # width x height of the image
     steps: int  # denoising steps still to run
     mask_ratio: float = 1.0  # fraction of tokens an edit recomputes; 1.0 for generation
 
@@ -36,9 +36,10 @@ class ReplicaLoad:
         return len(self.running) + len(self.waiting)
 
     @property
-    def tokens(self) -> float:
-        """Tokens still to compute per step: masked tokens for edits."""
-        return sum(r.tokens * r.mask_ratio for r in (*self.running, *self.waiting))
+    def masked_pixels(self) -> float:
+        """Pixels still to compute per step (an edit's masked ones only): the tokens, up to the
+        model's pixels per token."""
+        return sum(r.pixels * r.mask_ratio for r in (*self.running, *self.waiting))
 
 
 class Router(ABC):
@@ -70,7 +71,7 @@ class LeastTokensRouter(Router):
     name = "least-tokens"
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
-        return min(range(len(replicas)), key=lambda i: (replicas[i].tokens, i))
+        return min(range(len(replicas)), key=lambda i: (replicas[i].masked_pixels, i))
 
 
 BatchStepCost = Callable[[Sequence[RouteRequest]], float]  # seconds per step of a batch

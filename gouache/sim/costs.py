@@ -57,10 +57,9 @@ class LinearStepCost:
         return None
 
     def batch_step_time(self, batch: Sequence[RouteRequest]) -> float:
-        """The same cost of one forward over the router's view of requests (16 pixels a token
-        side, `latent_tokens`), an edit counting its masked pixels only: the mask-aware
-        router's cost model."""
-        pixels = sum(r.tokens * r.mask_ratio for r in batch) * 16**2
+        """The same cost of one forward over the router's view of requests, an edit counting
+        its masked pixels only: the mask-aware router's cost model."""
+        pixels = sum(r.pixels * r.mask_ratio for r in batch)
         return self.per_forward_s + pixels / 1e6 * self.per_megapixel_s
 
     def _forward(self, resolutions: Sequence[Resolution]) -> float:

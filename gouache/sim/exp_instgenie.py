@@ -75,7 +75,7 @@ class MaskStepCost:
 
     def batch_step_time(self, batch: Sequence[RouteRequest]) -> float:
         """One forward over `batch`, from the router's view of requests."""
-        return self.per_forward_s + sum(self.request_s(r.tokens, r.mask_ratio) for r in batch)
+        return self.per_forward_s + sum(self.request_s(r.pixels // self.px_per_token**2, r.mask_ratio) for r in batch)
 
     def request_s(self, tokens: int, mask_ratio: float) -> float:
         """A request's share of a step: its fixed part plus its masked tokens' compute, which
@@ -151,7 +151,7 @@ def make_router(name: str, cost: MaskStepCost) -> Router:
 
 def capacity_rps(cost: MaskStepCost, mask_mean: float, replicas: int, max_batch: int, steps: int = STEPS) -> float:
     """Requests per second the replicas finish with full batches of mean-mask edits: saturation."""
-    batch = [RouteRequest("r", 4096, steps, mask_mean)] * max_batch
+    batch = [RouteRequest("r", SIZE[0] * SIZE[1], steps, mask_mean)] * max_batch
     return replicas * max_batch / (steps * cost.batch_step_time(batch))
 
 
@@ -177,7 +177,7 @@ def instgenie_experiment(out_dir: str | Path, loads: Sequence[float] = LOADS,
                   "policy": "orca", "num_requests": num_requests, "seeds": list(seeds)},
         "cost_models": {name: {"per_forward_s": c.per_forward_s, "per_request_s": c.per_request_s,
                                "flops_per_s": c.flops_per_s,
-                               "step_alone_s": {f"{m}": c.batch_step_time([RouteRequest("x", 4096, 1, m)])
+                               "step_alone_s": {f"{m}": c.batch_step_time([RouteRequest("x", SIZE[0] * SIZE[1], 1, m)])
                                                 for m in (0.11, 0.19, 0.2, 1.0)},
                                "saturation_rps": {f"{m}": capacity_rps(c, m, replicas, max_batch) for m in mask_means}}
                         for name, c in costs.items()},

@@ -54,7 +54,7 @@ from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
-from gouache.sim.workloads import SimRequest, latent_tokens
+from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile
 
 _SLACK = 1e-9  # float slack when counting the steps that start before a round's end
@@ -364,10 +364,10 @@ class Simulator:
 
 
 def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest:
-    """The router's view of a request: latent tokens, steps still to run, mask ratio (1 = generation)."""
+    """The router's view of a request: pixels, steps still to run, mask ratio (1 = generation)."""
     return RouteRequest(
         request_id=request.request_id,
-        tokens=latent_tokens(request.width, request.height),
+        pixels=request.width * request.height,
         steps=request.steps if steps is None else steps,
         mask_ratio=1.0 if request.mask_ratio is None else request.mask_ratio,
     )

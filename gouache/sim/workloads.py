@@ -112,11 +112,6 @@ def arrival_times(n: int, rate: float, cv: float, rng: np.random.Generator) -> n
     return np.cumsum(gaps)
 
 
-def latent_tokens(width: int, height: int, pixels_per_token: int = 16) -> int:
-    """Latent tokens of an image: VAE factor 8 × DiT patch 2 = 16 pixels a side (TetriServe)."""
-    return (width // pixels_per_token) * (height // pixels_per_token)
-
-
 def size_probabilities(sizes: Sequence[tuple[int, int]], mix: str, alpha: float = 1.0) -> np.ndarray:
     """[len(sizes)] probabilities of each size: equal, or ∝ exp(alpha · L_i / L_max)."""
     _check(mix in MIXES, f"mix must be one of {', '.join(MIXES)}, got {mix!r}")

@@ -3,8 +3,8 @@ from gouache.sched.router import (
 )
 
 
-def req(rid="r", tokens=4096, steps=20, mask=1.0):
-    return RouteRequest(rid, tokens, steps, mask)
+def req(rid="r", pixels=1024 * 1024, steps=20, mask=1.0):
+    return RouteRequest(rid, pixels, steps, mask)
 
 
 def test_round_robin_cycles():
@@ -14,16 +14,16 @@ def test_round_robin_cycles():
 
 
 def test_least_requests_and_least_tokens_disagree_when_masks_differ():
-    small_edits = ReplicaLoad(running=[req(mask=0.1), req(mask=0.1)])  # 2 requests, 819 tokens
-    one_generation = ReplicaLoad(running=[req()])  # 1 request, 4096 tokens
+    small_edits = ReplicaLoad(running=[req(mask=0.1), req(mask=0.1)])  # 2 requests, 0.2 MP masked
+    one_generation = ReplicaLoad(running=[req()])  # 1 request, 1 MP
     replicas = [small_edits, one_generation]
     assert LeastRequestsRouter().route(req(), replicas) == 1
     assert LeastTokensRouter().route(req(), replicas) == 0
 
 
 def test_mask_aware_uses_the_batch_cost_model():
-    # per-step cost: fixed 10 ms + 1 ms per 1,000 masked tokens
-    router = MaskAwareRouter(lambda batch: 0.010 + sum(r.tokens * r.mask_ratio for r in batch) / 1e6)
+    # per-step cost: fixed 10 ms + 4 ms per masked megapixel
+    router = MaskAwareRouter(lambda batch: 0.010 + sum(r.pixels * r.mask_ratio for r in batch) * 4e-9)
     light = ReplicaLoad(running=[req(mask=0.1)] * 3)
     heavy = ReplicaLoad(running=[req()])
     assert router.cost(req(mask=0.1), light) < router.cost(req(mask=0.1), heavy)

@@ -62,9 +62,9 @@ def test_what_cannot_run_is_refused_with_a_reason(capsys, args, message):
 
 def test_the_stand_in_prices_routed_requests_as_it_prices_steps():
     cost = linear_step_cost(per_megapixel_s=0.08, per_forward_s=0.03)
-    full = [RouteRequest("a", 32 * 32, 10), RouteRequest("b", 64 * 64, 10)]  # 512 px and 1024 px images
+    full = [RouteRequest("a", 512 * 512, 10), RouteRequest("b", 1024 * 1024, 10)]
     assert cost.batch_step_time(full) == pytest.approx(cost.step_time([(512, 512), (1024, 1024)], patched=True))
-    half = [RouteRequest("a", 32 * 32, 10, mask_ratio=0.5)]
+    half = [RouteRequest("a", 512 * 512, 10, mask_ratio=0.5)]
     assert cost.batch_step_time(half) == pytest.approx(0.03 + 0.5 * 512 * 512 / 1e6 * 0.08)
 
 

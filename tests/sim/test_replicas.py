@@ -95,7 +95,7 @@ def test_mask_step_cost_charges_masked_compute_per_request_and_fixed_costs():
     one_forward = Batch(("e", "g"))
     assert charged(one_forward, states) == pytest.approx(0.05 + (0.02 + 0.25) + (0.02 + 1.0))
     assert charged(Batch(("e",)), states) + charged(Batch(("g",)), states) == pytest.approx(0.05 + 0.27 + 0.05 + 1.02)
-    view = [RouteRequest("e", TOKENS_512, 1, 0.25), RouteRequest("g", TOKENS_512, 1, 1.0)]
+    view = [RouteRequest("e", 512 * 512, 1, 0.25), RouteRequest("g", 512 * 512, 1, 1.0)]
     assert cost.batch_step_time(view) == pytest.approx(charged(one_forward, states))
 
 
@@ -162,7 +162,7 @@ def test_flux_edit_cost_reproduces_instgenies_speedup_and_batching_gain():
     cost = FluxEditAssumptions().cost()
 
     def step(mask, batch=1):
-        return cost.batch_step_time([RouteRequest("r", 4096, 1, mask)] * batch)
+        return cost.batch_step_time([RouteRequest("r", 1024 * 1024, 1, mask)] * batch)
 
     assert step(1.0) == pytest.approx(0.243, abs=1e-3)
     assert step(1.0) / step(0.2) == pytest.approx(1.9)
