@@ -8,7 +8,7 @@ import os
 import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
-from gouache.config import EXECUTORS, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from gouache.config import EXECUTORS, EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig
 from gouache.errors import GouacheError
 
 
@@ -46,6 +46,7 @@ def _add_image_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from gouache.sched.policies import POLICIES
+    from gouache.sched.router import ROUTERS
 
     parser = argparse.ArgumentParser(prog="gouache", description="A serving engine for diffusion models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -78,11 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="intra-op threads of torch (default: torch's); profile with the same number")
     serve.add_argument("--executor", default=EngineConfig.executor, choices=EXECUTORS,
                        help="uniproc: the model runs in this process on one device; multiproc: one worker process "
-                            "per device (gloo on the CPU, NCCL on GPUs), started and supervised here "
-                            "(default: %(default)s)")
+                            "per device (gloo on the CPU, NCCL on GPUs), started and supervised here; ray: one Ray "
+                            "actor per device, here or on a cluster (the gouache[ray] extra) (default: %(default)s)")
+    serve.add_argument("--ray-address", default=None,
+                       help="under --executor ray: the Ray cluster to join ('auto' finds the local one) "
+                            "(default: start Ray in this process)")
     serve.add_argument("--devices", type=int, default=EngineConfig.devices,
-                       help="devices (worker processes) under --executor multiproc; more than one for "
+                       help="devices (worker processes or actors) under --executor multiproc or ray; more than one for "
                             f"{_policies_where('max_devices', None)} (default: %(default)s)")
+    serve.add_argument("--replicas", type=int, default=ReplicaConfig.replicas,
+                       help="engine processes behind this API server, each with its own model and --devices; "
+                            "1 runs the engine in the server's process (default: %(default)s)")
+    serve.add_argument("--router", default=ReplicaConfig.router, choices=sorted(ROUTERS), action=Given,
+                       help="which replica gets each request; only with --replicas > 1. least-tokens and "
+                            "mask-aware count an edit's repainted pixels only (default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("GOUACHE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health "
                             "(default: $GOUACHE_API_KEY, else no key)")
@@ -153,8 +163,14 @@ def _serve(args) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s)
-    engine = AsyncEngine.from_config(*_engine_configs(args))
-    return run_server(engine, config)
+    configs, replicas = _engine_configs(args), ReplicaConfig(args.replicas, args.router)
+    if replicas.replicas > 1:
+        from gouache.replicas.front import ReplicaSet
+
+        return run_server(ReplicaSet(*configs, replicas), config)
+    if "router" in given(args):
+        refuse_ignored({"router": "one replica has nothing to route between; add --replicas 2 or more"})
+    return run_server(AsyncEngine.from_config(*configs), config)
 
 
 def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
@@ -180,7 +196,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
-                     devices=args.devices),
+                     devices=args.devices, ray_address=args.ray_address),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

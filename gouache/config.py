@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EXECUTORS = ("uniproc", "multiproc")  # where the model runs: see gouache/executor
+from gouache.sched.router import ROUTERS
+
+EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -52,8 +54,9 @@ class EngineConfig:
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
     max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for edit uploads
     patch_size: int = 128  # pixels per patch side under patched batching; sizes must be multiples of it
-    executor: str = "uniproc"  # uniproc: the model in this process; multiproc: one worker process per device
-    devices: int = 1  # devices of this replica (worker processes under multiproc)
+    executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
+    devices: int = 1  # devices of this replica (its worker processes or actors)
+    ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
@@ -65,7 +68,21 @@ class EngineConfig:
         _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
         _check(self.executor != "uniproc" or self.devices == 1,
-               f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc")
+               f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
+        _check(self.ray_address is None or self.executor == "ray",
+               f"a Ray address is read only by the ray executor, not {self.executor!r}")
+
+
+@dataclass
+class ReplicaConfig:
+    """Engines behind one API server: `replicas` engine processes, each request sent to one by `router`."""
+
+    replicas: int = 1  # 1: the engine runs in the API's process; more: one engine process each
+    router: str = "least-requests"  # a name from gouache.sched.router.ROUTERS
+
+    def __post_init__(self) -> None:
+        _check(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
+        _check(self.router in ROUTERS, f"router must be one of {', '.join(sorted(ROUTERS))}, got {self.router!r}")
 
 
 @dataclass

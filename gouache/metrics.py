@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from gouache.engine.handle import EngineStats
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+API_FAMILIES = ("gouache_request_latency_seconds", "gouache_errors")  # recorded by the API server, not by engines
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -40,3 +50,38 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""
         return generate_latest(self.registry)
+
+    def render_with(self, stats: EngineStats) -> bytes:
+        """`render` with the queue gauges set from an engine's snapshot."""
+        self.queue_length.set(stats.waiting)
+        self.running_batch.set(stats.running)
+        return self.render()
+
+
+class _Families:
+    """What `generate_latest` reads: metric families, already collected."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def merged_exposition(api: Metrics, replicas: Mapping[str, bytes]) -> bytes:
+    """One exposition for an API server in front of replica engines: the API's own families
+    (`API_FAMILIES`) as they are, every engine family from each replica's exposition with a
+    `replica` label on its samples."""
+    families = [family for family in api.registry.collect() if family.name in API_FAMILIES]
+    by_name: dict[str, Metric] = {}
+    for replica, text in replicas.items():
+        for family in text_string_to_metric_families(text.decode()):
+            if family.name in API_FAMILIES:
+                continue
+            merged = by_name.setdefault(family.name, family)
+            samples = [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
+            if merged is family:
+                family.samples = samples
+            else:
+                merged.samples.extend(samples)
+    return generate_latest(_Families([*families, *by_name.values()]))

@@ -224,3 +224,9 @@ def test_bench_serve_refuses_policies_it_cannot_start(policies, message, capsys)
     """Before: a patched-slo server without --cost-model never became healthy."""
     assert main(["bench", "serve", "--policies", policies]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_router_without_replicas_and_reports_a_replica_that_cannot_start(capsys, tmp_path):
+    assert _refused(capsys, ["serve", "--router", "mask-aware"], "--router")
+    assert _refused(capsys, ["serve", "--replicas", "0"], "replicas must be >= 1")
+    assert _refused(capsys, ["serve", "--replicas", "2", "--model", str(tmp_path / "missing")], "did not start")

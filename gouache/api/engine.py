@@ -28,6 +28,10 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    async def render_metrics(self) -> bytes:
+        """GET /metrics's body: `metrics` and the engine's own, in the text exposition format."""
+        ...
+
     async def start(self) -> None:
         """Start serving on the running loop (handles push events onto it); run_server calls it."""
         ...

@@ -35,7 +35,4 @@ async def health(ctx: ApiContext = Depends(get_context)) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(ctx: ApiContext = Depends(get_context)) -> Response:
-    stats, engine_metrics = ctx.engine.stats(), ctx.engine.metrics
-    engine_metrics.queue_length.set(stats.waiting)
-    engine_metrics.running_batch.set(stats.running)
-    return Response(engine_metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await ctx.engine.render_metrics(), media_type=CONTENT_TYPE_LATEST)

@@ -42,6 +42,21 @@ from gouache.sched.scheduler import Scheduler, check_devices
 log = logging.getLogger(__name__)
 
 
+def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Executor:
+    """The worker processes (`multiproc`) or actors (`ray`) of `engine_config.devices` devices."""
+    from gouache.executor.worker import WorkerSpec
+
+    spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
+                      engine_config.torch_threads)
+    if engine_config.executor == "ray":
+        from gouache.executor.ray_executor import RayExecutor
+
+        return RayExecutor(spec, engine_config.devices, engine_config.ray_address)
+    from gouache.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(spec, engine_config.devices)
+
+
 @dataclass
 class _Image:
     """One accepted image and where its events go."""
@@ -117,17 +132,12 @@ class AsyncEngine:
         check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
         executor = None
-        if engine_config.executor == "multiproc":
+        if engine_config.executor != "uniproc":
             from gouache.runner.ulysses import check_degree
 
             for degree in make_policy(sched_config, predictor).degrees(engine_config.devices):
                 check_degree(pipe, degree)  # refused now, not in the middle of a request
-            from gouache.executor.multiproc import MultiprocExecutor
-            from gouache.executor.worker import WorkerSpec
-
-            spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
-                              engine_config.torch_threads)
-            executor = MultiprocExecutor(spec, engine_config.devices)
+            executor = make_executor(model_config, engine_config)
         return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config,
                    predictor=predictor, executor=executor)
 
@@ -195,6 +205,9 @@ class AsyncEngine:
         running = sum(s == RequestStatus.RUNNING for s in statuses)
         status = "dead" if self._dead else "draining" if self._draining else "ok"
         return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
+
+    async def render_metrics(self) -> bytes:
+        return self.metrics.render_with(self.stats())
 
     # -- preparation -----------------------------------------------------------------------
 

@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from gouache.children import become_child
+
 log = logging.getLogger(__name__)
 
 RETRIES = 1  # runs of a job on a fresh pool after a worker died under it
-
-
-def _ignore_signals() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class CodecPool:
@@ -52,7 +48,7 @@ class CodecPool:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")  # never fork a process holding the model
-        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=_ignore_signals)
+        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=become_child)
 
     def _run(self, result: Future, fn: Callable[..., Any], args: tuple, retries: int) -> None:
         with self._lock:

@@ -102,6 +102,16 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
     return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32))
 
 
+def repaint_ratio(image_bytes: bytes, mask_bytes: bytes | None, max_pixels: int) -> float:
+    """The fraction of an edit's image that it repaints, at the upload's size (routers read it);
+    1.0 when an upload cannot be read, which the engine then refuses with the reason."""
+    image = _open(image_bytes, "image", max_pixels)
+    mask = None if mask_bytes is None else _open(mask_bytes, "mask", max_pixels)
+    if isinstance(image, DecodeError) or isinstance(mask, DecodeError):
+        return 1.0
+    return float(_repaint_region(image, mask).mean())
+
+
 def encode_image(pixels: np.ndarray, output_format: str, compression: int | None = None) -> bytes:
     """uint8 [H, W, 3] -> PNG / JPEG / WebP bytes; `compression` is the JPEG / WebP quality
     (0-100, OpenAI's `output_compression`), 95 when None."""

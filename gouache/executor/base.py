@@ -9,6 +9,8 @@ the actor dying), and stays in `dead()`.
 
 from __future__ import annotations
 
+import socket
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -42,3 +44,31 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers; calls pending fail."""
+
+
+class Gather:
+    """One submit: its future and the replies still awaited, by rank (for executors to fill in)."""
+
+    def __init__(self, ranks: list[int]):
+        self.future: Future[list[Any]] = Future()
+        self.ranks = ranks
+        self.results: dict[int, Any] = {}
+        self.lock = threading.Lock()
+
+    def reply(self, rank: int, ok: bool, value: Any) -> None:
+        with self.lock:
+            if self.future.done():
+                return
+            if not ok:
+                self.future.set_exception(value if isinstance(value, BaseException) else RuntimeError(value))
+                return
+            self.results[rank] = value
+            if len(self.results) == len(self.ranks):
+                self.future.set_result([self.results[r] for r in self.ranks])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now: the rendezvous of a torch.distributed world."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -12,41 +12,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import signal
-import socket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
 
-from gouache.executor.base import Executor, WorkerDied
-from gouache.executor.worker import WorkerSpec, aligned_blocks
+from gouache.children import become_child
+from gouache.executor.base import Executor, Gather, WorkerDied, free_port
+from gouache.executor.worker import WorkerSpec, join_world
 
 log = logging.getLogger(__name__)
-
-
-class _Call:
-    """One submit: its future and the replies still awaited, by rank."""
-
-    def __init__(self, ranks: list[int]):
-        self.future: Future[list[Any]] = Future()
-        self.ranks = ranks
-        self.results: dict[int, Any] = {}
-        self.lock = threading.Lock()
-
-    def reply(self, rank: int, ok: bool, value: Any) -> None:
-        with self.lock:
-            if self.future.done():
-                return
-            if not ok:
-                self.future.set_exception(value if isinstance(value, BaseException) else RuntimeError(value))
-                return
-            self.results[rank] = value
-            if len(self.results) == len(self.ranks):
-                self.future.set_result([self.results[r] for r in self.ranks])
 
 
 class MultiprocExecutor(Executor):
@@ -58,7 +35,7 @@ class MultiprocExecutor(Executor):
             raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         self.num_devices = num_devices
         context = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._procs, self._conns, self._send_locks = [], [], []
         for rank in range(num_devices):
             parent, child = context.Pipe()
@@ -69,7 +46,7 @@ class MultiprocExecutor(Executor):
             self._procs.append(process)
             self._conns.append(parent)
             self._send_locks.append(threading.Lock())
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, Gather] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._dead: dict[int, str] = {}
@@ -86,7 +63,7 @@ class MultiprocExecutor(Executor):
 
     def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
         ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
-        call = _Call(ranks)
+        call = Gather(ranks)
         with self._lock:
             dead = [r for r in ranks if r in self._dead]
             if dead:
@@ -158,35 +135,13 @@ class MultiprocExecutor(Executor):
             self._calls.pop(call_id, None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_main(rank: int, world: int, port: int, spec: WorkerSpec, collective_timeout_s: float, conn) -> None:
-    """A worker process: join the world, make the block groups, load the model, serve calls."""
-    import torch
+    """A worker process: join the world, load the model, serve calls."""
     import torch.distributed as dist
 
-    from gouache.executor.worker import Worker
-    from gouache.runner.model_runner import ModelRunner
-    from gouache.runner.models import load_pipeline
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops its workers itself
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
-    device = spec.device_of(rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s))
-    groups = {}
-    for block in aligned_blocks(world):  # every rank makes every group, in one order
-        group = dist.new_group(list(block))
-        if rank in block:
-            groups[block] = group
-    worker = Worker(rank, ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels), groups)
+    become_child()  # the engine stops its workers itself
+    device = f"cuda:{rank}" if spec.cuda else "cpu"  # worker i on cuda:i
+    worker = join_world(rank, world, f"tcp://127.0.0.1:{port}", spec, device, collective_timeout_s)
     while True:
         try:
             message = conn.recv()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from gouache.outputs import StepOutput
 from gouache.runner.model_runner import ModelRunner
@@ -27,12 +29,13 @@ class WorkerSpec:
 
     model: str
     dtype: str = "float32"
-    device: str = "cpu"  # "cpu": every worker on the CPU (gloo); "cuda": worker i on cuda:i (NCCL)
+    device: str = "cpu"  # "cpu": every worker on the CPU (gloo); "cuda": each worker on its own GPU (NCCL)
     patch_pixels: int = 128
     torch_threads: int | None = None
 
-    def device_of(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device.startswith("cuda") else "cpu"
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
 
 @dataclass
@@ -52,6 +55,27 @@ def aligned_blocks(num_devices: int) -> list[tuple[int, ...]]:
         blocks += [tuple(range(a, a + k)) for a in range(0, num_devices - k + 1, k)]
         k *= 2
     return blocks
+
+
+def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device: str,
+               collective_timeout_s: float) -> Worker:
+    """Join the executor's torch.distributed world (gloo on the CPU, NCCL on GPUs), make the
+    process group of every aligned block (the same order on every rank) and load the model:
+    what each worker of `multiproc` and `ray` does first."""
+    from gouache.runner.models import load_pipeline
+
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method,
+                            rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s))
+    groups = {}
+    for block in aligned_blocks(world):
+        group = dist.new_group(list(block))
+        if rank in block:
+            groups[block] = group
+    return Worker(rank, ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels), groups)
 
 
 class Worker:

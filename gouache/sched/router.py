@@ -44,6 +44,7 @@ class ReplicaLoad:
 
 class Router(ABC):
     name: str
+    reads_masks = False  # whether it reads `RouteRequest.mask_ratio` (the API then measures each edit's)
 
     @abstractmethod
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
@@ -69,6 +70,7 @@ class LeastRequestsRouter(Router):
 
 class LeastTokensRouter(Router):
     name = "least-tokens"
+    reads_masks = True
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
         return min(range(len(replicas)), key=lambda i: (replicas[i].masked_pixels, i))
@@ -81,6 +83,7 @@ class MaskAwareRouter(Router):
     """InstGenIE Algorithm 2 with an injected batch step-cost model (see `costmodel`)."""
 
     name = "mask-aware"
+    reads_masks = True
 
     def __init__(self, step_cost: BatchStepCost):
         self.step_cost = step_cost

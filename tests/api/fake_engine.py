@@ -100,6 +100,9 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(waiting=0, running=self.running, finished=0, failed=0, status=self.status)
 
+    async def render_metrics(self) -> bytes:
+        return self.metrics.render_with(self.stats())
+
     async def _run(self, handle: RequestHandle, requests: list[ImageRequest]) -> None:
         self.running += 1
         try:

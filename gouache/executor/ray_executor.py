@@ -1,0 +1,136 @@
+"""`ray`: each device's worker as a Ray actor, on this machine or on an existing cluster.
+
+Needs the optional `gouache[ray]` extra. `connect(address)` joins the cluster at `address`
+("auto" finds the local one) or, with None, starts a Ray instance in this process. Each actor
+reserves its device (one GPU under CUDA, where Ray makes it the actor's `cuda:0`; one CPU
+otherwise) and runs the same `Worker` as `multiproc`: it joins one torch.distributed world
+(gloo / NCCL) whose rendezvous is a free port on rank 0's node, and makes every aligned block's
+group up front. A call is an actor method call per rank; an actor that dies fails its calls
+with `WorkerDied` as soon as Ray reports it, and its rank stays dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from gouache.executor.base import Executor, Gather, WorkerDied, free_port
+from gouache.executor.worker import WorkerSpec, join_world
+
+log = logging.getLogger(__name__)
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--executor ray needs Ray: pip install 'gouache[ray]'") from None
+    return ray
+
+
+def connect(address: str | None) -> bool:
+    """Join Ray at `address` (None: start one here) unless this process already has; True if it
+    started or joined now (and so should shut it down)."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    return True
+
+
+class _WorkerActor:
+    """What each actor runs (wrapped by `ray.remote` when the executor starts)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.worker = None
+
+    def rendezvous(self) -> str:
+        """Rank 0's: a torch.distributed init method on this node."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{free_port(host)}"
+
+    def join(self, world: int, init_method: str, spec: WorkerSpec, collective_timeout_s: float) -> int:
+        device = "cuda:0" if spec.cuda else "cpu"  # Ray shows a GPU actor its own GPU only
+        self.worker = join_world(self.rank, world, init_method, spec, device, collective_timeout_s)
+        return self.rank
+
+    def call(self, method: str, args: tuple) -> tuple[bool, Any]:
+        try:
+            return True, getattr(self.worker, method)(*args)
+        except Exception as error:
+            return False, f"{type(error).__name__}: {error}"
+
+
+class RayExecutor(Executor):
+    kind = "ray"
+
+    def __init__(self, spec: WorkerSpec, num_devices: int, address: str | None = None,
+                 start_timeout_s: float = 600.0, collective_timeout_s: float = 60.0):
+        ray = require_ray()
+        self._owns_ray = connect(address)
+        self.num_devices = num_devices
+        resources = {"num_gpus": 1} if spec.cuda else {"num_cpus": 1}
+        actor = ray.remote(**resources)(_WorkerActor)
+        self._actors = [actor.remote(rank) for rank in range(num_devices)]
+        self._dead: dict[int, str] = {}
+        self._lock = threading.Lock()
+        try:
+            init_method = ray.get(self._actors[0].rendezvous.remote(), timeout=start_timeout_s)
+            joins = [a.join.remote(num_devices, init_method, spec, collective_timeout_s) for a in self._actors]
+            ray.get(joins, timeout=start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
+        ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
+        gather = Gather(ranks)
+        with self._lock:
+            dead = [r for r in ranks if r in self._dead]
+        if dead:
+            gather.reply(dead[0], False, WorkerDied(dead[0], self._dead[dead[0]]))
+            return gather.future
+        for rank in ranks:
+            reply = self._actors[rank].call.remote(method, args).future()
+            reply.add_done_callback(lambda f, rank=rank: self._replied(gather, rank, f))
+        return gather.future
+
+    def dead(self) -> set[int]:
+        with self._lock:
+            return set(self._dead)
+
+    def shutdown(self) -> None:
+        ray = require_ray()
+        for rank, actor in enumerate(self._actors):
+            with self._lock:
+                self._dead.setdefault(rank, "shut down")
+            ray.kill(actor)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker's actor, as a crash would (for tests and fault drills)."""
+        require_ray().kill(self._actors[rank])
+
+    def _replied(self, gather: Gather, rank: int, reply: Future) -> None:
+        error = reply.exception()
+        if error is None:
+            gather.reply(rank, *reply.result())
+            return
+        from ray.exceptions import RayActorError
+
+        if isinstance(error, RayActorError):
+            why = f"its actor died ({type(error).__name__})"
+            with self._lock:
+                first = rank not in self._dead
+                self._dead.setdefault(rank, why)
+            if first:
+                log.error("the worker of device %d died: %s", rank, why)
+            error = WorkerDied(rank, self._dead[rank])
+        gather.reply(rank, False, error)

@@ -1,0 +1,311 @@
+"""`ReplicaSet`: R engine processes behind one API server, each request sent to one by a router.
+
+It is an `Engine` to the API (gouache.api.engine). Each replica runs an `AsyncEngine` in its
+own process (`gouache.replicas.process`, which also describes the messages). The set keeps
+the router's view of every replica from the events passing through it: each image is waiting
+until its first step and running after it, with its steps still to run, until its image or its
+error. Edits get their repaint ratio measured here when the router reads it (least-tokens,
+mask-aware).
+
+A replica that exits is noticed within `_WATCH_S`: its requests end with an explicit
+WorkerFailureError and nothing more is routed to it; the server keeps serving on the others
+and exits (like a single engine's death) only when none is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.asyncio
+
+from gouache.engine.handle import EngineStats, RequestHandle
+from gouache.engine.imaging import repaint_ratio
+from gouache.errors import EngineStoppedError, GouacheError, QueueFullError, ShuttingDownError, WorkerFailureError
+from gouache.metrics import Metrics, merged_exposition
+from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
+from gouache.replicas.process import decode, encode, replica_main
+from gouache.sched.router import ROUTERS, ReplicaLoad, RouteRequest, Router
+from gouache.sim.costs import linear_step_cost
+
+if TYPE_CHECKING:
+    from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig
+    from gouache.model_info import ModelInfo
+    from gouache.request import ImageRequest
+
+log = logging.getLogger(__name__)
+
+_WATCH_S = 0.25  # how often the replicas' processes are checked
+_CALL_TIMEOUT_S = 10.0  # a replica that does not answer /metrics in this long is left out of it
+# The mask-aware router's step cost: the simulator's linear stand-in (20 ms a forward, 80 ms a
+# megapixel, an edit counting its repainted pixels). Routing only compares replicas, so the
+# shape matters, not the scale.
+ROUTER_STEP_COST = linear_step_cost(per_forward_s=0.020, per_megapixel_s=0.080)
+
+
+def make_router(name: str) -> Router:
+    return ROUTERS[name](ROUTER_STEP_COST.batch_step_time) if name == "mask-aware" else ROUTERS[name]()
+
+
+@dataclass
+class _Request:
+    """One API request sent to a replica, as the router sees it: one entry per image."""
+
+    handle: RequestHandle
+    images: dict[int, RouteRequest]  # image index -> its view; gone when the image is done
+    started: set[int] = field(default_factory=set)  # images that have run a step
+
+
+@dataclass
+class _Replica:
+    index: int
+    process: multiprocessing.process.BaseProcess
+    commands: zmq.asyncio.Socket
+    alive: bool = True
+    requests: dict[str, _Request] = field(default_factory=dict)  # by API id
+
+    def load(self, max_batch: int) -> ReplicaLoad:
+        load = ReplicaLoad(max_batch=max_batch)
+        for request in self.requests.values():
+            for index, view in request.images.items():
+                (load.running if index in request.started else load.waiting).append(view)
+        return load
+
+
+class ReplicaSet:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig,
+                 replica_config: ReplicaConfig, start_timeout_s: float = 600.0):
+        if engine_config.torch_threads is None:  # R replicas share the cores instead of each taking all
+            threads = max(1, (os.cpu_count() or 1) // replica_config.replicas)
+            engine_config = replace(engine_config, torch_threads=threads)
+        self.configs = (model_config, engine_config, sched_config)
+        self.count = replica_config.replicas
+        self.router = make_router(replica_config.router)
+        self.max_batch = sched_config.max_batch_size
+        self.max_upload_pixels = engine_config.max_upload_pixels
+        self.start_timeout_s = start_timeout_s
+        self.metrics = Metrics()  # the API's own families; the engines' come from the replicas
+        self.info: ModelInfo | None = None  # the replicas' model, once started
+        self.died: asyncio.Event | None = None
+        self.replicas: list[_Replica] = []
+        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (replica, its answer)
+        self._call_ids = itertools.count()
+        self._counts = {"finished": 0, "failed": 0}
+        self._draining = False
+        self._receiver: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the replicas and wait until each has loaded its model; raise with the reason if one could not."""
+        self.died = asyncio.Event()
+        self._dir = tempfile.mkdtemp(prefix="gouache-replicas-")
+        self._context = zmq.asyncio.Context()
+        self._messages = self._context.socket(zmq.PULL)
+        self._messages.bind(f"ipc://{self._dir}/messages")
+        spawn = multiprocessing.get_context("spawn")
+        for index in range(self.count):
+            commands = self._context.socket(zmq.PUSH)
+            commands.bind(f"ipc://{self._dir}/commands-{index}")
+            process = spawn.Process(target=replica_main, name=f"gouache-replica-{index}",
+                                    args=(index, f"ipc://{self._dir}/commands-{index}", f"ipc://{self._dir}/messages",
+                                          self.configs))
+            process.start()
+            self.replicas.append(_Replica(index, process, commands))
+        try:
+            await asyncio.wait_for(self._await_ready(), self.start_timeout_s)
+        except BaseException:
+            await self._stop_processes(grace_s=0.0)
+            self._release()
+            raise
+        self._receiver = asyncio.ensure_future(self._receive())
+        self._watcher = asyncio.ensure_future(self._watch())
+        log.info("%d replicas ready; router %s", self.count, self.router.name)
+
+    async def _await_ready(self) -> None:
+        ready: set[int] = set()
+        while len(ready) < self.count:
+            try:
+                kind, index, *rest = decode(await asyncio.wait_for(self._messages.recv(), _WATCH_S))
+            except TimeoutError:
+                exited = [r for r in self.replicas if r.process.exitcode is not None]
+                if exited:
+                    raise RuntimeError(f"replica {exited[0].index} exited with status {exited[0].process.exitcode} "
+                                       "while loading its model") from None
+                continue
+            if kind == "failed":
+                raise ValueError(f"replica {index} did not start: {rest[0]}")
+            if kind == "ready":
+                ready.add(index)
+                self.info = rest[0]
+
+    async def drain(self, grace_s: float) -> None:
+        self._draining = True
+        await asyncio.gather(*(self._call(r, "drain", grace_s, timeout_s=grace_s + _CALL_TIMEOUT_S)
+                               for r in self._alive()), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        self._draining = True
+        self._watcher.cancel()  # replicas exiting now is what was asked for
+        await self._stop_processes(grace_s=_CALL_TIMEOUT_S)
+        self._receiver.cancel()
+        for replica in self.replicas:
+            self._fail_replica(replica, EngineStoppedError("the server is shutting down"))
+        self._release()
+
+    def _release(self) -> None:
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _stop_processes(self, grace_s: float) -> None:
+        if grace_s > 0:
+            await asyncio.gather(*(self._call(r, "close", timeout_s=grace_s) for r in self._alive()),
+                                 return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for replica in self.replicas:
+            await loop.run_in_executor(None, replica.process.join, grace_s or 0.1)
+            if replica.process.exitcode is None:
+                replica.process.kill()
+                await loop.run_in_executor(None, replica.process.join, 5.0)
+
+    # -- the API's calls -------------------------------------------------------------------
+
+    async def submit(self, requests: list[ImageRequest]) -> RequestHandle:
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica or after its restart")
+        alive = self._alive()
+        if not alive:
+            raise EngineStoppedError("no replica is running")
+        first = requests[0]
+        ratio = 1.0
+        if first.is_edit and self.router.reads_masks:
+            ratio = await asyncio.to_thread(repaint_ratio, first.image, first.mask, self.max_upload_pixels)
+        views = {i: RouteRequest(r.request_id, r.width * r.height, r.num_inference_steps, ratio)
+                 for i, r in enumerate(requests)}
+        api_id = first.request_id.rsplit("-", 1)[0]
+        whole = RouteRequest(api_id, sum(v.pixels for v in views.values()), first.num_inference_steps, ratio)
+        chosen = alive[self.router.route(whole, [r.load(self.max_batch) for r in alive])]
+        # a full replica passes the request on to the others, least loaded first
+        others = sorted((r for r in alive if r is not chosen), key=lambda r: len(r.requests))
+        for replica in (chosen, *others):
+            try:
+                return await self._submit_to(replica, api_id, requests, views)
+            except QueueFullError as error:
+                full = error
+        raise full
+
+    async def _submit_to(self, replica: _Replica, api_id: str, requests: list[ImageRequest],
+                         views: dict[int, RouteRequest]) -> RequestHandle:
+        loop = asyncio.get_running_loop()
+        handle = RequestHandle(api_id, len(requests), loop, lambda: self._abort(replica, api_id))
+        replica.requests[api_id] = _Request(handle, dict(views))  # before the call: events may follow its reply at once
+        try:
+            await self._call(replica, "submit", requests)
+        except BaseException:
+            replica.requests.pop(api_id, None)
+            raise
+        return handle
+
+    def stats(self) -> EngineStats:
+        waiting = running = 0
+        for replica in self.replicas:
+            load = replica.load(self.max_batch)
+            waiting, running = waiting + len(load.waiting), running + len(load.running)
+        status = "dead" if not self._alive() else "draining" if self._draining else "ok"
+        return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
+
+    async def render_metrics(self) -> bytes:
+        """The API's families and each replica's engine families, labelled replica="<index>"."""
+        alive = self._alive()
+        texts = await asyncio.gather(*(self._call(r, "metrics", timeout_s=_CALL_TIMEOUT_S) for r in alive),
+                                     return_exceptions=True)
+        return merged_exposition(self.metrics, {str(r.index): text for r, text in zip(alive, texts)
+                                                if isinstance(text, bytes)})
+
+    # -- talking to replicas ---------------------------------------------------------------
+
+    def _alive(self) -> list[_Replica]:
+        return [r for r in self.replicas if r.alive]
+
+    async def _call(self, replica: _Replica, kind: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Send a command and wait for its reply; raise the GouacheError it answered with."""
+        call = next(self._call_ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._calls[call] = (replica.index, answer)
+        try:
+            await replica.commands.send(encode((kind, call, *args)))
+            value = await asyncio.wait_for(answer, timeout_s)
+        finally:
+            self._calls.pop(call, None)
+        if isinstance(value, GouacheError):
+            raise value
+        return value
+
+    def _abort(self, replica: _Replica, api_id: str) -> None:
+        replica.requests.pop(api_id, None)
+        if replica.alive:
+            replica.commands.send(encode(("abort", api_id)))
+
+    async def _receive(self) -> None:
+        while True:
+            kind, index, *rest = decode(await self._messages.recv())
+            if kind == "reply":
+                call, value = rest
+                pending = self._calls.get(call)
+                if pending is not None and not pending[1].done():
+                    pending[1].set_result(value)
+            elif kind == "event":
+                self._on_event(self.replicas[index], *rest)
+
+    def _on_event(self, replica: _Replica, api_id: str, event: Any) -> None:
+        request = replica.requests.get(api_id)
+        if request is None:  # aborted here already
+            return
+        if isinstance(event, ProgressEvent) and event.index in request.images:
+            request.started.add(event.index)
+            view = request.images[event.index]
+            request.images[event.index] = replace(view, steps=event.total_steps - event.step)
+        elif isinstance(event, ImageEvent):
+            request.images.pop(event.index, None)
+            self._counts["finished"] += 1
+        elif isinstance(event, ErrorEvent):
+            self._counts["failed"] += len(request.images)
+            request.images.clear()
+        if not request.images:
+            replica.requests.pop(api_id, None)
+        request.handle.push(event)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            for replica in self._alive():
+                if replica.process.exitcode is not None:
+                    self._lose(replica)
+
+    def _lose(self, replica: _Replica) -> None:
+        replica.alive = False
+        code = replica.process.exitcode
+        left = len(self._alive())
+        log.error("replica %d exited with status %s; %d replicas left", replica.index, code, left)
+        self._fail_replica(replica, WorkerFailureError(f"replica {replica.index} exited (status {code}) "
+                                                       "before this request finished; retry it"))
+        for index, answer in list(self._calls.values()):
+            if index == replica.index and not answer.done():
+                answer.set_exception(WorkerFailureError(f"replica {replica.index} exited (status {code})"))
+        if not left:
+            self.died.set()
+
+    def _fail_replica(self, replica: _Replica, error: GouacheError) -> None:
+        for request in replica.requests.values():
+            self._counts["failed"] += len(request.images)
+            request.handle.push(ErrorEvent(error.kind, error.message, error.status))
+        replica.requests.clear()

@@ -1,0 +1,87 @@
+"""The ray executor on a local Ray (2 CPUs): actors run the plans multiproc runs, with the
+pixels of one device; the whole engine serves a request through them; a killed actor fails its
+requests and the next request is served on the other. Skipped without the `gouache[ray]` extra."""
+
+import asyncio
+import time
+
+import pytest
+
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.executor.base import WorkerDied
+from gouache.executor.worker import WorkerSpec
+from gouache.request import ImageRequest
+from gouache.sched.costmodel import save
+from gouache.sched.scheduler import Scheduler
+from tests.executor.test_multiproc import COST, MODEL, Loop, Script, assert_equal_latents, request
+
+ray = pytest.importorskip("ray", reason="the ray executor needs the gouache[ray] extra")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def two_actors(local_ray):
+    from gouache.executor.ray_executor import RayExecutor
+
+    executor = RayExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
+    yield executor
+    executor.shutdown()
+
+
+def test_degrees_change_between_rounds_on_ray_actors_with_the_pixels_of_one_device(two_actors):
+    a, b = request("a", seed=5, steps=7), request("b", seed=6, steps=5)
+    pooled, alone = Loop(two_actors), Loop()
+    pooled.scheduler = pooled.core.scheduler = Scheduler(Script(), 2)
+    for loop in (pooled, alone):
+        loop.add(a)
+        loop.add(b)
+        loop.run()
+    assert not pooled.failed
+    assert_equal_latents(pooled.latents, alone.latents)
+    assert pooled.degrees == {"a": [2, 1, 1, 2, 2, 1, 1], "b": [1, 1, 2, 1, 1]}
+    assert pooled.pool.handoffs == 9
+
+
+def test_a_killed_actor_fails_its_requests_and_the_next_is_served(two_actors):
+    loop = Loop(two_actors)
+    loop.add(request("doomed", seed=3, steps=50))
+    loop.core.step()  # a step on both devices: the request holds its latents there
+    two_actors.kill(1)
+    loop.run()
+    assert set(loop.failed) == {"doomed"} and "device 1 died" in loop.failed["doomed"]
+    assert two_actors.dead() == {1} and loop.scheduler.lost == {1}
+    with pytest.raises(WorkerDied, match="device 1"):
+        two_actors.collective_rpc("ping", ranks=[1])
+    loop.add(request("next", seed=4, steps=3))
+    loop.run()
+    assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
+
+
+def test_the_engine_serves_a_request_through_ray_actors(local_ray, tmp_path):
+    from gouache.engine.client import AsyncEngine
+
+    save(COST, tmp_path / "parallel.json")
+    engine = AsyncEngine.from_config(
+        ModelConfig(MODEL), EngineConfig(executor="ray", devices=2, torch_threads=1),
+        SchedulerConfig(policy="round-knapsack", cost_model=str(tmp_path / "parallel.json")))
+
+    async def serve():
+        await engine.start()
+        try:
+            handle = await engine.submit([ImageRequest("r-0", "a red circle", 64, 64, 3, 4.0, 0,
+                                                       arrival_time=time.monotonic())])
+            return await asyncio.wait_for(handle.images(), 120), await engine.render_metrics()
+        finally:
+            await engine.aclose()
+
+    images, metrics = asyncio.run(serve())
+    assert len(images) == 1 and images[0].image.startswith(b"\x89PNG")
+    steps = [float(line.split()[-1]) for line in metrics.decode().splitlines()
+             if line.startswith("gouache_image_steps_total{")]
+    assert sum(steps) == 3
