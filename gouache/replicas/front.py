@@ -67,7 +67,7 @@ class _Request:
 @dataclass
 class _Replica:
     index: int
-    process: multiprocessing.process.BaseProcess
+    process: Any  # a multiprocessing.Process, or a RayReplica under ray
     commands: zmq.asyncio.Socket
     alive: bool = True
     requests: dict[str, _Request] = field(default_factory=dict)  # by API id
@@ -100,6 +100,7 @@ class ReplicaSet:
         self._call_ids = itertools.count()
         self._counts = {"finished": 0, "failed": 0}
         self._draining = False
+        self._owns_ray = False  # whether start() started Ray (and so shuts it down)
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -110,15 +111,19 @@ class ReplicaSet:
         self.died = asyncio.Event()
         self._dir = tempfile.mkdtemp(prefix="gouache-replicas-")
         self._context = zmq.asyncio.Context()
+        self._host = None  # under ray: this node's address, where replicas anywhere can reach us
+        if self.configs[1].executor == "ray":
+            from gouache.executor.ray_executor import connect
+
+            self._owns_ray = connect(self.configs[1].ray_address)
+            import ray
+
+            self._host = ray.util.get_node_ip_address()
         self._messages = self._context.socket(zmq.PULL)
-        self._messages.bind(f"ipc://{self._dir}/messages")
-        spawn = multiprocessing.get_context("spawn")
+        messages = self._bind(self._messages, "messages")
         for index in range(self.count):
             commands = self._context.socket(zmq.PUSH)
-            commands.bind(f"ipc://{self._dir}/commands-{index}")
-            process = spawn.Process(target=replica_main, name=f"gouache-replica-{index}",
-                                    args=(index, f"ipc://{self._dir}/commands-{index}", f"ipc://{self._dir}/messages",
-                                          self.configs))
+            process = self._launch(index, self._bind(commands, f"commands-{index}"), messages)
             process.start()
             self.replicas.append(_Replica(index, process, commands))
         try:
@@ -130,6 +135,23 @@ class ReplicaSet:
         self._receiver = asyncio.ensure_future(self._receive())
         self._watcher = asyncio.ensure_future(self._watch())
         log.info("%d replicas ready; router %s", self.count, self.router.name)
+
+    def _bind(self, socket: zmq.asyncio.Socket, name: str) -> str:
+        """Bind `socket` (IPC here, TCP on this node's address under ray); the address to connect to."""
+        if self._host is None:
+            socket.bind(f"ipc://{self._dir}/{name}")
+            return f"ipc://{self._dir}/{name}"
+        return f"tcp://{self._host}:{socket.bind_to_random_port(f'tcp://{self._host}')}"
+
+    def _launch(self, index: int, commands: str, messages: str):
+        """A replica's process, or its Ray actor under --executor ray (both not started yet)."""
+        if self._host is not None:
+            from gouache.replicas.ray_replicas import RayReplica
+
+            return RayReplica(index, commands, messages, self.configs)
+        spawn = multiprocessing.get_context("spawn")
+        return spawn.Process(target=replica_main, name=f"gouache-replica-{index}",
+                             args=(index, commands, messages, self.configs))
 
     async def _await_ready(self) -> None:
         ready: set[int] = set()
@@ -165,6 +187,10 @@ class ReplicaSet:
     def _release(self) -> None:
         self._context.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
 
     async def _stop_processes(self, grace_s: float) -> None:
         if grace_s > 0:

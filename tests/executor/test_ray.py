@@ -85,3 +85,23 @@ def test_the_engine_serves_a_request_through_ray_actors(local_ray, tmp_path):
     steps = [float(line.split()[-1]) for line in metrics.decode().splitlines()
              if line.startswith("gouache_image_steps_total{")]
     assert sum(steps) == 3
+
+
+def test_replicas_as_ray_actors_serve_generations_and_edits(local_ray):
+    from gouache.config import ReplicaConfig
+    from gouache.replicas.front import ReplicaSet
+    from tests.replicas.test_replicas import Front, serve
+    from tests.replicas.test_replicas import request as api_request
+
+    config = (ModelConfig(MODEL), EngineConfig(executor="ray", devices=1, torch_threads=1), SchedulerConfig(),
+              ReplicaConfig(2, "round-robin"))
+    front = Front(ReplicaSet(*config))
+    try:
+        load = [api_request("g", 64, n=2), api_request("e", 64, repaint=0.5)]
+        outcomes, placed, _ = front.run(serve(front.set, load))
+        metrics = front.run(front.set.render_metrics()).decode()
+    finally:
+        front.close()
+    assert [len(images) for images in outcomes] == [2, 1]
+    assert sorted(placed.values()) == [0, 1]
+    assert 'gouache_images_total{replica="0"}' in metrics and 'gouache_images_total{replica="1"}' in metrics
