@@ -133,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, fidelity, overhead, serve, sim_to_real, soak
+    from gouache.bench import batching, fidelity, overhead, parallel, serve, sim_to_real, soak
 
+    parallel.add_arguments(bench_kinds.add_parser("parallel", help="worker processes on this machine: executor "
+                                                                  "overhead, collectives per step, hand-offs"))
     sim_to_real.add_arguments(bench_kinds.add_parser("sim-to-real", help="live engine vs simulator on one workload"))
     overhead.add_arguments(bench_kinds.add_parser("overhead", help="scheduling decision time vs queue length"))
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
@@ -239,10 +241,10 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, fidelity, overhead, serve, sim_to_real, soak
+    from gouache.bench import batching, fidelity, overhead, parallel, serve, sim_to_real, soak
 
     kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
-             "fidelity": fidelity}
+             "fidelity": fidelity, "parallel": parallel}
     return kinds[args.bench].run(args)
 
 

@@ -14,6 +14,7 @@ class StepOutput:
 
     request_ids: list[str]  # [num_reqs] requests that advanced by one denoising step
     forward_s: float  # wall time of the model forwards (and sampler steps) of this step
+    collective_s: float = 0.0  # of which in sequence-parallel collectives (all-to-all, all-gather), on one rank
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step failed (it did not advance)
 
 

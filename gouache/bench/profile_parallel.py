@@ -46,7 +46,7 @@ def run(args) -> int:
         table, moves = {}, {}
         with tqdm(total=len(sizes) * (len(degrees) + 1), desc="timing degrees and hand-offs", unit="row") as bar:
             for size in sizes:
-                table[(size, size)], moves[size] = _time_size(pool, size, degrees, args.repeats, bar)
+                table[(size, size)], _, moves[size] = time_size(pool, size, degrees, args.repeats, bar)
     finally:
         executor.shutdown()
     pixels = np.array([size * size / 1e6 for size in sizes])
@@ -67,7 +67,10 @@ def run(args) -> int:
     return 0
 
 
-def _time_size(pool, size: int, degrees: list[int], repeats: int, bar) -> tuple[dict[int, float], float]:
+def time_size(pool, size: int, degrees: list[int], repeats: int, bar) -> tuple[dict[int, float], dict[int, float], float]:
+    """One size-by-size request stepped on block (0..k-1) for each k, then moved between devices
+    0 and 1 each step: the median seconds of a step at each k, the median of its seconds in
+    Ulysses collectives (rank 0's), and the median seconds of a step that moves it."""
     from gouache.request import ImageRequest
     from gouache.sched.plan import Batch
 
@@ -76,23 +79,28 @@ def _time_size(pool, size: int, degrees: list[int], repeats: int, bar) -> tuple[
     pool.runner.prepare(request)
     rid = request.request_id
 
+    collective = []
+
     def step(devices: tuple[int, ...]) -> float:
         start = time.perf_counter()
         output = pool.submit(Batch((rid,), devices)).result()
         if output.failed:
             raise RuntimeError(f"profiling step failed: {output.failed}")
+        collective.append(output.collective_s)
         return time.perf_counter() - start
 
-    row = {}
+    row, collectives = {}, {}
     for k in degrees:
         block = tuple(range(k))
         step(block)  # move there
         step(block)  # warm up
+        collective.clear()
         row[k] = statistics.median(step(block) for _ in range(repeats))
+        collectives[k] = statistics.median(collective)
         bar.update()
     moved = []
     for i in range(repeats):  # alternate devices 0 and 1 (device 0 only when there is one)
         moved.append(step((i % 2,) if len(degrees) > 1 else (0,)))
     bar.update()
     pool.release(rid)
-    return row, statistics.median(moved)
+    return row, collectives, statistics.median(moved)

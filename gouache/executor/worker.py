@@ -94,8 +94,9 @@ class Worker:
         """Take `incoming` states (new to this block or moved to it), then run one step of
         `batch` on its devices."""
         self.runner.states.update(incoming)
-        with self._parallel(batch):
+        with self._parallel(batch) as shards:
             step = self.runner.execute(Batch(batch.request_ids, (0,), 1, batch.patched))
+        step.collective_s = shards.collective_s if shards is not None else 0.0
         states = {rid: self.runner.states[rid] for rid in step.request_ids}
         return RunOutput(step, {rid: s.latents for rid, s in states.items()}, {rid: s.step for rid, s in states.items()})
 
@@ -110,7 +111,7 @@ class Worker:
     @contextlib.contextmanager
     def _parallel(self, batch: Batch):
         if batch.degree == 1:
-            yield
+            yield None
             return
         if batch.patched:
             raise ValueError("patched batches run on one device; a batch of degree > 1 runs plain forwards")
@@ -120,5 +121,5 @@ class Worker:
         from gouache.runner.ulysses import check_degree, ulysses
 
         check_degree(self.runner.pipe, batch.degree)
-        with ulysses(self.runner.pipe.transformer, group):
-            yield
+        with ulysses(self.runner.pipe.transformer, group) as shards:
+            yield shards

@@ -28,6 +28,7 @@ only: the collectives carry no gradients.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -57,6 +58,7 @@ class SequenceShards:
         if self.rank < 0:
             raise ValueError("this process is not in the Ulysses group; enter ulysses() on the group's ranks only")
         self.tokens = 0  # image tokens in this rank's shard, set by `split` at the start of each forward
+        self.collective_s = 0.0  # wall time spent in this group's collectives so far
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, ...] image tokens -> [B, N/k, ...]: this rank's contiguous shard."""
@@ -72,7 +74,9 @@ class SequenceShards:
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's x, concatenated along `dim` in rank order."""
         out = x.new_empty(self.degree * x.shape[0], *x.shape[1:])  # gloo takes only the concatenated form
+        start = time.perf_counter()
         dist.all_gather_single(out, x.contiguous(), group=self.group)
+        self.collective_s += time.perf_counter() - start
         return out.unflatten(0, (self.degree, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
     def swap(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -80,7 +84,9 @@ class SequenceShards:
         concatenate the pieces received along `cat_dim` in rank order."""
         send = x.unflatten(split_dim, (self.degree, -1)).movedim(split_dim, 0).contiguous()
         received = torch.empty_like(send)
+        start = time.perf_counter()
         dist.all_to_all_single(received, send, group=self.group)
+        self.collective_s += time.perf_counter() - start
         return received.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1)
 
     def own_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,13 +228,14 @@ def check_degree(pipe, degree: int) -> None:
 
 
 @contextlib.contextmanager
-def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator[None]:
+def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator[SequenceShards | None]:
     """While inside, a call of `transformer` made on every rank of `group`, each with the same
     full inputs, runs sequence parallel and returns the full output on every rank, identical
-    across them. A group of one rank, or None, changes nothing. On exit the processors and
-    hooks are gone, so the next call may use another group."""
+    across them; it yields the group's `SequenceShards` (None when there is nothing to shard).
+    A group of one rank, or None, changes nothing. On exit the processors and hooks are gone,
+    so the next call may use another group."""
     if group is None or dist.get_world_size(group) == 1:
-        yield
+        yield None
         return
     shards = SequenceShards(group)
     embedder, processor = embedder_and_processor(transformer, shards.degree)
@@ -243,4 +250,4 @@ def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator
         )
         for hook in hooks:
             installed.callback(hook.remove)
-        yield
+        yield shards

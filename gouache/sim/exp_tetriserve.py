@@ -178,6 +178,8 @@ def improvements(points: Sequence[dict]) -> dict[str, dict]:
                 "max_gain_points": max(p["gain_points"] for p in per_scale),
                 "mean_gain_relative_pct": float(np.mean([p["gain_relative_pct"] for p in per_scale])),
                 "max_gain_relative_pct": max(p["gain_relative_pct"] for p in per_scale),
+                "mean_free_handoff_gain_points": None if per_scale[0]["free_handoff_gain_points"] is None else
+                float(np.mean([p["free_handoff_gain_points"] for p in per_scale])),
             }
     return out
 
@@ -204,7 +206,10 @@ def render_markdown(data: dict) -> str:
                      f"({summary['mean_gain_relative_pct']:+.1f} %), max {summary['max_gain_points']:+.1f} points "
                      f"({summary['max_gain_relative_pct']:+.1f} %), with hand-offs charged "
                      f"({data['handoff']['fixed_s'] * 1e6:.0f} us + {data['handoff']['per_megapixel_s'] * 1e6:.1f} us/MP, "
-                     f"{data['handoff']['source']}).\n")
+                     f"{data['handoff']['source']})"
+                     + ("." if summary["mean_free_handoff_gain_points"] is None else
+                        f"; with hand-offs free it would be mean {summary['mean_free_handoff_gain_points']:+.1f} points.")
+                     + "\n")
         by_size = [{"policy": p["policy"], "slo_scale": p["slo_scale"], **p["slo_attainment_by_size"]}
                    for p in data["points"] if p["mix"] == mix and p["slo_scale"] in (min(setup["slo_scales"]),
                                                                                      max(setup["slo_scales"]))]

@@ -165,6 +165,20 @@ def test_profile_measures_degrees_and_the_handoff_for_the_simulator(tmp_path):
                  "--sizes", "64,96", "--requests", "10", "--rate", "2", "--steps", "5"]) == 0
 
 
+def test_bench_parallel_reports_executor_overhead_collectives_and_handoffs(tmp_path):
+    import json
+
+    from gouache.cli import main
+
+    out = tmp_path / "parallel.json"
+    assert main(["bench", "parallel", "--model", MODEL, "--devices", "2", "--sizes", "64", "--repeats", "2",
+                 "--out", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["uniproc_k1_ms"] > 0 and row["multiproc_k1_ms"] > 0
+    assert 0 < row["k2_collectives_ms"] < row["k2_step_ms"]  # the all-to-alls are timed, inside the step
+    assert "handoff_ms" in row and out.with_suffix(".md").exists()
+
+
 @pytest.mark.parametrize("model, policy, devices, cost, message", [
     ("tiny-sd", "fixed-sp-2", 2, None, "UNet, which runs at degree 1 only"),
     ("tiny-sd3", "fixed-sp-4", 4, None, "do not divide by degree 4"),
