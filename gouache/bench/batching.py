@@ -1,10 +1,12 @@
-"""`gouache bench batching`: one denoising step of a mixed-size batch, patched vs grouped.
+"""`gouache bench batching`: one denoising step of a mixed-size batch, in one forward vs grouped.
 
-Grouped is what `orca` does (one forward per resolution); patched is one forward over the
-patches of every image. Both run the engine's own step path (family.forward /
-family.predict_patched) on prepared requests, CFG rows included. The split/merge cost is
-timed on its own, and the patching overhead shows directly in the one-resolution mixes,
-where both modes do the same arithmetic.
+Grouped is what `orca` does (one forward per resolution); one forward is what `patched` does:
+UNets over the patches of every image (method "patched"), DiTs over every image's tokens
+packed into one sequence (method "packed"). Both run the engine's own step path
+(family.forward / family.predict_patched) on prepared requests, CFG rows included. A UNet's
+split/merge cost is timed on its own; the one-forward overhead shows directly in the
+one-resolution mixes, where both modes do the same arithmetic. The JSON keeps the keys
+`patched_ms` / `patched_vs_grouped` for either method.
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
         with torch.no_grad():
             grouped = median_s(lambda: [family.forward(g) for g in groups.values()], args.repeats, sync)
             patched = median_s(lambda: family.predict_patched(states), args.repeats, sync)
-        samples = [family.token_grid(s) if family.name == "flux" else s.latents[0] for s in states]
-        layout = family.layout(samples)
-        split_merge = median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
-        rows.append(_row(mix, len(letters), len(groups), grouped, patched, split_merge))
+        split_merge = None
+        if family.patches:
+            samples = [s.latents[0] for s in states]
+            layout = family.layout(samples)
+            split_merge = median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
+        rows.append(_row(mix, len(letters), len(groups), grouped, patched, split_merge, family.patches))
     return rows
 
 
@@ -132,20 +136,23 @@ def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
     for mix in args.mixes.split(","):
         letters = parse_mix(mix)
         bench = DenoiserBench(model, [(sizes[x] // 8, sizes[x] // 8) for x in letters])
-        unit = 16 if bench.family == "flux" else 8  # pixels per token / per latent pixel
-        layout = bench.layout(args.patch_size // unit)
+        patches = bench.family == "unet"
+        layout = bench.layout(args.patch_size // 8) if patches else None
         with torch.no_grad():
             grouped = median_s(bench.grouped, args.repeats, sync)
-            patched = median_s(lambda: bench.patched(layout), args.repeats, sync)
-        split_merge = median_s(lambda: layout.merge(layout.split(bench.samples)), args.repeats, sync)
-        rows.append(_row(mix, len(letters), len(set(letters)), grouped, patched, split_merge))
+            patched = median_s(lambda: bench.one_forward(layout), args.repeats, sync)
+        split_merge = median_s(lambda: layout.merge(layout.split(bench.samples)), args.repeats, sync) if patches else None
+        rows.append(_row(mix, len(letters), len(set(letters)), grouped, patched, split_merge, patches))
     return rows
 
 
-def _row(mix: str, images: int, resolutions: int, grouped: float, patched: float, split_merge: float) -> dict:
-    print(f"{mix}: grouped {grouped * 1e3:.1f} ms, patched {patched * 1e3:.1f} ms", file=sys.stderr)
-    return {"mix": mix, "images": images, "resolutions": resolutions, "grouped_ms": grouped * 1e3,
-            "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped, "split_merge_ms": split_merge * 1e3}
+def _row(mix: str, images: int, resolutions: int, grouped: float, patched: float, split_merge: float | None,
+         patches: bool) -> dict:
+    method = "patched" if patches else "packed"
+    print(f"{mix}: grouped {grouped * 1e3:.1f} ms, {method} {patched * 1e3:.1f} ms", file=sys.stderr)
+    return {"mix": mix, "images": images, "resolutions": resolutions, "method": method, "grouped_ms": grouped * 1e3,
+            "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped,
+            "split_merge_ms": None if split_merge is None else split_merge * 1e3}
 
 
 def _device_name(device: str) -> str:
@@ -159,10 +166,13 @@ def _device_name(device: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| mix | images | resolutions | grouped ms | patched ms | patched / grouped | split+merge ms |", "|---|---|---|---|---|---|---|"]
+    method = rows[0]["method"]
+    lines = [f"| mix | images | resolutions | grouped ms | {method} ms | {method} / grouped | split+merge ms |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        split_merge = "-" if r["split_merge_ms"] is None else f"{r['split_merge_ms']:.2f}"
         lines.append(f"| {r['mix']} | {r['images']} | {r['resolutions']} | {r['grouped_ms']:.1f} | {r['patched_ms']:.1f} | "
-                     f"{r['patched_vs_grouped']:.2f} | {r['split_merge_ms']:.2f} |")
+                     f"{r['patched_vs_grouped']:.2f} | {split_merge} |")
     return "\n".join(lines)
 
 
@@ -175,7 +185,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["grouped_ms"] for r in rows], 0.4, label="grouped (one forward per resolution)")
-    ax.bar([i + 0.2 for i in x], [r["patched_ms"] for r in rows], 0.4, label="patched (one forward)")
+    ax.bar([i + 0.2 for i in x], [r["patched_ms"] for r in rows], 0.4, label=f"{rows[0]['method']} (one forward)")
     ax.set_xticks(list(x), [r["mix"] for r in rows])
     ax.set_ylabel("step latency (ms)")
     ax.set_title(title)

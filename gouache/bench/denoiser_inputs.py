@@ -1,6 +1,6 @@
 """Random conditioning for a bare denoiser, so full-size architectures (`sdxl-arch`,
 `sd3-arch`, `flux-arch`: real configs, random weights, no text encoders or VAE) can be timed
-grouped and patched on a GPU. Shapes follow each model's config."""
+grouped and in one forward (patched UNets, packed DiTs) on a GPU. Shapes follow each model's config."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel
 
 from gouache.runner.layout import PatchLayout
-from gouache.runner.patch_dit import patched_flux_forward, patched_sd3_forward
+from gouache.runner.pack_dit import packed_flux_forward, packed_sd3_forward
 from gouache.runner.patch_ops import patched_unet_forward
 
 TEXT_TOKENS = {"unet": 77, "sd3": 333, "flux": 512}  # the pipelines' defaults
@@ -22,7 +22,7 @@ def family_of_denoiser(model) -> str:
 
 class DenoiserBench:
     """One image per latent shape (h, w) in latent pixels; `grouped()` runs one forward per
-    shape, `patched(patch)` one forward over all patches."""
+    shape, `one_forward(layout)` one forward over all of them."""
 
     def __init__(self, model, shapes: list[tuple[int, int]], seed: int = 0):
         self.model, self.family, self.shapes = model, family_of_denoiser(model), shapes
@@ -77,10 +77,11 @@ class DenoiserBench:
     def layout(self, patch: int) -> PatchLayout:
         return PatchLayout.build([tuple(x.shape[-2:]) for x in self.samples], patch)
 
-    def patched(self, layout: PatchLayout) -> list[torch.Tensor]:
+    def one_forward(self, layout: PatchLayout | None) -> list[torch.Tensor]:
+        """Every image in one forward: patched by `layout` (UNets), packed by tokens (DiTs)."""
         if self.family == "unet":
             return patched_unet_forward(self.model, layout, self.samples, self.timestep, self.text, self.added)
         if self.family == "sd3":
-            return patched_sd3_forward(self.model, layout, self.samples, self.timestep, self.text, self.pooled)
-        return patched_flux_forward(self.model, layout, self.samples, self.timestep, self.guidance, self.pooled,
-                                    self.text, self.txt_ids)
+            return packed_sd3_forward(self.model, self.samples, self.timestep, self.text, self.pooled)
+        return packed_flux_forward(self.model, self.samples, self.timestep, self.guidance, self.pooled, self.text,
+                                   self.txt_ids)

@@ -92,7 +92,7 @@ class AsyncEngine:
             self.pool.shutdown()
             raise
         info = replace(info, deadlines=policy.uses_deadlines)
-        if policy.mixes_resolutions:  # every latent must cut into whole patches
+        if policy.mixes_resolutions and self.runner.family.patches:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw

@@ -1,13 +1,17 @@
 """Patch-aware operators: run one diffusers UNet forward over a mixed-resolution patch batch.
 
 PatchedServe §4.2. The batch is `[num_patches, C, s, s]` in `PatchLayout` order. Pixel-wise
-operators (linear, 1x1 convs, cross-attention, feed-forward, nearest upsampling, time
-embeddings) are exact per patch and left alone. Three kinds need the rest of the image:
+operators (linear, 1x1 convs, feed-forward, nearest upsampling, time embeddings) are exact per
+patch and left alone. Three kinds need the rest of the image:
 
 - convolutions with kernel > 1 read their neighbours' border pixels (halo stitching);
 - GroupNorm takes its statistics over every patch of an image;
 - self-attention regathers each image's tokens; images of one resolution are contiguous, so
   that is a reshape `[k * P, T, C] -> [k, P * T, C]`.
+
+Cross-attention is exact per patch too, but its keys and values come from the image's text:
+the UNet gets each image's text once (not a copy per patch), and cross-attention regathers its
+queries like self-attention does, so every image's text is projected once per layer.
 
 `patch_unet` installs these on an unmodified UNet from the outside (module wrappers and an
 attention processor) and restores the originals on exit. The patch grid is the same at every
@@ -36,6 +40,7 @@ class PatchTensors:
     image: torch.Tensor  # [n] layout position of each patch's image: segment ids for GroupNorm
     caller: torch.Tensor  # [n] caller index of each patch's image: which conditioning row it gets
     per_image: torch.Tensor  # [num_images] patches per image, in layout order
+    order: torch.Tensor  # [num_images] caller index of each layout position
 
     @classmethod
     def build(cls, layout: PatchLayout) -> PatchTensors:
@@ -43,8 +48,8 @@ class PatchTensors:
         neighbours = torch.tensor(layout.neighbours, dtype=torch.long).reshape(n, 4).T.contiguous()
         neighbours[neighbours < 0] = n
         image = torch.tensor(layout.patch_image, dtype=torch.long)
-        caller = torch.tensor(layout.order, dtype=torch.long)[image]
-        return cls(neighbours, image, caller, torch.tensor(layout.request_offsets).diff())
+        order = torch.tensor(layout.order, dtype=torch.long)
+        return cls(neighbours, image, order[image], torch.tensor(layout.request_offsets).diff(), order)
 
     def to(self, device: torch.device) -> PatchTensors:
         return PatchTensors(*(getattr(self, f.name).to(device) for f in fields(self)))
@@ -176,8 +181,10 @@ def _segment_sum(values: torch.Tensor, segment: torch.Tensor, count: int) -> tor
 # ------------------------------------------------------------------------------ attention
 
 
-class PatchSelfAttnProcessor:
-    """Wraps a self-attention processor: it sees every image of a resolution as one batch."""
+class PatchAttnProcessor:
+    """Wraps an attention processor: it sees every image of a resolution as one batch of its
+    patches' tokens. Cross-attention gets each image's own text, [num_images, L, D] in caller
+    order, and attends every query of the image's patches to it at once."""
 
     def __init__(self, inner: Callable[..., torch.Tensor], index: PatchIndex):
         self.inner, self.index = inner, index
@@ -188,13 +195,17 @@ class PatchSelfAttnProcessor:
         temb=None, *args, **kwargs,
     ) -> torch.Tensor:
         # Tokens of a patch batch, unmasked: a mask or a 4-D input would need regathering too.
-        if hidden_states.ndim != 3 or attention_mask is not None or encoder_hidden_states is not None:
-            raise ValueError("patched self-attention takes [patches, tokens, C] without masks or context")
+        if hidden_states.ndim != 3 or attention_mask is not None:
+            raise ValueError("patched attention takes [patches, tokens, C] without masks")
+        if encoder_hidden_states is not None:  # caller order -> layout order, once per call
+            order = self.index.tensors(encoder_hidden_states.device).order
+            encoder_hidden_states = encoder_hidden_states.index_select(0, order)
         t = hidden_states.shape[1]
         outs = []
-        for first, k, per in self.index.groups:
+        for (first, k, per), (position, _, _) in zip(self.index.groups, self.index.layout.groups):
             h = hidden_states[first : first + k * per].reshape(k, per * t, -1)
-            y = self.inner(attn, h, None, None, temb, *args, **kwargs)
+            text = None if encoder_hidden_states is None else encoder_hidden_states[position : position + k]
+            y = self.inner(attn, h, text, None, temb, *args, **kwargs)
             outs.append(y.reshape(k * per, t, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -204,16 +215,17 @@ class PatchSelfAttnProcessor:
 
 @contextlib.contextmanager
 def patch_unet(unet: nn.Module, layout: PatchLayout) -> Iterator[PatchIndex]:
-    """Make `unet` run on `layout`'s patch batch; restore its modules and processors on exit."""
+    """Make `unet` run on `layout`'s patch batch, with each image's text once (caller order);
+    restore its modules and processors on exit."""
     index = PatchIndex(layout)
-    self_attn = [m for m in unet.modules() if isinstance(m, Attention) and not m.is_cross_attention]
-    swaps = _module_swaps(unet, index, skip=set(map(id, self_attn)))
-    processors = [(m, m.processor) for m in self_attn]
+    attention = [m for m in unet.modules() if isinstance(m, Attention)]
+    swaps = _module_swaps(unet, index, skip={id(m) for m in attention if not m.is_cross_attention})
+    processors = [(m, m.processor) for m in attention]
     try:
         for parent, name, _, new in swaps:
             setattr(parent, name, new)
         for module, inner in processors:
-            module.set_processor(PatchSelfAttnProcessor(inner, index))
+            module.set_processor(PatchAttnProcessor(inner, index))
         yield index
     finally:
         for parent, name, old, _ in swaps:
@@ -266,7 +278,7 @@ def patched_unet_forward(
 
         added = {k: per_patch(v) for k, v in (added_cond_kwargs or {}).items()} or None
         out = unet(
-            x, per_patch(torch.as_tensor(timestep, device=x.device)), per_patch(encoder_hidden_states),
+            x, per_patch(torch.as_tensor(timestep, device=x.device)), encoder_hidden_states,
             added_cond_kwargs=added, return_dict=False,
         )[0]
     return layout.merge(out)

@@ -40,7 +40,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
-from gouache.runner.patch_dit import QKV, project
+from gouache.runner.pack_dit import QKV, project
 
 # Keyword arguments through which the transformers take ControlNet residuals: lists of
 # [B, image tokens, D] added to the image stream, so they are cut like it.

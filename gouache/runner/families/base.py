@@ -24,8 +24,8 @@ class Family(ABC):
     name: str
     # scheduler.step gets the pipeline's extra kwargs (generator, eta) as SD/SDXL pipelines pass them
     passes_step_kwargs = False
-    # latent pixels per unit of the denoiser's patch grid (Flux packs 2x2 latents into a token)
-    grid_unit = 1
+    # one forward over mixed sizes cuts latents into patches (UNets); DiTs pack tokens instead
+    patches = True
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
 
@@ -34,11 +34,10 @@ class Family(ABC):
         self.device = pipe.device
         self.dtype = pipe.dtype
         self.vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        unit = self.vae_scale * self.grid_unit
-        if patch_pixels % unit:
-            raise ValueError(f"patch size must be a multiple of {unit} pixels for {self.name}, got {patch_pixels}")
+        if self.patches and patch_pixels % self.vae_scale:
+            raise ValueError(f"patch size must be a multiple of {self.vae_scale} pixels for {self.name}, got {patch_pixels}")
         self.patch_pixels = patch_pixels
-        self.patch = patch_pixels // unit  # patch side in the denoiser's grid (latent pixels or tokens)
+        self.patch = patch_pixels // self.vae_scale  # patch side in latent pixels
 
     # -- preparation (prep thread) --------------------------------------------------------
 

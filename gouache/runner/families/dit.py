@@ -8,12 +8,15 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from gouache.request import ImageRequest
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
-from gouache.runner.patch_dit import patched_flux_forward, patched_sd3_forward
+from gouache.runner.pack_dit import packed_flux_forward, packed_sd3_forward
 from gouache.runner.sampler import DenoiseState
 
 
 class FlowFamily(Family):
-    """What SD3 and Flux share: VAE shift/scale, flow-matching re-noising of kept regions."""
+    """What SD3 and Flux share: VAE shift/scale, flow-matching re-noising of kept regions, and
+    one forward over mixed sizes by packing tokens (`runner/pack_dit.py`), not patches."""
+
+    patches = False
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -84,9 +87,9 @@ class StableDiffusion3Family(FlowFamily):
 
     def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
-        outputs = patched_sd3_forward(
-            self.pipe.transformer, self.layout(samples), samples, row_timesteps(states),
-            cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled"),
+        outputs = packed_sd3_forward(
+            self.pipe.transformer, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
+            cat_cond(states, "pooled"),
         )
         return by_state(outputs, states)
 
@@ -98,7 +101,6 @@ class FluxFamily(FlowFamily):
     """Guidance-distilled: guidance_scale feeds the guidance embedding; no CFG rows."""
 
     name = "flux"
-    grid_unit = 2  # a token is a 2x2 block of latents
 
     def uses_cfg(self, request: ImageRequest) -> bool:
         return False
@@ -165,8 +167,8 @@ class FluxFamily(FlowFamily):
         grids = [self.token_grid(s) for s in states]
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
-        outputs = patched_flux_forward(
-            self.pipe.transformer, self.layout(grids), grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
+        outputs = packed_flux_forward(
+            self.pipe.transformer, grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
             cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"],
         )
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]

@@ -1,4 +1,4 @@
-"""Patched DiT forwards: a mixed-resolution batch in one forward equals each image's own forward."""
+"""Packed DiT forwards: a mixed-resolution batch in one forward equals each image's own forward."""
 
 from __future__ import annotations
 
@@ -8,27 +8,26 @@ import torch
 from diffusers import FluxPipeline, SD3Transformer2DModel
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-from gouache.runner.layout import PatchLayout
 from gouache.runner.models import load_pipeline
-from gouache.runner.patch_dit import flux_patching, patched_flux_forward, patched_sd3_forward, sd3_patching
+from gouache.runner.pack_dit import Packing, packed_flux_forward, packed_sd3_forward
 
 TOL = 1e-4
 TEXT_LEN = 24  # any length works; real prompts give 333 (SD3) or 512 (Flux) tokens
 
-# name -> (shapes in caller order, patch); SD3 shapes are latents, Flux shapes are token grids
+# name -> shapes in caller order; SD3 shapes are latents, Flux shapes are token grids
 SD3_CASES = {
-    "one-resolution": ([(8, 8), (8, 8)], 4),
-    "two-resolutions": ([(8, 12), (8, 8), (8, 12)], 4),
-    "three-resolutions": ([(12, 8), (8, 12), (16, 16)], 4),
-    "four-resolutions": ([(8, 8), (8, 12), (12, 8), (16, 16)], 4),
-    "patch-is-image": ([(8, 8), (8, 8)], 8),
+    "one-image": [(8, 12)],
+    "one-resolution": [(8, 8), (8, 8)],
+    "two-resolutions": [(8, 12), (8, 8), (8, 12)],
+    "three-resolutions": [(12, 8), (8, 12), (16, 16)],
+    "four-resolutions": [(8, 8), (8, 12), (12, 8), (16, 16)],
 }
 FLUX_CASES = {
-    "one-resolution": ([(4, 4), (4, 4)], 2),
-    "two-resolutions": ([(4, 6), (4, 4), (4, 6)], 2),
-    "three-resolutions": ([(6, 4), (4, 6), (8, 8)], 2),
-    "four-resolutions": ([(4, 4), (4, 6), (6, 4), (8, 8)], 2),
-    "patch-is-image": ([(4, 4), (4, 4)], 4),
+    "one-image": [(4, 6)],
+    "one-resolution": [(4, 4), (4, 4)],
+    "two-resolutions": [(4, 6), (4, 4), (4, 6)],
+    "three-resolutions": [(6, 4), (4, 6), (8, 8)],
+    "four-resolutions": [(4, 4), (4, 6), (6, 4), (8, 8)],
 }
 
 
@@ -74,31 +73,31 @@ def reference_flux(model, inputs: dict, i: int) -> torch.Tensor:
     return out[0].T.reshape(c, h, w)
 
 
-def run_patched(family: str, model, layout: PatchLayout, inputs: dict) -> list[torch.Tensor]:
-    forward = patched_sd3_forward if family == "sd3" else patched_flux_forward
-    return forward(model, layout, **inputs)
+def run_packed(family: str, model, inputs: dict) -> list[torch.Tensor]:
+    forward = packed_sd3_forward if family == "sd3" else packed_flux_forward
+    return forward(model, **inputs)
 
 
-def max_diffs(family: str, model, shapes, patch: int) -> list[float]:
+def max_diffs(family: str, model, shapes) -> list[float]:
     inputs = make_inputs(family, shapes)
     reference = reference_sd3 if family == "sd3" else reference_flux
     with torch.no_grad():
-        outs = run_patched(family, model, PatchLayout.build(shapes, patch), inputs)
+        outs = run_packed(family, model, inputs)
         refs = [reference(model, inputs, i) for i in range(len(shapes))]
     assert [o.shape for o in outs] == [r.shape for r in refs]
     return [(o - r).abs().max().item() for o, r in zip(outs, refs)]
 
 
 @pytest.mark.parametrize("case", SD3_CASES)
-def test_patched_sd3_equals_each_image_alone(sd3, case):
-    diffs = max_diffs("sd3", sd3, *SD3_CASES[case])
+def test_packed_sd3_equals_each_image_alone(sd3, case):
+    diffs = max_diffs("sd3", sd3, SD3_CASES[case])
     print(f"sd3 {case}: max abs diff {max(diffs):.2e}")
     assert max(diffs) <= TOL
 
 
 @pytest.mark.parametrize("case", FLUX_CASES)
-def test_patched_flux_equals_each_image_alone(flux, case):
-    diffs = max_diffs("flux", flux, *FLUX_CASES[case])
+def test_packed_flux_equals_each_image_alone(flux, case):
+    diffs = max_diffs("flux", flux, FLUX_CASES[case])
     print(f"flux {case}: max abs diff {max(diffs):.2e}")
     assert max(diffs) <= TOL
 
@@ -111,62 +110,51 @@ def test_sd35_dual_attention_and_qk_norm():
         num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64,
         pos_embed_max_size=64, dual_attention_layers=(0,), qk_norm="rms_norm",
     ).eval()
-    assert max(max_diffs("sd3", model, *SD3_CASES["three-resolutions"])) <= TOL
+    assert max(max_diffs("sd3", model, SD3_CASES["three-resolutions"])) <= TOL
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_the_comparison_can_fail(request, family):
     """The checks above mean something: conditioning changes the output, and so does running
-    the plain model on patches (patch-local positions, attention within a patch)."""
+    the plain model on a crop (crop-local positions, attention within the crop)."""
     model = request.getfixturevalue(family)
-    shapes, patch = (SD3_CASES if family == "sd3" else FLUX_CASES)["one-resolution"]
-    inputs = make_inputs(family, shapes)
+    inputs = make_inputs(family, (SD3_CASES if family == "sd3" else FLUX_CASES)["one-resolution"])
     reference = reference_sd3 if family == "sd3" else reference_flux
+    side = 4 if family == "sd3" else 2  # half the image
     with torch.no_grad():
         a, b = reference(model, inputs, 0), reference(model, inputs, 1)  # same latent, other prompt and t
-        corner = [x[:, -patch:, -patch:] for x in inputs["samples"][:1]]  # image 0's last patch, alone
+        corner = [x[:, -side:, -side:] for x in inputs["samples"][:1]]  # image 0's last corner, alone
         cut = reference(model, {**inputs, "samples": corner}, 0)
     assert (a - b).abs().max() > 100 * TOL
-    assert (cut - a[:, -patch:, -patch:]).abs().max() > 100 * TOL
+    assert (cut - a[:, -side:, -side:]).abs().max() > 100 * TOL
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_text_copies_stay_identical(request, family):
-    model = request.getfixturevalue(family)
-    shapes, patch = (SD3_CASES if family == "sd3" else FLUX_CASES)["four-resolutions"]
-    layout = PatchLayout.build(shapes, patch)
-    text_states = []
-    blocks = [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
-    handles = [b.register_forward_hook(lambda m, args, out: text_states.append(out[0])) for b in blocks]
-    try:
-        with torch.no_grad():
-            run_patched(family, model, layout, make_inputs(family, shapes))
-    finally:
-        for handle in handles:
-            handle.remove()
-    offsets = layout.request_offsets
-    for text in filter(lambda t: t is not None, text_states):  # SD3's last block drops its text
-        for first, end in zip(offsets, offsets[1:]):
-            assert all(torch.equal(text[first], text[copy]) for copy in range(first + 1, end))
+def test_packing_puts_same_sizes_together_and_round_trips():
+    packing = Packing.build([(2, 3), (1, 1), (2, 3), (1, 2)], text_len=2, device=torch.device("cpu"))
+    assert packing.order == (1, 3, 0, 2)
+    assert [(g.shape, g.count, g.image_rows, g.text_rows) for g in packing.groups] == [
+        ((1, 1), 1, slice(0, 1), slice(0, 2)), ((1, 2), 1, slice(1, 3), slice(2, 4)),
+        ((2, 3), 2, slice(3, 15), slice(4, 8))]
+    assert packing.image_index.tolist() == [1, 3, 3, *[0] * 6, *[2] * 6]
+    assert packing.text_index.tolist() == [1, 1, 3, 3, 0, 0, 2, 2]
+    images = [torch.randn(h * w, 5) for h, w in packing.shapes]
+    assert all(torch.equal(a, b) for a, b in zip(packing.unpack(packing.pack(images)), images))
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_model_is_exactly_restored(request, family):
     model = request.getfixturevalue(family)
-    shapes, patch = (SD3_CASES if family == "sd3" else FLUX_CASES)["two-resolutions"]
+    shapes = (SD3_CASES if family == "sd3" else FLUX_CASES)["two-resolutions"]
     reference = reference_sd3 if family == "sd3" else reference_flux
-    patching = sd3_patching if family == "sd3" else flux_patching
     inputs = make_inputs(family, shapes)
-    processors, pos_embed = model.attn_processors, model.pos_embed
-    modules = dict(model.named_modules())
+    processors, modules = model.attn_processors, dict(model.named_modules())
     with torch.no_grad():
         before = reference(model, inputs, 0)
-        run_patched(family, model, PatchLayout.build(shapes, patch), inputs)
-        with pytest.raises(RuntimeError, match="inside"), patching(model, PatchLayout.build(shapes, patch)):
-            assert model.pos_embed is not pos_embed
-            raise RuntimeError("failure inside the context")
+        run_packed(family, model, inputs)
+        broken = {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :, :3]}  # fails inside
+        with pytest.raises(RuntimeError):
+            run_packed(family, model, broken)
         after = reference(model, inputs, 0)
-    assert model.pos_embed is pos_embed
     assert all(model.attn_processors[name] is p for name, p in processors.items())
     assert dict(model.named_modules()).keys() == modules.keys()
     assert all(module is modules[name] for name, module in model.named_modules())
@@ -181,11 +169,6 @@ def test_refuses_processors_it_would_silently_replace(sd3):
     sd3.set_attn_processor(Custom())
     try:
         with pytest.raises(ValueError, match="supports JointAttnProcessor2_0 only"):
-            run_patched("sd3", sd3, PatchLayout.build([(8, 8)], 4), make_inputs("sd3", [(8, 8)]))
+            run_packed("sd3", sd3, make_inputs("sd3", [(8, 8), (8, 12)]))
     finally:
         sd3.set_attn_processor(dict(processors))
-
-
-def test_patch_must_hold_whole_dit_patches(sd3):
-    with pytest.raises(ValueError, match="multiple of the DiT patch size 2"):
-        run_patched("sd3", sd3, PatchLayout.build([(6, 6)], 3), make_inputs("sd3", [(6, 6)]))

@@ -1,0 +1,359 @@
+"""Packed inference for DiTs (SD3's MMDiT, Flux): images of different sizes in ONE forward,
+every token computed once.
+
+The model runs unchanged on a batch whose rows are tokens: image tokens as `[S_img, 1, D]`
+(image-major, raster order inside an image, images of one size adjacent) and text tokens as
+`[S_txt, 1, D]` (each image's own text once, in the same image order). Every per-token layer
+(linears, norms, FFNs, gating) is then right as it is. Three things see more than one row, and
+are put right from the outside for the duration of the forward:
+
+- conditioning: every AdaLN norm computes its modulation once per image from the image's
+  `temb` (`ExpandRows` in place of its `linear`) and hands each row its image's;
+- position: SD3's patch embedding adds each token's slice of its image's cropped sincos
+  embedding; Flux's RoPE is made per size from each image's own ids;
+- joint attention: each image attends over [its text + its image tokens] (same-size images
+  together, one attention call per size), in the model's token order.
+
+Flux's single-stream blocks concatenate text and image along the sequence; they get all rows
+as one stream (text rows, then image rows) and an empty text stream (`RowsSingleBlock`).
+No text copy per patch and no halo: the work is that of the images alone, plus the gathers.
+Images all of one size need no packing: they run as the model's own batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from diffusers import FluxPipeline
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from torch import nn
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each [batch, tokens, heads, head_dim]
+
+
+def project(x: torch.Tensor, heads: int, projections, norms) -> QKV:
+    """q, k, v of tokens x [B, S, D] as [B, S, heads, d], with the model's optional qk norms."""
+    out = []
+    for proj, norm in zip(projections, (*norms, None)):  # v is never normed
+        y = proj(x).unflatten(-1, (heads, -1))
+        out.append(y if norm is None else norm(y))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Images of one token-grid size, adjacent in the packing."""
+
+    shape: tuple[int, int]  # token grid (h, w)
+    count: int
+    image_rows: slice
+    text_rows: slice
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each image's tokens and text go among the rows. `order` lists caller indices in
+    packed order (by size, then caller order)."""
+
+    shapes: tuple[tuple[int, int], ...]  # token grid per caller index
+    text_len: int
+    order: tuple[int, ...]
+    groups: tuple[Group, ...]
+    image_index: torch.Tensor  # [S_img] caller index of each image row
+    text_index: torch.Tensor  # [S_txt] caller index of each text row
+
+    @classmethod
+    def build(cls, shapes: Sequence[tuple[int, int]], text_len: int, device: torch.device) -> Packing:
+        order = tuple(sorted(range(len(shapes)), key=lambda i: (shapes[i], i)))
+        groups, image_row, text_row = [], 0, 0
+        for shape in dict.fromkeys(shapes[i] for i in order):
+            count = sum(1 for s in shapes if s == shape)
+            tokens = shape[0] * shape[1]
+            groups.append(Group(shape, count, slice(image_row, image_row + count * tokens),
+                                slice(text_row, text_row + count * text_len)))
+            image_row, text_row = image_row + count * tokens, text_row + count * text_len
+        caller = torch.tensor(order, device=device)
+        tokens = torch.tensor([shapes[i][0] * shapes[i][1] for i in order], device=device)
+        return cls(tuple(shapes), text_len, order, tuple(groups), caller.repeat_interleave(tokens),
+                   caller.repeat_interleave(text_len))
+
+    @property
+    def image_rows(self) -> int:
+        return len(self.image_index)
+
+    def pack(self, per_image: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per caller index [tokens, ...] -> [S_img, ...] in packed order."""
+        return torch.cat([per_image[i] for i in self.order])
+
+    def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """[S_img, ...] -> per caller index [tokens, ...]."""
+        sizes = [self.shapes[i][0] * self.shapes[i][1] for i in self.order]
+        out: list[torch.Tensor | None] = [None] * len(self.shapes)
+        for i, part in zip(self.order, rows.split(sizes)):
+            out[i] = part
+        return out
+
+    def text(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[num_images, L, D] in caller order -> [S_txt, 1, D] rows."""
+        order = torch.tensor(self.order, device=encoder_hidden_states.device)
+        return encoder_hidden_states[order].flatten(0, 1)[:, None]
+
+    def attend(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None = None):
+        """Joint attention per image. image: [S_img, H, d] each; text: [S_txt, H, d] each or None
+        -> ([S_img, H*d], [S_txt, H*d] or None)."""
+        image_out, text_out = [], []  # one part per size; a single part is used as it is
+        for g, group in enumerate(self.groups):
+            qkv = [x[group.image_rows].unflatten(0, (group.count, -1)) for x in image]
+            if text is not None:  # in the model's own token order: Flux puts text first, SD3 last
+                own = [t[group.text_rows].unflatten(0, (group.count, -1)) for t in text]
+                qkv = [torch.cat([t, x] if text_first else [x, t], dim=1) for t, x in zip(own, qkv)]
+            if rope is not None:
+                qkv[:2] = [apply_rotary_emb(x, rope[g], sequence_dim=1) for x in qkv[:2]]
+            out = dispatch_attention_fn(*qkv).flatten(2)  # [count, S, H * d]
+            sizes = [0 if text is None else self.text_len, group.tokens]
+            text_part, image_part = out.split(sizes, 1) if text_first else out.split(sizes[::-1], 1)[::-1]
+            image_out.append(image_part.flatten(0, 1))
+            text_out.append(text_part.flatten(0, 1))
+        joined = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (image_out, text_out)]
+        return joined[0], (joined[1] if text is not None else None)
+
+
+class ExpandRows(nn.Module):
+    """Stands in for an AdaLN norm's `linear`: the modulation of each image, computed once from
+    its `temb` row, given to each of its rows."""
+
+    def __init__(self, linear: nn.Module, index: torch.Tensor):
+        super().__init__()
+        self.linear = linear
+        self.index = index
+
+    def forward(self, emb: torch.Tensor) -> torch.Tensor:
+        return self.linear(emb).index_select(0, self.index)
+
+
+@contextlib.contextmanager
+def swapped(transformer: nn.Module, processor, expected: type, swaps: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
+    """Set `processor` on every attention and swap (owner, name, module) in; put all back after."""
+    saved = transformer.attn_processors
+    for name, original in saved.items():
+        # any other processor (IP-Adapter, fused qkv, PAG) does work this one would silently drop
+        if type(original) is not expected:
+            raise ValueError(f"packed inference supports {expected.__name__} only; {name} is {type(original).__name__}")
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
+    try:
+        transformer.set_attn_processor(processor)
+        for owner, name, module in swaps:
+            setattr(owner, name, module)
+        yield
+    finally:
+        for owner, name, module in originals:
+            setattr(owner, name, module)
+        transformer.set_attn_processor(dict(saved))  # a copy: diffusers pops from the dict
+
+
+def norm_swaps(norm: nn.Module, index: torch.Tensor) -> tuple[nn.Module, str, nn.Module]:
+    if getattr(norm, "emb", None) is not None or not hasattr(norm, "linear"):
+        raise ValueError(f"packed inference expects AdaLN norms modulated from temb; got {type(norm).__name__}")
+    return norm, "linear", ExpandRows(norm.linear, index)
+
+
+# ------------------------------------------------------------------------------------- SD3
+
+
+class PackedPosEmbed(nn.Module):
+    """Stands in for SD3's PatchEmbed over rows of one DiT patch each [S_img, C, p, p]: the same
+    projection, plus each token's entry of its image's cropped sincos embedding."""
+
+    def __init__(self, embed: nn.Module, packing: Packing):
+        super().__init__()
+        if not embed.pos_embed_max_size:
+            raise ValueError("packed SD3 needs the cropped pos-embed (pos_embed_max_size set)")
+        self.embed = embed
+        size = embed.patch_size
+        pos = [embed.cropped_pos_embed(g.shape[0] * size, g.shape[1] * size)[0].repeat(g.count, 1)  # raster order
+               for g in packing.groups]
+        self.register_buffer("pos", torch.cat(pos)[:, None], persistent=False)
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        x = self.embed.proj(latent).flatten(2).transpose(1, 2)  # [S, C, p, p] -> [S, 1, D]
+        if self.embed.layer_norm:
+            x = self.embed.norm(x)
+        return (x + self.pos).to(x.dtype)
+
+
+class PackedJointAttnProcessor:
+    """JointAttnProcessor2_0 over packed rows (also serves SD3.5's image-only `attn2`)."""
+
+    def __init__(self, packing: Packing):
+        self.packing = packing
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        image = [x[0] for x in project(hidden_states.transpose(0, 1), attn.heads, (attn.to_q, attn.to_k, attn.to_v),
+                                       (attn.norm_q, attn.norm_k))]
+        text = None
+        if encoder_hidden_states is not None:
+            added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
+                                          (attn.norm_added_q, attn.norm_added_k))]
+        image_out, text_out = self.packing.attend(image, text, text_first=False)
+        image_out = attn.to_out[1](attn.to_out[0](image_out[:, None]))
+        if text is None:
+            return image_out
+        text_out = text_out[:, None]
+        if not attn.context_pre_only:
+            text_out = attn.to_add_out(text_out)
+        return image_out, text_out
+
+
+def packed_sd3_forward(
+    transformer: nn.Module,
+    samples: list[torch.Tensor],
+    timestep: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    pooled_projections: torch.Tensor,
+) -> list[torch.Tensor]:
+    """SD3 transformer over latents of mixed sizes in one forward.
+
+    samples: [C, h, w] latents (caller order); timestep [num_images]; encoder_hidden_states
+    [num_images, L, D]; pooled_projections [num_images, D']. Returns [C_out, h, w] per image,
+    equal to each image's own forward.
+    """
+    if len({x.shape for x in samples}) == 1:
+        return list(transformer(hidden_states=torch.stack(samples), timestep=timestep,
+                                encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                                return_dict=False)[0])
+    p = transformer.config.patch_size
+    shapes = [(x.shape[1] // p, x.shape[2] // p) for x in samples]
+    packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
+    # [C, h, w] -> [h/p * w/p, C, p, p]: one DiT patch per row, raster order
+    rows = [x.unflatten(1, (-1, p)).unflatten(3, (-1, p)).permute(1, 3, 0, 2, 4).flatten(0, 1) for x in samples]
+    swaps = [(transformer, "pos_embed", PackedPosEmbed(transformer.pos_embed, packing)),
+             norm_swaps(transformer.norm_out, packing.image_index)]
+    for block in transformer.transformer_blocks:
+        swaps += [norm_swaps(block.norm1, packing.image_index), norm_swaps(block.norm1_context, packing.text_index)]
+    with swapped(transformer, PackedJointAttnProcessor(packing), JointAttnProcessor2_0, swaps):
+        out = transformer(
+            hidden_states=packing.pack(rows),
+            timestep=timestep,
+            encoder_hidden_states=packing.text(encoder_hidden_states),
+            pooled_projections=pooled_projections,
+            return_dict=False,
+        )[0]  # [S_img, C_out, p, p]
+    return [part.unflatten(0, shape).permute(2, 0, 3, 1, 4).flatten(1, 2).flatten(2, 3)
+            for part, shape in zip(packing.unpack(out), shapes)]
+
+
+# ------------------------------------------------------------------------------------ Flux
+
+
+class PackedRotary(nn.Module):
+    """Stands in for FluxPosEmbed: per size, the RoPE of [text, one image's tokens] from the
+    image's own ids."""
+
+    def __init__(self, rope: nn.Module, packing: Packing):
+        super().__init__()
+        self.rope = rope
+        self.packing = packing
+
+    def forward(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        txt_ids = ids[: self.packing.text_len]
+        return [self.rope(torch.cat([txt_ids, FluxPipeline._prepare_latent_image_ids(1, *g.shape, ids.device, ids.dtype)]))
+                for g in self.packing.groups]
+
+
+class PackedFluxAttnProcessor:
+    """FluxAttnProcessor over packed rows, in both block kinds."""
+
+    def __init__(self, packing: Packing):
+        self.packing = packing
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        if attention_mask is not None:  # Flux pipelines pass none; a padded-text mask would need per-image work
+            raise NotImplementedError("packed Flux attention takes no attention mask")
+        norms, own = (attn.norm_q, attn.norm_k), (attn.to_q, attn.to_k, attn.to_v)
+        rows = project(hidden_states.transpose(0, 1), attn.heads, own, norms)
+        if encoder_hidden_states is None:  # single-stream: text rows, then image rows
+            split = len(self.packing.text_index)
+            text, image = [x[0, :split] for x in rows], [x[0, split:] for x in rows]
+        else:
+            added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
+                                          (attn.norm_added_q, attn.norm_added_k))]
+            image = [x[0] for x in rows]
+        image_out, text_out = self.packing.attend(image, text, text_first=True, rope=image_rotary_emb)
+        if encoder_hidden_states is None:
+            return torch.cat([text_out, image_out])[:, None]
+        return attn.to_out[1](attn.to_out[0](image_out[:, None])), attn.to_add_out(text_out[:, None])
+
+
+class RowsSingleBlock(nn.Module):
+    """A Flux single-stream block over packed rows: its text and image rows go through as one
+    stream (the block concatenates along the sequence, which rows of one token cannot)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
+        rows = torch.cat([encoder_hidden_states, hidden_states])
+        _, out = self.block(rows, rows[:, :0], temb, image_rotary_emb, joint_attention_kwargs)
+        return out[: len(encoder_hidden_states)], out[len(encoder_hidden_states):]
+
+
+def packed_flux_forward(
+    transformer: nn.Module,
+    samples: list[torch.Tensor],
+    timestep: torch.Tensor,
+    guidance: torch.Tensor | None,
+    pooled_projections: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    txt_ids: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Flux transformer over images of mixed sizes in one forward.
+
+    samples: [C_packed, h_tok, w_tok] token grids (caller order); timestep [num_images] (already
+    /1000); guidance [num_images] or None; pooled_projections [num_images, D'];
+    encoder_hidden_states [num_images, L, D]; txt_ids [L, 3]. Returns [C_packed, h_tok, w_tok]
+    per image, equal to each image's own forward.
+    """
+    if transformer.config.patch_size != 1:
+        raise ValueError("packed Flux expects packed latents (transformer patch_size 1)")
+    shapes = [tuple(x.shape[1:]) for x in samples]
+    if len(set(shapes)) == 1:
+        img_ids = FluxPipeline._prepare_latent_image_ids(1, *shapes[0], txt_ids.device, txt_ids.dtype)
+        out = transformer(hidden_states=torch.stack([x.flatten(1).T for x in samples]), timestep=timestep,
+                          guidance=guidance, pooled_projections=pooled_projections,
+                          encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
+                          return_dict=False)[0]
+        return [x.T.reshape(-1, *shapes[0]) for x in out]
+    packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
+    all_rows = torch.cat([packing.text_index, packing.image_index])
+    swaps = [(transformer, "pos_embed", PackedRotary(transformer.pos_embed, packing)),
+             norm_swaps(transformer.norm_out, packing.image_index)]
+    for block in transformer.transformer_blocks:
+        swaps += [norm_swaps(block.norm1, packing.image_index), norm_swaps(block.norm1_context, packing.text_index)]
+    singles = transformer.single_transformer_blocks
+    for i, block in enumerate(singles):
+        swaps += [norm_swaps(block.norm, all_rows), (singles, str(i), RowsSingleBlock(block))]
+    with swapped(transformer, PackedFluxAttnProcessor(packing), FluxAttnProcessor, swaps):
+        out = transformer(
+            hidden_states=packing.pack([x.flatten(1).T for x in samples])[:, None],
+            timestep=timestep,
+            guidance=guidance,
+            pooled_projections=pooled_projections,
+            encoder_hidden_states=packing.text(encoder_hidden_states),
+            txt_ids=txt_ids,
+            img_ids=txt_ids.new_zeros(1, 3),  # PackedRotary makes every image's own ids
+            return_dict=False,
+        )[0]  # [S_img, 1, C]
+    return [part[:, 0].T.reshape(-1, *shape) for part, shape in zip(packing.unpack(out), shapes)]
