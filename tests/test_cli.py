@@ -230,3 +230,8 @@ def test_serve_refuses_a_router_without_replicas_and_reports_a_replica_that_cann
     assert _refused(capsys, ["serve", "--router", "mask-aware"], "--router")
     assert _refused(capsys, ["serve", "--replicas", "0"], "replicas must be >= 1")
     assert _refused(capsys, ["serve", "--replicas", "2", "--model", str(tmp_path / "missing")], "did not start")
+
+
+def test_reproduce_refuses_batching_costs_without_the_patchedserve_experiment(capsys, tmp_path):
+    assert _refused(capsys, ["reproduce", "--only", "tetriserve", "--batching-costs", str(tmp_path / "b.json"),
+                             "--out", str(tmp_path)], "--batching-costs")

@@ -12,25 +12,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _patchedserve(out: Path) -> dict:
+def _patchedserve(out: Path, args) -> dict:
     from gouache.sim.exp_patchedserve import patchedserve_experiment
 
-    return patchedserve_experiment(out)
+    return patchedserve_experiment(out, batching_costs=args.batching_costs or ())
 
 
-def _tetriserve(out: Path) -> dict:
+def _tetriserve(out: Path, args) -> dict:
     from gouache.sim.exp_tetriserve import tetriserve_experiment
 
     return tetriserve_experiment(out)
 
 
-def _instgenie(out: Path) -> dict:
+def _instgenie(out: Path, args) -> dict:
     from gouache.sim.exp_instgenie import instgenie_experiment
 
     return instgenie_experiment(out)
 
 
-EXPERIMENTS: dict[str, Callable[[Path], dict]] = {
+EXPERIMENTS: dict[str, Callable[[Path, object], dict]] = {
     "patchedserve": _patchedserve,  # SLO satisfaction vs QPS: fcfs-static, orca, patched, patched-slo
     "tetriserve": _tetriserve,  # SLO attainment vs SLO scale on 8 devices: fixed-sp-1/2/4/8, round-knapsack
     "instgenie": _instgenie,  # P95 latency vs rate over 8 replicas: least-requests, least-tokens, mask-aware
@@ -42,6 +42,9 @@ def add_arguments(p) -> None:
                    help="comma-separated subset of the experiments (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/reproduce",
                    help="output folder; each experiment writes under OUT/<name>/ (default: %(default)s)")
+    p.add_argument("--batching-costs", nargs="+", default=None, metavar="JSON",
+                   help="`gouache bench batching` results whose measured patched overhead the PatchedServe "
+                        "experiment also charges, a table row each (default: the assumed overhead only)")
 
 
 def run(args) -> int:
@@ -49,11 +52,13 @@ def run(args) -> int:
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {', '.join(unknown)}; choose from {', '.join(EXPERIMENTS)}")
+    if args.batching_costs and "patchedserve" not in names:
+        raise ValueError("--batching-costs would be ignored: only the patchedserve experiment reads it")
     for name in names:
         out = Path(args.out) / name
         out.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        EXPERIMENTS[name](out)
+        EXPERIMENTS[name](out, args)
         print(f"{name}: wrote {out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         table = next(out.glob("*.md"), None)
         if table is not None:

@@ -1,3 +1,4 @@
+import json
 from collections import Counter
 
 import pytest
@@ -191,3 +192,24 @@ def test_overhead_benchmark_times_every_policy(tmp_path):
     assert {row["policy"] for row in data["rows"]} >= {"fcfs-static", "orca", "patched", "patched-slo"}
     assert all(row["median_ms"] > 0 for row in data["rows"])
     assert (tmp_path / "overhead.md").read_text().startswith("# scheduling decision time")
+
+
+def test_patchedserve_reruns_with_each_measured_patch_overhead(tmp_path):
+    from gouache.sim.exp_patchedserve import measured_overhead
+
+    bench = {"model": "tiny-sdxl", "device": "CPU", "dtype": "float32", "results": [
+        {"mix": "SSS", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.10},
+        {"mix": "4M", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.30},
+        {"mix": "LLL", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.20},
+        {"mix": "SML", "resolutions": 3, "method": "patched", "patched_vs_grouped": 0.60}]}  # batching gain: not read
+    path = tmp_path / "batching.json"
+    path.write_text(json.dumps(bench))
+    name, overhead = measured_overhead(path)
+    assert overhead == pytest.approx(0.20) and name.startswith("tiny-sdxl patched, CPU")
+    ps = patchedserve_experiment(tmp_path / "ps", rates=(0.2, 0.4), num_requests=30, seeds=(0,),
+                                 batching_costs=[path])
+    assert [s["patch_overhead"] for s in ps["sources"]] == [pytest.approx(0.05), pytest.approx(0.20)]
+    assert "by source of the patched overhead" in (tmp_path / "ps/patchedserve.md").read_text()
+    path.write_text(json.dumps({**bench, "results": bench["results"][3:]}))
+    with pytest.raises(ValueError, match="no one-resolution mix"):
+        measured_overhead(path)
