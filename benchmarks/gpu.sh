@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The numbers only a GPU shows, in one rerunnable command: step latency of mixed-size batches on the
-# full-size architectures in bf16, patched (SDXL's UNet, SD3's MMDiT) against grouped by
-# size (`gouache bench batching`). Files are named after the GPU, e.g. batching_sdxl-arch_h200.json.
+# full-size architectures in bf16, in one forward (SDXL's UNet patched, SD3's MMDiT packed)
+# against grouped by size (`gouache bench batching`). Files are named after the GPU, e.g. batching_sdxl-arch_h200.json.
 #   bash benchmarks/gpu.sh [OUT_DIR]        (default OUT_DIR: benchmarks/results/gpu)
 set -euo pipefail
 out=${1:-benchmarks/results/gpu}
