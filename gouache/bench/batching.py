@@ -4,9 +4,11 @@ Grouped is what `orca` does (one forward per resolution); one forward is what `p
 UNets over the patches of every image (method "patched"), DiTs over every image's tokens
 packed into one sequence (method "packed"). Both run the engine's own step path
 (family.forward / family.predict_patched) on prepared requests, CFG rows included. A UNet's
-split/merge cost is timed on its own; the one-forward overhead shows directly in the
-one-resolution mixes, where both modes do the same arithmetic. The JSON keeps the keys
-`patched_ms` / `patched_vs_grouped` for either method.
+split/merge cost is timed on its own. A one-size mix runs as the model's own batch in both
+modes, so for those mixes the patching (packing) machinery is also timed forced on
+(`forced_ms`): both do the same arithmetic there, so `forced_vs_grouped` - 1 is the
+machinery's own overhead, which `gouache reproduce --batching-costs` charges. The JSON keeps
+the keys `patched_ms` / `patched_vs_grouped` for either method.
 """
 
 from __future__ import annotations
@@ -115,12 +117,15 @@ def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
         with torch.no_grad():
             grouped = median_s(lambda: [family.forward(g) for g in groups.values()], args.repeats, sync)
             patched = median_s(lambda: family.predict_patched(states), args.repeats, sync)
+            forced = None
+            if len(groups) == 1:
+                forced = median_s(lambda: family.predict_patched(states, whole_batches=False), args.repeats, sync)
         split_merge = None
         if family.patches:
             samples = [s.latents[0] for s in states]
             layout = family.layout(samples)
             split_merge = median_s(lambda: layout.merge(layout.split(samples)), args.repeats, sync)
-        rows.append(_row(mix, len(letters), len(groups), grouped, patched, split_merge, family.patches))
+        rows.append(_row(mix, len(letters), len(groups), grouped, patched, split_merge, family.patches, forced))
     return rows
 
 
@@ -141,17 +146,22 @@ def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
         with torch.no_grad():
             grouped = median_s(bench.grouped, args.repeats, sync)
             patched = median_s(lambda: bench.one_forward(layout), args.repeats, sync)
+            forced = None
+            if len(set(letters)) == 1:
+                forced = median_s(lambda: bench.one_forward(layout, whole_batches=False), args.repeats, sync)
         split_merge = median_s(lambda: layout.merge(layout.split(bench.samples)), args.repeats, sync) if patches else None
-        rows.append(_row(mix, len(letters), len(set(letters)), grouped, patched, split_merge, patches))
+        rows.append(_row(mix, len(letters), len(set(letters)), grouped, patched, split_merge, patches, forced))
     return rows
 
 
 def _row(mix: str, images: int, resolutions: int, grouped: float, patched: float, split_merge: float | None,
-         patches: bool) -> dict:
+         patches: bool, forced: float | None) -> dict:
     method = "patched" if patches else "packed"
     print(f"{mix}: grouped {grouped * 1e3:.1f} ms, {method} {patched * 1e3:.1f} ms", file=sys.stderr)
     return {"mix": mix, "images": images, "resolutions": resolutions, "method": method, "grouped_ms": grouped * 1e3,
             "patched_ms": patched * 1e3, "patched_vs_grouped": patched / grouped,
+            "forced_ms": None if forced is None else forced * 1e3,
+            "forced_vs_grouped": None if forced is None else forced / grouped,
             "split_merge_ms": None if split_merge is None else split_merge * 1e3}
 
 
@@ -167,12 +177,13 @@ def _device_name(device: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     method = rows[0]["method"]
-    lines = [f"| mix | images | resolutions | grouped ms | {method} ms | {method} / grouped | split+merge ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"| mix | images | resolutions | grouped ms | {method} ms | {method} / grouped | forced {method} / grouped "
+             "| split+merge ms |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split_merge = "-" if r["split_merge_ms"] is None else f"{r['split_merge_ms']:.2f}"
+        forced = "-" if r.get("forced_vs_grouped") is None else f"{r['forced_vs_grouped']:.2f}"
         lines.append(f"| {r['mix']} | {r['images']} | {r['resolutions']} | {r['grouped_ms']:.1f} | {r['patched_ms']:.1f} | "
-                     f"{r['patched_vs_grouped']:.2f} | {split_merge} |")
+                     f"{r['patched_vs_grouped']:.2f} | {forced} | {split_merge} |")
     return "\n".join(lines)
 
 

@@ -77,11 +77,12 @@ class DenoiserBench:
     def layout(self, patch: int) -> PatchLayout:
         return PatchLayout.build([tuple(x.shape[-2:]) for x in self.samples], patch)
 
-    def one_forward(self, layout: PatchLayout | None) -> list[torch.Tensor]:
+    def one_forward(self, layout: PatchLayout | None, whole_batches: bool = True) -> list[torch.Tensor]:
         """Every image in one forward: patched by `layout` (UNets), packed by tokens (DiTs)."""
         if self.family == "unet":
-            return patched_unet_forward(self.model, layout, self.samples, self.timestep, self.text, self.added)
+            return patched_unet_forward(self.model, layout, self.samples, self.timestep, self.text, self.added,
+                                        whole_batches)
         if self.family == "sd3":
-            return packed_sd3_forward(self.model, self.samples, self.timestep, self.text, self.pooled)
+            return packed_sd3_forward(self.model, self.samples, self.timestep, self.text, self.pooled, whole_batches)
         return packed_flux_forward(self.model, self.samples, self.timestep, self.guidance, self.pooled, self.text,
-                                   self.txt_ids)
+                                   self.txt_ids, whole_batches)

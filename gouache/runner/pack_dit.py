@@ -17,7 +17,8 @@ are put right from the outside for the duration of the forward:
 Flux's single-stream blocks concatenate text and image along the sequence; they get all rows
 as one stream (text rows, then image rows) and an empty text stream (`RowsSingleBlock`).
 No text copy per patch and no halo: the work is that of the images alone, plus the gathers.
-Images all of one size need no packing: they run as the model's own batch.
+Images all of one size need no packing: they run as the model's own batch (unless
+`whole_batches` is False: benchmarks timing the packing itself).
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ def packed_sd3_forward(
     timestep: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     pooled_projections: torch.Tensor,
+    whole_batches: bool = True,
 ) -> list[torch.Tensor]:
     """SD3 transformer over latents of mixed sizes in one forward.
 
@@ -228,7 +230,7 @@ def packed_sd3_forward(
     [num_images, L, D]; pooled_projections [num_images, D']. Returns [C_out, h, w] per image,
     equal to each image's own forward.
     """
-    if len({x.shape for x in samples}) == 1:
+    if whole_batches and len({x.shape for x in samples}) == 1:
         return list(transformer(hidden_states=torch.stack(samples), timestep=timestep,
                                 encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
                                 return_dict=False)[0])
@@ -318,6 +320,7 @@ def packed_flux_forward(
     pooled_projections: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     txt_ids: torch.Tensor,
+    whole_batches: bool = True,
 ) -> list[torch.Tensor]:
     """Flux transformer over images of mixed sizes in one forward.
 
@@ -329,7 +332,7 @@ def packed_flux_forward(
     if transformer.config.patch_size != 1:
         raise ValueError("packed Flux expects packed latents (transformer patch_size 1)")
     shapes = [tuple(x.shape[1:]) for x in samples]
-    if len(set(shapes)) == 1:
+    if whole_batches and len(set(shapes)) == 1:
         img_ids = FluxPipeline._prepare_latent_image_ids(1, *shapes[0], txt_ids.device, txt_ids.dtype)
         out = transformer(hidden_states=torch.stack([x.flatten(1).T for x in samples]), timestep=timestep,
                           guidance=guidance, pooled_projections=pooled_projections,

@@ -259,13 +259,19 @@ def patched_unet_forward(
     timestep: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     added_cond_kwargs: dict[str, torch.Tensor] | None = None,
+    whole_batches: bool = True,
 ) -> list[torch.Tensor]:
     """One UNet forward over every image of `layout`, cut into patches.
 
     samples: [C, h, w] per image in caller order; timestep: [num_images] (or a scalar);
     encoder_hidden_states: [num_images, L, D]; added_cond_kwargs: [num_images, ...] tensors.
-    Returns the UNet's output as [C_out, h, w] per image, in caller order.
+    Returns the UNet's output as [C_out, h, w] per image, in caller order. Images all of one
+    size need no patches: they run as the UNet's own batch, unless `whole_batches` is False
+    (benchmarks timing the patch machinery itself).
     """
+    if whole_batches and len({x.shape for x in samples}) == 1:
+        return list(unet(torch.stack(samples), timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
+                         return_dict=False)[0])
     factor = 2 ** getattr(unet, "num_upsamplers", 0)
     if layout.patch % factor:
         raise ValueError(f"patch side {layout.patch} must be a multiple of {factor} for this UNet's levels")

@@ -43,7 +43,7 @@ TARGETS = (0.99, 0.95, 0.90)  # SLO satisfaction levels whose sustainable load i
 class GpuBatchStepCost:
     """Seconds of one step: Σ over the plan's forwards of
 
-        per_forward_s + (1 + patch_overhead if patched) × (work^n + floor_s^n)^(1/n),
+        per_forward_s + (1 + patch_overhead if patched over 2+ sizes) × (work^n + floor_s^n)^(1/n),
         work = Σ over its images (per_megapixel_s × MP + per_megapixel2_s × MP²).
 
     `work` is the GPU's compute for the images (linear layers and convolutions grow with
@@ -83,7 +83,8 @@ class GpuBatchStepCost:
         work = sum(self.work(h * w / 1e6) for h, w in resolutions)
         n = self.sharpness
         busy = (work**n + self.floor_s**n) ** (1 / n)
-        return self.per_forward_s + busy * (1 + self.patch_overhead if patched else 1.0)
+        cut = patched and len(set(map(tuple, resolutions))) > 1  # one size runs as a plain batch
+        return self.per_forward_s + busy * (1 + self.patch_overhead if cut else 1.0)
 
     def work(self, megapixels: float) -> float:
         return self.per_megapixel_s * megapixels + self.per_megapixel2_s * megapixels**2
@@ -130,16 +131,18 @@ class SdxlH100Assumptions:
 
 
 def measured_overhead(path: str | Path) -> tuple[str, float]:
-    """A `gouache bench batching` JSON's patched-forward overhead: the median of one-forward /
-    grouped - 1 over its one-resolution mixes, where both do the same arithmetic (the
-    multi-resolution mixes add the batching gain the cost model computes itself). Returns the
-    source's name (model, device, dtype) and the overhead."""
+    """A `gouache bench batching` JSON's patched-forward overhead: the median of the patch
+    machinery forced on / grouped - 1 over its one-resolution mixes, where both do the same
+    arithmetic (the multi-resolution mixes add the batching gain the cost model computes
+    itself). Results from before the engine ran one size as a plain batch have no forced
+    timing; their one-forward time is the forced one. Returns the source's name (model,
+    device, dtype) and the overhead."""
     data = json.loads(Path(path).read_text())
     rows = [r for r in data.get("results", []) if r.get("resolutions") == 1]
     if not rows:
         raise ValueError(f"{path} has no one-resolution mix (e.g. SSS, 4M); rerun `gouache bench batching` with one")
     method = rows[0].get("method", "patched")
-    overhead = statistics.median(r["patched_vs_grouped"] for r in rows) - 1
+    overhead = statistics.median(r.get("forced_vs_grouped") or r["patched_vs_grouped"] for r in rows) - 1
     return f"{data['model']} {method}, {data['device']}, {data['dtype']} (measured)", overhead
 
 

@@ -36,4 +36,5 @@ def test_bench_batching_writes_table_json_and_plot(tmp_path):
     assert main(args) == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["mix"] for r in rows] == ["SM", "2L"] and all(r["patched_ms"] > 0 for r in rows)
+    assert rows[0]["forced_ms"] is None and rows[1]["forced_ms"] > 0  # the patches, forced on for one size
     assert out.with_suffix(".png").stat().st_size > 0 and "| SM |" in out.with_suffix(".md").read_text()

@@ -198,9 +198,10 @@ def test_patchedserve_reruns_with_each_measured_patch_overhead(tmp_path):
     from gouache.sim.exp_patchedserve import measured_overhead
 
     bench = {"model": "tiny-sdxl", "device": "CPU", "dtype": "float32", "results": [
-        {"mix": "SSS", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.10},
-        {"mix": "4M", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.30},
-        {"mix": "LLL", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.20},
+        # one size runs as a plain batch (1.0); the machinery forced on is what is charged
+        {"mix": "SSS", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.0, "forced_vs_grouped": 1.10},
+        {"mix": "4M", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.0, "forced_vs_grouped": 1.30},
+        {"mix": "LLL", "resolutions": 1, "method": "patched", "patched_vs_grouped": 1.0, "forced_vs_grouped": 1.20},
         {"mix": "SML", "resolutions": 3, "method": "patched", "patched_vs_grouped": 0.60}]}  # batching gain: not read
     path = tmp_path / "batching.json"
     path.write_text(json.dumps(bench))
@@ -213,3 +214,13 @@ def test_patchedserve_reruns_with_each_measured_patch_overhead(tmp_path):
     path.write_text(json.dumps({**bench, "results": bench["results"][3:]}))
     with pytest.raises(ValueError, match="no one-resolution mix"):
         measured_overhead(path)
+
+
+def test_a_one_size_patched_forward_costs_a_plain_batch():
+    from gouache.sim.exp_patchedserve import SdxlH100Assumptions
+
+    cost = SdxlH100Assumptions().cost()
+    same, mixed = [(512, 512)] * 2, [(512, 512), (1024, 1024)]
+    assert cost.forward(same, patched=True) == cost.forward(same, patched=False)  # the engine runs it unpatched
+    plain = cost.forward(mixed, patched=False) - cost.per_forward_s
+    assert cost.forward(mixed, patched=True) - cost.per_forward_s == pytest.approx(plain * 1.05)

@@ -141,8 +141,9 @@ class Family(ABC):
         """The denoiser's prediction for all rows of all states, concatenated in order."""
 
     @abstractmethod
-    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
-        """Per state, its rows' predictions, from one patched forward over all of them."""
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
+        """Per state, its rows' predictions, from one forward over all of them (patched UNet,
+        packed DiT); one size runs as the model's own batch unless `whole_batches` is False."""
 
     def layout(self, samples: list[torch.Tensor]) -> PatchLayout:
         return PatchLayout.build([tuple(x.shape[-2:]) for x in samples], self.patch)

@@ -85,11 +85,11 @@ class StableDiffusion3Family(FlowFamily):
             return_dict=False,
         )[0]
 
-    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
         outputs = packed_sd3_forward(
             self.pipe.transformer, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
-            cat_cond(states, "pooled"),
+            cat_cond(states, "pooled"), whole_batches,
         )
         return by_state(outputs, states)
 
@@ -163,13 +163,13 @@ class FluxFamily(FlowFamily):
             return_dict=False,
         )[0]
 
-    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
         grids = [self.token_grid(s) for s in states]
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
         outputs = packed_flux_forward(
             self.pipe.transformer, grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
-            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"],
+            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches,
         )
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 

@@ -59,11 +59,11 @@ class StableDiffusionFamily(Family):
             return_dict=False,
         )[0]
 
-    def predict_patched(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
         samples = [row for s in states for row in self._model_input(s)]
         outputs = patched_unet_forward(
             self.unet, self.layout(samples), samples, row_timesteps(states),
-            cat_cond(states, "prompt_embeds"), self.added_cond(states),
+            cat_cond(states, "prompt_embeds"), self.added_cond(states), whole_batches,
         )
         return by_state(outputs, states)
 
