@@ -113,9 +113,11 @@ class Script(Policy):
         return Plan(batches=batches, admit=admit, until=now)
 
 
-def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_workers):
+def check_scripted_rounds(executor) -> None:
+    """Two requests through `Script`'s placements on 2 devices of `executor`: the latents of one
+    device, the scripted degrees, 9 hand-offs, image steps counted by degree."""
     a, b = request("a", seed=5, steps=7), request("b", seed=6, steps=5)
-    pooled, alone = Loop(two_workers), Loop()
+    pooled, alone = Loop(executor), Loop()
     pooled.scheduler = pooled.core.scheduler = Scheduler(Script(), 2)
     for loop in (pooled, alone):
         loop.add(a)
@@ -130,21 +132,31 @@ def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_wor
     assert steps == {1: 8, 2: 4}  # /metrics counts image steps by degree
 
 
+def check_a_dead_worker(executor) -> None:
+    """Kill device 1 of `executor` while a request holds its latents there: that request fails
+    with the reason, the rank stays dead, and the next request is served on device 0."""
+    loop = Loop(executor)
+    loop.add(request("doomed", seed=3, steps=50))
+    loop.core.step()  # a step on both devices: the request holds its latents there
+    executor.kill(1)
+    loop.run()
+    assert set(loop.failed) == {"doomed"} and "device 1 died" in loop.failed["doomed"]
+    assert executor.dead() == {1} and loop.scheduler.lost == {1}
+    with pytest.raises(WorkerDied, match="device 1"):
+        executor.collective_rpc("ping", ranks=[1])
+    loop.add(request("next", seed=4, steps=3))
+    loop.run()
+    assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
+
+
+def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_workers):
+    check_scripted_rounds(two_workers)
+
+
 def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():
     executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
     try:
-        loop = Loop(executor)
-        loop.add(request("doomed", seed=3, steps=50))
-        loop.core.step()  # a step on both devices: the request holds its latents there
-        executor.kill(1)
-        loop.run()
-        assert set(loop.failed) == {"doomed"} and "device 1 died" in loop.failed["doomed"]
-        assert executor.dead() == {1} and loop.scheduler.lost == {1}
-        with pytest.raises(WorkerDied, match="device 1"):
-            executor.collective_rpc("ping", ranks=[1])
-        loop.add(request("next", seed=4, steps=3))
-        loop.run()
-        assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
+        check_a_dead_worker(executor)
     finally:
         executor.shutdown()
 

@@ -8,12 +8,10 @@ import time
 import pytest
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
-from gouache.executor.base import WorkerDied
 from gouache.executor.worker import WorkerSpec
 from gouache.request import ImageRequest
 from gouache.sched.costmodel import save
-from gouache.sched.scheduler import Scheduler
-from tests.executor.test_multiproc import COST, MODEL, Loop, Script, assert_equal_latents, request
+from tests.executor.test_multiproc import COST, MODEL, check_a_dead_worker, check_scripted_rounds
 
 ray = pytest.importorskip("ray", reason="the ray executor needs the gouache[ray] extra")
 
@@ -35,32 +33,11 @@ def two_actors(local_ray):
 
 
 def test_degrees_change_between_rounds_on_ray_actors_with_the_pixels_of_one_device(two_actors):
-    a, b = request("a", seed=5, steps=7), request("b", seed=6, steps=5)
-    pooled, alone = Loop(two_actors), Loop()
-    pooled.scheduler = pooled.core.scheduler = Scheduler(Script(), 2)
-    for loop in (pooled, alone):
-        loop.add(a)
-        loop.add(b)
-        loop.run()
-    assert not pooled.failed
-    assert_equal_latents(pooled.latents, alone.latents)
-    assert pooled.degrees == {"a": [2, 1, 1, 2, 2, 1, 1], "b": [1, 1, 2, 1, 1]}
-    assert pooled.pool.handoffs == 9
+    check_scripted_rounds(two_actors)
 
 
 def test_a_killed_actor_fails_its_requests_and_the_next_is_served(two_actors):
-    loop = Loop(two_actors)
-    loop.add(request("doomed", seed=3, steps=50))
-    loop.core.step()  # a step on both devices: the request holds its latents there
-    two_actors.kill(1)
-    loop.run()
-    assert set(loop.failed) == {"doomed"} and "device 1 died" in loop.failed["doomed"]
-    assert two_actors.dead() == {1} and loop.scheduler.lost == {1}
-    with pytest.raises(WorkerDied, match="device 1"):
-        two_actors.collective_rpc("ping", ranks=[1])
-    loop.add(request("next", seed=4, steps=3))
-    loop.run()
-    assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
+    check_a_dead_worker(two_actors)
 
 
 def test_the_engine_serves_a_request_through_ray_actors(local_ray, tmp_path):
