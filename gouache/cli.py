@@ -8,7 +8,9 @@ import os
 import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
-from gouache.config import EXECUTORS, EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig
+from gouache.config import (
+    EXECUTORS, BlockCacheConfig, EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig,
+)
 from gouache.errors import GouacheError
 
 
@@ -72,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
                        help="patch side in pixels; only with the patching policies "
                             f"({_policies_where('mixes_resolutions')}), where sizes must be multiples of it "
+                            "(default: %(default)s)")
+    serve.add_argument("--block-cache", type=float, default=BlockCacheConfig.threshold,
+                       help="block-cache threshold every request runs with unless it sends its own `block_cache`: a "
+                            "block's output is reused for a patch (an image, unpatched) whose input changed less than "
+                            "this, relatively; approximate (docs/patched.md); 0 keeps images exact (default: %(default)s)")
+    serve.add_argument("--block-cache-max-reuse", type=int, default=BlockCacheConfig.max_reuse,
+                       help="most steps in a row one block's output is reused (default: %(default)s)")
+    serve.add_argument("--block-cache-mb", type=int, default=BlockCacheConfig.budget_bytes >> 20,
+                       help="MiB of cached activations per device; past it, the newest requests run uncached "
                             "(default: %(default)s)")
     serve.add_argument("--image-workers", type=int, default=EngineConfig.image_workers,
                        help="processes that decode uploads and encode images (default: %(default)s)")
@@ -198,7 +209,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
-                     devices=args.devices, ray_address=args.ray_address),
+                     devices=args.devices, ray_address=args.ray_address,
+                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

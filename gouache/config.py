@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gouache.sched.router import ROUTERS
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
 
 _DTYPES = ("float32", "float16", "bfloat16")
+MAX_BLOCK_CACHE_THRESHOLD = 1.0  # a relative change of 1 is as large as the input itself
 
 
 def _check(ok: bool, message: str) -> None:
@@ -44,6 +45,21 @@ class SchedulerConfig:
         _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
 
 
+@dataclass(frozen=True)
+class BlockCacheConfig:
+    """PatchedServe §5's block cache (`gouache.cache.block_cache`): off unless a threshold is given."""
+
+    threshold: float = 0.0  # the server's default relative-change threshold; 0 keeps requests exact
+    max_reuse: int = 2  # most steps in a row a unit may reuse one block's output
+    budget_bytes: int = 2 << 30  # cached activations held at most (after each forward)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.threshold <= MAX_BLOCK_CACHE_THRESHOLD,
+               f"block cache threshold must be in [0, {MAX_BLOCK_CACHE_THRESHOLD}], got {self.threshold}")
+        _check(self.max_reuse >= 1, f"block cache max_reuse must be >= 1, got {self.max_reuse}")
+        _check(self.budget_bytes >= 0, f"block cache budget must be >= 0 bytes, got {self.budget_bytes}")
+
+
 @dataclass
 class EngineConfig:
     """Limits and worker counts of one engine (one replica)."""
@@ -57,6 +73,7 @@ class EngineConfig:
     executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
+    block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")

@@ -46,6 +46,11 @@ class Metrics:
         self.handoffs = Counter("gouache_handoffs_total",
                                 "Denoising states moved from one device block to another", registry=r)
         self.errors = Counter("gouache_errors_total", "Requests that ended with an error", ["kind"], registry=r)
+        self.cache_blocks = Counter("gouache_block_cache_blocks_total",
+                                    "Blocks of block-cached images (per patch when patched): reused or computed",
+                                    ["result"], registry=r)
+        self.cache_bytes = Gauge("gouache_block_cache_bytes", "Activations the block cache holds, by device",
+                                 ["device"], registry=r)
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""

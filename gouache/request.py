@@ -26,6 +26,7 @@ class ImageRequest:
     output_compression: int | None = None  # jpeg/webp quality 0-100 (OpenAI's name; 100 = best); None = 95
     partial_images: int = 0  # decoded previews to stream while denoising (0 = none)
     slo_ms: float | None = None  # deadline relative to arrival, for SLO-aware policies
+    block_cache: float | None = None  # block-cache threshold (0 = exact); None: the server's default
     image: bytes | None = None  # edit: the uploaded image, still encoded
     mask: bytes | None = None  # edit: the uploaded mask, still encoded (transparent = repaint)
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import unpriced_message
 from gouache.request import ImageRequest
@@ -110,6 +111,8 @@ class ImageParams(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random seed
     slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)  # deadline after arrival
+    # block-cache threshold (docs/patched.md); 0: exact; None: the server's --block-cache
+    block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +231,7 @@ class ImageParams(BaseModel):
                 output_compression=self.output_compression,
                 partial_images=self.partial_images,
                 slo_ms=self.slo_ms,
+                block_cache=self.block_cache,
                 image=image,
                 mask=mask,
                 arrival_time=arrival,

@@ -47,7 +47,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     from gouache.executor.worker import WorkerSpec
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
-                      engine_config.torch_threads)
+                      engine_config.torch_threads, engine_config.block_cache)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
@@ -81,7 +81,7 @@ class AsyncEngine:
         itself prepares and decodes."""
         self.config = engine_config
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(pipe, engine_config.patch_size)  # prepares and decodes
+        self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache)  # prepares, decodes
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))

@@ -161,6 +161,9 @@ class EngineCore:
         report = StepReport(flight.batch, output, finished, flight.states)
         self.on_step(report)
         self.metrics.image_steps.labels(str(flight.batch.degree)).inc(len(output.request_ids))
+        self.metrics.cache_blocks.labels("reused").inc(output.reused_blocks)
+        self.metrics.cache_blocks.labels("computed").inc(output.computed_blocks)
+        self.metrics.cache_bytes.labels(str(flight.batch.devices[0])).set(output.cache_bytes)
         step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off

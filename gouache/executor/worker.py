@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gouache.config import BlockCacheConfig
 from gouache.outputs import StepOutput
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.sampler import DenoiseState
@@ -32,6 +33,7 @@ class WorkerSpec:
     device: str = "cpu"  # "cpu": every worker on the CPU (gloo); "cuda": each worker on its own GPU (NCCL)
     patch_pixels: int = 128
     torch_threads: int | None = None
+    block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)
 
     @property
     def cuda(self) -> bool:
@@ -75,7 +77,8 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         group = dist.new_group(list(block))
         if rank in block:
             groups[block] = group
-    return Worker(rank, ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels), groups)
+    return Worker(rank, ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache),
+                  groups)
 
 
 class Worker:
@@ -95,13 +98,15 @@ class Worker:
         `batch` on its devices."""
         self.runner.states.update(incoming)
         with self._parallel(batch) as shards:
-            step = self.runner.execute(Batch(batch.request_ids, (0,), 1, batch.patched))
+            step = self.runner.execute(Batch(batch.request_ids, (0,), 1, batch.patched), cached=shards is None)
         step.collective_s = shards.collective_s if shards is not None else 0.0
         states = {rid: self.runner.states[rid] for rid in step.request_ids}
         return RunOutput(step, {rid: s.latents for rid, s in states.items()}, {rid: s.step for rid, s in states.items()})
 
     def export(self, request_ids: list[str]) -> dict[str, DenoiseState]:
         """Hand these requests' states over (they leave this worker)."""
+        for rid in request_ids:  # its cached activations stay behind: the next worker starts afresh
+            self.runner.cache.release(rid)
         return {rid: self.runner.states.pop(rid) for rid in request_ids if rid in self.runner.states}
 
     def release(self, request_ids: list[str]) -> None:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import torch
 
+from gouache.cache.block_cache import BlockCache, BlockCacheConfig
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
@@ -24,10 +25,11 @@ class ModelRunner:
     before the scheduler learns of its request, and removed only where no step can be using it:
     by the engine thread between steps, or by a stage once the request left the scheduler."""
 
-    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
+    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS, block_cache: BlockCacheConfig | None = None):
         self.pipe = pipe
         self.family: Family = make_family(pipe, patch_pixels)
         self.states: dict[str, DenoiseState] = {}
+        self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
 
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> RequestState:
         """Text encoding and initial latents; returns the scheduler's view of the request."""
@@ -42,9 +44,10 @@ class ModelRunner:
             deadline=deadline,
         )
 
-    def execute(self, batch: Batch) -> StepOutput:
+    def execute(self, batch: Batch, cached: bool = True) -> StepOutput:
         """One denoising step of the batch: one forward (patched if it says so), then each
-        member's sampler step. The runner holds one device: a batch of degree 1 only.
+        member's sampler step. The runner holds one device: a batch of degree 1 only (a worker
+        runs a shard of a wider batch through it, `cached` False: ranks must not decide apart).
 
         One request's error fails that request only: a forward that raises is retried one
         request at a time, and each request's sampler step is its own.
@@ -55,7 +58,9 @@ class ModelRunner:
         stepped: list[str] = []
         failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
-        for rid, prediction in self._predict(present, batch.patched, failed):
+        cache = self.cache if cached else None
+        reused, computed = self.cache.reused, self.cache.computed
+        for rid, prediction in self._predict(present, batch.patched, cache, failed):
             try:
                 self.family.advance(self.states[rid], prediction)
             except Exception as error:
@@ -63,22 +68,25 @@ class ModelRunner:
                 failed[rid] = f"{type(error).__name__}: {error}"
             else:
                 stepped.append(rid)
-        return StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed)
+        return StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed,
+                          reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
+                          cache_bytes=self.cache.nbytes)
 
-    def _predict(self, ids: list[str], patched: bool, failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
+    def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None,
+                 failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
         """(id, prediction) of one forward over `ids`; if it raises, of each request alone, and
         the requests that fail alone go to `failed`."""
         if not ids:
             return []
         try:
-            return list(zip(ids, self.family.predict([self.states[rid] for rid in ids], patched)))
+            return list(zip(ids, self.family.predict([self.states[rid] for rid in ids], patched, cache)))
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])
                 failed[ids[0]] = f"{type(error).__name__}: {error}"
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        return [pair for rid in ids for pair in self._predict([rid], False, failed)]
+        return [pair for rid in ids for pair in self._predict([rid], False, cache, failed)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;
@@ -90,3 +98,4 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.cache.release(request_id)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
+from gouache.runner.block_reuse import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 
 
@@ -64,6 +65,9 @@ class PatchIndex:
         self._by_device = {torch.device("cpu"): PatchTensors.build(layout)}
         # Per resolution group: (first patch, image count, patches per image).
         self.groups = [(layout.request_offsets[pos], k, per) for pos, k, per in layout.groups]
+        # Inside a block the block cache runs on some patches only (`block_reuse.Subset`): the
+        # operators then get those patches' rows and take the others' from the cache.
+        self.subset = None
 
     def tensors(self, device: torch.device) -> PatchTensors:
         if device not in self._by_device:
@@ -114,7 +118,11 @@ class HaloConv2d(nn.Module):
         if s % stride[0] or s % stride[1]:
             # A strided window would straddle patches differently from the whole image.
             raise ValueError(f"patch side {s} is not a multiple of the conv stride {stride}")
-        padded = halo_pad(x, self.index.tensors(x.device).neighbours, *self.halo)
+        subset = self.index.subset
+        full = x if subset is None else subset.full(self.conv, x)
+        padded = halo_pad(full, self.index.tensors(x.device).neighbours, *self.halo)
+        if subset is not None:
+            padded = subset.rows(padded)
         c = self.conv
         return F.conv2d(padded, c.weight, c.bias, c.stride, 0, c.dilation, c.groups)
 
@@ -150,9 +158,31 @@ class PatchGroupNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, g = self.index.tensors(x.device), self.norm.num_groups
+        subset = self.index.subset
+        image = idx.image if subset is None else subset.rows(idx.image)  # [n] each row's image
+        if subset is None:
+            mean, rstd, dev = self._statistics(x, idx, g)
+        else:  # statistics over the whole images, with the cache's rows where not computed
+            mean, rstd, _ = self._statistics(subset.full(self.norm, x), idx, g)
+            dev = self._promote(x, g) - mean.index_select(0, image).unsqueeze(-1)
+        # y = dev * scale (+ bias) per (patch, channel), the affine folded into the scale, in
+        # place on dev, which is ours (torch.addcmul's broadcast is ~2x slower on CPU).
+        scale = rstd.index_select(0, image).repeat_interleave(x.shape[1] // g, dim=1)  # [n, C]
+        shape = x.shape[:2] + (1,) * (x.ndim - 2)
+        if not self.norm.affine:
+            return dev.reshape(x.shape).mul_(scale.reshape(shape)).to(x.dtype)
+        y = dev.reshape(x.shape).mul_((scale * self.norm.weight).reshape(shape))
+        return y.add_(self.norm.bias.reshape(shape[1:])).to(x.dtype)
+
+    @staticmethod
+    def _promote(x: torch.Tensor, groups: int) -> torch.Tensor:
+        """[n, G, -1] in fp32 at least, as torch's own kernels accumulate half inputs."""
+        return x.reshape(x.shape[0], groups, -1).to(torch.promote_types(x.dtype, torch.float32))
+
+    def _statistics(self, x: torch.Tensor, idx: PatchTensors, groups: int):
+        """Per image and group: mean and 1/std [num_images, G]; and x's deviations from its mean."""
         image, per_image = idx.image, idx.per_image.unsqueeze(1)  # [n], [num_images, 1]
-        # Statistics in fp32 at least, as torch's own kernels accumulate half inputs.
-        xg = x.reshape(x.shape[0], g, -1).to(torch.promote_types(x.dtype, torch.float32))
+        xg = self._promote(x, groups)
         # Two passes: the image mean, then the mean of squared deviations from it. A one-pass
         # E[x^2] - E[x]^2 cancels badly when |mean| >> std. (torch.var_mean would do a stable
         # pass per patch, but its CPU kernel is ~20x slower than these reductions.)
@@ -162,15 +192,7 @@ class PatchGroupNorm(nn.Module):
         # vector_norm reduces without a dev-sized temporary (vecdot makes one).
         squares = torch.linalg.vector_norm(dev, dim=-1).square()
         var = _segment_sum(squares, image, count.shape[0]) / count
-        rstd = torch.rsqrt(var + self.norm.eps)
-        # y = dev * scale (+ bias) per (patch, channel), the affine folded into the scale, in
-        # place on dev, which is ours (torch.addcmul's broadcast is ~2x slower on CPU).
-        scale = rstd.index_select(0, image).repeat_interleave(x.shape[1] // g, dim=1)  # [n, C]
-        shape = x.shape[:2] + (1,) * (x.ndim - 2)
-        if not self.norm.affine:
-            return dev.reshape(x.shape).mul_(scale.reshape(shape)).to(x.dtype)
-        y = dev.reshape(x.shape).mul_((scale * self.norm.weight).reshape(shape))
-        return y.add_(self.norm.bias.reshape(shape[1:])).to(x.dtype)
+        return mean, torch.rsqrt(var + self.norm.eps), dev
 
 
 def _segment_sum(values: torch.Tensor, segment: torch.Tensor, count: int) -> torch.Tensor:
@@ -197,6 +219,18 @@ class PatchAttnProcessor:
         # Tokens of a patch batch, unmasked: a mask or a 4-D input would need regathering too.
         if hidden_states.ndim != 3 or attention_mask is not None:
             raise ValueError("patched attention takes [patches, tokens, C] without masks")
+        subset = self.index.subset
+        if subset is not None and subset.computed is not None:
+            if encoder_hidden_states is not None:  # exact per patch: each computed patch with its text
+                caller = subset.rows(self.index.tensors(hidden_states.device).caller)
+                return self.inner(attn, hidden_states, encoder_hidden_states.index_select(0, caller), None, temb,
+                                  *args, **kwargs)
+            return subset.rows(self._attend(attn, subset.full(attn, hidden_states), None, temb, *args, **kwargs))
+        if subset is not None and encoder_hidden_states is None:
+            subset.full(attn, hidden_states)  # the cache records what later steps' reused patches show
+        return self._attend(attn, hidden_states, encoder_hidden_states, temb, *args, **kwargs)
+
+    def _attend(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states, temb, *args, **kwargs):
         if encoder_hidden_states is not None:  # caller order -> layout order, once per call
             order = self.index.tensors(encoder_hidden_states.device).order
             encoder_hidden_states = encoder_hidden_states.index_select(0, order)
@@ -260,6 +294,7 @@ def patched_unet_forward(
     encoder_hidden_states: torch.Tensor,
     added_cond_kwargs: dict[str, torch.Tensor] | None = None,
     whole_batches: bool = True,
+    cache: CacheRequest | None = None,
 ) -> list[torch.Tensor]:
     """One UNet forward over every image of `layout`, cut into patches.
 
@@ -267,16 +302,21 @@ def patched_unet_forward(
     encoder_hidden_states: [num_images, L, D]; added_cond_kwargs: [num_images, ...] tensors.
     Returns the UNet's output as [C_out, h, w] per image, in caller order. Images all of one
     size need no patches: they run as the UNet's own batch, unless `whole_batches` is False
-    (benchmarks timing the patch machinery itself).
+    (benchmarks timing the patch machinery itself). With a `cache`, blocks reuse cached outputs
+    per patch (per image when unpatched).
     """
     if whole_batches and len({x.shape for x in samples}) == 1:
-        return list(unet(torch.stack(samples), timestep, encoder_hidden_states, added_cond_kwargs=added_cond_kwargs,
-                         return_dict=False)[0])
+        with cached_blocks(unet, cache and cache.begin()):
+            return list(unet(torch.stack(samples), timestep, encoder_hidden_states,
+                             added_cond_kwargs=added_cond_kwargs, return_dict=False)[0])
     factor = 2 ** getattr(unet, "num_upsamplers", 0)
     if layout.patch % factor:
         raise ValueError(f"patch side {layout.patch} must be a multiple of {factor} for this UNet's levels")
     x = layout.split(samples)
-    with patch_unet(unet, layout) as index:
+    cache_pass = cache and cache.begin(
+        [b - a for a, b in zip(layout.request_offsets, layout.request_offsets[1:])], layout.order,
+        f"patch{layout.patch}")
+    with patch_unet(unet, layout) as index, cached_blocks(unet, cache_pass, index):
         caller = index.tensors(x.device).caller
 
         def per_patch(t: torch.Tensor) -> torch.Tensor:  # repeat an image's conditioning

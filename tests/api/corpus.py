@@ -104,6 +104,8 @@ def _generation_cases(config: ServerConfig, size_step: int) -> list[Malformed]:
         _gen("seed too big", "seed", seed=2**70),
         _gen("seed string", "seed", seed="abc"),
         _gen("slo 0", "slo_ms", slo_ms=0),
+        _gen("block_cache -0.1", "block_cache", block_cache=-0.1),
+        _gen("block_cache 1.5", "block_cache", block_cache=1.5),
         _gen("unknown model", "model", status=404, model="no-such-model"),
         _gen("model int", "model", model=3),
         _gen("bad response_format", "response_format", response_format="jpeg"),

@@ -41,7 +41,8 @@ async def test_n2_gets_consecutive_seeds_and_ids(client: httpx.AsyncClient, engi
 
 
 async def test_extensions_and_non_square_size(client: httpx.AsyncClient, engine: FakeEngine):
-    fields = {"size": "512x256", "negative_prompt": "blur", "num_inference_steps": 3, "guidance_scale": 2, "slo_ms": 500}
+    fields = {"size": "512x256", "negative_prompt": "blur", "num_inference_steps": 3, "guidance_scale": 2, "slo_ms": 500,
+              "block_cache": 0.1}
     response = await client.post(GENERATIONS, json={"prompt": "fox", "output_format": "webp", **fields})
     assert response.status_code == 200, response.text
     image = open_image(response.json()["data"][0]["b64_json"])
@@ -49,6 +50,7 @@ async def test_extensions_and_non_square_size(client: httpx.AsyncClient, engine:
     [request] = engine.submitted
     assert (request.width, request.height, request.negative_prompt) == (512, 256, "blur")
     assert (request.num_inference_steps, request.guidance_scale, request.slo_ms) == (3, 2.0, 500.0)
+    assert request.block_cache == 0.1
 
 
 async def test_fields_gouache_cannot_honour_are_logged_once_each(

@@ -12,7 +12,9 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
+from gouache.cache.block_cache import BlockCache
 from gouache.request import ImageRequest
+from gouache.runner.block_reuse import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
 
@@ -80,11 +82,23 @@ class Family(ABC):
 
     # -- denoising (engine thread) --------------------------------------------------------
 
+    @property
+    def denoiser(self) -> torch.nn.Module:
+        return self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
+
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False) -> list[torch.Tensor]:
+    def predict(self, states: list[DenoiseState], patched: bool = False, cache: BlockCache | None = None) -> list[torch.Tensor]:
         """Per state, its rows' noise predictions from one batched forward: of requests of one
-        latent shape, or of any mix of shapes cut into patches. Changes no state."""
-        return self.predict_patched(states) if patched else list(self.forward(states).split([s.rows for s in states]))
+        latent shape, or of any mix of shapes cut into patches. With a `cache`, the requests
+        that ask for it reuse block outputs (per patch when patched). Changes no state."""
+        reuse = cache_request(states, cache)
+        one_size = len({s.latents.shape for s in states}) == 1
+        if patched and self.patches:
+            return self.predict_patched(states, cache=reuse)
+        if patched and not (one_size and reuse is not None):  # packed DiTs: no block reuse over mixed sizes yet
+            return self.predict_patched(states)
+        with cached_blocks(self.denoiser, reuse and reuse.begin()):
+            return list(self.forward(states).split([s.rows for s in states]))
 
     @torch.no_grad()
     def advance(self, state: DenoiseState, prediction: torch.Tensor) -> None:
@@ -160,6 +174,18 @@ class Family(ABC):
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """Undo scaling (and packing) so the VAE can decode."""
 
+
+
+def cache_request(states: list[DenoiseState], cache: BlockCache | None) -> CacheRequest | None:
+    """The forward's rows as the block cache sees them; None when none of them is cached."""
+    if cache is None:
+        return None
+    keys, thresholds = [], []
+    for s in states:
+        threshold = cache.threshold(s.request.request_id, s.request.block_cache)
+        keys.extend((s.request.request_id, row) for row in range(s.rows))
+        thresholds.extend([threshold] * s.rows)
+    return CacheRequest(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
 
 
 def by_state(outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:

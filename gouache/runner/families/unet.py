@@ -8,6 +8,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from gouache.request import ImageRequest
+from gouache.runner.block_reuse import CacheRequest
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState
@@ -59,11 +60,12 @@ class StableDiffusionFamily(Family):
             return_dict=False,
         )[0]
 
-    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
+                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
         samples = [row for s in states for row in self._model_input(s)]
         outputs = patched_unet_forward(
             self.unet, self.layout(samples), samples, row_timesteps(states),
-            cat_cond(states, "prompt_embeds"), self.added_cond(states), whole_batches,
+            cat_cond(states, "prompt_embeds"), self.added_cond(states), whole_batches, cache,
         )
         return by_state(outputs, states)
 

@@ -1,0 +1,66 @@
+"""The block cache in the runner and the engine: opt-in per request, exact for everyone else,
+counted in /metrics."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from gouache.cache.block_cache import BlockCache
+from gouache.config import SchedulerConfig
+from gouache.engine.core import EngineCore
+from gouache.executor.pool import DevicePool
+from gouache.metrics import Metrics
+from gouache.runner.model_runner import ModelRunner
+from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
+from tests.engine.test_exactness import request
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux", "tiny-sdxl"])
+def test_whole_image_reuse_keeps_the_unchanged_image_and_computes_the_other(pipes, name):
+    runner = ModelRunner(pipes(name))
+    family, cache = runner.family, BlockCache()
+    states = [runner.prepare(dataclasses.replace(request(rid, seed, 2), block_cache=0.05)) for rid, seed in
+              (("a", 1), ("b", 2))]
+    states = [runner.states[s.request_id] for s in states]
+    first = family.predict(states, cache=cache)
+    states[1].latents = states[1].latents + torch.randn(states[1].latents.shape, generator=torch.Generator().manual_seed(9))
+    again = family.predict(states, cache=cache)
+    exact = family.predict(states)
+    assert cache.reused > 0 and torch.equal(again[0], first[0])
+    assert (again[1] - exact[1]).abs().max() <= 1e-5
+
+
+def run(pipe, requests, policy="patched") -> tuple[dict[str, torch.Tensor], Metrics]:
+    """Every request from step 0 to its end; final latents by id, and the engine's metrics."""
+    runner, metrics = ModelRunner(pipe, patch_pixels=32), Metrics()
+    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy)))
+    results = {}
+
+    def keep(report):
+        for state in report.finished:
+            results[state.request_id] = runner.states.pop(state.request_id).latents
+
+    core = EngineCore(DevicePool.in_process(runner), scheduler, metrics, keep, lambda reasons: pytest.fail(str(reasons)),
+                      pytest.fail, lambda error: pytest.fail(str(error)))
+    for r in requests:
+        scheduler.add(runner.prepare(r))
+    while scheduler.has_work():
+        core.step()
+    return results, metrics
+
+
+@pytest.mark.parametrize(("name", "policy"), [("tiny-sd", "patched"), ("tiny-sd", "orca"), ("tiny-sd3", "orca")])
+def test_an_exact_request_is_unchanged_by_cached_batch_mates_and_the_reuse_is_counted(pipes, name, policy):
+    pipe = pipes(name)
+    exact = request("exact", seed=7, steps=6)
+    cached = [dataclasses.replace(request(f"cached-{i}", seed=i, steps=6, width=w), block_cache=0.5)
+              for i, w in enumerate((64, 96))]
+    alone, _ = run(pipe, [exact], policy)
+    together, metrics = run(pipe, [exact, *cached], policy)
+    assert (together["exact"] - alone["exact"]).abs().max() <= 1e-4
+    counts = {s.labels["result"]: s.value for m in metrics.registry.collect() if m.name == "gouache_block_cache_blocks"
+              for s in m.samples if s.name.endswith("_total")}
+    assert counts["reused"] > 0 and counts["computed"] > 0
+    assert all(torch.isfinite(x).all() for x in together.values())

@@ -1,0 +1,48 @@
+"""The block cache on real UNet blocks, per patch inside a mixed-size patched forward: a patch
+that is reused takes the block's earlier output; the others are computed exactly, with the
+reused patches' activations filled in from the cache where a halo, GroupNorm or attention
+reads them."""
+
+import pytest
+import torch
+
+from gouache.cache.block_cache import BlockCache
+from gouache.config import BlockCacheConfig
+from gouache.runner.block_reuse import CacheRequest, cacheable_blocks, cached_blocks
+from gouache.runner.layout import PatchLayout
+from gouache.runner.patch_ops import patched_unet_forward
+from tests.runner.test_patch_ops import TOL, conditioning, max_diff, per_image_forward, random_samples, unets  # noqa: F401
+
+
+@pytest.mark.parametrize("model", ["tiny-sd", "tiny-sdxl"])
+@pytest.mark.parametrize("shapes", [[(8, 8), (8, 12)], [(8, 8), (8, 8)]], ids=["patches", "whole-images"])
+def test_an_unchanged_image_is_reused_and_its_batch_mate_stays_exact(unets, model, shapes):
+    unet = unets[model]
+    cache = BlockCache(BlockCacheConfig(max_reuse=3))
+    request = CacheRequest(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
+    layout = PatchLayout.build(shapes, 4)
+    cond = conditioning(unet, 2)
+    first_samples = random_samples(unet, shapes, seed=1)
+    with torch.no_grad():
+        first = patched_unet_forward(unet, layout, first_samples, *cond, cache=request)
+        assert max_diff(first, per_image_forward(unet, first_samples, *cond)) <= TOL  # nothing cached yet
+        # a's input is the same again: reused in every block; b's is new: computed in every block
+        samples = [first_samples[0], random_samples(unet, shapes, seed=2)[1]]
+        again = patched_unet_forward(unet, layout, samples, *cond, cache=request)
+        exact = per_image_forward(unet, samples, *cond)
+    blocks = len(cacheable_blocks(unet))
+    units = layout.grid(0)[0] * layout.grid(0)[1] if len(set(shapes)) > 1 else 1
+    assert cache.reused == blocks * units  # every unit of a, in every block
+    assert torch.equal(again[0], first[0])
+    assert (again[1] - exact[1]).abs().max() <= TOL
+
+
+def test_blocks_are_restored_and_unwrapped_attributes_reach_the_model(unets):
+    unet = unets["tiny-sd"]
+    before = [getattr(parent, name) for parent, name in cacheable_blocks(unet)]
+    cache_pass = BlockCache().begin([("a", 0)], [1], [0.1], "image")
+    with pytest.raises(RuntimeError, match="boom"), cached_blocks(unet, cache_pass):
+        wrapped = getattr(*cacheable_blocks(unet)[0])
+        assert wrapped.inner is before[0] and wrapped.resnets is before[0].resnets
+        raise RuntimeError("boom")
+    assert [getattr(parent, name) for parent, name in cacheable_blocks(unet)] == before
