@@ -44,10 +44,13 @@ class Setup:
     max_batch_size: int = 8
     patch_size: int = 32  # pixels per patch under patched policies
     cost_model: str | None = None  # for policies that plan with step times
+    block_cache: float = 0.0  # the block cache's threshold for every image; 0: off
+    block_cache_max_reuse: int = 2
 
     def describe(self) -> str:
         steps = "default" if self.steps is None else str(self.steps)
-        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}"
+        cache = f", block cache {self.block_cache:g}" if self.block_cache else ""
+        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}{cache}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class Result:
     setup: Setup
     images: list[np.ndarray] = field(default_factory=list)  # [H, W, 3] uint8, in prompt order
     seconds: float = 0.0
+    denoise_seconds: float = 0.0  # of which in denoising steps (the engine's step latencies, summed)
+    reused_fraction: float = 0.0  # block cache: unit-blocks reused / all of them
 
 
 def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
@@ -88,13 +93,14 @@ def generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int
 
 
 async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None) -> Result:
-    from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+    from gouache.config import BlockCacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from gouache.engine.client import AsyncEngine
     from gouache.request import ImageRequest
 
     engine = AsyncEngine.from_config(
         ModelConfig(model),
-        EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads),
+        EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads,
+                     block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse)),
         SchedulerConfig(policy=setup.policy, max_batch_size=setup.max_batch_size, cost_model=setup.cost_model),
     )
     info = engine.info
@@ -112,7 +118,12 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     finally:
         await engine.aclose()
     images = [np.asarray(Image.open(io.BytesIO(e[0].image)).convert("RGB")) for e in events]
-    return Result(setup, images, time.perf_counter() - start)
+    samples = [s for m in engine.metrics.registry.collect() for s in m.samples]
+    step_s = sum(s.value for s in samples if s.name == "gouache_step_latency_seconds_sum")
+    blocks = {s.labels["result"]: s.value for s in samples if s.name == "gouache_block_cache_blocks_total"}
+    total = sum(blocks.values())
+    return Result(setup, images, time.perf_counter() - start, step_s,
+                  blocks.get("reused", 0.0) / total if total else 0.0)
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -237,6 +248,11 @@ def add_arguments(p) -> None:
                    help="candidate policy (default: the reference's)")
     p.add_argument("--candidate-max-batch-size", type=int, default=None, action=Given,
                    help="candidate's most requests per step, another batch mix (default: the reference's, 8)")
+    p.add_argument("--candidate-block-cache", type=float, default=None, action=Given,
+                   help="candidate's block-cache threshold for every image (docs/patched.md) (default: off)")
+    p.add_argument("--block-cache-max-reuse", type=int, default=2, action=Given,
+                   help="with --candidate-block-cache: most steps in a row a block's output is reused "
+                        "(default: %(default)s)")
     p.add_argument("--patch-size", type=int, default=32, action=Given,
                    help="patch side in pixels under patched policies (default: %(default)s)")
     p.add_argument("--cost-model", default=None,
@@ -252,7 +268,7 @@ def setups(args) -> tuple[Setup, Setup]:
     from gouache.runner.models import BUILTIN_MODELS, TINY_DEFAULT_STEPS
 
     reference = Setup("reference", args.policy, args.steps, 8, args.patch_size, args.cost_model)
-    chosen = given(args) & {"candidate_steps", "candidate_policy", "candidate_max_batch_size"}
+    chosen = given(args) & {"candidate_steps", "candidate_policy", "candidate_max_batch_size", "candidate_block_cache"}
     if not chosen:
         default_steps = args.steps or (TINY_DEFAULT_STEPS if args.model in BUILTIN_MODELS else None)
         if default_steps is None:
@@ -263,6 +279,7 @@ def setups(args) -> tuple[Setup, Setup]:
         steps=args.candidate_steps if "candidate_steps" in chosen else reference.steps,
         policy=args.candidate_policy or reference.policy,
         max_batch_size=args.candidate_max_batch_size or reference.max_batch_size,
+        block_cache=args.candidate_block_cache or 0.0, block_cache_max_reuse=args.block_cache_max_reuse,
     )
     return reference, candidate
 
@@ -270,9 +287,11 @@ def setups(args) -> tuple[Setup, Setup]:
 def _check_flags(args, *policies: str) -> None:
     """Counts of at least one; known policies; --cost-model exactly when a policy plans with step
     times; --patch-size only when one cuts images into patches."""
+    from gouache.config import BlockCacheConfig
     from gouache.sched.policies import POLICIES
 
-    for flag in ("prompts", "seeds", "steps", "candidate_steps", "candidate_max_batch_size", "patch_size", "sheet_rows"):
+    for flag in ("prompts", "seeds", "steps", "candidate_steps", "candidate_max_batch_size", "patch_size", "sheet_rows",
+                 "block_cache_max_reuse"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -286,7 +305,11 @@ def _check_flags(args, *policies: str) -> None:
         ignored["cost_model"] = "neither policy plans with step times"
     if "patch_size" in given(args) and not any(POLICIES[p].mixes_resolutions for p in policies):
         ignored["patch_size"] = "neither policy cuts images into patches"
+    if "block_cache_max_reuse" in given(args) and not args.candidate_block_cache:
+        ignored["block_cache_max_reuse"] = "no --candidate-block-cache above 0 reuses anything"
     refuse_ignored(ignored)
+    if args.candidate_block_cache is not None:
+        BlockCacheConfig(args.candidate_block_cache)  # in range, or the config's message
 
 
 def run(args) -> int:
@@ -304,17 +327,20 @@ def run(args) -> int:
     report = {
         "command": shlex.join(["gouache", "bench", "fidelity", *options]),
         "model": args.model, "prompts": args.prompts, "seeds": args.seeds, "sizes": args.sizes, "images": len(prompts),
-        "reference": {**asdict(reference_setup), "seconds": reference.seconds},
-        "candidate": {**asdict(candidate_setup), "seconds": candidate.seconds},
+        **{r.setup.label: {**asdict(r.setup), "seconds": r.seconds, "denoise_seconds": r.denoise_seconds,
+                           "reused_fraction": r.reused_fraction} for r in (reference, candidate)},
+        "denoise_ratio": candidate.denoise_seconds / reference.denoise_seconds if reference.denoise_seconds else None,
         **summary,
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
     rows = [
         {"setup": r.setup.label, "config": r.setup.describe(), "seconds": r.seconds,
+         "denoise s": r.denoise_seconds, "blocks reused %": 100 * r.reused_fraction,
          **{f"{k} ok %": 100 * v for k, v in summary[f"{r.setup.label}_alignment"].items()}}
         for r in (reference, candidate)
     ]
     table = markdown_table(rows, digits=1) + "\n" + markdown_table([{
+        "denoise time ratio": report["denoise_ratio"],
         "SSIM mean": summary["ssim_mean"], "SSIM min": summary["ssim_min"], "PSNR mean dB": summary["psnr_mean_db"],
         "alignment drop (points)": summary["alignment_drop_points"], "acceptable": summary["acceptable"],
     }])

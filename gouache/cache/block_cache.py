@@ -10,60 +10,69 @@ cached block, a unit is reused when
 where `x_then` is the unit's input to that block at the step the block last computed it, and
 the unit has been reused at most `max_reuse` times in a row (the paper's limit on consecutive
 reuse: without it, error accumulates while the input drifts in small steps). The block runs on
-the other units only; the reused ones take its cached output. Decisions, copies and updates
-are batched per image: a few tensor operations per block, not one per unit.
+the other units only; the reused ones take its cached output.
 
 Cross-unit operators inside a block (a convolution's halo, GroupNorm's image statistics,
 self-attention) need every unit of an image, also the reused ones. For those the cache keeps
 each operator's input as of the step each unit was last computed (`stale`), as DistriFusion
 fills the patches it did not compute with the previous step's activations.
 
+Batched, as the paper's cache manager is: a forward's cached units are the rows of one *store*
+per batch composition, one tensor per block input, block output and operator input. While the
+composition holds (the common case: step after step of the same running batch), a block costs
+a handful of whole-batch tensor operations, whatever the number of units. A new composition
+(a request joined or left) builds its store once from the rows its images had elsewhere (the
+paper's common set); new images start without history (its new set) and the rows of images
+that left are dropped with their store (its expired set).
+
 Requests whose threshold is 0 are not cached at all, so exact stays exact: their units are
 computed in every block and nothing of theirs is stored. Memory is bounded: after a forward
-that leaves the cache above its byte budget, the most recently cached requests are evicted
-and run uncached to their end.
+that leaves the cache above its byte budget, the most recently cached requests are evicted,
+with the stores that hold them, and run uncached to their end.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Sequence
+
 import torch
 
 from gouache.config import BlockCacheConfig
 
 ImageKey = tuple[str, int]  # (request id, forward row): one image of a forward
+Signature = tuple[str, tuple[ImageKey, ...], tuple[int, ...]]  # (mode, cached images, their units)
 
 
-class _Entry:
-    """One image at one block: per unit, the input and outputs when last computed, and how many
-    steps in a row it has been reused since."""
+class _Block:
+    """A store's history at one block, a row per cached unit."""
 
-    def __init__(self, inputs: torch.Tensor, outputs: list[torch.Tensor | None]):
-        self.inputs = inputs.clone()
-        self.outputs = [None if o is None else o.clone() for o in outputs]
-        self.reused = torch.zeros(inputs.shape[0], dtype=torch.long, device=inputs.device)
+    def __init__(self, inputs: torch.Tensor, outputs: list[torch.Tensor | None], valid: torch.Tensor):
+        self.inputs, self.outputs, self.valid = inputs, outputs, valid  # valid: the row has a history
+        self.reused = torch.zeros(len(inputs), dtype=torch.long, device=inputs.device)  # steps reused in a row
 
-    def fits(self, inputs: torch.Tensor, outputs: Sequence[torch.Tensor | None]) -> bool:
-        return self.inputs.shape == inputs.shape and [None if o is None else o.shape for o in self.outputs] == [
-            None if o is None else o.shape for o in outputs]
-
-    @property
-    def nbytes(self) -> int:
-        return self.inputs.nbytes + sum(o.nbytes for o in self.outputs if o is not None)
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.inputs, *(o for o in self.outputs if o is not None)]
 
 
-class _Image:
-    """What the cache holds for one image in one unit layout (`mode`, units)."""
+class _Store:
+    """The cached rows of one batch composition."""
 
-    def __init__(self, mode: str, units: int):
-        self.mode, self.units = mode, units
-        self.blocks: dict[Hashable, _Entry] = {}
+    def __init__(self, signature: Signature):
+        self.signature = signature
+        _, self.keys, self.units = signature
+        self.offsets = {}
+        row = 0
+        for key, n in zip(self.keys, self.units):
+            self.offsets[key] = slice(row, row + n)
+            row += n
+        self.blocks: dict[Hashable, _Block] = {}
         self.stale: dict[Hashable, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.blocks.values()) + sum(t.nbytes for t in self.stale.values())
+        blocks = sum(t.nbytes for b in self.blocks.values() for t in b.tensors())
+        return blocks + sum(t.nbytes for t in self.stale.values())
 
 
 class BlockCache:
@@ -71,7 +80,8 @@ class BlockCache:
 
     def __init__(self, config: BlockCacheConfig | None = None):
         self.config = config or BlockCacheConfig()
-        self._images: dict[ImageKey, _Image] = {}
+        self._stores: dict[Signature, _Store] = {}
+        self._home: dict[ImageKey, _Store] = {}  # the store holding each cached image's rows
         self._released: set[str] = set()  # filled from other threads, applied at the next forward
         self._refused: set[str] = set()  # evicted for the budget: uncached until released
         self._lock = threading.Lock()
@@ -91,18 +101,12 @@ class BlockCache:
         """A forward over images `keys` (in unit order) with `units[i]` units each; None when no
         image of it is cached (the forward then runs as without a cache)."""
         self._purge()
-        if not any(t > 0 for t in thresholds):
+        cached = [i for i, t in enumerate(thresholds) if t > 0]
+        if not cached:
             return None
-        images: list[_Image | None] = []
-        for key, n, t in zip(keys, units, thresholds):
-            if t <= 0:
-                images.append(None)
-                continue
-            image = self._images.get(key)
-            if image is None or image.mode != mode or image.units != n:
-                image = self._images[key] = _Image(mode, n)
-            images.append(image)
-        return CachePass(self, images, list(units), list(thresholds))
+        signature = (mode, tuple(keys[i] for i in cached), tuple(units[i] for i in cached))
+        store = self._stores.get(signature) or self._build(signature)
+        return CachePass(self, store, units, thresholds)
 
     def release(self, request_id: str) -> None:
         """Forget a request's activations (any thread; applied before the next forward)."""
@@ -113,63 +117,109 @@ class BlockCache:
         with self._lock:
             released, self._released = self._released, set()
         if released:
-            for key in [k for k in self._images if k[0] in released]:
-                del self._images[key]
+            self._drop({key for key in self._home if key[0] in released})
             self._refused -= released
+
+    def _drop(self, keys: set[ImageKey]) -> None:
+        """Forget these images, and every store no image lives in any more."""
+        for key in keys:
+            self._home.pop(key, None)
+        live = {id(store) for store in self._home.values()}
+        self._stores = {sig: store for sig, store in self._stores.items() if id(store) in live}
+
+    def _build(self, signature: Signature) -> _Store:
+        """A new composition's store, from the rows its images have in their old stores."""
+        store = _Store(signature)
+        sources = []  # per image: (old store, its rows there) or None
+        for key, n in zip(store.keys, store.units):
+            old = self._home.get(key)
+            same = old is not None and old.signature[0] == signature[0] and old.offsets[key].stop - old.offsets[key].start == n
+            sources.append((old, old.offsets[key]) if same else None)
+        olds = {id(src[0]): src[0] for src in sources if src is not None}.values()
+        for name in dict.fromkeys(b for old in olds for b in old.blocks):
+            parts = [(src[0].blocks.get(name), src[1]) if src else (None, None) for src in sources]
+            like = next(block for block, _ in parts if block is not None)
+            store.blocks[name] = _Block(
+                _gather([(b and b.inputs, rows) for b, rows in parts], like.inputs, store.units),
+                [None if o is None else _gather([(b and b.outputs[k], rows) for b, rows in parts], o, store.units)
+                 for k, o in enumerate(like.outputs)],
+                torch.cat([torch.full((n,), b is not None, device=like.inputs.device)
+                           for (b, _), n in zip(parts, store.units)]),
+            )
+        for name in dict.fromkeys(op for old in olds for op in old.stale):
+            parts = [(src[0].stale.get(name), src[1]) if src else (None, None) for src in sources]
+            store.stale[name] = _gather(parts, next(t for t, _ in parts if t is not None), store.units)
+        for key in store.keys:
+            self._home[key] = store
+        self._stores[signature] = store
+        self._drop(set())
+        return store
 
     def end(self) -> None:
         """After a forward: count the bytes held; over budget, evict the newest requests first."""
-        sizes = {key: image.nbytes for key, image in self._images.items()}
-        total = sum(sizes.values())
-        for key in reversed(list(self._images)):
+        total = sum(store.nbytes for store in self._stores.values())
+        newest = list(dict.fromkeys(key[0] for key in self._home))[::-1]
+        for request_id in newest:
             if total <= self.config.budget_bytes:
                 break
-            request_id = key[0]
-            if request_id in self._refused:
-                continue
             self._refused.add(request_id)
             self.evictions += 1
-            for k in [k for k in self._images if k[0] == request_id]:
-                total -= sizes[k]
-                del self._images[k]
+            stores = {id(s) for k, s in self._home.items() if k[0] == request_id}
+            self._drop({k for k, s in self._home.items() if id(s) in stores})
+            total = sum(store.nbytes for store in self._stores.values())
         self.nbytes = total
+
+
+def _gather(parts: list[tuple[torch.Tensor | None, slice | None]], like: torch.Tensor, units: Sequence[int]) -> torch.Tensor:
+    """One store tensor from each image's old rows (zeros for an image without them)."""
+    return torch.cat([t[rows] if t is not None else like.new_zeros((n, *like.shape[1:]))
+                      for (t, rows), n in zip(parts, units)])
 
 
 class CachePass:
     """The cache's view of one forward: decides, merges and records per block."""
 
-    def __init__(self, cache: BlockCache, images: list[_Image | None], units: list[int], thresholds: list[float]):
-        self.cache, self.images, self.units = cache, images, units
-        self.thresholds = thresholds
-        bounds = [0]
-        for n in units:
-            bounds.append(bounds[-1] + n)
-        self.segments = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-        self.num_units = bounds[-1]
-        self._reuse: dict[Hashable, list[torch.Tensor | None]] = {}  # this pass's decisions per block
+    def __init__(self, cache: BlockCache, store: _Store, units: Sequence[int], thresholds: Sequence[float]):
+        self.cache, self.store = cache, store
+        self.num_units = sum(units)
+        bounds, start = [], 0
+        for n, t in zip(units, thresholds):
+            if t > 0:
+                bounds.append((start, n, t))
+            start += n
+        self._bounds = bounds  # (first unit, units, threshold) of each cached image
+        self.all_cached = len(bounds) == len(units)
+        self._reuse: dict[Hashable, torch.Tensor | None] = {}  # this pass's decisions per block
+        self._rows: torch.Tensor | None = None  # [store rows] the forward's unit of each
+        self._thresholds: torch.Tensor | None = None  # [store rows]
+
+    def _setup(self, device: torch.device) -> None:
+        """Index tensors on the device of the activations, made at the first block."""
+        if self._rows is None or self._rows.device != device:
+            self._rows = torch.cat([torch.arange(a, a + n, device=device) for a, n, _ in self._bounds])
+            self._thresholds = torch.cat([torch.full((n,), t, device=device) for _, n, t in self._bounds])
+
+    def _cached(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows of the cached units."""
+        return x if self.all_cached else x.index_select(0, self._rows)
 
     def select(self, block: Hashable, x: torch.Tensor) -> torch.Tensor | None:
         """Indices of the units the block must compute, from its input x [units, ...]; None: all."""
         if x.shape[0] != self.num_units:
             raise ValueError(f"block input has {x.shape[0]} rows for {self.num_units} units")
-        decisions, any_reuse = [], False
-        for image, seg, t in zip(self.images, self.segments, self.thresholds):
-            entry = None if image is None else image.blocks.get(block)
-            if entry is None or entry.inputs.shape != x[seg].shape:
-                decisions.append(None)
-                continue
-            then = entry.inputs.flatten(1)
-            change = (x[seg].flatten(1) - then).abs().mean(1) / then.abs().mean(1).clamp_min(1e-12)
-            reuse = (change < t) & (entry.reused < self.cache.config.max_reuse)
-            decisions.append(reuse)
-            any_reuse = any_reuse or bool(reuse.any())
-        self._reuse[block] = decisions
-        if not any_reuse:
+        self._setup(x.device)
+        entry = self.store.blocks.get(block)
+        self._reuse[block] = None
+        if entry is None or entry.inputs.shape[1:] != x.shape[1:]:
             return None
+        then = entry.inputs.flatten(1)
+        change = (self._cached(x).flatten(1) - then).abs().mean(1) / then.abs().mean(1).clamp_min(1e-12)
+        reuse = entry.valid & (change < self._thresholds.to(change.dtype)) & (entry.reused < self.cache.config.max_reuse)
+        if not bool(reuse.any()):
+            return None
+        self._reuse[block] = reuse
         keep = torch.ones(self.num_units, dtype=torch.bool, device=x.device)
-        for seg, reuse in zip(self.segments, decisions):
-            if reuse is not None:
-                keep[seg] = ~reuse
+        keep[self._rows[reuse]] = False
         return keep.nonzero().squeeze(1)
 
     def merge(self, block: Hashable, x: torch.Tensor, computed: torch.Tensor | None,
@@ -177,59 +227,62 @@ class CachePass:
         """The block's outputs for every unit: `fresh` (rows of `computed`, or all; None when no
         unit was computed) where computed, the cache's elsewhere; records the computed units'
         input and outputs."""
-        if computed is None:
-            full = list(fresh)
-        else:
-            # Every unit reused: every image has an entry, whose outputs give the shapes.
-            like = fresh if fresh is not None else next(
-                image.blocks[block].outputs for image in self.images if image is not None)
-            full = [None if f is None else f.new_empty((self.num_units, *f.shape[1:])) for f in like]
-            if fresh is not None:
-                for out, f in zip(full, fresh):
-                    if out is not None:
-                        out[computed] = f
+        entry, reuse = self.store.blocks.get(block), self._reuse.pop(block)
         counts = self.cache
-        for image, seg, reuse in zip(self.images, self.segments, self._reuse.pop(block)):
-            if image is None:
-                continue
-            outputs = [None if o is None else o[seg] for o in full]
-            entry = image.blocks.get(block)
-            if entry is None or reuse is None or not entry.fits(x[seg], outputs):
-                image.blocks[block] = _Entry(x[seg], outputs)
-                counts.computed += len(x[seg])
-                continue
-            fresh_rows = ~reuse
-            for mine, out in zip(entry.outputs, outputs):
-                if mine is not None:
-                    out[reuse] = mine[reuse]  # `out` is a view of `full`: fills the merged output
-                    mine[fresh_rows] = out[fresh_rows]
-            entry.inputs[fresh_rows] = x[seg][fresh_rows]
-            entry.reused = torch.where(reuse, entry.reused + 1, 0)
-            n_reused = int(reuse.sum())
-            counts.reused += n_reused
-            counts.computed += len(reuse) - n_reused
+        if reuse is None:  # every unit computed
+            cx, outs = self._cached(x), [None if f is None else self._cached(f) for f in fresh]
+            if entry is None or entry.inputs.shape != cx.shape:
+                self.store.blocks[block] = _Block(cx.clone(), [None if o is None else o.clone() for o in outs],
+                                                  torch.ones(len(cx), dtype=torch.bool, device=cx.device))
+            else:
+                entry.inputs.copy_(cx)
+                for mine, o in zip(entry.outputs, outs):
+                    if mine is not None:
+                        mine.copy_(o)
+                entry.reused.zero_()
+                entry.valid.fill_(True)
+            counts.computed += len(cx)
+            return list(fresh)
+        like = fresh if fresh is not None else entry.outputs
+        full = [None if f is None else f.new_empty((self.num_units, *f.shape[1:])) for f in like]
+        if fresh is not None:
+            for out, f in zip(full, fresh):
+                if out is not None:
+                    out[computed] = f
+        local = (~reuse).nonzero().squeeze(1)  # store rows computed this time
+        units_reused, units_computed = self._rows[reuse], self._rows[local]
+        for out, mine in zip(full, entry.outputs):
+            if out is not None:
+                out[units_reused] = mine[reuse]
+                mine[local] = out[units_computed]
+        entry.inputs[local] = x[units_computed]
+        entry.reused = torch.where(reuse, entry.reused + 1, 0)
+        entry.valid.fill_(True)
+        n_reused = int(reuse.sum())
+        counts.reused += n_reused
+        counts.computed += len(reuse) - n_reused
         return full
 
     def stale(self, op: Hashable, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
         """An operator's input for every unit: x (rows of `computed`, or all) where computed, its
         input at the step each other unit was last computed elsewhere. Records x."""
+        self._setup(x.device)
+        held = self.store.stale.get(op)
         if computed is None:
-            full = x
-        else:
-            full = x.new_zeros((self.num_units, *x.shape[1:]))
-            for image, seg in zip(self.images, self.segments):
-                held = None if image is None else image.stale.get(op)
-                if held is not None and held.shape[1:] == x.shape[1:]:
-                    full[seg] = held
-            full[computed] = x
-        for image, seg in zip(self.images, self.segments):
-            if image is None:
-                continue
-            held = image.stale.get(op)
-            if held is not None and held.shape == full[seg].shape:
-                held.copy_(full[seg])
+            cx = self._cached(x)
+            if held is None or held.shape != cx.shape:
+                self.store.stale[op] = cx.clone()
             else:
-                image.stale[op] = full[seg].clone()
+                held.copy_(cx)
+            return x
+        if held is None or held.shape[1:] != x.shape[1:]:  # no history: zeros (never read by a reused unit)
+            held = self.store.stale[op] = x.new_zeros((len(self._rows), *x.shape[1:]))
+        if self.all_cached:  # the store's rows are the forward's: update them in place
+            return held.index_copy_(0, computed, x)
+        full = x.new_zeros((self.num_units, *x.shape[1:]))
+        full[self._rows] = held
+        full[computed] = x
+        held.copy_(full[self._rows])
         return full
 
     def end(self) -> None:

@@ -44,7 +44,8 @@ class GpuBatchStepCost:
     """Seconds of one step: Σ over the plan's forwards of
 
         per_forward_s + (1 + patch_overhead if patched over 2+ sizes) × (work^n + floor_s^n)^(1/n),
-        work = Σ over its images (per_megapixel_s × MP + per_megapixel2_s × MP²).
+        work = Σ over its images (per_megapixel_s × MP + per_megapixel2_s × MP²),
+               less cache_saving of it in patched forwards (the block cache, PatchedServe §5).
 
     `work` is the GPU's compute for the images (linear layers and convolutions grow with
     pixels, self-attention with their square); `floor_s` is the time a forward takes however
@@ -61,6 +62,7 @@ class GpuBatchStepCost:
     per_megapixel2_s: float  # GPU seconds per megapixel squared, per image (self-attention)
     sharpness: float = 3.0  # n of the soft maximum; large n = hard roofline
     patch_overhead: float = 0.05  # extra time of a patched forward: halo gathers, per-image GroupNorm
+    cache_saving: float = 0.0  # share of a patched forward's work the block cache skips
 
     def __call__(self, batch: Batch, states: dict[str, RequestState]) -> float:
         return self.forward([states[rid].resolution for rid in batch.request_ids], batch.patched)
@@ -80,7 +82,7 @@ class GpuBatchStepCost:
         return None
 
     def forward(self, resolutions: Sequence[tuple[int, int]], patched: bool) -> float:
-        work = sum(self.work(h * w / 1e6) for h, w in resolutions)
+        work = sum(self.work(h * w / 1e6) for h, w in resolutions) * (1 - self.cache_saving if patched else 1.0)
         n = self.sharpness
         busy = (work**n + self.floor_s**n) ** (1 / n)
         cut = patched and len(set(map(tuple, resolutions))) > 1  # one size runs as a plain batch
@@ -146,19 +148,37 @@ def measured_overhead(path: str | Path) -> tuple[str, float]:
     return f"{data['model']} {method}, {data['device']}, {data['dtype']} (measured)", overhead
 
 
+def measured_cache_saving(path: str | Path) -> tuple[str, float]:
+    """A `gouache bench fidelity --candidate-block-cache` JSON's saving: 1 - the candidate's
+    denoising time / the exact reference's, with the fidelity it was bought at in the name."""
+    data = json.loads(Path(path).read_text())
+    candidate = data["candidate"]
+    if not candidate.get("block_cache"):
+        raise ValueError(f"{path} is not a block-cache run; make one with `gouache bench fidelity --candidate-block-cache T`")
+    name = (f"{data['model']} block cache {candidate['block_cache']:g} under {candidate['policy']}, CPU (measured: "
+            f"SSIM {data['ssim_mean']:.3f}, alignment -{data['alignment_drop_points']:.1f} points)")
+    return name, 1 - data["denoise_ratio"]
+
+
 def patchedserve_experiment(out_dir: str | Path, rates: Sequence[float] = RATES, num_requests: int = 800,
                             seeds: Sequence[int] = (0, 1, 2), max_batch: int = 16,
                             cost: GpuBatchStepCost | None = None, batching_costs: Sequence[str | Path] = ()) -> dict:
-    """Run the sweep, and again with each benchmark's measured patched overhead; write
+    """Run the sweep, and again with each benchmark's measured cost: a `bench batching` JSON's
+    patched overhead, a `bench fidelity` JSON's block-cache saving (patched forwards only); write
     patchedserve.{json,md,png} into `out_dir`; return the JSON data."""
     cost = cost or SdxlH100Assumptions().cost()
     runs = _sweep(cost, rates, num_requests, seeds, max_batch)
     points = _mean_over_seeds(runs)
-    sources = [_source("assumed (PatchedServe: splitting overhead is \"tiny\")", cost.patch_overhead, points)]
+    sources = [_source("assumed (PatchedServe: splitting overhead is \"tiny\")", cost, points)]
     for path in batching_costs:
-        name, overhead = measured_overhead(path)
-        sources.append(_source(name, overhead, _mean_over_seeds(
-            _sweep(replace(cost, patch_overhead=overhead), rates, num_requests, seeds, max_batch)), str(path)))
+        if "denoise_ratio" in json.loads(Path(path).read_text()):
+            name, saving = measured_cache_saving(path)
+            measured = replace(cost, cache_saving=saving)
+        else:
+            name, overhead = measured_overhead(path)
+            measured = replace(cost, patch_overhead=overhead)
+        sources.append(_source(name, measured, _mean_over_seeds(
+            _sweep(measured, rates, num_requests, seeds, max_batch)), str(path)))
     solo = standalone_latency(cost)
     data = {
         "experiment": "PatchedServe §8: SLO satisfaction vs QPS, SDXL on one H100 (simulated)",
@@ -190,10 +210,10 @@ def _sweep(cost: GpuBatchStepCost, rates: Sequence[float], num_requests: int, se
     return runs
 
 
-def _source(name: str, overhead: float, points: Sequence[dict], path: str | None = None) -> dict:
-    """One row of the per-source table: the overhead charged and what patched-slo makes of it."""
+def _source(name: str, cost: GpuBatchStepCost, points: Sequence[dict], path: str | None = None) -> dict:
+    """One row of the per-source table: the costs charged and what patched-slo makes of them."""
     found, load = margins(points), capacity(points)
-    return {"source": name, "file": path, "patch_overhead": overhead,
+    return {"source": name, "file": path, "patch_overhead": cost.patch_overhead, "cache_saving": cost.cache_saving,
             "mean_margin_pp": found["mean_margin_pp"], "mean_margin_over_orca_pp": found["mean_margin_over_orca_pp"],
             **{f"capacity_ratio_{target}": c["patched_slo_over_best_baseline"] for target, c in load.items()}}
 
@@ -269,9 +289,11 @@ def _write(out: Path, data: dict) -> None:
         f"{data['margins']['mean_margin_over_orca_pp']:.1f} pp\n\n"
         f"## highest rate (req/s) meeting each SLO-satisfaction target\n\n{markdown_table(capacity_rows)}\n"
         f"## by source of the patched overhead\n\nThe tables above charge the first row's overhead; each "
-        f"other row reruns the whole sweep charging what its benchmark measured (the median one-forward / "
-        f"grouped - 1 over its one-resolution mixes). capacity_ratio_T: patched-slo's highest rate meeting "
-        f"T over the best baseline's.\n\n"
+        f"other row reruns the whole sweep charging what its benchmark measured: a `bench batching` JSON's "
+        f"patched overhead (the median one-forward / grouped - 1 over its one-resolution mixes), or a "
+        f"`bench fidelity` JSON's block-cache saving (1 - cached / exact denoising time), taken off the work of "
+        f"patched forwards only. capacity_ratio_T: patched-slo's highest rate meeting T over the best "
+        f"baseline's.\n\n"
         f"{markdown_table([{k: v for k, v in s.items() if k != 'file'} for s in data['sources']], digits=2)}")
     plot_sweep(data["points"], "rate", "slo_attainment", out / "patchedserve.png",
                title="SDXL, 1 H100 (simulated): 512/768/1024 px, SLO 5x", xlabel="QPS",

@@ -43,8 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="benchmarks/results/reproduce",
                    help="output folder; each experiment writes under OUT/<name>/ (default: %(default)s)")
     p.add_argument("--batching-costs", nargs="+", default=None, metavar="JSON",
-                   help="`gouache bench batching` results whose measured patched overhead the PatchedServe "
-                        "experiment also charges, a table row each (default: the assumed overhead only)")
+                   help="measured costs the PatchedServe experiment also charges, a table row each: `gouache bench "
+                        "batching` results (the patched overhead) and `gouache bench fidelity --candidate-block-cache` "
+                        "results (the block cache's saving, in patched forwards) (default: the assumed overhead only)")
 
 
 def run(args) -> int:

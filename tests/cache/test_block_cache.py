@@ -89,11 +89,18 @@ def test_stale_fills_the_units_not_computed_with_their_last_input():
 
 def test_over_budget_the_newest_request_is_evicted_and_runs_exact_from_then_on():
     cache = BlockCache(BlockCacheConfig(budget_bytes=40))  # one unit's input + output (32 bytes) fits
+    cache_pass = cache.begin([("old", 0)], [1], [0.5], "image")
+    run_block(cache_pass, units(1))
+    cache_pass.end()
+    assert (cache.evictions, cache.nbytes) == (0, 32)
     cache_pass = cache.begin([("old", 0), ("new", 0)], [1, 1], [0.5, 0.5], "image")
     run_block(cache_pass, units(1, 2))
-    cache_pass.end()
-    assert cache.evictions == 1 and cache.nbytes == 32
+    cache_pass.end()  # 64 bytes: "new" goes, with the store it shares with "old"
+    assert (cache.evictions, cache.nbytes) == (1, 0)
     assert cache.threshold("new", 0.5) == 0.0 and cache.threshold("old", 0.5) == 0.5
+    calls = []
+    run_block(cache.begin([("old", 0), ("new", 0)], [1, 1], [0.5, 0.0], "image"), units(1, 2), calls=calls)
+    assert calls == [None]  # "old" lost its rows with the shared store: computed afresh, "new" exact
     cache.release("new")
     assert cache.begin([("new", 0)], [1], [0.5], "image") is not None  # released: may be cached again
 

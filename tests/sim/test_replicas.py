@@ -1,5 +1,6 @@
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -214,6 +215,27 @@ def test_patchedserve_reruns_with_each_measured_patch_overhead(tmp_path):
     path.write_text(json.dumps({**bench, "results": bench["results"][3:]}))
     with pytest.raises(ValueError, match="no one-resolution mix"):
         measured_overhead(path)
+
+
+def test_patchedserve_reruns_with_a_measured_block_cache_saving(tmp_path):
+    from gouache.sim.exp_patchedserve import measured_cache_saving
+
+    fidelity = {"model": "shapes-unet", "candidate": {"policy": "patched", "block_cache": 0.1}, "denoise_ratio": 0.7,
+                "ssim_mean": 0.96, "alignment_drop_points": 1.0}
+    path = tmp_path / "fidelity.json"
+    path.write_text(json.dumps(fidelity))
+    name, saving = measured_cache_saving(path)
+    assert saving == pytest.approx(0.3) and "SSIM 0.960" in name
+    ps = patchedserve_experiment(tmp_path / "ps", rates=(0.2, 0.4), num_requests=30, seeds=(0,), batching_costs=[path])
+    assert [s["cache_saving"] for s in ps["sources"]] == [0.0, pytest.approx(0.3)]
+    cost = SdxlH100Assumptions().cost()
+    cached = replace(cost, cache_saving=0.3)
+    sizes = [(1024, 1024)] * 4
+    assert cached.forward(sizes, False) == cost.forward(sizes, False)  # the baselines run without it
+    assert cached.forward(sizes, True) < cost.forward(sizes, True)
+    path.write_text(json.dumps({**fidelity, "candidate": {"policy": "orca", "block_cache": 0.0}}))
+    with pytest.raises(ValueError, match="not a block-cache run"):
+        measured_cache_saving(path)
 
 
 def test_a_one_size_patched_forward_costs_a_plain_batch():
