@@ -3,10 +3,17 @@
 For one forward, every cached block (a UNet's down, mid and up blocks; each transformer block
 of a DiT) is replaced by a `CachedBlock` wrapper. It asks the cache which units to compute,
 runs the block on those units' rows only, and merges the cached outputs of the others back in.
-Units are the rows of the model's own batch (`image` mode: one per image, any policy) or the
-patches of a patched UNet forward (`patch` mode: PatchedServe's patch-level reuse, inside a
-mixed-size batch). In patch mode the patch operators (`patch_ops`) fill the rows of reused
-patches from the cache's stale activations (`PatchIndex.subset`).
+The units (`Mode`):
+
+- `image`: the rows of the model's own batch, one per image (any policy, any family);
+- `patch`: the patches of a patched UNet forward (PatchedServe's patch-level reuse, inside a
+  mixed-size batch); the patch operators (`patch_ops`) fill the rows of reused patches from the
+  cache's stale activations (`PatchIndex.subset`);
+- `token`: the image tokens of a packed DiT forward (mixed sizes). A DiT patch is one token.
+  Text rows are always computed (each image's text attends to all of its tokens), so the block
+  always runs; attention takes the reused tokens' keys and values from the stale activations
+  (`Packing.subset`), and the norms, feed-forwards and output projections run on the computed
+  tokens only.
 """
 
 from __future__ import annotations
@@ -21,10 +28,22 @@ from torch import nn
 
 from gouache.cache.block_cache import BlockCache, CachePass, ImageKey
 
-# Block arguments with one row per unit: sliced to the computed units. In patch mode the
-# text stays per image (the patch operators index it), in image mode it is per row too.
-PER_UNIT = ("hidden_states", "temb", "res_hidden_states_tuple")
-PER_UNIT_IMAGE = (*PER_UNIT, "encoder_hidden_states")
+
+
+@dataclass(frozen=True)
+class Mode:
+    per_unit: tuple[str, ...]  # block arguments with one row per unit: sliced to the computed units
+    unit_outputs: tuple[int, ...] | None  # which of the block's outputs have a row per unit; None: all
+    always_runs: bool  # the block runs even when every unit is reused (it has other rows to compute)
+
+
+MODES = {
+    "image": Mode(("hidden_states", "temb", "res_hidden_states_tuple", "encoder_hidden_states"), None, False),
+    # the text stays per image: the patch operators index it
+    "patch": Mode(("hidden_states", "temb", "res_hidden_states_tuple"), None, False),
+    # DiT blocks return (text rows, image rows); temb is per image, modulations follow `Packing`
+    "token": Mode(("hidden_states",), (1,), True),
+}
 
 
 @dataclass(frozen=True)
@@ -44,26 +63,27 @@ class CacheRequest:
         return self.cache.begin([self.keys[i] for i in order], units, [self.thresholds[i] for i in order], mode)
 
 
-def cacheable_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of each block the cache wraps, in forward order."""
+def cacheable_blocks(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(parent, attribute, key) of each block the cache wraps, in forward order; the key names
+    the block for the cache, whatever module stands in its slot."""
     slots = []
     for name in ("down_blocks", "transformer_blocks", "single_transformer_blocks"):
         blocks = getattr(model, name, None)
         if blocks is not None:
-            slots.extend((blocks, str(i)) for i in range(len(blocks)))
+            slots.extend((blocks, str(i), f"{name}.{i}") for i in range(len(blocks)))
         if name == "down_blocks" and getattr(model, "mid_block", None) is not None:
-            slots.append((model, "mid_block"))
+            slots.append((model, "mid_block", "mid_block"))
     if getattr(model, "up_blocks", None) is not None:
-        slots.extend((model.up_blocks, str(i)) for i in range(len(model.up_blocks)))
+        slots.extend((model.up_blocks, str(i), f"up_blocks.{i}") for i in range(len(model.up_blocks)))
     return slots
 
 
 class CachedBlock(nn.Module):
     """A block that computes only the units the cache says changed."""
 
-    def __init__(self, inner: nn.Module, cache_pass: CachePass, per_unit: tuple[str, ...], index=None):
+    def __init__(self, inner: nn.Module, key: str, cache_pass: CachePass, mode: Mode, index=None):
         super().__init__()
-        self.inner, self.cache_pass, self.per_unit, self.index = inner, cache_pass, per_unit, index
+        self.inner, self.key, self.cache_pass, self.mode, self.index = inner, key, cache_pass, mode, index
         self.signature = inspect.signature(inner.forward)
 
     def __getattr__(self, name: str):  # the model reads its blocks' attributes (has_cross_attention, resnets)
@@ -75,19 +95,23 @@ class CachedBlock(nn.Module):
     def forward(self, *args, **kwargs):
         bound = self.signature.bind(*args, **kwargs)
         x = bound.arguments["hidden_states"]
-        computed = self.cache_pass.select(self.inner, x)
+        computed = self.cache_pass.select(self.key, x)
         if computed is not None:
-            for name in self.per_unit:
+            for name in self.mode.per_unit:
                 value = bound.arguments.get(name)
                 if value is not None:
                     bound.arguments[name] = _rows(value, computed)
         skeletons = self.cache_pass.cache.skeletons
-        if computed is not None and not len(computed):  # every unit reused: the block does not run
-            return _unflatten(skeletons[self.inner], self.cache_pass.merge(self.inner, x, computed, None))
+        if computed is not None and not len(computed) and not self.mode.always_runs:  # every unit reused
+            return _unflatten(skeletons[self.key], self.cache_pass.merge(self.key, x, computed, None))
         with self._subset(computed):
             out = self.inner(*bound.args, **bound.kwargs)
-        skeletons[self.inner] = _skeleton(out)
-        return _unflatten(out, self.cache_pass.merge(self.inner, x, computed, _flatten(out)))
+        skeletons[self.key] = _skeleton(out)
+        leaves = _flatten(out)
+        picked = range(len(leaves)) if self.mode.unit_outputs is None else self.mode.unit_outputs
+        for i, merged in zip(picked, self.cache_pass.merge(self.key, x, computed, [leaves[i] for i in picked])):
+            leaves[i] = merged
+        return _unflatten(out, leaves)
 
     @contextlib.contextmanager
     def _subset(self, computed: torch.Tensor | None) -> Iterator[None]:
@@ -144,20 +168,20 @@ def _unflatten(like, leaves: list[torch.Tensor | None]):
 
 
 @contextlib.contextmanager
-def cached_blocks(model: nn.Module, cache_pass: CachePass | None, index=None) -> Iterator[None]:
-    """Wrap `model`'s blocks for one forward of `cache_pass` (patch mode when a `PatchIndex` is
-    given); restore them and settle the cache's memory on exit. No pass: the model as it is."""
+def cached_blocks(model: nn.Module, cache_pass: CachePass | None, mode: str = "image", index=None) -> Iterator[None]:
+    """Wrap `model`'s blocks for one forward of `cache_pass`, whose units are of `mode`; `index`
+    (a `PatchIndex` or a `Packing`) tells its operators which units a block computes. Restore
+    the blocks and settle the cache's memory on exit. No pass: the model as it is."""
     if cache_pass is None:
         yield
         return
-    per_unit = PER_UNIT if index is not None else PER_UNIT_IMAGE
     slots = cacheable_blocks(model)
-    originals = [getattr(parent, name) for parent, name in slots]
+    originals = [getattr(parent, name) for parent, name, _ in slots]
     try:
-        for (parent, name), block in zip(slots, originals):
-            setattr(parent, name, CachedBlock(block, cache_pass, per_unit, index))
+        for (parent, name, key), block in zip(slots, originals):
+            setattr(parent, name, CachedBlock(block, key, cache_pass, MODES[mode], index))
         yield
     finally:
-        for (parent, name), block in zip(slots, originals):
+        for (parent, name, _), block in zip(slots, originals):
             setattr(parent, name, block)
         cache_pass.end()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from diffusers import FluxPipeline
@@ -34,6 +34,8 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
+
+from gouache.runner.block_reuse import CacheRequest, cached_blocks
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each [batch, tokens, heads, head_dim]
 
@@ -61,7 +63,7 @@ class Group:
         return self.shape[0] * self.shape[1]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Packing:
     """Where each image's tokens and text go among the rows. `order` lists caller indices in
     packed order (by size, then caller order)."""
@@ -72,6 +74,9 @@ class Packing:
     groups: tuple[Group, ...]
     image_index: torch.Tensor  # [S_img] caller index of each image row
     text_index: torch.Tensor  # [S_txt] caller index of each text row
+    # Inside a block the block cache computes some image rows only (`block_reuse.Subset`):
+    # blocks then get those rows, and attention takes the others' from the cache.
+    subset: object = field(default=None, compare=False)
 
     @classmethod
     def build(cls, shapes: Sequence[tuple[int, int]], text_len: int, device: torch.device) -> Packing:
@@ -131,15 +136,20 @@ class Packing:
 
 class ExpandRows(nn.Module):
     """Stands in for an AdaLN norm's `linear`: the modulation of each image, computed once from
-    its `temb` row, given to each of its rows."""
+    its `temb` row, given to each of its rows. `image_rows` of `index` (its last ones) are image
+    rows: under the block cache, only those of the computed tokens."""
 
-    def __init__(self, linear: nn.Module, index: torch.Tensor):
+    def __init__(self, linear: nn.Module, index: torch.Tensor, packing: Packing | None = None, image_rows: int = 0):
         super().__init__()
-        self.linear = linear
-        self.index = index
+        self.linear, self.index, self.packing, self.image_rows = linear, index, packing, image_rows
 
     def forward(self, emb: torch.Tensor) -> torch.Tensor:
-        return self.linear(emb).index_select(0, self.index)
+        index = self.index
+        subset = None if self.packing is None else self.packing.subset
+        if subset is not None and subset.computed is not None and self.image_rows:
+            split = len(index) - self.image_rows
+            index = torch.cat([index[:split], index[split:].index_select(0, subset.computed)])
+        return self.linear(emb).index_select(0, index)
 
 
 @contextlib.contextmanager
@@ -162,10 +172,22 @@ def swapped(transformer: nn.Module, processor, expected: type, swaps: list[tuple
         transformer.set_attn_processor(dict(saved))  # a copy: diffusers pops from the dict
 
 
-def norm_swaps(norm: nn.Module, index: torch.Tensor) -> tuple[nn.Module, str, nn.Module]:
+def norm_swaps(norm: nn.Module, index: torch.Tensor, packing: Packing | None = None,
+               image_rows: int = 0) -> tuple[nn.Module, str, nn.Module]:
     if getattr(norm, "emb", None) is not None or not hasattr(norm, "linear"):
         raise ValueError(f"packed inference expects AdaLN norms modulated from temb; got {type(norm).__name__}")
-    return norm, "linear", ExpandRows(norm.linear, index)
+    return norm, "linear", ExpandRows(norm.linear, index, packing, image_rows)
+
+
+def image_subset(packing: Packing, attn: nn.Module, image_rows: torch.Tensor) -> torch.Tensor:
+    """An attention's image rows for every token: under the block cache, the computed ones' with
+    the others' from the cache."""
+    return image_rows if packing.subset is None else packing.subset.full(attn, image_rows)
+
+
+def computed_rows(packing: Packing, image_out: torch.Tensor) -> torch.Tensor:
+    """Attention output rows of the tokens the block computes."""
+    return image_out if packing.subset is None else packing.subset.rows(image_out)
 
 
 # ------------------------------------------------------------------------------------- SD3
@@ -199,6 +221,7 @@ class PackedJointAttnProcessor:
         self.packing = packing
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        hidden_states = image_subset(self.packing, attn, hidden_states)
         image = [x[0] for x in project(hidden_states.transpose(0, 1), attn.heads, (attn.to_q, attn.to_k, attn.to_v),
                                        (attn.norm_q, attn.norm_k))]
         text = None
@@ -207,7 +230,7 @@ class PackedJointAttnProcessor:
             text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
                                           (attn.norm_added_q, attn.norm_added_k))]
         image_out, text_out = self.packing.attend(image, text, text_first=False)
-        image_out = attn.to_out[1](attn.to_out[0](image_out[:, None]))
+        image_out = attn.to_out[1](attn.to_out[0](computed_rows(self.packing, image_out)[:, None]))
         if text is None:
             return image_out
         text_out = text_out[:, None]
@@ -223,17 +246,19 @@ def packed_sd3_forward(
     encoder_hidden_states: torch.Tensor,
     pooled_projections: torch.Tensor,
     whole_batches: bool = True,
+    cache: CacheRequest | None = None,
 ) -> list[torch.Tensor]:
     """SD3 transformer over latents of mixed sizes in one forward.
 
     samples: [C, h, w] latents (caller order); timestep [num_images]; encoder_hidden_states
     [num_images, L, D]; pooled_projections [num_images, D']. Returns [C_out, h, w] per image,
-    equal to each image's own forward.
+    equal to each image's own forward. With a `cache`, blocks reuse cached outputs per token.
     """
     if whole_batches and len({x.shape for x in samples}) == 1:
-        return list(transformer(hidden_states=torch.stack(samples), timestep=timestep,
-                                encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
-                                return_dict=False)[0])
+        with cached_blocks(transformer, cache and cache.begin()):
+            return list(transformer(hidden_states=torch.stack(samples), timestep=timestep,
+                                    encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                                    return_dict=False)[0])
     p = transformer.config.patch_size
     shapes = [(x.shape[1] // p, x.shape[2] // p) for x in samples]
     packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
@@ -242,8 +267,10 @@ def packed_sd3_forward(
     swaps = [(transformer, "pos_embed", PackedPosEmbed(transformer.pos_embed, packing)),
              norm_swaps(transformer.norm_out, packing.image_index)]
     for block in transformer.transformer_blocks:
-        swaps += [norm_swaps(block.norm1, packing.image_index), norm_swaps(block.norm1_context, packing.text_index)]
-    with swapped(transformer, PackedJointAttnProcessor(packing), JointAttnProcessor2_0, swaps):
+        swaps += [norm_swaps(block.norm1, packing.image_index, packing, packing.image_rows),
+                  norm_swaps(block.norm1_context, packing.text_index)]
+    with (swapped(transformer, PackedJointAttnProcessor(packing), JointAttnProcessor2_0, swaps),
+          cached_blocks(transformer, _token_pass(cache, packing), "token", packing)):
         out = transformer(
             hidden_states=packing.pack(rows),
             timestep=timestep,
@@ -253,6 +280,12 @@ def packed_sd3_forward(
         )[0]  # [S_img, C_out, p, p]
     return [part.unflatten(0, shape).permute(2, 0, 3, 1, 4).flatten(1, 2).flatten(2, 3)
             for part, shape in zip(packing.unpack(out), shapes)]
+
+
+def _token_pass(cache: CacheRequest | None, packing: Packing):
+    """The block cache's pass over a packing's image tokens, if any image is cached."""
+    return cache and cache.begin([packing.shapes[i][0] * packing.shapes[i][1] for i in packing.order], packing.order,
+                                 "token")
 
 
 # ------------------------------------------------------------------------------------ Flux
@@ -283,9 +316,13 @@ class PackedFluxAttnProcessor:
         if attention_mask is not None:  # Flux pipelines pass none; a padded-text mask would need per-image work
             raise NotImplementedError("packed Flux attention takes no attention mask")
         norms, own = (attn.norm_q, attn.norm_k), (attn.to_q, attn.to_k, attn.to_v)
-        rows = project(hidden_states.transpose(0, 1), attn.heads, own, norms)
+        split = len(self.packing.text_index)
         if encoder_hidden_states is None:  # single-stream: text rows, then image rows
-            split = len(self.packing.text_index)
+            hidden_states = torch.cat([hidden_states[:split], image_subset(self.packing, attn, hidden_states[split:])])
+        else:
+            hidden_states = image_subset(self.packing, attn, hidden_states)
+        rows = project(hidden_states.transpose(0, 1), attn.heads, own, norms)
+        if encoder_hidden_states is None:
             text, image = [x[0, :split] for x in rows], [x[0, split:] for x in rows]
         else:
             added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
@@ -293,6 +330,7 @@ class PackedFluxAttnProcessor:
                                           (attn.norm_added_q, attn.norm_added_k))]
             image = [x[0] for x in rows]
         image_out, text_out = self.packing.attend(image, text, text_first=True, rope=image_rotary_emb)
+        image_out = computed_rows(self.packing, image_out)
         if encoder_hidden_states is None:
             return torch.cat([text_out, image_out])[:, None]
         return attn.to_out[1](attn.to_out[0](image_out[:, None])), attn.to_add_out(text_out[:, None])
@@ -321,34 +359,39 @@ def packed_flux_forward(
     encoder_hidden_states: torch.Tensor,
     txt_ids: torch.Tensor,
     whole_batches: bool = True,
+    cache: CacheRequest | None = None,
 ) -> list[torch.Tensor]:
     """Flux transformer over images of mixed sizes in one forward.
 
     samples: [C_packed, h_tok, w_tok] token grids (caller order); timestep [num_images] (already
     /1000); guidance [num_images] or None; pooled_projections [num_images, D'];
     encoder_hidden_states [num_images, L, D]; txt_ids [L, 3]. Returns [C_packed, h_tok, w_tok]
-    per image, equal to each image's own forward.
+    per image, equal to each image's own forward. With a `cache`, blocks reuse cached outputs
+    per token.
     """
     if transformer.config.patch_size != 1:
         raise ValueError("packed Flux expects packed latents (transformer patch_size 1)")
     shapes = [tuple(x.shape[1:]) for x in samples]
     if whole_batches and len(set(shapes)) == 1:
         img_ids = FluxPipeline._prepare_latent_image_ids(1, *shapes[0], txt_ids.device, txt_ids.dtype)
-        out = transformer(hidden_states=torch.stack([x.flatten(1).T for x in samples]), timestep=timestep,
-                          guidance=guidance, pooled_projections=pooled_projections,
-                          encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
-                          return_dict=False)[0]
+        with cached_blocks(transformer, cache and cache.begin()):
+            out = transformer(hidden_states=torch.stack([x.flatten(1).T for x in samples]), timestep=timestep,
+                              guidance=guidance, pooled_projections=pooled_projections,
+                              encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
+                              return_dict=False)[0]
         return [x.T.reshape(-1, *shapes[0]) for x in out]
     packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
     all_rows = torch.cat([packing.text_index, packing.image_index])
     swaps = [(transformer, "pos_embed", PackedRotary(transformer.pos_embed, packing)),
              norm_swaps(transformer.norm_out, packing.image_index)]
     for block in transformer.transformer_blocks:
-        swaps += [norm_swaps(block.norm1, packing.image_index), norm_swaps(block.norm1_context, packing.text_index)]
+        swaps += [norm_swaps(block.norm1, packing.image_index, packing, packing.image_rows),
+                  norm_swaps(block.norm1_context, packing.text_index)]
     singles = transformer.single_transformer_blocks
     for i, block in enumerate(singles):
-        swaps += [norm_swaps(block.norm, all_rows), (singles, str(i), RowsSingleBlock(block))]
-    with swapped(transformer, PackedFluxAttnProcessor(packing), FluxAttnProcessor, swaps):
+        swaps += [norm_swaps(block.norm, all_rows, packing, packing.image_rows), (singles, str(i), RowsSingleBlock(block))]
+    with (swapped(transformer, PackedFluxAttnProcessor(packing), FluxAttnProcessor, swaps),
+          cached_blocks(transformer, _token_pass(cache, packing), "token", packing)):
         out = transformer(
             hidden_states=packing.pack([x.flatten(1).T for x in samples])[:, None],
             timestep=timestep,

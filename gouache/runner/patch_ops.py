@@ -316,7 +316,7 @@ def patched_unet_forward(
     cache_pass = cache and cache.begin(
         [b - a for a, b in zip(layout.request_offsets, layout.request_offsets[1:])], layout.order,
         f"patch{layout.patch}")
-    with patch_unet(unet, layout) as index, cached_blocks(unet, cache_pass, index):
+    with patch_unet(unet, layout) as index, cached_blocks(unet, cache_pass, "patch", index):
         caller = index.tensors(x.device).caller
 
         def per_patch(t: torch.Tensor) -> torch.Tensor:  # repeat an image's conditioning

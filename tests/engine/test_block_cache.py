@@ -51,7 +51,8 @@ def run(pipe, requests, policy="patched") -> tuple[dict[str, torch.Tensor], Metr
     return results, metrics
 
 
-@pytest.mark.parametrize(("name", "policy"), [("tiny-sd", "patched"), ("tiny-sd", "orca"), ("tiny-sd3", "orca")])
+@pytest.mark.parametrize(("name", "policy"), [("tiny-sd", "patched"), ("tiny-sd", "orca"), ("tiny-sd3", "orca"),
+                                             ("tiny-sd3", "patched"), ("tiny-flux", "patched")])
 def test_an_exact_request_is_unchanged_by_cached_batch_mates_and_the_reuse_is_counted(pipes, name, policy):
     pipe = pipes(name)
     exact = request("exact", seed=7, steps=6)

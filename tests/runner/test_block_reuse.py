@@ -1,7 +1,7 @@
-"""The block cache on real UNet blocks, per patch inside a mixed-size patched forward: a patch
-that is reused takes the block's earlier output; the others are computed exactly, with the
-reused patches' activations filled in from the cache where a halo, GroupNorm or attention
-reads them."""
+"""The block cache on real blocks, per patch inside a mixed-size patched UNet forward and per
+token inside a packed DiT forward: a unit that is reused takes the block's earlier output; the
+others are computed exactly, with the reused units' activations filled in from the cache where
+a halo, GroupNorm or attention reads them."""
 
 import pytest
 import torch
@@ -10,7 +10,9 @@ from gouache.cache.block_cache import BlockCache
 from gouache.config import BlockCacheConfig
 from gouache.runner.block_reuse import CacheRequest, cacheable_blocks, cached_blocks
 from gouache.runner.layout import PatchLayout
+from gouache.runner.models import load_pipeline
 from gouache.runner.patch_ops import patched_unet_forward
+from tests.runner.test_pack_dit import make_inputs, reference_flux, reference_sd3, run_packed
 from tests.runner.test_patch_ops import TOL, conditioning, max_diff, per_image_forward, random_samples, unets  # noqa: F401
 
 
@@ -39,10 +41,34 @@ def test_an_unchanged_image_is_reused_and_its_batch_mate_stays_exact(unets, mode
 
 def test_blocks_are_restored_and_unwrapped_attributes_reach_the_model(unets):
     unet = unets["tiny-sd"]
-    before = [getattr(parent, name) for parent, name in cacheable_blocks(unet)]
+    before = [getattr(parent, name) for parent, name, _ in cacheable_blocks(unet)]
     cache_pass = BlockCache().begin([("a", 0)], [1], [0.1], "image")
     with pytest.raises(RuntimeError, match="boom"), cached_blocks(unet, cache_pass):
-        wrapped = getattr(*cacheable_blocks(unet)[0])
+        wrapped = getattr(*cacheable_blocks(unet)[0][:2])
         assert wrapped.inner is before[0] and wrapped.resnets is before[0].resnets
         raise RuntimeError("boom")
-    assert [getattr(parent, name) for parent, name in cacheable_blocks(unet)] == before
+    assert [getattr(parent, name) for parent, name, _ in cacheable_blocks(unet)] == before
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_an_unchanged_image_reuses_its_tokens_in_a_packed_forward_and_its_batch_mate_stays_exact(family):
+    model = load_pipeline(f"tiny-{family}").transformer
+    shapes = [(8, 8), (8, 12)] if family == "sd3" else [(4, 4), (4, 6)]
+    reference = reference_sd3 if family == "sd3" else reference_flux
+    inputs = make_inputs(family, shapes)
+    cache = BlockCache(BlockCacheConfig(max_reuse=3))
+    request = CacheRequest(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
+    with torch.no_grad():
+        first = run_packed(family, model, {**inputs, "cache": request})
+        assert max(max_diffs_of(first, model, inputs, reference)) <= TOL
+        g = torch.Generator().manual_seed(5)
+        inputs["samples"] = [inputs["samples"][0], torch.randn(inputs["samples"][1].shape, generator=g)]
+        again = run_packed(family, model, {**inputs, "cache": request})
+        assert max_diffs_of(again, model, inputs, reference)[1] <= TOL
+    tokens = shapes[0][0] * shapes[0][1] // (4 if family == "sd3" else 1)  # SD3 patches 2x2 latents per token
+    assert cache.reused == tokens * len(cacheable_blocks(model))
+    assert (again[0] - first[0]).abs().max() <= 1e-6  # its text rows were computed again, on the same inputs
+
+
+def max_diffs_of(outs, model, inputs, reference) -> list[float]:
+    return [(o - reference(model, inputs, i)).abs().max().item() for i, o in enumerate(outs)]

@@ -92,11 +92,8 @@ class Family(ABC):
         latent shape, or of any mix of shapes cut into patches. With a `cache`, the requests
         that ask for it reuse block outputs (per patch when patched). Changes no state."""
         reuse = cache_request(states, cache)
-        one_size = len({s.latents.shape for s in states}) == 1
-        if patched and self.patches:
+        if patched:
             return self.predict_patched(states, cache=reuse)
-        if patched and not (one_size and reuse is not None):  # packed DiTs: no block reuse over mixed sizes yet
-            return self.predict_patched(states)
         with cached_blocks(self.denoiser, reuse and reuse.begin()):
             return list(self.forward(states).split([s.rows for s in states]))
 
@@ -155,9 +152,11 @@ class Family(ABC):
         """The denoiser's prediction for all rows of all states, concatenated in order."""
 
     @abstractmethod
-    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
+                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
         """Per state, its rows' predictions, from one forward over all of them (patched UNet,
-        packed DiT); one size runs as the model's own batch unless `whole_batches` is False."""
+        packed DiT); one size runs as the model's own batch unless `whole_batches` is False.
+        With a `cache`, blocks reuse cached outputs per patch / token (per image in a plain batch)."""
 
     def layout(self, samples: list[torch.Tensor]) -> PatchLayout:
         return PatchLayout.build([tuple(x.shape[-2:]) for x in samples], self.patch)

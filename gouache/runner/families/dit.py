@@ -7,6 +7,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from gouache.request import ImageRequest
+from gouache.runner.block_reuse import CacheRequest
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.pack_dit import packed_flux_forward, packed_sd3_forward
 from gouache.runner.sampler import DenoiseState
@@ -85,11 +86,12 @@ class StableDiffusion3Family(FlowFamily):
             return_dict=False,
         )[0]
 
-    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
+                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
         outputs = packed_sd3_forward(
             self.pipe.transformer, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
-            cat_cond(states, "pooled"), whole_batches,
+            cat_cond(states, "pooled"), whole_batches, cache,
         )
         return by_state(outputs, states)
 
@@ -163,13 +165,14 @@ class FluxFamily(FlowFamily):
             return_dict=False,
         )[0]
 
-    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True) -> list[torch.Tensor]:
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
+                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
         grids = [self.token_grid(s) for s in states]
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
         outputs = packed_flux_forward(
             self.pipe.transformer, grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
-            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches,
+            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches, cache,
         )
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 
