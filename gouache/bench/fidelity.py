@@ -6,8 +6,10 @@ seeds. The reference (exact: default steps, `orca`) and the candidate (fewer ste
 policy, another batch size; later, the approximations) each make every image in this process.
 Reported: SSIM and PSNR of candidate against reference, the checker's prompt alignment for both
 (colour, shape, position, all), and whether the candidate is acceptable (SSIM >= 0.95 and
-alignment within 2 points of the reference's). Writes JSON, a markdown table and a contact sheet
-(reference | candidate | difference).
+alignment within 2 points of the reference's). Speed: the engine's summed step latencies while
+making the images (`denoise_ratio`), and the mean step time of one steady batch denoised start to
+end by each setup in turn, apart from the engine's stages (`steady_step_ratio`). Writes JSON, a
+markdown table and a contact sheet (reference | candidate | difference).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import io
 import json
 import random
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -122,8 +125,42 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     step_s = sum(s.value for s in samples if s.name == "gouache_step_latency_seconds_sum")
     blocks = {s.labels["result"]: s.value for s in samples if s.name == "gouache_block_cache_blocks_total"}
     total = sum(blocks.values())
-    return Result(setup, images, time.perf_counter() - start, step_s,
-                  blocks.get("reused", 0.0) / total if total else 0.0)
+    return Result(setup, images, time.perf_counter() - start, denoise_seconds=step_s,
+                  reused_fraction=blocks.get("reused", 0.0) / total if total else 0.0)
+
+
+def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], repeats: int,
+               torch_threads: int | None) -> list[list[float]]:
+    """Per setup, the mean step time of `repeats` whole denoising runs of one steady batch (the first
+    prompts, up to its batch size), the setups taking turns: the step time a running batch sees,
+    without the engine's stages (text encoding, VAE decoding) competing for the CPU."""
+    import torch
+
+    from gouache.config import BlockCacheConfig
+    from gouache.request import ImageRequest
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.models import load_pipeline, model_info
+    from gouache.sched.plan import Batch
+    from gouache.sched.policies import POLICIES
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    pipe = load_pipeline(model)
+    info = model_info(pipe, model)
+    times: list[list[float]] = [[] for _ in setups]
+    for _ in range(repeats):
+        for setup, out in zip(setups, times):
+            runner = ModelRunner(pipe, setup.patch_size, BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse))
+            batch = prompts[: setup.max_batch_size]
+            ids = tuple(runner.prepare(ImageRequest(
+                f"steady-{i}", p.caption, p.width, p.height, setup.steps or info.default_steps, info.default_guidance,
+                p.seed)).request_id for i, p in enumerate(batch))
+            patched, steps, start = POLICIES[setup.policy].mixes_resolutions, 0, time.perf_counter()
+            while not runner.states[ids[0]].done:
+                runner.execute(Batch(ids, (0,), 1, patched))
+                steps += 1
+            out.append((time.perf_counter() - start) / steps)
+    return times
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -258,6 +295,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cost-model", default=None,
                    help="JSON from `gouache profile`, for policies that plan with step times (default: none)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--step-repeats", type=int, default=3,
+                   help="denoising runs of one steady batch per setup, taking turns, for the step-time ratio "
+                        "(the median of each setup's) (default: %(default)s)")
     p.add_argument("--sheet-rows", type=int, default=8, help="prompts shown on the contact sheet (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/fidelity.json",
                    help="JSON path; the table (.md) and contact sheet (.png) go beside it (default: %(default)s)")
@@ -291,7 +331,7 @@ def _check_flags(args, *policies: str) -> None:
     from gouache.sched.policies import POLICIES
 
     for flag in ("prompts", "seeds", "steps", "candidate_steps", "candidate_max_batch_size", "patch_size", "sheet_rows",
-                 "block_cache_max_reuse"):
+                 "block_cache_max_reuse", "step_repeats"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -321,6 +361,8 @@ def run(args) -> int:
     reference = generate(args.model, reference_setup, prompts, args.torch_threads)
     candidate = generate(args.model, candidate_setup, prompts, args.torch_threads)
     summary = compare(reference, candidate, prompts)
+    steady = step_times(args.model, (reference_setup, candidate_setup), prompts, args.step_repeats, args.torch_threads)
+    step_s = [statistics.median(t) for t in steady]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     options = sys.argv[sys.argv.index("fidelity") + 1:] if "fidelity" in sys.argv else []  # none when called directly
@@ -328,8 +370,10 @@ def run(args) -> int:
         "command": shlex.join(["gouache", "bench", "fidelity", *options]),
         "model": args.model, "prompts": args.prompts, "seeds": args.seeds, "sizes": args.sizes, "images": len(prompts),
         **{r.setup.label: {**asdict(r.setup), "seconds": r.seconds, "denoise_seconds": r.denoise_seconds,
-                           "reused_fraction": r.reused_fraction} for r in (reference, candidate)},
+                           "reused_fraction": r.reused_fraction, "steady_step_s": t, "steady_step_samples_s": samples}
+           for r, t, samples in zip((reference, candidate), step_s, steady)},
         "denoise_ratio": candidate.denoise_seconds / reference.denoise_seconds if reference.denoise_seconds else None,
+        "steady_step_ratio": step_s[1] / step_s[0],
         **summary,
     }
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -340,7 +384,7 @@ def run(args) -> int:
         for r in (reference, candidate)
     ]
     table = markdown_table(rows, digits=1) + "\n" + markdown_table([{
-        "denoise time ratio": report["denoise_ratio"],
+        "denoise time ratio": report["denoise_ratio"], "steady step ratio": report["steady_step_ratio"],
         "SSIM mean": summary["ssim_mean"], "SSIM min": summary["ssim_min"], "PSNR mean dB": summary["psnr_mean_db"],
         "alignment drop (points)": summary["alignment_drop_points"], "acceptable": summary["acceptable"],
     }])

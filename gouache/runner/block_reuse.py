@@ -29,9 +29,10 @@ from torch import nn
 from gouache.cache.block_cache import BlockCache, CachePass, ImageKey
 
 
-
 @dataclass(frozen=True)
 class Mode:
+    """How a block runs on some of its units."""
+
     per_unit: tuple[str, ...]  # block arguments with one row per unit: sliced to the computed units
     unit_outputs: tuple[int, ...] | None  # which of the block's outputs have a row per unit; None: all
     always_runs: bool  # the block runs even when every unit is reused (it has other rows to compute)
@@ -127,13 +128,13 @@ class CachedBlock(nn.Module):
 
 @dataclass(frozen=True)
 class Subset:
-    """What the patch operators of a cached block need: the pass and the computed patches."""
+    """What the operators inside a cached block need: the pass and the units it computes."""
 
     cache_pass: CachePass
-    computed: torch.Tensor | None  # indices into the layout's patches; None: all
+    computed: torch.Tensor | None  # indices of the forward's units (patches, tokens); None: all
 
     def full(self, op: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """op's input for every patch (stale where not computed)."""
+        """op's input for every unit (stale where not computed)."""
         return self.cache_pass.stale(op, x, self.computed)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:

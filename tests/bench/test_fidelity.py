@@ -82,6 +82,17 @@ def test_on_the_trained_unet_patched_batching_is_an_exact_candidate(tmp_path):
     assert report["candidate_alignment"] == report["reference_alignment"]
 
 
+def test_a_block_cache_candidate_reports_its_reuse_and_steady_step_times(tmp_path):
+    report = run_fidelity(tmp_path, "--candidate-block-cache", "0.2", "--step-repeats", "2")
+    candidate, reference = report["candidate"], report["reference"]
+    assert candidate["block_cache"] == 0.2 and reference["block_cache"] == 0.0
+    assert candidate["reused_fraction"] > 0.2 and reference["reused_fraction"] == 0.0
+    samples = candidate["steady_step_samples_s"]
+    assert len(samples) == 2 and candidate["steady_step_s"] == sum(samples) / 2
+    assert report["steady_step_ratio"] == candidate["steady_step_s"] / reference["steady_step_s"]
+    assert report["ssim_mean"] < 1.0  # approximate: the images differ
+
+
 def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     from gouache.cli import main
 
@@ -94,6 +105,10 @@ def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     assert "WxH" in capsys.readouterr().err
     assert main(["bench", "fidelity", "--patch-size", "64", "--out", out]) == 2
     assert "--patch-size would be ignored" in capsys.readouterr().err
-    for flag in ("--candidate-steps", "--sheet-rows", "--prompts"):
+    assert main(["bench", "fidelity", "--block-cache-max-reuse", "3", "--out", out]) == 2
+    assert "--block-cache-max-reuse would be ignored" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--candidate-block-cache", "2", "--out", out]) == 2
+    assert "threshold must be in [0, 1.0]" in capsys.readouterr().err
+    for flag in ("--candidate-steps", "--sheet-rows", "--prompts", "--step-repeats"):
         assert main(["bench", "fidelity", flag, "0", "--out", out]) == 2
         assert f"{flag} must be at least 1" in capsys.readouterr().err
