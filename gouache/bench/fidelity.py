@@ -21,6 +21,7 @@ import random
 import shlex
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -250,13 +251,15 @@ def contact_sheet(reference: Result, candidate: Result, prompts: list[Prompt], r
     rows = min(rows, len(prompts))
     cell_w = max(p.width for p in prompts[:rows]) + 8
     cell_h = max(p.height for p in prompts[:rows]) + 8
-    header = 30
+    titles = (f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}", "|difference| x4")
+    width = max((cell_w - 8) // 6, 8)  # characters per line of the default font (6 px each)
+    lines = [textwrap.wrap(text, width) for text in titles]
+    header = 6 + 12 * max(len(part) for part in lines)
     sheet = Image.new("RGB", (3 * cell_w, header + rows * cell_h), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
-    for col, text in enumerate((f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}",
-                                "|difference| x4")):
-        draw.text((col * cell_w + 4, 4), text[:40], fill=(0, 0, 0))
-        draw.text((col * cell_w + 4, 16), text[40:80], fill=(0, 0, 0))
+    for col, part in enumerate(lines):
+        for i, line in enumerate(part):
+            draw.text((col * cell_w + 4, 4 + 12 * i), line, fill=(0, 0, 0))
     for row in range(rows):
         ref, cand = reference.images[row], candidate.images[row]
         diff = np.clip(4 * np.abs(ref.astype(np.int16) - cand.astype(np.int16)), 0, 255).astype(np.uint8)

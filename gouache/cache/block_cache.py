@@ -113,12 +113,18 @@ class BlockCache:
         with self._lock:
             self._released.add(request_id)
 
-    def _purge(self) -> None:
+    def settle(self) -> None:
+        """Free what released requests held (the engine thread, between steps)."""
+        if self._purge():
+            self.nbytes = sum(store.nbytes for store in self._stores.values())
+
+    def _purge(self) -> bool:
         with self._lock:
             released, self._released = self._released, set()
         if released:
             self._drop({key for key in self._home if key[0] in released})
             self._refused -= released
+        return bool(released)
 
     def _drop(self, keys: set[ImageKey]) -> None:
         """Forget these images, and every store no image lives in any more."""

@@ -68,6 +68,7 @@ class ModelRunner:
                 failed[rid] = f"{type(error).__name__}: {error}"
             else:
                 stepped.append(rid)
+        self.cache.settle()
         return StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed,
                           reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
                           cache_bytes=self.cache.nbytes)

@@ -149,15 +149,16 @@ def measured_overhead(path: str | Path) -> tuple[str, float]:
 
 
 def measured_cache_saving(path: str | Path) -> tuple[str, float]:
-    """A `gouache bench fidelity --candidate-block-cache` JSON's saving: 1 - the candidate's
-    denoising time / the exact reference's, with the fidelity it was bought at in the name."""
+    """A `gouache bench fidelity --candidate-block-cache` JSON's saving: 1 - the candidate's step
+    time / the exact reference's (of the steady batch; of the engine's run in older results), with
+    the fidelity it was bought at in the name."""
     data = json.loads(Path(path).read_text())
     candidate = data["candidate"]
     if not candidate.get("block_cache"):
         raise ValueError(f"{path} is not a block-cache run; make one with `gouache bench fidelity --candidate-block-cache T`")
     name = (f"{data['model']} block cache {candidate['block_cache']:g} under {candidate['policy']}, CPU (measured: "
-            f"SSIM {data['ssim_mean']:.3f}, alignment -{data['alignment_drop_points']:.1f} points)")
-    return name, 1 - data["denoise_ratio"]
+            f"SSIM {data['ssim_mean']:.3f}, alignment {0.0 - data['alignment_drop_points']:+.1f} points)")
+    return name, 1 - data.get("steady_step_ratio", data["denoise_ratio"])
 
 
 def patchedserve_experiment(out_dir: str | Path, rates: Sequence[float] = RATES, num_requests: int = 800,
@@ -291,7 +292,7 @@ def _write(out: Path, data: dict) -> None:
         f"## by source of the patched overhead\n\nThe tables above charge the first row's overhead; each "
         f"other row reruns the whole sweep charging what its benchmark measured: a `bench batching` JSON's "
         f"patched overhead (the median one-forward / grouped - 1 over its one-resolution mixes), or a "
-        f"`bench fidelity` JSON's block-cache saving (1 - cached / exact denoising time), taken off the work of "
+        f"`bench fidelity` JSON's block-cache saving (1 - cached / exact step time), taken off the work of "
         f"patched forwards only. capacity_ratio_T: patched-slo's highest rate meeting T over the best "
         f"baseline's.\n\n"
         f"{markdown_table([{k: v for k, v in s.items() if k != 'file'} for s in data['sources']], digits=2)}")

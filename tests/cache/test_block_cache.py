@@ -107,8 +107,13 @@ def test_over_budget_the_newest_request_is_evicted_and_runs_exact_from_then_on()
 
 def test_release_forgets_a_request_before_the_next_forward():
     cache = BlockCache()
-    run_block(cache.begin([("a", 0), ("a", 1)], [1, 1], [0.5, 0.5], "image"), units(1, 2))
+    cache_pass = cache.begin([("a", 0), ("a", 1)], [1, 1], [0.5, 0.5], "image")
+    run_block(cache_pass, units(1, 2))
+    cache_pass.end()
+    assert cache.nbytes > 0
     cache.release("a")
+    cache.settle()  # between steps, whether or not a cached forward follows
+    assert cache.nbytes == 0
     calls = []
     run_block(cache.begin([("a", 0), ("a", 1)], [1, 1], [0.5, 0.5], "image"), units(1, 2), calls=calls)
     assert calls == [None]

@@ -220,8 +220,8 @@ def test_patchedserve_reruns_with_each_measured_patch_overhead(tmp_path):
 def test_patchedserve_reruns_with_a_measured_block_cache_saving(tmp_path):
     from gouache.sim.exp_patchedserve import measured_cache_saving
 
-    fidelity = {"model": "shapes-unet", "candidate": {"policy": "patched", "block_cache": 0.1}, "denoise_ratio": 0.7,
-                "ssim_mean": 0.96, "alignment_drop_points": 1.0}
+    fidelity = {"model": "shapes-unet", "candidate": {"policy": "patched", "block_cache": 0.1}, "denoise_ratio": 0.9,
+                "steady_step_ratio": 0.7, "ssim_mean": 0.96, "alignment_drop_points": 1.0}
     path = tmp_path / "fidelity.json"
     path.write_text(json.dumps(fidelity))
     name, saving = measured_cache_saving(path)
