@@ -40,7 +40,11 @@ class StableDiffusionFamily(Family):
     def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
         r = state.request
         shape = (1, self.pipe.vae.config.latent_channels, r.height // self.vae_scale, r.width // self.vae_scale)
-        if pixels is not None:  # the pipelines encode the original before drawing the noise
+        # The inpaint pipelines encode the original before drawing the noise when they blend it
+        # back (4 channels); a 9-channel UNet at strength 1 needs no such latents, and its
+        # pipeline draws the noise first, then encodes the image with the hole.
+        image_latents = None
+        if pixels is not None and not self.native_inpaint:
             image_latents = self.encode_pixels(pixels, state.generator)
         noise = randn_tensor(shape, generator=state.generator, device=self.device, dtype=self.dtype)
         if pixels is not None:
