@@ -234,6 +234,9 @@ class AsyncEngine:
         if request.request_id not in self._images:  # aborted before preparation
             return
         image, mask = (decoded.image, decoded.mask) if decoded else (None, None)
+        if mask is not None and not mask.any():  # nothing to repaint: the answer is the original, no model run
+            self._deliver_unchanged(request, image)
+            return
         state = self.runner.prepare(request, image, mask)
         with self._lock:  # under the lock, so that an abort reaches the engine's inbox after the add
             entry = self._images.get(request.request_id)
@@ -242,6 +245,15 @@ class AsyncEngine:
                 self.core.add(state)
         if entry is None:
             self.pool.release(request.request_id)
+
+    def _deliver_unchanged(self, request: ImageRequest, image: np.ndarray) -> None:
+        """An edit whose mask repaints nothing: its image is the original, as a full run would return it."""
+        entry = self._images.get(request.request_id)
+        if entry is None:
+            return
+        entry.status = RequestStatus.POSTPROCESSING
+        future = self.codecs.submit(encode_image, image, request.output_format, request.output_compression)
+        future.add_done_callback(lambda f: self._deliver("final", request.request_id, f))
 
     # -- the engine loop's callbacks (engine thread) ---------------------------------------
 

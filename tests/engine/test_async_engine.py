@@ -181,6 +181,23 @@ def test_edit_keeps_unmasked_pixels_and_rejects_bad_uploads(pipes):
     assert not_image.param == "image" and mismatch.param == "mask"
 
 
+def test_an_edit_that_repaints_nothing_returns_the_original_without_a_step(pipes):
+    engine = make_engine(pipes)
+    steps = record_steps(engine)
+    original = np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    black = np.zeros((64, 64, 3), np.uint8)  # opaque, no white pixel: nothing to repaint
+
+    async def scenario():
+        await engine.start()
+        result = await (await engine.submit(images("e", image=png(original), mask=png(black)))).images()
+        await engine.aclose()
+        return result
+
+    [event] = run(scenario())
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(event.image)).convert("RGB")), original)
+    assert steps == [] and not engine.runner.states
+
+
 def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
     pipe = pipes("tiny-sdxl")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
