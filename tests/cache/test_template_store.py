@@ -1,0 +1,75 @@
+"""The tiered template activation store: budgets, LRU spills down the tiers, disk round trips,
+corrupt or missing files as misses, prefetch."""
+
+import torch
+
+from gouache.cache.template_store import TemplateStore
+
+
+def entry(value: float, n: int = 4) -> dict[str, torch.Tensor]:
+    return {"out": torch.full((n,), float(value)), "idx": torch.arange(n)}
+
+
+BYTES = 4 * 4 + 4 * 8  # one entry: 4 float32 + 4 int64
+
+
+def file_bytes(tmp_path) -> int:
+    """What one entry takes on disk (tensors plus the safetensors header)."""
+    probe = TemplateStore(tmp_path / "probe", {"disk": 1 << 20})
+    probe.put("probe", entry(0))
+    return probe.nbytes("disk")
+
+
+def test_entries_spill_down_the_tiers_least_recently_used_first(tmp_path):
+    on_disk = file_bytes(tmp_path)
+    store = TemplateStore(tmp_path / "store", {"device": BYTES, "host": BYTES, "disk": 2 * on_disk})
+    for i in range(4):
+        store.put(f"t{i}", entry(i))
+    assert [store.tier_of(f"t{i}") for i in range(4)] == ["disk", "disk", "host", "device"]
+    store.put("t4", entry(4))  # the disk holds two: the oldest file goes
+    assert store.tier_of("t0") is None and [store.tier_of(f"t{i}") for i in (1, 2)] == ["disk", "disk"]
+    files = list((tmp_path / "store").iterdir())
+    assert len(files) == 2 and all(p.suffix == ".safetensors" for p in files)
+    assert (store.nbytes("device"), store.nbytes("host")) == (BYTES, BYTES) and store.nbytes("disk") <= 2 * on_disk
+
+
+def test_a_hit_moves_to_the_top_and_equals_what_was_put(tmp_path):
+    store = TemplateStore(tmp_path, {"host": BYTES, "disk": 1 << 20})
+    store.put("a", entry(1.5))
+    store.put("b", entry(2.5))
+    assert store.tier_of("a") == "disk"
+    got = store.get("a")
+    assert torch.equal(got["out"], entry(1.5)["out"]) and torch.equal(got["idx"], entry(1.5)["idx"])
+    assert store.tier_of("a") == "host" and store.tier_of("b") == "disk"
+    assert store.hits["disk"] == 1 and store.get("nothing") is None and store.misses == 1
+
+
+def test_a_corrupt_or_missing_file_is_a_miss_never_a_wrong_entry(tmp_path):
+    store = TemplateStore(tmp_path, {"disk": 1 << 20})
+    for key in ("flipped", "truncated", "gone", "good"):
+        store.put(key, entry(3.0))
+    files = {key: store._path(key) for key in ("flipped", "truncated", "gone")}
+    data = bytearray(files["flipped"].read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in the tensor data: still a valid safetensors file
+    files["flipped"].write_bytes(bytes(data))
+    files["truncated"].write_bytes(files["truncated"].read_bytes()[:20])
+    files["gone"].unlink()
+    assert [store.get(key) for key in ("flipped", "truncated", "gone")] == [None, None, None]
+    assert store.corrupt == 3 and all(store.tier_of(k) is None for k in files)
+    assert torch.equal(store.get("good")["out"], entry(3.0)["out"])
+
+
+def test_prefetch_reads_ahead_and_get_takes_its_result(tmp_path):
+    store = TemplateStore(tmp_path, {"disk": 1 << 20})
+    store.put("a", entry(7.0))
+    store.prefetch("a")
+    store.prefetch("not-there")  # no-op
+    assert torch.equal(store.get("a")["out"], entry(7.0)["out"]) and store.hits["disk"] == 1
+    store.close()
+
+
+def test_unknown_tiers_are_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown tier"):
+        TemplateStore(tmp_path, {"gpu": 1})
