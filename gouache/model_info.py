@@ -19,6 +19,7 @@ class ModelInfo:
     # that prices only the sizes it was profiled at; None: any size the rules above allow
     sizes: tuple[tuple[int, int], ...] | None = None
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
+    block_cache: bool = True  # some steps run on one device, where the block cache applies
 
 
 def unpriced_message(sizes: tuple[tuple[int, int], ...], width: int, height: int) -> str:

@@ -212,6 +212,10 @@ class ImageParams(BaseModel):
             raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
                                       "deadline and would ignore it (deadline-aware: --policy patched-slo or "
                                       "round-knapsack).", "slo_ms")
+        if self.block_cache and not info.block_cache:
+            raise InvalidRequestError("Invalid value for 'block_cache': every step of this server's scheduling "
+                                      "policy runs on several devices, where the block cache does not apply; send "
+                                      "0 or leave it out.", "block_cache")
         if self.negative_prompt is not None and not (info.uses_cfg and guidance > 1.0):
             why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
                    else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above 1")

@@ -42,6 +42,12 @@ from gouache.sched.scheduler import Scheduler, check_devices
 log = logging.getLogger(__name__)
 
 
+def caches_blocks(policy, num_devices: int) -> bool:
+    """Whether some steps run on one device, where the block cache applies (sequence-parallel
+    steps run uncached: ranks must not decide apart)."""
+    return 1 in policy.degrees(num_devices)
+
+
 def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Executor:
     """The worker processes (`multiproc`) or actors (`ray`) of `engine_config.devices` devices."""
     from gouache.executor.worker import WorkerSpec
@@ -91,7 +97,7 @@ class AsyncEngine:
         except ValueError:
             self.pool.shutdown()
             raise
-        info = replace(info, deadlines=policy.uses_deadlines)
+        info = replace(info, deadlines=policy.uses_deadlines, block_cache=caches_blocks(policy, self.pool.num_devices))
         if policy.mixes_resolutions and self.runner.family.patches:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
@@ -130,6 +136,10 @@ class AsyncEngine:
                              "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
                              "(kind 'parallel')")
         check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
+        if engine_config.block_cache.threshold > 0 and not caches_blocks(make_policy(sched_config, predictor),
+                                                                        engine_config.devices):
+            raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
+                             "several devices, where the block cache does not apply")
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
         executor = None
         if engine_config.executor != "uniproc":

@@ -92,6 +92,16 @@ def test_slo_ms_is_refused_where_the_policy_ignores_deadlines():
     assert params.to_requests("a", FAKE_INFO, 0.0)[0].slo_ms == 500
 
 
+def test_block_cache_is_refused_where_every_step_runs_sequence_parallel():
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "block_cache": 0.1}, context=CONTEXT)
+    with pytest.raises(InvalidRequestError) as refused:
+        params.to_requests("a", dataclasses.replace(FAKE_INFO, block_cache=False), 0.0)
+    assert refused.value.param == "block_cache" and "several devices" in refused.value.message
+    assert params.to_requests("a", FAKE_INFO, 0.0)[0].block_cache == 0.1
+    exact = ImageGenerationRequest.model_validate({"prompt": "p", "block_cache": 0}, context=CONTEXT)
+    assert exact.to_requests("a", dataclasses.replace(FAKE_INFO, block_cache=False), 0.0)[0].block_cache == 0
+
+
 def test_a_negative_prompt_with_guidance_reaches_the_image_requests():
     params = ImageGenerationRequest.model_validate({"prompt": "p", "negative_prompt": "blurry"}, context=CONTEXT)
     assert params.to_requests("a", FAKE_INFO, 0.0)[0].negative_prompt == "blurry"
