@@ -19,6 +19,7 @@ The units (`Mode`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -85,7 +86,7 @@ class CachedBlock(nn.Module):
     def __init__(self, inner: nn.Module, key: str, cache_pass: CachePass, mode: Mode, index=None):
         super().__init__()
         self.inner, self.key, self.cache_pass, self.mode, self.index = inner, key, cache_pass, mode, index
-        self.signature = inspect.signature(inner.forward)
+        self.signature = _signature(type(inner))
 
     def __getattr__(self, name: str):  # the model reads its blocks' attributes (has_cross_attention, resnets)
         try:
@@ -139,6 +140,13 @@ class Subset:
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
         return full if self.computed is None else full.index_select(0, self.computed)
+
+
+@functools.cache
+def _signature(block_type: type) -> inspect.Signature:
+    """A block class's forward signature: wrappers are made per forward, signatures once."""
+    unbound = inspect.signature(block_type.forward)
+    return unbound.replace(parameters=list(unbound.parameters.values())[1:])  # without self
 
 
 def _rows(value, index: torch.Tensor):
