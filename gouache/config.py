@@ -60,6 +60,27 @@ class BlockCacheConfig:
         _check(self.budget_bytes >= 0, f"block cache budget must be >= 0 bytes, got {self.budget_bytes}")
 
 
+@dataclass(frozen=True)
+class TemplateConfig:
+    """InstGenIE's mask-aware edits (`gouache.runner.template_reuse`): templates' activations
+    in a tiered store. Edits use them when they ask (`template_cache`), or all edits with `default`."""
+
+    default: bool = False  # edits that do not say use templates
+    directory: str | None = None  # the store's disk tier; None: a temporary directory of the server
+    device_bytes: int = 0  # activations held in device memory (a GPU's; 0 on a CPU, where host memory is the device's)
+    host_bytes: int = 2 << 30  # ... in host memory
+    disk_bytes: int = 16 << 30  # ... on disk
+    full_above: float = 0.9  # an edit computing more than this share of the tokens runs in full
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "disk_bytes"):
+            _check(getattr(self, name) >= 0, f"template store {name} must be >= 0, got {getattr(self, name)}")
+        _check(0 < self.full_above <= 1, f"template full_above must be in (0, 1], got {self.full_above}")
+
+    def budgets(self) -> dict[str, int]:
+        return {"device": self.device_bytes, "host": self.host_bytes, "disk": self.disk_bytes}
+
+
 @dataclass
 class EngineConfig:
     """Limits and worker counts of one engine (one replica)."""
@@ -74,6 +95,7 @@ class EngineConfig:
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
+    templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")

@@ -27,6 +27,8 @@ class ImageRequest:
     partial_images: int = 0  # decoded previews to stream while denoising (0 = none)
     slo_ms: float | None = None  # deadline relative to arrival, for SLO-aware policies
     block_cache: float | None = None  # block-cache threshold (0 = exact); None: the server's default
+    template_cache: bool | None = None  # edit: reuse its template's activations; None: the server's default
+    template_id: str | None = None  # edit: the template's name; None: a content hash of the image
     image: bytes | None = None  # edit: the uploaded image, still encoded
     mask: bytes | None = None  # edit: the uploaded mask, still encoded (transparent = repaint)
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it

@@ -199,6 +199,10 @@ class CachePass:
         self._rows: torch.Tensor | None = None  # [store rows] the forward's unit of each
         self._thresholds: torch.Tensor | None = None  # [store rows]
 
+    @property
+    def skeletons(self) -> dict[Hashable, object]:
+        return self.cache.skeletons
+
     def _setup(self, device: torch.device) -> None:
         """Index tensors on the device of the activations, made at the first block."""
         if self._rows is None or self._rows.device != device:

@@ -103,7 +103,7 @@ class CachedBlock(nn.Module):
                 value = bound.arguments.get(name)
                 if value is not None:
                     bound.arguments[name] = _rows(value, computed)
-        skeletons = self.cache_pass.cache.skeletons
+        skeletons = self.cache_pass.skeletons
         if computed is not None and not len(computed) and not self.mode.always_runs:  # every unit reused
             return _unflatten(skeletons[self.key], self.cache_pass.merge(self.key, x, computed, None))
         with self._subset(computed):

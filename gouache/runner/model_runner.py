@@ -9,12 +9,14 @@ import numpy as np
 import torch
 
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
+from gouache.config import TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS
 from gouache.runner.sampler import DenoiseState
+from gouache.runner.template_reuse import TemplateCache, TemplateUse, content_id, template_key
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +27,28 @@ class ModelRunner:
     before the scheduler learns of its request, and removed only where no step can be using it:
     by the engine thread between steps, or by a stage once the request left the scheduler."""
 
-    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS, block_cache: BlockCacheConfig | None = None):
+    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS, block_cache: BlockCacheConfig | None = None,
+                 templates: TemplateConfig | None = None):
         self.pipe = pipe
         self.family: Family = make_family(pipe, patch_pixels)
         self.states: dict[str, DenoiseState] = {}
         self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
+        self.template_config = templates or TemplateConfig()
+        self._templates: TemplateCache | None = None  # made at the first edit that uses one
+
+    @property
+    def templates(self) -> TemplateCache:
+        if self._templates is None:
+            self._templates = TemplateCache(self.template_config, self.family.device)
+        return self._templates
 
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> RequestState:
         """Text encoding and initial latents; returns the scheduler's view of the request."""
         state = self.family.prepare(request, image, mask)
+        if self.uses_template(request) and state.edit is not None:
+            template_id = request.template_id or content_id(image)
+            key = template_key(template_id, request.height, request.width, len(state.timesteps), state.rows)
+            state.template = TemplateUse(key, self.family.token_mask(state))
         self.states[request.request_id] = state
         deadline = request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None
         return RequestState(
@@ -43,6 +58,10 @@ class ModelRunner:
             arrival_time=request.arrival_time,
             deadline=deadline,
         )
+
+    def uses_template(self, request: ImageRequest) -> bool:
+        asked = self.template_config.default if request.template_cache is None else request.template_cache
+        return asked and self.family.masks_tokens
 
     def execute(self, batch: Batch, cached: bool = True) -> StepOutput:
         """One denoising step of the batch: one forward (patched if it says so), then each
@@ -59,8 +78,9 @@ class ModelRunner:
         failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
         cache = self.cache if cached else None
+        templates = self.templates if cached and any(self.states[rid].template for rid in present) else None
         reused, computed = self.cache.reused, self.cache.computed
-        for rid, prediction in self._predict(present, batch.patched, cache, failed):
+        for rid, prediction in self._predict(present, batch.patched, cache, templates, failed):
             try:
                 self.family.advance(self.states[rid], prediction)
             except Exception as error:
@@ -73,21 +93,21 @@ class ModelRunner:
                           reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
                           cache_bytes=self.cache.nbytes)
 
-    def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None,
+    def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None, templates: TemplateCache | None,
                  failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
         """(id, prediction) of one forward over `ids`; if it raises, of each request alone, and
         the requests that fail alone go to `failed`."""
         if not ids:
             return []
         try:
-            return list(zip(ids, self.family.predict([self.states[rid] for rid in ids], patched, cache)))
+            return list(zip(ids, self.family.predict([self.states[rid] for rid in ids], patched, cache, templates)))
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])
                 failed[ids[0]] = f"{type(error).__name__}: {error}"
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        return [pair for rid in ids for pair in self._predict([rid], False, cache, failed)]
+        return [pair for rid in ids for pair in self._predict([rid], False, cache, templates, failed)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;
@@ -100,3 +120,5 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
         self.cache.release(request_id)
+        if self._templates is not None:
+            self._templates.release(request_id)

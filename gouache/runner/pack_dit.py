@@ -115,8 +115,12 @@ class Packing:
         return encoder_hidden_states[order].flatten(0, 1)[:, None]
 
     def attend(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None = None):
-        """Joint attention per image. image: [S_img, H, d] each; text: [S_txt, H, d] each or None
-        -> ([S_img, H*d], [S_txt, H*d] or None)."""
+        """Joint attention per image. image: [S_img, H, d] each (under a subset, q of the computed
+        rows only); text: [S_txt, H, d] each or None -> ([S_img or computed rows, H*d],
+        [S_txt, H*d] or None)."""
+        computed = None if self.subset is None else self.subset.computed
+        if computed is not None:
+            return self._attend_queries(image, text, text_first, rope, computed)
         image_out, text_out = [], []  # one part per size; a single part is used as it is
         for g, group in enumerate(self.groups):
             qkv = [x[group.image_rows].unflatten(0, (group.count, -1)) for x in image]
@@ -126,12 +130,45 @@ class Packing:
             if rope is not None:
                 qkv[:2] = [apply_rotary_emb(x, rope[g], sequence_dim=1) for x in qkv[:2]]
             out = dispatch_attention_fn(*qkv).flatten(2)  # [count, S, H * d]
-            sizes = [0 if text is None else self.text_len, group.tokens]
-            text_part, image_part = out.split(sizes, 1) if text_first else out.split(sizes[::-1], 1)[::-1]
+            text_part, image_part = self._split(out, text is not None, text_first)
             image_out.append(image_part.flatten(0, 1))
             text_out.append(text_part.flatten(0, 1))
         joined = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (image_out, text_out)]
         return joined[0], (joined[1] if text is not None else None)
+
+    def _attend_queries(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None,
+                        computed: torch.Tensor):
+        """Attention of the computed image rows' queries (and every text row's) over all keys:
+        one call per image, as each has its own number of queries (InstGenIE §3.1)."""
+        q, k, v = image
+        starts = [g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)]
+        cuts = torch.searchsorted(computed, torch.tensor([*starts, self.image_rows], device=computed.device)).tolist()
+        image_out, text_out, j = [], [], 0
+        for g, group in enumerate(self.groups):
+            for n in range(group.count):
+                start, a, b = starts[j], cuts[j], cuts[j + 1]
+                qi, ki, vi = q[a:b], k[start:start + group.tokens], v[start:start + group.tokens]
+                if text is not None:
+                    t = group.text_rows.start + n * self.text_len
+                    own = [x[t:t + self.text_len] for x in text]
+                    qi, ki, vi = [torch.cat([o, x] if text_first else [x, o]) for o, x in zip(own, (qi, ki, vi))]
+                if rope is not None:  # Flux: text first; the queries' positions are their tokens'
+                    positions = torch.cat([torch.arange(self.text_len, device=q.device),
+                                           self.text_len + computed[a:b] - start])
+                    qi = apply_rotary_emb(qi[None], tuple(f[positions] for f in rope[g]), sequence_dim=1)[0]
+                    ki = apply_rotary_emb(ki[None], rope[g], sequence_dim=1)[0]
+                out = dispatch_attention_fn(qi[None], ki[None], vi[None]).flatten(2)
+                text_part, image_part = self._split(out, text is not None, text_first)
+                image_out.append(image_part[0])
+                text_out.append(text_part[0])
+                j += 1
+        return torch.cat(image_out), (torch.cat(text_out) if text is not None else None)
+
+    def _split(self, out: torch.Tensor, has_text: bool, text_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[count, S, D] attention output -> its (text, image) parts along S."""
+        sizes = [self.text_len if has_text else 0, out.shape[1] - (self.text_len if has_text else 0)]
+        text_part, image_part = out.split(sizes, 1) if text_first else out.split(sizes[::-1], 1)[::-1]
+        return text_part, image_part
 
 
 class ExpandRows(nn.Module):
@@ -179,15 +216,21 @@ def norm_swaps(norm: nn.Module, index: torch.Tensor, packing: Packing | None = N
     return norm, "linear", ExpandRows(norm.linear, index, packing, image_rows)
 
 
-def image_subset(packing: Packing, attn: nn.Module, image_rows: torch.Tensor) -> torch.Tensor:
-    """An attention's image rows for every token: under the block cache, the computed ones' with
-    the others' from the cache."""
-    return image_rows if packing.subset is None else packing.subset.full(attn, image_rows)
-
-
-def computed_rows(packing: Packing, image_out: torch.Tensor) -> torch.Tensor:
-    """Attention output rows of the tokens the block computes."""
-    return image_out if packing.subset is None else packing.subset.rows(image_out)
+def image_qkv(packing: Packing, attn: nn.Module, rows: torch.Tensor, projections, norms,
+              text_rows: torch.Tensor | None = None) -> QKV:
+    """q, k, v [S, H, d] of an attention's image `rows` (after `text_rows`, if given: Flux's
+    single-stream blocks). Under a subset (block cache, template reuse) `rows` are the computed
+    tokens': q is theirs only, while k and v are of every token, the others' inputs from the cache."""
+    subset = packing.subset
+    if subset is None:
+        full = rows if text_rows is None else torch.cat([text_rows, rows])
+        return tuple(x[0] for x in project(full.transpose(0, 1), attn.heads, projections, norms))
+    every = subset.full(attn, rows)
+    if text_rows is not None:
+        rows, every = torch.cat([text_rows, rows]), torch.cat([text_rows, every])
+    q = project(rows.transpose(0, 1), attn.heads, projections[:1], norms[:1])[0][0]
+    k, v = (x[0] for x in project(every.transpose(0, 1), attn.heads, projections[1:], norms[1:]))
+    return q, k, v
 
 
 # ------------------------------------------------------------------------------------- SD3
@@ -221,16 +264,14 @@ class PackedJointAttnProcessor:
         self.packing = packing
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        hidden_states = image_subset(self.packing, attn, hidden_states)
-        image = [x[0] for x in project(hidden_states.transpose(0, 1), attn.heads, (attn.to_q, attn.to_k, attn.to_v),
-                                       (attn.norm_q, attn.norm_k))]
+        image = image_qkv(self.packing, attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
         text = None
         if encoder_hidden_states is not None:
             added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
                                           (attn.norm_added_q, attn.norm_added_k))]
         image_out, text_out = self.packing.attend(image, text, text_first=False)
-        image_out = attn.to_out[1](attn.to_out[0](computed_rows(self.packing, image_out)[:, None]))
+        image_out = attn.to_out[1](attn.to_out[0](image_out[:, None]))
         if text is None:
             return image_out
         text_out = text_out[:, None]
@@ -318,19 +359,14 @@ class PackedFluxAttnProcessor:
         norms, own = (attn.norm_q, attn.norm_k), (attn.to_q, attn.to_k, attn.to_v)
         split = len(self.packing.text_index)
         if encoder_hidden_states is None:  # single-stream: text rows, then image rows
-            hidden_states = torch.cat([hidden_states[:split], image_subset(self.packing, attn, hidden_states[split:])])
+            rows = image_qkv(self.packing, attn, hidden_states[split:], own, norms, text_rows=hidden_states[:split])
+            text, image = [x[:split] for x in rows], [x[split:] for x in rows]
         else:
-            hidden_states = image_subset(self.packing, attn, hidden_states)
-        rows = project(hidden_states.transpose(0, 1), attn.heads, own, norms)
-        if encoder_hidden_states is None:
-            text, image = [x[0, :split] for x in rows], [x[0, split:] for x in rows]
-        else:
+            image = image_qkv(self.packing, attn, hidden_states, own, norms)
             added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
             text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
                                           (attn.norm_added_q, attn.norm_added_k))]
-            image = [x[0] for x in rows]
         image_out, text_out = self.packing.attend(image, text, text_first=True, rope=image_rotary_emb)
-        image_out = computed_rows(self.packing, image_out)
         if encoder_hidden_states is None:
             return torch.cat([text_out, image_out])[:, None]
         return attn.to_out[1](attn.to_out[0](image_out[:, None])), attn.to_add_out(text_out[:, None])

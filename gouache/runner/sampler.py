@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from diffusers import SchedulerMixin
 
     from gouache.request import ImageRequest
+    from gouache.runner.template_reuse import TemplateUse
 
 
 @dataclass
@@ -39,6 +40,7 @@ class DenoiseState:
     cond: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific inputs, each [rows, ...]
     step_kwargs: dict = field(default_factory=dict)  # extra kwargs of scheduler.step (generator, eta)
     edit: EditInputs | None = None
+    template: TemplateUse | None = None  # an edit that reuses a template's activations
     step: int = 0  # denoising steps done
 
     @property

@@ -17,6 +17,7 @@ from gouache.request import ImageRequest
 from gouache.runner.block_reuse import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
+from gouache.runner.template_reuse import TemplateCache
 
 
 DEFAULT_PATCH_PIXELS = 128  # patch side in image pixels: a common factor of 256..1024 sizes
@@ -30,6 +31,8 @@ class Family(ABC):
     patches = True
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
+    # edits can compute their masked tokens only, from a template's activations (template_reuse)
+    masks_tokens = False
 
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         self.pipe = pipe
@@ -87,10 +90,17 @@ class Family(ABC):
         return self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
 
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False, cache: BlockCache | None = None) -> list[torch.Tensor]:
+    def predict(self, states: list[DenoiseState], patched: bool = False, cache: BlockCache | None = None,
+                templates: TemplateCache | None = None) -> list[torch.Tensor]:
         """Per state, its rows' noise predictions from one batched forward: of requests of one
         latent shape, or of any mix of shapes cut into patches. With a `cache`, the requests
-        that ask for it reuse block outputs (per patch when patched). Changes no state."""
+        that ask for it reuse block outputs (per patch when patched); with `templates`, edits of
+        a template compute their masked tokens only (that forward is packed, any policy).
+        Changes no state."""
+        if templates is not None and any(s.template is not None for s in states):
+            replay = templates.begin(self.denoiser, states, [self.token_count(s) for s in states])
+            if replay is not None:
+                return self.predict_patched(states, whole_batches=False, cache=replay)
         reuse = cache_request(states, cache)
         if patched:
             return self.predict_patched(states, cache=reuse)
@@ -157,6 +167,13 @@ class Family(ABC):
         """Per state, its rows' predictions, from one forward over all of them (patched UNet,
         packed DiT); one size runs as the model's own batch unless `whole_batches` is False.
         With a `cache`, blocks reuse cached outputs per patch / token (per image in a plain batch)."""
+
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        """[tokens] bool, raster order: the image tokens an edit's mask repaints (masks_tokens)."""
+        raise NotImplementedError(f"{self.name} edits compute every token")
+
+    def token_count(self, state: DenoiseState) -> int:
+        raise NotImplementedError(f"{self.name} edits compute every token")
 
     def layout(self, samples: list[torch.Tensor]) -> PatchLayout:
         return PatchLayout.build([tuple(x.shape[-2:]) for x in samples], self.patch)

@@ -18,6 +18,7 @@ class FlowFamily(Family):
     one forward over mixed sizes by packing tokens (`runner/pack_dit.py`), not patches."""
 
     patches = False
+    masks_tokens = True
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -37,6 +38,14 @@ class FlowFamily(Family):
 
 class StableDiffusion3Family(FlowFamily):
     name = "sd3"
+
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        patch = self.pipe.transformer.config.patch_size  # a token is repainted if any of its latent pixels is
+        return torch.nn.functional.max_pool2d(state.edit.latent_mask[0], patch).flatten() > 0
+
+    def token_count(self, state: DenoiseState) -> int:
+        patch = self.pipe.transformer.config.patch_size
+        return (state.latents.shape[2] // patch) * (state.latents.shape[3] // patch)
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
         positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
@@ -146,6 +155,12 @@ class FluxFamily(FlowFamily):
             mask = state.edit.latent_mask.expand(-1, channels, -1, -1)
             state.edit.latent_mask = self.pack(mask)
         return noise
+
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
+
+    def token_count(self, state: DenoiseState) -> int:
+        return state.latents.shape[1]
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         b, c, h, w = latents.shape

@@ -1,0 +1,248 @@
+"""Mask-aware edits (InstGenIE §3-4): an edit computes its masked tokens only and takes the
+other tokens' activations from a template's recorded ones.
+
+A template is an image that edits come back to (a model photo for virtual try-on, a face for
+face swap), named by a content hash of its pixels or by the id a client gives it. The first
+edit of it (its *recorder*) runs in full and records, per step, every transformer block's
+output and every attention's input, of all image tokens, into the tiered `TemplateStore`
+(one entry per step). A later edit of the same template, size, step count and guidance rows
+(its *key*) computes, in each block, only the tokens of its own mask and of the recorder's
+(the common unmasked region is what they share):
+
+- token-wise work (norms, projections, feed-forwards) runs on those tokens only;
+- attention takes their queries, with keys and values of every token, the others' from the
+  template's recorded attention inputs;
+- the block's output for the other tokens is the template's.
+
+It runs through the packed DiT forward (`pack_dit`), whose blocks and attention already run on
+a subset of tokens for the block cache: this module supplies a pass with the block cache's
+interface (`select`, `merge`, `stale`, `end`). Edits of any mask ratio, templates and plain
+requests share one forward. When the recorder and the edit are the same request (same seed,
+prompt and mask), the template's activations are the ones the full forward would compute, so
+the edit is exact; otherwise the unmasked tokens' activations are the template's, an
+approximation measured by `gouache bench edit`.
+
+An edit whose tokens to compute cover more than `full_above` of the image runs in full (the
+gathers would cost more than they save); a step whose entry the store no longer has (evicted,
+corrupt) runs in full too, never with a wrong activation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from gouache.cache.template_store import TemplateStore
+from gouache.config import TemplateConfig
+from gouache.runner.block_reuse import cacheable_blocks
+
+MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
+
+
+@dataclass(frozen=True)
+class TemplateUse:
+    """What an edit asks of the template cache (set at preparation; plain data)."""
+
+    key: str  # template id + the geometry activations depend on
+    tokens: torch.Tensor  # [tokens] bool, raster order: the image tokens its mask repaints
+
+
+def template_key(template_id: str, height: int, width: int, steps: int, rows: int) -> str:
+    return f"{template_id}:{height}x{width}:{steps}:{rows}"
+
+
+def content_id(image: np.ndarray) -> str:
+    """A template id of an image's pixels (the same picture in any encoding gives the same id)."""
+    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+    digest.update(repr(image.shape).encode())
+    return digest.hexdigest()
+
+
+@dataclass
+class _Image:
+    """One image (request row) of a forward, as the pass treats it."""
+
+    tokens: int
+    computed: torch.Tensor | None = None  # local token indices it computes; None: all
+    entry: dict[str, torch.Tensor] | None = None  # the template's activations at this step (replay)
+    row: int = 0  # its row of its request (CFG: 0 uncond, 1 cond)
+    record: dict[str, list[torch.Tensor | None]] | None = None  # its request's recording of this step
+
+
+@dataclass
+class TemplateCounts:
+    replayed_tokens: int = 0  # image tokens whose block outputs came from a template
+    computed_tokens: int = 0  # image tokens computed, in forwards that used a template
+    full_steps: int = 0  # edit steps of a known template that ran in full (near-full mask, store miss)
+
+
+class TemplateCache:
+    """One device's templates: the store, who records which key, and the counters."""
+
+    def __init__(self, config: TemplateConfig, device: torch.device | str = "cpu"):
+        self.config = config
+        self._scratch = None if config.directory else tempfile.TemporaryDirectory(prefix="gouache-templates-")
+        self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device)
+        self.counts = TemplateCounts()
+        self._lock = threading.Lock()
+        self._recording: dict[str, str] = {}  # key -> the request recording it
+        self._roles: dict[str, str] = {}  # request id -> "record" | "replay", decided at its first step here
+
+    def role(self, request_id: str, use: TemplateUse, step: int) -> str:
+        """Record, replay, or neither (an edit whose key another request records right now and
+        has no step 0 yet, or one that arrives here mid-way: it runs in full)."""
+        with self._lock:
+            role = self._roles.get(request_id)
+            if role is None:
+                if self.store.tier_of(f"{use.key}/0") is not None:
+                    role = "replay"
+                elif step == 0 and use.key not in self._recording:
+                    role = "record"
+                    self._recording[use.key] = request_id
+                else:
+                    role = "full"
+                self._roles[request_id] = role
+            return role
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._roles.pop(request_id, None)
+            for key in [k for k, rid in self._recording.items() if rid == request_id]:
+                del self._recording[key]
+
+    def begin(self, model: nn.Module, states: Sequence, tokens: Sequence[int]) -> TemplateRequest | None:
+        """The forward's template roles, None when no state uses a template this step;
+        `tokens[i]`: image tokens of states[i]."""
+        images, recordings, any_template = [], [], False
+        for state, count in zip(states, tokens):
+            use = state.template
+            parts = [_Image(count, row=row) for row in range(state.rows)]
+            images.extend(parts)
+            if use is None:
+                continue
+            rid = state.request.request_id
+            role = self.role(rid, use, state.step)
+            if role == "record":
+                any_template = True
+                record: dict[str, list] = {}
+                recordings.append((f"{use.key}/{state.step}", record, use.tokens, state.rows,
+                                   state.step + 1 == len(state.timesteps), rid, use.key))
+                for part in parts:
+                    part.record = record
+            elif role == "replay":
+                entry = self.store.get(f"{use.key}/{state.step}")
+                if state.step + 1 < len(state.timesteps):
+                    self.store.prefetch(f"{use.key}/{state.step + 1}")  # read from disk during this step
+                computed = None if entry is None else (use.tokens | entry[MASK].to(use.tokens.device, torch.bool))
+                if computed is None or computed.float().mean() > self.config.full_above:
+                    self.counts.full_steps += 1
+                    continue
+                any_template = True
+                local = computed.nonzero().squeeze(1)
+                for part in parts:
+                    part.entry, part.computed = entry, local
+        return TemplateRequest(self, model, images, recordings) if any_template else None
+
+    def finish(self, recordings: list, blocks: list[str]) -> None:
+        """Store what a forward recorded (one entry per recorder and step), if it ran every block."""
+        for name, record, tokens, rows, last, rid, key in recordings:
+            if not all(len(record.get(block, ())) == rows for block in blocks):
+                continue  # the forward failed part-way: nothing of it is stored
+            entry = {label: torch.stack(parts) for label, parts in record.items()}
+            entry[MASK] = tokens.to(torch.uint8).cpu()
+            self.store.put(name, entry)
+            if last:
+                with self._lock:
+                    if self._recording.get(key) == rid:
+                        del self._recording[key]
+
+
+@dataclass
+class TemplateRequest:
+    """The images of one forward as the template cache sees them, in the caller's row order."""
+
+    cache: TemplateCache
+    model: nn.Module
+    images: list[_Image]
+    recordings: list = field(default_factory=list)
+
+    def begin(self, units: Sequence[int] | None = None, order: Sequence[int] | None = None,
+              mode: str = "token") -> TemplatePass:
+        if mode != "token" or units is None:
+            raise ValueError("template reuse runs on a packed forward's tokens")
+        return TemplatePass(self, [self.images[i] for i in order])
+
+
+class TemplatePass:
+    """One forward's template reuse, with the block cache's pass interface (`block_reuse`)."""
+
+    def __init__(self, request: TemplateRequest, images: list[_Image]):
+        self.request, self.images = request, images  # images in packed order
+        self.skeletons: dict[str, object] = {}
+        self.names = {id(m): name for name, m in request.model.named_modules()}
+        self.num_units = sum(image.tokens for image in images)
+        self._index: dict[torch.device, tuple] = {}
+
+    def _indices(self, device: torch.device):
+        """(computed rows or None, replayed rows, (image, its local replayed tokens) per replay image)."""
+        if device not in self._index:
+            computed, replayed, sources, start = [], [], [], 0
+            for image in self.images:
+                every = torch.arange(image.tokens, device=device)
+                if image.computed is None:
+                    computed.append(start + every)
+                else:
+                    local = image.computed.to(device)
+                    keep = torch.ones(image.tokens, dtype=torch.bool, device=device)
+                    keep[local] = False
+                    computed.append(start + local)
+                    replayed.append(start + every[keep])
+                    sources.append((image, every[keep]))
+                start += image.tokens
+            rows = torch.cat(computed)
+            replayed_rows = torch.cat(replayed) if replayed else rows[:0]
+            self._index[device] = (None if len(rows) == self.num_units else rows, replayed_rows, sources)
+        return self._index[device]
+
+    def select(self, block: str, x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] != self.num_units:
+            raise ValueError(f"block input has {x.shape[0]} rows for {self.num_units} image tokens")
+        return self._indices(x.device)[0]
+
+    def merge(self, block: str, x: torch.Tensor, computed: torch.Tensor | None,
+              fresh: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        return [self._fill(block, f, computed) for f in fresh]
+
+    def stale(self, op: nn.Module, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
+        return self._fill(self.names[id(op)], x, computed)
+
+    def _fill(self, name: str, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
+        """x (rows of `computed`, or all) for every token: the replayed ones' from their
+        templates; records the recorders' rows."""
+        _, replayed, sources = self._indices(x.device)
+        full = x
+        if computed is not None:
+            full = x.new_empty((self.num_units, *x.shape[1:]))
+            full.index_copy_(0, computed, x)
+            full.index_copy_(0, replayed, torch.cat([
+                image.entry[name][image.row].to(x.device, x.dtype).index_select(0, local) for image, local in sources]))
+            counts = self.request.cache.counts
+            counts.replayed_tokens += len(replayed)
+            counts.computed_tokens += len(computed)
+        start = 0
+        for image in self.images:
+            if image.record is not None:
+                parts = image.record.setdefault(name, [])
+                parts.append(full[start:start + image.tokens].detach().clone())
+            start += image.tokens
+        return full
+
+    def end(self) -> None:
+        self.request.cache.finish(self.request.recordings, [key for _, _, key in cacheable_blocks(self.request.model)])
