@@ -9,7 +9,7 @@ import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
 from gouache.config import (
-    EXECUTORS, BlockCacheConfig, EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig,
+    EXECUTORS, BlockCacheConfig, EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
 )
 from gouache.errors import GouacheError
 
@@ -84,6 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-cache-mb", type=int, default=BlockCacheConfig.budget_bytes >> 20,
                        help="MiB of cached activations per device; past it, the newest requests run uncached "
                             "(default: %(default)s)")
+    serve.add_argument("--template-cache", action="store_true",
+                       help="edits reuse their template's activations unless they send `template_cache: false`: the "
+                            "first edit of an image records them, later ones compute their masked tokens only; "
+                            "approximate outside the mask, DiT models (docs/edits.md)")
+    serve.add_argument("--template-dir", default=None,
+                       help="directory of the template store's disk tier (default: a temporary one per server)")
+    serve.add_argument("--template-mb", type=int, default=TemplateConfig.host_bytes >> 20,
+                       help="MiB of template activations in host memory per device (default: %(default)s)")
+    serve.add_argument("--template-gpu-mb", type=int, default=TemplateConfig.device_bytes >> 20,
+                       help="MiB of template activations in GPU memory per device (default: %(default)s)")
+    serve.add_argument("--template-disk-mb", type=int, default=TemplateConfig.disk_bytes >> 20,
+                       help="MiB of template activations on disk per device (default: %(default)s)")
     serve.add_argument("--image-workers", type=int, default=EngineConfig.image_workers,
                        help="processes that decode uploads and encode images (default: %(default)s)")
     serve.add_argument("--torch-threads", type=int, default=None,
@@ -210,7 +222,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address,
-                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20)),
+                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
+                     templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
+                                              args.template_mb << 20, args.template_disk_mb << 20)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

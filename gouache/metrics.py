@@ -51,6 +51,14 @@ class Metrics:
                                     ["result"], registry=r)
         self.cache_bytes = Gauge("gouache_block_cache_bytes", "Activations the block cache holds, by device",
                                  ["device"], registry=r)
+        self.template_tokens = Counter("gouache_template_tokens_total",
+                                       "Image tokens of template edits: replayed from the template or computed",
+                                       ["result"], registry=r)
+        self.template_lookups = Counter("gouache_template_store_lookups_total",
+                                        "Template store reads: a hit in a tier (device, host, disk) or a miss",
+                                        ["result"], registry=r)
+        self.template_bytes = Gauge("gouache_template_store_bytes", "Template activations held, by device and tier",
+                                    ["device", "tier"], registry=r)
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""

@@ -29,6 +29,7 @@ MAX_PROMPT_CHARS = 32_000  # OpenAI's limit for GPT image models
 MAX_GUIDANCE = 50.0  # beyond this every model produces noise; almost surely a mistake
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
+TEMPLATE_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # OpenAI fields that official clients send and gouache accepts but cannot honour, with why; the
 # API logs each once per process. Fields whose value would change the image in a way gouache
 # does not (`background: "transparent"`) are refused instead.
@@ -236,12 +237,18 @@ class ImageParams(BaseModel):
                 partial_images=self.partial_images,
                 slo_ms=self.slo_ms,
                 block_cache=self.block_cache,
+                **self._edit_fields(info),
                 image=image,
                 mask=mask,
                 arrival_time=arrival,
             )
             for i in range(self.n)
         ]
+
+
+    def _edit_fields(self, info: ModelInfo) -> dict[str, Any]:
+        """ImageRequest fields only edits have."""
+        return {}
 
 
 class ImageGenerationRequest(ImageParams):
@@ -260,6 +267,22 @@ class ImageEditRequest(ImageParams):
     """
 
     input_fidelity: Literal["high", "low"] | None = None  # in IGNORED_FIELDS
+    # gouache extensions (docs/edits.md): reuse the template's activations, computing the masked
+    # tokens only; None: the server's --template-cache. template_id names the template (else:
+    # a hash of the image's pixels) and implies template_cache.
+    template_cache: bool | None = None
+    template_id: str | None = Field(None, pattern=TEMPLATE_ID)
+
+    def _edit_fields(self, info: ModelInfo) -> dict[str, Any]:
+        if self.template_id is not None and self.template_cache is False:
+            raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
+                                      "template_cache is false; drop one of them.", "template_id")
+        asked = self.template_cache or self.template_id is not None
+        if asked and not info.templates:
+            field = "template_id" if self.template_id is not None else "template_cache"
+            raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' ({info.family}) edits compute "
+                                      "every token; mask-aware template reuse needs a DiT model (sd3, flux).", field)
+        return {"template_cache": True if asked else self.template_cache, "template_id": self.template_id}
 
     @classmethod
     def _auto_size(cls, limits: Limits) -> str:

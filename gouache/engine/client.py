@@ -53,7 +53,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     from gouache.executor.worker import WorkerSpec
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
-                      engine_config.torch_threads, engine_config.block_cache)
+                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
@@ -87,7 +87,8 @@ class AsyncEngine:
         itself prepares and decodes."""
         self.config = engine_config
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache)  # prepares, decodes
+        # prepares and decodes; under uniproc, also runs the steps (and holds the template store)
+        self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates)
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))
@@ -97,7 +98,9 @@ class AsyncEngine:
         except ValueError:
             self.pool.shutdown()
             raise
-        info = replace(info, deadlines=policy.uses_deadlines, block_cache=caches_blocks(policy, self.pool.num_devices))
+        one_device = caches_blocks(policy, self.pool.num_devices)
+        info = replace(info, deadlines=policy.uses_deadlines, block_cache=one_device,
+                       templates=one_device and self.runner.family.masks_tokens)
         if policy.mixes_resolutions and self.runner.family.patches:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
@@ -123,6 +126,7 @@ class AsyncEngine:
     def from_config(cls, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
         import torch
 
+        from gouache.runner.families import make_family
         from gouache.runner.models import load_pipeline, model_id, model_info
         from gouache.sched.costmodel import BatchCostModel
         from gouache.sched.parallel_costmodel import ParallelCostModel
@@ -141,6 +145,13 @@ class AsyncEngine:
             raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
                              "several devices, where the block cache does not apply")
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
+        if engine_config.templates.default and not make_family(pipe, engine_config.patch_size).masks_tokens:
+            raise ValueError(f"--template-cache would be ignored: {model_config.model} is a UNet model, whose edits "
+                             "compute every token; mask-aware template reuse needs a DiT model (sd3, flux)")
+        if engine_config.templates.default and not caches_blocks(make_policy(sched_config, predictor),
+                                                                 engine_config.devices):
+            raise ValueError(f"--template-cache would be ignored: every step of --policy {sched_config.policy} runs "
+                             "on several devices, where template reuse does not apply")
         executor = None
         if engine_config.executor != "uniproc":
             from gouache.runner.ulysses import check_degree

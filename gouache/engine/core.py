@@ -164,6 +164,12 @@ class EngineCore:
         self.metrics.cache_blocks.labels("reused").inc(output.reused_blocks)
         self.metrics.cache_blocks.labels("computed").inc(output.computed_blocks)
         self.metrics.cache_bytes.labels(str(flight.batch.devices[0])).set(output.cache_bytes)
+        for result, n in output.template_tokens.items():
+            self.metrics.template_tokens.labels(result).inc(n)
+        for result, n in output.template_lookups.items():
+            self.metrics.template_lookups.labels(result).inc(n)
+        for tier, n in output.template_bytes.items():
+            self.metrics.template_bytes.labels(str(flight.batch.devices[0]), tier).set(n)
         step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off

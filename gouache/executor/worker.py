@@ -11,13 +11,14 @@ degree next round on any block that receives its state (the hand-off).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from gouache.config import BlockCacheConfig
+from gouache.config import BlockCacheConfig, TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.sampler import DenoiseState
@@ -34,6 +35,7 @@ class WorkerSpec:
     patch_pixels: int = 128
     torch_threads: int | None = None
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)
+    templates: TemplateConfig = field(default_factory=TemplateConfig)
 
     @property
     def cuda(self) -> bool:
@@ -77,8 +79,11 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         group = dist.new_group(list(block))
         if rank in block:
             groups[block] = group
-    return Worker(rank, ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache),
-                  groups)
+    templates = spec.templates  # each device its own store: a shared disk directory would mix their files
+    if templates.directory:
+        templates = replace(templates, directory=str(Path(templates.directory) / f"rank-{rank}"))
+    runner = ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache, templates)
+    return Worker(rank, runner, groups)
 
 
 class Worker:
@@ -106,7 +111,7 @@ class Worker:
     def export(self, request_ids: list[str]) -> dict[str, DenoiseState]:
         """Hand these requests' states over (they leave this worker)."""
         for rid in request_ids:  # its cached activations stay behind: the next worker starts afresh
-            self.runner.cache.release(rid)
+            self.runner.release_caches(rid)
         return {rid: self.runner.states.pop(rid) for rid in request_ids if rid in self.runner.states}
 
     def release(self, request_ids: list[str]) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
+from gouache.cache.template_store import TIERS
 from gouache.config import TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
@@ -80,6 +81,7 @@ class ModelRunner:
         cache = self.cache if cached else None
         templates = self.templates if cached and any(self.states[rid].template for rid in present) else None
         reused, computed = self.cache.reused, self.cache.computed
+        before = templates.counts.snapshot(templates.store) if templates is not None else None
         for rid, prediction in self._predict(present, batch.patched, cache, templates, failed):
             try:
                 self.family.advance(self.states[rid], prediction)
@@ -89,9 +91,16 @@ class ModelRunner:
             else:
                 stepped.append(rid)
         self.cache.settle()
-        return StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed,
-                          reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
-                          cache_bytes=self.cache.nbytes)
+        output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed,
+                            reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
+                            cache_bytes=self.cache.nbytes)
+        if templates is not None:
+            after = templates.counts.snapshot(templates.store)
+            change = {name: after[name] - before[name] for name in after}
+            output.template_tokens = {name: change.pop(name) for name in ("replayed", "computed")}
+            output.template_lookups = change
+            output.template_bytes = {tier: templates.store.nbytes(tier) for tier in TIERS}
+        return output
 
     def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None, templates: TemplateCache | None,
                  failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
@@ -119,6 +128,10 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.release_caches(request_id)
+
+    def release_caches(self, request_id: str) -> None:
+        """Forget the request's block-cache history and template role on this device."""
         self.cache.release(request_id)
         if self._templates is not None:
             self._templates.release(request_id)

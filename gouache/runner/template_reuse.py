@@ -82,6 +82,11 @@ class TemplateCounts:
     computed_tokens: int = 0  # image tokens computed, in forwards that used a template
     full_steps: int = 0  # edit steps of a known template that ran in full (near-full mask, store miss)
 
+    def snapshot(self, store: TemplateStore) -> dict[str, int]:
+        """Counters of this cache and its store, to report the change over a step."""
+        return {"replayed": self.replayed_tokens, "computed": self.computed_tokens, "miss": store.misses,
+                **store.hits}
+
 
 class TemplateCache:
     """One device's templates: the store, who records which key, and the counters."""

@@ -1,0 +1,57 @@
+"""Template reuse through the engine: an edit uploaded twice records, then replays its
+template's activations; the store's traffic is in /metrics, the original's pixels outside the
+mask come back, and a model or policy it cannot apply to refuses it before starting."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, TemplateConfig
+from gouache.engine.client import AsyncEngine
+from gouache.runner.models import model_info
+from tests.engine.test_async_engine import images, png, run
+
+
+def samples(engine: AsyncEngine, name: str) -> dict[str, float]:
+    return {s.labels.get("result") or s.labels.get("tier"): s.value for m in engine.metrics.registry.collect()
+            if m.name == name for s in m.samples if not s.name.endswith("_created")}
+
+
+def test_the_second_edit_of_an_image_replays_its_template(pipes, tmp_path):
+    pipe = pipes("tiny-flux")
+    config = EngineConfig(templates=TemplateConfig(directory=str(tmp_path)))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-flux"), config, SchedulerConfig(policy="orca"))
+    assert engine.info.templates
+    original = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[16:40, 16:40, 3] = 0  # transparent = repaint
+
+    async def scenario():
+        await engine.start()
+        outs = []
+        for api_id in ("first", "second"):
+            edit = images(api_id, image=png(original), mask=png(mask), template_cache=True)
+            outs.append((await (await engine.submit(edit)).images())[0])
+        await engine.aclose()
+        return outs
+
+    outs = run(scenario())
+    keep = mask[..., 3] == 255
+    for event in outs:
+        out = np.asarray(Image.open(io.BytesIO(event.image)).convert("RGB"))
+        assert np.array_equal(out[keep], original[keep]) and not np.array_equal(out[~keep], original[~keep])
+    tokens = samples(engine, "gouache_template_tokens")
+    assert tokens["replayed"] > 0 and tokens["computed"] > 0
+    lookups = samples(engine, "gouache_template_store_lookups")
+    assert lookups["host"] == 4 and lookups.get("miss", 0) == 0  # the second edit's 4 steps
+    assert samples(engine, "gouache_template_store_bytes")["host"] > 0
+
+
+@pytest.mark.parametrize(("model", "policy", "devices", "why"), [("tiny-sd", "orca", 1, "UNet model"),
+                                                                 ("tiny-sd3", "fixed-sp-2", 2, "several devices")])
+def test_template_cache_is_refused_where_it_would_be_ignored(model, policy, devices, why):
+    config = EngineConfig(executor="multiproc", devices=devices, templates=TemplateConfig(default=True))
+    with pytest.raises(ValueError, match=f"--template-cache would be ignored: .*{why}"):
+        AsyncEngine.from_config(ModelConfig(model), config, SchedulerConfig(policy=policy))
