@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--template-cache", action="store_true",
                        help="edits reuse their template's activations unless they send `template_cache: false`: the "
                             "first edit of an image records them, later ones compute their masked tokens only; "
-                            "approximate outside the mask, DiT models (docs/edits.md)")
+                            "approximate outside the mask, DiT models (docs/edits.md) (default: off)")
     serve.add_argument("--template-dir", default=None,
                        help="directory of the template store's disk tier (default: a temporary one per server)")
     serve.add_argument("--template-mb", type=int, default=TemplateConfig.host_bytes >> 20,

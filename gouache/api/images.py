@@ -1,4 +1,5 @@
-"""POST /v1/images/generations, POST /v1/images/edits and DELETE /v1/images/requests/{id}.
+"""POST /v1/images/generations, POST /v1/images/edits, DELETE /v1/images/requests/{id} and
+POST /v1/templates.
 
 Each image request gets an API id, returned in `x-request-id` (also on errors and streams),
 which DELETE takes to abort it. A request ends (and is aborted unless it finished) when its
@@ -63,6 +64,37 @@ async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) 
     return await _serve(request, ctx, params, api_id, arrival, "image_edit", image, mask)
 
 
+@router.post("/v1/templates")
+async def register_template(request: Request, ctx: ApiContext = Depends(get_context)) -> dict[str, Any]:
+    """Record a template's activations ahead of its edits (docs/edits.md): an edit's form without
+    a mask (the image, the prompt describing it, the size, steps and guidance its edits will use:
+    a template serves edits of the same size, step count and guidance on/off). The engine
+    denoises the image with every token kept; the answer names the template for `template_id`."""
+    arrival, api_id = _start(request)
+    _require_content_type(request, "multipart/form-data")
+    form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
+    sent = next((name for name in ("mask", "n", "stream", "partial_images", "template_cache") if name in form), None)
+    if sent is not None:
+        raise InvalidRequestError(f"Invalid value for '{sent}': a template is registered whole, once, without a "
+                                  "stream; leave it out.", sent)
+    image = await _read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
+    params = ImageEditRequest.model_validate({**_text_fields(form), "template_cache": "true"},
+                                             context=ctx.validation_context)
+    if params.size == "auto":
+        params = params.at_upload_size(*_upload_size(image), ctx.limits)
+    _check_model(ctx, params)
+    [job] = params.to_requests(api_id, ctx.engine.info, arrival, image)
+    job.register_template = True
+    handle = await ctx.engine.submit([job])
+    ctx.inflight.add(api_id, handle)
+    try:
+        await _images_unless_disconnected(request, handle.images())
+    finally:
+        ctx.inflight.finish(api_id)
+    return {"id": job.template_id, "object": "template", "size": params.size,
+            "num_inference_steps": job.num_inference_steps, "guidance_scale": job.guidance_scale}
+
+
 @router.delete("/v1/images/requests/{request_id}")
 async def cancel_request(request_id: str, ctx: ApiContext = Depends(get_context)) -> dict[str, Any]:
     if not ctx.inflight.abort(request_id):
@@ -93,11 +125,8 @@ async def _serve(
     image: bytes | None = None,
     mask: bytes | None = None,
 ) -> Response:
-    info = ctx.engine.info
-    if params.model is not None and params.model not in ctx.model_ids:
-        message = f"The model '{params.model}' does not exist; this server serves {', '.join(map(repr, ctx.model_ids))}."
-        raise UnknownModelError(message, "model")
-    handle = await ctx.engine.submit(params.to_requests(api_id, info, arrival, image, mask))
+    _check_model(ctx, params)
+    handle = await ctx.engine.submit(params.to_requests(api_id, ctx.engine.info, arrival, image, mask))
     ctx.inflight.add(api_id, handle)
     headers = {"x-request-id": api_id}
     if params.stream:
@@ -111,6 +140,12 @@ async def _serve(
     ctx.engine.metrics.request_latency.observe(time.monotonic() - arrival)
     body = _images_response(request, ctx, params, events).model_dump(exclude_none=True)
     return JSONResponse(body, headers=headers)
+
+
+def _check_model(ctx: ApiContext, params: ImageParams) -> None:
+    if params.model is not None and params.model not in ctx.model_ids:
+        message = f"The model '{params.model}' does not exist; this server serves {', '.join(map(repr, ctx.model_ids))}."
+        raise UnknownModelError(message, "model")
 
 
 async def _images_unless_disconnected(

@@ -8,6 +8,7 @@ validated in lax mode (`n=2` in a form is the string "2").
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from dataclasses import dataclass
@@ -237,7 +238,7 @@ class ImageParams(BaseModel):
                 partial_images=self.partial_images,
                 slo_ms=self.slo_ms,
                 block_cache=self.block_cache,
-                **self._edit_fields(info),
+                **self._edit_fields(info, image),
                 image=image,
                 mask=mask,
                 arrival_time=arrival,
@@ -246,7 +247,7 @@ class ImageParams(BaseModel):
         ]
 
 
-    def _edit_fields(self, info: ModelInfo) -> dict[str, Any]:
+    def _edit_fields(self, info: ModelInfo, image: bytes | None) -> dict[str, Any]:
         """ImageRequest fields only edits have."""
         return {}
 
@@ -273,7 +274,7 @@ class ImageEditRequest(ImageParams):
     template_cache: bool | None = None
     template_id: str | None = Field(None, pattern=TEMPLATE_ID)
 
-    def _edit_fields(self, info: ModelInfo) -> dict[str, Any]:
+    def _edit_fields(self, info: ModelInfo, image: bytes | None) -> dict[str, Any]:
         if self.template_id is not None and self.template_cache is False:
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
@@ -282,7 +283,10 @@ class ImageEditRequest(ImageParams):
             field = "template_id" if self.template_id is not None else "template_cache"
             raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' ({info.family}) edits compute "
                                       "every token; mask-aware template reuse needs a DiT model (sd3, flux).", field)
-        return {"template_cache": True if asked else self.template_cache, "template_id": self.template_id}
+        template_id = self.template_id
+        if template_id is None and info.templates and image is not None:  # the same upload is the same template
+            template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()
+        return {"template_cache": True if asked else self.template_cache, "template_id": template_id}
 
     @classmethod
     def _auto_size(cls, limits: Limits) -> str:

@@ -255,7 +255,9 @@ class AsyncEngine:
         if request.request_id not in self._images:  # aborted before preparation
             return
         image, mask = (decoded.image, decoded.mask) if decoded else (None, None)
-        if mask is not None and not mask.any():  # nothing to repaint: the answer is the original, no model run
+        if request.register_template:  # the template's own activations: every token kept, none repainted
+            mask = np.zeros_like(mask)
+        elif mask is not None and not mask.any():  # nothing to repaint: the answer is the original, no model run
             self._deliver_unchanged(request, image)
             return
         state = self.runner.prepare(request, image, mask)

@@ -47,9 +47,9 @@ class ModelRunner:
         """Text encoding and initial latents; returns the scheduler's view of the request."""
         state = self.family.prepare(request, image, mask)
         if self.uses_template(request) and state.edit is not None:
-            template_id = request.template_id or content_id(image)
+            template_id = request.template_id or content_id(image)  # the API names every template; others: by pixels
             key = template_key(template_id, request.height, request.width, len(state.timesteps), state.rows)
-            state.template = TemplateUse(key, self.family.token_mask(state))
+            state.template = TemplateUse(key, self.family.token_mask(state), request.register_template)
         self.states[request.request_id] = state
         deadline = request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None
         return RequestState(
@@ -62,6 +62,7 @@ class ModelRunner:
 
     def uses_template(self, request: ImageRequest) -> bool:
         asked = self.template_config.default if request.template_cache is None else request.template_cache
+        asked = asked or request.register_template
         return asked and self.family.masks_tokens
 
     def execute(self, batch: Batch, cached: bool = True) -> StepOutput:

@@ -52,6 +52,7 @@ class TemplateUse:
 
     key: str  # template id + the geometry activations depend on
     tokens: torch.Tensor  # [tokens] bool, raster order: the image tokens its mask repaints
+    register: bool = False  # records the template afresh, whatever the store holds (POST /v1/templates)
 
 
 def template_key(template_id: str, height: int, width: int, steps: int, rows: int) -> str:
@@ -106,7 +107,10 @@ class TemplateCache:
         with self._lock:
             role = self._roles.get(request_id)
             if role is None:
-                if self.store.tier_of(f"{use.key}/0") is not None:
+                if use.register and step == 0:
+                    role = "record"
+                    self._recording[use.key] = request_id
+                elif self.store.tier_of(f"{use.key}/0") is not None:
                     role = "replay"
                 elif step == 0 and use.key not in self._recording:
                     role = "record"

@@ -51,10 +51,10 @@ def test_a_request_whose_forward_raises_fails_alone(pipes, policy):
     engine = make_engine(pipes, policy)
     predict = engine.runner.family.predict
 
-    def poisoned(states, patched, cache=None):
+    def poisoned(states, patched, cache=None, templates=None):
         if any(s.request.prompt == "poison" for s in states):
             raise RuntimeError("this request breaks the model")
-        return predict(states, patched, cache)
+        return predict(states, patched, cache, templates)
 
     engine.runner.family.predict = poisoned
 

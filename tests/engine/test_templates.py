@@ -55,3 +55,42 @@ def test_template_cache_is_refused_where_it_would_be_ignored(model, policy, devi
     config = EngineConfig(executor="multiproc", devices=devices, templates=TemplateConfig(default=True))
     with pytest.raises(ValueError, match=f"--template-cache would be ignored: .*{why}"):
         AsyncEngine.from_config(ModelConfig(model), config, SchedulerConfig(policy=policy))
+
+
+def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path):
+    import httpx
+
+    from gouache.api.server import create_app
+    from gouache.config import ServerConfig
+
+    pipe = pipes("tiny-flux")
+    config = EngineConfig(templates=TemplateConfig(directory=str(tmp_path)))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-flux"), config, SchedulerConfig(policy="orca"))
+    original = np.random.default_rng(2).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[0:24, 0:24, 3] = 0
+    form = {"prompt": "a photo", "num_inference_steps": "3"}
+
+    async def scenario():
+        await engine.start()
+        transport = httpx.ASGITransport(create_app(engine, ServerConfig()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            registered = await http.post("/v1/templates", data={**form, "template_id": "model-photo"},
+                                         files={"image": ("t.png", png(original), "image/png")})
+            with_mask = await http.post("/v1/templates", data=form, files={
+                "image": ("t.png", png(original), "image/png"), "mask": ("m.png", png(mask), "image/png")})
+            edit = await http.post("/v1/images/edits", data={**form, "template_id": "model-photo"}, files={
+                "image": ("t.png", png(original), "image/png"), "mask": ("m.png", png(mask), "image/png")})
+        await engine.aclose()
+        return registered, with_mask, edit
+
+    registered, with_mask, edit = run(scenario())
+    assert registered.status_code == 200, registered.text
+    assert registered.json() == {"id": "model-photo", "object": "template", "size": "64x64",
+                                 "num_inference_steps": 3, "guidance_scale": engine.info.default_guidance}
+    assert with_mask.status_code == 400 and with_mask.json()["error"]["param"] == "mask"
+    assert edit.status_code == 200, edit.text
+    tokens = samples(engine, "gouache_template_tokens")
+    assert tokens["replayed"] > 0
+    # registration records with no token repainted: the edit computes exactly its own mask's tokens
+    assert tokens["computed"] / (tokens["computed"] + tokens["replayed"]) == pytest.approx((24 // 16 + 1) ** 2 / 16)
