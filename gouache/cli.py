@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, fidelity, overhead, parallel, serve, sim_to_real, soak
+    from gouache.bench import batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
 
     parallel.add_arguments(bench_kinds.add_parser("parallel", help="worker processes on this machine: executor "
                                                                   "overhead, collectives per step, hand-offs"))
@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
     fidelity.add_arguments(bench_kinds.add_parser(
         "fidelity", help="a candidate configuration's images vs the exact ones: SSIM, PSNR, prompt alignment"))
+    edit.add_arguments(bench_kinds.add_parser(
+        "edit", help="mask-aware template edits: latency vs mask ratio, fidelity, throughput vs fcfs-static"))
     return parser
 
 
@@ -267,10 +269,10 @@ def _export(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, fidelity, overhead, parallel, serve, sim_to_real, soak
+    from gouache.bench import batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
 
     kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
-             "fidelity": fidelity, "parallel": parallel}
+             "fidelity": fidelity, "parallel": parallel, "edit": edit}
     return kinds[args.bench].run(args)
 
 

@@ -185,6 +185,8 @@ def _gather(parts: list[tuple[torch.Tensor | None, slice | None]], like: torch.T
 class CachePass:
     """The cache's view of one forward: decides, merges and records per block."""
 
+    caches_kv = False  # operators read their inputs from `stale`
+
     def __init__(self, cache: BlockCache, store: _Store, units: Sequence[int], thresholds: Sequence[float]):
         self.cache, self.store = cache, store
         self.num_units = sum(units)

@@ -41,6 +41,7 @@ class TemplateStore:
         self._lock = threading.RLock()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="gouache-store")
         self._reads: dict[str, Future] = {}
+        self._bytes = dict.fromkeys(TIERS, 0)  # what each tier holds
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = 0
         self.corrupt = 0  # disk entries that did not read back
@@ -49,9 +50,7 @@ class TemplateStore:
 
     def nbytes(self, tier: str) -> int:
         with self._lock:
-            if tier == "disk":
-                return sum(size for size, _ in self._disk.values())
-            return sum(_size(entry) for entry in self._memory[tier].values())
+            return self._bytes[tier]
 
     def tier_of(self, key: str) -> str | None:
         with self._lock:
@@ -72,7 +71,7 @@ class TemplateStore:
         """The entry, on the device, or None (a miss: never stored, evicted, or unreadable)."""
         with self._lock:
             for tier in ("device", "host"):
-                entry = self._memory[tier].pop(key, None)
+                entry = self._take(tier, key)
                 if entry is not None:
                     self.hits[tier] += 1
                     return self._promote(key, entry)
@@ -89,6 +88,9 @@ class TemplateStore:
                 self.corrupt += entry is None
                 return None
             self.hits["disk"] += 1
+            if self._top() == "disk":  # no memory tier to move it to: the file stays, most recently used
+                self._disk.move_to_end(key)
+                return {name: t.to(self.device) for name, t in entry.items()}
             self._drop_file(key)
             return self._promote(key, entry)
 
@@ -121,8 +123,9 @@ class TemplateStore:
             self._write(key, entry)
         else:
             target = self.device if tier == "device" else torch.device("cpu")
+            self._take(tier, key)
             self._memory[tier][key] = {name: t.to(target) for name, t in entry.items()}
-            self._memory[tier].move_to_end(key)
+            self._bytes[tier] += _size(entry)
         self._spill(tier)
 
     def _spill(self, tier: str) -> None:
@@ -131,14 +134,15 @@ class TemplateStore:
                 oldest = next(iter(self._disk))
                 self._drop_file(oldest)
                 continue
-            oldest, entry = self._memory[tier].popitem(last=False)
+            oldest = next(iter(self._memory[tier]))
+            entry = self._take(tier, oldest)
             below = self._below(tier)
             if below is not None:
                 self._place(below, oldest, entry)
 
     def _forget(self, key: str) -> None:
         for tier in ("device", "host"):
-            self._memory[tier].pop(key, None)
+            self._take(tier, key)
         self._reads.pop(key, None)
         self._drop_file(key)
 
@@ -153,7 +157,9 @@ class TemplateStore:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(data)
         tmp.replace(path)  # a reader never sees half a file
+        self._drop_file_record(key)
         self._disk[key] = (len(data), hashlib.blake2b(data, digest_size=16).digest())
+        self._bytes["disk"] += len(data)
         self._disk.move_to_end(key)
 
     def _read(self, key: str) -> Entry | None:
@@ -170,8 +176,21 @@ class TemplateStore:
             return None
 
     def _drop_file(self, key: str) -> None:
-        if self._disk.pop(key, None) is not None:
+        if self._drop_file_record(key):
             self._path(key).unlink(missing_ok=True)
+
+    def _drop_file_record(self, key: str) -> bool:
+        held = self._disk.pop(key, None)
+        if held is not None:
+            self._bytes["disk"] -= held[0]
+        return held is not None
+
+    def _take(self, tier: str, key: str) -> Entry | None:
+        """Remove a memory tier's entry (None if it has none)."""
+        entry = self._memory[tier].pop(key, None)
+        if entry is not None:
+            self._bytes[tier] -= _size(entry)
+        return entry
 
 
 def _size(entry: Entry) -> int:

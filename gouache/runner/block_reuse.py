@@ -134,9 +134,18 @@ class Subset:
     cache_pass: CachePass
     computed: torch.Tensor | None  # indices of the forward's units (patches, tokens); None: all
 
+    @property
+    def caches_kv(self) -> bool:
+        """Whether the pass holds attentions' keys and values (`kv`) rather than their inputs (`full`)."""
+        return self.cache_pass.caches_kv
+
     def full(self, op: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """op's input for every unit (stale where not computed)."""
         return self.cache_pass.stale(op, x, self.computed)
+
+    def kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An attention's keys and values for every token, from those of the computed ones."""
+        return self.cache_pass.kv(attn, k, v, self.computed)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
         return full if self.computed is None else full.index_select(0, self.computed)

@@ -24,6 +24,7 @@ Images all of one size need no packing: they run as the model's own batch (unles
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -192,21 +193,30 @@ class ExpandRows(nn.Module):
 @contextlib.contextmanager
 def swapped(transformer: nn.Module, processor, expected: type, swaps: list[tuple[nn.Module, str, nn.Module]]) -> Iterator[None]:
     """Set `processor` on every attention and swap (owner, name, module) in; put all back after."""
-    saved = transformer.attn_processors
-    for name, original in saved.items():
+    attentions = attention_modules(transformer)
+    saved = [attn.processor for _, attn in attentions]
+    for (name, _), original in zip(attentions, saved):
         # any other processor (IP-Adapter, fused qkv, PAG) does work this one would silently drop
         if type(original) is not expected:
             raise ValueError(f"packed inference supports {expected.__name__} only; {name} is {type(original).__name__}")
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
     try:
-        transformer.set_attn_processor(processor)
+        for _, attn in attentions:
+            attn.set_processor(processor)
         for owner, name, module in swaps:
             setattr(owner, name, module)
         yield
     finally:
         for owner, name, module in originals:
             setattr(owner, name, module)
-        transformer.set_attn_processor(dict(saved))  # a copy: diffusers pops from the dict
+        for (_, attn), original in zip(attentions, saved):
+            attn.set_processor(original)
+
+
+@functools.lru_cache(maxsize=16)
+def attention_modules(transformer: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
+    """(name, module) of the transformer's attentions, found once: every forward sets their processors."""
+    return tuple((name, m) for name, m in transformer.named_modules() if hasattr(m, "set_processor"))
 
 
 def norm_swaps(norm: nn.Module, index: torch.Tensor, packing: Packing | None = None,
@@ -219,16 +229,24 @@ def norm_swaps(norm: nn.Module, index: torch.Tensor, packing: Packing | None = N
 def image_qkv(packing: Packing, attn: nn.Module, rows: torch.Tensor, projections, norms,
               text_rows: torch.Tensor | None = None) -> QKV:
     """q, k, v [S, H, d] of an attention's image `rows` (after `text_rows`, if given: Flux's
-    single-stream blocks). Under a subset (block cache, template reuse) `rows` are the computed
-    tokens': q is theirs only, while k and v are of every token, the others' inputs from the cache."""
+    single-stream blocks). Under a subset, `rows` are the computed tokens': q is theirs only,
+    while k and v are of every token, the others' from the cache: the cache's keys and values
+    (template reuse), or its inputs to project (the block cache)."""
     subset = packing.subset
+    joined = rows if text_rows is None else torch.cat([text_rows, rows])
     if subset is None:
-        full = rows if text_rows is None else torch.cat([text_rows, rows])
-        return tuple(x[0] for x in project(full.transpose(0, 1), attn.heads, projections, norms))
+        return tuple(x[0] for x in project(joined.transpose(0, 1), attn.heads, projections, norms))
+    split = 0 if text_rows is None else len(text_rows)
+    if subset.caches_kv:
+        q, k, v = (x[0] for x in project(joined.transpose(0, 1), attn.heads, projections, norms))
+        image_k, image_v = subset.kv(attn, k[split:], v[split:])
+        if not split:
+            return q, image_k, image_v
+        return q, torch.cat([k[:split], image_k]), torch.cat([v[:split], image_v])
     every = subset.full(attn, rows)
     if text_rows is not None:
-        rows, every = torch.cat([text_rows, rows]), torch.cat([text_rows, every])
-    q = project(rows.transpose(0, 1), attn.heads, projections[:1], norms[:1])[0][0]
+        every = torch.cat([text_rows, every])
+    q = project(joined.transpose(0, 1), attn.heads, projections[:1], norms[:1])[0][0]
     k, v = (x[0] for x in project(every.transpose(0, 1), attn.heads, projections[1:], norms[1:]))
     return q, k, v
 

@@ -4,19 +4,20 @@ other tokens' activations from a template's recorded ones.
 A template is an image that edits come back to (a model photo for virtual try-on, a face for
 face swap), named by a content hash of its pixels or by the id a client gives it. The first
 edit of it (its *recorder*) runs in full and records, per step, every transformer block's
-output and every attention's input, of all image tokens, into the tiered `TemplateStore`
+output and every attention's keys and values, of all image tokens, into the tiered `TemplateStore`
 (one entry per step). A later edit of the same template, size, step count and guidance rows
 (its *key*) computes, in each block, only the tokens of its own mask and of the recorder's
 (the common unmasked region is what they share):
 
 - token-wise work (norms, projections, feed-forwards) runs on those tokens only;
 - attention takes their queries, with keys and values of every token, the others' from the
-  template's recorded attention inputs;
+  template (InstGenIE's Fig. 7 variant: it stores 3 rather than 2 tensors a token and block,
+  and projects no key or value of a token it does not compute);
 - the block's output for the other tokens is the template's.
 
 It runs through the packed DiT forward (`pack_dit`), whose blocks and attention already run on
 a subset of tokens for the block cache: this module supplies a pass with the block cache's
-interface (`select`, `merge`, `stale`, `end`). Edits of any mask ratio, templates and plain
+interface (`select`, `merge`, `end`; `kv` in place of `stale`). Edits of any mask ratio, templates and plain
 requests share one forward. When the recorder and the edit are the same request (same seed,
 prompt and mask), the template's activations are the ones the full forward would compute, so
 the edit is exact; otherwise the unmasked tokens' activations are the template's, an
@@ -42,6 +43,7 @@ from torch import nn
 from gouache.cache.template_store import TemplateStore
 from gouache.config import TemplateConfig
 from gouache.runner.block_reuse import cacheable_blocks
+from gouache.runner.pack_dit import attention_modules
 
 MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
 
@@ -192,10 +194,12 @@ class TemplateRequest:
 class TemplatePass:
     """One forward's template reuse, with the block cache's pass interface (`block_reuse`)."""
 
+    caches_kv = True  # attentions take the template's keys and values (`kv`)
+
     def __init__(self, request: TemplateRequest, images: list[_Image]):
         self.request, self.images = request, images  # images in packed order
         self.skeletons: dict[str, object] = {}
-        self.names = {id(m): name for name, m in request.model.named_modules()}
+        self.names = {id(m): name for name, m in attention_modules(request.model)}
         self.num_units = sum(image.tokens for image in images)
         self._index: dict[torch.device, tuple] = {}
 
@@ -229,8 +233,10 @@ class TemplatePass:
               fresh: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         return [self._fill(block, f, computed) for f in fresh]
 
-    def stale(self, op: nn.Module, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
-        return self._fill(self.names[id(op)], x, computed)
+    def kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor,
+           computed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        name = self.names[id(attn)]
+        return self._fill(f"{name}.k", k, computed), self._fill(f"{name}.v", v, computed)
 
     def _fill(self, name: str, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
         """x (rows of `computed`, or all) for every token: the replayed ones' from their

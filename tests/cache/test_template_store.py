@@ -73,3 +73,15 @@ def test_unknown_tiers_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match="unknown tier"):
         TemplateStore(tmp_path, {"gpu": 1})
+
+
+def test_a_disk_only_store_reads_its_files_without_writing_them_again(tmp_path):
+    store = TemplateStore(tmp_path, {"disk": 1 << 20})
+    store.put("a", entry(1.0))
+    path = store._path("a")
+    written = path.stat().st_mtime_ns
+    for _ in range(3):
+        store.prefetch("a")
+        assert torch.equal(store.get("a")["out"], entry(1.0)["out"])
+    assert path.stat().st_mtime_ns == written and store.hits["disk"] == 3 and store.tier_of("a") == "disk"
+    assert store.nbytes("disk") == path.stat().st_size

@@ -1,0 +1,335 @@
+"""`gouache bench edit`: what mask-aware template reuse saves, and what it costs (InstGenIE §6).
+
+Three measurements, one run, one model:
+
+- **Latency vs mask ratio** (in-process runner, one edit at a time): a template is registered
+  (every token kept, activations recorded), then edits with a centred rectangle of each mask
+  ratio run in full (the exact edit) and with the template, from host memory and from a store
+  whose only tier is the disk (every step read back from a file, prefetched one step ahead).
+  Medians of step time and of the whole request (text encoding, VAE and decoding included).
+  `text_bound` is the least share of the full step any image-token saving can reach: DiTs also
+  run every text row, which InstGenIE's 4096-token images hide and these small ones do not.
+- **Fidelity** (`--edits` recolour tasks): a shapes scene rendered as the template, one shape
+  recoloured, its grid cell the mask, the new caption the prompt. Each edit runs exact and with
+  the template (registered with the template's own caption); reported: SSIM of the masked
+  region, whether the unmasked pixels equal the template's, and the checker's alignment of both.
+- **Throughput** (`--requests` edits of `--templates` templates, Poisson arrivals at `--rate`):
+  the in-process engine with `--policy` and templates (registered before the clock starts)
+  against `fcfs-static` regenerating every edit in full; edits per second and mean latency.
+
+Writes JSON, a markdown table and a plot (step time vs mask ratio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from gouache.bench.fidelity import ALIGNMENT_POINTS, SSIM_ACCEPTABLE, alignment, ssim
+from gouache.data.checker import check
+from gouache.data.shapes import COLOURS, Scene, caption, cell_box, render, sample_scene
+
+RATIOS = "0.05,0.1,0.2,0.4,0.6,0.8"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="shapes-dit", help="a DiT pipeline: sd3 or flux family (default: %(default)s)")
+    p.add_argument("--size", type=int, default=None, help="square side in pixels (default: the model's)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--ratios", default=RATIOS, help="mask ratios of the latency sweep (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed edits per ratio and setup, median reported "
+                                                           "(default: %(default)s)")
+    p.add_argument("--edits", type=int, default=24, help="recolour edits for fidelity; 0 skips (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=24, help="edits of the throughput load; 0 skips "
+                                                             "(default: %(default)s)")
+    p.add_argument("--templates", type=int, default=4, help="templates the load edits (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals per second of the load (default: 3x what fcfs-static sustains, from the sweep)")
+    p.add_argument("--policy", default="orca", help="gouache's policy under the load (default: %(default)s)")
+    p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
+    p.add_argument("--out", default=None,
+                   help="JSON path; .md and .png beside it (default: benchmarks/results/edit/edit_MODEL_SIZE.json)")
+
+
+def run(args) -> int:
+    import torch
+
+    from gouache.runner.models import load_pipeline, model_info
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    pipe = load_pipeline(args.model)
+    info = model_info(pipe, args.model)
+    if info.family not in ("sd3", "flux"):
+        raise ValueError(f"{args.model} is a {info.family} model; mask-aware edits need a DiT (sd3, flux)")
+    size = args.size or info.default_size
+    steps = args.steps or info.default_steps
+    ratios = [float(r) for r in args.ratios.split(",")]
+    if not all(0 < r <= 1 for r in ratios):
+        raise ValueError(f"--ratios must be in (0, 1], got {args.ratios!r}")
+    bench = Bench(pipe, info, size, steps)
+    sweep = [bench.latency(ratio, args.repeats) for ratio in ratios]
+    result = {"command": "gouache bench edit " + " ".join(sys.argv[3:]), "model": args.model,
+              "device": "cpu", "size": size, "steps": steps, "torch_threads": torch.get_num_threads(),
+              "text_rows": bench.text_rows, "image_tokens": bench.tokens, "latency": sweep}
+    if args.edits:
+        result["fidelity"] = bench.fidelity(args.edits)
+    if args.requests:
+        full_s = next(row["full_request_s"] for row in sweep if row["ratio"] == max(ratios))
+        rate = args.rate or 3 / full_s
+        result["throughput"] = throughput(args.model, info, size, steps, args.requests, args.templates, rate,
+                                          args.policy, args.torch_threads)
+    out = Path(args.out or f"benchmarks/results/edit/edit_{args.model}_{size}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    table = report(result)
+    print(table)
+    out.with_suffix(".md").write_text(f"`{result['command'].strip()}`\n\n{table}\n")
+    plot(sweep, out.with_suffix(".png"), f"{args.model} {size}x{size}, {steps} steps, CPU")
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+class Bench:
+    """Edits of one model at one size, one at a time, on in-process runners."""
+
+    def __init__(self, pipe, info, size: int, steps: int):
+        self.pipe, self.info, self.size, self.steps = pipe, info, size, steps
+        self.runner = self._runner(disk_only=False)
+        self.disk_runner = self._runner(disk_only=True)
+        self.token = self.runner.family.vae_scale * 2  # pixels per side of a token (both families: 2x2 latents)
+        self.grid = size // self.token
+        self.tokens = self.grid**2
+        self._ids = 0  # request ids: each edit its own
+        probe = self.runner.family.prepare(self._request("probe", "a red circle"))
+        self.text_rows = probe.cond["prompt_embeds"].shape[1]
+
+    def _runner(self, disk_only: bool):
+        from gouache.config import TemplateConfig
+        from gouache.runner.model_runner import ModelRunner
+
+        config = TemplateConfig(host_bytes=0) if disk_only else TemplateConfig()
+        return ModelRunner(self.pipe, templates=config)
+
+    def _request(self, prefix: str, prompt: str, seed: int = 0, **fields):
+        from gouache.request import ImageRequest
+
+        self._ids += 1
+        return ImageRequest(f"{prefix}-{self._ids}", prompt, self.size, self.size, self.steps,
+                            self.info.default_guidance, seed, image=b"-", **fields)
+
+    def edit(self, runner, request, image: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float, float]:
+        """(image, median step seconds, request seconds) of one edit, start to end."""
+        from gouache.sched.plan import Batch
+
+        start = time.perf_counter()
+        runner.prepare(request, image, mask)
+        step_s = []
+        for _ in range(self.steps):
+            output = runner.execute(Batch((request.request_id,)))
+            if output.failed:
+                raise RuntimeError(f"edit failed: {output.failed}")
+            step_s.append(output.forward_s)
+        out = runner.decode(request.request_id)
+        runner.release(request.request_id)
+        return out, statistics.median(step_s), time.perf_counter() - start
+
+    def register(self, runner, template_id: str, image: np.ndarray, prompt: str) -> None:
+        request = self._request("register", prompt, template_id=template_id, register_template=True)
+        self.edit(runner, request, image, np.zeros(image.shape[:2], np.float32))
+
+    def latency(self, ratio: float, repeats: int) -> dict:
+        side = max(1, min(self.grid, round(self.grid * ratio**0.5)))
+        mask = np.zeros((self.size, self.size), np.float32)
+        lo = (self.grid - side) // 2 * self.token
+        mask[lo:lo + side * self.token, lo:lo + side * self.token] = 1
+        image = render(sample_scene(random.Random(1)), self.size, self.size, seed=1)
+        template_id = f"sweep-{ratio}"
+        prompt = "a red circle"
+        for runner in (self.runner, self.disk_runner):
+            self.register(runner, template_id, image, prompt)
+        timings = {}
+        for label, runner, template in (("full", self.runner, False), ("replay", self.runner, True),
+                                        ("disk", self.disk_runner, True)):
+            runs = [self.edit(runner, self._request(label, prompt, seed=k, template_cache=template,
+                                                    template_id=template_id), image, mask)[1:]
+                    for k in range(repeats + 1)][1:]  # the first is a warm-up
+            timings[label] = [statistics.median(r[i] for r in runs) for i in (0, 1)]
+        token_ratio = side * side / self.tokens
+        rows = 2 if self.info.uses_cfg and self.info.default_guidance > 1 else 1
+        return {
+            "ratio": ratio, "token_ratio": token_ratio,
+            "full_step_ms": 1e3 * timings["full"][0], "replay_step_ms": 1e3 * timings["replay"][0],
+            "step_ratio": timings["replay"][0] / timings["full"][0],
+            "full_request_s": timings["full"][1], "replay_request_s": timings["replay"][1],
+            "request_ratio": timings["replay"][1] / timings["full"][1],
+            "disk_step_ms": 1e3 * timings["disk"][0], "disk_vs_memory": timings["disk"][0] / timings["replay"][0],
+            "text_bound": (self.text_rows + token_ratio * self.tokens) / (self.text_rows + self.tokens),
+            "cfg_rows": rows,
+        }
+
+    def fidelity(self, n: int) -> dict:
+        rng = random.Random("edit-fidelity")
+        per_edit, exact_checks, replay_checks = [], [], []
+        for i in range(n):
+            scene = sample_scene(rng)
+            target = rng.randrange(len(scene.shapes))
+            shape = scene.shapes[target]
+            colour = rng.choice(sorted(set(COLOURS) - {s.colour for s in scene.shapes}))
+            edited = Scene(tuple(replace(s, colour=colour) if j == target else s for j, s in enumerate(scene.shapes)),
+                           scene.background)
+            template = render(scene, self.size, self.size, seed=i)
+            left, top, right, bottom = (round(v) for v in cell_box(shape.position, self.size, self.size))
+            mask = np.zeros((self.size, self.size), np.float32)
+            mask[top:bottom, left:right] = 1
+            self.register(self.runner, f"fidelity-{i}", template, caption(scene))
+            exact = self.edit(self.runner, self._request("exact", caption(edited), seed=i), template, mask)[0]
+            replay = self.edit(self.runner, self._request("replay", caption(edited), seed=i, template_cache=True,
+                                                          template_id=f"fidelity-{i}"), template, mask)[0]
+            keep = mask == 0
+            exact_checks.append(check(exact, edited))
+            replay_checks.append(check(replay, edited))
+            per_edit.append({"caption": caption(edited), "mask_ratio": float(mask.mean()),
+                             "masked_ssim": ssim(exact[top:bottom, left:right], replay[top:bottom, left:right]),
+                             "unmasked_equal": bool(np.array_equal(replay[keep], template[keep])),
+                             "exact_ok": exact_checks[-1].all_ok, "replay_ok": replay_checks[-1].all_ok})
+        exact_align, replay_align = alignment(exact_checks), alignment(replay_checks)
+        ssims = [e["masked_ssim"] for e in per_edit]
+        drop = 100 * (exact_align["all"] - replay_align["all"])
+        return {"edits": n, "masked_ssim_mean": float(np.mean(ssims)), "masked_ssim_min": float(np.min(ssims)),
+                "unmasked_equal": sum(e["unmasked_equal"] for e in per_edit),
+                "exact_alignment": exact_align["all"], "replay_alignment": replay_align["all"],
+                "alignment_drop_points": drop,
+                "acceptable": bool(np.mean(ssims) >= SSIM_ACCEPTABLE and drop <= ALIGNMENT_POINTS),
+                "per_edit": per_edit}
+
+
+def throughput(model: str, info, size: int, steps: int, n: int, templates: int, rate: float, policy: str,
+               torch_threads: int | None) -> dict:
+    """The same Poisson edit load through gouache (`policy`, templates) and `fcfs-static` (full)."""
+    rng = random.Random("edit-load")
+    scenes = [sample_scene(rng) for _ in range(templates)]
+    pictures = [_png(render(scene, size, size, seed=t)) for t, scene in enumerate(scenes)]
+    load = []
+    for k in range(n):
+        t = rng.randrange(templates)
+        shape = rng.choice(scenes[t].shapes)
+        left, top, right, bottom = (round(v) for v in cell_box(shape.position, size, size))
+        mask = np.full((size, size, 4), 255, np.uint8)
+        mask[top:bottom, left:right, 3] = 0  # transparent = repaint
+        load.append((t, _png(mask), rng.expovariate(rate), k))
+    runs = {}
+    for label, engine_policy, use in ((policy + "+templates", policy, True), ("fcfs-static", "fcfs-static", False)):
+        runs[label] = asyncio.run(_serve_load(model, info, size, steps, engine_policy, use, scenes, pictures, load,
+                                              torch_threads))
+    ours, base = runs[policy + "+templates"], runs["fcfs-static"]
+    return {"requests": n, "templates": templates, "rate_per_s": rate, "runs": runs,
+            "throughput_ratio": ours["edits_per_s"] / base["edits_per_s"],
+            "latency_ratio": ours["mean_latency_s"] / base["mean_latency_s"]}
+
+
+async def _serve_load(model, info, size, steps, policy, use_templates, scenes, pictures, load, torch_threads) -> dict:
+    from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.request import ImageRequest
+
+    engine = AsyncEngine.from_config(ModelConfig(model), EngineConfig(max_queue_len=len(load) + len(pictures),
+                                                                       torch_threads=torch_threads),
+                                     SchedulerConfig(policy=policy))
+    await engine.start()
+
+    def request(rid, prompt, image, seed=0, **fields):
+        return ImageRequest(rid, prompt, size, size, steps, info.default_guidance, seed, image=image,
+                            arrival_time=time.monotonic(), **fields)
+
+    try:
+        if use_templates:  # registered before the clock starts: a template's edits come by the thousand
+            for t, (scene, picture) in enumerate(zip(scenes, pictures)):
+                job = request(f"register-{t}-0", caption(scene), picture, template_cache=True,
+                              template_id=f"load-{t}", register_template=True)
+                await (await engine.submit([job])).images()
+        start = time.monotonic()
+        latencies = []
+
+        async def one(t, mask, k):
+            job = request(f"edit-{k}-0", caption(scenes[t]), pictures[t], mask=mask, seed=k,
+                          template_cache=use_templates, template_id=f"load-{t}" if use_templates else None)
+            submitted = time.monotonic()
+            await (await engine.submit([job])).images()
+            latencies.append(time.monotonic() - submitted)
+
+        tasks = []
+        for t, mask, gap, k in load:
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(t, mask, k)))
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - start
+    finally:
+        await engine.aclose()
+    return {"policy": policy, "templates": use_templates, "seconds": elapsed, "edits_per_s": len(load) / elapsed,
+            "mean_latency_s": statistics.mean(latencies), "p90_latency_s": float(np.percentile(latencies, 90))}
+
+
+def _png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def report(result: dict) -> str:
+    lines = [f"{result['model']} at {result['size']}x{result['size']}, {result['steps']} steps: "
+             f"{result['image_tokens']} image tokens, {result['text_rows']} text rows per image",
+             "", "| mask | tokens | full step ms | template step ms | ratio | text bound | request ratio "
+             "| disk step ms | disk / memory |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["latency"]:
+        lines.append(f"| {r['ratio']:g} | {r['token_ratio']:.2f} | {r['full_step_ms']:.1f} | {r['replay_step_ms']:.1f} "
+                     f"| {r['step_ratio']:.2f} | {r['text_bound']:.2f} | {r['request_ratio']:.2f} "
+                     f"| {r['disk_step_ms']:.1f} | {r['disk_vs_memory']:.2f} |")
+    fidelity = result.get("fidelity")
+    if fidelity:
+        lines += ["", f"Fidelity, {fidelity['edits']} recolour edits: masked-region SSIM mean "
+                      f"{fidelity['masked_ssim_mean']:.3f} (min {fidelity['masked_ssim_min']:.3f}); unmasked pixels "
+                      f"equal to the template in {fidelity['unmasked_equal']}/{fidelity['edits']}; alignment exact "
+                      f"{100 * fidelity['exact_alignment']:.0f} % -> template {100 * fidelity['replay_alignment']:.0f} %"
+                      f"; acceptable: {'yes' if fidelity['acceptable'] else 'no'}"]
+    load = result.get("throughput")
+    if load:
+        lines += ["", f"Throughput, {load['requests']} edits of {load['templates']} templates, Poisson "
+                      f"{load['rate_per_s']:.2f}/s:", "", "| setup | edits/s | mean latency s | p90 s |",
+                  "|---|---|---|---|"]
+        for label, r in load["runs"].items():
+            lines.append(f"| {label} | {r['edits_per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['p90_latency_s']:.2f} |")
+        lines.append(f"\nthroughput ratio {load['throughput_ratio']:.2f}, mean latency ratio {load['latency_ratio']:.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["token_ratio"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [r["full_step_ms"] for r in rows], "o-", label="full regeneration")
+    ax.plot(x, [r["replay_step_ms"] for r in rows], "s-", label="template, host memory")
+    ax.plot(x, [r["disk_step_ms"] for r in rows], "^--", label="template, disk tier only")
+    ax.plot(x, [r["text_bound"] * r["full_step_ms"] for r in rows], ":", color="gray", label="text-row bound")
+    ax.set_xlabel("share of image tokens repainted")
+    ax.set_ylabel("median step ms")
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
