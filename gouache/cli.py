@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="edits reuse their template's activations unless they send `template_cache: false`: the "
                             "first edit of an image records them, later ones compute their masked tokens only; "
                             "approximate outside the mask, DiT models (docs/edits.md) (default: off)")
+    serve.add_argument("--template-cost-model", default=None,
+                       help="`gouache profile --edits` JSON: each replayed step follows InstGenIE's load plan on these "
+                            "costs (which blocks load the template, which compute in full; an edit runs in full where "
+                            "that is faster) (default: none: in full above 90 %% of the tokens)")
     serve.add_argument("--template-dir", default=None,
                        help="directory of the template store's disk tier (default: a temporary one per server)")
     serve.add_argument("--template-mb", type=int, default=TemplateConfig.host_bytes >> 20,
@@ -226,7 +230,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      devices=args.devices, ray_address=args.ray_address,
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
-                                              args.template_mb << 20, args.template_disk_mb << 20)),
+                                              args.template_mb << 20, args.template_disk_mb << 20,
+                                              cost_model=args.template_cost_model)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

@@ -70,7 +70,8 @@ class TemplateConfig:
     device_bytes: int = 0  # activations held in device memory (a GPU's; 0 on a CPU, where host memory is the device's)
     host_bytes: int = 2 << 30  # ... in host memory
     disk_bytes: int = 16 << 30  # ... on disk
-    full_above: float = 0.9  # an edit computing more than this share of the tokens runs in full
+    full_above: float = 0.9  # without a cost model: an edit computing more than this share of the tokens runs in full
+    cost_model: str | None = None  # `gouache profile --edits` JSON: the live load plan decides per block and step
 
     def __post_init__(self) -> None:
         for name in ("device_bytes", "host_bytes", "disk_bytes"):

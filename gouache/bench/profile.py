@@ -62,8 +62,14 @@ def add_arguments(p) -> None:
                         "that many worker processes instead (a parallel cost model for round-knapsack over "
                         "devices; --samples, --max-batch, --seed and --patch-size are refused with it) "
                         "(default: %(default)s)")
+    p.add_argument("--edits", action="store_true",
+                   help="fit the mask-aware cost model of template edits instead (DiT models; `gouache serve "
+                        "--template-cost-model`): replayed vs full steps over --ratios, cache loads (default: off)")
+    p.add_argument("--ratios", default="0.1,0.2,0.4,0.6,0.8,1.0", action=Given,
+                   help="mask ratios profiled with --edits (default: %(default)s)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json, "
-                                               "parallel_<model>.json with --devices)")
+                                               "parallel_<model>.json with --devices, costmodel_mask_<model>.json "
+                                               "with --edits)")
 
 
 def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[dict[int, int]]:
@@ -87,6 +93,15 @@ def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[di
 def run(args) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
+    if args.edits:
+        from gouache.bench import profile_edits
+
+        refuse_ignored({dest: "--edits times template edits of one size at a time; it fits no batch model"
+                        for dest in ("samples", "max_batch", "seed", "patch_size") if dest in given(args)}
+                       | ({"devices": "--edits profiles one device"} if args.devices > 1 else {}))
+        return profile_edits.run(args)
+    if "ratios" in given(args):
+        refuse_ignored({"ratios": "only --edits profiles mask ratios"})
     if args.devices > 1:
         from gouache.bench import profile_parallel
 

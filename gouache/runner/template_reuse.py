@@ -40,10 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from gouache.cache.load_plan import plan_loads
 from gouache.cache.template_store import TemplateStore
 from gouache.config import TemplateConfig
 from gouache.runner.block_reuse import cacheable_blocks
 from gouache.runner.pack_dit import attention_modules
+from gouache.sched.costmodel import MaskCostModel
+from gouache.sched.costmodel import load as load_cost_model
 
 MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
 
@@ -68,6 +71,14 @@ def content_id(image: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def mask_cost_model(path: str) -> MaskCostModel:
+    model = load_cost_model(path)
+    if not isinstance(model, MaskCostModel):
+        raise ValueError(f"{path} is a {model.kind!r} cost model; --template-cost-model takes the mask-aware one "
+                         "of `gouache profile --edits` (kind 'mask')")
+    return model
+
+
 @dataclass
 class _Image:
     """One image (request row) of a forward, as the pass treats it."""
@@ -75,14 +86,15 @@ class _Image:
     tokens: int
     computed: torch.Tensor | None = None  # local token indices it computes; None: all
     entry: dict[str, torch.Tensor] | None = None  # the template's activations at this step (replay)
+    full_blocks: frozenset[str] = frozenset()  # blocks where the load plan computes all its tokens
     row: int = 0  # its row of its request (CFG: 0 uncond, 1 cond)
     record: dict[str, list[torch.Tensor | None]] | None = None  # its request's recording of this step
 
 
 @dataclass
 class TemplateCounts:
-    replayed_tokens: int = 0  # image tokens whose block outputs came from a template
-    computed_tokens: int = 0  # image tokens computed, in forwards that used a template
+    replayed_tokens: int = 0  # token-blocks whose output came from a template (a token in one block)
+    computed_tokens: int = 0  # token-blocks computed, in blocks that replayed some
     full_steps: int = 0  # edit steps of a known template that ran in full (near-full mask, store miss)
 
     def snapshot(self, store: TemplateStore) -> dict[str, int]:
@@ -96,8 +108,10 @@ class TemplateCache:
 
     def __init__(self, config: TemplateConfig, device: torch.device | str = "cpu"):
         self.config = config
+        self.device = torch.device(device)
         self._scratch = None if config.directory else tempfile.TemporaryDirectory(prefix="gouache-templates-")
         self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device)
+        self.cost = mask_cost_model(config.cost_model) if config.cost_model else None
         self.counts = TemplateCounts()
         self._lock = threading.Lock()
         self._recording: dict[str, str] = {}  # key -> the request recording it
@@ -148,18 +162,40 @@ class TemplateCache:
                 for part in parts:
                     part.record = record
             elif role == "replay":
+                tier = self.store.tier_of(f"{use.key}/{state.step}")
                 entry = self.store.get(f"{use.key}/{state.step}")
                 if state.step + 1 < len(state.timesteps):
                     self.store.prefetch(f"{use.key}/{state.step + 1}")  # read from disk during this step
                 computed = None if entry is None else (use.tokens | entry[MASK].to(use.tokens.device, torch.bool))
-                if computed is None or computed.float().mean() > self.config.full_above:
+                full_blocks = None if computed is None else self.plan(model, count, float(computed.float().mean()),
+                                                                      state.rows, tier)
+                if full_blocks is None:
                     self.counts.full_steps += 1
                     continue
                 any_template = True
                 local = computed.nonzero().squeeze(1)
                 for part in parts:
-                    part.entry, part.computed = entry, local
+                    part.entry, part.computed, part.full_blocks = entry, local, full_blocks
         return TemplateRequest(self, model, images, recordings) if any_template else None
+
+    def plan(self, model: nn.Module, tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
+        """The blocks an edit computing `share` of its `tokens` runs in full, by InstGenIE's load
+        plan (`plan_loads`) on the profiled costs (`--template-cost-model`); None: the whole step
+        in full, where the plan is no faster than regenerating. Loads cost nothing where the
+        entry already sits in the device's memory (its device tier, or any memory on a CPU).
+        Without a profile: in full above `full_above` of the tokens, else nothing in full."""
+        if self.cost is None:
+            return None if share > self.config.full_above else frozenset()
+        blocks = [key for _, _, key in cacheable_blocks(model)]
+        batch, n = [(tokens, share)] * rows, len(blocks)
+        transfers = self.device.type != "cpu" and tier != "device"
+        load = self.cost.load_time(batch) / n if transfers else 0.0
+        plan = plan_loads([self.cost.compute_time(batch) / n] * n,
+                          [self.cost.compute_time([(tokens, 1.0)] * rows) / n] * n, [load] * n)
+        plain = self.cost.plain_time(batch)
+        if not any(plan.use_cache) or (plain is not None and plan.latency_s >= plain):
+            return None
+        return frozenset(key for key, use in zip(blocks, plan.use_cache) if not use)
 
     def finish(self, recordings: list, blocks: list[str]) -> None:
         """Store what a forward recorded (one entry per recorder and step), if it ran every block."""
@@ -201,15 +237,18 @@ class TemplatePass:
         self.skeletons: dict[str, object] = {}
         self.names = {id(m): name for name, m in attention_modules(request.model)}
         self.num_units = sum(image.tokens for image in images)
-        self._index: dict[torch.device, tuple] = {}
+        self._index: dict[tuple, tuple] = {}
+        self._block = ""  # the block running now
 
-    def _indices(self, device: torch.device):
-        """(computed rows or None, replayed rows, (image, its local replayed tokens) per replay image)."""
-        if device not in self._index:
+    def _indices(self, device: torch.device, block: str):
+        """At `block`: (computed rows or None, replayed rows, (image, its local replayed tokens)
+        per image replayed there)."""
+        full_here = tuple(image.computed is None or block in image.full_blocks for image in self.images)
+        if (device, full_here) not in self._index:
             computed, replayed, sources, start = [], [], [], 0
-            for image in self.images:
+            for image, full in zip(self.images, full_here):
                 every = torch.arange(image.tokens, device=device)
-                if image.computed is None:
+                if full:
                     computed.append(start + every)
                 else:
                     local = image.computed.to(device)
@@ -221,16 +260,21 @@ class TemplatePass:
                 start += image.tokens
             rows = torch.cat(computed)
             replayed_rows = torch.cat(replayed) if replayed else rows[:0]
-            self._index[device] = (None if len(rows) == self.num_units else rows, replayed_rows, sources)
-        return self._index[device]
+            self._index[device, full_here] = (None if len(rows) == self.num_units else rows, replayed_rows, sources)
+        return self._index[device, full_here]
 
     def select(self, block: str, x: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] != self.num_units:
             raise ValueError(f"block input has {x.shape[0]} rows for {self.num_units} image tokens")
-        return self._indices(x.device)[0]
+        self._block = block  # the attentions inside it fill their keys and values by its indices
+        return self._indices(x.device, block)[0]
 
     def merge(self, block: str, x: torch.Tensor, computed: torch.Tensor | None,
               fresh: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
+        if computed is not None:
+            counts = self.request.cache.counts
+            counts.replayed_tokens += self.num_units - len(computed)
+            counts.computed_tokens += len(computed)
         return [self._fill(block, f, computed) for f in fresh]
 
     def kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor,
@@ -241,16 +285,13 @@ class TemplatePass:
     def _fill(self, name: str, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
         """x (rows of `computed`, or all) for every token: the replayed ones' from their
         templates; records the recorders' rows."""
-        _, replayed, sources = self._indices(x.device)
+        _, replayed, sources = self._indices(x.device, self._block)
         full = x
         if computed is not None:
             full = x.new_empty((self.num_units, *x.shape[1:]))
             full.index_copy_(0, computed, x)
             full.index_copy_(0, replayed, torch.cat([
                 image.entry[name][image.row].to(x.device, x.dtype).index_select(0, local) for image, local in sources]))
-            counts = self.request.cache.counts
-            counts.replayed_tokens += len(replayed)
-            counts.computed_tokens += len(computed)
         start = 0
         for image in self.images:
             if image.record is not None:

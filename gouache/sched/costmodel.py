@@ -214,8 +214,13 @@ class MaskCostModel:
     Following InstGenIE Table 1, per transformer block and request, only the m*L masked tokens
     are computed: projections q, k, v, o (4 x 2mLH^2 FLOPs), the feed-forward H->4H->H
     (2 x 8mLH^2), and attention of masked queries to all L keys (QK^T and AV: 2 x 2mL^2H).
-    The activations of the (1-m)*L unmasked tokens are loaded instead: (1-m)LH elements per
-    block. Latency is linear in each (§4.4), fitted per model and device.
+    A DiT's T text rows run in full in every block (24TH^2, and they attend to all L + T); the
+    paper's 4096-token images make them small, small images do not. The activations of the
+    (1-m)*L unmasked tokens are loaded instead: `tensors` x H elements each per block (the
+    block's output, and the keys and values when those are cached too). Latency is linear in
+    each (§4.4), fitted per model and device. `plain` (optional) is the step time of a full
+    regeneration on the model's own path, fitted on the m = 1 FLOPs: where a replay would not
+    beat it, the edit runs in full.
     """
 
     kind = "mask"
@@ -227,30 +232,41 @@ class MaskCostModel:
         bytes_per_element: int = 2,
         compute: LinearPredictor | None = None,
         load: LinearPredictor | None = None,
+        text_tokens: int = 0,
+        tensors: int = 1,
+        plain: LinearPredictor | None = None,
     ):
         self.hidden = hidden  # H
         self.num_blocks = num_blocks  # transformer blocks whose unmasked activations are cached
         self.bytes_per_element = bytes_per_element  # of the cached activations (2 = bf16/fp16)
         self.compute = compute or LinearPredictor()  # FLOPs -> seconds
         self.load = load or LinearPredictor()  # bytes -> seconds
+        self.text_tokens = text_tokens  # T: text rows each request runs in full in every block
+        self.tensors = tensors  # cached tensors per unmasked token and block
+        self.plain = plain  # m = 1 FLOPs -> seconds of a full regeneration, or None
         self.report: MaskFitReport | None = None
 
     def flops(self, batch: EditBatch) -> float:
-        H = self.hidden
-        per_block = sum(24 * m * L * H * H + 4 * m * L * L * H for L, m in _checked(batch))
+        H, T = self.hidden, self.text_tokens
+        per_block = sum(24 * (m * L + T) * H * H + 4 * (m * L + T) * (L + T) * H for L, m in _checked(batch))
         return self.num_blocks * per_block
 
     def cache_bytes(self, batch: EditBatch) -> float:
-        return self.num_blocks * sum((1 - m) * L * self.hidden * self.bytes_per_element for L, m in _checked(batch))
+        per_token = self.tensors * self.hidden * self.bytes_per_element
+        return self.num_blocks * sum((1 - m) * L * per_token for L, m in _checked(batch))
 
     def fit(
-        self, compute_samples: Sequence[tuple[EditBatch, float]], load_samples: Sequence[tuple[EditBatch, float]]
+        self, compute_samples: Sequence[tuple[EditBatch, float]], load_samples: Sequence[tuple[EditBatch, float]],
+        plain_samples: Sequence[tuple[EditBatch, float]] = (),
     ) -> MaskFitReport:
-        """Fit both regressions on (batch, measured seconds) samples; returns their R^2."""
+        """Fit the regressions on (batch, measured seconds) samples; returns their R^2."""
         Xc, yc = [[self.flops(b)] for b, _ in compute_samples], [s for _, s in compute_samples]
         Xl, yl = [[self.cache_bytes(b)] for b, _ in load_samples], [s for _, s in load_samples]
         self.compute.fit(Xc, yc)
         self.load.fit(Xl, yl)
+        if plain_samples:
+            self.plain = LinearPredictor().fit([[self.flops(b)] for b, _ in plain_samples],
+                                               [s for _, s in plain_samples])
         self.report = MaskFitReport(self.compute.score(Xc, yc), self.load.score(Xl, yl))
         return self.report
 
@@ -259,6 +275,12 @@ class MaskCostModel:
 
     def load_time(self, batch: EditBatch) -> float:
         return float(self.load.predict([[self.cache_bytes(batch)]])[0])
+
+    def plain_time(self, batch: EditBatch) -> float | None:
+        """Step seconds of regenerating these requests in full; None without a `plain` fit."""
+        if self.plain is None:
+            return None
+        return float(self.plain.predict([[self.flops([(L, 1.0) for L, _ in batch])]])[0])
 
     def predict(self, batch: EditBatch) -> float:
         """Per-step seconds with block-wise pipelined loading (§4.2): the longer of the two."""
@@ -270,8 +292,11 @@ class MaskCostModel:
             "hidden": self.hidden,
             "num_blocks": self.num_blocks,
             "bytes_per_element": self.bytes_per_element,
+            "text_tokens": self.text_tokens,
+            "tensors": self.tensors,
             "compute": self.compute.to_json(),
             "load": self.load.to_json(),
+            "plain": self.plain.to_json() if self.plain is not None else None,
             "report": asdict(self.report) if self.report else None,
         }
 
@@ -283,6 +308,9 @@ class MaskCostModel:
             data["bytes_per_element"],
             LinearPredictor.from_json(data["compute"]),
             LinearPredictor.from_json(data["load"]),
+            data.get("text_tokens", 0),
+            data.get("tensors", 1),
+            LinearPredictor.from_json(data["plain"]) if data.get("plain") else None,
         )
         model.report = MaskFitReport(**data["report"]) if data.get("report") else None
         return model

@@ -106,3 +106,43 @@ def test_a_near_full_mask_or_a_lost_entry_runs_in_full(pipe, tmp_path):
     lost = run(runner, [(edit("lost"), original, mask)])["lost"]
     assert runner.templates.counts.full_steps == STEPS and runner.templates.store.corrupt == STEPS
     assert (lost - exact).abs().max() <= TOL
+
+
+def test_the_live_load_plan_overlaps_loads_and_computes_the_rest_in_full(tmp_path):
+    """Two blocks, per block: 1 s masked, 3 s in full, 2.5 s to load. Loading both ends at 6 s,
+    computing both at 6 s; computing the first in full while the second loads ends at 4 s."""
+    from types import SimpleNamespace
+
+    from gouache.runner.block_reuse import cacheable_blocks
+    from gouache.runner.template_reuse import TemplateCache
+
+    model = load_pipeline("tiny-sd3").transformer
+    first, second, *rest = [key for _, _, key in cacheable_blocks(model)]
+    assert not rest
+    cache = TemplateCache(TemplateConfig(directory=str(tmp_path)), "cuda")  # makes no CUDA call by itself
+    cache.cost = SimpleNamespace(compute_time=lambda batch: 2.0 * (3 if batch[0][1] == 1.0 else 1),
+                                 load_time=lambda batch: 5.0, plain_time=lambda batch: 6.0)
+    assert cache.plan(model, 64, 0.2, 1, "host") == frozenset({first})
+    assert cache.plan(model, 64, 0.2, 1, "device") == frozenset()  # on the device already: nothing to load
+    cache.cost.plain_time = lambda batch: 4.0  # the plan's 4 s is no faster than regenerating: in full
+    assert cache.plan(model, 64, 0.2, 1, "host") is None
+    cpu = TemplateCache(TemplateConfig(directory=str(tmp_path / "cpu")), "cpu")
+    cpu.cost = SimpleNamespace(**vars(cache.cost) | {"plain_time": lambda batch: None})
+    assert cpu.plan(model, 64, 0.2, 1, "host") == frozenset()  # a CPU's memory is its device's
+
+
+def test_blocks_the_plan_computes_in_full_take_every_token_and_stay_exact(pipe, tmp_path):
+    from gouache.runner.block_reuse import cacheable_blocks
+
+    original, mask = picture()
+    runner = ModelRunner(pipe, templates=TemplateConfig(directory=str(tmp_path)))
+    exact = run(runner, [(edit("exact", template=False), original, mask)])["exact"]
+    run(runner, [(edit("first"), original, mask)])
+    first_block = cacheable_blocks(pipe.transformer)[0][2]
+    runner.templates.plan = lambda *args: frozenset({first_block})
+    replayed = run(runner, [(edit("again"), original, mask)])["again"]
+    state = runner.states["again"]
+    kept = (~state.template.tokens).sum().item() * state.rows  # unmasked tokens, over the CFG rows
+    blocks = len(cacheable_blocks(pipe.transformer))  # the first computes every token
+    assert runner.templates.counts.replayed_tokens == STEPS * (blocks - 1) * kept
+    assert (replayed - exact).abs().max() <= TOL

@@ -1,0 +1,142 @@
+"""`gouache profile --edits`: fit the mask-aware cost model (`MaskCostModel`) on this device.
+
+Times, for each size and mask ratio and batch of 1 and 2 edits of one template, the denoising
+step of edits that replay the template (masked tokens only: what `compute` predicts), the same
+edits regenerated in full on the model's own path (`plain`), and moving one step's cached
+activations of that mask ratio to the device (`load`: a host-to-device copy on a GPU, a memory
+copy on a CPU). `gouache serve --template-cost-model PATH` plans each edit's steps with it
+(InstGenIE's load plan); the simulator and the mask-aware router take the same kind of model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+RATIOS = "0.1,0.2,0.4,0.6,0.8,1.0"
+
+
+def run(args) -> int:
+    import torch
+
+    from gouache.config import TemplateConfig
+    from gouache.runner.block_reuse import cacheable_blocks
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.models import load_pipeline, model_info
+    from gouache.sched.costmodel import MaskCostModel, save
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    pipe = load_pipeline(args.model, args.dtype, args.device)
+    info = model_info(pipe, args.model)
+    runner = ModelRunner(pipe, templates=TemplateConfig(full_above=1.0))  # every replay masked, even at m = 1
+    if not runner.family.masks_tokens:
+        raise ValueError(f"{args.model} is a {info.family} model; --edits profiles mask-aware edits of DiTs (sd3, flux)")
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    transformer = pipe.transformer
+    probe = Edits(runner, info, sizes[0], args.repeats)
+    model = MaskCostModel(transformer.config.num_attention_heads * transformer.config.attention_head_dim,
+                          len(cacheable_blocks(transformer)), torch.finfo(pipe.dtype).bits // 8,
+                          text_tokens=probe.text_rows, tensors=3)
+    compute, plain, load = [], [], []
+    for size in sizes:
+        edits = Edits(runner, info, size, args.repeats)
+        for ratio in ratios:
+            for batch in (1, 2):
+                rows = [(edits.tokens, edits.share(ratio))] * (batch * edits.rows)
+                compute.append((rows, edits.step_s(ratio, batch, template=True)))
+                plain.append((rows, edits.step_s(ratio, batch, template=False)))
+                load.append((rows, _copy_s(model.cache_bytes(rows), args.device, args.repeats, sync)))
+    report = model.fit(compute, load, plain)
+    out = Path(args.out or f"benchmarks/results/costmodel_mask_{args.model}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save(model, out)
+    samples = [{"batch": rows, "replay_s": c, "plain_s": p, "load_s": ld}
+               for (rows, c), (_, p), (_, ld) in zip(compute, plain, load)]
+    summary = {"command": "gouache profile " + " ".join(sys.argv[2:]), "model": args.model, "device": args.device,
+               "torch_threads": torch.get_num_threads(), "compute_r2": report.compute_r2, "load_r2": report.load_r2,
+               "samples": samples}
+    out.with_suffix(".report.json").write_text(json.dumps(summary, indent=2))
+    print(f"compute R² {report.compute_r2:.3f}, load R² {report.load_r2:.3f} over {len(samples)} samples; wrote {out}")
+    return 0
+
+
+class Edits:
+    """Edits of one template at one size, timed on the engine's own step path."""
+
+    def __init__(self, runner, info, size: int, repeats: int):
+        import random
+
+        from gouache.data.shapes import render, sample_scene
+
+        self.runner, self.info, self.size, self.repeats = runner, info, size, repeats
+        self.token = runner.family.vae_scale * 2  # pixels per token side: 2x2 latents in both families
+        self.grid = size // self.token
+        self.tokens = self.grid**2
+        self.image = render(sample_scene(random.Random(size)), size, size, seed=size)
+        self.rows = 2 if info.uses_cfg and info.default_guidance > 1 else 1
+        self._ids = 0
+        probe = runner.family.prepare(self._request("probe"))
+        self.text_rows = probe.cond["prompt_embeds"].shape[1]
+        self._run([self._request("register", template_id=f"profile-{size}", register_template=True)],
+                  np.zeros((size, size), np.float32))
+
+    def side(self, ratio: float) -> int:
+        return max(1, min(self.grid, round(self.grid * ratio**0.5)))
+
+    def share(self, ratio: float) -> float:
+        return self.side(ratio) ** 2 / self.tokens
+
+    def _request(self, prefix: str, **fields):
+        from gouache.request import ImageRequest
+
+        self._ids += 1
+        return ImageRequest(f"{prefix}-{self.size}-{self._ids}", "a red circle", self.size, self.size,
+                            self.repeats + 1, self.info.default_guidance, self._ids, image=b"-", **fields)
+
+    def step_s(self, ratio: float, batch: int, template: bool) -> float:
+        """Median step seconds of `batch` edits repainting a centred square of `ratio`."""
+        side = self.side(ratio) * self.token
+        lo = (self.size - side) // 2
+        mask = np.zeros((self.size, self.size), np.float32)
+        mask[lo:lo + side, lo:lo + side] = 1
+        requests = [self._request("edit", template_cache=template, template_id=f"profile-{self.size}")
+                    for _ in range(batch)]
+        return statistics.median(self._run(requests, mask)[1:])  # the first step warms up
+
+    def _run(self, requests, mask) -> list[float]:
+        from gouache.sched.plan import Batch
+
+        for request in requests:
+            self.runner.prepare(request, self.image, mask)
+        ids = tuple(r.request_id for r in requests)
+        seconds = []
+        for _ in range(requests[0].num_inference_steps):
+            output = self.runner.execute(Batch(ids))
+            if output.failed:
+                raise RuntimeError(f"profiled edit failed: {output.failed}")
+            seconds.append(output.forward_s)
+        for rid in ids:
+            self.runner.release(rid)
+        return seconds
+
+
+def _copy_s(nbytes: float, device: str, repeats: int, sync) -> float:
+    """Median seconds to move `nbytes` of host memory to `device` (a copy, on a CPU)."""
+    import torch
+
+    host = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, pin_memory=device.startswith("cuda"))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        host.to(device, copy=True)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

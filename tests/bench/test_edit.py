@@ -1,0 +1,43 @@
+"""`gouache bench edit` and `gouache profile --edits` end to end on a tiny DiT, quickly: their
+files carry what the closing notes quote, and the fitted model plans live edits."""
+
+import json
+
+import pytest
+
+from gouache.cli import main
+from gouache.sched.costmodel import MaskCostModel, load
+
+
+def test_bench_edit_writes_the_sweep_fidelity_and_throughput(tmp_path):
+    out = tmp_path / "edit.json"
+    assert main(["bench", "edit", "--model", "tiny-flux", "--size", "64", "--steps", "2", "--ratios", "0.25,1",
+                 "--repeats", "1", "--edits", "1", "--requests", "2", "--templates", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [row["token_ratio"] for row in result["latency"]] == [0.25, 1.0]
+    assert all(row["full_step_ms"] > 0 and row["replay_step_ms"] > 0 and row["disk_step_ms"] > 0
+               for row in result["latency"])
+    assert result["fidelity"]["unmasked_equal"] == 1 and 0 < result["fidelity"]["masked_ssim_mean"] <= 1
+    assert set(result["throughput"]["runs"]) == {"orca+templates", "fcfs-static"}
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_profile_edits_fits_a_mask_cost_model_the_server_takes(tmp_path):
+    out = tmp_path / "mask.json"
+    assert main(["profile", "--edits", "--model", "tiny-sd3", "--sizes", "64", "--ratios", "0.25,1",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    model = load(out)
+    assert isinstance(model, MaskCostModel) and model.plain is not None and model.tensors == 3
+    assert model.text_tokens > 0 and model.compute_time([(16, 0.25)] * 2) > 0
+    samples = json.loads(out.with_suffix(".report.json").read_text())["samples"]
+    assert len(samples) == 4 and all(s["replay_s"] > 0 and s["plain_s"] > 0 for s in samples)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--edits", "--model", "tiny-sd3", "--max-batch", "3"], "--max-batch would be ignored"),
+    (["--model", "tiny-sd3", "--ratios", "0.5"], "--ratios would be ignored"),
+    (["--edits", "--model", "tiny-sd", "--sizes", "64"], "mask-aware edits of DiTs"),
+])
+def test_profile_edits_refuses_flags_it_would_ignore_and_unet_models(capsys, argv, message):
+    assert main(["profile", *argv]) != 0
+    assert message in capsys.readouterr().err
