@@ -20,7 +20,7 @@ class ModelInfo:
     sizes: tuple[tuple[int, int], ...] | None = None
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
     block_cache: bool = True  # some steps run on one device, where the block cache applies
-    templates: bool = False  # edits can reuse a template's activations (mask-aware edits: DiT families)
+    templates: bool = False  # edits can reuse a template's activations (some steps run on one device)
 
 
 def unpriced_message(sizes: tuple[tuple[int, int], ...], width: int, height: int) -> str:

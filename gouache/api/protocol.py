@@ -281,8 +281,9 @@ class ImageEditRequest(ImageParams):
         asked = self.template_cache or self.template_id is not None
         if asked and not info.templates:
             field = "template_id" if self.template_id is not None else "template_cache"
-            raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' ({info.family}) edits compute "
-                                      "every token; mask-aware template reuse needs a DiT model (sd3, flux).", field)
+            raise InvalidRequestError(f"Invalid value for '{field}': every step of this server's scheduling policy "
+                                      "runs on several devices, where template reuse does not apply; leave it out.",
+                                      field)
         template_id = self.template_id
         if template_id is None and info.templates and image is not None:  # the same upload is the same template
             template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()

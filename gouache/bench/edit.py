@@ -7,8 +7,10 @@ Three measurements, one run, one model:
   ratio run in full (the exact edit) and with the template, from host memory and from a store
   whose only tier is the disk (every step read back from a file, prefetched one step ahead).
   Medians of step time and of the whole request (text encoding, VAE and decoding included).
-  `text_bound` is the least share of the full step any image-token saving can reach: DiTs also
-  run every text row, which InstGenIE's 4096-token images hide and these small ones do not.
+  `bound` is the least share of the full step that computing only the masked tokens can reach:
+  DiTs also run every text row, which InstGenIE's 4096-token images hide and small ones do
+  not; UNets also run their resnets and convolutions in full (the transformer blocks' share of
+  a step, `transformer_share`, is measured here). A UNet's token is a latent pixel.
 - **Fidelity** (`--edits` recolour tasks): a shapes scene rendered as the template, one shape
   recoloured, its grid cell the mask, the new caption the prompt. Each edit runs exact and with
   the template (registered with the template's own caption); reported: SSIM of the masked
@@ -43,7 +45,7 @@ RATIOS = "0.05,0.1,0.2,0.4,0.6,0.8"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="shapes-dit", help="a DiT pipeline: sd3 or flux family (default: %(default)s)")
+    p.add_argument("--model", default="shapes-dit", help="a pipeline, built-in or a directory (default: %(default)s)")
     p.add_argument("--size", type=int, default=None, help="square side in pixels (default: the model's)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--ratios", default=RATIOS, help="mask ratios of the latency sweep (default: %(default)s)")
@@ -70,8 +72,6 @@ def run(args) -> int:
         torch.set_num_threads(args.torch_threads)
     pipe = load_pipeline(args.model)
     info = model_info(pipe, args.model)
-    if info.family not in ("sd3", "flux"):
-        raise ValueError(f"{args.model} is a {info.family} model; mask-aware edits need a DiT (sd3, flux)")
     size = args.size or info.default_size
     steps = args.steps or info.default_steps
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -81,7 +81,8 @@ def run(args) -> int:
     sweep = [bench.latency(ratio, args.repeats) for ratio in ratios]
     result = {"command": "gouache bench edit " + " ".join(sys.argv[3:]), "model": args.model,
               "device": "cpu", "size": size, "steps": steps, "torch_threads": torch.get_num_threads(),
-              "text_rows": bench.text_rows, "image_tokens": bench.tokens, "latency": sweep}
+              "text_rows": bench.text_rows, "image_tokens": bench.tokens,
+              "transformer_share": bench.transformer_share, "latency": sweep}
     if args.edits:
         result["fidelity"] = bench.fidelity(args.edits)
     if args.requests:
@@ -107,12 +108,13 @@ class Bench:
         self.pipe, self.info, self.size, self.steps = pipe, info, size, steps
         self.runner = self._runner(disk_only=False)
         self.disk_runner = self._runner(disk_only=True)
-        self.token = self.runner.family.vae_scale * 2  # pixels per side of a token (both families: 2x2 latents)
+        self.token = self.runner.family.token_pixels
         self.grid = size // self.token
         self.tokens = self.grid**2
         self._ids = 0  # request ids: each edit its own
         probe = self.runner.family.prepare(self._request("probe", "a red circle"))
-        self.text_rows = probe.cond["prompt_embeds"].shape[1]
+        self.text_rows = probe.cond["prompt_embeds"].shape[1] if not self.runner.family.patches else 0
+        self.transformer_share = self._transformer_share() if self.runner.family.patches else 1.0
 
     def _runner(self, disk_only: bool):
         from gouache.config import TemplateConfig
@@ -144,6 +146,30 @@ class Bench:
         runner.release(request.request_id)
         return out, statistics.median(step_s), time.perf_counter() - start
 
+    def _transformer_share(self) -> float:
+        """The share of a UNet's full edit steps spent in its transformer blocks (the rest runs
+        on every token whatever the mask)."""
+        from gouache.runner.unet_templates import unet_template_blocks
+
+        spent, starts = [0.0], {}
+
+        def before(module, args):
+            starts[id(module)] = time.perf_counter()
+
+        def after(module, args, out):
+            spent[0] += time.perf_counter() - starts.pop(id(module))
+
+        blocks = [getattr(parent, name) for parent, name, _ in unet_template_blocks(self.runner.family.unet)]
+        hooks = [h for b in blocks for h in (b.register_forward_pre_hook(before), b.register_forward_hook(after))]
+        image = picture(sample_scene(random.Random(2)), self.size, seed=2)
+        try:
+            _, step_s, _ = self.edit(self.runner, self._request("share", "a red circle"), image,
+                                     np.ones((self.size, self.size), np.float32))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return min(1.0, spent[0] / self.steps / step_s)
+
     def register(self, runner, template_id: str, image: np.ndarray, prompt: str) -> None:
         request = self._request("register", prompt, template_id=template_id, register_template=True)
         self.edit(runner, request, image, np.zeros(image.shape[:2], np.float32))
@@ -153,7 +179,7 @@ class Bench:
         mask = np.zeros((self.size, self.size), np.float32)
         lo = (self.grid - side) // 2 * self.token
         mask[lo:lo + side * self.token, lo:lo + side * self.token] = 1
-        image = render(sample_scene(random.Random(1)), self.size, self.size, seed=1)
+        image = picture(sample_scene(random.Random(1)), self.size, seed=1)
         template_id = f"sweep-{ratio}"
         prompt = "a red circle"
         for runner in (self.runner, self.disk_runner):
@@ -174,7 +200,8 @@ class Bench:
             "full_request_s": timings["full"][1], "replay_request_s": timings["replay"][1],
             "request_ratio": timings["replay"][1] / timings["full"][1],
             "disk_step_ms": 1e3 * timings["disk"][0], "disk_vs_memory": timings["disk"][0] / timings["replay"][0],
-            "text_bound": (self.text_rows + token_ratio * self.tokens) / (self.text_rows + self.tokens),
+            "bound": (1 - self.transformer_share + self.transformer_share
+                      * (self.text_rows + token_ratio * self.tokens) / (self.text_rows + self.tokens)),
             "cfg_rows": rows,
         }
 
@@ -188,7 +215,7 @@ class Bench:
             colour = rng.choice(sorted(set(COLOURS) - {s.colour for s in scene.shapes}))
             edited = Scene(tuple(replace(s, colour=colour) if j == target else s for j, s in enumerate(scene.shapes)),
                            scene.background)
-            template = render(scene, self.size, self.size, seed=i)
+            template = picture(scene, self.size, seed=i)
             left, top, right, bottom = (round(v) for v in cell_box(shape.position, self.size, self.size))
             mask = np.zeros((self.size, self.size), np.float32)
             mask[top:bottom, left:right] = 1
@@ -219,7 +246,7 @@ def throughput(model: str, info, size: int, steps: int, n: int, templates: int, 
     """The same Poisson edit load through gouache (`policy`, templates) and `fcfs-static` (full)."""
     rng = random.Random("edit-load")
     scenes = [sample_scene(rng) for _ in range(templates)]
-    pictures = [_png(render(scene, size, size, seed=t)) for t, scene in enumerate(scenes)]
+    pictures = [_png(picture(scene, size, seed=t)) for t, scene in enumerate(scenes)]
     load = []
     for k in range(n):
         t = rng.randrange(templates)
@@ -280,6 +307,14 @@ async def _serve_load(model, info, size, steps, policy, use_templates, scenes, p
             "mean_latency_s": statistics.mean(latencies), "p90_latency_s": float(np.percentile(latencies, 90))}
 
 
+def picture(scene: Scene, size: int, seed: int) -> np.ndarray:
+    """A scene's render at `size` (rendered at most 256 px, enlarged beyond)."""
+    if size <= 256:
+        return render(scene, size, size, seed=seed)
+    small = Image.fromarray(render(scene, 256, 256, seed=seed))
+    return np.asarray(small.resize((size, size), Image.Resampling.BICUBIC))
+
+
 def _png(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, format="PNG")
@@ -288,12 +323,13 @@ def _png(array: np.ndarray) -> bytes:
 
 def report(result: dict) -> str:
     lines = [f"{result['model']} at {result['size']}x{result['size']}, {result['steps']} steps: "
-             f"{result['image_tokens']} image tokens, {result['text_rows']} text rows per image",
-             "", "| mask | tokens | full step ms | template step ms | ratio | text bound | request ratio "
+             f"{result['image_tokens']} image tokens, {result['text_rows']} text rows per image, transformer "
+             f"blocks {100 * result['transformer_share']:.0f} % of a full step",
+             "", "| mask | tokens | full step ms | template step ms | ratio | bound | request ratio "
              "| disk step ms | disk / memory |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
         lines.append(f"| {r['ratio']:g} | {r['token_ratio']:.2f} | {r['full_step_ms']:.1f} | {r['replay_step_ms']:.1f} "
-                     f"| {r['step_ratio']:.2f} | {r['text_bound']:.2f} | {r['request_ratio']:.2f} "
+                     f"| {r['step_ratio']:.2f} | {r['bound']:.2f} | {r['request_ratio']:.2f} "
                      f"| {r['disk_step_ms']:.1f} | {r['disk_vs_memory']:.2f} |")
     fidelity = result.get("fidelity")
     if fidelity:
@@ -324,7 +360,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.plot(x, [r["full_step_ms"] for r in rows], "o-", label="full regeneration")
     ax.plot(x, [r["replay_step_ms"] for r in rows], "s-", label="template, host memory")
     ax.plot(x, [r["disk_step_ms"] for r in rows], "^--", label="template, disk tier only")
-    ax.plot(x, [r["text_bound"] * r["full_step_ms"] for r in rows], ":", color="gray", label="text-row bound")
+    ax.plot(x, [r["bound"] * r["full_step_ms"] for r in rows], ":", color="gray", label="bound (text rows, resnets)")
     ax.set_xlabel("share of image tokens repainted")
     ax.set_ylabel("median step ms")
     ax.set_title(title)

@@ -100,7 +100,7 @@ class AsyncEngine:
             raise
         one_device = caches_blocks(policy, self.pool.num_devices)
         info = replace(info, deadlines=policy.uses_deadlines, block_cache=one_device,
-                       templates=one_device and self.runner.family.masks_tokens)
+                       templates=one_device)
         if policy.mixes_resolutions and self.runner.family.patches:  # every latent must cut into whole patches
             info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
@@ -126,7 +126,6 @@ class AsyncEngine:
     def from_config(cls, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
         import torch
 
-        from gouache.runner.families import make_family
         from gouache.runner.models import load_pipeline, model_id, model_info
         from gouache.sched.costmodel import BatchCostModel
         from gouache.sched.parallel_costmodel import ParallelCostModel
@@ -145,9 +144,6 @@ class AsyncEngine:
             raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
                              "several devices, where the block cache does not apply")
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
-        if engine_config.templates.default and not make_family(pipe, engine_config.patch_size).masks_tokens:
-            raise ValueError(f"--template-cache would be ignored: {model_config.model} is a UNet model, whose edits "
-                             "compute every token; mask-aware template reuse needs a DiT model (sd3, flux)")
         if engine_config.templates.default and not caches_blocks(make_policy(sched_config, predictor),
                                                                  engine_config.devices):
             raise ValueError(f"--template-cache would be ignored: every step of --policy {sched_config.policy} runs "

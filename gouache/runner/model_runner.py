@@ -63,7 +63,7 @@ class ModelRunner:
     def uses_template(self, request: ImageRequest) -> bool:
         asked = self.template_config.default if request.template_cache is None else request.template_cache
         asked = asked or request.register_template
-        return asked and self.family.masks_tokens
+        return asked
 
     def execute(self, batch: Batch, cached: bool = True) -> StepOutput:
         """One denoising step of the batch: one forward (patched if it says so), then each

@@ -43,7 +43,6 @@ from torch import nn
 from gouache.cache.load_plan import plan_loads
 from gouache.cache.template_store import TemplateStore
 from gouache.config import TemplateConfig
-from gouache.runner.block_reuse import cacheable_blocks
 from gouache.runner.pack_dit import attention_modules
 from gouache.sched.costmodel import MaskCostModel
 from gouache.sched.costmodel import load as load_cost_model
@@ -142,9 +141,10 @@ class TemplateCache:
             for key in [k for k, rid in self._recording.items() if rid == request_id]:
                 del self._recording[key]
 
-    def begin(self, model: nn.Module, states: Sequence, tokens: Sequence[int]) -> TemplateRequest | None:
+    def begin(self, model: nn.Module, states: Sequence, tokens: Sequence[int],
+              blocks: Sequence[str]) -> TemplateRequest | None:
         """The forward's template roles, None when no state uses a template this step;
-        `tokens[i]`: image tokens of states[i]."""
+        `tokens[i]`: image tokens of states[i]; `blocks`: the keys of the blocks that replay."""
         images, recordings, any_template = [], [], False
         for state, count in zip(states, tokens):
             use = state.template
@@ -167,7 +167,7 @@ class TemplateCache:
                 if state.step + 1 < len(state.timesteps):
                     self.store.prefetch(f"{use.key}/{state.step + 1}")  # read from disk during this step
                 computed = None if entry is None else (use.tokens | entry[MASK].to(use.tokens.device, torch.bool))
-                full_blocks = None if computed is None else self.plan(model, count, float(computed.float().mean()),
+                full_blocks = None if computed is None else self.plan(blocks, count, float(computed.float().mean()),
                                                                       state.rows, tier)
                 if full_blocks is None:
                     self.counts.full_steps += 1
@@ -176,9 +176,9 @@ class TemplateCache:
                 local = computed.nonzero().squeeze(1)
                 for part in parts:
                     part.entry, part.computed, part.full_blocks = entry, local, full_blocks
-        return TemplateRequest(self, model, images, recordings) if any_template else None
+        return TemplateRequest(self, model, tuple(blocks), images, recordings) if any_template else None
 
-    def plan(self, model: nn.Module, tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
+    def plan(self, blocks: Sequence[str], tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
         """The blocks an edit computing `share` of its `tokens` runs in full, by InstGenIE's load
         plan (`plan_loads`) on the profiled costs (`--template-cost-model`); None: the whole step
         in full, where the plan is no faster than regenerating. Loads cost nothing where the
@@ -186,7 +186,6 @@ class TemplateCache:
         Without a profile: in full above `full_above` of the tokens, else nothing in full."""
         if self.cost is None:
             return None if share > self.config.full_above else frozenset()
-        blocks = [key for _, _, key in cacheable_blocks(model)]
         batch, n = [(tokens, share)] * rows, len(blocks)
         transfers = self.device.type != "cpu" and tier != "device"
         load = self.cost.load_time(batch) / n if transfers else 0.0
@@ -217,6 +216,7 @@ class TemplateRequest:
 
     cache: TemplateCache
     model: nn.Module
+    blocks: tuple[str, ...]  # keys of the blocks that replay, in forward order
     images: list[_Image]
     recordings: list = field(default_factory=list)
 
@@ -301,4 +301,4 @@ class TemplatePass:
         return full
 
     def end(self) -> None:
-        self.request.cache.finish(self.request.recordings, [key for _, _, key in cacheable_blocks(self.request.model)])
+        self.request.cache.finish(self.request.recordings, self.request.blocks)

@@ -17,7 +17,7 @@ from gouache.request import ImageRequest
 from gouache.runner.block_reuse import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
-from gouache.runner.template_reuse import TemplateCache
+from gouache.runner.template_reuse import TemplateCache, TemplateRequest
 
 
 DEFAULT_PATCH_PIXELS = 128  # patch side in image pixels: a common factor of 256..1024 sizes
@@ -31,8 +31,6 @@ class Family(ABC):
     patches = True
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
-    # edits can compute their masked tokens only, from a template's activations (template_reuse)
-    masks_tokens = False
 
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
         self.pipe = pipe
@@ -98,9 +96,7 @@ class Family(ABC):
         a template compute their masked tokens only (that forward is packed, any policy).
         Changes no state."""
         if templates is not None and any(s.template is not None for s in states):
-            replay = templates.begin(self.denoiser, states, [self.token_count(s) for s in states])
-            if replay is not None:
-                return self.predict_patched(states, whole_batches=False, cache=replay)
+            return self._predict_templates(states, patched, cache, templates)
         reuse = cache_request(states, cache)
         if patched:
             return self.predict_patched(states, cache=reuse)
@@ -168,12 +164,42 @@ class Family(ABC):
         packed DiT); one size runs as the model's own batch unless `whole_batches` is False.
         With a `cache`, blocks reuse cached outputs per patch / token (per image in a plain batch)."""
 
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        """[tokens] bool, raster order: the image tokens an edit's mask repaints (masks_tokens)."""
-        raise NotImplementedError(f"{self.name} edits compute every token")
+    def _predict_templates(self, states: list[DenoiseState], patched: bool, cache: BlockCache | None,
+                           templates: TemplateCache) -> list[torch.Tensor]:
+        """`predict` where edits replay templates: a packed forward takes any mix of sizes, a
+        UNet's one forward per latent shape; a group that replays nothing runs as usual."""
+        groups = [states] if not self.patches else list(_by_shape(states).values())
+        out: dict[int, torch.Tensor] = {}
+        for group in groups:
+            replay = templates.begin(self.denoiser, group, [self.token_count(s) for s in group], self.template_blocks())
+            if replay is None:
+                predictions = self.predict(group, patched and len(groups) == 1, cache)
+            else:
+                predictions = self.replay(group, replay)
+            out.update(zip(map(id, group), predictions))
+        return [out[id(s)] for s in states]
 
+    @abstractmethod
+    def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
+        """Per state, its rows' predictions from one forward in which `request`'s edits compute
+        their masked tokens only (`template_reuse`)."""
+
+    @abstractmethod
+    def template_blocks(self) -> list[str]:
+        """Keys of the blocks whose outputs a template records, in forward order."""
+
+    @property
+    @abstractmethod
+    def token_pixels(self) -> int:
+        """Pixels per side of one token of `token_mask`."""
+
+    @abstractmethod
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        """[tokens] bool, raster order: the tokens an edit's mask repaints (a UNet's token is a latent pixel)."""
+
+    @abstractmethod
     def token_count(self, state: DenoiseState) -> int:
-        raise NotImplementedError(f"{self.name} edits compute every token")
+        """Tokens of one of the state's images."""
 
     def layout(self, samples: list[torch.Tensor]) -> PatchLayout:
         return PatchLayout.build([tuple(x.shape[-2:]) for x in samples], self.patch)
@@ -202,6 +228,13 @@ def cache_request(states: list[DenoiseState], cache: BlockCache | None) -> Cache
         keys.extend((s.request.request_id, row) for row in range(s.rows))
         thresholds.extend([threshold] * s.rows)
     return CacheRequest(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
+
+
+def _by_shape(states: list[DenoiseState]) -> dict[tuple[int, ...], list[DenoiseState]]:
+    groups: dict[tuple[int, ...], list[DenoiseState]] = {}
+    for state in states:
+        groups.setdefault(tuple(state.latents.shape), []).append(state)
+    return groups
 
 
 def by_state(outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:

@@ -7,10 +7,11 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from gouache.request import ImageRequest
-from gouache.runner.block_reuse import CacheRequest
+from gouache.runner.block_reuse import CacheRequest, cacheable_blocks
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.pack_dit import packed_flux_forward, packed_sd3_forward
 from gouache.runner.sampler import DenoiseState
+from gouache.runner.template_reuse import TemplateRequest
 
 
 class FlowFamily(Family):
@@ -18,7 +19,16 @@ class FlowFamily(Family):
     one forward over mixed sizes by packing tokens (`runner/pack_dit.py`), not patches."""
 
     patches = False
-    masks_tokens = True
+
+    @property
+    def token_pixels(self) -> int:
+        return self.vae_scale * 2  # SD3 patches 2x2 latents into a token; Flux packs them
+
+    def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
+        return self.predict_patched(states, whole_batches=False, cache=request)  # the packed forward's token subsets
+
+    def template_blocks(self) -> list[str]:
+        return [key for _, _, key in cacheable_blocks(self.pipe.transformer)]
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config

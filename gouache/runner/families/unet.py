@@ -12,6 +12,8 @@ from gouache.runner.block_reuse import CacheRequest
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState
+from gouache.runner.template_reuse import TemplateRequest
+from gouache.runner.unet_templates import masked_blocks, unet_template_blocks
 
 
 class StableDiffusionFamily(Family):
@@ -53,6 +55,23 @@ class StableDiffusionFamily(Family):
                 hole = pixels * (pixel_mask < 0.5)
                 state.edit.masked_image_latents = self.encode_pixels(hole, state.generator)
         return noise * state.scheduler.init_noise_sigma
+
+    @property
+    def token_pixels(self) -> int:
+        return self.vae_scale  # a latent pixel
+
+    def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
+        with masked_blocks(self.unet, request, tuple(states[0].latents.shape[2:])):
+            return list(self.forward(states).split([s.rows for s in states]))
+
+    def template_blocks(self) -> list[str]:
+        return [key for _, _, key in unet_template_blocks(self.unet)]
+
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        return state.edit.latent_mask[0, 0].flatten() > 0  # a UNet's token is a latent pixel
+
+    def token_count(self, state: DenoiseState) -> int:
+        return state.latents.shape[2] * state.latents.shape[3]
 
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
         inputs = torch.cat([self._model_input(s) for s in states])
