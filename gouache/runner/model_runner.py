@@ -61,9 +61,11 @@ class ModelRunner:
         )
 
     def uses_template(self, request: ImageRequest) -> bool:
-        asked = self.template_config.default if request.template_cache is None else request.template_cache
-        asked = asked or request.register_template
-        return asked
+        """Whether the edit reuses a template: a registration does; an edit as it says (the API
+        sets `template_cache` when a request names its template), else by the server's default."""
+        if request.register_template:
+            return True
+        return self.template_config.default if request.template_cache is None else request.template_cache
 
     def execute(self, batch: Batch, cached: bool = True) -> StepOutput:
         """One denoising step of the batch: one forward (patched if it says so), then each

@@ -14,8 +14,7 @@ are put right from the outside for the duration of the forward:
 - joint attention: each image attends over [its text + its image tokens] (same-size images
   together, one attention call per size), in the model's token order.
 
-Flux's single-stream blocks concatenate text and image along the sequence; they get all rows
-as one stream (text rows, then image rows) and an empty text stream (`RowsSingleBlock`).
+This module has the packing and SD3; Flux's pieces are in `pack_flux`.
 No text copy per patch and no halo: the work is that of the images alone, plus the gathers.
 Images all of one size need no packing: they run as the model's own batch (unless
 `whole_batches` is False: benchmarks timing the packing itself).
@@ -29,11 +28,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import FluxPipeline
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
 from gouache.runner.block_reuse import CacheRequest, cached_blocks
@@ -329,7 +326,7 @@ def packed_sd3_forward(
         swaps += [norm_swaps(block.norm1, packing.image_index, packing, packing.image_rows),
                   norm_swaps(block.norm1_context, packing.text_index)]
     with (swapped(transformer, PackedJointAttnProcessor(packing), JointAttnProcessor2_0, swaps),
-          cached_blocks(transformer, _token_pass(cache, packing), "token", packing)):
+          cached_blocks(transformer, token_pass(cache, packing), "token", packing)):
         out = transformer(
             hidden_states=packing.pack(rows),
             timestep=timestep,
@@ -341,119 +338,7 @@ def packed_sd3_forward(
             for part, shape in zip(packing.unpack(out), shapes)]
 
 
-def _token_pass(cache: CacheRequest | None, packing: Packing):
+def token_pass(cache: CacheRequest | None, packing: Packing):
     """The block cache's pass over a packing's image tokens, if any image is cached."""
     return cache and cache.begin([packing.shapes[i][0] * packing.shapes[i][1] for i in packing.order], packing.order,
                                  "token")
-
-
-# ------------------------------------------------------------------------------------ Flux
-
-
-class PackedRotary(nn.Module):
-    """Stands in for FluxPosEmbed: per size, the RoPE of [text, one image's tokens] from the
-    image's own ids."""
-
-    def __init__(self, rope: nn.Module, packing: Packing):
-        super().__init__()
-        self.rope = rope
-        self.packing = packing
-
-    def forward(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        txt_ids = ids[: self.packing.text_len]
-        return [self.rope(torch.cat([txt_ids, FluxPipeline._prepare_latent_image_ids(1, *g.shape, ids.device, ids.dtype)]))
-                for g in self.packing.groups]
-
-
-class PackedFluxAttnProcessor:
-    """FluxAttnProcessor over packed rows, in both block kinds."""
-
-    def __init__(self, packing: Packing):
-        self.packing = packing
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        if attention_mask is not None:  # Flux pipelines pass none; a padded-text mask would need per-image work
-            raise NotImplementedError("packed Flux attention takes no attention mask")
-        norms, own = (attn.norm_q, attn.norm_k), (attn.to_q, attn.to_k, attn.to_v)
-        split = len(self.packing.text_index)
-        if encoder_hidden_states is None:  # single-stream: text rows, then image rows
-            rows = image_qkv(self.packing, attn, hidden_states[split:], own, norms, text_rows=hidden_states[:split])
-            text, image = [x[:split] for x in rows], [x[split:] for x in rows]
-        else:
-            image = image_qkv(self.packing, attn, hidden_states, own, norms)
-            added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
-                                          (attn.norm_added_q, attn.norm_added_k))]
-        image_out, text_out = self.packing.attend(image, text, text_first=True, rope=image_rotary_emb)
-        if encoder_hidden_states is None:
-            return torch.cat([text_out, image_out])[:, None]
-        return attn.to_out[1](attn.to_out[0](image_out[:, None])), attn.to_add_out(text_out[:, None])
-
-
-class RowsSingleBlock(nn.Module):
-    """A Flux single-stream block over packed rows: its text and image rows go through as one
-    stream (the block concatenates along the sequence, which rows of one token cannot)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
-        rows = torch.cat([encoder_hidden_states, hidden_states])
-        _, out = self.block(rows, rows[:, :0], temb, image_rotary_emb, joint_attention_kwargs)
-        return out[: len(encoder_hidden_states)], out[len(encoder_hidden_states):]
-
-
-def packed_flux_forward(
-    transformer: nn.Module,
-    samples: list[torch.Tensor],
-    timestep: torch.Tensor,
-    guidance: torch.Tensor | None,
-    pooled_projections: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    txt_ids: torch.Tensor,
-    whole_batches: bool = True,
-    cache: CacheRequest | None = None,
-) -> list[torch.Tensor]:
-    """Flux transformer over images of mixed sizes in one forward.
-
-    samples: [C_packed, h_tok, w_tok] token grids (caller order); timestep [num_images] (already
-    /1000); guidance [num_images] or None; pooled_projections [num_images, D'];
-    encoder_hidden_states [num_images, L, D]; txt_ids [L, 3]. Returns [C_packed, h_tok, w_tok]
-    per image, equal to each image's own forward. With a `cache`, blocks reuse cached outputs
-    per token.
-    """
-    if transformer.config.patch_size != 1:
-        raise ValueError("packed Flux expects packed latents (transformer patch_size 1)")
-    shapes = [tuple(x.shape[1:]) for x in samples]
-    if whole_batches and len(set(shapes)) == 1:
-        img_ids = FluxPipeline._prepare_latent_image_ids(1, *shapes[0], txt_ids.device, txt_ids.dtype)
-        with cached_blocks(transformer, cache and cache.begin()):
-            out = transformer(hidden_states=torch.stack([x.flatten(1).T for x in samples]), timestep=timestep,
-                              guidance=guidance, pooled_projections=pooled_projections,
-                              encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
-                              return_dict=False)[0]
-        return [x.T.reshape(-1, *shapes[0]) for x in out]
-    packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
-    all_rows = torch.cat([packing.text_index, packing.image_index])
-    swaps = [(transformer, "pos_embed", PackedRotary(transformer.pos_embed, packing)),
-             norm_swaps(transformer.norm_out, packing.image_index)]
-    for block in transformer.transformer_blocks:
-        swaps += [norm_swaps(block.norm1, packing.image_index, packing, packing.image_rows),
-                  norm_swaps(block.norm1_context, packing.text_index)]
-    singles = transformer.single_transformer_blocks
-    for i, block in enumerate(singles):
-        swaps += [norm_swaps(block.norm, all_rows, packing, packing.image_rows), (singles, str(i), RowsSingleBlock(block))]
-    with (swapped(transformer, PackedFluxAttnProcessor(packing), FluxAttnProcessor, swaps),
-          cached_blocks(transformer, _token_pass(cache, packing), "token", packing)):
-        out = transformer(
-            hidden_states=packing.pack([x.flatten(1).T for x in samples])[:, None],
-            timestep=timestep,
-            guidance=guidance,
-            pooled_projections=pooled_projections,
-            encoder_hidden_states=packing.text(encoder_hidden_states),
-            txt_ids=txt_ids,
-            img_ids=txt_ids.new_zeros(1, 3),  # PackedRotary makes every image's own ids
-            return_dict=False,
-        )[0]  # [S_img, 1, C]
-    return [part[:, 0].T.reshape(-1, *shape) for part, shape in zip(packing.unpack(out), shapes)]

@@ -2,10 +2,10 @@
 other tokens' activations from a template's recorded ones.
 
 A template is an image that edits come back to (a model photo for virtual try-on, a face for
-face swap), named by a content hash of its pixels or by the id a client gives it. The first
-edit of it (its *recorder*) runs in full and records, per step, every transformer block's
-output and every attention's keys and values, of all image tokens, into the tiered `TemplateStore`
-(one entry per step). A later edit of the same template, size, step count and guidance rows
+face swap), named by the id a client gives it or a hash of its upload (of its pixels, offline).
+The first edit of it (its *recorder*, or `POST /v1/templates`) runs in full and records, per
+step, every transformer block's output and every attention's keys and values, of all image
+tokens, into the tiered `TemplateStore` (one entry per step). A later edit of the same template, size, step count and guidance rows
 (its *key*) computes, in each block, only the tokens of its own mask and of the recorder's
 (the common unmasked region is what they share):
 
@@ -15,17 +15,19 @@ output and every attention's keys and values, of all image tokens, into the tier
   and projects no key or value of a token it does not compute);
 - the block's output for the other tokens is the template's.
 
-It runs through the packed DiT forward (`pack_dit`), whose blocks and attention already run on
+DiTs run it through the packed forward (`pack_dit`), whose blocks and attention already run on
 a subset of tokens for the block cache: this module supplies a pass with the block cache's
-interface (`select`, `merge`, `end`; `kv` in place of `stale`). Edits of any mask ratio, templates and plain
-requests share one forward. When the recorder and the edit are the same request (same seed,
+interface (`select`, `merge`, `end`; `kv` in place of `stale`), and edits of any mask ratio,
+recorders and plain requests share one forward. UNets run it in their transformer blocks
+(`unet_templates`), with a pass per token grid. When the recorder and the edit are the same request (same seed,
 prompt and mask), the template's activations are the ones the full forward would compute, so
 the edit is exact; otherwise the unmasked tokens' activations are the template's, an
 approximation measured by `gouache bench edit`.
 
-An edit whose tokens to compute cover more than `full_above` of the image runs in full (the
-gathers would cost more than they save); a step whose entry the store no longer has (evicted,
-corrupt) runs in full too, never with a wrong activation.
+Which blocks of a step replay is InstGenIE's load plan on profiled costs (`plan`); without a
+profile, an edit whose tokens to compute cover more than `full_above` of the image runs in full.
+A step whose entry the store no longer has (evicted, corrupt, or never recorded: its recorder
+was cancelled) runs in full and records it again, never with a wrong activation.
 """
 
 from __future__ import annotations
@@ -156,19 +158,19 @@ class TemplateCache:
             role = self.role(rid, use, state.step)
             if role == "record":
                 any_template = True
-                record: dict[str, list] = {}
-                recordings.append((f"{use.key}/{state.step}", record, use.tokens, state.rows,
-                                   state.step + 1 == len(state.timesteps), rid, use.key))
-                for part in parts:
-                    part.record = record
+                recordings.append(_record(state, parts))
             elif role == "replay":
                 tier = self.store.tier_of(f"{use.key}/{state.step}")
                 entry = self.store.get(f"{use.key}/{state.step}")
                 if state.step + 1 < len(state.timesteps):
                     self.store.prefetch(f"{use.key}/{state.step + 1}")  # read from disk during this step
-                computed = None if entry is None else (use.tokens | entry[MASK].to(use.tokens.device, torch.bool))
-                full_blocks = None if computed is None else self.plan(blocks, count, float(computed.float().mean()),
-                                                                      state.rows, tier)
+                if entry is None:  # evicted, unreadable, or its recorder stopped early: record it again
+                    self.counts.full_steps += 1
+                    any_template = True
+                    recordings.append(_record(state, parts))
+                    continue
+                computed = use.tokens | entry[MASK].to(use.tokens.device, torch.bool)
+                full_blocks = self.plan(blocks, count, float(computed.float().mean()), state.rows, tier)
                 if full_blocks is None:
                     self.counts.full_steps += 1
                     continue
@@ -208,6 +210,15 @@ class TemplateCache:
                 with self._lock:
                     if self._recording.get(key) == rid:
                         del self._recording[key]
+
+
+def _record(state, parts: list[_Image]) -> tuple:
+    """A recording of `state`'s activations at its step, filled by the forward's pass."""
+    use, record = state.template, {}
+    for part in parts:
+        part.record = record
+    return (f"{use.key}/{state.step}", record, use.tokens, state.rows, state.step + 1 == len(state.timesteps),
+            state.request.request_id, use.key)
 
 
 @dataclass

@@ -92,3 +92,31 @@ def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path):
     assert tokens["replayed"] > 0
     # registration records with no token repainted: the edit computes exactly its own mask's tokens
     assert tokens["computed"] / (tokens["computed"] + tokens["replayed"]) == pytest.approx((24 // 16 + 1) ** 2 / 16)
+
+
+def test_templates_under_worker_processes_and_next_to_other_requests(pipes, tmp_path):
+    """A multiproc worker holds its own store: a recorder and a replay there, batched with a
+    block-cached generation and a plain one under patched (mixed sizes)."""
+    config = EngineConfig(executor="multiproc", devices=1, templates=TemplateConfig(directory=str(tmp_path)))
+    engine = AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="patched"))
+    original = np.random.default_rng(3).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[32:64, 0:32, 3] = 0
+
+    async def scenario():
+        await engine.start()
+        try:
+            record = images("record", image=png(original), mask=png(mask), template_cache=True, template_id="t")
+            await (await engine.submit(record)).images()
+            handles = [await engine.submit(images("replay", image=png(original), mask=png(mask), template_cache=True,
+                                                  template_id="t")),
+                       await engine.submit(images("cached", size=96, block_cache=0.5)),
+                       await engine.submit(images("plain", size=96))]
+            return [await h.images() for h in handles]
+        finally:
+            await engine.aclose()
+
+    results = run(scenario())
+    assert all(len(events) == 1 for events in results)
+    assert samples(engine, "gouache_template_tokens")["replayed"] > 0
+    assert (tmp_path / "rank-0").is_dir()  # the worker's own store directory

@@ -9,7 +9,8 @@ from diffusers import FluxPipeline, SD3Transformer2DModel
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
 from gouache.runner.models import load_pipeline
-from gouache.runner.pack_dit import Packing, packed_flux_forward, packed_sd3_forward
+from gouache.runner.pack_dit import Packing, packed_sd3_forward
+from gouache.runner.pack_flux import packed_flux_forward
 
 TOL = 1e-4
 TEXT_LEN = 24  # any length works; real prompts give 333 (SD3) or 512 (Flux) tokens

@@ -106,6 +106,8 @@ def test_a_near_full_mask_or_a_lost_entry_runs_in_full(pipe, tmp_path):
     lost = run(runner, [(edit("lost"), original, mask)])["lost"]
     assert runner.templates.counts.full_steps == STEPS and runner.templates.store.corrupt == STEPS
     assert (lost - exact).abs().max() <= TOL
+    run(runner, [(edit("healed"), original, mask)])  # the lost steps were recorded again by the edit that missed them
+    assert runner.templates.counts.replayed_tokens > 0 and runner.templates.counts.full_steps == STEPS
 
 
 def test_the_live_load_plan_overlaps_loads_and_computes_the_rest_in_full(tmp_path):

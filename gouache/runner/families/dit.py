@@ -9,14 +9,15 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from gouache.request import ImageRequest
 from gouache.runner.block_reuse import CacheRequest, cacheable_blocks
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
-from gouache.runner.pack_dit import packed_flux_forward, packed_sd3_forward
+from gouache.runner.pack_dit import packed_sd3_forward
+from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.sampler import DenoiseState
 from gouache.runner.template_reuse import TemplateRequest
 
 
 class FlowFamily(Family):
     """What SD3 and Flux share: VAE shift/scale, flow-matching re-noising of kept regions, and
-    one forward over mixed sizes by packing tokens (`runner/pack_dit.py`), not patches."""
+    one forward over mixed sizes by packing tokens (`runner/pack_dit.py`, `pack_flux.py`), not patches."""
 
     patches = False
 
