@@ -52,8 +52,8 @@ class Metrics:
         self.cache_bytes = Gauge("gouache_block_cache_bytes", "Activations the block cache holds, by device",
                                  ["device"], registry=r)
         self.template_tokens = Counter("gouache_template_tokens_total",
-                                       "Token-blocks (a token in one block) of template edits: replayed from the "
-                                       "template or computed",
+                                       "Token-blocks (a token in one block) of template edits: image tokens replayed "
+                                       "from the template or computed, text rows replayed (replayed_text)",
                                        ["result"], registry=r)
         self.template_lookups = Counter("gouache_template_store_lookups_total",
                                         "Template store reads: a hit in a tier (device, host, disk) or a miss",

@@ -19,7 +19,7 @@ class StepOutput:
     reused_blocks: int = 0  # unit-blocks the block cache reused in this step (units: patches or images)
     computed_blocks: int = 0  # ... and computed, of the images it caches
     cache_bytes: int = 0  # the block cache's activations held after it
-    template_tokens: dict[str, int] = field(default_factory=dict)  # replayed | computed image tokens of template edits
+    template_tokens: dict[str, int] = field(default_factory=dict)  # token-blocks of template edits: replayed | computed | replayed_text
     template_lookups: dict[str, int] = field(default_factory=dict)  # store gets: hit tier (device|host|disk) | miss
     template_bytes: dict[str, int] = field(default_factory=dict)  # the template store's bytes per tier after it
 

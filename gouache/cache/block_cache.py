@@ -205,6 +205,13 @@ class CachePass:
     def skeletons(self) -> dict[Hashable, object]:
         return self.cache.skeletons
 
+    def select_text(self, block: Hashable, text: torch.Tensor) -> None:
+        """Text rows are always computed here (each image's text attends to all of its tokens)."""
+        return None
+
+    def merge_text(self, block: Hashable, fresh: torch.Tensor, computed: None) -> torch.Tensor:
+        return fresh
+
     def _setup(self, device: torch.device) -> None:
         """Index tensors on the device of the activations, made at the first block."""
         if self._rows is None or self._rows.device != device:

@@ -37,6 +37,8 @@ class Mode:
     per_unit: tuple[str, ...]  # block arguments with one row per unit: sliced to the computed units
     unit_outputs: tuple[int, ...] | None  # which of the block's outputs have a row per unit; None: all
     always_runs: bool  # the block runs even when every unit is reused (it has other rows to compute)
+    text: str | None = None  # the argument with one row per text token (packed DiTs), which a pass may subset
+    text_output: int | None = None  # ... and the output that has them
 
 
 MODES = {
@@ -44,7 +46,7 @@ MODES = {
     # the text stays per image: the patch operators index it
     "patch": Mode(("hidden_states", "temb", "res_hidden_states_tuple"), None, False),
     # DiT blocks return (text rows, image rows); temb is per image, modulations follow `Packing`
-    "token": Mode(("hidden_states",), (1,), True),
+    "token": Mode(("hidden_states",), (1,), True, "encoder_hidden_states", 0),
 }
 
 
@@ -57,9 +59,10 @@ class CacheRequest:
     thresholds: tuple[float, ...]
 
     def begin(self, units: Sequence[int] | None = None, order: Sequence[int] | None = None,
-              mode: str = "image") -> CachePass | None:
+              mode: str = "image", text_len: int = 0) -> CachePass | None:
         """The cache pass of a forward whose units come in image `order` (caller indices),
-        `units[i]` for the i-th of them; image mode: one unit per row, in caller order."""
+        `units[i]` for the i-th of them; image mode: one unit per row, in caller order. Text
+        rows (`text_len` per image) are always computed here."""
         order = range(len(self.keys)) if order is None else order
         units = [1] * len(self.keys) if units is None else units
         return self.cache.begin([self.keys[i] for i in order], units, [self.thresholds[i] for i in order], mode)
@@ -103,24 +106,31 @@ class CachedBlock(nn.Module):
                 value = bound.arguments.get(name)
                 if value is not None:
                     bound.arguments[name] = _rows(value, computed)
+        text = None
+        if self.mode.text is not None:
+            text = self.cache_pass.select_text(self.key, bound.arguments[self.mode.text])
+            if text is not None:
+                bound.arguments[self.mode.text] = bound.arguments[self.mode.text].index_select(0, text)
         skeletons = self.cache_pass.skeletons
         if computed is not None and not len(computed) and not self.mode.always_runs:  # every unit reused
             return _unflatten(skeletons[self.key], self.cache_pass.merge(self.key, x, computed, None))
-        with self._subset(computed):
+        with self._subset(computed, text):
             out = self.inner(*bound.args, **bound.kwargs)
         skeletons[self.key] = _skeleton(out)
         leaves = _flatten(out)
         picked = range(len(leaves)) if self.mode.unit_outputs is None else self.mode.unit_outputs
         for i, merged in zip(picked, self.cache_pass.merge(self.key, x, computed, [leaves[i] for i in picked])):
             leaves[i] = merged
+        if self.mode.text is not None and leaves[self.mode.text_output] is not None:  # SD3's last block has none
+            leaves[self.mode.text_output] = self.cache_pass.merge_text(self.key, leaves[self.mode.text_output], text)
         return _unflatten(out, leaves)
 
     @contextlib.contextmanager
-    def _subset(self, computed: torch.Tensor | None) -> Iterator[None]:
+    def _subset(self, computed: torch.Tensor | None, text: torch.Tensor | None) -> Iterator[None]:
         if self.index is None:
             yield
             return
-        self.index.subset = Subset(self.cache_pass, computed)
+        self.index.subset = Subset(self.cache_pass, computed, text)
         try:
             yield
         finally:
@@ -133,6 +143,7 @@ class Subset:
 
     cache_pass: CachePass
     computed: torch.Tensor | None  # indices of the forward's units (patches, tokens); None: all
+    text: torch.Tensor | None = None  # indices of the text rows computed (packed DiTs); None: all
 
     @property
     def caches_kv(self) -> bool:
@@ -146,6 +157,10 @@ class Subset:
     def kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An attention's keys and values for every token, from those of the computed ones."""
         return self.cache_pass.kv(attn, k, v, self.computed)
+
+    def text_kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """... for every text row, from those of the computed ones."""
+        return self.cache_pass.text_kv(attn, k, v, self.text)
 
     def rows(self, full: torch.Tensor) -> torch.Tensor:
         return full if self.computed is None else full.index_select(0, self.computed)

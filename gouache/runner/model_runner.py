@@ -17,7 +17,7 @@ from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS
 from gouache.runner.sampler import DenoiseState
-from gouache.runner.template_reuse import TemplateCache, TemplateUse, content_id, template_key
+from gouache.runner.template_reuse import TemplateCache, TemplateUse, content_id, template_key, text_digest
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class ModelRunner:
         if self.uses_template(request) and state.edit is not None:
             template_id = request.template_id or content_id(image)  # the API names every template; others: by pixels
             key = template_key(template_id, request.height, request.width, len(state.timesteps), state.rows)
-            state.template = TemplateUse(key, self.family.token_mask(state), request.register_template)
+            state.template = TemplateUse(key, self.family.token_mask(state), text_digest(state.cond, state.rows),
+                                         request.register_template)
         self.states[request.request_id] = state
         deadline = request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None
         return RequestState(
@@ -100,7 +101,7 @@ class ModelRunner:
         if templates is not None:
             after = templates.counts.snapshot(templates.store)
             change = {name: after[name] - before[name] for name in after}
-            output.template_tokens = {name: change.pop(name) for name in ("replayed", "computed")}
+            output.template_tokens = {name: change.pop(name) for name in ("replayed", "computed", "replayed_text")}
             output.template_lookups = change
             output.template_bytes = {tier: templates.store.nbytes(tier) for tier in TIERS}
         return output

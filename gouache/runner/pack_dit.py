@@ -136,29 +136,38 @@ class Packing:
 
     def _attend_queries(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None,
                         computed: torch.Tensor):
-        """Attention of the computed image rows' queries (and every text row's) over all keys:
-        one call per image, as each has its own number of queries (InstGenIE §3.1)."""
+        """Attention of the computed rows' queries (image tokens, and text rows: all, or under
+        template reuse those of the images that compute their text) over every key: one call
+        per image, as each has its own number of queries (InstGenIE §3.1)."""
         q, k, v = image
         starts = [g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)]
-        cuts = torch.searchsorted(computed, torch.tensor([*starts, self.image_rows], device=computed.device)).tolist()
+        cuts = _cuts(computed, [*starts, self.image_rows])
+        text_computed = self.subset.text
+        text_cuts = None
+        if text is not None and text_computed is not None:
+            text_cuts = _cuts(text_computed, [j * self.text_len for j in range(len(starts) + 1)])
         image_out, text_out, j = [], [], 0
         for g, group in enumerate(self.groups):
             for n in range(group.count):
                 start, a, b = starts[j], cuts[j], cuts[j + 1]
                 qi, ki, vi = q[a:b], k[start:start + group.tokens], v[start:start + group.tokens]
+                queried = 0  # text rows among the queries
                 if text is not None:
                     t = group.text_rows.start + n * self.text_len
-                    own = [x[t:t + self.text_len] for x in text]
+                    ta, tb = (t, t + self.text_len) if text_cuts is None else (text_cuts[j], text_cuts[j + 1])
+                    queried = tb - ta
+                    own = (text[0][ta:tb], text[1][t:t + self.text_len], text[2][t:t + self.text_len])
                     qi, ki, vi = [torch.cat([o, x] if text_first else [x, o]) for o, x in zip(own, (qi, ki, vi))]
                 if rope is not None:  # Flux: text first; the queries' positions are their tokens'
-                    positions = torch.cat([torch.arange(self.text_len, device=q.device),
+                    positions = torch.cat([torch.arange(queried, device=q.device),
                                            self.text_len + computed[a:b] - start])
                     qi = apply_rotary_emb(qi[None], tuple(f[positions] for f in rope[g]), sequence_dim=1)[0]
                     ki = apply_rotary_emb(ki[None], rope[g], sequence_dim=1)[0]
-                out = dispatch_attention_fn(qi[None], ki[None], vi[None]).flatten(2)
-                text_part, image_part = self._split(out, text is not None, text_first)
-                image_out.append(image_part[0])
-                text_out.append(text_part[0])
+                out = dispatch_attention_fn(qi[None], ki[None], vi[None]).flatten(2)[0]
+                parts = (queried, len(out) - queried) if text_first else (len(out) - queried, queried)
+                first, second = out.split(parts)
+                image_out.append(second if text_first else first)
+                text_out.append(first if text_first else second)
                 j += 1
         return torch.cat(image_out), (torch.cat(text_out) if text is not None else None)
 
@@ -168,22 +177,37 @@ class Packing:
         text_part, image_part = out.split(sizes, 1) if text_first else out.split(sizes[::-1], 1)[::-1]
         return text_part, image_part
 
+    @property
+    def text_rows_computed(self) -> int:
+        """Text rows the blocks get: all, or under template reuse those of the images computing theirs."""
+        text = None if self.subset is None else self.subset.text
+        return len(self.text_index) if text is None else len(text)
+
+
+def _cuts(rows: torch.Tensor, bounds: list[int]) -> list[int]:
+    """Where each range [bounds[i], bounds[i + 1]) starts among the sorted `rows` (and the last ends)."""
+    return torch.searchsorted(rows, torch.tensor(bounds, device=rows.device)).tolist()
+
 
 class ExpandRows(nn.Module):
     """Stands in for an AdaLN norm's `linear`: the modulation of each image, computed once from
-    its `temb` row, given to each of its rows. `image_rows` of `index` (its last ones) are image
-    rows: under the block cache, only those of the computed tokens."""
+    its `temb` row, given to each of its rows. With a `packing`, the first `text_rows` of `index`
+    are text rows and the rest image rows: under a subset, only the computed ones of each."""
 
-    def __init__(self, linear: nn.Module, index: torch.Tensor, packing: Packing | None = None, image_rows: int = 0):
+    def __init__(self, linear: nn.Module, index: torch.Tensor, packing: Packing | None = None, text_rows: int = 0):
         super().__init__()
-        self.linear, self.index, self.packing, self.image_rows = linear, index, packing, image_rows
+        self.linear, self.index, self.packing, self.text_rows = linear, index, packing, text_rows
 
     def forward(self, emb: torch.Tensor) -> torch.Tensor:
         index = self.index
         subset = None if self.packing is None else self.packing.subset
-        if subset is not None and subset.computed is not None and self.image_rows:
-            split = len(index) - self.image_rows
-            index = torch.cat([index[:split], index[split:].index_select(0, subset.computed)])
+        if subset is not None:
+            text, image = index[:self.text_rows], index[self.text_rows:]
+            if subset.text is not None and len(text):
+                text = text.index_select(0, subset.text)
+            if subset.computed is not None and len(image):
+                image = image.index_select(0, subset.computed)
+            index = torch.cat([text, image])
         return self.linear(emb).index_select(0, index)
 
 
@@ -217,10 +241,10 @@ def attention_modules(transformer: nn.Module) -> tuple[tuple[str, nn.Module], ..
 
 
 def norm_swaps(norm: nn.Module, index: torch.Tensor, packing: Packing | None = None,
-               image_rows: int = 0) -> tuple[nn.Module, str, nn.Module]:
+               text_rows: int = 0) -> tuple[nn.Module, str, nn.Module]:
     if getattr(norm, "emb", None) is not None or not hasattr(norm, "linear"):
         raise ValueError(f"packed inference expects AdaLN norms modulated from temb; got {type(norm).__name__}")
-    return norm, "linear", ExpandRows(norm.linear, index, packing, image_rows)
+    return norm, "linear", ExpandRows(norm.linear, index, packing, text_rows)
 
 
 def image_qkv(packing: Packing, attn: nn.Module, rows: torch.Tensor, projections, norms,
@@ -228,7 +252,7 @@ def image_qkv(packing: Packing, attn: nn.Module, rows: torch.Tensor, projections
     """q, k, v [S, H, d] of an attention's image `rows` (after `text_rows`, if given: Flux's
     single-stream blocks). Under a subset, `rows` are the computed tokens': q is theirs only,
     while k and v are of every token, the others' from the cache: the cache's keys and values
-    (template reuse), or its inputs to project (the block cache)."""
+    (template reuse, which also subsets `text_rows`), or its inputs to project (the block cache)."""
     subset = packing.subset
     joined = rows if text_rows is None else torch.cat([text_rows, rows])
     if subset is None:
@@ -237,14 +261,25 @@ def image_qkv(packing: Packing, attn: nn.Module, rows: torch.Tensor, projections
     if subset.caches_kv:
         q, k, v = (x[0] for x in project(joined.transpose(0, 1), attn.heads, projections, norms))
         image_k, image_v = subset.kv(attn, k[split:], v[split:])
-        if not split:
+        if text_rows is None:
             return q, image_k, image_v
-        return q, torch.cat([k[:split], image_k]), torch.cat([v[:split], image_v])
+        text_k, text_v = subset.text_kv(attn, k[:split], v[:split])
+        return q, torch.cat([text_k, image_k]), torch.cat([text_v, image_v])
     every = subset.full(attn, rows)
     if text_rows is not None:
         every = torch.cat([text_rows, every])
     q = project(joined.transpose(0, 1), attn.heads, projections[:1], norms[:1])[0][0]
     k, v = (x[0] for x in project(every.transpose(0, 1), attn.heads, projections[1:], norms[1:]))
+    return q, k, v
+
+
+def text_qkv(packing: Packing, attn: nn.Module, rows: torch.Tensor) -> QKV:
+    """q, k, v [S, H, d] of a joint attention's text `rows`: under template reuse the computed
+    ones', with keys and values of every text row, the others' from the template."""
+    added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    q, k, v = (x[0] for x in project(rows.transpose(0, 1), attn.heads, added, (attn.norm_added_q, attn.norm_added_k)))
+    if packing.subset is not None and packing.subset.caches_kv:
+        k, v = packing.subset.text_kv(attn, k, v)
     return q, k, v
 
 
@@ -280,11 +315,7 @@ class PackedJointAttnProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         image = image_qkv(self.packing, attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
-        text = None
-        if encoder_hidden_states is not None:
-            added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
-                                          (attn.norm_added_q, attn.norm_added_k))]
+        text = None if encoder_hidden_states is None else text_qkv(self.packing, attn, encoder_hidden_states)
         image_out, text_out = self.packing.attend(image, text, text_first=False)
         image_out = attn.to_out[1](attn.to_out[0](image_out[:, None]))
         if text is None:
@@ -323,8 +354,8 @@ def packed_sd3_forward(
     swaps = [(transformer, "pos_embed", PackedPosEmbed(transformer.pos_embed, packing)),
              norm_swaps(transformer.norm_out, packing.image_index)]
     for block in transformer.transformer_blocks:
-        swaps += [norm_swaps(block.norm1, packing.image_index, packing, packing.image_rows),
-                  norm_swaps(block.norm1_context, packing.text_index)]
+        swaps += [norm_swaps(block.norm1, packing.image_index, packing),
+                  norm_swaps(block.norm1_context, packing.text_index, packing, len(packing.text_index))]
     with (swapped(transformer, PackedJointAttnProcessor(packing), JointAttnProcessor2_0, swaps),
           cached_blocks(transformer, token_pass(cache, packing), "token", packing)):
         out = transformer(
@@ -341,4 +372,4 @@ def packed_sd3_forward(
 def token_pass(cache: CacheRequest | None, packing: Packing):
     """The block cache's pass over a packing's image tokens, if any image is cached."""
     return cache and cache.begin([packing.shapes[i][0] * packing.shapes[i][1] for i in packing.order], packing.order,
-                                 "token")
+                                 "token", packing.text_len)

@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
 from gouache.runner.block_reuse import CacheRequest, cached_blocks
-from gouache.runner.pack_dit import Packing, image_qkv, norm_swaps, project, swapped, token_pass
+from gouache.runner.pack_dit import Packing, image_qkv, norm_swaps, swapped, text_qkv, token_pass
 
 
 class PackedRotary(nn.Module):
@@ -42,15 +42,13 @@ class PackedFluxAttnProcessor:
         if attention_mask is not None:  # Flux pipelines pass none; a padded-text mask would need per-image work
             raise NotImplementedError("packed Flux attention takes no attention mask")
         norms, own = (attn.norm_q, attn.norm_k), (attn.to_q, attn.to_k, attn.to_v)
-        split = len(self.packing.text_index)
         if encoder_hidden_states is None:  # single-stream: text rows, then image rows
-            rows = image_qkv(self.packing, attn, hidden_states[split:], own, norms, text_rows=hidden_states[:split])
-            text, image = [x[:split] for x in rows], [x[split:] for x in rows]
+            split, every = self.packing.text_rows_computed, len(self.packing.text_index)  # queries, keys
+            q, k, v = image_qkv(self.packing, attn, hidden_states[split:], own, norms, text_rows=hidden_states[:split])
+            text, image = (q[:split], k[:every], v[:every]), (q[split:], k[every:], v[every:])
         else:
             image = image_qkv(self.packing, attn, hidden_states, own, norms)
-            added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-            text = [x[0] for x in project(encoder_hidden_states.transpose(0, 1), attn.heads, added,
-                                          (attn.norm_added_q, attn.norm_added_k))]
+            text = text_qkv(self.packing, attn, encoder_hidden_states)
         image_out, text_out = self.packing.attend(image, text, text_first=True, rope=image_rotary_emb)
         if encoder_hidden_states is None:
             return torch.cat([text_out, image_out])[:, None]
@@ -106,11 +104,12 @@ def packed_flux_forward(
     swaps = [(transformer, "pos_embed", PackedRotary(transformer.pos_embed, packing)),
              norm_swaps(transformer.norm_out, packing.image_index)]
     for block in transformer.transformer_blocks:
-        swaps += [norm_swaps(block.norm1, packing.image_index, packing, packing.image_rows),
-                  norm_swaps(block.norm1_context, packing.text_index)]
+        swaps += [norm_swaps(block.norm1, packing.image_index, packing),
+                  norm_swaps(block.norm1_context, packing.text_index, packing, len(packing.text_index))]
     singles = transformer.single_transformer_blocks
     for i, block in enumerate(singles):
-        swaps += [norm_swaps(block.norm, all_rows, packing, packing.image_rows), (singles, str(i), RowsSingleBlock(block))]
+        swaps += [norm_swaps(block.norm, all_rows, packing, len(packing.text_index)),
+                  (singles, str(i), RowsSingleBlock(block))]
     with (swapped(transformer, PackedFluxAttnProcessor(packing), FluxAttnProcessor, swaps),
           cached_blocks(transformer, token_pass(cache, packing), "token", packing)):
         out = transformer(

@@ -50,6 +50,7 @@ from gouache.sched.costmodel import MaskCostModel
 from gouache.sched.costmodel import load as load_cost_model
 
 MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
+TEXT = "text_digest"  # [rows, 16] uint8 in each step entry: the recorder's `text_digest` per row
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,28 @@ class TemplateUse:
 
     key: str  # template id + the geometry activations depend on
     tokens: torch.Tensor  # [tokens] bool, raster order: the image tokens its mask repaints
+    text: tuple[bytes, ...] = ()  # per row, a digest of its conditioning (`text_digest`): equal text replays
     register: bool = False  # records the template afresh, whatever the store holds (POST /v1/templates)
 
 
 def template_key(template_id: str, height: int, width: int, steps: int, rows: int) -> str:
     return f"{template_id}:{height}x{width}:{steps}:{rows}"
+
+
+def text_digest(cond: dict[str, torch.Tensor], rows: int) -> tuple[bytes, ...]:
+    """Per forward row, a digest of everything it is conditioned on (prompt embeddings, pooled
+    embeddings, guidance): rows of equal digests have equal text rows in every block, but for
+    what they attend to."""
+    digests = []
+    for row in range(rows):
+        digest = hashlib.blake2b(digest_size=16)
+        for name in sorted(cond):
+            value = cond[name]
+            part = value[row] if value.ndim and value.shape[0] == rows else value
+            digest.update(name.encode())
+            digest.update(part.detach().float().cpu().numpy().tobytes())
+        digests.append(digest.digest())
+    return tuple(digests)
 
 
 def content_id(image: np.ndarray) -> str:
@@ -89,6 +107,7 @@ class _Image:
     entry: dict[str, torch.Tensor] | None = None  # the template's activations at this step (replay)
     full_blocks: frozenset[str] = frozenset()  # blocks where the load plan computes all its tokens
     row: int = 0  # its row of its request (CFG: 0 uncond, 1 cond)
+    text_replay: bool = False  # its text rows are the template's too: its text is the recorder's (DiTs)
     record: dict[str, list[torch.Tensor | None]] | None = None  # its request's recording of this step
 
 
@@ -96,12 +115,13 @@ class _Image:
 class TemplateCounts:
     replayed_tokens: int = 0  # token-blocks whose output came from a template (a token in one block)
     computed_tokens: int = 0  # token-blocks computed, in blocks that replayed some
+    replayed_text: int = 0  # text-row-blocks whose output came from a template (DiTs)
     full_steps: int = 0  # edit steps of a known template that ran in full (near-full mask, store miss)
 
     def snapshot(self, store: TemplateStore) -> dict[str, int]:
         """Counters of this cache and its store, to report the change over a step."""
-        return {"replayed": self.replayed_tokens, "computed": self.computed_tokens, "miss": store.misses,
-                **store.hits}
+        return {"replayed": self.replayed_tokens, "computed": self.computed_tokens, "replayed_text": self.replayed_text,
+                "miss": store.misses, **store.hits}
 
 
 class TemplateCache:
@@ -176,8 +196,10 @@ class TemplateCache:
                     continue
                 any_template = True
                 local = computed.nonzero().squeeze(1)
+                recorded = [bytes(row.tolist()) for row in entry[TEXT]] if TEXT in entry else []
                 for part in parts:
                     part.entry, part.computed, part.full_blocks = entry, local, full_blocks
+                    part.text_replay = part.row < len(recorded) == len(use.text) and recorded[part.row] == use.text[part.row]
         return TemplateRequest(self, model, tuple(blocks), images, recordings) if any_template else None
 
     def plan(self, blocks: Sequence[str], tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
@@ -200,16 +222,18 @@ class TemplateCache:
 
     def finish(self, recordings: list, blocks: list[str]) -> None:
         """Store what a forward recorded (one entry per recorder and step), if it ran every block."""
-        for name, record, tokens, rows, last, rid, key in recordings:
+        for name, record, use, rows, last, rid in recordings:
             if not all(len(record.get(block, ())) == rows for block in blocks):
                 continue  # the forward failed part-way: nothing of it is stored
             entry = {label: torch.stack(parts) for label, parts in record.items()}
-            entry[MASK] = tokens.to(torch.uint8).cpu()
+            entry[MASK] = use.tokens.to(torch.uint8).cpu()
+            if use.text:
+                entry[TEXT] = torch.tensor([list(d) for d in use.text], dtype=torch.uint8)
             self.store.put(name, entry)
             if last:
                 with self._lock:
-                    if self._recording.get(key) == rid:
-                        del self._recording[key]
+                    if self._recording.get(use.key) == rid:
+                        del self._recording[use.key]
 
 
 def _record(state, parts: list[_Image]) -> tuple:
@@ -217,8 +241,8 @@ def _record(state, parts: list[_Image]) -> tuple:
     use, record = state.template, {}
     for part in parts:
         part.record = record
-    return (f"{use.key}/{state.step}", record, use.tokens, state.rows, state.step + 1 == len(state.timesteps),
-            state.request.request_id, use.key)
+    return (f"{use.key}/{state.step}", record, use, state.rows, state.step + 1 == len(state.timesteps),
+            state.request.request_id)
 
 
 @dataclass
@@ -232,53 +256,69 @@ class TemplateRequest:
     recordings: list = field(default_factory=list)
 
     def begin(self, units: Sequence[int] | None = None, order: Sequence[int] | None = None,
-              mode: str = "token") -> TemplatePass:
+              mode: str = "token", text_len: int = 0) -> TemplatePass:
         if mode != "token" or units is None:
             raise ValueError("template reuse runs on a packed forward's tokens")
-        return TemplatePass(self, [self.images[i] for i in order])
+        return TemplatePass(self, [self.images[i] for i in order], text_len)
 
 
 class TemplatePass:
-    """One forward's template reuse, with the block cache's pass interface (`block_reuse`)."""
+    """One forward's template reuse, with the block cache's pass interface (`block_reuse`):
+    image tokens (`select`, `merge`, `kv`) and, in a packed DiT, each image's `text_len` text
+    rows (`select_text`, `merge_text`, `text_kv`)."""
 
     caches_kv = True  # attentions take the template's keys and values (`kv`)
 
-    def __init__(self, request: TemplateRequest, images: list[_Image]):
-        self.request, self.images = request, images  # images in packed order
+    def __init__(self, request: TemplateRequest, images: list[_Image], text_len: int = 0):
+        self.request, self.images, self.text_len = request, images, text_len  # images in packed order
         self.skeletons: dict[str, object] = {}
         self.names = {id(m): name for name, m in attention_modules(request.model)}
         self.num_units = sum(image.tokens for image in images)
         self._index: dict[tuple, tuple] = {}
         self._block = ""  # the block running now
 
-    def _indices(self, device: torch.device, block: str):
-        """At `block`: (computed rows or None, replayed rows, (image, its local replayed tokens)
-        per image replayed there)."""
-        full_here = tuple(image.computed is None or block in image.full_blocks for image in self.images)
-        if (device, full_here) not in self._index:
+    def _replays(self, block: str) -> tuple[bool, ...]:
+        return tuple(image.computed is not None and block not in image.full_blocks for image in self.images)
+
+    def _indices(self, device: torch.device, block: str, text: bool = False):
+        """At `block`: (computed rows or None: all, replayed rows, (image, its local replayed
+        rows) per image replayed there), of image tokens or of text rows."""
+        replays = self._replays(block)
+        key = (device, replays, text)
+        if key not in self._index:
             computed, replayed, sources, start = [], [], [], 0
-            for image, full in zip(self.images, full_here):
-                every = torch.arange(image.tokens, device=device)
-                if full:
+            for image, replay in zip(self.images, replays):
+                size = self.text_len if text else image.tokens
+                every = torch.arange(size, device=device)
+                local = None
+                if replay and not text:
+                    local = image.computed.to(device)
+                elif replay and image.text_replay:
+                    local = every[:0]
+                if local is None:
                     computed.append(start + every)
                 else:
-                    local = image.computed.to(device)
-                    keep = torch.ones(image.tokens, dtype=torch.bool, device=device)
+                    keep = torch.ones(size, dtype=torch.bool, device=device)
                     keep[local] = False
                     computed.append(start + local)
                     replayed.append(start + every[keep])
                     sources.append((image, every[keep]))
-                start += image.tokens
+                start += size
             rows = torch.cat(computed)
-            replayed_rows = torch.cat(replayed) if replayed else rows[:0]
-            self._index[device, full_here] = (None if len(rows) == self.num_units else rows, replayed_rows, sources)
-        return self._index[device, full_here]
+            everything = not replayed and (text or not any(r and i.text_replay for r, i in zip(replays, self.images)))
+            self._index[key] = (None if everything else rows, torch.cat(replayed) if replayed else rows[:0], sources)
+        return self._index[key]
 
     def select(self, block: str, x: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] != self.num_units:
             raise ValueError(f"block input has {x.shape[0]} rows for {self.num_units} image tokens")
         self._block = block  # the attentions inside it fill their keys and values by its indices
         return self._indices(x.device, block)[0]
+
+    def select_text(self, block: str, text: torch.Tensor) -> torch.Tensor | None:
+        if text.shape[0] != self.text_len * len(self.images):
+            raise ValueError(f"block has {text.shape[0]} text rows for {len(self.images)} images of {self.text_len}")
+        return self._indices(text.device, block, text=True)[0]
 
     def merge(self, block: str, x: torch.Tensor, computed: torch.Tensor | None,
               fresh: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
@@ -288,27 +328,40 @@ class TemplatePass:
             counts.computed_tokens += len(computed)
         return [self._fill(block, f, computed) for f in fresh]
 
+    def merge_text(self, block: str, fresh: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
+        if computed is not None:
+            self.request.cache.counts.replayed_text += self.text_len * len(self.images) - len(computed)
+        return self._fill(f"{block}.text", fresh, computed, text=True)
+
     def kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor,
            computed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         name = self.names[id(attn)]
         return self._fill(f"{name}.k", k, computed), self._fill(f"{name}.v", v, computed)
 
-    def _fill(self, name: str, x: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
-        """x (rows of `computed`, or all) for every token: the replayed ones' from their
-        templates; records the recorders' rows."""
-        _, replayed, sources = self._indices(x.device, self._block)
+    def text_kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor,
+                computed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        name = self.names[id(attn)]
+        return (self._fill(f"{name}.text_k", k, computed, text=True),
+                self._fill(f"{name}.text_v", v, computed, text=True))
+
+    def _fill(self, name: str, x: torch.Tensor, computed: torch.Tensor | None, text: bool = False) -> torch.Tensor:
+        """x (rows of `computed`, or all) for every image token (text row): the replayed ones'
+        from their templates; records the recorders' rows."""
+        _, replayed, sources = self._indices(x.device, self._block, text)
         full = x
         if computed is not None:
-            full = x.new_empty((self.num_units, *x.shape[1:]))
+            full = x.new_empty((self.text_len * len(self.images) if text else self.num_units, *x.shape[1:]))
             full.index_copy_(0, computed, x)
-            full.index_copy_(0, replayed, torch.cat([
-                image.entry[name][image.row].to(x.device, x.dtype).index_select(0, local) for image, local in sources]))
+            if len(replayed):
+                full.index_copy_(0, replayed, torch.cat([
+                    image.entry[name][image.row].to(x.device, x.dtype).index_select(0, local)
+                    for image, local in sources]))
         start = 0
         for image in self.images:
+            size = self.text_len if text else image.tokens
             if image.record is not None:
-                parts = image.record.setdefault(name, [])
-                parts.append(full[start:start + image.tokens].detach().clone())
-            start += image.tokens
+                image.record.setdefault(name, []).append(full[start:start + size].detach().clone())
+            start += size
         return full
 
     def end(self) -> None:

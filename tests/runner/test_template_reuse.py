@@ -56,6 +56,7 @@ def test_a_replay_of_the_recorders_own_request_is_exact_and_computes_the_mask_on
     counts = runner.templates.counts
     assert (recorded - exact).abs().max() <= TOL  # the recorder ran in full
     assert (replayed - exact).abs().max() <= TOL
+    assert (counts.replayed_text > 0) == (not runner.family.patches)  # the same text: a DiT replays its text rows
     tokens = runner.states["again"].template.tokens
     assert counts.computed_tokens and counts.replayed_tokens / counts.computed_tokens == pytest.approx(
         (~tokens).sum().item() / tokens.sum().item())
@@ -72,6 +73,10 @@ def test_an_edit_of_another_prompt_and_seed_takes_the_template_outside_its_mask(
     difference = (replayed - exact).abs()
     assert 0 < difference.max() < 0.5 * exact.abs().max()  # an approximation, not garbage
     assert runner.templates.counts.replayed_tokens > 0
+    # text rows replay where the conditioning is the recorder's: CFG's unconditional row (its empty
+    # negative prompt) of a DiT; not a prompt of its own, nor a UNet (cross-attention, no text rows)
+    uncond_replays = not runner.family.patches and runner.states["other"].rows == 2
+    assert (runner.templates.counts.replayed_text > 0) == uncond_replays
 
 
 def test_replays_share_a_forward_with_other_sizes_and_plain_requests(pipe, tmp_path):
