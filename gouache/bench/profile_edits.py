@@ -86,7 +86,8 @@ class Edits:
         self._ids = 0
         probe = runner.family.prepare(self._request("probe"))
         self.text_rows = probe.cond["prompt_embeds"].shape[1]
-        self._run([self._request("register", template_id=f"profile-{size}", register_template=True)],
+        # recorded with another prompt than its edits': they compute their own text rows, as most do
+        self._run([self._request("register", "a green square", template_id=f"profile-{size}", register_template=True)],
                   np.zeros((size, size), np.float32))
 
     def side(self, ratio: float) -> int:
@@ -95,11 +96,11 @@ class Edits:
     def share(self, ratio: float) -> float:
         return self.side(ratio) ** 2 / self.tokens
 
-    def _request(self, prefix: str, **fields):
+    def _request(self, prefix: str, prompt: str = "a red circle", **fields):
         from gouache.request import ImageRequest
 
         self._ids += 1
-        return ImageRequest(f"{prefix}-{self.size}-{self._ids}", "a red circle", self.size, self.size,
+        return ImageRequest(f"{prefix}-{self.size}-{self._ids}", prompt, self.size, self.size,
                             self.repeats + 1, self.info.default_guidance, self._ids, image=b"-", **fields)
 
     def step_s(self, ratio: float, batch: int, template: bool) -> float:

@@ -138,9 +138,10 @@ class TemplateCache:
         self._recording: dict[str, str] = {}  # key -> the request recording it
         self._roles: dict[str, str] = {}  # request id -> "record" | "replay", decided at its first step here
 
-    def role(self, request_id: str, use: TemplateUse, step: int) -> str:
+    def role(self, request_id: str, use: TemplateUse, step: int, steps: int) -> str:
         """Record, replay, or neither (an edit whose key another request records right now and
-        has no step 0 yet, or one that arrives here mid-way: it runs in full)."""
+        has no step 0 yet, or one that arrives here mid-way: it runs in full). A replay starts
+        reading every step it will need from the disk tier, in order, in the store's thread."""
         with self._lock:
             role = self._roles.get(request_id)
             if role is None:
@@ -149,6 +150,8 @@ class TemplateCache:
                     self._recording[use.key] = request_id
                 elif self.store.tier_of(f"{use.key}/0") is not None:
                     role = "replay"
+                    for later in range(step, steps):
+                        self.store.prefetch(f"{use.key}/{later}")
                 elif step == 0 and use.key not in self._recording:
                     role = "record"
                     self._recording[use.key] = request_id
@@ -175,15 +178,13 @@ class TemplateCache:
             if use is None:
                 continue
             rid = state.request.request_id
-            role = self.role(rid, use, state.step)
+            role = self.role(rid, use, state.step, len(state.timesteps))
             if role == "record":
                 any_template = True
                 recordings.append(_record(state, parts))
             elif role == "replay":
                 tier = self.store.tier_of(f"{use.key}/{state.step}")
                 entry = self.store.get(f"{use.key}/{state.step}")
-                if state.step + 1 < len(state.timesteps):
-                    self.store.prefetch(f"{use.key}/{state.step + 1}")  # read from disk during this step
                 if entry is None:  # evicted, unreadable, or its recorder stopped early: record it again
                     self.counts.full_steps += 1
                     any_template = True
