@@ -63,7 +63,7 @@ def add_arguments(p) -> None:
                         "devices; --samples, --max-batch, --seed and --patch-size are refused with it) "
                         "(default: %(default)s)")
     p.add_argument("--edits", action="store_true",
-                   help="fit the mask-aware cost model of template edits instead (DiT models; `gouache serve "
+                   help="fit the mask-aware cost model of template edits instead (`gouache serve "
                         "--template-cost-model`): replayed vs full steps over --ratios, cache loads (default: off)")
     p.add_argument("--ratios", default="0.1,0.2,0.4,0.6,0.8,1.0", action=Given,
                    help="mask ratios profiled with --edits (default: %(default)s)")

@@ -25,9 +25,9 @@ def run(args) -> int:
     import torch
 
     from gouache.config import TemplateConfig
-    from gouache.runner.block_reuse import cacheable_blocks
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.models import load_pipeline, model_info
+    from gouache.runner.unet_templates import unet_template_blocks
     from gouache.sched.costmodel import MaskCostModel, save
 
     if args.torch_threads:
@@ -35,20 +35,20 @@ def run(args) -> int:
     pipe = load_pipeline(args.model, args.dtype, args.device)
     info = model_info(pipe, args.model)
     runner = ModelRunner(pipe, templates=TemplateConfig(full_above=1.0))  # every replay masked, even at m = 1
-    if info.family not in ("sd3", "flux"):
-        raise ValueError(f"{args.model} is a {info.family} model; --edits profiles mask-aware edits of DiTs (sd3, flux) "
-                         "(UNet edits run without a cost model: in full above 90 % of the latent pixels)")
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sizes = [int(s) for s in args.sizes.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
-    transformer = pipe.transformer
-    probe = Edits(runner, info, sizes[0], args.repeats)
-    model = MaskCostModel(transformer.config.num_attention_heads * transformer.config.attention_head_dim,
-                          len(cacheable_blocks(transformer)), torch.finfo(pipe.dtype).bits // 8,
-                          text_tokens=probe.text_rows, tensors=3)
+    by_size = {size: Edits(runner, info, size, args.repeats) for size in sizes}
+    if runner.family.patches:  # a UNet: its transformer blocks, of a few widths; no text rows
+        blocks = [getattr(parent, name) for parent, name, _ in unet_template_blocks(pipe.unet)]
+        hidden, text = round(sum(b.attn1.to_q.in_features for b in blocks) / len(blocks)), 0
+    else:
+        config = pipe.transformer.config
+        hidden, text = config.num_attention_heads * config.attention_head_dim, by_size[sizes[0]].text_rows
+    model = MaskCostModel(hidden, len(runner.family.template_blocks()), torch.finfo(pipe.dtype).bits // 8,
+                          text_tokens=text, tensors=3)
     compute, plain, load = [], [], []
-    for size in sizes:
-        edits = Edits(runner, info, size, args.repeats)
+    for edits in by_size.values():
         for ratio in ratios:
             for batch in (1, 2):
                 rows = [(edits.tokens, edits.share(ratio))] * (batch * edits.rows)
