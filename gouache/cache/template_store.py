@@ -100,6 +100,13 @@ class TemplateStore:
             if key in self._disk and key not in self._reads:
                 self._reads[key] = self._reader.submit(self._read, key)
 
+    def drop_reads(self, prefix: str) -> None:
+        """Forget the reads started for entries whose keys start with `prefix` (their reader
+        left): what they read is not kept in memory."""
+        with self._lock:
+            for key in [k for k in self._reads if k.startswith(prefix)]:
+                self._reads.pop(key).cancel()
+
     def close(self) -> None:
         self._reader.shutdown(wait=True)
 

@@ -136,14 +136,14 @@ class TemplateCache:
         self.counts = TemplateCounts()
         self._lock = threading.Lock()
         self._recording: dict[str, str] = {}  # key -> the request recording it
-        self._roles: dict[str, str] = {}  # request id -> "record" | "replay", decided at its first step here
+        self._roles: dict[str, tuple[str, str]] = {}  # request id -> (role, key), decided at its first step here
 
     def role(self, request_id: str, use: TemplateUse, step: int, steps: int) -> str:
         """Record, replay, or neither (an edit whose key another request records right now and
         has no step 0 yet, or one that arrives here mid-way: it runs in full). A replay starts
         reading every step it will need from the disk tier, in order, in the store's thread."""
         with self._lock:
-            role = self._roles.get(request_id)
+            role = self._roles.get(request_id, (None, ""))[0]
             if role is None:
                 if use.register and step == 0:
                     role = "record"
@@ -157,14 +157,16 @@ class TemplateCache:
                     self._recording[use.key] = request_id
                 else:
                     role = "full"
-                self._roles[request_id] = role
+                self._roles[request_id] = (role, use.key)
             return role
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            self._roles.pop(request_id, None)
-            for key in [k for k, rid in self._recording.items() if rid == request_id]:
-                del self._recording[key]
+            role, key = self._roles.pop(request_id, (None, ""))
+            for recorded in [k for k, rid in self._recording.items() if rid == request_id]:
+                del self._recording[recorded]
+            if role == "replay" and not any(k == key for r, k in self._roles.values() if r == "replay"):
+                self.store.drop_reads(f"{key}/")  # what it read ahead from disk and nobody will take
 
     def begin(self, model: nn.Module, states: Sequence, tokens: Sequence[int],
               blocks: Sequence[str]) -> TemplateRequest | None:

@@ -85,3 +85,13 @@ def test_a_disk_only_store_reads_its_files_without_writing_them_again(tmp_path):
         assert torch.equal(store.get("a")["out"], entry(1.0)["out"])
     assert path.stat().st_mtime_ns == written and store.hits["disk"] == 3 and store.tier_of("a") == "disk"
     assert store.nbytes("disk") == path.stat().st_size
+
+
+def test_reads_started_for_a_reader_that_left_are_dropped(tmp_path):
+    store = TemplateStore(tmp_path, {"disk": 1 << 20})
+    for key in ("t:1/0", "t:1/1", "u:1/0"):
+        store.put(key, entry(1.0))
+        store.prefetch(key)
+    store.drop_reads("t:1/")
+    assert set(store._reads) == {"u:1/0"}
+    assert torch.equal(store.get("t:1/1")["out"], entry(1.0)["out"])  # still on disk: read when asked
