@@ -137,8 +137,8 @@ class Packing:
     def _attend_queries(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None,
                         computed: torch.Tensor):
         """Attention of the computed rows' queries (image tokens, and text rows: all, or under
-        template reuse those of the images that compute their text) over every key: one call
-        per image, as each has its own number of queries (InstGenIE §3.1)."""
+        template reuse those of the images that compute their text) over every key, per image:
+        each has its own number of queries (InstGenIE §3.1); images of equal shapes share a call."""
         q, k, v = image
         starts = [g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)]
         cuts = _cuts(computed, [*starts, self.image_rows])
@@ -146,7 +146,7 @@ class Packing:
         text_cuts = None
         if text is not None and text_computed is not None:
             text_cuts = _cuts(text_computed, [j * self.text_len for j in range(len(starts) + 1)])
-        image_out, text_out, j = [], [], 0
+        calls, queried_text, j = [], [], 0
         for g, group in enumerate(self.groups):
             for n in range(group.count):
                 start, a, b = starts[j], cuts[j], cuts[j + 1]
@@ -163,12 +163,15 @@ class Packing:
                                            self.text_len + computed[a:b] - start])
                     qi = apply_rotary_emb(qi[None], tuple(f[positions] for f in rope[g]), sequence_dim=1)[0]
                     ki = apply_rotary_emb(ki[None], rope[g], sequence_dim=1)[0]
-                out = dispatch_attention_fn(qi[None], ki[None], vi[None]).flatten(2)[0]
-                parts = (queried, len(out) - queried) if text_first else (len(out) - queried, queried)
-                first, second = out.split(parts)
-                image_out.append(second if text_first else first)
-                text_out.append(first if text_first else second)
+                calls.append((qi, ki, vi))
+                queried_text.append(queried)
                 j += 1
+        image_out, text_out = [], []
+        for out, queried in zip(attend_each(calls), queried_text):
+            parts = (queried, len(out) - queried) if text_first else (len(out) - queried, queried)
+            first, second = out.split(parts)
+            image_out.append(second if text_first else first)
+            text_out.append(first if text_first else second)
         return torch.cat(image_out), (torch.cat(text_out) if text is not None else None)
 
     def _split(self, out: torch.Tensor, has_text: bool, text_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +185,21 @@ class Packing:
         """Text rows the blocks get: all, or under template reuse those of the images computing theirs."""
         text = None if self.subset is None else self.subset.text
         return len(self.text_index) if text is None else len(text)
+
+
+def attend_each(calls: list[QKV]) -> list[torch.Tensor]:
+    """Attention of each (q, k, v) [S, H, d] on its own, in as few calls as can be: consecutive
+    ones of equal shapes (the CFG rows of one edit, say) are stacked into one batch. Returns
+    each one's output [S_q, H * d]."""
+    out, i = [], 0
+    while i < len(calls):
+        j = i + 1
+        while j < len(calls) and all(a.shape == b.shape for a, b in zip(calls[i], calls[j])):
+            j += 1
+        batch = [torch.stack(parts) for parts in zip(*calls[i:j])]
+        out.extend(dispatch_attention_fn(*batch).flatten(2).unbind(0))
+        i = j
+    return out
 
 
 def _cuts(rows: torch.Tensor, bounds: list[int]) -> list[int]:

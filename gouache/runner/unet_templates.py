@@ -18,6 +18,7 @@ and recordings (`template_reuse`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import replace
@@ -28,14 +29,17 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
+from gouache.runner.pack_dit import attend_each
 from gouache.runner.template_reuse import TemplatePass, TemplateRequest
 
 
-def unet_template_blocks(unet: nn.Module) -> list[tuple[nn.Module, str, str]]:
-    """(parent, attribute, key) of every transformer block of the UNet, in forward order."""
-    return [(module.transformer_blocks, str(i), f"{name}.transformer_blocks.{i}")
-            for name, module in unet.named_modules() if isinstance(module, Transformer2DModel)
-            for i in range(len(module.transformer_blocks))]
+@functools.lru_cache(maxsize=16)
+def unet_template_blocks(unet: nn.Module) -> tuple[tuple[nn.Module, str, str], ...]:
+    """(parent, attribute, key) of every transformer block of the UNet, in forward order; found
+    once per model (walking its modules costs a millisecond, every forward needs them)."""
+    return tuple((module.transformer_blocks, str(i), f"{name}.transformer_blocks.{i}")
+                 for name, module in unet.named_modules() if isinstance(module, Transformer2DModel)
+                 for i in range(len(module.transformer_blocks)))
 
 
 class UNetTemplatePass:
@@ -130,12 +134,11 @@ class RowsAttnProcessor:
                     for b in range(self.batch)]
         else:
             keys = list(zip(attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)))
-        cuts, heads, out = self._cuts(rows.device), attn.heads, []
-        for b, (kb, vb) in enumerate(keys):
-            qb = q[cuts[b]:cuts[b + 1]]
-            split = [x.unflatten(-1, (heads, -1)).transpose(0, 1)[None] for x in (qb, kb, vb)]  # [1, H, S, d]
-            out.append(F.scaled_dot_product_attention(*split)[0].transpose(0, 1).flatten(1))
-        return attn.to_out[1](attn.to_out[0](torch.cat(out)))[None] / attn.rescale_output_factor
+        cuts, heads = self._cuts(rows.device), attn.heads
+        calls = [tuple(x.unflatten(-1, (heads, -1)) for x in (q[cuts[b]:cuts[b + 1]], kb, vb))  # [S, H, d]
+                 for b, (kb, vb) in enumerate(keys)]
+        out = torch.cat(attend_each(calls))
+        return attn.to_out[1](attn.to_out[0](out))[None] / attn.rescale_output_factor
 
 
 @contextlib.contextmanager
