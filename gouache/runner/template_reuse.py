@@ -5,9 +5,10 @@ A template is an image that edits come back to (a model photo for virtual try-on
 face swap), named by the id a client gives it or a hash of its upload (of its pixels, offline).
 The first edit of it (its *recorder*, or `POST /v1/templates`) runs in full and records, per
 step, every transformer block's output and every attention's keys and values, of all image
-tokens, into the tiered `TemplateStore` (one entry per step). A later edit of the same template, size, step count and guidance rows
-(its *key*) computes, in each block, only the tokens of its own mask and of the recorder's
-(the common unmasked region is what they share):
+tokens (and text rows), into the tiered `TemplateStore` (one entry per step). A later edit of
+the same template, size, step count and guidance rows (its *key*) computes, in each block,
+only the tokens of its own mask and of the recorder's (the common unmasked region is what
+they share), and the text rows whose conditioning differs from the recorder's:
 
 - token-wise work (norms, projections, feed-forwards) runs on those tokens only;
 - attention takes their queries, with keys and values of every token, the others' from the
@@ -200,9 +201,10 @@ class TemplateCache:
                 any_template = True
                 local = computed.nonzero().squeeze(1)
                 recorded = [bytes(row.tolist()) for row in entry[TEXT]] if TEXT in entry else []
+                same_rows = len(recorded) == len(use.text)
                 for part in parts:
                     part.entry, part.computed, part.full_blocks = entry, local, full_blocks
-                    part.text_replay = part.row < len(recorded) == len(use.text) and recorded[part.row] == use.text[part.row]
+                    part.text_replay = same_rows and recorded[part.row] == use.text[part.row]
         return TemplateRequest(self, model, tuple(blocks), images, recordings) if any_template else None
 
     def plan(self, blocks: Sequence[str], tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
