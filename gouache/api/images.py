@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 _FILE_FIELDS = ("image", "image[]", "mask")
 _MAX_FORM_FIELDS = 64  # far more than the API has; stops field floods before validation
+# edit fields a template registration would ignore (it returns no image and uses no block cache)
+_NOT_FOR_TEMPLATES = ("mask", "n", "stream", "partial_images", "template_cache", "response_format", "output_format",
+                      "output_compression", "block_cache")
 
 
 @router.post("/v1/images/generations")
@@ -73,10 +76,10 @@ async def register_template(request: Request, ctx: ApiContext = Depends(get_cont
     arrival, api_id = _start(request)
     _require_content_type(request, "multipart/form-data")
     form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
-    sent = next((name for name in ("mask", "n", "stream", "partial_images", "template_cache") if name in form), None)
+    sent = next((name for name in _NOT_FOR_TEMPLATES if name in form), None)
     if sent is not None:
-        raise InvalidRequestError(f"Invalid value for '{sent}': a template is registered whole, once, without a "
-                                  "stream; leave it out.", sent)
+        raise InvalidRequestError(f"Invalid value for '{sent}': a template is recorded whole, once, and answers "
+                                  "with its id, not an image; leave it out.", sent)
     image = await _read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
     params = ImageEditRequest.model_validate({**_text_fields(form), "template_cache": "true"},
                                              context=ctx.validation_context)

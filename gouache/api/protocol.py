@@ -284,6 +284,9 @@ class ImageEditRequest(ImageParams):
             raise InvalidRequestError(f"Invalid value for '{field}': every step of this server's scheduling policy "
                                       "runs on several devices, where template reuse does not apply; leave it out.",
                                       field)
+        if asked and self.block_cache:
+            raise InvalidRequestError("Invalid value for 'block_cache': an edit that reuses its template does not "
+                                      "use the block cache; send one of them.", "block_cache")
         template_id = self.template_id
         if template_id is None and info.templates and image is not None:  # the same upload is the same template
             template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()

@@ -130,6 +130,7 @@ class AsyncEngine:
         from gouache.sched.costmodel import BatchCostModel
         from gouache.sched.parallel_costmodel import ParallelCostModel
         from gouache.sched.costmodel import load as load_cost_model
+        from gouache.sched.costmodel import load_mask_model
 
         if engine_config.torch_threads:
             torch.set_num_threads(engine_config.torch_threads)
@@ -144,9 +145,13 @@ class AsyncEngine:
             raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
                              "several devices, where the block cache does not apply")
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
-        if engine_config.templates.default and not caches_blocks(make_policy(sched_config, predictor),
-                                                                 engine_config.devices):
-            raise ValueError(f"--template-cache would be ignored: every step of --policy {sched_config.policy} runs "
+        templates = engine_config.templates
+        if templates.cost_model:
+            load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
+        if (templates.default or templates.cost_model) and not caches_blocks(make_policy(sched_config, predictor),
+                                                                             engine_config.devices):
+            flag = "--template-cache" if templates.default else "--template-cost-model"
+            raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs "
                              "on several devices, where template reuse does not apply")
         executor = None
         if engine_config.executor != "uniproc":

@@ -47,8 +47,7 @@ from gouache.cache.load_plan import plan_loads
 from gouache.cache.template_store import TemplateStore
 from gouache.config import TemplateConfig
 from gouache.runner.pack_dit import attention_modules
-from gouache.sched.costmodel import MaskCostModel
-from gouache.sched.costmodel import load as load_cost_model
+from gouache.sched.costmodel import load_mask_model
 
 MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
 TEXT = "text_digest"  # [rows, 16] uint8 in each step entry: the recorder's `text_digest` per row
@@ -91,14 +90,6 @@ def content_id(image: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def mask_cost_model(path: str) -> MaskCostModel:
-    model = load_cost_model(path)
-    if not isinstance(model, MaskCostModel):
-        raise ValueError(f"{path} is a {model.kind!r} cost model; --template-cost-model takes the mask-aware one "
-                         "of `gouache profile --edits` (kind 'mask')")
-    return model
-
-
 @dataclass
 class _Image:
     """One image (request row) of a forward, as the pass treats it."""
@@ -133,7 +124,7 @@ class TemplateCache:
         self.device = torch.device(device)
         self._scratch = None if config.directory else tempfile.TemporaryDirectory(prefix="gouache-templates-")
         self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device)
-        self.cost = mask_cost_model(config.cost_model) if config.cost_model else None
+        self.cost = load_mask_model(config.cost_model) if config.cost_model else None
         self.counts = TemplateCounts()
         self._lock = threading.Lock()
         self._recording: dict[str, str] = {}  # key -> the request recording it

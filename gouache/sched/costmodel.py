@@ -333,6 +333,15 @@ def save(model: CostModel, path: str | Path) -> None:
     Path(path).write_text(json.dumps(model.to_json(), indent=1))
 
 
+def load_mask_model(path: str | Path) -> MaskCostModel:
+    """The mask-aware model of `gouache profile --edits` at `path`; a ValueError naming the flag otherwise."""
+    model = load(path)
+    if not isinstance(model, MaskCostModel):
+        raise ValueError(f"{path} is a {model.kind!r} cost model; --template-cost-model takes the mask-aware one "
+                         "of `gouache profile --edits` (kind 'mask')")
+    return model
+
+
 def load(path: str | Path) -> CostModel:
     """Read a cost model written by `save`, whichever kind it is."""
     data = json.loads(Path(path).read_text())

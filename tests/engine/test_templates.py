@@ -77,16 +77,23 @@ def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path):
                                          files={"image": ("t.png", png(original), "image/png")})
             with_mask = await http.post("/v1/templates", data=form, files={
                 "image": ("t.png", png(original), "image/png"), "mask": ("m.png", png(mask), "image/png")})
+            ignored = [await http.post("/v1/templates", data={**form, field: value},
+                                       files={"image": ("t.png", png(original), "image/png")})
+                       for field, value in (("output_format", "jpeg"), ("block_cache", "0.1"))]
+            both = await http.post("/v1/images/edits", data={**form, "template_id": "model-photo", "block_cache": "0.1"},
+                                   files={"image": ("t.png", png(original), "image/png")})
             edit = await http.post("/v1/images/edits", data={**form, "template_id": "model-photo"}, files={
                 "image": ("t.png", png(original), "image/png"), "mask": ("m.png", png(mask), "image/png")})
         await engine.aclose()
-        return registered, with_mask, edit
+        return registered, with_mask, edit, ignored, both
 
-    registered, with_mask, edit = run(scenario())
+    registered, with_mask, edit, ignored, both = run(scenario())
     assert registered.status_code == 200, registered.text
     assert registered.json() == {"id": "model-photo", "object": "template", "size": "64x64",
                                  "num_inference_steps": 3, "guidance_scale": engine.info.default_guidance}
     assert with_mask.status_code == 400 and with_mask.json()["error"]["param"] == "mask"
+    assert [r.json()["error"]["param"] for r in ignored] == ["output_format", "block_cache"]
+    assert both.status_code == 400 and both.json()["error"]["param"] == "block_cache"
     assert edit.status_code == 200, edit.text
     tokens = samples(engine, "gouache_template_tokens")
     assert tokens["replayed"] > 0
@@ -120,3 +127,17 @@ def test_templates_under_worker_processes_and_next_to_other_requests(pipes, tmp_
     assert all(len(events) == 1 for events in results)
     assert samples(engine, "gouache_template_tokens")["replayed"] > 0
     assert (tmp_path / "rank-0").is_dir()  # the worker's own store directory
+
+
+def test_a_template_cost_model_of_another_kind_or_under_sequence_parallel_steps_is_refused(tmp_path):
+    from gouache.sched.costmodel import BatchCostModel, MaskCostModel, save
+
+    batch, mask = tmp_path / "batch.json", tmp_path / "mask.json"
+    save(BatchCostModel([(64, 64)], patch_px=32), batch)
+    save(MaskCostModel(64, 2), mask)
+    with pytest.raises(ValueError, match="--template-cost-model takes the mask-aware one"):
+        AsyncEngine.from_config(ModelConfig("tiny-sd3"), EngineConfig(templates=TemplateConfig(cost_model=str(batch))),
+                                SchedulerConfig())
+    config = EngineConfig(executor="multiproc", devices=2, templates=TemplateConfig(cost_model=str(mask)))
+    with pytest.raises(ValueError, match="--template-cost-model would be ignored"):
+        AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
