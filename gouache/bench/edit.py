@@ -177,10 +177,7 @@ class Bench:
         self.edit(runner, request, image, np.zeros(image.shape[:2], np.float32))
 
     def latency(self, ratio: float, repeats: int) -> dict:
-        side = max(1, min(self.grid, round(self.grid * ratio**0.5)))
-        mask = np.zeros((self.size, self.size), np.float32)
-        lo = (self.grid - side) // 2 * self.token
-        mask[lo:lo + side * self.token, lo:lo + side * self.token] = 1
+        mask, token_ratio = centred_mask(self.size, self.token, ratio)
         image = picture(sample_scene(random.Random(1)), self.size, seed=1)
         template_id = f"sweep-{ratio}"
         own, new = "a red circle", "a blue square"  # the template's prompt, an edit's
@@ -194,7 +191,6 @@ class Bench:
                                                     template_id=template_id), image, mask)[1:]
                     for k in range(repeats + 1)][1:]  # the first is a warm-up
             timings[label] = [statistics.median(r[i] for r in runs) for i in (0, 1)]
-        token_ratio = side * side / self.tokens
         rows = 2 if self.info.uses_cfg and self.info.default_guidance > 1 else 1
         return {
             "ratio": ratio, "token_ratio": token_ratio,
@@ -323,6 +319,17 @@ async def _serve_load(model, info, size, steps, policy, use_templates, scenes, p
         await engine.aclose()
     return {"policy": policy, "templates": use_templates, "seconds": elapsed, "edits_per_s": len(load) / elapsed,
             "mean_latency_s": statistics.mean(latencies), "p90_latency_s": float(np.percentile(latencies, 90))}
+
+
+def centred_mask(size: int, token: int, ratio: float) -> tuple[np.ndarray, float]:
+    """A [size, size] mask repainting a centred square of whole tokens (`token` pixels a side),
+    about `ratio` of them; and the share of tokens it repaints."""
+    grid = size // token
+    side = max(1, min(grid, round(grid * ratio**0.5)))
+    lo = (grid - side) // 2 * token
+    mask = np.zeros((size, size), np.float32)
+    mask[lo:lo + side * token, lo:lo + side * token] = 1
+    return mask, side * side / (grid * grid)
 
 
 def picture(scene: Scene, size: int, seed: int) -> np.ndarray:

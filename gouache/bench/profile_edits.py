@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.bench.edit import centred_mask
+
 RATIOS = "0.1,0.2,0.4,0.6,0.8,1.0"
 
 
@@ -51,7 +53,7 @@ def run(args) -> int:
     for edits in by_size.values():
         for ratio in ratios:
             for batch in (1, 2):
-                rows = [(edits.tokens, edits.share(ratio))] * (batch * edits.rows)
+                rows = [(edits.tokens, centred_mask(edits.size, edits.token, ratio)[1])] * (batch * edits.rows)
                 compute.append((rows, edits.step_s(ratio, batch, template=True)))
                 plain.append((rows, edits.step_s(ratio, batch, template=False)))
                 load.append((rows, _copy_s(model.cache_bytes(rows), args.device, args.repeats, sync)))
@@ -79,8 +81,7 @@ class Edits:
 
         self.runner, self.info, self.size, self.repeats = runner, info, size, repeats
         self.token = runner.family.token_pixels
-        self.grid = size // self.token
-        self.tokens = self.grid**2
+        self.tokens = (size // self.token) ** 2
         self.image = render(sample_scene(random.Random(size)), size, size, seed=size)
         self.rows = 2 if info.uses_cfg and info.default_guidance > 1 else 1
         self._ids = 0
@@ -89,12 +90,6 @@ class Edits:
         # recorded with another prompt than its edits': they compute their own text rows, as most do
         self._run([self._request("register", "a green square", template_id=f"profile-{size}", register_template=True)],
                   np.zeros((size, size), np.float32))
-
-    def side(self, ratio: float) -> int:
-        return max(1, min(self.grid, round(self.grid * ratio**0.5)))
-
-    def share(self, ratio: float) -> float:
-        return self.side(ratio) ** 2 / self.tokens
 
     def _request(self, prefix: str, prompt: str = "a red circle", **fields):
         from gouache.request import ImageRequest
@@ -105,10 +100,7 @@ class Edits:
 
     def step_s(self, ratio: float, batch: int, template: bool) -> float:
         """Median step seconds of `batch` edits repainting a centred square of `ratio`."""
-        side = self.side(ratio) * self.token
-        lo = (self.size - side) // 2
-        mask = np.zeros((self.size, self.size), np.float32)
-        mask[lo:lo + side, lo:lo + side] = 1
+        mask, _ = centred_mask(self.size, self.token, ratio)
         requests = [self._request("edit", template_cache=template, template_id=f"profile-{self.size}")
                     for _ in range(batch)]
         return statistics.median(self._run(requests, mask)[1:])  # the first step warms up
