@@ -1,4 +1,5 @@
-"""`gouache` command line: serve, generate, edit, models, export-model, train, profile, simulate, reproduce, bench."""
+"""`gouache` command line: serve, generate, edit, models, export-model, make-lora, train, profile, simulate, reproduce,
+bench."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
 from gouache.config import (
-    EXECUTORS, BlockCacheConfig, EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
+    EXECUTORS, BlockCacheConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig,
+    TemplateConfig,
 )
 from gouache.errors import GouacheError
 
@@ -100,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MiB of template activations in GPU memory per device (default: %(default)s)")
     serve.add_argument("--template-disk-mb", type=int, default=TemplateConfig.disk_bytes >> 20,
                        help="MiB of template activations on disk per device (default: %(default)s)")
+    serve.add_argument("--lora-dir", default=None,
+                       help="directory of LoRA adapters (<name>.safetensors, diffusers/peft or kohya keys); requests "
+                            "name them in `loras` (default: none: requests cannot ask for adapters)")
+    serve.add_argument("--lora-mb", type=int, default=LoraConfig.host_bytes >> 20, action=Given,
+                       help="MiB of LoRA adapters kept in host memory per device (default: %(default)s)")
+    serve.add_argument("--lora-bound", type=int, default=LoraConfig.bound, action=Given,
+                       help="bounded asynchronous LoRA loading: a request whose adapters are still being read denoises "
+                            "without them for at most this many steps (`gouache profile-lora` finds the step); "
+                            "approximate above 0 (default: %(default)s: synchronous, exact)")
     serve.add_argument("--image-workers", type=int, default=EngineConfig.image_workers,
                        help="processes that decode uploads and encode images (default: %(default)s)")
     serve.add_argument("--torch-threads", type=int, default=None,
@@ -145,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export-model", help="write a built-in model as a diffusers directory")
     export.add_argument("name")
     export.add_argument("directory")
+
+    make_lora = commands.add_parser("make-lora", help="write a random LoRA of a model's denoiser (for tests and benchmarks)")
+    _add_model_args(make_lora)
+    make_lora.add_argument("--out", required=True, help="the .safetensors file to write")
+    make_lora.add_argument("--rank", type=int, default=4, help="rank of each layer's update (default: %(default)s)")
+    make_lora.add_argument("--seed", type=int, default=0, help="seed of its random weights (default: %(default)s)")
 
     from gouache.bench import profile
     from gouache.sim import command as simulate
@@ -222,6 +239,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if "patch_size" in given(args) and not policy.mixes_resolutions:
         ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_resolutions')} "
                                  "cut them into patches")
+    for flag in ("lora_mb", "lora_bound"):
+        if flag in given(args) and not args.lora_dir:
+            ignored[flag] = "without --lora-dir no request can name an adapter"
     refuse_ignored(ignored)
     return (
         ModelConfig(args.model, args.dtype, args.device),
@@ -231,7 +251,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,
-                                              cost_model=args.template_cost_model)),
+                                              cost_model=args.template_cost_model),
+                     loras=LoraConfig(args.lora_dir, args.lora_mb << 20, args.lora_bound)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )
@@ -273,6 +294,22 @@ def _export(args) -> int:
     return 0
 
 
+def _make_lora(args) -> int:
+    from safetensors.torch import save_file
+
+    from gouache.adapters.lora import random_lora
+    from gouache.runner.models import load_pipeline
+
+    if args.rank < 1:
+        raise ValueError(f"--rank must be >= 1, got {args.rank}")
+    if not args.out.endswith(".safetensors"):
+        raise ValueError(f"--out must name a .safetensors file, got {args.out!r}")
+    weights = random_lora(load_pipeline(args.model, args.dtype, args.device), args.rank, args.seed)
+    save_file(weights, args.out)
+    print(f"wrote {args.out}: {len(weights) // 2} layers of rank {args.rank} for {args.model}")
+    return 0
+
+
 def _bench(args) -> int:
     from gouache.bench import batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
 
@@ -305,7 +342,7 @@ def _simulate(args) -> int:
     return run(args)
 
 
-_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "train": _train, "bench": _bench}
+_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "make-lora": _make_lora, "train": _train, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

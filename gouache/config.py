@@ -82,6 +82,22 @@ class TemplateConfig:
         return {"device": self.device_bytes, "host": self.host_bytes, "disk": self.disk_bytes}
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (`gouache.adapters`): files in `directory`, the popular ones in host memory,
+    and KATZ's bounded asynchronous loading: a request whose adapters are still being read
+    starts without them and takes them at the first step after they arrive, no later than step
+    `bound` (waiting there). `bound` 0 is synchronous loading (exact)."""
+
+    directory: str | None = None  # `--lora-dir`: <name>.safetensors files; None: no adapters
+    host_bytes: int = 2 << 30  # adapters kept in host memory (LRU)
+    bound: int = 0  # the step by which a request's adapters must have joined (0: before its first)
+
+    def __post_init__(self) -> None:
+        _check(self.host_bytes >= 0, f"LoRA host memory must be >= 0 bytes, got {self.host_bytes}")
+        _check(self.bound >= 0, f"the LoRA loading bound must be a step >= 0, got {self.bound}")
+
+
 @dataclass
 class EngineConfig:
     """Limits and worker counts of one engine (one replica)."""
@@ -97,6 +113,7 @@ class EngineConfig:
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
+    loras: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")

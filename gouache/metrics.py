@@ -60,6 +60,22 @@ class Metrics:
                                         ["result"], registry=r)
         self.template_bytes = Gauge("gouache_template_store_bytes", "Template activations held, by device and tier",
                                     ["device", "tier"], registry=r)
+        self.lora_steps = Counter("gouache_lora_steps_total",
+                                  "Steps that applied LoRA adapters, by how: merged into the weights, segmented per "
+                                  "request rows in one forward, or split into a forward per adapter set",
+                                  ["mode"], registry=r)
+        self.lora_merge = Histogram("gouache_lora_merge_seconds", "Merging and unmerging adapter weights in one step",
+                                    buckets=_STEP_BUCKETS, registry=r)
+        self.lora_loads = Counter("gouache_lora_loads_total",
+                                  "Adapter loads: from host memory (hit), from a file (miss), or refused (failed)",
+                                  ["result"], registry=r)
+        self.lora_load_time = Histogram("gouache_lora_load_seconds", "Reading and checking one adapter file",
+                                        buckets=_STEP_BUCKETS, registry=r)
+        self.lora_request_steps = Counter("gouache_lora_request_steps_total",
+                                          "Request-steps whose adapters were still loading: run without them (before "
+                                          "the loading bound) or waiting (at it)", ["result"], registry=r)
+        self.lora_bytes = Gauge("gouache_lora_host_bytes", "Adapters held in host memory, by device", ["device"],
+                                registry=r)
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""

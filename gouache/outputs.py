@@ -22,6 +22,13 @@ class StepOutput:
     template_tokens: dict[str, int] = field(default_factory=dict)  # token-blocks of template edits: replayed | computed | replayed_text
     template_lookups: dict[str, int] = field(default_factory=dict)  # store gets: hit tier (device|host|disk) | miss
     template_bytes: dict[str, int] = field(default_factory=dict)  # the template store's bytes per tier after it
+    lora_mode: str = ""  # how adapters applied: merged | segmented | split ("" if none did)
+    lora_merge_s: float = 0.0  # seconds merging and unmerging adapter weights
+    lora_waiting: int = 0  # requests left out of the step: at their loading bound, adapters still loading
+    lora_without: int = 0  # requests that ran the step without their adapters (still loading, before the bound)
+    lora_loads: dict[str, int] = field(default_factory=dict)  # adapter loads: hit | miss | failed
+    lora_load_s: list[float] = field(default_factory=list)  # seconds of each adapter file read that ended
+    lora_bytes: int = 0  # adapters held in host memory after it
 
 
 @dataclass

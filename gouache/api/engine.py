@@ -26,6 +26,15 @@ class Engine(Protocol):
         """
         ...
 
+    async def list_loras(self) -> list[dict]:
+        """The adapters of --lora-dir, each `{id, object: "lora", file_bytes, loaded, ...}`."""
+        ...
+
+    async def register_lora(self, name: str) -> dict:
+        """Check adapter `name` against the model and read it into host memory; what the listing
+        says of it. Raises InvalidRequestError for a name, file or shape that does not fit."""
+        ...
+
     def stats(self) -> EngineStats: ...
 
     async def render_metrics(self) -> bytes:

@@ -9,6 +9,7 @@ validated in lax mode (`n=2` in a form is the string "2").
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from gouache.adapters.directory import NAME as LORA_NAME
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import unpriced_message
@@ -31,6 +33,8 @@ MAX_GUIDANCE = 50.0  # beyond this every model produces noise; almost surely a m
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
 TEMPLATE_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAX_LORAS = 8  # adapters one request may apply
+MAX_LORA_SCALE = 4.0  # |scale|; past it an adapter swamps the model: almost surely a mistake
 # OpenAI fields that official clients send and gouache accepts but cannot honour, with why; the
 # API logs each once per process. Fields whose value would change the image in a way gouache
 # does not (`background: "transparent"`) are refused instead.
@@ -87,6 +91,15 @@ def _limits(info: ValidationInfo) -> Limits:
     return limits if isinstance(limits, Limits) else Limits()
 
 
+class LoraRef(BaseModel):
+    """One adapter of a request: a file of the server's --lora-dir, by name, and its weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=f"^{LORA_NAME}$")
+    scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
+
+
 class ImageParams(BaseModel):
     """Fields shared by generations and edits. Unknown fields are rejected, as OpenAI does."""
 
@@ -115,12 +128,33 @@ class ImageParams(BaseModel):
     slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)  # deadline after arrival
     # block-cache threshold (docs/patched.md); 0: exact; None: the server's --block-cache
     block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
+    # LoRA adapters (docs/adapters.md); a multipart edit sends the list as JSON text
+    loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS)
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         # OpenAI treats `"n": null` like an absent field.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_as_json(cls, loras: Any) -> Any:
+        if isinstance(loras, str):  # a multipart form field
+            try:
+                return json.loads(loras)
+            except json.JSONDecodeError:
+                raise ValueError('must be a JSON list such as [{"name": "papercut", "scale": 0.8}]') from None
+        return loras
+
+    @field_validator("loras")
+    @classmethod
+    def _loras_once_each(cls, loras: list[LoraRef]) -> list[LoraRef]:
+        names = [lora.name for lora in loras]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"names {', '.join(repeated)} more than once; give each adapter once, with its scale")
+        return loras
 
     @field_validator("prompt")
     @classmethod
@@ -238,6 +272,7 @@ class ImageParams(BaseModel):
                 partial_images=self.partial_images,
                 slo_ms=self.slo_ms,
                 block_cache=self.block_cache,
+                loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 **self._edit_fields(info, image),
                 image=image,
                 mask=mask,

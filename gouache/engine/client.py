@@ -53,7 +53,8 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     from gouache.executor.worker import WorkerSpec
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
-                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates)
+                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
+                      engine_config.loras)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
@@ -87,8 +88,10 @@ class AsyncEngine:
         itself prepares and decodes."""
         self.config = engine_config
         self.metrics = metrics or Metrics()
-        # prepares and decodes; under uniproc, also runs the steps (and holds the template store)
-        self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates)
+        # prepares and decodes; under uniproc, also runs the steps (and holds the template store and
+        # reads adapters as requests arrive; workers read theirs at a request's first step there)
+        self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates,
+                                  engine_config.loras, prefetch_loras=executor is None)
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))
@@ -204,6 +207,8 @@ class AsyncEngine:
         for request in requests:
             self._check_size(request)
         self._check_capacity(len(requests))
+        for name, _ in requests[0].loras:
+            await self._lora_call(self.runner.loras.store.check, name)
         decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
         api_id = requests[0].request_id.rsplit("-", 1)[0]
         handle = RequestHandle(api_id, len(requests), self._loop, lambda: self._cancel(api_id))
@@ -219,6 +224,26 @@ class AsyncEngine:
     def abort(self, api_id: str) -> bool:
         """Cancel an API request by id; False if it is not in flight."""
         return self._cancel(api_id)
+
+    async def list_loras(self) -> list[dict]:
+        """GET /v1/loras: the adapter directory, and which adapters sit in host memory."""
+        store = self.runner.loras.store
+        return await self._lora_call(lambda: [store.describe(name) for name in store.names()])
+
+    async def register_lora(self, name: str) -> dict:
+        """POST /v1/loras: check an adapter against the model and read it into every device's
+        host memory, so its first request finds it there."""
+        await self._lora_call(self.runner.loras.store.check, name)
+        return (await self._lora_call(self.pool.executor.collective_rpc, "load_lora", (name,)))[0]
+
+    async def _lora_call(self, function, *args):
+        """`function(*args)` on a thread; a LoRA that does not fit is the request's error (400)."""
+        from gouache.adapters.directory import LoraError
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+        except LoraError as error:
+            raise InvalidRequestError(str(error), "loras") from None
 
     def stats(self) -> EngineStats:
         with self._lock:

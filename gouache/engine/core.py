@@ -170,11 +170,26 @@ class EngineCore:
             self.metrics.template_lookups.labels(result).inc(n)
         for tier, n in output.template_bytes.items():
             self.metrics.template_bytes.labels(str(flight.batch.devices[0]), tier).set(n)
+        self._count_loras(output, str(flight.batch.devices[0]))
         step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
+
+    def _count_loras(self, output: StepOutput, device: str) -> None:
+        if output.lora_mode:
+            self.metrics.lora_steps.labels(output.lora_mode).inc()
+        if output.lora_merge_s:
+            self.metrics.lora_merge.observe(output.lora_merge_s)
+        for result, n in output.lora_loads.items():
+            self.metrics.lora_loads.labels(result).inc(n)
+        for seconds in output.lora_load_s:
+            self.metrics.lora_load_time.observe(seconds)
+        for result, n in (("without", output.lora_without), ("waiting", output.lora_waiting)):
+            if n:
+                self.metrics.lora_request_steps.labels(result).inc(n)
+        self.metrics.lora_bytes.labels(device).set(output.lora_bytes)
 
     def _lose(self, run: Run, ids: list[str], error: WorkerDied) -> None:
         """A worker died: its devices are lost, and with them the requests that were there."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gouache.config import BlockCacheConfig, TemplateConfig
+from gouache.config import BlockCacheConfig, LoraConfig, TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.sampler import DenoiseState
@@ -36,6 +36,7 @@ class WorkerSpec:
     torch_threads: int | None = None
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)
     templates: TemplateConfig = field(default_factory=TemplateConfig)
+    loras: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def cuda(self) -> bool:
@@ -82,7 +83,8 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
     templates = spec.templates  # each device its own store: a shared disk directory would mix their files
     if templates.directory:
         templates = replace(templates, directory=str(Path(templates.directory) / f"rank-{rank}"))
-    runner = ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache, templates)
+    runner = ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache, templates,
+                         spec.loras)
     return Worker(rank, runner, groups)
 
 
@@ -107,6 +109,11 @@ class Worker:
         step.collective_s = shards.collective_s if shards is not None else 0.0
         states = {rid: self.runner.states[rid] for rid in step.request_ids}
         return RunOutput(step, {rid: s.latents for rid, s in states.items()}, {rid: s.step for rid, s in states.items()})
+
+    def load_lora(self, name: str) -> dict:
+        """Read an adapter into this device's host memory (POST /v1/loras); what it holds of it."""
+        self.runner.loras.store.load(name).result()
+        return self.runner.loras.store.describe(name)
 
     def export(self, request_ids: list[str]) -> dict[str, DenoiseState]:
         """Hand these requests' states over (they leave this worker)."""

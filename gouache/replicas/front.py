@@ -241,6 +241,21 @@ class ReplicaSet:
             raise
         return handle
 
+    async def list_loras(self) -> list[dict]:
+        """The first live replica's listing (every replica reads the same directory)."""
+        alive = self._alive()
+        if not alive:
+            raise EngineStoppedError("no replica is running")
+        return await self._call(alive[0], "list_loras", timeout_s=_CALL_TIMEOUT_S)
+
+    async def register_lora(self, name: str) -> dict:
+        """Every live replica reads the adapter; the first one's answer."""
+        alive = self._alive()
+        if not alive:
+            raise EngineStoppedError("no replica is running")
+        answers = await asyncio.gather(*(self._call(r, "register_lora", name) for r in alive))
+        return answers[0]
+
     def stats(self) -> EngineStats:
         waiting = running = 0
         for replica in self.replicas:

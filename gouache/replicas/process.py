@@ -131,6 +131,12 @@ class _Replica:
     async def _metrics(self) -> bytes:
         return await self.engine.render_metrics()
 
+    async def _list_loras(self) -> list[dict]:
+        return await self.engine.list_loras()
+
+    async def _register_lora(self, name: str) -> dict:
+        return await self.engine.register_lora(name)
+
     async def send(self, kind: str, *args: Any) -> None:
         await self.messages.send(encode((kind, self.index, *args)))
 

@@ -8,14 +8,15 @@ import time
 import numpy as np
 import torch
 
+from gouache.adapters.runtime import LoraRuntime, LoraStep
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
 from gouache.cache.template_store import TIERS
-from gouache.config import TemplateConfig
+from gouache.config import LoraConfig, TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
-from gouache.runner.families.base import DEFAULT_PATCH_PIXELS
+from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, cache_request
 from gouache.runner.sampler import DenoiseState
 from gouache.runner.template_reuse import TemplateCache, TemplateUse, content_id, template_key, text_digest
 
@@ -29,13 +30,15 @@ class ModelRunner:
     by the engine thread between steps, or by a stage once the request left the scheduler."""
 
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS, block_cache: BlockCacheConfig | None = None,
-                 templates: TemplateConfig | None = None):
+                 templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True):
         self.pipe = pipe
         self.family: Family = make_family(pipe, patch_pixels)
         self.states: dict[str, DenoiseState] = {}
         self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()
         self._templates: TemplateCache | None = None  # made at the first edit that uses one
+        self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser)
+        self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
 
     @property
     def templates(self) -> TemplateCache:
@@ -46,9 +49,14 @@ class ModelRunner:
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> RequestState:
         """Text encoding and initial latents; returns the scheduler's view of the request."""
         state = self.family.prepare(request, image, mask)
-        if self.uses_template(request) and state.edit is not None:
+        uses_template = self.uses_template(request) and state.edit is not None
+        state.lora = self.loras.use(request.loras, synchronous=uses_template)  # a template records or replays with them
+        if state.lora is not None and self.prefetch_loras:
+            self.loras.start(request.request_id, state.lora)  # read while it waits and its first steps run
+        if uses_template:
             template_id = request.template_id or content_id(image)  # the API names every template; others: by pixels
-            key = template_key(template_id, request.height, request.width, len(state.timesteps), state.rows)
+            key = template_key(template_id, request.height, request.width, len(state.timesteps), state.rows,
+                               request.loras)
             state.template = TemplateUse(key, self.family.token_mask(state), text_digest(state.cond, state.rows),
                                          request.register_template)
         self.states[request.request_id] = state
@@ -86,7 +94,10 @@ class ModelRunner:
         templates = self.templates if cached and any(self.states[rid].template for rid in present) else None
         reused, computed = self.cache.reused, self.cache.computed
         before = templates.counts.snapshot(templates.store) if templates is not None else None
-        for rid, prediction in self._predict(present, batch.patched, cache, templates, failed):
+        lora = LoraStep()
+        adapters = self.loras.arrived([self.states[rid] for rid in present], not cached, failed, lora)
+        present = [rid for rid in present if rid in adapters]
+        for rid, prediction in self._predict(present, batch.patched, cache, templates, failed, (adapters, lora)):
             try:
                 self.family.advance(self.states[rid], prediction)
             except Exception as error:
@@ -97,7 +108,10 @@ class ModelRunner:
         self.cache.settle()
         output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed,
                             reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
-                            cache_bytes=self.cache.nbytes)
+                            cache_bytes=self.cache.nbytes, lora_mode=lora.mode, lora_merge_s=lora.merge_s,
+                            lora_waiting=lora.waiting, lora_without=lora.without,
+                            lora_bytes=self.loras.store.nbytes)
+        output.lora_loads, output.lora_load_s = self.loras.store.take_counts()
         if templates is not None:
             after = templates.counts.snapshot(templates.store)
             change = {name: after[name] - before[name] for name in after}
@@ -107,20 +121,30 @@ class ModelRunner:
         return output
 
     def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None, templates: TemplateCache | None,
-                 failed: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
-        """(id, prediction) of one forward over `ids`; if it raises, of each request alone, and
-        the requests that fail alone go to `failed`."""
+                 failed: dict[str, str], lora: tuple[dict, LoraStep]) -> list[tuple[str, torch.Tensor]]:
+        """(id, prediction) of one forward over `ids`, each with the adapters that arrived for it
+        (`lora`: them by id, and the step's adapter report);
+        if it raises, of each request alone, and the requests that fail alone go to `failed`."""
         if not ids:
             return []
+        states = [self.states[rid] for rid in ids]
+
+        def row_maps():  # a block cache or template replay computes subsets of rows: no segmenting there
+            if templates is not None or cache_request(states, cache) is not None:
+                return None
+            return self.family.row_maps(states, patched)
+
         try:
-            return list(zip(ids, self.family.predict([self.states[rid] for rid in ids], patched, cache, templates)))
+            return list(zip(ids, self.loras.run(
+                states, [lora[0][rid] for rid in ids], lambda group: self.family.predict(group, patched, cache, templates),
+                row_maps, lora[1])))
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])
                 failed[ids[0]] = f"{type(error).__name__}: {error}"
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        return [pair for rid in ids for pair in self._predict([rid], False, cache, templates, failed)]
+        return [pair for rid in ids for pair in self._predict([rid], False, cache, templates, failed, lora)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;
@@ -135,7 +159,8 @@ class ModelRunner:
         self.release_caches(request_id)
 
     def release_caches(self, request_id: str) -> None:
-        """Forget the request's block-cache history and template role on this device."""
+        """Forget the request's block-cache history, template role and adapter loads on this device."""
         self.cache.release(request_id)
+        self.loras.release(request_id)
         if self._templates is not None:
             self._templates.release(request_id)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
     from diffusers import SchedulerMixin
 
+    from gouache.adapters.runtime import LoraUse
     from gouache.request import ImageRequest
     from gouache.runner.template_reuse import TemplateUse
 
@@ -41,6 +42,7 @@ class DenoiseState:
     step_kwargs: dict = field(default_factory=dict)  # extra kwargs of scheduler.step (generator, eta)
     edit: EditInputs | None = None
     template: TemplateUse | None = None  # an edit that reuses a template's activations
+    lora: LoraUse | None = None  # the request's LoRA adapters
     step: int = 0  # denoising steps done
 
     @property

@@ -63,8 +63,11 @@ class TemplateUse:
     register: bool = False  # records the template afresh, whatever the store holds (POST /v1/templates)
 
 
-def template_key(template_id: str, height: int, width: int, steps: int, rows: int) -> str:
-    return f"{template_id}:{height}x{width}:{steps}:{rows}"
+def template_key(template_id: str, height: int, width: int, steps: int, rows: int,
+                 loras: tuple[tuple[str, float], ...] = ()) -> str:
+    """What a template's activations depend on besides its image: geometry and adapters."""
+    adapters = "".join(f":{name}@{scale:g}" for name, scale in sorted(loras))
+    return f"{template_id}:{height}x{width}:{steps}:{rows}{adapters}"
 
 
 def text_digest(cond: dict[str, torch.Tensor], rows: int) -> tuple[bytes, ...]:

@@ -179,6 +179,16 @@ class Family(ABC):
             out.update(zip(map(id, group), predictions))
         return [out[id(s)] for s in states]
 
+    def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
+        """For a forward of `predict(states, patched)`: for each size a leading dimension of its
+        layers' inputs takes, the forward row (row of a state, in order) of each index; None
+        where those cannot be told apart (patches of mixed sizes). Adapters of several sets
+        apply to their own rows by it (`gouache.adapters.apply.segmented`)."""
+        rows = sum(s.rows for s in states)
+        if patched and len(_by_shape(states)) > 1:
+            return None
+        return {rows: torch.arange(rows)}
+
     @abstractmethod
     def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
         """Per state, its rows' predictions from one forward in which `request`'s edits compute

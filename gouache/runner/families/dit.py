@@ -9,7 +9,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from gouache.request import ImageRequest
 from gouache.runner.block_reuse import CacheRequest, cacheable_blocks
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
-from gouache.runner.pack_dit import packed_sd3_forward
+from gouache.runner.pack_dit import Packing, packed_sd3_forward
 from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.sampler import DenoiseState
 from gouache.runner.template_reuse import TemplateRequest
@@ -30,6 +30,28 @@ class FlowFamily(Family):
 
     def template_blocks(self) -> list[str]:
         return [key for _, _, key in cacheable_blocks(self.pipe.transformer)]
+
+    single_stream = False  # blocks that run text and image rows as one sequence (Flux's single blocks)
+
+    def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
+        """A packed forward's rows: images (conditioning), image tokens, text rows (and both
+        joined, for single-stream blocks), each by its image's forward row."""
+        if not patched or len({self.token_shape(s) for s in states}) == 1:
+            return super().row_maps(states, False)
+        shapes = [self.token_shape(s) for s in states for _ in range(s.rows)]
+        packing = Packing.build(shapes, states[0].cond["prompt_embeds"].shape[1], torch.device("cpu"))
+        indices = [torch.arange(len(shapes)), packing.image_index, packing.text_index]
+        if self.single_stream:
+            indices.append(torch.cat([packing.text_index, packing.image_index]))
+        maps: dict[int, torch.Tensor] = {}
+        for index in indices:
+            if not torch.equal(maps.setdefault(len(index), index), index):
+                return None  # two kinds of rows of one size: a hook could not tell them apart
+        return maps
+
+    def token_shape(self, state: DenoiseState) -> tuple[int, int]:
+        """The token grid of the state's images."""
+        return state.request.height // self.token_pixels, state.request.width // self.token_pixels
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -123,6 +145,8 @@ class FluxFamily(FlowFamily):
     """Guidance-distilled: guidance_scale feeds the guidance embedding; no CFG rows."""
 
     name = "flux"
+
+    single_stream = True
 
     def uses_cfg(self, request: ImageRequest) -> bool:
         return False
