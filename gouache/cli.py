@@ -1,5 +1,5 @@
-"""`gouache` command line: serve, generate, edit, models, export-model, make-lora, train, profile, simulate, reproduce,
-bench."""
+"""`gouache` command line: serve, generate, edit, models, export-model, make-lora, train, profile, profile-lora,
+simulate, reproduce, bench."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     make_lora.add_argument("--rank", type=int, default=4, help="rank of each layer's update (default: %(default)s)")
     make_lora.add_argument("--seed", type=int, default=0, help="seed of its random weights (default: %(default)s)")
 
-    from gouache.bench import profile
+    from gouache.bench import profile, profile_lora
     from gouache.sim import command as simulate
     from gouache.sim import reproduce
     from gouache.train import command as train
@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_arguments(commands.add_parser("train", help="train a shapes model (vae, unet, dit) from a seed"))
 
     profile.add_arguments(commands.add_parser("profile", help="measure this device and fit the step-cost model"))
+    profile_lora.add_arguments(commands.add_parser(
+        "profile-lora", help="the step by which an adapter must join (KATZ's bound for asynchronous LoRA loading)"))
 
     simulate.add_arguments(commands.add_parser("simulate", help="run scheduling policies on a simulated clock"))
     reproduce.add_arguments(commands.add_parser("reproduce", help="the papers' scheduling experiments, in one run"))
@@ -330,6 +332,12 @@ def _profile(args) -> int:
     return run(args)
 
 
+def _profile_lora(args) -> int:
+    from gouache.bench.profile_lora import run
+
+    return run(args)
+
+
 def _reproduce(args) -> int:
     from gouache.sim.reproduce import run
 
@@ -342,7 +350,7 @@ def _simulate(args) -> int:
     return run(args)
 
 
-_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "make-lora": _make_lora, "train": _train, "bench": _bench}
+_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "profile-lora": _profile_lora, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "make-lora": _make_lora, "train": _train, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())
