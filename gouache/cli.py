@@ -179,8 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
+    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
 
+    adapters.add_arguments(bench_kinds.add_parser(
+        "adapters", help="LoRA serving: loading bound, latency with uncached adapters (BAL), fidelity, mixed-adapter "
+                         "throughput vs per-adapter batches"))
     parallel.add_arguments(bench_kinds.add_parser("parallel", help="worker processes on this machine: executor "
                                                                   "overhead, collectives per step, hand-offs"))
     sim_to_real.add_arguments(bench_kinds.add_parser("sim-to-real", help="live engine vs simulator on one workload"))
@@ -313,9 +316,9 @@ def _make_lora(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
+    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
 
-    kinds = {"serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
+    kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
              "fidelity": fidelity, "parallel": parallel, "edit": edit}
     return kinds[args.bench].run(args)
 

@@ -92,8 +92,13 @@ class LoraConfig:
     directory: str | None = None  # `--lora-dir`: <name>.safetensors files; None: no adapters
     host_bytes: int = 2 << 30  # adapters kept in host memory (LRU)
     bound: int = 0  # the step by which a request's adapters must have joined (0: before its first)
+    # "mixed": requests of different adapters share a forward; "per-adapter": a forward per
+    # adapter set (the baseline of servers that batch only one adapter's requests together)
+    batching: str = "mixed"
 
     def __post_init__(self) -> None:
+        _check(self.batching in ("mixed", "per-adapter"),
+               f"LoRA batching must be 'mixed' or 'per-adapter', got {self.batching!r}")
         _check(self.host_bytes >= 0, f"LoRA host memory must be >= 0 bytes, got {self.host_bytes}")
         _check(self.bound >= 0, f"the LoRA loading bound must be a step >= 0, got {self.bound}")
 

@@ -176,7 +176,10 @@ def _check_layer(denoiser: nn.Module, module_name: str, down: torch.Tensor, up: 
                         f"{module_name} ({module})")
 
 
-def random_lora(pipe, rank: int = 4, seed: int = 0, targets: str = r".*attn\d?\.(to_q|to_k|to_v|to_out\.0)") -> dict[str, torch.Tensor]:
+ATTENTION = r".*attn\d?\.(to_q|to_k|to_v|to_out\.0)"  # the attention projections of every family
+
+
+def random_lora(pipe, rank: int = 4, seed: int = 0, targets: str = ATTENTION) -> dict[str, torch.Tensor]:
     """A random adapter of `pipe`'s denoiser, in diffusers' (peft) keys, on the linear layers
     whose path matches `targets` (attention projections by default): for tests and benchmarks."""
     prefix = denoiser_prefix(pipe)

@@ -11,7 +11,8 @@ asynchronous loading), and how one forward applies them.
   merged set) when switching the merged set costs more than segmenting the steps the batch has
   left, on costs measured as the server runs (`choose`). A forward of several sets is
   segmented where the forward can tell its rows apart (`Family.row_maps`), and otherwise runs
-  one forward per set, each merged ("split").
+  one forward per set ("split"), each applied as a shared set is. `LoraConfig.batching`
+  "per-adapter" always splits: the baseline of servers that batch only requests of one adapter.
 """
 
 from __future__ import annotations
@@ -148,35 +149,42 @@ class LoraRuntime:
             out[rid] = tuple((f.result(), scale) for f, (_, scale) in zip(loads, state.lora.adapters))
 
     def run(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraStep) -> list[torch.Tensor]:
-        """predict(states) with each state's adapters applied; row_maps(): the forward's rows
-        by leading size, or None where it cannot segment."""
+        """predict(states) with each state's adapters applied; row_maps(states): a forward's rows
+        by leading size, or None where it cannot segment. Several sets share the forward unless
+        it cannot segment, or the server batches per adapter set (`LoraConfig.batching`)."""
         keys = [adapters_key(a) for a in adapters]
         if not any(keys) and not self.merged.adapters:
             return predict(states)
-        maps = row_maps()
+        if len(set(keys)) > 1 and (self.config.batching == "per-adapter" or row_maps(states) is None):
+            step.mode = "split"
+            out: dict[int, torch.Tensor] = {}
+            for key in dict.fromkeys(keys):
+                group = [i for i, k in enumerate(keys) if k == key]
+                parts = self._apply([states[i] for i in group], [adapters[i] for i in group], predict, row_maps, step)
+                out.update(zip(group, parts))
+            return [out[i] for i in range(len(states))]
+        return self._apply(states, adapters, predict, row_maps, step)
+
+    def _apply(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraStep) -> list[torch.Tensor]:
+        """One forward: its adapters merged, or segmented (`choose`)."""
+        keys = [adapters_key(a) for a in adapters]
+        maps = row_maps(states)
         nbytes = {lora.name: lora.nbytes for a in (*adapters, self.merged.adapters) for lora, _ in a}
         steps_left = min(len(s.timesteps) - s.step for s in states)
-        step.mode = choose(keys, [s.rows for s in states], self.merged.key, nbytes, steps_left, self.costs,
-                           maps is not None)
-        if step.mode == "merged":
+        mode = choose(keys, [s.rows for s in states], self.merged.key, nbytes, steps_left, self.costs, maps is not None)
+        step.mode = step.mode or mode
+        if mode == "merged":
             self._merge(adapters[0], step)
             return predict(states)
-        if step.mode == "segmented":
-            row_adapters = [a for a, s in zip(adapters, states) for _ in range(s.rows)]
-            spent = [0.0]
-            with segmented(self.denoiser, row_adapters, self.merged.adapters, maps, spent):
-                out = predict(states)
-            merged = adapters_key(self.merged.adapters)
-            work = sum(s.rows * sum(nbytes[name] for name, _, _ in (*key, *merged))
-                       for s, key in zip(states, keys) if key != merged)
-            self.costs.observe("segment_s_per_row_byte", spent[0], work)
-            return out
-        out: dict[int, torch.Tensor] = {}
-        for key in dict.fromkeys(keys):
-            group = [i for i, k in enumerate(keys) if k == key]
-            self._merge(adapters[group[0]], step)
-            out.update(zip(group, predict([states[i] for i in group])))
-        return [out[i] for i in range(len(states))]
+        row_adapters = [a for a, s in zip(adapters, states) for _ in range(s.rows)]
+        spent = [0.0]
+        with segmented(self.denoiser, row_adapters, self.merged.adapters, maps, spent):
+            out = predict(states)
+        merged = adapters_key(self.merged.adapters)
+        work = sum(s.rows * sum(nbytes[name] for name, _, _ in (*key, *merged))
+                   for s, key in zip(states, keys) if key != merged)
+        self.costs.observe("segment_s_per_row_byte", spent[0], work)
+        return out
 
     def _merge(self, adapters: Adapters, step: LoraStep) -> None:
         start = time.perf_counter()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import random
 import statistics
 import sys
@@ -40,6 +39,8 @@ import numpy as np
 from PIL import Image
 
 from gouache.bench.fidelity import ALIGNMENT_POINTS, SSIM_ACCEPTABLE, alignment, ssim
+from gouache.bench.load import run_load
+from gouache.bench.results import write_results
 from gouache.data.checker import check
 from gouache.data.shapes import COLOURS, Scene, caption, cell_box, render, sample_scene
 
@@ -93,13 +94,8 @@ def run(args) -> int:
         result["throughput"] = throughput(args.model, info, size, steps, args.requests, args.templates, rate,
                                           args.policy, args.torch_threads)
     out = Path(args.out or f"benchmarks/results/edit/edit_{args.model}_{size}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    table = report(result)
-    print(table)
-    out.with_suffix(".md").write_text(f"`{result['command'].strip()}`\n\n{table}\n")
-    plot(sweep, out.with_suffix(".png"), f"{args.model} {size}x{size}, {steps} steps, CPU")
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    title = f"{args.model} {size}x{size}, {steps} steps, CPU"
+    write_results(out, result, report(result), lambda path: plot(sweep, path, title))
     return 0
 
 
@@ -299,26 +295,17 @@ async def _serve_load(model, info, size, steps, policy, use_templates, scenes, p
                 job = request(f"register-{t}-0", caption(scene), picture, template_cache=True,
                               template_id=f"load-{t}", register_template=True)
                 await (await engine.submit([job])).images()
-        start = time.monotonic()
-        latencies = []
 
-        async def one(t, mask, k):
-            job = request(f"edit-{k}-0", caption(scenes[t]), pictures[t], mask=mask, seed=k,
-                          template_cache=use_templates, template_id=f"load-{t}" if use_templates else None)
-            submitted = time.monotonic()
-            await (await engine.submit([job])).images()
-            latencies.append(time.monotonic() - submitted)
+        def edit(t, mask, k):
+            return lambda: [request(f"edit-{k}-0", caption(scenes[t]), pictures[t], mask=mask, seed=k,
+                                    template_cache=use_templates, template_id=f"load-{t}" if use_templates else None)]
 
-        tasks = []
-        for t, mask, gap, k in load:
-            await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(t, mask, k)))
-        await asyncio.gather(*tasks)
-        elapsed = time.monotonic() - start
+        measured = await run_load(engine, [(gap, edit(t, mask, k)) for t, mask, gap, k in load])
     finally:
         await engine.aclose()
-    return {"policy": policy, "templates": use_templates, "seconds": elapsed, "edits_per_s": len(load) / elapsed,
-            "mean_latency_s": statistics.mean(latencies), "p90_latency_s": float(np.percentile(latencies, 90))}
+    return {"policy": policy, "templates": use_templates, "seconds": measured["seconds"],
+            "edits_per_s": measured["per_s"], "mean_latency_s": measured["mean_latency_s"],
+            "p90_latency_s": measured["p90_latency_s"]}
 
 
 def centred_mask(size: int, token: int, ratio: float) -> tuple[np.ndarray, float]:

@@ -52,17 +52,12 @@ def run(args) -> int:
     steps, size = args.steps or info.default_steps, args.size or info.default_size
     rng = random.Random(0)
     prompts = [caption(sample_scene(rng)) for _ in range(args.prompts)]
-    similarity = torch.zeros(steps)
-    for k, prompt in enumerate(prompts):
-        with_lora = trajectory(runner, info, prompt, k, size, steps, ((path.stem, args.scale),))
-        without = trajectory(runner, info, prompt, k, size, steps, ())
-        similarity += torch.stack([torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
-                                   for a, b in zip(with_lora, without)]) / len(prompts)
-    below = (similarity < args.threshold).nonzero()
-    bound = int(below[0]) if len(below) else steps
+    similarity = similarities(runner, info, ((path.stem, args.scale),), prompts, size, steps)
+    bound = first_below(similarity, args.threshold)
     result = {"kind": "lora-bound", "command": "gouache profile-lora " + " ".join(sys.argv[2:]), "model": args.model,
-              "lora": path.name, "scale": args.scale, "size": size, "steps": steps, "prompts": len(prompts),
-              "threshold": args.threshold, "similarity": [round(float(s), 5) for s in similarity], "bound": bound}
+              "lora": path.name, "scale": args.scale, "size": size, "steps": steps,
+              "prompts": len(prompts),
+              "threshold": args.threshold, "similarity": [round(s, 5) for s in similarity], "bound": bound}
     out = Path(args.out or f"benchmarks/results/lora_bound_{args.model}_{path.stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -71,6 +66,25 @@ def run(args) -> int:
         print(f"{step:4d}  {value:.5f}{'  <' if step - 1 == bound else ''}")
     print(f"wrote {out}; serve with --lora-bound {bound} (the adapter may join as late as step {bound})")
     return 0
+
+
+def similarities(runner, info, loras, prompts: list[str], size: int, steps: int) -> list[float]:
+    """Per step, the mean over prompts (seed = index) of the cosine similarity of the latents
+    with `loras` from the first step and without any."""
+    import torch
+
+    total = torch.zeros(steps)
+    for k, prompt in enumerate(prompts):
+        pairs = zip(trajectory(runner, info, prompt, k, size, steps, loras),
+                    trajectory(runner, info, prompt, k, size, steps, ()))
+        total += torch.stack([torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) for a, b in pairs])
+    return (total / len(prompts)).tolist()
+
+
+def first_below(similarity: list[float], threshold: float) -> int:
+    """The loading bound: the first step (0-based) whose latents part below `threshold`; the
+    step count if none does."""
+    return next((step for step, value in enumerate(similarity) if value < threshold), len(similarity))
 
 
 def trajectory(runner, info, prompt: str, seed: int, size: int, steps: int, loras) -> list:

@@ -129,10 +129,10 @@ class ModelRunner:
             return []
         states = [self.states[rid] for rid in ids]
 
-        def row_maps():  # a block cache or template replay computes subsets of rows: no segmenting there
-            if templates is not None or cache_request(states, cache) is not None:
+        def row_maps(group):  # a block cache or template replay computes subsets of rows: no segmenting there
+            if templates is not None or cache_request(group, cache) is not None:
                 return None
-            return self.family.row_maps(states, patched)
+            return self.family.row_maps(group, patched)
 
         try:
             return list(zip(ids, self.loras.run(

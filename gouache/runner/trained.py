@@ -122,6 +122,13 @@ def load_weights(components: dict[str, torch.nn.Module], name: str, directory: P
     return metadata
 
 
+def load_unet(directory: Path = WEIGHTS_DIR) -> tuple[UNet2DConditionModel, CLIPTextModel]:
+    """The trained shapes UNet and its text encoder."""
+    model, encoder = unet(), text_encoder(with_projection=False, layers=2)
+    load_weights({"unet": model, "text_encoder": encoder}, "shapes-unet", directory)
+    return model, encoder
+
+
 def load_vae(directory: Path = WEIGHTS_DIR) -> AutoencoderKL:
     """The trained VAE with the latent scale and shift measured after its training."""
     model = vae()

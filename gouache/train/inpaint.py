@@ -48,8 +48,7 @@ def widened_unet(source: torch.nn.Module) -> torch.nn.Module:
 def train_inpaint(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
     generator = seed_everything(seed, device)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
-    source, text_encoder = trained.unet(), trained.text_encoder(with_projection=False, layers=2)
-    trained.load_weights({"unet": source, "text_encoder": text_encoder}, "shapes-unet", out)
+    source, text_encoder = trained.load_unet(out)
     model = torch.nn.ModuleDict({"unet": widened_unet(source), "text_encoder": text_encoder.requires_grad_(True)}).to(device)
     pipe = shapes_sd(vae, model["text_encoder"], model["unet"])
     alphas = pipe.scheduler.alphas_cumprod.to(device)

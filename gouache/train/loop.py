@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gouache.data.shapes import caption, render, sample_scene
+from gouache.data.shapes import Scene, caption, render, sample_scene
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ def is_writer() -> bool:
 
 def shapes_batch(
     seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...], device: torch.device | str = "cpu",
+    restyle: Callable[[Scene], Scene] | None = None,
 ) -> Batch:
     """This process's share of batch `step` of run `seed`, on `device`: one size drawn from `sizes`,
     and `batch` / processes fresh scenes at that size. It depends on (seed, step, rank, processes)
@@ -55,7 +56,8 @@ def shapes_batch(
     rng = random.Random(f"train:{seed}:{step}" + (f":{rank}/{world}" if world > 1 else ""))
     width, height = rng.choice(sizes)
     scenes = [sample_scene(rng) for _ in range(batch // world)]
-    images = np.stack([render(s, width, height, seed=rng.getrandbits(32)) for s in scenes])
+    drawn = scenes if restyle is None else [restyle(s) for s in scenes]  # captioned as `scenes`, drawn as this
+    images = np.stack([render(s, width, height, seed=rng.getrandbits(32)) for s in drawn])
     pixels = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return Batch(pixels, [caption(s) for s in scenes])
 

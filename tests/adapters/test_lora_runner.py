@@ -5,7 +5,6 @@ loading with bound 0 equals synchronous loading."""
 import threading
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from gouache.adapters.lora import random_lora
@@ -141,3 +140,12 @@ def test_before_its_bound_a_request_runs_without_its_adapters_and_takes_them_on_
     synchronous, _ = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir))), [request("bal", [("ink", 1.0)])])
     assert 0 < (late - synchronous["bal"]).abs().max()  # its first step ran without the adapter
     assert (late - synchronous["bal"]).abs().max() < (plain["bal"] - synchronous["bal"]).abs().max()
+
+
+def test_per_adapter_batching_runs_a_forward_per_set_with_the_same_result(pipe, lora_dir):
+    mix = [request("none"), request("ink", [("ink", 1.0)]), request("paper", [("paper", 0.5)], seed=3)]
+    mixed, _ = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir))), mix)
+    split, modes = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir), batching="per-adapter")), mix)
+    assert modes == ["split"] * STEPS
+    for r in mix:
+        assert (mixed[r.request_id] - split[r.request_id]).abs().max() <= TOL, r.request_id

@@ -50,8 +50,15 @@ def running_server(*flags: str):
 
 
 @pytest.fixture(scope="module")
-def server_url():
-    with running_server("--model", "tiny-sdxl") as url:
+def server_url(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from gouache.adapters.lora import random_lora
+    from gouache.runner.models import load_pipeline
+
+    loras = tmp_path_factory.mktemp("loras")
+    save_file(random_lora(load_pipeline("tiny-sdxl"), rank=8), str(loras / "ink.safetensors"))
+    with running_server("--model", "tiny-sdxl", "--lora-dir", str(loras)) as url:
         yield url
 
 
@@ -84,6 +91,16 @@ def test_openai_client_generates_n_images_of_the_asked_size(server_url):
     images = [open_image(item.b64_json) for item in result.data]
     assert [im.size for im in images] == [(256, 256)] * 2
     assert images[0].tobytes() != images[1].tobytes()  # seeds 3 and 4
+
+
+def test_openai_client_asks_for_a_lora(server_url):
+    fields = {"num_inference_steps": 3, "seed": 5}
+    plain, ink = (client(server_url).images.generate(prompt="a red fox", size="64x64", extra_body={**fields, **extra})
+                  for extra in ({}, {"loras": [{"name": "ink", "scale": 1.5}]}))
+    assert plain.data[0].b64_json != ink.data[0].b64_json
+    assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/loras").json()["data"]] == ["ink"]
+    with pytest.raises(openai.BadRequestError, match="unknown LoRA 'nope'"):
+        client(server_url).images.generate(prompt="a red fox", extra_body={"loras": [{"name": "nope"}]})
 
 
 def test_openai_client_edit_keeps_pixels_outside_the_mask(server_url):

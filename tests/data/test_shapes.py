@@ -31,7 +31,7 @@ def test_caption_reads_naturally():
     "text",
     [
         "a red circle",
-        "a pink circle at the top on a white background",
+        "a brown circle at the top on a white background",
         "a red circle at the top, a blue square at the left on a white background",  # no "and"
         "a red circle at the top and a red square at the left on a white background",  # same colour
         "a red circle at the top and a blue square at the top on a white background",  # same cell
@@ -63,3 +63,4 @@ def test_circle_stays_round_in_a_non_square_image():
 def test_render_refuses_out_of_range_sizes():
     with pytest.raises(ValueError, match="32 to 256"):
         render(Scene((Shape("circle", "red", "center"),), "white"), 16, 64)
+

@@ -14,14 +14,15 @@ from gouache.runner import trained
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
-    for kind in ("vae", "unet", "inpaint", "dit"):
+    for kind in ("vae", "unet", "inpaint", "dit", "lora"):
         workers = "2" if kind == "unet" else "1"  # each spawn costs seconds: one kind tries two processes
         assert main(["train", kind, "--steps", "2", "--workers", workers, "--out", str(out), "--report", str(out)]) == 0
     return out
 
 
 def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
-    for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"), ("dit", "shapes-dit")):
+    for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"), ("dit", "shapes-dit"),
+                       ("lora", "loras/shapes-unet/palette")):
         assert trained.weights_path(name, trained_dir).is_file()
         report = json.loads((trained_dir / f"train_{kind}.json").read_text())
         workers = 2 if kind == "unet" else 1
@@ -29,6 +30,19 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
         assert (report["extra"]["workers"], report["extra"]["device"]) == (workers, "cpu")
         assert report["steps"] == 2 and report["seconds"] > 0
         assert (trained_dir / f"train_{kind}.png").stat().st_size > 1000
+
+
+def test_lora_writes_an_adapter_the_server_reads(trained_dir):
+    from gouache.adapters.lora import read_lora
+    from gouache.runner.models import load_pipeline
+    from gouache.train.lora import RANK
+
+    path = trained_dir / "loras" / "shapes-unet" / "palette.safetensors"
+    lora = read_lora(path, load_pipeline("shapes-unet"), "palette")  # the built-in's architecture, any weights
+    report = json.loads((trained_dir / "train_lora.json").read_text())
+    assert len(lora.layers) == report["extra"]["layers"] and report["extra"]["rank"] == RANK
+    assert all(layer.scale == 1.0 and layer.down.shape[0] == RANK for layer in lora.layers.values())
+    assert any(layer.down.ndim == 4 for layer in lora.layers.values())  # convolutions too (LoCon)
 
 
 def test_the_vae_stores_its_latent_scale_and_shift(trained_dir):

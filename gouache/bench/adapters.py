@@ -1,0 +1,303 @@
+"""`gouache bench adapters`: what LoRA serving costs, and what bounded asynchronous loading
+(BAL, KATZ §6) gives and takes, on one model in one run.
+
+- **Bound.** K for the trained adapter (`--lora`, default the shapes UNet's palette style:
+  each shape drawn in the next colour), as `gouache profile-lora` finds it.
+- **Latency** (in-process runner, one request at a time): a request without adapters, with its
+  adapter in host memory, and with an adapter not in memory, loaded synchronously (K = 0) and
+  with BAL at K. Reading a file from this machine's page cache takes milliseconds, far less
+  than an adapter of a real model from its store (KATZ: a 341 MiB LoRA), so the read is made
+  to last a share (`--load-shares`) of the plain request's latency: the storage is emulated,
+  the loading thread, the joining and the waiting are the server's own.
+- **Fidelity** of BAL at its worst: the adapter arrives exactly at step K. Against synchronous
+  loading: SSIM, and how often the checker sees the adapter's effect (a shape found in the
+  style's colour for the one asked, e.g. green for red); the base model's rate beside them.
+- **Throughput** (in-process engine, Poisson arrivals): every request picks one of
+  `--adapters` random adapters by Zipf popularity; requests of different adapters in one
+  forward (gouache) against a forward per adapter set (`per-adapter`, what servers that keep
+  adapters in separate batches do). Adapters are read before the clock starts.
+
+Writes JSON, a markdown table and a plot (latency ratio vs emulated load time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gouache.bench.fidelity import ssim
+from gouache.bench.load import run_load
+from gouache.bench.results import write_results
+from gouache.data.checker import check
+from gouache.data.shapes import caption, sample_scene
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="shapes-unet", help="built-in model name or local directory (default: %(default)s)")
+    p.add_argument("--lora-dir", default=None, help="directory of --lora (default: the model's trained adapters)")
+    p.add_argument("--lora", default="palette", help="the adapter whose bound, latency and fidelity are measured "
+                                                     "(default: %(default)s)")
+    p.add_argument("--size", type=int, default=128, help="pixels per side (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--threshold", type=float, default=0.99, help="profile-lora's threshold (default: %(default)s)")
+    p.add_argument("--load-shares", default="0.1,0.25,0.5",
+                   help="emulated adapter read times, as shares of a plain request's latency (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="requests per latency case; medians (default: %(default)s)")
+    p.add_argument("--fidelity", type=int, default=24, help="prompts of the fidelity comparison (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=32, help="requests of the throughput load, 0: none (default: %(default)s)")
+    p.add_argument("--adapters", type=int, default=50, help="random adapters of the load (default: %(default)s)")
+    p.add_argument("--zipf", type=float, default=1.0, help="popularity exponent of the adapters (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 3 / plain request latency)")
+    p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
+    p.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/adapters/adapters_<model>.json)")
+
+
+def run(args) -> int:
+    import torch
+
+    from gouache.runner.models import load_pipeline, model_info
+    from gouache.train.lora import lora_dir
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    shares = [float(s) for s in args.load_shares.split(",")]
+    if not all(s > 0 for s in shares):
+        raise ValueError(f"--load-shares must be positive, got {args.load_shares!r}")
+    directory = Path(args.lora_dir) if args.lora_dir else lora_dir(args.model)
+    if not (directory / f"{args.lora}.safetensors").is_file():
+        raise ValueError(f"no {args.lora}.safetensors in {directory}; give --lora-dir and --lora (`gouache train lora` "
+                         "writes the shapes UNet's)")
+    pipe = load_pipeline(args.model)
+    info = model_info(pipe, args.model)
+    steps = args.steps or info.default_steps
+    bench = Bench(pipe, info, directory, args.lora, args.size, steps)
+    rng = random.Random("adapters")
+    scenes = [sample_scene(rng) for _ in range(max(args.fidelity, 4))]
+    similarity, bound = bench.bound([caption(s) for s in scenes[:4]], args.threshold)
+    result = {"command": "gouache bench adapters " + " ".join(sys.argv[3:]), "model": args.model, "lora": args.lora,
+              "device": "cpu", "torch_threads": torch.get_num_threads(), "size": args.size, "steps": steps,
+              "threshold": args.threshold, "similarity": similarity, "bound": bound,
+              "latency": bench.latency(bound, shares, args.repeats)}
+    if args.fidelity:
+        result["fidelity"] = bench.fidelity(scenes[: args.fidelity], sorted({bound, steps // 4, steps // 2}))
+    if args.requests:
+        rate = args.rate or 3 / result["latency"]["none_s"]
+        result["throughput"] = throughput(args, info, steps, rate)
+    out = Path(args.out or f"benchmarks/results/adapters/adapters_{args.model}.json")
+    write_results(out, result, report(result), lambda path: plot(result, path))
+    return 0
+
+
+class Bench:
+    """One adapter of one model, on in-process runners, one request at a time."""
+
+    def __init__(self, pipe, info, directory: Path, lora: str, size: int, steps: int):
+        self.pipe, self.info, self.directory, self.lora = pipe, info, directory, lora
+        self.size, self.steps = size, steps
+        self._ids = 0
+
+    def runner(self, bound: int = 0, read_s: float = 0.0, gate: threading.Event | None = None):
+        """A runner whose adapter reads take `read_s` longer, or wait for `gate` (cold: a new store)."""
+        from gouache.adapters.store import LoraStore
+        from gouache.config import LoraConfig
+        from gouache.runner.model_runner import ModelRunner
+
+        class SlowStore(LoraStore):  # storage slower than the page cache, emulated
+            def _read(self, *args):
+                time.sleep(read_s)
+                if gate is not None:
+                    gate.wait()
+                return super()._read(*args)
+
+        runner = ModelRunner(self.pipe, loras=LoraConfig(str(self.directory), bound=bound))
+        runner.loras.store = SlowStore(self.directory, self.pipe)
+        return runner
+
+    def generate(self, runner, prompt: str, seed: int, loras=(), on_step=None) -> tuple[np.ndarray, float]:
+        """(image, seconds from preparation to decoded image) of one request."""
+        from gouache.request import ImageRequest
+        from gouache.sched.plan import Batch
+
+        self._ids += 1
+        rid = f"bench-{self._ids}"
+        start = time.perf_counter()
+        state = runner.prepare(ImageRequest(rid, prompt, self.size, self.size, self.steps, self.info.default_guidance,
+                                            seed, loras=tuple(loras)))
+        denoising = runner.states[rid]
+        while not denoising.done:
+            if on_step is not None:
+                on_step(denoising.step)
+            out = runner.execute(Batch((rid,)))
+            if out.failed:
+                raise RuntimeError(f"request failed: {out.failed[rid]}")
+        image = runner.decode(state.request_id)
+        runner.release(rid)
+        return image, time.perf_counter() - start
+
+    def bound(self, prompts: list[str], threshold: float) -> tuple[list[float], int]:
+        from gouache.bench.profile_lora import first_below, similarities
+
+        runner = self.runner()
+        similarity = similarities(runner, self.info, ((self.lora, 1.0),), prompts, self.size, self.steps)
+        return [round(s, 5) for s in similarity], first_below(similarity, threshold)
+
+    def latency(self, bound: int, shares: list[float], repeats: int) -> dict:
+        prompt, loras = "a red circle in the center on a white background", ((self.lora, 1.0),)
+        warm = self.runner()
+        warm.loras.store.load(self.lora).result()
+
+        def median(runner_of, with_lora=True) -> float:
+            runs = [self.generate(runner_of(), prompt, k, loras if with_lora else ())[1] for k in range(repeats + 1)]
+            return statistics.median(runs[1:])  # the first is a warm-up
+
+        none_s = median(lambda: warm, with_lora=False)
+        cached_s = median(lambda: warm)
+        rows = []
+        for share in shares:
+            read_s = share * none_s
+            sync_s = median(lambda: self.runner(0, read_s))
+            bal_s = median(lambda: self.runner(bound, read_s))
+            rows.append({"load_share": share, "read_s": read_s, "sync_s": sync_s, "bal_s": bal_s,
+                         "sync_ratio": sync_s / none_s, "bal_ratio": bal_s / none_s})
+        return {"none_s": none_s, "cached_s": cached_s, "cached_ratio": cached_s / none_s, "bound": bound, "rows": rows}
+
+    def fidelity(self, scenes: list, bounds: list[int]) -> dict:
+        """The adapter from step 0 against the adapter arriving at step K (BAL's worst case)."""
+        loras = ((self.lora, 1.0),)
+        base, sync = self.runner(), self.runner()
+        sync.loras.store.load(self.lora).result()
+        images = {"base": [], "sync": []}
+        for k, scene in enumerate(scenes):
+            images["base"].append(self.generate(base, caption(scene), k)[0])
+            images["sync"].append(self.generate(sync, caption(scene), k, loras)[0])
+        rows = []
+        for bound in bounds:
+            late = []
+            for k, scene in enumerate(scenes):
+                gate = threading.Event()
+                runner = self.runner(bound, gate=gate)
+                late.append(self.generate(runner, caption(scene), k, loras,
+                                          on_step=lambda step: step >= bound and gate.set())[0])
+            rows.append({"bound": bound, "effect_seen": _seen(late, scenes),
+                         "ssim_mean": statistics.mean(ssim(a, b) for a, b in zip(late, images["sync"])),
+                         "ssim_min": min(ssim(a, b) for a, b in zip(late, images["sync"]))})
+        seen = _seen(images["sync"], scenes)
+        for row in rows:
+            row["kept"] = row["effect_seen"] / seen if seen else None
+        return {"prompts": len(scenes), "base_seen": _seen(images["base"], scenes), "sync_seen": seen, "rows": rows}
+
+
+def _seen(images: list[np.ndarray], scenes: list) -> float:
+    """The share of asked shapes the checker finds in the style's colour (anywhere, of any kind)."""
+    from gouache.train.lora import restyle
+
+    found = [shape.colour_ok for image, scene in zip(images, scenes) for shape in check(image, restyle(scene)).shapes]
+    return sum(found) / len(found)
+
+
+def throughput(args, info, steps: int, rate: float) -> dict:
+    """The same Zipf-over-adapters Poisson load, adapters mixed in a forward and per adapter."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from gouache.adapters.lora import random_lora
+    from gouache.runner.models import load_pipeline
+
+    pipe = load_pipeline(args.model)
+    rng = random.Random("adapters-load")
+    weights = [1 / (i + 1) ** args.zipf for i in range(args.adapters)]
+    load = [(rng.expovariate(rate), rng.choices(range(args.adapters), weights)[0], caption(sample_scene(rng)))
+            for _ in range(args.requests)]
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="gouache-loras-") as directory:
+        for i in range(args.adapters):
+            save_file(random_lora(pipe, rank=8, seed=i), f"{directory}/a{i}.safetensors")
+        for batching in ("mixed", "per-adapter"):
+            runs[batching] = asyncio.run(_serve(args, info, steps, directory, batching, load))
+    mixed, split = runs["mixed"], runs["per-adapter"]
+    return {"requests": args.requests, "adapters": args.adapters, "zipf": args.zipf, "rate_per_s": rate, "runs": runs,
+            "distinct_adapters": len({a for _, a, _ in load}),
+            "throughput_ratio": mixed["per_s"] / split["per_s"],
+            "latency_ratio": mixed["mean_latency_s"] / split["mean_latency_s"]}
+
+
+async def _serve(args, info, steps: int, directory: str, batching: str, load) -> dict:
+    from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.request import ImageRequest
+
+    config = EngineConfig(max_queue_len=len(load) + 1, torch_threads=args.torch_threads,
+                          loras=LoraConfig(directory, batching=batching))
+    engine = AsyncEngine.from_config(ModelConfig(args.model), config, SchedulerConfig(policy="orca"))
+    await engine.start()
+    try:
+        for name in {a for _, a, _ in load}:
+            await engine.register_lora(f"a{name}")  # read before the clock starts: batching alone is measured
+
+        def job(k, adapter, prompt):
+            return lambda: [ImageRequest(f"load-{k}-0", prompt, args.size, args.size, steps, info.default_guidance, k,
+                                         loras=((f"a{adapter}", 1.0),), arrival_time=time.monotonic())]
+
+        measured = await run_load(engine, [(gap, job(k, a, p)) for k, (gap, a, p) in enumerate(load)])
+        modes = {s.labels["mode"]: s.value for m in engine.metrics.registry.collect() if m.name == "gouache_lora_steps"
+                 for s in m.samples if s.name.endswith("_total")}
+    finally:
+        await engine.aclose()
+    return {"batching": batching, **measured, "steps_by_mode": modes}
+
+
+def report(result: dict) -> str:
+    lat = result["latency"]
+    lines = [f"{result['model']} at {result['size']} px, {result['steps']} steps, adapter {result['lora']!r}: "
+             f"bound K = {result['bound']} (cosine < {result['threshold']})", "",
+             f"plain request {lat['none_s']:.3f} s; adapter in host memory {lat['cached_ratio']:.2f}x", "",
+             "| emulated read (share of plain) | read s | synchronous / plain | BAL at K / plain |", "|---|---|---|---|"]
+    lines += [f"| {r['load_share']:g} | {r['read_s']:.3f} | {r['sync_ratio']:.2f} | {r['bal_ratio']:.2f} |"
+              for r in lat["rows"]]
+    if "fidelity" in result:
+        fid = result["fidelity"]
+        lines += ["", f"Fidelity, {fid['prompts']} prompts: the checker finds {fid['sync_seen']:.0%} of the shapes in the "
+                      f"style's colour with the adapter from step 0, {fid['base_seen']:.0%} without it.", "",
+                  "| adapter arrives at step | style seen | kept vs synchronous | SSIM vs synchronous mean (min) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['bound']} | {r['effect_seen']:.0%} | {'n/a' if r['kept'] is None else format(r['kept'], '.2f')} "
+                  f"| {r['ssim_mean']:.3f} ({r['ssim_min']:.3f}) |" for r in fid["rows"]]
+    if "throughput" in result:
+        tp = result["throughput"]
+        lines += ["", f"Throughput, {tp['requests']} requests over {tp['distinct_adapters']} of {tp['adapters']} adapters "
+                      f"(Zipf {tp['zipf']:g}), Poisson {tp['rate_per_s']:.2f}/s:", "",
+                  "| batching | requests/s | mean latency s | p90 s | steps by mode |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {r['per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['p90_latency_s']:.2f} | "
+                  f"{', '.join(f'{m} {int(n)}' for m, n in sorted(r['steps_by_mode'].items()))} |"
+                  for name, r in tp["runs"].items()]
+        lines += ["", f"throughput ratio {tp['throughput_ratio']:.2f}, mean latency ratio {tp['latency_ratio']:.2f}"]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["latency"]["rows"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    shares = [r["load_share"] for r in rows]
+    ax.plot(shares, [r["sync_ratio"] for r in rows], "o-", label="synchronous loading")
+    ax.plot(shares, [r["bal_ratio"] for r in rows], "s-", label=f"BAL, K = {result['bound']}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("adapter read time / plain request latency (emulated)")
+    ax.set_ylabel("latency / plain request")
+    ax.set_title(f"{result['model']} {result['size']} px, uncached adapter, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

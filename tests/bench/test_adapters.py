@@ -1,0 +1,29 @@
+"""`gouache bench adapters` end to end on a tiny model, quickly: the file carries the bound, the
+latency cases, the fidelity rows and both throughput runs that the closing notes quote."""
+
+import json
+
+from gouache.cli import main
+
+
+def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
+    assert main(["make-lora", "--model", "tiny-sd", "--out", str(tmp_path / "ink.safetensors")]) == 0
+    out = tmp_path / "adapters.json"
+    assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "ink", "--size", "64",
+                 "--steps", "3", "--repeats", "1", "--fidelity", "2", "--requests", "6", "--rate", "1000", "--adapters", "3",
+                 "--load-shares", "0.5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["similarity"]) == 3 and 0 <= result["bound"] <= 3
+    [row] = result["latency"]["rows"]
+    assert row["read_s"] > 0 and row["sync_s"] > row["read_s"] and row["bal_s"] > 0
+    rows = result["fidelity"]["rows"]
+    assert rows and all(0 <= r["ssim_min"] <= r["ssim_mean"] <= 1 for r in rows)
+    runs = result["throughput"]["runs"]
+    assert set(runs) == {"mixed", "per-adapter"} and all(r["per_s"] > 0 for r in runs.values())
+    assert "split" in runs["per-adapter"]["steps_by_mode"]
+    assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_adapters_refuses_a_missing_adapter(tmp_path, capsys):
+    assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "nope"]) == 2
+    assert "no nope.safetensors" in capsys.readouterr().err
