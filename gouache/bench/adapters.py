@@ -15,7 +15,8 @@
 - **Throughput** (in-process engine, Poisson arrivals): every request picks one of
   `--adapters` random adapters by Zipf popularity; requests of different adapters in one
   forward (gouache) against a forward per adapter set (`per-adapter`, what servers that keep
-  adapters in separate batches do). Adapters are read before the clock starts.
+  adapters in separate batches do), and the same load without adapters. Adapters are read
+  before the clock starts.
 
 Writes JSON, a markdown table and a plot (latency ratio vs emulated load time).
 """
@@ -195,10 +196,12 @@ class Bench:
 
 
 def _seen(images: list[np.ndarray], scenes: list) -> float:
-    """The share of asked shapes the checker finds in the style's colour (anywhere, of any kind)."""
+    """The share of asked shapes the checker finds in the style's colour in their own cell (of any
+    kind): in another cell it may be another shape asked in that colour."""
     from gouache.train.lora import restyle
 
-    found = [shape.colour_ok for image, scene in zip(images, scenes) for shape in check(image, restyle(scene)).shapes]
+    found = [shape.colour_ok and shape.position_ok for image, scene in zip(images, scenes)
+             for shape in check(image, restyle(scene)).shapes]
     return sum(found) / len(found)
 
 
@@ -220,13 +223,14 @@ def throughput(args, info, steps: int, rate: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="gouache-loras-") as directory:
         for i in range(args.adapters):
             save_file(random_lora(pipe, rank=8, seed=i), f"{directory}/a{i}.safetensors")
-        for batching in ("mixed", "per-adapter"):
+        for batching in ("mixed", "per-adapter", "none"):  # none: the same load without adapters
             runs[batching] = asyncio.run(_serve(args, info, steps, directory, batching, load))
     mixed, split = runs["mixed"], runs["per-adapter"]
     return {"requests": args.requests, "adapters": args.adapters, "zipf": args.zipf, "rate_per_s": rate, "runs": runs,
             "distinct_adapters": len({a for _, a, _ in load}),
             "throughput_ratio": mixed["per_s"] / split["per_s"],
-            "latency_ratio": mixed["mean_latency_s"] / split["mean_latency_s"]}
+            "latency_ratio": mixed["mean_latency_s"] / split["mean_latency_s"],
+            "throughput_vs_none": mixed["per_s"] / runs["none"]["per_s"]}
 
 
 async def _serve(args, info, steps: int, directory: str, batching: str, load) -> dict:
@@ -234,17 +238,18 @@ async def _serve(args, info, steps: int, directory: str, batching: str, load) ->
     from gouache.engine.client import AsyncEngine
     from gouache.request import ImageRequest
 
+    adapters = batching != "none"
     config = EngineConfig(max_queue_len=len(load) + 1, torch_threads=args.torch_threads,
-                          loras=LoraConfig(directory, batching=batching))
+                          loras=LoraConfig(directory, batching=batching if adapters else "mixed"))
     engine = AsyncEngine.from_config(ModelConfig(args.model), config, SchedulerConfig(policy="orca"))
     await engine.start()
     try:
-        for name in {a for _, a, _ in load}:
+        for name in {a for _, a, _ in load} if adapters else ():
             await engine.register_lora(f"a{name}")  # read before the clock starts: batching alone is measured
 
         def job(k, adapter, prompt):
             return lambda: [ImageRequest(f"load-{k}-0", prompt, args.size, args.size, steps, info.default_guidance, k,
-                                         loras=((f"a{adapter}", 1.0),), arrival_time=time.monotonic())]
+                                         loras=((f"a{adapter}", 1.0),) if adapters else (), arrival_time=time.monotonic())]
 
         measured = await run_load(engine, [(gap, job(k, a, p)) for k, (gap, a, p) in enumerate(load)])
         modes = {s.labels["mode"]: s.value for m in engine.metrics.registry.collect() if m.name == "gouache_lora_steps"
@@ -278,7 +283,8 @@ def report(result: dict) -> str:
         lines += [f"| {name} | {r['per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['p90_latency_s']:.2f} | "
                   f"{', '.join(f'{m} {int(n)}' for m, n in sorted(r['steps_by_mode'].items()))} |"
                   for name, r in tp["runs"].items()]
-        lines += ["", f"throughput ratio {tp['throughput_ratio']:.2f}, mean latency ratio {tp['latency_ratio']:.2f}"]
+        lines += ["", f"mixed / per-adapter: throughput {tp['throughput_ratio']:.2f}, mean latency {tp['latency_ratio']:.2f}; "
+                      f"mixed / no adapters: throughput {tp['throughput_vs_none']:.2f}"]
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
     rows = result["fidelity"]["rows"]
     assert rows and all(0 <= r["ssim_min"] <= r["ssim_mean"] <= 1 for r in rows)
     runs = result["throughput"]["runs"]
-    assert set(runs) == {"mixed", "per-adapter"} and all(r["per_s"] > 0 for r in runs.values())
+    assert set(runs) == {"mixed", "per-adapter", "none"} and all(r["per_s"] > 0 for r in runs.values())
+    assert runs["none"]["steps_by_mode"] == {}
     assert "split" in runs["per-adapter"]["steps_by_mode"]
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
 
