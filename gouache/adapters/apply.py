@@ -117,11 +117,14 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
             rows_of[n] = [(owner == g).nonzero().squeeze(1).to(x.device) for g in range(len(groups))]
         return dim, rows_of[n]
 
+    paths = {path for adapters in groups.values() for lora, _ in adapters for path in lora.layers}
+    layers_of = {path: [[(lora.layers[path], scale) for lora, scale in adapters if path in lora.layers]
+                        for adapters in groups.values()] for path in paths}  # per path, each group's layers
+
     def hook(path: str, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
         start, x = time.perf_counter(), args[0]
         dim, indices = rows(x)
-        for index, adapters in zip(indices, groups.values()):
-            layers = [(lora.layers[path], scale) for lora, scale in adapters if path in lora.layers]
+        for index, layers in zip(indices, layers_of[path]):
             if not len(index) or not layers:
                 continue
             part = x.index_select(dim, index)
@@ -131,7 +134,6 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
             spent[0] += time.perf_counter() - start
         return output
 
-    paths = {path for adapters in groups.values() for lora, _ in adapters for path in lora.layers}
     handles = [denoiser.get_submodule(path).register_forward_hook(
         lambda module, args, output, path=path: hook(path, module, args, output)) for path in sorted(paths)]
     try:

@@ -62,6 +62,12 @@ class Lora:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers.values())
 
+    def to(self, device: torch.device) -> Lora:
+        """A copy whose layers sit on `device` (still float32: merges compute in it)."""
+        layers = {path: LoraLayer(layer.down.to(device), layer.up.to(device), layer.scale)
+                  for path, layer in self.layers.items()}
+        return Lora(self.name, layers, self.version)
+
 
 def denoiser_prefix(pipe) -> str:
     return "unet" if hasattr(pipe, "unet") else "transformer"

@@ -18,13 +18,14 @@ asynchronous loading), and how one forward applies them.
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
 
 from gouache.adapters.apply import Adapters, Merged, adapters_key, segmented
-from gouache.adapters.lora import LoraError
+from gouache.adapters.lora import Lora, LoraError
 from gouache.adapters.store import LoraStore
 from gouache.config import LoraConfig
 
@@ -93,6 +94,10 @@ class LoraRuntime:
         self.denoiser = denoiser
         self.costs = Costs()
         self._loads: dict[str, list[Future]] = {}
+        self._ready: dict[str, Adapters] = {}  # request id -> its adapters once they arrived, on the device
+        # adapters on the device, shared by the requests that hold them (freed with the last)
+        self._placed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._device = next(denoiser.parameters()).device
 
     def use(self, adapters: tuple[tuple[str, float], ...], synchronous: bool = False) -> LoraUse | None:
         return LoraUse(tuple(adapters), 0 if synchronous else self.config.bound) if adapters else None
@@ -104,6 +109,7 @@ class LoraRuntime:
 
     def release(self, request_id: str) -> None:
         self._loads.pop(request_id, None)
+        self._ready.pop(request_id, None)
 
     def arrived(self, states: list, hold: bool, failed: dict[str, str], step: LoraStep) -> dict[str, Adapters]:
         """Each state's adapters this step (empty: none, or not arrived before its bound). A
@@ -112,8 +118,8 @@ class LoraRuntime:
         out, pending = {}, []
         for state in states:
             rid, use = state.request.request_id, state.lora
-            if use is None:
-                out[rid] = ()
+            if use is None or rid in self._ready:
+                out[rid] = self._ready.get(rid, ())
                 continue
             try:
                 self.start(rid, use)
@@ -146,7 +152,19 @@ class LoraRuntime:
         if errors:
             failed[rid] = str(errors[0])
         else:
-            out[rid] = tuple((f.result(), scale) for f, (_, scale) in zip(loads, state.lora.adapters))
+            out[rid] = self._ready[rid] = tuple((self._place(f.result()), scale)
+                                                for f, (_, scale) in zip(loads, state.lora.adapters))
+
+    def _place(self, lora: Lora) -> Lora:
+        """The adapter on the denoiser's device, copied there once while requests hold it rather
+        than at every layer of every step."""
+        if self._device.type == "cpu":
+            return lora
+        key = (lora.name, lora.version)
+        placed = self._placed.get(key)
+        if placed is None:
+            placed = self._placed[key] = lora.to(self._device)
+        return placed
 
     def run(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraStep) -> list[torch.Tensor]:
         """predict(states) with each state's adapters applied; row_maps(states): a forward's rows

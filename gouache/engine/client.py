@@ -156,6 +156,9 @@ class AsyncEngine:
             flag = "--template-cache" if templates.default else "--template-cost-model"
             raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs "
                              "on several devices, where template reuse does not apply")
+        if engine_config.loras.bound and not caches_blocks(make_policy(sched_config, predictor), engine_config.devices):
+            raise ValueError(f"--lora-bound would be ignored: every step of --policy {sched_config.policy} runs on "
+                             "several devices, whose ranks load adapters before the step (synchronously)")
         executor = None
         if engine_config.executor != "uniproc":
             from gouache.runner.ulysses import check_degree

@@ -98,6 +98,12 @@ def test_lora_flags_without_a_directory_are_refused():
             _engine_configs(args)
 
 
+def test_a_loading_bound_is_refused_where_every_step_runs_sequence_parallel(lora_dir):
+    config = EngineConfig(executor="multiproc", devices=2, loras=LoraConfig(str(lora_dir), bound=3))
+    with pytest.raises(ValueError, match="--lora-bound would be ignored: every step of --policy fixed-sp-2"):
+        AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+
+
 def test_adapters_under_a_worker_process(lora_dir):
     """A multiproc worker reads the adapters itself; registration warms it."""
     config = EngineConfig(executor="multiproc", devices=1, loras=LoraConfig(str(lora_dir)))
