@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gouache.adapters.directory import LoraError
@@ -40,14 +39,6 @@ class LoraLayer:
         """scale * up @ down in float32 on `weight`'s device, shaped like `weight`."""
         product = self.up.to(weight.device).flatten(1).float() @ self.down.to(weight.device).flatten(1).float()
         return (self.scale * product).view(weight.shape)
-
-    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The update's output for input rows x of `module` (without the base's)."""
-        down, up = self.down.to(x.device, x.dtype), self.up.to(x.device, x.dtype)
-        if isinstance(module, nn.Conv2d):
-            hidden = F.conv2d(x, down, None, module.stride, module.padding, module.dilation)
-            return self.scale * F.conv2d(hidden, up)
-        return self.scale * F.linear(F.linear(x, down), up)
 
 
 @dataclass(frozen=True)
@@ -186,17 +177,20 @@ ATTENTION = r".*attn\d?\.(to_q|to_k|to_v|to_out\.0)"  # the attention projection
 
 
 def random_lora(pipe, rank: int = 4, seed: int = 0, targets: str = ATTENTION) -> dict[str, torch.Tensor]:
-    """A random adapter of `pipe`'s denoiser, in diffusers' (peft) keys, on the linear layers
-    whose path matches `targets` (attention projections by default): for tests and benchmarks."""
+    """A random adapter of `pipe`'s denoiser, in diffusers' (peft) keys, on the linear and conv
+    layers whose path matches `targets` (attention projections by default): for tests and
+    benchmarks."""
     prefix = denoiser_prefix(pipe)
     denoiser = pipe.unet if prefix == "unet" else pipe.transformer
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for module_name, module in denoiser.named_modules():
-        if isinstance(module, nn.Linear) and re.fullmatch(targets, module_name):
-            down = torch.randn(rank, module.in_features, generator=generator) / module.in_features**0.5
-            up = torch.randn(module.out_features, rank, generator=generator) / (2 * rank**0.5)
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and re.fullmatch(targets, module_name):
+            weight = module.weight  # [out, in] or [out, in, kh, kw]
+            fan_in = weight[0].numel()
+            down = torch.randn(rank, *weight.shape[1:], generator=generator) / fan_in**0.5
+            up = torch.randn(weight.shape[0], rank, *[1] * (weight.ndim - 2), generator=generator) / (2 * rank**0.5)
             out[f"{prefix}.{module_name}.lora_A.weight"], out[f"{prefix}.{module_name}.lora_B.weight"] = down, up
     if not out:
-        raise LoraError(f"no linear layer of the {prefix} matches {targets!r}")
+        raise LoraError(f"no linear or conv layer of the {prefix} matches {targets!r}")
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gouache.adapters.apply import Adapters, Merged, adapters_key, segmented
+from gouache.adapters.apply import Adapters, Factors, Merged, adapters_key, segmented
 from gouache.adapters.lora import Lora, LoraError
 from gouache.adapters.store import LoraStore
 from gouache.config import LoraConfig
@@ -98,6 +98,7 @@ class LoraRuntime:
         # adapters on the device, shared by the requests that hold them (freed with the last)
         self._placed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._device = next(denoiser.parameters()).device
+        self._factors = Factors()  # the running batch's adapter groups, stacked per module
 
     def use(self, adapters: tuple[tuple[str, float], ...], synchronous: bool = False) -> LoraUse | None:
         return LoraUse(tuple(adapters), 0 if synchronous else self.config.bound) if adapters else None
@@ -196,7 +197,7 @@ class LoraRuntime:
             return predict(states)
         row_adapters = [a for a, s in zip(adapters, states) for _ in range(s.rows)]
         spent = [0.0]
-        with segmented(self.denoiser, row_adapters, self.merged.adapters, maps, spent):
+        with segmented(self.denoiser, row_adapters, self.merged.adapters, maps, spent, self._factors):
             out = predict(states)
         merged = adapters_key(self.merged.adapters)
         work = sum(s.rows * sum(nbytes[name] for name, _, _ in (*key, *merged))

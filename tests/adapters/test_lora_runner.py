@@ -16,6 +16,7 @@ from gouache.sched.plan import Batch
 
 TOL = 1e-4
 STEPS = 3
+GRAIN = r".*(resnets\.\d+\.conv\d|pos_embed\.proj|ff\.net\.(0\.proj|2))"
 
 
 @pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
@@ -33,6 +34,8 @@ def lora_dir(pipe, tmp_path_factory):
     directory = tmp_path_factory.mktemp("loras")
     for seed, name in enumerate(("ink", "paper")):
         save_file(random_lora(pipe, rank=4, seed=seed), str(directory / f"{name}.safetensors"))
+    # convs (LoCon: resnet convs, a DiT's patch embedding) and feed-forward linears, another rank
+    save_file(random_lora(pipe, rank=6, seed=2, targets=GRAIN), str(directory / "grain.safetensors"))
     return directory
 
 
@@ -76,7 +79,7 @@ def test_merged_output_equals_diffusers_load_lora_weights_and_fuse_lora(model, l
 def test_a_batch_of_mixed_adapters_equals_each_request_alone(pipe, lora_dir):
     runner = ModelRunner(pipe, loras=LoraConfig(str(lora_dir)))
     mix = [request("none"), request("ink", [("ink", 1.0)]), request("both", [("ink", 0.5), ("paper", 1.0)], seed=2),
-           request("paper", [("paper", -1.0)], seed=3)]
+           request("paper", [("paper", -1.0)], seed=3), request("grain", [("grain", 1.0), ("ink", 0.5)], seed=4)]
     together, modes = run(runner, mix)
     assert modes == ["segmented"] * STEPS
     weights = {k: v.clone() for k, v in runner.family.denoiser.state_dict().items()}
@@ -91,7 +94,7 @@ def test_a_batch_of_mixed_adapters_equals_each_request_alone(pipe, lora_dir):
 def test_mixed_sizes_and_adapters_in_one_packed_or_patched_forward(pipe, lora_dir):
     runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(str(lora_dir)))
     mix = [request("small", [("ink", 1.0)], size=(64, 64)), request("wide", [("paper", 1.0)], size=(64, 128)),
-           request("plain", size=(64, 128), seed=4)]
+           request("plain", size=(64, 128), seed=4), request("grain", [("grain", 1.0)], size=(128, 64), seed=5)]
     together, modes = run(runner, mix, patched=True)
     # a packed DiT tells every row apart; patches of a UNet do not, so it runs a forward per set
     assert modes == ["split" if runner.family.patches else "segmented"] * STEPS
