@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--threshold", type=float, default=0.99, help="profile-lora's threshold (default: %(default)s)")
     p.add_argument("--load-shares", default="0.1,0.25,0.5",
                    help="emulated adapter read times, as shares of a plain request's latency (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="requests per latency case; medians (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=7, help="requests per latency case, the cases in turn; medians "
+                                                         "(default: %(default)s)")
     p.add_argument("--fidelity", type=int, default=24, help="prompts of the fidelity comparison (default: %(default)s)")
     p.add_argument("--requests", type=int, default=32, help="requests of the throughput load, 0: none (default: %(default)s)")
     p.add_argument("--adapters", type=int, default=50, help="random adapters of the load (default: %(default)s)")
@@ -150,24 +151,28 @@ class Bench:
         return [round(s, 5) for s in similarity], first_below(similarity, threshold)
 
     def latency(self, bound: int, shares: list[float], repeats: int) -> dict:
+        """Median seconds of each case; the cases take turns within every repeat, so that a
+        shared machine's drift falls on all of them alike."""
         prompt, loras = "a red circle in the center on a white background", ((self.lora, 1.0),)
         warm = self.runner()
         warm.loras.store.load(self.lora).result()
-
-        def median(runner_of, with_lora=True) -> float:
-            runs = [self.generate(runner_of(), prompt, k, loras if with_lora else ())[1] for k in range(repeats + 1)]
-            return statistics.median(runs[1:])  # the first is a warm-up
-
-        none_s = median(lambda: warm, with_lora=False)
-        cached_s = median(lambda: warm)
-        rows = []
+        cases = {"none": (lambda: warm, ()), "cached": (lambda: warm, loras)}
         for share in shares:
-            read_s = share * none_s
-            sync_s = median(lambda: self.runner(0, read_s))
-            bal_s = median(lambda: self.runner(bound, read_s))
-            rows.append({"load_share": share, "read_s": read_s, "sync_s": sync_s, "bal_s": bal_s,
-                         "sync_ratio": sync_s / none_s, "bal_ratio": bal_s / none_s})
-        return {"none_s": none_s, "cached_s": cached_s, "cached_ratio": cached_s / none_s, "bound": bound, "rows": rows}
+            cases[f"sync {share}"] = (lambda share=share: self.runner(0, share * none_s), loras)
+            cases[f"bal {share}"] = (lambda share=share: self.runner(bound, share * none_s), loras)
+        none_s = self.generate(warm, prompt, 0)[1]  # a warm-up, and the scale of the emulated reads
+        runs: dict[str, list[float]] = {case: [] for case in cases}
+        for k in range(repeats):
+            for case, (runner_of, adapters) in cases.items():
+                warm.loras.merged.set(())  # every case starts from a server with nothing merged
+                runs[case].append(self.generate(runner_of(), prompt, k, adapters)[1])
+        seconds = {case: statistics.median(times) for case, times in runs.items()}
+        plain = seconds["none"]
+        rows = [{"load_share": share, "read_s": share * none_s, "sync_s": seconds[f"sync {share}"],
+                 "bal_s": seconds[f"bal {share}"], "sync_ratio": seconds[f"sync {share}"] / plain,
+                 "bal_ratio": seconds[f"bal {share}"] / plain} for share in shares]
+        return {"none_s": plain, "cached_s": seconds["cached"], "cached_ratio": seconds["cached"] / plain,
+                "bound": bound, "repeats": repeats, "rows": rows}
 
     def fidelity(self, scenes: list, bounds: list[int]) -> dict:
         """The adapter from step 0 against the adapter arriving at step K (BAL's worst case)."""
