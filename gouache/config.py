@@ -9,6 +9,7 @@ from gouache.sched.router import ROUTERS
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
 
 _DTYPES = ("float32", "float16", "bfloat16")
+CONTROLNET_MODES = ("sync", "async")  # residuals of step t join step t, or step t + 1
 MAX_BLOCK_CACHE_THRESHOLD = 1.0  # a relative change of 1 is as large as the input itself
 
 
@@ -103,6 +104,27 @@ class LoraConfig:
         _check(self.bound >= 0, f"the LoRA loading bound must be a step >= 0, got {self.bound}")
 
 
+@dataclass(frozen=True)
+class ControlNetConfig:
+    """ControlNets (`gouache.adapters.controlnet`, KATZ §5): diffusers directories in
+    `directory`, run in this process before each forward (`workers` 0: the sequential way of
+    diffusers' pipelines) or as a service of `workers` processes, each caching models in
+    `model_bytes`, whose residuals of step t join step t (`mode` "sync": exact) or step t + 1
+    ("async": the ControlNet runs beside the whole base step)."""
+
+    directory: str | None = None  # `--controlnet-dir`: <name>/config.json + weights; None: no ControlNets
+    workers: int = 0  # ControlNet service processes; 0: in-process, in sequence with the base model
+    mode: str = "sync"  # the default of requests that do not say: sync | async
+    model_bytes: int = 4 << 30  # ControlNet weights each process keeps loaded (least recently used leave first)
+    torch_threads: int | None = None  # intra-op threads of each service process; None: torch's default
+
+    def __post_init__(self) -> None:
+        _check(self.workers >= 0, f"ControlNet workers must be >= 0, got {self.workers}")
+        _check(self.mode in CONTROLNET_MODES, f"ControlNet mode must be 'sync' or 'async', got {self.mode!r}")
+        _check(self.model_bytes >= 0, f"ControlNet memory must be >= 0 bytes, got {self.model_bytes}")
+        _check(self.torch_threads is None or self.torch_threads >= 1, "ControlNet torch_threads must be >= 1")
+
+
 @dataclass
 class EngineConfig:
     """Limits and worker counts of one engine (one replica)."""
@@ -119,6 +141,7 @@ class EngineConfig:
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
     loras: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
+    controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)  # ControlNets per request
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")

@@ -31,6 +31,9 @@ class ImageRequest:
     template_id: str | None = None  # edit: the template's name; None: a content hash of the image
     register_template: bool = False  # record the template (mask: nothing) instead of editing it: POST /v1/templates
     loras: tuple[tuple[str, float], ...] = ()  # LoRA adapters (file name, scale) applied to the denoiser
+    # ControlNets (directory name, conditioning image still encoded, scale), summed in this order
+    controlnets: tuple[tuple[str, bytes, float], ...] = ()
+    controlnet_mode: str | None = None  # sync | async; None: the server's default
     image: bytes | None = None  # edit: the uploaded image, still encoded
     mask: bytes | None = None  # edit: the uploaded mask, still encoded (transparent = repaint)
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it

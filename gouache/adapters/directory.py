@@ -1,8 +1,9 @@
-"""The adapter directory (`--lora-dir`) by name, and the errors of adapters; no torch, so the
-API can check names.
+"""The adapter directories by name, and the errors of adapters; no torch, so the API can
+check names.
 
-A name is `[A-Za-z0-9][A-Za-z0-9._-]{0,63}` and stands for `<dir>/<name>.safetensors` only:
-no name reaches outside the directory.
+A name is `[A-Za-z0-9][A-Za-z0-9._-]{0,63}`. A LoRA's stands for `<--lora-dir>/<name>.safetensors`
+only, a ControlNet's for the diffusers directory `<--controlnet-dir>/<name>/` (its
+`config.json` and weights): no name reaches outside its directory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 SUFFIX = ".safetensors"
+CONFIG = "config.json"  # what makes a subdirectory of --controlnet-dir a ControlNet
 
 
 class LoraError(ValueError):
@@ -39,3 +41,32 @@ def lora_names(directory: Path | None) -> list[str]:
         return []
     names = (p.name[: -len(SUFFIX)] for p in directory.glob(f"*{SUFFIX}") if p.is_file())
     return sorted(name for name in names if re.fullmatch(NAME, name))
+
+
+class ControlNetError(ValueError):
+    """A ControlNet (or its conditioning) that cannot serve this request: the message says why
+    (the API answers 400)."""
+
+
+class UnknownControlNet(ControlNetError):
+    """No such ControlNet in the directory."""
+
+
+def controlnet_path(directory: Path | None, name: object) -> Path:
+    """The directory of ControlNet `name`; ControlNetError for a bad name, UnknownControlNet
+    for a missing one."""
+    if not isinstance(name, str) or not re.fullmatch(NAME, name):
+        raise ControlNetError(f"ControlNet name {name!r} must match {NAME} (a directory's name)")
+    if directory is None:
+        raise UnknownControlNet(f"unknown ControlNet {name!r}: this server has no --controlnet-dir")
+    path = directory / name
+    if not (path / CONFIG).is_file():
+        raise UnknownControlNet(f"unknown ControlNet {name!r}: no {name}/{CONFIG} in the ControlNet directory "
+                                "(GET /v1/controlnets lists them)")
+    return path
+
+
+def controlnet_names(directory: Path | None) -> list[str]:
+    if directory is None or not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if re.fullmatch(NAME, p.name) and (p / CONFIG).is_file())

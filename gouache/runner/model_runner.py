@@ -8,10 +8,11 @@ import time
 import numpy as np
 import torch
 
+from gouache.adapters.control_runtime import ControlRuntime
 from gouache.adapters.runtime import LoraRuntime, LoraStep
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
 from gouache.cache.template_store import TIERS
-from gouache.config import LoraConfig, TemplateConfig
+from gouache.config import ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
@@ -30,7 +31,8 @@ class ModelRunner:
     by the engine thread between steps, or by a stage once the request left the scheduler."""
 
     def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS, block_cache: BlockCacheConfig | None = None,
-                 templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True):
+                 templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True,
+                 controlnets: ControlNetConfig | None = None):
         self.pipe = pipe
         self.family: Family = make_family(pipe, patch_pixels)
         self.states: dict[str, DenoiseState] = {}
@@ -39,6 +41,7 @@ class ModelRunner:
         self._templates: TemplateCache | None = None  # made at the first edit that uses one
         self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
+        self.controls = ControlRuntime(controlnets or ControlNetConfig(), pipe)
 
     @property
     def templates(self) -> TemplateCache:
@@ -46,10 +49,15 @@ class ModelRunner:
             self._templates = TemplateCache(self.template_config, self.family.device)
         return self._templates
 
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> RequestState:
-        """Text encoding and initial latents; returns the scheduler's view of the request."""
+    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
+                controls: list[np.ndarray] = ()) -> RequestState:
+        """Text encoding and initial latents; returns the scheduler's view of the request.
+        `controls`: the decoded conditioning image of each of its ControlNets."""
         state = self.family.prepare(request, image, mask)
-        uses_template = self.uses_template(request) and state.edit is not None
+        state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets), list(controls),
+                                          request.controlnet_mode, self.family.device, self.family.dtype)
+        # a ControlNet's residuals change every block after the first: no template replays them
+        uses_template = self.uses_template(request) and state.edit is not None and state.control is None
         state.lora = self.loras.use(request.loras, synchronous=uses_template)  # a template records or replays with them
         if state.lora is not None and self.prefetch_loras:
             self.loras.start(request.request_id, state.lora)  # read while it waits and its first steps run
@@ -130,14 +138,22 @@ class ModelRunner:
         states = [self.states[rid] for rid in ids]
 
         def row_maps(group):  # a block cache or template replay computes subsets of rows: no segmenting there
+            if any(s.control is not None for s in group):  # a plain forward per latent shape (`controls.predict`)
+                return self.family.row_maps(group, False) if len({s.latents.shape for s in group}) == 1 else None
             if templates is not None or cache_request(group, cache) is not None:
                 return None
             return self.family.row_maps(group, patched)
 
+        def predict(group):
+            def rest(others):
+                return self.family.predict(others, patched, cache, templates)
+
+            if all(s.control is None for s in group):
+                return rest(group)
+            return self.controls.predict(group, self.family.forward, rest)
+
         try:
-            return list(zip(ids, self.loras.run(
-                states, [lora[0][rid] for rid in ids], lambda group: self.family.predict(group, patched, cache, templates),
-                row_maps, lora[1])))
+            return list(zip(ids, self.loras.run(states, [lora[0][rid] for rid in ids], predict, row_maps, lora[1])))
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])

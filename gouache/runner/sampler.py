@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
     from diffusers import SchedulerMixin
 
+    from gouache.adapters.control_runtime import ControlUse
     from gouache.adapters.runtime import LoraUse
     from gouache.request import ImageRequest
     from gouache.runner.template_reuse import TemplateUse
@@ -43,6 +44,7 @@ class DenoiseState:
     edit: EditInputs | None = None
     template: TemplateUse | None = None  # an edit that reuses a template's activations
     lora: LoraUse | None = None  # the request's LoRA adapters
+    control: ControlUse | None = None  # the request's ControlNets and their conditioning images
     step: int = 0  # denoising steps done
 
     @property

@@ -73,15 +73,14 @@ class StableDiffusionFamily(Family):
     def token_count(self, state: DenoiseState) -> int:
         return state.latents.shape[2] * state.latents.shape[3]
 
-    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
-        inputs = torch.cat([self._model_input(s) for s in states])
-        return self.unet(
-            inputs,
-            row_timesteps(states),
-            encoder_hidden_states=cat_cond(states, "prompt_embeds"),
-            added_cond_kwargs=self.added_cond(states),
-            return_dict=False,
-        )[0]
+    def forward(self, states: list[DenoiseState], control=None) -> torch.Tensor:
+        """The UNet over every row of `states`; `control(states, sample, timesteps, kwargs)`
+        gives the ControlNet residual arguments of those rows."""
+        sample, timesteps = torch.cat([self._model_input(s) for s in states]), row_timesteps(states)
+        kwargs = {"encoder_hidden_states": cat_cond(states, "prompt_embeds"), "added_cond_kwargs": self.added_cond(states)}
+        if control is not None:
+            kwargs.update(control(states, sample, timesteps, kwargs))
+        return self.unet(sample, timesteps, **kwargs, return_dict=False)[0]
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         cache: CacheRequest | None = None) -> list[torch.Tensor]:

@@ -1,0 +1,181 @@
+"""ControlNets of a UNet (KATZ §5): diffusers directories checked against the base model from
+their config alone, a cache of loaded ones under a byte budget, random ones for tests, and
+the residuals one ControlNet gives some rows of a forward.
+
+A ControlNet's residuals add to the UNet's skip connections (down blocks) and to its middle
+block's output; diffusers' UNet takes them as `down_block_additional_residuals` and
+`mid_block_additional_residual`. A ControlNet fits a UNet when its encoder has the UNet's
+encoder's shape: channels, layers, text width and (SDXL) added conditioning.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gouache.adapters.directory import CONFIG, ControlNetError, controlnet_names, controlnet_path
+
+# ControlNetModel config keys that must equal the UNet's: the residuals' count, channels and
+# sizes, and the inputs the ControlNet shares with the UNet (latents, text, added conditioning)
+MATCHING = ("in_channels", "block_out_channels", "layers_per_block", "cross_attention_dim", "addition_embed_type",
+            "addition_time_embed_dim", "projection_class_embeddings_input_dim")
+CONDITIONING_CHANNELS = 3  # the conditioning is an RGB image
+
+
+def supports_controlnets(pipe) -> str | None:
+    """Why `pipe` takes no ControlNets, or None if it does."""
+    unet = getattr(pipe, "unet", None)
+    if unet is None:
+        return "ControlNets are served for UNet models (SD, SDXL); this model is a transformer"
+    if unet.config.in_channels != 4:
+        return f"ControlNets are served for 4-channel UNets; this one takes {unet.config.in_channels} (inpainting)"
+    return None
+
+
+def check_config(config: dict, unet, name: str) -> None:
+    """Raise ControlNetError unless a ControlNet of `config` fits `unet`."""
+    from diffusers import ControlNetModel
+
+    if config.get("_class_name", "ControlNetModel") != "ControlNetModel":
+        raise ControlNetError(f"ControlNet {name!r} is a {config.get('_class_name')}, not a diffusers ControlNetModel")
+    defaults = {k: p.default for k, p in inspect.signature(ControlNetModel.__init__).parameters.items()}
+    for key in MATCHING:
+        theirs, ours = config.get(key, defaults.get(key)), unet.config.get(key)
+        if isinstance(theirs, list | tuple) and isinstance(ours, list | tuple):
+            theirs, ours = list(theirs), list(ours)
+        if theirs != ours:
+            raise ControlNetError(f"ControlNet {name!r} does not fit this model: its {key} is {theirs!r}, "
+                                  f"the UNet's {ours!r}")
+    channels = config.get("conditioning_channels", defaults["conditioning_channels"])
+    if channels != CONDITIONING_CHANNELS:
+        raise ControlNetError(f"ControlNet {name!r} takes {channels}-channel conditioning; gouache sends RGB images")
+
+
+def random_controlnet(pipe, seed: int = 0, std: float = 0.02):
+    """A ControlNet of `pipe`'s UNet (its encoder's weights, as training starts from) whose
+    zero-initialised convolutions are random instead, so its residuals are not zero: for tests
+    and benchmarks."""
+    from diffusers import ControlNetModel
+
+    model = ControlNetModel.from_unet(pipe.unet, conditioning_channels=CONDITIONING_CHANNELS)
+    generator = torch.Generator().manual_seed(seed)
+    zero = [*model.controlnet_down_blocks, model.controlnet_mid_block, model.controlnet_cond_embedding.conv_out]
+    with torch.no_grad():
+        for conv in zero:
+            nn.init.normal_(conv.weight, std=std, generator=generator)
+            nn.init.normal_(conv.bias, std=std, generator=generator)
+    return model
+
+
+@torch.no_grad()
+def residuals(model, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, cond: torch.Tensor,
+              added: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+    """The ControlNet's down residuals, then its middle one, for these rows at scale 1 (the
+    caller scales each row: diffusers multiplies by the scale last, so this is exact)."""
+    down, mid = model(sample, timesteps, encoder_hidden_states=embeds, controlnet_cond=cond, conditioning_scale=1.0,
+                      added_cond_kwargs=added, return_dict=False)
+    return [*down, mid]
+
+
+def nbytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@dataclass
+class ControlCounts:
+    hits: int = 0
+    misses: int = 0
+    load_s: list[float] = field(default_factory=list)  # seconds of each load, since the last `take`
+    reported: tuple[int, int] = (0, 0)
+
+    def take(self) -> tuple[dict[str, int], list[float]]:
+        """hit / miss counts and load times since the last call."""
+        change = {"hit": self.hits - self.reported[0], "miss": self.misses - self.reported[1]}
+        self.reported, loads, self.load_s = (self.hits, self.misses), self.load_s, []
+        return {k: n for k, n in change.items() if n}, loads
+
+
+class ControlNetCache:
+    """The ControlNets of one model in one process: directories in `directory`, the recently
+    used ones loaded on `device` within `budget_bytes` (the one in use always stays)."""
+
+    def __init__(self, directory: str | Path | None, unet, budget_bytes: int = 4 << 30):
+        self.directory = Path(directory) if directory else None
+        self.unet = unet
+        self.budget_bytes = budget_bytes
+        self.counts = ControlCounts()
+        self._models: OrderedDict[str, tuple[int, nn.Module]] = OrderedDict()  # name -> (config mtime, model)
+        self._checked: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        return controlnet_names(self.directory)
+
+    def _stamp(self, name: str) -> tuple[Path, int]:
+        path = controlnet_path(self.directory, name)
+        return path, (path / CONFIG).stat().st_mtime_ns
+
+    def check(self, name: str) -> None:
+        """Raise ControlNetError unless `name` exists and fits the UNet (its config.json only)."""
+        path, stamp = self._stamp(name)
+        if self._checked.get(name) == stamp:
+            return
+        try:
+            config = json.loads((path / CONFIG).read_text())
+        except (OSError, ValueError) as error:
+            raise ControlNetError(f"ControlNet {name!r} has no readable {CONFIG} ({error})") from None
+        if not isinstance(config, dict):
+            raise ControlNetError(f"ControlNet {name!r}: {CONFIG} is not a JSON object")
+        check_config(config, self.unet, name)
+        self._checked[name] = stamp
+
+    def get(self, name: str) -> nn.Module:
+        """The loaded ControlNet (read from its directory on a miss)."""
+        from diffusers import ControlNetModel
+
+        path, stamp = self._stamp(name)
+        with self._lock:
+            cached = self._models.get(name)
+            if cached is not None and cached[0] == stamp:
+                self._models.move_to_end(name)
+                self.counts.hits += 1
+                return cached[1]
+        self.check(name)
+        start = time.perf_counter()
+        try:
+            model = ControlNetModel.from_pretrained(str(path), torch_dtype=self.unet.dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as error:
+            raise ControlNetError(f"ControlNet {name!r} could not be loaded ({type(error).__name__}: {error})") from None
+        model = model.to(self.unet.device).eval()
+        with self._lock:
+            self.counts.misses += 1
+            self.counts.load_s.append(time.perf_counter() - start)
+            self._models[name] = (stamp, model)
+            total = sum(nbytes(m) for _, m in self._models.values())
+            while total > self.budget_bytes and len(self._models) > 1:
+                _, (_, old) = self._models.popitem(last=False)
+                total -= nbytes(old)
+        return model
+
+    def describe(self, name: str) -> dict:
+        path, stamp = self._stamp(name)
+        with self._lock:
+            cached = self._models.get(name)
+        loaded = cached is not None and cached[0] == stamp
+        out = {"id": name, "object": "controlnet", "loaded": loaded}
+        if loaded:
+            out["bytes"] = nbytes(cached[1])
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(nbytes(m) for _, m in self._models.values())
