@@ -1,5 +1,5 @@
-"""`gouache` command line: serve, generate, edit, models, export-model, make-lora, train, profile, profile-lora,
-simulate, reproduce, bench."""
+"""`gouache` command line: serve, generate, edit, models, export-model, make-lora, make-controlnet, train,
+profile, profile-lora, simulate, reproduce, bench."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
 from gouache.config import (
-    EXECUTORS, BlockCacheConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig,
-    TemplateConfig,
+    CONTROLNET_MODES, EXECUTORS, BlockCacheConfig, ControlNetConfig, EngineConfig, LoraConfig, ModelConfig,
+    ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
 )
 from gouache.errors import GouacheError
 
@@ -111,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bounded asynchronous LoRA loading: a request whose adapters are still being read denoises "
                             "without them for at most this many steps (`gouache profile-lora` finds the step); "
                             "approximate above 0 (default: %(default)s: synchronous, exact)")
+    serve.add_argument("--controlnet-dir", default=None,
+                       help="directory of ControlNets (<name>/ in diffusers' format, for this UNet); requests name them "
+                            "in `controlnets` with a conditioning image each (default: none)")
+    serve.add_argument("--controlnet-mb", type=int, default=ControlNetConfig.model_bytes >> 20, action=Given,
+                       help="MiB of ControlNet weights kept loaded per process (default: %(default)s)")
+    serve.add_argument("--controlnet-workers", type=int, default=ControlNetConfig.workers, action=Given,
+                       help="ControlNet service processes, which run ControlNets beside the base model; 0 runs them in "
+                            "this process before each forward, as diffusers does (default: %(default)s)")
+    serve.add_argument("--controlnet-mode", default=ControlNetConfig.mode, choices=CONTROLNET_MODES, action=Given,
+                       help="residuals of step t join step t (sync, exact) or step t + 1 (async: the ControlNet runs "
+                            "beside the whole step; needs --controlnet-workers); requests may say (default: %(default)s)")
     serve.add_argument("--image-workers", type=int, default=EngineConfig.image_workers,
                        help="processes that decode uploads and encode images (default: %(default)s)")
     serve.add_argument("--torch-threads", type=int, default=None,
@@ -162,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     make_lora.add_argument("--out", required=True, help="the .safetensors file to write")
     make_lora.add_argument("--rank", type=int, default=4, help="rank of each layer's update (default: %(default)s)")
     make_lora.add_argument("--seed", type=int, default=0, help="seed of its random weights (default: %(default)s)")
+
+    make_controlnet = commands.add_parser(
+        "make-controlnet", help="write a random ControlNet of a UNet model, a diffusers directory (for tests and benchmarks)")
+    _add_model_args(make_controlnet)
+    make_controlnet.add_argument("--out", required=True, help="the directory to write (a name in --controlnet-dir)")
+    make_controlnet.add_argument("--seed", type=int, default=0, help="seed of its random weights (default: %(default)s)")
 
     from gouache.bench import profile, profile_lora
     from gouache.sim import command as simulate
@@ -247,6 +264,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     for flag in ("lora_mb", "lora_bound"):
         if flag in given(args) and not args.lora_dir:
             ignored[flag] = "without --lora-dir no request can name an adapter"
+    for flag in ("controlnet_mb", "controlnet_workers", "controlnet_mode"):
+        if flag in given(args) and not args.controlnet_dir:
+            ignored[flag] = "without --controlnet-dir no request can name a ControlNet"
     refuse_ignored(ignored)
     return (
         ModelConfig(args.model, args.dtype, args.device),
@@ -257,7 +277,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,
                                               cost_model=args.template_cost_model),
-                     loras=LoraConfig(args.lora_dir, args.lora_mb << 20, args.lora_bound)),
+                     loras=LoraConfig(args.lora_dir, args.lora_mb << 20, args.lora_bound),
+                     controlnets=ControlNetConfig(args.controlnet_dir, args.controlnet_workers, args.controlnet_mode,
+                                                  args.controlnet_mb << 20, args.torch_threads)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )
@@ -315,6 +337,19 @@ def _make_lora(args) -> int:
     return 0
 
 
+def _make_controlnet(args) -> int:
+    from gouache.adapters.controlnet import random_controlnet, supports_controlnets
+    from gouache.runner.models import load_pipeline
+
+    pipe = load_pipeline(args.model, args.dtype, args.device)
+    why = supports_controlnets(pipe)
+    if why:
+        raise ValueError(f"{args.model}: {why}")
+    random_controlnet(pipe, args.seed).save_pretrained(args.out)
+    print(f"wrote {args.out}: a random ControlNet of {args.model}'s UNet")
+    return 0
+
+
 def _bench(args) -> int:
     from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
 
@@ -353,7 +388,7 @@ def _simulate(args) -> int:
     return run(args)
 
 
-_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "profile-lora": _profile_lora, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "make-lora": _make_lora, "train": _train, "bench": _bench}
+_COMMANDS = {"reproduce": _reproduce, "profile": _profile, "profile-lora": _profile_lora, "simulate": _simulate, "serve": _serve, "generate": _generate, "edit": _generate, "models": _models, "export-model": _export, "make-lora": _make_lora, "make-controlnet": _make_controlnet, "train": _train, "bench": _bench}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -77,6 +77,19 @@ class Metrics:
         self.lora_bytes = Gauge("gouache_lora_host_bytes", "Adapters held in host memory, by device", ["device"],
                                 registry=r)
 
+        self.controlnet_runs = Counter("gouache_controlnet_runs_total",
+                                       "ControlNet runs over a forward's rows: in this process before the forward "
+                                       "(local), or on the service with residuals of the same step (sync) or the "
+                                       "previous one (async)", ["mode"], registry=r)
+        self.controlnet_wait = Histogram("gouache_controlnet_wait_seconds",
+                                         "Seconds one step's forwards waited for ControlNet residuals (local: "
+                                         "computing them)", buckets=_STEP_BUCKETS, registry=r)
+        self.controlnet_loads = Counter("gouache_controlnet_loads_total",
+                                        "ControlNet model loads: already loaded (hit) or read from disk (miss)",
+                                        ["result"], registry=r)
+        self.controlnet_load_time = Histogram("gouache_controlnet_load_seconds", "Reading one ControlNet from disk",
+                                              buckets=_STEP_BUCKETS, registry=r)
+
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""
         return generate_latest(self.registry)

@@ -29,6 +29,10 @@ class StepOutput:
     lora_loads: dict[str, int] = field(default_factory=dict)  # adapter loads: hit | miss | failed
     lora_load_s: list[float] = field(default_factory=list)  # seconds of each adapter file read that ended
     lora_bytes: int = 0  # adapters held in host memory after it
+    controlnet_runs: dict[str, int] = field(default_factory=dict)  # ControlNet runs over a forward's rows, by mode
+    controlnet_wait_s: float = 0.0  # seconds the forwards waited for ControlNet residuals (in-process: computed them)
+    controlnet_loads: dict[str, int] = field(default_factory=dict)  # ControlNet model loads: hit | miss
+    controlnet_load_s: list[float] = field(default_factory=list)  # seconds of each ControlNet read from disk
 
 
 @dataclass

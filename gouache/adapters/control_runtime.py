@@ -13,6 +13,7 @@ sequential way of diffusers' pipelines), or on the ControlNet service (`control_
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class ControlRuntime:
         self.pipe = pipe
         self.unsupported = supports_controlnets(pipe)
         self.cache = ControlNetCache(config.directory, getattr(pipe, "unet", None), config.model_bytes)
+        self._runs: dict[str, int] = {}  # ControlNet runs by mode since the last report
+        self._wait_s = 0.0  # seconds forwards waited for residuals since the last report
 
     def check(self, name: str) -> None:
         """Raise ControlNetError unless this model can run ControlNet `name`."""
@@ -58,19 +61,39 @@ class ControlRuntime:
             raise ControlNetError(self.unsupported)
         self.cache.check(name)
 
+    def check_request(self, names: list[str], mode: str | None) -> None:
+        """Raise ControlNetError unless a request may run these ControlNets in this mode."""
+        for name in names:
+            self.check(name)
+        if (mode or self.config.mode) == "async" and not self.config.workers:
+            raise ControlNetError("async ControlNet residuals need the ControlNet service (--controlnet-workers)")
+
+    def describe_all(self) -> list[dict]:
+        return [self.cache.describe(name) for name in self.cache.names()]
+
+    def load(self, name: str) -> dict:
+        """Load ControlNet `name` where it runs (POST /v1/controlnets); what is held of it."""
+        self.check(name)
+        self.cache.get(name)
+        return self.cache.describe(name)
+
+    def take_report(self) -> dict:
+        """The StepOutput fields of what ran since the last call."""
+        loads, load_s = self.cache.counts.take()
+        runs, wait_s, self._runs, self._wait_s = self._runs, self._wait_s, {}, 0.0
+        return {"controlnet_runs": runs, "controlnet_wait_s": wait_s, "controlnet_loads": loads,
+                "controlnet_load_s": load_s}
+
     def use(self, nets: tuple[tuple[str, float], ...], images: list[np.ndarray], mode: str | None,
             device: torch.device, dtype: torch.dtype) -> ControlUse | None:
         """A request's ControlNets with their decoded conditioning images (uint8 [H, W, 3])."""
         if not nets:
             return None
-        for name, _ in nets:
-            self.check(name)
-        mode = mode or self.config.mode
-        if mode == "async" and not self.config.workers:
-            raise ControlNetError("async ControlNet residuals need the ControlNet service (--controlnet-workers)")
+        self.check_request([name for name, _ in nets], mode)
         conds = [torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)[None].to(device, torch.float32) / 255.0
                  for image in images]
-        return ControlUse(tuple((name, cond.to(dtype), scale) for (name, scale), cond in zip(nets, conds)), mode)
+        return ControlUse(tuple((name, cond.to(dtype), scale) for (name, scale), cond in zip(nets, conds)),
+                          mode or self.config.mode)
 
     @torch.no_grad()
     def predict(self, states: list, forward: Callable, rest: Callable) -> list[torch.Tensor]:
@@ -89,7 +112,7 @@ class ControlRuntime:
 
     def residuals(self, states: list, sample: torch.Tensor, timesteps: torch.Tensor, kwargs: dict) -> dict:
         """The UNet's residual arguments for a forward of `states` (rows in order)."""
-        total: list[torch.Tensor] | None = None
+        start, total = time.perf_counter(), None
         for job in jobs(states):
             added = kwargs.get("added_cond_kwargs")
             rows = job.rows.to(sample.device)
@@ -101,6 +124,8 @@ class ControlRuntime:
             scale = job.scale.to(sample.device, sample.dtype).view(-1, 1, 1, 1)
             for acc, part in zip(total, parts):
                 acc.index_add_(0, rows, part * scale)
+            self._runs["local"] = self._runs.get("local", 0) + 1
+        self._wait_s += time.perf_counter() - start
         return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
 
 

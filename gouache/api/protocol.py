@@ -8,6 +8,8 @@ validated in lax mode (`n=2` in a form is the string "2").
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import re
@@ -15,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from gouache.adapters.directory import NAME as LORA_NAME
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
@@ -35,6 +37,8 @@ _SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
 TEMPLATE_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 MAX_LORAS = 8  # adapters one request may apply
 MAX_LORA_SCALE = 4.0  # |scale|; past it an adapter swamps the model: almost surely a mistake
+MAX_CONTROLNETS = 4  # ControlNets one request may apply
+MAX_CONTROLNET_SCALE = 4.0  # diffusers' pipelines use 0..2; past 4 the control swamps the prompt
 # OpenAI fields that official clients send and gouache accepts but cannot honour, with why; the
 # API logs each once per process. Fields whose value would change the image in a way gouache
 # does not (`background: "transparent"`) are refused instead.
@@ -100,6 +104,32 @@ class LoraRef(BaseModel):
     scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
 
 
+class ControlNetRef(BaseModel):
+    """One ControlNet of a request: a directory of the server's --controlnet-dir by name, its
+    conditioning image (base64 PNG, JPEG or WebP, optionally a data URL, of the request's size)
+    and its weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=f"^{LORA_NAME}$")
+    image: str = Field(min_length=1)
+    scale: float = Field(1.0, ge=0, le=MAX_CONTROLNET_SCALE, allow_inf_nan=False)
+    _data: bytes = PrivateAttr(b"")
+
+    @model_validator(mode="after")
+    def _decode(self) -> ControlNetRef:
+        encoded = self.image.split(",", 1)[1] if self.image.startswith("data:") else self.image
+        try:
+            self._data = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("image must be a base64-encoded PNG, JPEG or WebP (or a data URL of one)") from None
+        return self
+
+    @property
+    def data(self) -> bytes:
+        return self._data
+
+
 class ImageParams(BaseModel):
     """Fields shared by generations and edits. Unknown fields are rejected, as OpenAI does."""
 
@@ -130,6 +160,9 @@ class ImageParams(BaseModel):
     block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
     # LoRA adapters (docs/adapters.md); a multipart edit sends the list as JSON text
     loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS)
+    # ControlNets (docs/controlnet.md), summed in this order; a multipart edit sends JSON text
+    controlnets: list[ControlNetRef] = Field(default_factory=list, max_length=MAX_CONTROLNETS)
+    controlnet_mode: Literal["sync", "async"] | None = None  # None: the server's --controlnet-mode
 
     @model_validator(mode="before")
     @classmethod
@@ -137,15 +170,24 @@ class ImageParams(BaseModel):
         # OpenAI treats `"n": null` like an absent field.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
-    @field_validator("loras", mode="before")
+    @field_validator("loras", "controlnets", mode="before")
     @classmethod
-    def _loras_as_json(cls, loras: Any) -> Any:
-        if isinstance(loras, str):  # a multipart form field
+    def _list_as_json(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str):  # a multipart form field
             try:
-                return json.loads(loras)
+                return json.loads(value)
             except json.JSONDecodeError:
-                raise ValueError('must be a JSON list such as [{"name": "papercut", "scale": 0.8}]') from None
-        return loras
+                example = ('{"name": "papercut", "scale": 0.8}' if info.field_name == "loras"
+                           else '{"name": "edges", "image": "<base64 PNG>", "scale": 1.0}')
+                raise ValueError(f"must be a JSON list such as [{example}]") from None
+        return value
+
+    @field_validator("controlnet_mode")
+    @classmethod
+    def _mode_needs_controlnets(cls, mode: str | None, info: ValidationInfo) -> str | None:
+        if mode is not None and not info.data.get("controlnets"):
+            raise ValueError("applies to requests with controlnets; send controlnets or leave it out")
+        return mode
 
     @field_validator("loras")
     @classmethod
@@ -252,6 +294,9 @@ class ImageParams(BaseModel):
             raise InvalidRequestError("Invalid value for 'block_cache': every step of this server's scheduling "
                                       "policy runs on several devices, where the block cache does not apply; send "
                                       "0 or leave it out.", "block_cache")
+        if self.controlnets and self.block_cache:
+            raise InvalidRequestError("Invalid value for 'block_cache': requests with ControlNets run every block; "
+                                      "send 0 or leave it out.", "block_cache")
         if self.negative_prompt is not None and not (info.uses_cfg and guidance > 1.0):
             why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
                    else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above 1")
@@ -273,6 +318,8 @@ class ImageParams(BaseModel):
                 slo_ms=self.slo_ms,
                 block_cache=self.block_cache,
                 loras=tuple((lora.name, lora.scale) for lora in self.loras),
+                controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),
+                controlnet_mode=self.controlnet_mode,
                 **self._edit_fields(info, image),
                 image=image,
                 mask=mask,
@@ -314,6 +361,10 @@ class ImageEditRequest(ImageParams):
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
         asked = self.template_cache or self.template_id is not None
+        if asked and self.controlnets:
+            field = "template_id" if self.template_id is not None else "template_cache"
+            raise InvalidRequestError(f"Invalid value for '{field}': a template's activations hold no ControlNet's "
+                                      "residuals; send controlnets or template reuse, not both.", field)
         if asked and not info.templates:
             field = "template_id" if self.template_id is not None else "template_cache"
             raise InvalidRequestError(f"Invalid value for '{field}': every step of this server's scheduling policy "

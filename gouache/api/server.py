@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gouache import __version__
-from gouache.api import files, images, loras, status
+from gouache.api import adapters, files, images, status
 from gouache.api.auth import ApiKeyMiddleware
 from gouache.api.body_limit import BodyLimitMiddleware
 from gouache.api.context import ApiContext
@@ -50,7 +50,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=engine.metrics)
     if config.api_key is not None:  # outermost: an unauthenticated request is refused before anything else
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, metrics=engine.metrics)
-    for module in (images, files, loras, status):
+    for module in (images, files, adapters, status):
         app.include_router(module.router)
     return app
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.adapters import AdapterCalls
 from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, StepReport
 from gouache.engine.handle import EngineStats, RequestHandle
@@ -54,7 +55,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
                       engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
-                      engine_config.loras)
+                      engine_config.loras, engine_config.controlnets)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
@@ -80,7 +81,7 @@ def preview_steps(total_steps: int, partial_images: int) -> set[int]:
     return {round(k * total_steps / (partial_images + 1)) for k in range(1, partial_images + 1)} - {0, total_steps}
 
 
-class AsyncEngine:
+class AsyncEngine(AdapterCalls):
     def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
                  metrics: Metrics | None = None, predictor: StepTimePredictor | None = None,
                  executor: Executor | None = None):
@@ -91,7 +92,8 @@ class AsyncEngine:
         # prepares and decodes; under uniproc, also runs the steps (and holds the template store and
         # reads adapters as requests arrive; workers read theirs at a request's first step there)
         self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates,
-                                  engine_config.loras, prefetch_loras=executor is None)
+                                  engine_config.loras, prefetch_loras=executor is None,
+                                  controlnets=engine_config.controlnets)
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))
@@ -210,8 +212,7 @@ class AsyncEngine:
         for request in requests:
             self._check_size(request)
         self._check_capacity(len(requests))
-        for name, _ in requests[0].loras:
-            await self._lora_call(self.runner.loras.store.check, name)
+        controls = await self.check_adapters(requests[0])
         decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
         api_id = requests[0].request_id.rsplit("-", 1)[0]
         handle = RequestHandle(api_id, len(requests), self._loop, lambda: self._cancel(api_id))
@@ -220,33 +221,13 @@ class AsyncEngine:
             for index, request in enumerate(requests):
                 self._images[request.request_id] = _Image(request, handle, index)
         for request in requests:
-            self.prep.put(request, decoded)
+            self.prep.put(request, decoded, controls)
         self._loop.call_later(self.config.request_timeout_s, self._expire, api_id)
         return handle
 
     def abort(self, api_id: str) -> bool:
         """Cancel an API request by id; False if it is not in flight."""
         return self._cancel(api_id)
-
-    async def list_loras(self) -> list[dict]:
-        """GET /v1/loras: the adapter directory, and which adapters sit in host memory."""
-        store = self.runner.loras.store
-        return await self._lora_call(lambda: [store.describe(name) for name in store.names()])
-
-    async def register_lora(self, name: str) -> dict:
-        """POST /v1/loras: check an adapter against the model and read it into every device's
-        host memory, so its first request finds it there."""
-        await self._lora_call(self.runner.loras.store.check, name)
-        return (await self._lora_call(self.pool.executor.collective_rpc, "load_lora", (name,)))[0]
-
-    async def _lora_call(self, function, *args):
-        """`function(*args)` on a thread; a LoRA that does not fit is the request's error (400)."""
-        from gouache.adapters.directory import LoraError
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, function, *args)
-        except LoraError as error:
-            raise InvalidRequestError(str(error), "loras") from None
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -280,7 +261,7 @@ class AsyncEngine:
             raise InvalidRequestError(result.message, param=result.param)
         return result
 
-    def _prepare(self, request: ImageRequest, decoded: DecodedEdit | None) -> None:
+    def _prepare(self, request: ImageRequest, decoded: DecodedEdit | None, controls: list[np.ndarray]) -> None:
         if request.request_id not in self._images:  # aborted before preparation
             return
         image, mask = (decoded.image, decoded.mask) if decoded else (None, None)
@@ -289,7 +270,7 @@ class AsyncEngine:
         elif mask is not None and not mask.any():  # nothing to repaint: the answer is the original, no model run
             self._deliver_unchanged(request, image)
             return
-        state = self.runner.prepare(request, image, mask)
+        state = self.runner.prepare(request, image, mask, controls)
         with self._lock:  # under the lock, so that an abort reaches the engine's inbox after the add
             entry = self._images.get(request.request_id)
             if entry is not None:

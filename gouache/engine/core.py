@@ -170,14 +170,14 @@ class EngineCore:
             self.metrics.template_lookups.labels(result).inc(n)
         for tier, n in output.template_bytes.items():
             self.metrics.template_bytes.labels(str(flight.batch.devices[0]), tier).set(n)
-        self._count_loras(output, str(flight.batch.devices[0]))
+        self._count_adapters(output, str(flight.batch.devices[0]))
         step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
 
-    def _count_loras(self, output: StepOutput, device: str) -> None:
+    def _count_adapters(self, output: StepOutput, device: str) -> None:
         if output.lora_mode:
             self.metrics.lora_steps.labels(output.lora_mode).inc()
         if output.lora_merge_s:
@@ -190,6 +190,14 @@ class EngineCore:
             if n:
                 self.metrics.lora_request_steps.labels(result).inc(n)
         self.metrics.lora_bytes.labels(device).set(output.lora_bytes)
+        for mode, n in output.controlnet_runs.items():
+            self.metrics.controlnet_runs.labels(mode).inc(n)
+        if output.controlnet_runs:
+            self.metrics.controlnet_wait.observe(output.controlnet_wait_s)
+        for result, n in output.controlnet_loads.items():
+            self.metrics.controlnet_loads.labels(result).inc(n)
+        for seconds in output.controlnet_load_s:
+            self.metrics.controlnet_load_time.observe(seconds)
 
     def _lose(self, run: Run, ids: list[str], error: WorkerDied) -> None:
         """A worker died: its devices are lost, and with them the requests that were there."""

@@ -102,6 +102,22 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
     return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32))
 
 
+def decode_controls(images: list[bytes], width: int, height: int, max_pixels: int) -> list[np.ndarray] | DecodeError:
+    """A request's ControlNet conditioning images, uint8 [H, W, 3]; each must be the request's
+    size (a control image is a map of the picture: resizing it would move what it controls)."""
+    out = []
+    for k, data in enumerate(images):
+        field = f"controlnets[{k}].image"
+        image = _open(data, field, max_pixels)
+        if isinstance(image, DecodeError):
+            return DecodeError(image.message, "controlnets")
+        if image.size != (width, height):
+            return DecodeError(f"{field} is {image.width}x{image.height}; it must be the image's size, "
+                               f"{width}x{height}", "controlnets")
+        out.append(np.asarray(image.convert("RGB"), dtype=np.uint8))
+    return out
+
+
 def repaint_ratio(image_bytes: bytes, mask_bytes: bytes | None, max_pixels: int) -> float:
     """The fraction of an edit's image that it repaints, at the upload's size (routers read it);
     1.0 when an upload cannot be read, which the engine then refuses with the reason."""

@@ -109,7 +109,7 @@ class MultiprocExecutor(Executor):
         while True:
             try:
                 call_id, ok, value = conn.recv()
-            except (EOFError, OSError) as error:
+            except (EOFError, OSError):
                 self._procs[rank].join(timeout=1)
                 code = self._procs[rank].exitcode
                 self._died(rank, "shut down" if self._closing else f"its process ended (exit code {code})")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gouache.config import BlockCacheConfig, LoraConfig, TemplateConfig
+from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import StepOutput
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.sampler import DenoiseState
@@ -37,6 +37,7 @@ class WorkerSpec:
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     loras: LoraConfig = field(default_factory=LoraConfig)
+    controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)
 
     @property
     def cuda(self) -> bool:
@@ -84,7 +85,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
     if templates.directory:
         templates = replace(templates, directory=str(Path(templates.directory) / f"rank-{rank}"))
     runner = ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache, templates,
-                         spec.loras)
+                         spec.loras, controlnets=spec.controlnets)
     return Worker(rank, runner, groups)
 
 
@@ -114,6 +115,10 @@ class Worker:
         """Read an adapter into this device's host memory (POST /v1/loras); what it holds of it."""
         self.runner.loras.store.load(name).result()
         return self.runner.loras.store.describe(name)
+
+    def load_controlnet(self, name: str) -> dict:
+        """Load a ControlNet where this device runs them (POST /v1/controlnets)."""
+        return self.runner.controls.load(name)
 
     def export(self, request_ids: list[str]) -> dict[str, DenoiseState]:
         """Hand these requests' states over (they leave this worker)."""

@@ -242,18 +242,30 @@ class ReplicaSet:
         return handle
 
     async def list_loras(self) -> list[dict]:
-        """The first live replica's listing (every replica reads the same directory)."""
-        alive = self._alive()
-        if not alive:
-            raise EngineStoppedError("no replica is running")
-        return await self._call(alive[0], "list_loras", timeout_s=_CALL_TIMEOUT_S)
+        return await self._listing("list_loras")
 
     async def register_lora(self, name: str) -> dict:
-        """Every live replica reads the adapter; the first one's answer."""
+        return await self._register("register_lora", name)
+
+    async def list_controlnets(self) -> list[dict]:
+        return await self._listing("list_controlnets")
+
+    async def register_controlnet(self, name: str) -> dict:
+        return await self._register("register_controlnet", name)
+
+    async def _listing(self, call: str) -> list[dict]:
+        """The first live replica's listing of an adapter directory (every replica reads the same)."""
         alive = self._alive()
         if not alive:
             raise EngineStoppedError("no replica is running")
-        answers = await asyncio.gather(*(self._call(r, "register_lora", name) for r in alive))
+        return await self._call(alive[0], call, timeout_s=_CALL_TIMEOUT_S)
+
+    async def _register(self, call: str, name: str) -> dict:
+        """Every live replica loads the adapter; the first one's answer."""
+        alive = self._alive()
+        if not alive:
+            raise EngineStoppedError("no replica is running")
+        answers = await asyncio.gather(*(self._call(r, call, name) for r in alive))
         return answers[0]
 
     def stats(self) -> EngineStats:

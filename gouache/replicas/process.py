@@ -137,6 +137,12 @@ class _Replica:
     async def _register_lora(self, name: str) -> dict:
         return await self.engine.register_lora(name)
 
+    async def _list_controlnets(self) -> list[dict]:
+        return await self.engine.list_controlnets()
+
+    async def _register_controlnet(self, name: str) -> dict:
+        return await self.engine.register_controlnet(name)
+
     async def send(self, kind: str, *args: Any) -> None:
         await self.messages.send(encode((kind, self.index, *args)))
 

@@ -118,7 +118,7 @@ class ModelRunner:
                             reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
                             cache_bytes=self.cache.nbytes, lora_mode=lora.mode, lora_merge_s=lora.merge_s,
                             lora_waiting=lora.waiting, lora_without=lora.without,
-                            lora_bytes=self.loras.store.nbytes)
+                            lora_bytes=self.loras.store.nbytes, **self.controls.take_report())
         output.lora_loads, output.lora_load_s = self.loras.store.take_counts()
         if templates is not None:
             after = templates.counts.snapshot(templates.store)

@@ -15,8 +15,9 @@ from tests.engine.test_async_engine import images, png, run
 
 
 def samples(engine: AsyncEngine, name: str) -> dict[str, float]:
-    return {s.labels.get("result") or s.labels.get("tier"): s.value for m in engine.metrics.registry.collect()
-            if m.name == name for s in m.samples if not s.name.endswith("_created")}
+    return {s.labels.get("result") or s.labels.get("tier") or s.labels.get("mode"): s.value
+            for m in engine.metrics.registry.collect() if m.name == name for s in m.samples
+            if not s.name.endswith("_created")}
 
 
 def test_the_second_edit_of_an_image_replays_its_template(pipes, tmp_path):
