@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from gouache.sched.router import ROUTERS
@@ -105,6 +106,20 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class ServiceAddress:
+    """Where a ControlNet service listens (`gouache.adapters.control_service`): a Unix socket
+    per worker process, and the key that admits its clients."""
+
+    sockets: tuple[str, ...]
+    authkey: bytes
+
+    def worker_of(self, name: str) -> int:
+        """The worker that runs ControlNet `name` (rendezvous hashing: few move when workers change)."""
+        return max(range(len(self.sockets)),
+                   key=lambda i: hashlib.blake2b(f"{i}/{name}".encode(), digest_size=8).digest())
+
+
+@dataclass(frozen=True)
 class ControlNetConfig:
     """ControlNets (`gouache.adapters.controlnet`, KATZ §5): diffusers directories in
     `directory`, run in this process before each forward (`workers` 0: the sequential way of
@@ -117,10 +132,13 @@ class ControlNetConfig:
     mode: str = "sync"  # the default of requests that do not say: sync | async
     model_bytes: int = 4 << 30  # ControlNet weights each process keeps loaded (least recently used leave first)
     torch_threads: int | None = None  # intra-op threads of each service process; None: torch's default
+    service: ServiceAddress | None = None  # the running service (set by whoever starts it); None: none yet
 
     def __post_init__(self) -> None:
         _check(self.workers >= 0, f"ControlNet workers must be >= 0, got {self.workers}")
         _check(self.mode in CONTROLNET_MODES, f"ControlNet mode must be 'sync' or 'async', got {self.mode!r}")
+        _check(self.mode == "sync" or self.workers > 0,
+               "async ControlNet residuals need the ControlNet service: give --controlnet-workers 1 or more")
         _check(self.model_bytes >= 0, f"ControlNet memory must be >= 0 bytes, got {self.model_bytes}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "ControlNet torch_threads must be >= 1")
 

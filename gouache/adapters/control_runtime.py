@@ -7,8 +7,15 @@ requests that use it, whatever their conditioning images and scales (a residual 
 row afterwards, as diffusers scales it last). Several ControlNets of a request are summed in
 the order the request names them, as diffusers' MultiControlNetModel does.
 
-Where they run is the runner's `ControlNetConfig`: in this process before the forward (the
-sequential way of diffusers' pipelines), or on the ControlNet service (`control_service`).
+Where they run is the runner's `ControlNetConfig`:
+
+- in this process, before the forward: the sequential way of diffusers' pipelines;
+- on the ControlNet service (`control_service`), sent when the forward starts. In `sync` mode
+  the UNet gets zero-filled residual tensors and runs its encoder meanwhile; a hook after its
+  last down block waits for the service and fills them in place before the UNet adds them, as
+  KATZ overlaps the ControlNets with the UNet's encoder (exact). In `async` mode a request's
+  step t uses the residuals the service computed from step t - 1 (its first step waits), read
+  at the start of the next step: the ControlNet runs beside the whole step.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gouache.adapters.controlnet import ControlNetCache, residuals, supports_controlnets
+from gouache.adapters.controlnet import Base, ControlNetCache, residual_shapes, residuals, supports_controlnets
 from gouache.adapters.directory import ControlNetError
 from gouache.config import ControlNetConfig
 
@@ -32,6 +39,8 @@ class ControlUse:
 
     nets: tuple[tuple[str, torch.Tensor, float], ...]
     mode: str = "sync"
+    previous: list[torch.Tensor] | None = None  # async: its rows' residuals from its last step
+    failure: str | None = None  # async: why its last step's residuals never came
 
 
 @dataclass
@@ -40,8 +49,18 @@ class ControlJob:
 
     name: str
     rows: torch.Tensor  # [n] indices into the forward's rows
-    cond: torch.Tensor  # [n, 3, H, W] each row's conditioning
+    conds: list[str]  # [n] each row's conditioning id ("<request id>/<k>": its k-th ControlNet's image)
     scale: torch.Tensor  # [n] each row's scale
+
+
+@dataclass
+class _Run:
+    """ControlNet runs of one forward on the service, their residuals not yet read."""
+
+    jobs: list[tuple[ControlJob, object]]  # with their Pending
+    shapes: list[tuple[int, ...]]  # of the forward's residuals
+    states: list  # the forward's states
+    keep: dict[int, int]  # index of an async state in `states` -> its first row: residuals kept for its next step
 
 
 class ControlRuntime:
@@ -51,9 +70,19 @@ class ControlRuntime:
         self.config = config
         self.pipe = pipe
         self.unsupported = supports_controlnets(pipe)
-        self.cache = ControlNetCache(config.directory, getattr(pipe, "unet", None), config.model_bytes)
+        self.base = None if self.unsupported else Base.of(pipe)
+        self.cache = ControlNetCache(config.directory, self.base, config.model_bytes)
+        self.client = None
+        if config.service is not None and not self.unsupported:
+            from gouache.adapters.control_service import ControlClient
+
+            self.client = ControlClient(config.service)
         self._runs: dict[str, int] = {}  # ControlNet runs by mode since the last report
         self._wait_s = 0.0  # seconds forwards waited for residuals since the last report
+        self._inflight: _Run | None = None  # async runs of the last forward
+        self._armed = None  # the sync wait hook of the forward running now
+
+    # -- requests ------------------------------------------------------------------------------
 
     def check(self, name: str) -> None:
         """Raise ControlNetError unless this model can run ControlNet `name`."""
@@ -68,22 +97,6 @@ class ControlRuntime:
         if (mode or self.config.mode) == "async" and not self.config.workers:
             raise ControlNetError("async ControlNet residuals need the ControlNet service (--controlnet-workers)")
 
-    def describe_all(self) -> list[dict]:
-        return [self.cache.describe(name) for name in self.cache.names()]
-
-    def load(self, name: str) -> dict:
-        """Load ControlNet `name` where it runs (POST /v1/controlnets); what is held of it."""
-        self.check(name)
-        self.cache.get(name)
-        return self.cache.describe(name)
-
-    def take_report(self) -> dict:
-        """The StepOutput fields of what ran since the last call."""
-        loads, load_s = self.cache.counts.take()
-        runs, wait_s, self._runs, self._wait_s = self._runs, self._wait_s, {}, 0.0
-        return {"controlnet_runs": runs, "controlnet_wait_s": wait_s, "controlnet_loads": loads,
-                "controlnet_load_s": load_s}
-
     def use(self, nets: tuple[tuple[str, float], ...], images: list[np.ndarray], mode: str | None,
             device: torch.device, dtype: torch.dtype) -> ControlUse | None:
         """A request's ControlNets with their decoded conditioning images (uint8 [H, W, 3])."""
@@ -95,6 +108,37 @@ class ControlRuntime:
         return ControlUse(tuple((name, cond.to(dtype), scale) for (name, scale), cond in zip(nets, conds)),
                           mode or self.config.mode)
 
+    def release(self, request_id: str) -> None:
+        """The request left this runner: the service may drop its conditioning images."""
+        if self.client is not None:
+            self.client.forget(request_id)
+
+    # -- the directory -------------------------------------------------------------------------
+
+    def describe_all(self) -> list[dict]:
+        return [self.cache.describe(name) for name in self.cache.names()]
+
+    def load(self, name: str) -> dict:
+        """Load ControlNet `name` where it runs (POST /v1/controlnets); what is held of it."""
+        self.check(name)
+        return self.client.load(name) if self.client is not None else self.cache.load(name)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    def take_report(self) -> dict:
+        """The StepOutput fields of what ran since the last call."""
+        loads, load_s = self.cache.counts.take()
+        if self.client is not None:
+            loads, load_s = self.client.counts, self.client.load_s
+            self.client.counts, self.client.load_s = {}, []
+        runs, wait_s, self._runs, self._wait_s = self._runs, self._wait_s, {}, 0.0
+        return {"controlnet_runs": runs, "controlnet_wait_s": wait_s, "controlnet_loads": loads,
+                "controlnet_load_s": load_s}
+
+    # -- forwards --------------------------------------------------------------------------------
+
     @torch.no_grad()
     def predict(self, states: list, forward: Callable, rest: Callable) -> list[torch.Tensor]:
         """Per state, its rows' predictions: each latent shape that has ControlNet requests in one
@@ -104,20 +148,153 @@ class ControlRuntime:
         for shape in shapes:
             members = [i for i, s in enumerate(states) if tuple(s.latents.shape) == shape]
             group = [states[i] for i in members]
-            out.update(zip(members, forward(group, self.residuals).split([s.rows for s in group])))
+            try:
+                out.update(zip(members, forward(group, self.residuals).split([s.rows for s in group])))
+            finally:
+                self._disarm()
         others = [i for i in range(len(states)) if i not in out]
         if others:
             out.update(zip(others, rest([states[i] for i in others])))
         return [out[i] for i in range(len(states))]
 
+    def collect(self) -> None:
+        """Read the last forward's async residuals (computed meanwhile) into their requests."""
+        run, self._inflight = self._inflight, None
+        if run is None:
+            return
+        start = time.perf_counter()
+        try:
+            fresh = self._gather(run)
+        except ControlNetError as error:
+            for i in run.keep:
+                run.states[i].control.failure = str(error)
+            return
+        finally:
+            self._wait_s += time.perf_counter() - start
+        self._keep(run, fresh)
+
     def residuals(self, states: list, sample: torch.Tensor, timesteps: torch.Tensor, kwargs: dict) -> dict:
         """The UNet's residual arguments for a forward of `states` (rows in order)."""
+        if self.client is None:
+            return self._local(states, sample, timesteps, kwargs)
+        self.collect()
+        failed = next((s.control.failure for s in states if s.control is not None and s.control.failure), None)
+        if failed:
+            raise ControlNetError(failed)
+        shapes = residual_shapes(self.base.unet_config, len(sample), *sample.shape[2:])
+        total = [torch.zeros(shape, device=sample.device, dtype=sample.dtype) for shape in shapes]
+        starts = np.cumsum([0] + [s.rows for s in states])
+        waits, keep = False, {}  # whether this forward waits for the service; async states to keep for
+        for i, state in enumerate(states):
+            use = state.control
+            if use is None:
+                continue
+            if use.mode == "sync" or use.previous is None:
+                waits = True
+            else:
+                for acc, part in zip(total, use.previous):
+                    acc[starts[i]:starts[i + 1]] = part
+            if use.mode == "async" and state.step + 1 < len(state.timesteps):
+                keep[i] = int(starts[i])
+        run = _Run(self._send(states, sample, timesteps, kwargs, keep, "sync" if waits else "async"), shapes, states, keep)
+        if waits:
+            down = self.pipe.unet.down_blocks[-1]
+            handle = down.register_forward_hook(lambda *_: self._fill(run, total))
+            self._armed = (handle, run)
+        else:
+            self._inflight = run
+        return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
+
+    def _send(self, states: list, sample, timesteps, kwargs: dict, keep: dict[int, int], mode: str) -> list:
+        """Every ControlNet of the forward on the service, over the rows that need this step's
+        residuals: sync requests', async ones' without residuals yet, and async ones' for their
+        next step. `mode`: whether the forward waits for them (sync) or not (async)."""
+        wanted = [s if s.control is not None and (s.control.mode == "sync" or s.control.previous is None or i in keep)
+                  else None for i, s in enumerate(states)]
+        conds = {f"{s.request.request_id}/{k}": cond for s in states if s.control is not None
+                 for k, (_, cond, _) in enumerate(s.control.nets)}
+        added = kwargs.get("added_cond_kwargs")
+        sent = []
+        try:
+            for job in jobs(states, wanted):
+                rows = job.rows.to(sample.device)
+                pending = self.client.run(job.name, sample[rows], timesteps[rows],
+                                          kwargs["encoder_hidden_states"][rows],
+                                          {k: v[rows] for k, v in added.items()} if added else None, job.conds, conds)
+                sent.append((job, pending))
+                self._runs[mode] = self._runs.get(mode, 0) + 1
+        except ControlNetError:
+            self._drain(sent)  # the runs already sent are read, so the next forward finds the connections clear
+            raise
+        return sent
+
+    def _fill(self, run: _Run, total: list[torch.Tensor]) -> None:
+        """The hook after the UNet's last down block: wait for the service and fill the residuals
+        of the rows that take this step's (before the UNet adds them, right after this hook)."""
+        handle, _ = self._armed
+        handle.remove()
+        self._armed = None
+        start = time.perf_counter()
+        try:
+            fresh = self._gather(run)
+        finally:
+            self._wait_s += time.perf_counter() - start
+        starts = np.cumsum([0] + [s.rows for s in run.states])
+        for i, state in enumerate(run.states):
+            use = state.control
+            if use is not None and (use.mode == "sync" or use.previous is None):
+                for acc, part in zip(total, fresh):
+                    acc[starts[i]:starts[i + 1]] = part[starts[i]:starts[i + 1]]
+        self._keep(run, fresh)
+
+    def _gather(self, run: _Run) -> list[torch.Tensor]:
+        """Every run's residuals, scaled per row and summed (reads every reply, even after an error)."""
+        fresh = [torch.zeros(shape, dtype=self.base.dtype, device=self.base.device) for shape in run.shapes]
+        error = None
+        for job, pending in run.jobs:
+            try:
+                parts, _ = pending.result()
+            except ControlNetError as failure:
+                error = error or failure
+                continue
+            rows = job.rows.to(fresh[0].device)
+            scale = job.scale.to(fresh[0].device, fresh[0].dtype).view(-1, 1, 1, 1)
+            for acc, part in zip(fresh, parts):
+                acc.index_add_(0, rows, part.to(acc.device) * scale)
+        if error is not None:
+            raise error
+        return fresh
+
+    def _keep(self, run: _Run, fresh: list[torch.Tensor]) -> None:
+        for i, first in run.keep.items():
+            state = run.states[i]
+            state.control.previous = [part[first:first + state.rows].clone() for part in fresh]
+
+    def _disarm(self) -> None:
+        """After a forward: a wait hook that never fired (the forward raised) is removed, and its
+        replies read, so the next run finds the connections clear."""
+        if self._armed is not None:
+            handle, run = self._armed
+            handle.remove()
+            self._armed = None
+            self._drain(run.jobs)
+
+    def _drain(self, jobs: list) -> None:
+        for _, pending in jobs:
+            try:
+                pending.result()
+            except ControlNetError:
+                pass
+
+    def _local(self, states: list, sample: torch.Tensor, timesteps: torch.Tensor, kwargs: dict) -> dict:
         start, total = time.perf_counter(), None
-        for job in jobs(states):
-            added = kwargs.get("added_cond_kwargs")
+        added = kwargs.get("added_cond_kwargs")
+        conds = {f"{s.request.request_id}/{k}": cond for s in states if s.control is not None
+                 for k, (_, cond, _) in enumerate(s.control.nets)}
+        for job in jobs(states, states):
             rows = job.rows.to(sample.device)
             parts = residuals(self.cache.get(job.name), sample[rows], timesteps[rows],
-                              kwargs["encoder_hidden_states"][rows], job.cond,
+                              kwargs["encoder_hidden_states"][rows], torch.cat([conds[c] for c in job.conds]),
                               {k: v[rows] for k, v in added.items()} if added else None)
             if total is None:
                 total = [torch.zeros(len(sample), *p.shape[1:], device=p.device, dtype=p.dtype) for p in parts]
@@ -129,16 +306,18 @@ class ControlRuntime:
         return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
 
 
-def jobs(states: list) -> list[ControlJob]:
+def jobs(states: list, wanted: list) -> list[ControlJob]:
     """The forward's ControlNet runs: one per ControlNet, over the rows of every state that
-    names it, in the order they are first named (a request's residuals sum in its own order
-    unless another request named them the other way round: equal for two, rounding for more)."""
-    order: dict[str, list[tuple[int, torch.Tensor, float]]] = {}
+    names it (and is in `wanted`, by position), in the order they are first named (a request's
+    residuals sum in its own order unless another request named them the other way round:
+    equal for two, rounding for more)."""
+    order: dict[str, list[tuple[int, str, float]]] = {}
     start = 0
-    for state in states:
-        for name, cond, scale in state.control.nets if state.control is not None else ():
-            for row in range(start, start + state.rows):
-                order.setdefault(name, []).append((row, cond, scale))
+    for state, want in zip(states, wanted):
+        if want is not None and state.control is not None:
+            for k, (name, _, scale) in enumerate(state.control.nets):
+                for row in range(start, start + state.rows):
+                    order.setdefault(name, []).append((row, f"{state.request.request_id}/{k}", scale))
         start += state.rows
-    return [ControlJob(name, torch.tensor([r for r, _, _ in rows]), torch.cat([c for _, c, _ in rows]),
+    return [ControlJob(name, torch.tensor([r for r, _, _ in rows]), [c for _, c, _ in rows],
                        torch.tensor([s for _, _, s in rows])) for name, rows in order.items()]

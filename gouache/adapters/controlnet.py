@@ -40,15 +40,15 @@ def supports_controlnets(pipe) -> str | None:
     return None
 
 
-def check_config(config: dict, unet, name: str) -> None:
-    """Raise ControlNetError unless a ControlNet of `config` fits `unet`."""
+def check_config(config: dict, unet_config: dict, name: str) -> None:
+    """Raise ControlNetError unless a ControlNet of `config` fits a UNet of `unet_config`."""
     from diffusers import ControlNetModel
 
     if config.get("_class_name", "ControlNetModel") != "ControlNetModel":
         raise ControlNetError(f"ControlNet {name!r} is a {config.get('_class_name')}, not a diffusers ControlNetModel")
     defaults = {k: p.default for k, p in inspect.signature(ControlNetModel.__init__).parameters.items()}
     for key in MATCHING:
-        theirs, ours = config.get(key, defaults.get(key)), unet.config.get(key)
+        theirs, ours = config.get(key, defaults.get(key)), unet_config.get(key)
         if isinstance(theirs, list | tuple) and isinstance(ours, list | tuple):
             theirs, ours = list(theirs), list(ours)
         if theirs != ours:
@@ -85,6 +85,21 @@ def residuals(model, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torc
     return [*down, mid]
 
 
+def residual_shapes(unet_config: dict, rows: int, height: int, width: int) -> list[tuple[int, ...]]:
+    """The shapes of a ControlNet's down residuals, then its middle one, for `rows` latents of
+    height x width: the outputs of the UNet encoder's input convolution, of every resnet and of
+    every downsampler (stride 2), then of its middle block."""
+    channels, layers = unet_config["block_out_channels"], unet_config["layers_per_block"]
+    layers = [layers] * len(channels) if isinstance(layers, int) else layers
+    shapes = [(rows, channels[0], height, width)]
+    for i, (c, n) in enumerate(zip(channels, layers)):
+        shapes += [(rows, c, height, width)] * n
+        if i < len(channels) - 1:
+            height, width = (height + 1) // 2, (width + 1) // 2
+            shapes.append((rows, c, height, width))
+    return shapes + [(rows, channels[-1], height, width)]
+
+
 def nbytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -103,13 +118,27 @@ class ControlCounts:
         return {k: n for k, n in change.items() if n}, loads
 
 
+@dataclass(frozen=True)
+class Base:
+    """What a ControlNet must fit, and where it runs: the UNet's config, its dtype and device
+    (picklable: service processes get it without the model)."""
+
+    unet_config: dict
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+    @classmethod
+    def of(cls, pipe) -> Base:
+        return cls(dict(pipe.unet.config), pipe.unet.dtype, str(pipe.unet.device))
+
+
 class ControlNetCache:
     """The ControlNets of one model in one process: directories in `directory`, the recently
-    used ones loaded on `device` within `budget_bytes` (the one in use always stays)."""
+    used ones loaded on the base's device within `budget_bytes` (the one in use always stays)."""
 
-    def __init__(self, directory: str | Path | None, unet, budget_bytes: int = 4 << 30):
+    def __init__(self, directory: str | Path | None, base: Base | None, budget_bytes: int = 4 << 30):
         self.directory = Path(directory) if directory else None
-        self.unet = unet
+        self.base = base
         self.budget_bytes = budget_bytes
         self.counts = ControlCounts()
         self._models: OrderedDict[str, tuple[int, nn.Module]] = OrderedDict()  # name -> (config mtime, model)
@@ -134,7 +163,7 @@ class ControlNetCache:
             raise ControlNetError(f"ControlNet {name!r} has no readable {CONFIG} ({error})") from None
         if not isinstance(config, dict):
             raise ControlNetError(f"ControlNet {name!r}: {CONFIG} is not a JSON object")
-        check_config(config, self.unet, name)
+        check_config(config, self.base.unet_config, name)
         self._checked[name] = stamp
 
     def get(self, name: str) -> nn.Module:
@@ -151,10 +180,10 @@ class ControlNetCache:
         self.check(name)
         start = time.perf_counter()
         try:
-            model = ControlNetModel.from_pretrained(str(path), torch_dtype=self.unet.dtype, local_files_only=True)
+            model = ControlNetModel.from_pretrained(str(path), torch_dtype=self.base.dtype, local_files_only=True)
         except (OSError, ValueError, RuntimeError) as error:
             raise ControlNetError(f"ControlNet {name!r} could not be loaded ({type(error).__name__}: {error})") from None
-        model = model.to(self.unet.device).eval()
+        model = model.to(self.base.device).eval()
         with self._lock:
             self.counts.misses += 1
             self.counts.load_s.append(time.perf_counter() - start)
@@ -164,6 +193,12 @@ class ControlNetCache:
                 _, (_, old) = self._models.popitem(last=False)
                 total -= nbytes(old)
         return model
+
+    def load(self, name: str) -> dict:
+        """Check and load ControlNet `name` (POST /v1/controlnets); what is held of it."""
+        self.check(name)
+        self.get(name)
+        return self.describe(name)
 
     def describe(self, name: str) -> dict:
         path, stamp = self._stamp(name)

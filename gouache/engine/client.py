@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
-from gouache.engine.adapters import AdapterCalls
+from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, StepReport
 from gouache.engine.handle import EngineStats, RequestHandle
@@ -84,9 +84,13 @@ def preview_steps(total_steps: int, partial_images: int) -> set[int]:
 class AsyncEngine(AdapterCalls):
     def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
                  metrics: Metrics | None = None, predictor: StepTimePredictor | None = None,
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, control_service=None):
         """`executor` runs the steps (default: `uniproc`, on `pipe` in this process); `pipe`
-        itself prepares and decodes."""
+        itself prepares and decodes. A ControlNet service the config asks for and whose address
+        it lacks is started here, and stopped with the engine."""
+        self.control_service = control_service
+        if control_service is None:
+            self.control_service, engine_config = start_control_service(pipe, engine_config)
         self.config = engine_config
         self.metrics = metrics or Metrics()
         # prepares and decodes; under uniproc, also runs the steps (and holds the template store and
@@ -167,7 +171,15 @@ class AsyncEngine(AdapterCalls):
 
             for degree in make_policy(sched_config, predictor).degrees(engine_config.devices):
                 check_degree(pipe, degree)  # refused now, not in the middle of a request
-            executor = make_executor(model_config, engine_config)
+            service, engine_config = start_control_service(pipe, engine_config)  # its workers connect to it
+            try:
+                executor = make_executor(model_config, engine_config)
+            except BaseException:
+                if service is not None:
+                    service.shutdown()
+                raise
+            return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config,
+                       predictor=predictor, executor=executor, control_service=service)
         return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config,
                    predictor=predictor, executor=executor)
 
@@ -199,6 +211,9 @@ class AsyncEngine(AdapterCalls):
         self.prep.stop()
         self.post.stop()
         self.pool.shutdown()
+        self.runner.controls.close()
+        if self.control_service is not None:
+            self.control_service.shutdown()
         await self._loop.run_in_executor(None, self.codecs.shutdown)
 
     # -- the API's calls -------------------------------------------------------------------

@@ -95,6 +95,7 @@ class ModelRunner:
         if batch.degree != 1:
             raise ValueError(f"this runner holds one device; a batch of degree {batch.degree} needs an executor")
         start = time.perf_counter()
+        self.controls.collect()  # the service's async residuals of the last step, computed meanwhile
         stepped: list[str] = []
         failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
@@ -178,5 +179,6 @@ class ModelRunner:
         """Forget the request's block-cache history, template role and adapter loads on this device."""
         self.cache.release(request_id)
         self.loras.release(request_id)
+        self.controls.release(request_id)
         if self._templates is not None:
             self._templates.release(request_id)

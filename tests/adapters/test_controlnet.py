@@ -10,7 +10,6 @@ import pytest
 import torch
 from PIL import Image
 
-from gouache.adapters.controlnet import random_controlnet
 from gouache.adapters.directory import ControlNetError, UnknownControlNet
 from gouache.config import ControlNetConfig
 from gouache.request import ImageRequest
@@ -28,19 +27,6 @@ def model(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def pipe(model):
-    return load_pipeline(model)
-
-
-@pytest.fixture(scope="module")
-def control_dir(pipe, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("controlnets")
-    for seed, name in enumerate(("edges", "depth")):
-        random_controlnet(pipe, seed=seed, std=0.2).save_pretrained(str(directory / name))
-    return directory
-
-
 def image(seed: int, size=(64, 64)) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
 
@@ -50,14 +36,18 @@ def request(rid, nets=(), size=(64, 64), seed=1):
     return ImageRequest(rid, "a cat", w, h, STEPS, 4.0, seed=seed, controlnets=tuple((n, b"", s) for n, _, s in nets))
 
 
-def run(runner: ModelRunner, requests: list[tuple[ImageRequest, list]], patched=False) -> dict[str, torch.Tensor]:
-    """Each request's STEPS steps in batches of all of them; `requests`: (request, its nets)."""
+def run(runner: ModelRunner, requests: list[tuple[ImageRequest, list]], patched=False,
+        outputs: list | None = None) -> dict[str, torch.Tensor]:
+    """Each request's STEPS steps in batches of all of them; `requests`: (request, its nets).
+    The steps' outputs go to `outputs` if given."""
     for r, nets in requests:
         runner.prepare(r, controls=[img for _, img, _ in nets])
     ids = tuple(r.request_id for r, _ in requests)
     for _ in range(STEPS):
         out = runner.execute(Batch(ids, patched=patched))
-        assert not out.failed and sorted(out.request_ids) == sorted(ids)
+        assert not out.failed and sorted(out.request_ids) == sorted(ids), out.failed
+        if outputs is not None:
+            outputs.append(out)
     latents = {rid: runner.states[rid].latents.clone() for rid in ids}
     for rid in ids:
         runner.release(rid)

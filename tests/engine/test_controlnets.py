@@ -143,3 +143,33 @@ def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
     assert runtime.load("pose")["loaded"]
     assert main(["make-controlnet", "--model", "tiny-flux", "--out", str(tmp_path / "x")]) == 2
     assert "UNet models" in capsys.readouterr().err
+
+
+def test_the_service_serves_sync_and_async_requests_and_stops_with_the_engine(pipes, control_dir):
+    pipe = pipes("tiny-sd")
+    config = EngineConfig(controlnets=ControlNetConfig(str(control_dir), workers=1, torch_threads=1))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), config, SchedulerConfig(policy="orca"))
+    service = engine.control_service
+    rng = np.random.default_rng(1)
+    net = {"name": "edges", "image": b64(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))}
+    body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 3, "seed": 5, "controlnets": [net]}
+
+    async def scenario():
+        await engine.start()
+        transport = httpx.ASGITransport(create_app(engine, ServerConfig()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            registered = await http.post("/v1/controlnets", json={"name": "depth"})
+            answers = [await http.post("/v1/images/generations", json={**body, **extra})
+                       for extra in ({}, {"controlnet_mode": "async"}, {"controlnet_mode": "sync"})]
+        await engine.aclose()
+        return registered, answers
+
+    registered, answers = run(scenario())
+    assert registered.status_code == 200 and registered.json()["loaded"], registered.text
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    sync, late, again = (a.json()["data"][0]["b64_json"] for a in answers)
+    assert sync == again != late  # async residuals come a step late: another image
+    assert samples(engine, "gouache_controlnet_runs") == {"sync": 3 + 1 + 3, "async": 1}
+    assert not any(p.is_alive() for p in service._procs)
+    with pytest.raises(ValueError, match="need the ControlNet service"):
+        ControlNetConfig(str(control_dir), mode="async")
