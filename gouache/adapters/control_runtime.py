@@ -70,7 +70,7 @@ class ControlRuntime:
         self.config = config
         self.pipe = pipe
         self.unsupported = supports_controlnets(pipe)
-        self.base = None if self.unsupported else Base.of(pipe)
+        self.base = Base.of(pipe)
         self.cache = ControlNetCache(config.directory, self.base, config.model_bytes)
         self.client = None
         if config.service is not None and not self.unsupported:

@@ -128,8 +128,24 @@ class Base:
     device: str = "cpu"
 
     @classmethod
-    def of(cls, pipe) -> Base:
+    def of(cls, pipe) -> Base | None:
+        """The base of a loaded pipeline; None if it takes no ControlNets."""
+        if supports_controlnets(pipe):
+            return None
         return cls(dict(pipe.unet.config), pipe.unet.dtype, str(pipe.unet.device))
+
+    @classmethod
+    def of_model(cls, model: str, dtype: str, device: str) -> Base | None:
+        """The base of a model not loaded here (a local directory's UNet config; a built-in is built)."""
+        from gouache.runner.models import load_pipeline, torch_dtype
+
+        unet = Path(model) / "unet" / CONFIG
+        if not Path(model).is_dir():
+            return cls.of(load_pipeline(model, dtype))
+        if not unet.is_file():
+            return None
+        config = json.loads(unet.read_text())
+        return cls(config, torch_dtype(dtype), device) if config.get("in_channels", 4) == 4 else None
 
 
 class ControlNetCache:

@@ -6,6 +6,7 @@ request's error (400), naming the field to fix."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -16,18 +17,19 @@ from gouache.errors import InvalidRequestError
 from gouache.request import ImageRequest
 
 
-def start_control_service(pipe, config: EngineConfig) -> tuple[object | None, EngineConfig]:
-    """The ControlNet service `config` asks for, started, and the config its clients read
-    (with the service's address); (None, config) where it asks for none or has one running."""
+def start_control_service(base: Callable[[], object], config: EngineConfig) -> tuple[object | None, EngineConfig]:
+    """The ControlNet service `config` asks for, started for the model `base()` describes, and
+    the config its clients read (with the service's address); (None, config) where it asks for
+    none, has one running, or the model takes no ControlNets (its requests are refused)."""
     controlnets = config.controlnets
     if not (controlnets.workers and controlnets.directory) or controlnets.service is not None:
         return None, config
     from gouache.adapters.control_service import ControlService
-    from gouache.adapters.controlnet import Base, supports_controlnets
 
-    if supports_controlnets(pipe):
-        return None, config  # requests are refused with the reason; no service to start
-    service = ControlService(controlnets.workers, controlnets.directory, Base.of(pipe), controlnets.model_bytes,
+    model = base()
+    if model is None:
+        return None, config
+    service = ControlService(controlnets.workers, controlnets.directory, model, controlnets.model_bytes,
                              controlnets.torch_threads)
     return service, replace(config, controlnets=replace(controlnets, service=service.address))
 

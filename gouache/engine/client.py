@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.adapters.controlnet import Base
 from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, StepReport
@@ -90,7 +91,7 @@ class AsyncEngine(AdapterCalls):
         it lacks is started here, and stopped with the engine."""
         self.control_service = control_service
         if control_service is None:
-            self.control_service, engine_config = start_control_service(pipe, engine_config)
+            self.control_service, engine_config = start_control_service(lambda: Base.of(pipe), engine_config)
         self.config = engine_config
         self.metrics = metrics or Metrics()
         # prepares and decodes; under uniproc, also runs the steps (and holds the template store and
@@ -171,7 +172,7 @@ class AsyncEngine(AdapterCalls):
 
             for degree in make_policy(sched_config, predictor).degrees(engine_config.devices):
                 check_degree(pipe, degree)  # refused now, not in the middle of a request
-            service, engine_config = start_control_service(pipe, engine_config)  # its workers connect to it
+            service, engine_config = start_control_service(lambda: Base.of(pipe), engine_config)  # its workers connect to it
             try:
                 executor = make_executor(model_config, engine_config)
             except BaseException:

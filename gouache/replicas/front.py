@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from gouache.engine.adapters import start_control_service
 from gouache.engine.handle import EngineStats, RequestHandle
 from gouache.engine.imaging import repaint_ratio
 from gouache.errors import EngineStoppedError, GouacheError, QueueFullError, ShuttingDownError, WorkerFailureError
@@ -101,6 +102,7 @@ class ReplicaSet:
         self._counts = {"finished": 0, "failed": 0}
         self._draining = False
         self._owns_ray = False  # whether start() started Ray (and so shuts it down)
+        self.control_service = None  # the ControlNet service the replicas share, if one was asked for
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -119,6 +121,9 @@ class ReplicaSet:
             import ray
 
             self._host = ray.util.get_node_ip_address()
+        model_config, engine_config, sched_config = self.configs  # one ControlNet service serves every replica
+        self.control_service, engine_config = start_control_service(lambda: _base(model_config), engine_config)
+        self.configs = (model_config, engine_config, sched_config)
         self._messages = self._context.socket(zmq.PULL)
         messages = self._bind(self._messages, "messages")
         for index in range(self.count):
@@ -185,6 +190,8 @@ class ReplicaSet:
         self._release()
 
     def _release(self) -> None:
+        if self.control_service is not None:
+            self.control_service.shutdown()
         self._context.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
         if self._owns_ray:
@@ -362,3 +369,10 @@ class ReplicaSet:
             self._counts["failed"] += len(request.images)
             request.handle.push(ErrorEvent(error.kind, error.message, error.status))
         replica.requests.clear()
+
+
+def _base(model_config: ModelConfig):
+    """What the replicas' ControlNets must fit (torch is imported only for a ControlNet service)."""
+    from gouache.adapters.controlnet import Base
+
+    return Base.of_model(model_config.model, model_config.dtype, model_config.device)

@@ -173,3 +173,31 @@ def test_the_service_serves_sync_and_async_requests_and_stops_with_the_engine(pi
     assert not any(p.is_alive() for p in service._procs)
     with pytest.raises(ValueError, match="need the ControlNet service"):
         ControlNetConfig(str(control_dir), mode="async")
+
+
+def test_controlnets_under_worker_processes(control_dir):
+    """multiproc workers run the UNet; their residuals come from the service this engine started."""
+    from gouache.config import ModelConfig
+    from tests.engine.test_async_engine import images
+
+    cond = png(np.random.default_rng(2).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    outs = {}
+    for workers in (0, 1):
+        config = EngineConfig(executor="multiproc", devices=1,
+                              controlnets=ControlNetConfig(str(control_dir), workers=workers, torch_threads=1))
+        engine = AsyncEngine.from_config(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
+
+        async def scenario():
+            await engine.start()
+            try:
+                registered = await engine.register_controlnet("edges")
+                return registered, [await (await engine.submit(images(name, controlnets=nets))).images()
+                                    for name, nets in (("plain", ()), ("edges", (("edges", cond, 1.0),)))]
+            finally:
+                await engine.aclose()
+
+        registered, outs[workers] = run(scenario())
+        assert registered["loaded"]
+    plain, controlled = (out[0].image for out in outs[0])
+    assert plain != controlled
+    assert [out[0].image for out in outs[1]] == [plain, controlled]  # the service's residuals equal the worker's own

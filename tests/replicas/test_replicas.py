@@ -175,3 +175,28 @@ def test_gouache_serve_with_two_replicas_behind_the_mask_aware_router_serves_edi
     per_replica = [float(line.split()[-1]) for line in metrics.splitlines()
                    if line.startswith("gouache_images_total{")]
     assert len(per_replica) == 2 and sum(per_replica) == 7
+
+
+def test_one_controlnet_service_serves_two_replicas(tmp_path):
+    """The front starts the service; each replica's engine connects to it (none starts its own)."""
+    from gouache.adapters.controlnet import random_controlnet
+    from gouache.config import ControlNetConfig
+    from gouache.runner.models import load_pipeline
+
+    random_controlnet(load_pipeline(MODEL), std=0.2).save_pretrained(str(tmp_path / "edges"))
+    config = (ModelConfig(MODEL), EngineConfig(torch_threads=1, controlnets=ControlNetConfig(str(tmp_path), workers=1)),
+              SchedulerConfig(), ReplicaConfig(2, "round-robin"))
+    front = Front(ReplicaSet(*config))
+    try:
+        service = front.set.control_service
+        cond = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+        load = [[ImageRequest(f"c{k}-0", "a red circle", 64, 64, 3, 4.0, seed=1, arrival_time=time.monotonic(),
+                              controlnets=(("edges", png(cond), 1.0),))] for k in range(2)]
+        outcomes, placed, _ = front.run(serve(front.set, load))
+        assert sorted(placed.values()) == [0, 1]  # one request on each replica
+        assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
+        assert outcomes[0][0].image == outcomes[1][0].image  # same request, same image, through either replica
+        assert [p.is_alive() for p in service._procs] == [True]
+    finally:
+        front.close()
+    assert not service._procs[0].is_alive()
