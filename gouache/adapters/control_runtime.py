@@ -81,6 +81,9 @@ class ControlRuntime:
         self._wait_s = 0.0  # seconds forwards waited for residuals since the last report
         self._inflight: _Run | None = None  # async runs of the last forward
         self._armed = None  # the sync wait hook of the forward running now
+        # sync residuals filled after the UNet's encoder (False: before the forward, as when
+        # CFG parallelism cuts the rows before the UNet runs)
+        self.overlap = True
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -197,10 +200,12 @@ class ControlRuntime:
             if use.mode == "async" and state.step + 1 < len(state.timesteps):
                 keep[i] = int(starts[i])
         run = _Run(self._send(states, sample, timesteps, kwargs, keep, "sync" if waits else "async"), shapes, states, keep)
-        if waits:
+        if waits and self.overlap:
             down = self.pipe.unet.down_blocks[-1]
             handle = down.register_forward_hook(lambda *_: self._fill(run, total))
             self._armed = (handle, run)
+        elif waits:
+            self._fill(run, total)
         else:
             self._inflight = run
         return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
@@ -231,9 +236,9 @@ class ControlRuntime:
     def _fill(self, run: _Run, total: list[torch.Tensor]) -> None:
         """The hook after the UNet's last down block: wait for the service and fill the residuals
         of the rows that take this step's (before the UNet adds them, right after this hook)."""
-        handle, _ = self._armed
-        handle.remove()
-        self._armed = None
+        if self._armed is not None:
+            self._armed[0].remove()
+            self._armed = None
         start = time.perf_counter()
         try:
             fresh = self._gather(run)

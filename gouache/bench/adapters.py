@@ -12,13 +12,16 @@
 - **Fidelity** of BAL at its worst: the adapter arrives exactly at step K. Against synchronous
   loading: SSIM, and how often the checker sees the adapter's effect (a shape found in the
   style's colour for the one asked, e.g. green for red); the base model's rate beside them.
+- **Workflow mixes** (KATZ's mC/nL: m ControlNets, n LoRAs): a request's latency served
+  sequentially, as a diffusers pipeline serves it, against the ControlNet service and BAL
+  (`gouache.bench.workflows`).
 - **Throughput** (in-process engine, Poisson arrivals): every request picks one of
   `--adapters` random adapters by Zipf popularity; requests of different adapters in one
   forward (gouache) against a forward per adapter set (`per-adapter`, what servers that keep
   adapters in separate batches do), and the same load without adapters. Adapters are read
   before the clock starts.
 
-Writes JSON, a markdown table and a plot (latency ratio vs emulated load time).
+Writes JSON, a markdown table and a plot (latency ratio vs emulated load time; the mixes).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.bench import workflows
 from gouache.bench.fidelity import ssim
 from gouache.bench.load import run_load
 from gouache.bench.results import write_results
@@ -58,6 +62,7 @@ def add_arguments(p) -> None:
     p.add_argument("--zipf", type=float, default=1.0, help="popularity exponent of the adapters (default: %(default)s)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 3 / plain request latency)")
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
+    workflows.add_arguments(p)
     p.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/adapters/adapters_<model>.json)")
 
 
@@ -89,6 +94,8 @@ def run(args) -> int:
               "latency": bench.latency(bound, shares, args.repeats)}
     if args.fidelity:
         result["fidelity"] = bench.fidelity(scenes[: args.fidelity], sorted({bound, steps // 4, steps // 2}))
+    if args.mixes:
+        result["workflows"] = workflows.workflows(bench, args, bound)
     if args.requests:
         rate = args.rate or 3 / result["latency"]["none_s"]
         result["throughput"] = throughput(args, info, steps, rate)
@@ -105,8 +112,10 @@ class Bench:
         self.size, self.steps = size, steps
         self._ids = 0
 
-    def runner(self, bound: int = 0, read_s: float = 0.0, gate: threading.Event | None = None):
-        """A runner whose adapter reads take `read_s` longer, or wait for `gate` (cold: a new store)."""
+    def runner(self, bound: int = 0, read_s: float = 0.0, gate: threading.Event | None = None,
+               directory: Path | None = None, controlnets=None):
+        """A runner whose adapter reads take `read_s` longer, or wait for `gate` (cold: a new
+        store), with the adapters of `directory` (default: the bench's) and `controlnets`."""
         from gouache.adapters.store import LoraStore
         from gouache.config import LoraConfig
         from gouache.runner.model_runner import ModelRunner
@@ -118,20 +127,23 @@ class Bench:
                     gate.wait()
                 return super()._read(*args)
 
-        runner = ModelRunner(self.pipe, loras=LoraConfig(str(self.directory), bound=bound))
-        runner.loras.store = SlowStore(self.directory, self.pipe)
+        directory = directory or self.directory
+        runner = ModelRunner(self.pipe, loras=LoraConfig(str(directory), bound=bound), controlnets=controlnets)
+        runner.loras.store = SlowStore(directory, self.pipe)
         return runner
 
-    def generate(self, runner, prompt: str, seed: int, loras=(), on_step=None) -> tuple[np.ndarray, float]:
-        """(image, seconds from preparation to decoded image) of one request."""
+    def generate(self, runner, prompt: str, seed: int, loras=(), controls=(), on_step=None) -> tuple[np.ndarray, float]:
+        """(image, seconds from preparation to decoded image) of one request; `controls`: its
+        ControlNets (name, conditioning image, scale)."""
         from gouache.request import ImageRequest
         from gouache.sched.plan import Batch
 
         self._ids += 1
         rid = f"bench-{self._ids}"
         start = time.perf_counter()
-        state = runner.prepare(ImageRequest(rid, prompt, self.size, self.size, self.steps, self.info.default_guidance,
-                                            seed, loras=tuple(loras)))
+        request = ImageRequest(rid, prompt, self.size, self.size, self.steps, self.info.default_guidance, seed,
+                               loras=tuple(loras), controlnets=tuple((name, b"", scale) for name, _, scale in controls))
+        state = runner.prepare(request, controls=[image for _, image, _ in controls])
         denoising = runner.states[rid]
         while not denoising.done:
             if on_step is not None:
@@ -280,6 +292,8 @@ def report(result: dict) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {r['bound']} | {r['effect_seen']:.0%} | {'n/a' if r['kept'] is None else format(r['kept'], '.2f')} "
                   f"| {r['ssim_mean']:.3f} ({r['ssim_min']:.3f}) |" for r in fid["rows"]]
+    if "workflows" in result:
+        lines += workflows.report(result["workflows"])
     if "throughput" in result:
         tp = result["throughput"]
         lines += ["", f"Throughput, {tp['requests']} requests over {tp['distinct_adapters']} of {tp['adapters']} adapters "
@@ -300,7 +314,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["latency"]["rows"]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    mixes = "workflows" in result
+    fig, axes = plt.subplots(1, 2 if mixes else 1, figsize=(10 if mixes else 5, 3.5))
+    ax = axes[0] if mixes else axes
+    if mixes:
+        workflows.draw(axes[1], result["workflows"])
     shares = [r["load_share"] for r in rows]
     ax.plot(shares, [r["sync_ratio"] for r in rows], "o-", label="synchronous loading")
     ax.plot(shares, [r["bal_ratio"] for r in rows], "s-", label=f"BAL, K = {result['bound']}")

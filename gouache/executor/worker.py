@@ -116,6 +116,22 @@ class Worker:
         self.runner.loras.store.load(name).result()
         return self.runner.loras.store.describe(name)
 
+    def _cfg_parallel(self, batch: Batch, group):
+        """A UNet's batch of degree 2: each device its half of the guidance rows; a batch with a
+        request without guidance runs whole on both (still identical on both ranks)."""
+        from gouache.runner.cfg_parallel import Halves, cfg_parallel
+
+        states = [self.runner.states[rid] for rid in batch.request_ids if rid in self.runner.states]
+        if not all(s.rows == 2 for s in states):
+            yield Halves()
+            return
+        self.runner.controls.overlap = False  # the rows are cut before the UNet runs: residuals first
+        try:
+            with cfg_parallel(self.runner.pipe.unet, group) as halves:
+                yield halves
+        finally:
+            self.runner.controls.overlap = True
+
     def load_controlnet(self, name: str) -> dict:
         """Load a ControlNet where this device runs them (POST /v1/controlnets)."""
         return self.runner.controls.load(name)
@@ -143,5 +159,8 @@ class Worker:
         from gouache.runner.ulysses import check_degree, ulysses
 
         check_degree(self.runner.pipe, batch.degree)
+        if getattr(self.runner.pipe, "unet", None) is not None:
+            yield from self._cfg_parallel(batch, group)
+            return
         with ulysses(self.runner.pipe.transformer, group) as shards:
             yield shards

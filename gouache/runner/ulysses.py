@@ -217,13 +217,17 @@ def embedder_and_processor(transformer: nn.Module, degree: int) -> tuple[str, ty
 
 
 def check_degree(pipe, degree: int) -> None:
-    """Refuse a degree above 1 that `pipe` cannot run sequence parallel, with the reason."""
+    """Refuse a degree above 1 that `pipe` cannot run in parallel, with the reason: DiTs run
+    sequence parallel, UNets CFG parallel (degree 2: a request's two guidance rows apart)."""
     if degree == 1:
         return
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
-        raise ValueError(f"{type(pipe).__name__} denoises with a UNet, which runs at degree 1 only (data parallel "
-                         f"over devices), not {degree}; sequence parallelism is for the DiTs")
+        if degree == 2:
+            return
+        raise ValueError(f"{type(pipe).__name__} denoises with a UNet, which runs at degree 1, or 2 with CFG "
+                         f"parallelism (its guidance rows on two devices), not {degree}; sequence parallelism is for "
+                         "the DiTs")
     embedder_and_processor(transformer, degree)
 
 

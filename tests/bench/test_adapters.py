@@ -1,8 +1,12 @@
 """`gouache bench adapters` end to end on a tiny model, quickly: the file carries the bound, the
-latency cases, the fidelity rows and both throughput runs that the closing notes quote."""
+latency cases, the fidelity rows, the workflow mixes and the throughput runs that the closing
+notes quote."""
 
 import json
 
+import pytest
+
+from gouache.bench.workflows import CASES, parse_mixes
 from gouache.cli import main
 
 
@@ -11,13 +15,16 @@ def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
     out = tmp_path / "adapters.json"
     assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "ink", "--size", "64",
                  "--steps", "3", "--repeats", "1", "--fidelity", "2", "--requests", "6", "--rate", "1000", "--adapters", "3",
-                 "--load-shares", "0.5", "--out", str(out)]) == 0
+                 "--load-shares", "0.5", "--mixes", "0C/0L,1C/1L", "--controlnet-workers", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert len(result["similarity"]) == 3 and 0 <= result["bound"] <= 3
     [row] = result["latency"]["rows"]
     assert row["read_s"] > 0 and row["sync_s"] > row["read_s"] and row["bal_s"] > 0
     rows = result["fidelity"]["rows"]
     assert rows and all(0 <= r["ssim_min"] <= r["ssim_mean"] <= 1 for r in rows)
+    mixes = result["workflows"]["rows"]
+    assert [r["mix"] for r in mixes] == ["0C/0L", "1C/1L"]
+    assert abs(mixes[0]["sequential ratio"] - 1) < 1e-9 and all(r[case] > 0 for r in mixes for case in CASES)
     runs = result["throughput"]["runs"]
     assert set(runs) == {"mixed", "per-adapter", "none"} and all(r["per_s"] > 0 for r in runs.values())
     assert runs["none"]["steps_by_mode"] == {}
@@ -28,3 +35,11 @@ def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
 def test_bench_adapters_refuses_a_missing_adapter(tmp_path, capsys):
     assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "nope"]) == 2
     assert "no nope.safetensors" in capsys.readouterr().err
+
+
+def test_workflow_mixes_are_parsed_and_bounded():
+    assert parse_mixes("0C/0L, 3c/2l") == [(0, 0), (3, 2)]
+    with pytest.raises(ValueError, match="mC/nL"):
+        parse_mixes("1C")
+    with pytest.raises(ValueError, match="at most 3 ControlNets"):
+        parse_mixes("4C/0L")

@@ -4,7 +4,6 @@ change between rounds, with the pixels of one device, and survive a worker's dea
 import time
 
 import pytest
-import torch
 
 from gouache.config import SchedulerConfig
 from gouache.engine.core import EngineCore
@@ -35,8 +34,8 @@ def request(rid, seed, steps=6):
 class Loop:
     """An EngineCore on a device pool, driven by hand; keeps final latents, failures, degrees."""
 
-    def __init__(self, executor=None, round_s=0.15):
-        self.runner = ModelRunner(load_pipeline(MODEL))
+    def __init__(self, executor=None, round_s=0.15, model=MODEL):
+        self.runner = ModelRunner(load_pipeline(model))
         self.pool = DevicePool(self.runner, executor) if executor else DevicePool.in_process(self.runner)
         policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=round_s), COST)
         self.scheduler = Scheduler(policy, self.pool.num_devices)
@@ -192,7 +191,7 @@ def test_bench_parallel_reports_executor_overhead_collectives_and_handoffs(tmp_p
 
 
 @pytest.mark.parametrize("model, policy, devices, cost, message", [
-    ("tiny-sd", "fixed-sp-2", 2, None, "UNet, which runs at degree 1 only"),
+    ("tiny-sd", "fixed-sp-4", 4, None, "UNet, which runs at degree 1, or 2 with CFG parallelism"),
     ("tiny-sd3", "fixed-sp-4", 4, None, "do not divide by degree 4"),
     ("tiny-sd3", "round-knapsack", 4, {(64, 64): {1: 0.1, 4: 0.03}}, "do not divide by degree 4"),
 ])

@@ -4,7 +4,6 @@ ones a full forward computes, so the replay is exact; any other request next to 
 
 import numpy as np
 import pytest
-import torch
 
 from gouache.config import TemplateConfig
 from gouache.request import ImageRequest

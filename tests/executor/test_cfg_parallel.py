@@ -1,0 +1,98 @@
+"""CFG parallelism: a UNet's batch of degree 2 on two worker processes, the unconditional rows
+on one and the conditional rows on the other, equals one device's run; a request without
+guidance in the batch runs whole on both; ControlNet residuals are cut with the rows."""
+
+import numpy as np
+import pytest
+
+from gouache.adapters.controlnet import random_controlnet
+from gouache.config import ControlNetConfig
+from gouache.executor.multiproc import MultiprocExecutor
+from gouache.executor.worker import WorkerSpec
+from gouache.request import ImageRequest
+from gouache.runner.model_runner import ModelRunner
+from gouache.runner.models import load_pipeline
+from gouache.sched.plan import Batch
+
+MODEL = "tiny-sd"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def control_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("controlnets")
+    random_controlnet(load_pipeline(MODEL), std=0.2).save_pretrained(str(directory / "edges"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def two_workers(control_dir):
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1, controlnets=ControlNetConfig(str(control_dir))), 2)
+    yield executor
+    executor.shutdown()
+
+
+def requests(guidance=(4.0, 6.0)):
+    cond = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    out = [(ImageRequest(f"g{i}", "a red circle", 64, 64, STEPS, g, seed=i), []) for i, g in enumerate(guidance)]
+    out.append((ImageRequest("edges", "a blue square", 64, 64, STEPS, 5.0, seed=7,
+                             controlnets=(("edges", b"", 0.8),)), [cond]))
+    return out
+
+
+def steps(runner: ModelRunner, load, executor=None) -> tuple[dict, list]:
+    """Every request's STEPS steps in one batch of degree 2 on `executor`'s two workers (or on
+    `runner` alone): final latents, and the seconds each step spent exchanging halves."""
+    states = {r.request_id: None for r, _ in load}
+    for r, controls in load:
+        runner.prepare(r, controls=controls)
+        states[r.request_id] = runner.states[r.request_id]
+    ids = tuple(states)
+    collectives = []
+    for k in range(STEPS):
+        if executor is None:
+            assert not runner.execute(Batch(ids)).failed
+            continue
+        incoming = {rid: runner.states[rid] for rid in ids} if k == 0 else {}
+        outs = executor.collective_rpc("execute", (Batch(ids, (0, 1), 2), incoming), timeout=120)
+        assert [o.step.request_ids for o in outs] == [list(ids)] * 2 and not outs[0].step.failed
+        for rid in ids:  # both ranks end the step alike
+            assert (outs[0].latents[rid] - outs[1].latents[rid]).abs().max() == 0
+            runner.states[rid].latents = outs[0].latents[rid]
+        collectives.append(outs[0].step.collective_s)
+    if executor is not None:
+        executor.collective_rpc("release", (list(ids),))
+    return {rid: runner.states.pop(rid).latents for rid in ids}, collectives
+
+
+def test_cfg_parallel_equals_one_device(two_workers, control_dir):
+    config = ControlNetConfig(str(control_dir))
+    alone, _ = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), requests())
+    split, collectives = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), requests(), two_workers)
+    for rid in alone:
+        assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
+        assert alone[rid].abs().mean() > 0.1
+    assert all(seconds > 0 for seconds in collectives)  # the halves were exchanged every step
+
+
+def test_a_request_without_guidance_runs_whole_on_both_devices(two_workers, control_dir):
+    config = ControlNetConfig(str(control_dir))
+    load = requests(guidance=(4.0, 1.0))  # one request with a single row
+    alone, _ = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), load)
+    split, collectives = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), requests((4.0, 1.0)),
+                               two_workers)
+    for rid in alone:
+        assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
+    assert collectives == [0.0] * STEPS  # nothing exchanged: both ran every row
+
+
+def test_round_knapsack_gives_an_idle_device_to_a_unet_request_as_cfg_parallelism(two_workers):
+    from tests.executor.test_multiproc import Loop, assert_equal_latents
+
+    pooled, alone = Loop(two_workers, model=MODEL), Loop(model=MODEL)
+    for loop in (pooled, alone):
+        loop.add(ImageRequest("first", "a red circle", 64, 64, 6, 4.0, seed=1))
+        loop.run(later=[ImageRequest("second", "a green square", 64, 64, 4, 4.0, seed=2)])
+    assert not pooled.failed
+    assert_equal_latents(pooled.latents, alone.latents)
+    assert pooled.degrees["first"][0] == 2  # alone, it took both devices: its guidance rows apart
