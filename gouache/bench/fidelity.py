@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import random
 import shlex
 import statistics
 import sys
@@ -31,7 +30,7 @@ from PIL import Image, ImageDraw
 
 from gouache.cli_flags import Given, given, parse_size, refuse_ignored
 from gouache.data.checker import Check, check
-from gouache.data.shapes import Scene, caption, sample_scene
+from gouache.bench.prompts import Control, Prompt, controls, make_prompts
 
 SSIM_ACCEPTABLE = 0.95  # mean SSIM against the reference at or above which a candidate may ship
 ALIGNMENT_POINTS = 2.0  # ... if its "all ok" alignment is at most this many points below the reference's
@@ -50,25 +49,13 @@ class Setup:
     cost_model: str | None = None  # for policies that plan with step times
     block_cache: float = 0.0  # the block cache's threshold for every image; 0: off
     block_cache_max_reuse: int = 2
+    controlnet_mode: str | None = None  # every prompt placed by a layout-map ControlNet in this mode; None: none
 
     def describe(self) -> str:
         steps = "default" if self.steps is None else str(self.steps)
         cache = f", block cache {self.block_cache:g}" if self.block_cache else ""
-        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}{cache}"
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One image to make: a scene's caption at a size, with a seed."""
-
-    scene: Scene
-    width: int
-    height: int
-    seed: int
-
-    @property
-    def caption(self) -> str:
-        return caption(self.scene)
+        control = f", ControlNet {self.controlnet_mode}" if self.controlnet_mode else ""
+        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}{cache}{control}"
 
 
 @dataclass
@@ -82,29 +69,25 @@ class Result:
     reused_fraction: float = 0.0  # block cache: unit-blocks reused / all of them
 
 
-def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
-    """n scenes (deterministic from `seed`), sizes taken in turn, each with seeds 0..seeds-1."""
-    rng = random.Random(f"fidelity:{seed}")
-    scenes = [sample_scene(rng) for _ in range(n)]
-    return [
-        Prompt(scene, *sizes[i % len(sizes)], seed=s) for i, scene in enumerate(scenes) for s in range(seeds)
-    ]
-
-
-def generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None = None) -> Result:
+def generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None = None,
+             control: Control | None = None) -> Result:
     """Every prompt through an in-process engine at once, so the policy batches them as it would."""
-    return asyncio.run(_generate(model, setup, prompts, torch_threads))
+    return asyncio.run(_generate(model, setup, prompts, torch_threads, control))
 
 
-async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None) -> Result:
-    from gouache.config import BlockCacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None,
+                    control: Control | None = None) -> Result:
+    from gouache.config import BlockCacheConfig, ControlNetConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from gouache.data.shapes import unplaced_caption
     from gouache.engine.client import AsyncEngine
     from gouache.request import ImageRequest
 
+    controlnets = ControlNetConfig(control.directory, control.workers) if control else ControlNetConfig()
     engine = AsyncEngine.from_config(
         ModelConfig(model),
         EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads,
-                     block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse)),
+                     block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse),
+                     controlnets=controlnets),
         SchedulerConfig(policy=setup.policy, max_batch_size=setup.max_batch_size, cost_model=setup.cost_model),
     )
     info = engine.info
@@ -113,8 +96,9 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     try:
         handles = [
             await engine.submit([ImageRequest(
-                f"fidelity-{i}-0", p.caption, p.width, p.height, setup.steps or info.default_steps,
-                info.default_guidance, p.seed,
+                f"fidelity-{i}-0", unplaced_caption(p.scene) if control else p.caption, p.width, p.height,
+                setup.steps or info.default_steps, info.default_guidance, p.seed,
+                **controls(p, control, setup.controlnet_mode),
             )])
             for i, p in enumerate(prompts)
         ]
@@ -297,6 +281,15 @@ def add_arguments(p) -> None:
                    help="patch side in pixels under patched policies (default: %(default)s)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `gouache profile`, for policies that plan with step times (default: none)")
+    p.add_argument("--controlnet", default=None,
+                   help="place every prompt's shapes by this layout-map ControlNet (`gouache train controlnet` writes "
+                        "'layout'); captions then say no positions (default: none)")
+    p.add_argument("--controlnet-dir", default=None, help="its directory (default: the shapes UNet's trained ones)")
+    p.add_argument("--candidate-controlnet-mode", default=None, choices=("sync", "async", "none"), action=Given,
+                   help="the candidate's ControlNet mode; none: the same captions without it (the reference's: "
+                        "sync; default: the reference's)")
+    p.add_argument("--controlnet-workers", type=int, default=1,
+                   help="ControlNet service processes under --controlnet (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--step-repeats", type=int, default=3,
                    help="denoising runs of one steady batch per setup, taking turns, for the step-time ratio "
@@ -310,8 +303,10 @@ def setups(args) -> tuple[Setup, Setup]:
     """The reference and the candidate the flags describe."""
     from gouache.runner.models import BUILTIN_MODELS, TINY_DEFAULT_STEPS
 
-    reference = Setup("reference", args.policy, args.steps, 8, args.patch_size, args.cost_model)
-    chosen = given(args) & {"candidate_steps", "candidate_policy", "candidate_max_batch_size", "candidate_block_cache"}
+    reference = Setup("reference", args.policy, args.steps, 8, args.patch_size, args.cost_model,
+                      controlnet_mode="sync" if args.controlnet else None)
+    chosen = given(args) & {"candidate_steps", "candidate_policy", "candidate_max_batch_size", "candidate_block_cache",
+                            "candidate_controlnet_mode"}
     if not chosen:
         default_steps = args.steps or (TINY_DEFAULT_STEPS if args.model in BUILTIN_MODELS else None)
         if default_steps is None:
@@ -323,6 +318,7 @@ def setups(args) -> tuple[Setup, Setup]:
         policy=args.candidate_policy or reference.policy,
         max_batch_size=args.candidate_max_batch_size or reference.max_batch_size,
         block_cache=args.candidate_block_cache or 0.0, block_cache_max_reuse=args.block_cache_max_reuse,
+        controlnet_mode=args.candidate_controlnet_mode or reference.controlnet_mode,
     )
     return reference, candidate
 
@@ -348,6 +344,8 @@ def _check_flags(args, *policies: str) -> None:
         ignored["cost_model"] = "neither policy plans with step times"
     if "patch_size" in given(args) and not any(POLICIES[p].mixes_resolutions for p in policies):
         ignored["patch_size"] = "neither policy cuts images into patches"
+    if "candidate_controlnet_mode" in given(args) and not args.controlnet:
+        ignored["candidate_controlnet_mode"] = "without --controlnet no prompt has a ControlNet"
     if "block_cache_max_reuse" in given(args) and not args.candidate_block_cache:
         ignored["block_cache_max_reuse"] = "no --candidate-block-cache above 0 reuses anything"
     refuse_ignored(ignored)
@@ -361,11 +359,18 @@ def run(args) -> int:
     reference_setup, candidate_setup = setups(args)
     _check_flags(args, reference_setup.policy, candidate_setup.policy)
     prompts = make_prompts(args.prompts, args.seeds, [parse_size(part) for part in args.sizes.split(",")])
-    reference = generate(args.model, reference_setup, prompts, args.torch_threads)
-    candidate = generate(args.model, candidate_setup, prompts, args.torch_threads)
+    control = None
+    if args.controlnet:
+        from gouache.train.controlnet import controlnet_dir
+
+        control = Control(args.controlnet, args.controlnet_dir or str(controlnet_dir(args.model)), args.controlnet_workers)
+    reference = generate(args.model, reference_setup, prompts, args.torch_threads, control)
+    candidate = generate(args.model, candidate_setup, prompts, args.torch_threads, control)
     summary = compare(reference, candidate, prompts)
-    steady = step_times(args.model, (reference_setup, candidate_setup), prompts, args.step_repeats, args.torch_threads)
-    step_s = [statistics.median(t) for t in steady]
+    # ControlNet runs: the engine's denoising time only (the steady batch runs no ControlNet service)
+    steady = [[], []] if control else step_times(args.model, (reference_setup, candidate_setup), prompts,
+                                                 args.step_repeats, args.torch_threads)
+    step_s = [statistics.median(t) if t else None for t in steady]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     options = sys.argv[sys.argv.index("fidelity") + 1:] if "fidelity" in sys.argv else []  # none when called directly
@@ -376,7 +381,8 @@ def run(args) -> int:
                            "reused_fraction": r.reused_fraction, "steady_step_s": t, "steady_step_samples_s": samples}
            for r, t, samples in zip((reference, candidate), step_s, steady)},
         "denoise_ratio": candidate.denoise_seconds / reference.denoise_seconds if reference.denoise_seconds else None,
-        "steady_step_ratio": step_s[1] / step_s[0],
+        "steady_step_ratio": step_s[1] / step_s[0] if control is None else None,
+        "controlnet": asdict(control) if control else None,
         **summary,
     }
     out.write_text(json.dumps(report, indent=1) + "\n")

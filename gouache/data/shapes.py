@@ -165,6 +165,29 @@ def render(scene: Scene, width: int, height: int, seed: int | None = None) -> np
     return np.asarray(image)
 
 
+LAYOUT_LEVELS = (255, 170, 85)  # a layout map's grey for the first, second and third shape of the caption
+
+
+def layout_map(scene: Scene, width: int, height: int, seed: int | None = None) -> np.ndarray:
+    """[H, W, 3] uint8 map of where `render(scene, width, height, seed)` puts each shape: its
+    silhouette in the grey of its place in the caption (LAYOUT_LEVELS) on black. A ControlNet
+    conditioning image: where and what shape, not which colour."""
+    rng = random.Random(seed) if seed is not None else None
+    image = Image.new("RGB", (width, height), (0, 0, 0))
+    draw = ImageDraw.Draw(image)
+    for level, shape in zip(LAYOUT_LEVELS, scene.shapes):
+        _draw(draw, shape.kind, _shape_box(shape, width, height, rng), (level,) * 3)
+    return np.asarray(image)
+
+
+def unplaced_caption(scene: Scene) -> str:
+    """The caption without its positions: 'a red circle and a blue square on a white background'
+    (where each shape goes is a layout map's to say)."""
+    parts = [f"a {s.colour} {s.kind}" for s in scene.shapes]
+    shapes = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"{shapes} on a {scene.background} background"
+
+
 def sample_scene(rng: random.Random) -> Scene:
     """A uniformly drawn scene: 1-3 shapes, distinct cells and colours, any kinds."""
     n = rng.randint(1, MAX_SHAPES)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from gouache.data.shapes import Scene, caption, render, sample_scene
+from gouache.data.shapes import Scene, caption, layout_map, render, sample_scene
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Batch:
 
     pixels: torch.Tensor  # [B, 3, H, W] float32
     captions: list[str]
+    layouts: torch.Tensor | None = None  # [B, 3, H, W] in [0, 1]: each scene's `layout_map`, if asked
 
 
 def process_group() -> tuple[int, int]:
@@ -45,11 +46,13 @@ def is_writer() -> bool:
 
 def shapes_batch(
     seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...], device: torch.device | str = "cpu",
-    restyle: Callable[[Scene], Scene] | None = None,
+    restyle: Callable[[Scene], Scene] | None = None, captioned: Callable[[Scene], str] = caption,
+    layouts: bool = False,
 ) -> Batch:
     """This process's share of batch `step` of run `seed`, on `device`: one size drawn from `sizes`,
-    and `batch` / processes fresh scenes at that size. It depends on (seed, step, rank, processes)
-    alone, so a run can be replayed."""
+    and `batch` / processes fresh scenes at that size, captioned by `captioned`, drawn restyled
+    by `restyle`, with their layout maps if `layouts`. It depends on (seed, step, rank,
+    processes) alone, so a run can be replayed."""
     rank, world = process_group()
     if batch % world:
         raise ValueError(f"a batch of {batch} does not split over {world} processes")
@@ -57,9 +60,14 @@ def shapes_batch(
     width, height = rng.choice(sizes)
     scenes = [sample_scene(rng) for _ in range(batch // world)]
     drawn = scenes if restyle is None else [restyle(s) for s in scenes]  # captioned as `scenes`, drawn as this
-    images = np.stack([render(s, width, height, seed=rng.getrandbits(32)) for s in drawn])
+    seeds = [rng.getrandbits(32) for _ in drawn]
+    images = np.stack([render(s, width, height, seed=k) for s, k in zip(drawn, seeds)])
     pixels = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    return Batch(pixels, [caption(s) for s in scenes])
+    maps = None
+    if layouts:
+        maps = np.stack([layout_map(s, width, height, seed=k) for s, k in zip(drawn, seeds)])
+        maps = torch.from_numpy(maps).to(device).permute(0, 3, 1, 2).float() / 255.0
+    return Batch(pixels, [captioned(s) for s in scenes], maps)
 
 
 @dataclass

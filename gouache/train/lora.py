@@ -24,9 +24,8 @@ from torch import nn
 
 from gouache.data.shapes import Scene
 from gouache.runner import trained
-from gouache.runner.models import shapes_sd
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
-from gouache.train.unet import BATCH, denoising_loss, drop_captions, foreground_weights
+from gouache.train.unet import BATCH, denoising_loss, drop_captions, foreground_weights, frozen_pipeline
 
 RANK = 16
 # attention and feed-forward linears, the transformer blocks' projections, the resnets' convolutions
@@ -96,10 +95,8 @@ class TrainableLora(nn.Module):
 
 def train_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
     generator = seed_everything(seed, device)
-    vae = trained.load_vae(out).requires_grad_(False).to(device)
-    unet, text_encoder = trained.load_unet(out)
-    unet.requires_grad_(False).to(device)
-    pipe = shapes_sd(vae, text_encoder.requires_grad_(False).to(device), unet)
+    pipe = frozen_pipeline(out, device)
+    vae, unet = pipe.vae, pipe.unet
     alphas = pipe.scheduler.alphas_cumprod.to(device)
     lora = TrainableLora(unet).to(device)
 

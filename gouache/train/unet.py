@@ -27,6 +27,14 @@ FOREGROUND_WEIGHT = 4.0  # extra loss weight on latent pixels under a shape (sha
 GROUNDING_WEIGHT = 1.0  # the grounding loss's weight against the velocity loss
 
 
+def frozen_pipeline(out: Path, device: str):
+    """The trained shapes VAE, UNet and text encoder as a pipeline, frozen on `device`: what an
+    adapter of the UNet trains against."""
+    vae = trained.load_vae(out).requires_grad_(False).to(device)
+    unet, text_encoder = trained.load_unet(out)
+    return shapes_sd(vae, text_encoder.requires_grad_(False).to(device), unet.requires_grad_(False).to(device))
+
+
 def drop_captions(captions: list[str], generator: torch.Generator) -> list[str]:
     keep = torch.rand(len(captions), generator=generator, device=generator.device) >= UNCONDITIONAL
     return [c if k else "" for c, k in zip(captions, keep.tolist())]
@@ -35,17 +43,20 @@ def drop_captions(captions: list[str], generator: torch.Generator) -> list[str]:
 def denoising_loss(
     unet: torch.nn.Module, latents: torch.Tensor, embeds: torch.Tensor, alphas: torch.Tensor,
     generator: torch.Generator, condition: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+    control=None,
 ) -> torch.Tensor:
     """Velocity loss at timesteps drawn toward the noisy end; `condition` (channels the UNet reads
     after the noisy latents, as an inpainting UNet does) is concatenated as given; `weights`
-    ([B, 1, h, w]) weigh each latent pixel's error."""
+    ([B, 1, h, w]) weigh each latent pixel's error; `control(noisy, t, embeds)` gives the UNet's
+    extra arguments (a ControlNet's residuals)."""
     noise = torch.randn(latents.shape, generator=generator, device=latents.device)
     u = torch.rand(len(latents), generator=generator, device=latents.device)
     t = ((len(alphas) - 1) * u**NOISY_END).round().long()
     alpha = alphas[t].view(-1, 1, 1, 1)
     noisy = alpha.sqrt() * latents + (1 - alpha).sqrt() * noise
     inputs = noisy if condition is None else torch.cat([noisy, condition], dim=1)
-    predicted = unet(inputs, t, encoder_hidden_states=embeds).sample
+    extra = control(noisy, t, embeds) if control is not None else {}
+    predicted = unet(inputs, t, encoder_hidden_states=embeds, **extra).sample
     error = (predicted - velocity(latents, noise, alphas[t])).pow(2)
     return (error if weights is None else error * weights).mean()
 

@@ -3,7 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from gouache.bench.fidelity import Result, Setup, alignment, checks, compare, make_prompts, psnr, ssim
+from gouache.bench.fidelity import Result, Setup, alignment, checks, compare, psnr, ssim
+from gouache.bench.prompts import make_prompts
 from gouache.data.checker import Degrade
 from gouache.data.shapes import Scene, render
 
@@ -93,6 +94,17 @@ def test_a_block_cache_candidate_reports_its_reuse_and_steady_step_times(tmp_pat
     assert report["ssim_mean"] < 1.0  # approximate: the images differ
 
 
+def test_a_controlnet_candidate_in_async_mode_is_measured_against_sync(tmp_path):
+    from gouache.cli import main
+
+    assert main(["make-controlnet", "--model", "shapes-unet", "--out", str(tmp_path / "layout")]) == 0
+    report = run_fidelity(tmp_path, "--prompts", "3", "--steps", "4", "--controlnet", "layout", "--controlnet-dir",
+                          str(tmp_path), "--candidate-controlnet-mode", "async")
+    assert report["reference"]["controlnet_mode"] == "sync" and report["candidate"]["controlnet_mode"] == "async"
+    assert report["controlnet"]["name"] == "layout" and report["steady_step_ratio"] is None
+    assert 0 < report["ssim_mean"] < 1.0  # a step late: another image, near
+
+
 def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     from gouache.cli import main
 
@@ -109,6 +121,8 @@ def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     assert "--block-cache-max-reuse would be ignored" in capsys.readouterr().err
     assert main(["bench", "fidelity", "--candidate-block-cache", "2", "--out", out]) == 2
     assert "threshold must be in [0, 1.0]" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--candidate-controlnet-mode", "async", "--out", out]) == 2
+    assert "without --controlnet no prompt has a ControlNet" in capsys.readouterr().err
     for flag in ("--candidate-steps", "--sheet-rows", "--prompts", "--step-repeats"):
         assert main(["bench", "fidelity", flag, "0", "--out", out]) == 2
         assert f"{flag} must be at least 1" in capsys.readouterr().err

@@ -64,3 +64,16 @@ def test_render_refuses_out_of_range_sizes():
     with pytest.raises(ValueError, match="32 to 256"):
         render(Scene((Shape("circle", "red", "center"),), "white"), 16, 64)
 
+
+
+def test_a_layout_map_marks_each_shape_where_render_draws_it_in_the_grey_of_its_place():
+    from gouache.data.shapes import LAYOUT_LEVELS, layout_map, unplaced_caption
+
+    rng = random.Random(3)
+    scene = next(s for s in (sample_scene(rng) for _ in range(100)) if len(s.shapes) == 3)
+    image, layout = render(scene, 96, 64, seed=5), layout_map(scene, 96, 64, seed=5)
+    drawn = (image != np.array(BACKGROUNDS[scene.background])).any(axis=2)
+    assert ((layout[..., 0] > 0) == drawn).mean() > 0.99  # the same silhouettes (edges may antialias apart)
+    assert set(np.unique(layout)) <= {0, *LAYOUT_LEVELS} and len(np.unique(layout)) == 4
+    assert unplaced_caption(scene).count(" at the ") == unplaced_caption(scene).count(" in the center") == 0
+    assert unplaced_caption(scene).endswith(f"on a {scene.background} background")

@@ -3,7 +3,8 @@ prompt asks (fixed seeds, judged by the checker)."""
 
 import pytest
 
-from gouache.bench.fidelity import Prompt, Setup, generate
+from gouache.bench.fidelity import Setup, generate
+from gouache.bench.prompts import Prompt
 from gouache.data.checker import check
 from gouache.data.shapes import parse_caption
 from gouache.runner import trained

@@ -14,7 +14,7 @@ from gouache.runner import trained
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
-    for kind in ("vae", "unet", "inpaint", "dit", "lora"):
+    for kind in ("vae", "unet", "inpaint", "dit", "lora", "controlnet"):
         workers = "2" if kind == "unet" else "1"  # each spawn costs seconds: one kind tries two processes
         assert main(["train", kind, "--steps", "2", "--workers", workers, "--out", str(out), "--report", str(out)]) == 0
     return out
@@ -43,6 +43,18 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
     assert len(lora.layers) == report["extra"]["layers"] and report["extra"]["rank"] == RANK
     assert all(layer.scale == 1.0 and layer.down.shape[0] == RANK for layer in lora.layers.values())
     assert any(layer.down.ndim == 4 for layer in lora.layers.values())  # convolutions too (LoCon)
+
+
+def test_controlnet_writes_a_directory_the_server_takes(trained_dir):
+    from gouache.adapters.control_runtime import ControlRuntime
+    from gouache.config import ControlNetConfig
+    from gouache.runner.models import load_pipeline
+
+    report = json.loads((trained_dir / "train_controlnet.json").read_text())
+    assert report["command"] == "gouache train controlnet --seed 0 --steps 2 --workers 1" and report["steps"] == 2
+    directory = trained_dir / "controlnets" / "shapes-unet"
+    runtime = ControlRuntime(ControlNetConfig(str(directory)), load_pipeline("shapes-unet"))
+    assert runtime.load("layout")["loaded"]
 
 
 def test_the_vae_stores_its_latent_scale_and_shift(trained_dir):
