@@ -4,6 +4,7 @@ the default model."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import socket
@@ -53,12 +54,15 @@ def running_server(*flags: str):
 def server_url(tmp_path_factory):
     from safetensors.torch import save_file
 
+    from gouache.adapters.controlnet import random_controlnet
     from gouache.adapters.lora import random_lora
     from gouache.runner.models import load_pipeline
 
-    loras = tmp_path_factory.mktemp("loras")
+    loras, controlnets = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("controlnets")
     save_file(random_lora(load_pipeline("tiny-sdxl"), rank=8), str(loras / "ink.safetensors"))
-    with running_server("--model", "tiny-sdxl", "--lora-dir", str(loras)) as url:
+    random_controlnet(load_pipeline("tiny-sdxl"), std=0.2).save_pretrained(str(controlnets / "edges"))
+    with running_server("--model", "tiny-sdxl", "--lora-dir", str(loras), "--controlnet-dir", str(controlnets),
+                        "--controlnet-workers", "1") as url:
         yield url
 
 
@@ -101,6 +105,20 @@ def test_openai_client_asks_for_a_lora(server_url):
     assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/loras").json()["data"]] == ["ink"]
     with pytest.raises(openai.BadRequestError, match="unknown LoRA 'nope'"):
         client(server_url).images.generate(prompt="a red fox", extra_body={"loras": [{"name": "nope"}]})
+
+
+def test_openai_client_asks_for_controlnets_with_a_lora(server_url):
+    edges = base64.b64encode(rgba_png(np.random.default_rng(2).integers(0, 255, (64, 64, 4), np.uint8)).read()).decode()
+    fields = {"num_inference_steps": 3, "seed": 5, "loras": [{"name": "ink"}]}
+    images = [client(server_url).images.generate(prompt="a red fox", size="64x64", extra_body={**fields, **extra})
+              for extra in ({}, {"controlnets": [{"name": "edges", "image": edges}]},
+                            {"controlnets": [{"name": "edges", "image": edges}], "controlnet_mode": "async"})]
+    assert len({image.data[0].b64_json for image in images}) == 3  # the ControlNet, and its residuals a step late
+    assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/controlnets").json()["data"]] == ["edges"]
+    with pytest.raises(openai.BadRequestError, match="must be the image's size, 64x64"):
+        client(server_url).images.generate(prompt="a red fox", size="64x64", extra_body={
+            "controlnets": [{"name": "edges", "image": base64.b64encode(rgba_png(np.zeros((32, 32, 4), np.uint8)).read())
+                             .decode()}]})
 
 
 def test_openai_client_edit_keeps_pixels_outside_the_mask(server_url):
