@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gouache.adapters.controlnet import Base, ControlNetCache, residual_shapes, residuals, supports_controlnets
+from gouache.adapters.controlnet import (
+    Base, ControlNetCache, Embeddings, residual_shapes, residuals, supports_controlnets,
+)
 from gouache.adapters.directory import ControlNetError
 from gouache.config import ControlNetConfig
 
@@ -57,7 +59,7 @@ class ControlJob:
 class _Run:
     """ControlNet runs of one forward on the service, their residuals not yet read."""
 
-    jobs: list[tuple[ControlJob, object]]  # with their Pending
+    jobs: list[tuple[list[ControlJob], object]]  # each worker's, with the Pending of their residuals
     shapes: list[tuple[int, ...]]  # of the forward's residuals
     states: list  # the forward's states
     keep: dict[int, int]  # index of an async state in `states` -> its first row: residuals kept for its next step
@@ -77,6 +79,7 @@ class ControlRuntime:
             from gouache.adapters.control_service import ControlClient
 
             self.client = ControlClient(config.service)
+        self.embeddings = Embeddings()  # in-process runs: each request's conditioning, embedded once
         self._runs: dict[str, int] = {}  # ControlNet runs by mode since the last report
         self._wait_s = 0.0  # seconds forwards waited for residuals since the last report
         self._inflight: _Run | None = None  # async runs of the last forward
@@ -112,7 +115,8 @@ class ControlRuntime:
                           mode or self.config.mode)
 
     def release(self, request_id: str) -> None:
-        """The request left this runner: the service may drop its conditioning images."""
+        """The request left this runner: its conditioning images may go (here and on the service)."""
+        self.embeddings.forget_request(request_id)
         if self.client is not None:
             self.client.forget(request_id)
 
@@ -219,15 +223,21 @@ class ControlRuntime:
         conds = {f"{s.request.request_id}/{k}": cond for s in states if s.control is not None
                  for k, (_, cond, _) in enumerate(s.control.nets)}
         added = kwargs.get("added_cond_kwargs")
+        by_worker: dict[int, list[ControlJob]] = {}
+        for job in jobs(states, wanted):
+            by_worker.setdefault(self.client.address.worker_of(job.name), []).append(job)
         sent = []
         try:
-            for job in jobs(states, wanted):
-                rows = job.rows.to(sample.device)
-                pending = self.client.run(job.name, sample[rows], timesteps[rows],
-                                          kwargs["encoder_hidden_states"][rows],
-                                          {k: v[rows] for k, v in added.items()} if added else None, job.conds, conds)
-                sent.append((job, pending))
-                self._runs[mode] = self._runs.get(mode, 0) + 1
+            for worker, own in by_worker.items():  # one message each: the rows any of its runs needs, once
+                union = sorted({int(r) for job in own for r in job.rows})
+                local = {row: i for i, row in enumerate(union)}
+                rows = torch.tensor(union, device=sample.device)
+                specs = [(job.name, [local[int(r)] for r in job.rows], job.conds) for job in own]
+                pending = self.client.send(worker, specs, sample[rows], timesteps[rows],
+                                           kwargs["encoder_hidden_states"][rows],
+                                           {k: v[rows] for k, v in added.items()} if added else None, conds)
+                sent.append((own, pending))
+                self._runs[mode] = self._runs.get(mode, 0) + len(own)
         except ControlNetError:
             self._drain(sent)  # the runs already sent are read, so the next forward finds the connections clear
             raise
@@ -256,16 +266,17 @@ class ControlRuntime:
         """Every run's residuals, scaled per row and summed (reads every reply, even after an error)."""
         fresh = [torch.zeros(shape, dtype=self.base.dtype, device=self.base.device) for shape in run.shapes]
         error = None
-        for job, pending in run.jobs:
+        for own, pending in run.jobs:
             try:
-                parts, _ = pending.result()
+                each, _ = pending.result()
             except ControlNetError as failure:
                 error = error or failure
                 continue
-            rows = job.rows.to(fresh[0].device)
-            scale = job.scale.to(fresh[0].device, fresh[0].dtype).view(-1, 1, 1, 1)
-            for acc, part in zip(fresh, parts):
-                acc.index_add_(0, rows, part.to(acc.device) * scale)
+            for job, parts in zip(own, each):
+                rows = job.rows.to(fresh[0].device)
+                scale = job.scale.to(fresh[0].device, fresh[0].dtype).view(-1, 1, 1, 1)
+                for acc, part in zip(fresh, parts):
+                    acc.index_add_(0, rows, part.to(acc.device) * scale)
         if error is not None:
             raise error
         return fresh
@@ -298,8 +309,9 @@ class ControlRuntime:
                  for k, (_, cond, _) in enumerate(s.control.nets)}
         for job in jobs(states, states):
             rows = job.rows.to(sample.device)
-            parts = residuals(self.cache.get(job.name), sample[rows], timesteps[rows],
-                              kwargs["encoder_hidden_states"][rows], torch.cat([conds[c] for c in job.conds]),
+            model = self.cache.get(job.name)
+            parts = residuals(model, sample[rows], timesteps[rows], kwargs["encoder_hidden_states"][rows],
+                              self.embeddings.rows(job.name, model, job.conds, conds),
                               {k: v[rows] for k, v in added.items()} if added else None)
             if total is None:
                 total = [torch.zeros(len(sample), *p.shape[1:], device=p.device, dtype=p.dtype) for p in parts]

@@ -27,7 +27,7 @@ from multiprocessing import connection, shared_memory
 
 import torch
 
-from gouache.adapters.controlnet import Base, ControlNetCache, residuals
+from gouache.adapters.controlnet import Base, ControlNetCache, Embeddings, residuals
 from gouache.adapters.directory import ControlNetError
 from gouache.config import ServiceAddress
 
@@ -77,14 +77,18 @@ class Buffer:
             out.append(flat[offset:offset + n].view(dtype).view(shape))
         return out
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
+        """Unmap it; the owner (or whoever is told to, the last to use it) also removes it."""
         if self.shm is not None:
             try:
                 self.shm.close()
             except BufferError:  # a view is still alive somewhere: the mapping goes with it
                 pass
-            if self.owner:
-                self.shm.unlink()
+            if self.owner or unlink:
+                try:
+                    self.shm.unlink()
+                except FileNotFoundError:  # the other side removed it first
+                    pass
             self.shm = None
 
 
@@ -113,6 +117,7 @@ def _serve(conn, cache: ControlNetCache, device_lock: threading.Lock, base: Base
     """One client's calls, in order."""
     inputs, outputs = Buffer(owner=False), Buffer(owner=True)
     conds: dict[str, torch.Tensor] = {}  # conditioning images by id
+    embedded = Embeddings()  # ... through each ControlNet's conditioning embedding, once
     try:
         while True:
             message = conn.recv()
@@ -123,18 +128,22 @@ def _serve(conn, cache: ControlNetCache, device_lock: threading.Lock, base: Base
                 elif kind == "forget":
                     for cond_id in message[1]:
                         conds.pop(cond_id, None)
+                    embedded.forget(set(message[1]))
                 elif kind == "run":
-                    _, name, buffer, layout, cond_ids, new_conds, has_added = message
+                    _, jobs, buffer, layout, new_conds, has_added = message
                     tensors = inputs.read(buffer, layout)
                     for cond_id, cond in zip(new_conds, tensors[len(tensors) - len(new_conds):]):
                         conds[cond_id] = cond.to(base.device, copy=True)
                     sample, timesteps, embeds, *rest = (t.to(base.device) for t in tensors[:len(tensors) - len(new_conds)])
                     added = {"text_embeds": rest[0], "time_ids": rest[1]} if has_added else None
-                    cond = torch.cat([conds[c] for c in cond_ids])
+                    parts, start = [], time.perf_counter()
                     with device_lock:
-                        start = time.perf_counter()
-                        parts = residuals(cache.get(name), sample, timesteps, embeds, cond, added)
-                        seconds = time.perf_counter() - start
+                        for name, rows, cond_ids in jobs:
+                            index, model = torch.tensor(rows, device=sample.device), cache.get(name)
+                            parts += residuals(model, sample[index], timesteps[index], embeds[index],
+                                               embedded.rows(name, model, cond_ids, conds),
+                                               {k: v[index] for k, v in added.items()} if added else None)
+                    seconds = time.perf_counter() - start
                     out_name, out_layout = outputs.write(parts)
                     conn.send(("ok", (out_name, out_layout, cache.counts.take(), seconds)))
             except ControlNetError as error:
@@ -226,15 +235,17 @@ class _Link:
 
 
 class Pending:
-    """A run sent to a worker, its residuals not read yet."""
+    """The runs of one forward sent to one worker, their residuals not read yet."""
 
-    def __init__(self, client: ControlClient, worker: int):
-        self.client, self.worker = client, worker
+    def __init__(self, client: ControlClient, worker: int, jobs: int):
+        self.client, self.worker, self.jobs = client, worker, jobs
 
-    def result(self) -> tuple[list[torch.Tensor], float]:
-        """The residuals (views into shared memory, valid until this worker's next run) and the
-        seconds the worker computed."""
-        return self.client._reply(self.worker)
+    def result(self) -> tuple[list[list[torch.Tensor]], float]:
+        """Each run's residuals (views into shared memory, valid until this worker's next run),
+        and the seconds the worker computed."""
+        parts, seconds = self.client._reply(self.worker)
+        each = len(parts) // self.jobs
+        return [parts[i * each:(i + 1) * each] for i in range(self.jobs)], seconds
 
 
 class ControlClient:
@@ -258,26 +269,27 @@ class ControlClient:
             link = self._links[worker] = _Link(conn)
         return link
 
-    def run(self, name: str, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor,
-            added: dict | None, cond_ids: list[str], conds: dict[str, torch.Tensor]) -> Pending:
-        """Send ControlNet `name` over these rows (row i conditioned by `conds[cond_ids[i]]`)."""
-        worker = self.address.worker_of(name)
+    def send(self, worker: int, jobs: list[tuple[str, list[int], list[str]]], sample: torch.Tensor,
+             timesteps: torch.Tensor, embeds: torch.Tensor, added: dict | None,
+             conds: dict[str, torch.Tensor]) -> Pending:
+        """Send `worker` its runs of one forward: (ControlNet name, rows of `sample` it runs over,
+        each row's conditioning id in `conds`) each; the inputs cross once for all of them."""
         link = self._link(worker)
         if link.waiting:
             raise RuntimeError(f"ControlNet worker {worker}'s last reply is unread; read it before the next run")
-        new = [c for c in dict.fromkeys(cond_ids) if c not in link.conds]
+        new = [c for c in dict.fromkeys(c for _, _, ids in jobs for c in ids) if c not in link.conds]
         tensors = [sample, timesteps, embeds, *([added["text_embeds"], added["time_ids"]] if added else []),
                    *(conds[c] for c in new)]
         buffer, layout = link.inputs.write(tensors)
         try:
             if self._forget.get(worker):
                 link.conn.send(("forget", self._forget.pop(worker)))
-            link.conn.send(("run", name, buffer, layout, cond_ids, new, added is not None))
+            link.conn.send(("run", jobs, buffer, layout, new, added is not None))
         except (OSError, EOFError) as error:
             self._lost(worker, error)
         link.conds.update(new)
         link.waiting = True
-        return Pending(self, worker)
+        return Pending(self, worker, len(jobs))
 
     def _reply(self, worker: int) -> tuple[list[torch.Tensor], float]:
         link = self._links.get(worker)
@@ -327,9 +339,11 @@ class ControlClient:
         return value
 
     def close(self) -> None:
+        """Close every connection; the workers' residual buffers of them go too (a service being
+        stopped may be killed before its workers see the connection close)."""
         for worker in list(self._links):
             link = self._links.pop(worker)
             link.inputs.close()
-            link.outputs.close()
+            link.outputs.close(unlink=True)
             link.conn.close()
 

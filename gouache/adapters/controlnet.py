@@ -14,6 +14,7 @@ import inspect
 import json
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,13 +77,54 @@ def random_controlnet(pipe, seed: int = 0, std: float = 0.02):
 
 
 @torch.no_grad()
-def residuals(model, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, cond: torch.Tensor,
+def residuals(model, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, embedded: torch.Tensor,
               added: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
     """The ControlNet's down residuals, then its middle one, for these rows at scale 1 (the
-    caller scales each row: diffusers multiplies by the scale last, so this is exact)."""
-    down, mid = model(sample, timesteps, encoder_hidden_states=embeds, controlnet_cond=cond, conditioning_scale=1.0,
-                      added_cond_kwargs=added, return_dict=False)
+    caller scales each row: diffusers multiplies by the scale last, so this is exact), from
+    their conditioning images already through its conditioning embedding (`Embeddings`)."""
+    if _bgr(model):
+        embedded = embedded.flip(1)  # the model flips its conditioning's channels first: this undoes it
+    embedding = model.controlnet_cond_embedding
+    embedding.forward = lambda cond: cond  # already embedded: the same at every step
+    try:
+        down, mid = model(sample, timesteps, encoder_hidden_states=embeds, controlnet_cond=embedded,
+                          conditioning_scale=1.0, added_cond_kwargs=added, return_dict=False)
+    finally:
+        del embedding.forward  # the class's forward again
     return [*down, mid]
+
+
+def _bgr(model) -> bool:
+    return model.config.get("controlnet_conditioning_channel_order", "rgb") == "bgr"
+
+
+class Embeddings:
+    """Conditioning images through a ControlNet's conditioning embedding, once per request and
+    ControlNet. The embedding reads the image alone (at full pixel resolution: most of a small
+    ControlNet's work), so its output is the same at every step."""
+
+    def __init__(self):
+        self._by: dict[tuple[str, str], tuple[weakref.ref, torch.Tensor]] = {}  # (name, cond id) -> (model, output)
+
+    @torch.no_grad()
+    def rows(self, name: str, model, cond_ids: list[str], conds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[n, C, h, w] each row's embedded conditioning (`conds[cond_ids[i]]` through `model`'s)."""
+        out = []
+        for cond_id in cond_ids:
+            hit = self._by.get((name, cond_id))
+            if hit is None or hit[0]() is not model:  # new, or the ControlNet was loaded anew meanwhile
+                image = conds[cond_id].flip(1) if _bgr(model) else conds[cond_id]
+                hit = self._by[name, cond_id] = (weakref.ref(model), model.controlnet_cond_embedding(image))
+            out.append(hit[1])
+        return torch.cat(out)
+
+    def forget(self, cond_ids: set[str]) -> None:
+        for key in [key for key in self._by if key[1] in cond_ids]:
+            del self._by[key]
+
+    def forget_request(self, request_id: str) -> None:
+        """Every conditioning of a request (ids "<request id>/<k>")."""
+        self.forget({cond_id for _, cond_id in self._by if cond_id.rsplit("/", 1)[0] == request_id})
 
 
 def residual_shapes(unet_config: dict, rows: int, height: int, width: int) -> list[tuple[int, ...]]:

@@ -66,6 +66,19 @@ def test_sync_service_equals_running_them_in_process(pipe, control_dir, service)
     assert service.address.worker_of("edges") in (0, 1)
 
 
+def test_several_controlnets_on_one_worker_equal_running_them_in_process(pipe, control_dir):
+    one = ControlService(1, str(control_dir), Base.of(pipe), 1 << 30, threads=1)  # every ControlNet on worker 0
+    try:
+        outputs = []
+        remote = run(runner(pipe, control_dir, one), mix(), outputs=outputs)
+    finally:
+        one.shutdown()
+    local = run(runner(pipe, control_dir), mix())
+    for rid in local:
+        assert (local[rid] - remote[rid]).abs().max() <= TOL, rid
+    assert total(outputs, "controlnet_runs") == {"sync": 3 * 2}
+
+
 def test_async_mode_joins_residuals_one_step_late(pipe, control_dir, service):
     sync = run(runner(pipe, control_dir, service), mix())
     outputs = []
