@@ -174,6 +174,9 @@ class EngineConfig:
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
         _check(self.ray_address is None or self.executor == "ray",
                f"a Ray address is read only by the ray executor, not {self.executor!r}")
+        _check(not (self.controlnets.workers and self.executor == "ray"),
+               "the ControlNet service listens on this machine's Unix sockets, which Ray actors elsewhere cannot "
+               "reach: run --controlnet-workers with --executor uniproc or multiproc")
 
 
 @dataclass

@@ -20,6 +20,7 @@ Where they run is the runner's `ControlNetConfig`:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,11 @@ class ControlRuntime:
         self._wait_s = 0.0  # seconds forwards waited for residuals since the last report
         self._inflight: _Run | None = None  # async runs of the last forward
         self._armed = None  # the sync wait hook of the forward running now
+        self._released: list[str] = []  # requests gone since the last forward (`release`)
+        self._lock = threading.Lock()
+        # under CFG parallelism: agree(ok) -> whether every rank got its residuals (both must
+        # raise, or neither, or their collectives would part ways)
+        self.agree: Callable[[bool], bool] | None = None
         # sync residuals filled after the UNet's encoder (False: before the forward, as when
         # CFG parallelism cuts the rows before the UNet runs)
         self.overlap = True
@@ -115,10 +121,18 @@ class ControlRuntime:
                           mode or self.config.mode)
 
     def release(self, request_id: str) -> None:
-        """The request left this runner: its conditioning images may go (here and on the service)."""
-        self.embeddings.forget_request(request_id)
-        if self.client is not None:
-            self.client.forget(request_id)
+        """The request left this runner: its conditioning images may go (here and on the service).
+        Called from the stages' threads: applied by the engine thread before its next forward."""
+        with self._lock:
+            self._released.append(request_id)
+
+    def _forget_released(self) -> None:
+        with self._lock:
+            released, self._released = self._released, []
+        for request_id in released:
+            self.embeddings.forget_request(request_id)
+            if self.client is not None:
+                self.client.forget(request_id)
 
     # -- the directory -------------------------------------------------------------------------
 
@@ -155,8 +169,9 @@ class ControlRuntime:
         for shape in shapes:
             members = [i for i, s in enumerate(states) if tuple(s.latents.shape) == shape]
             group = [states[i] for i in members]
+            control = self.residuals if self.agree is None else self._agreed_residuals
             try:
-                out.update(zip(members, forward(group, self.residuals).split([s.rows for s in group])))
+                out.update(zip(members, forward(group, control).split([s.rows for s in group])))
             finally:
                 self._disarm()
         others = [i for i in range(len(states)) if i not in out]
@@ -165,7 +180,9 @@ class ControlRuntime:
         return [out[i] for i in range(len(states))]
 
     def collect(self) -> None:
-        """Read the last forward's async residuals (computed meanwhile) into their requests."""
+        """Read the last forward's async residuals (computed meanwhile) into their requests, and
+        forget the requests released since (engine thread, before a step)."""
+        self._forget_released()
         run, self._inflight = self._inflight, None
         if run is None:
             return
@@ -179,6 +196,17 @@ class ControlRuntime:
         finally:
             self._wait_s += time.perf_counter() - start
         self._keep(run, fresh)
+
+    def _agreed_residuals(self, *args) -> dict:
+        """`residuals`, raising on every rank if it failed on any."""
+        failure = out = None
+        try:
+            out = self.residuals(*args)
+        except ControlNetError as error:
+            failure = error
+        if not self.agree(failure is None):
+            raise failure or ControlNetError("a ControlNet run failed on the other device of this step")
+        return out
 
     def residuals(self, states: list, sample: torch.Tensor, timesteps: torch.Tensor, kwargs: dict) -> dict:
         """The UNet's residual arguments for a forward of `states` (rows in order)."""

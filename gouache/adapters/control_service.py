@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -32,6 +33,9 @@ from gouache.adapters.directory import ControlNetError
 from gouache.config import ServiceAddress
 
 log = logging.getLogger(__name__)
+
+
+REPLY_TIMEOUT_S = 300.0  # a worker that computes one forward's residuals longer than this is taken for hung
 
 
 class ControlNetUnavailable(ControlNetError):
@@ -147,10 +151,12 @@ def _serve(conn, cache: ControlNetCache, device_lock: threading.Lock, base: Base
                     out_name, out_layout = outputs.write(parts)
                     conn.send(("ok", (out_name, out_layout, cache.counts.take(), seconds)))
             except ControlNetError as error:
-                conn.send(("error", str(error)))
+                if kind != "forget":  # a forget has no answer
+                    conn.send(("error", str(error)))
             except Exception as error:  # the run's requests fail, the worker serves on
-                log.exception("ControlNet %s failed", message[1] if len(message) > 1 else kind)
-                conn.send(("error", f"{type(error).__name__}: {error}"))
+                log.exception("ControlNet call %s failed", kind)
+                if kind != "forget":
+                    conn.send(("error", f"{type(error).__name__}: {error}"))
     except (EOFError, OSError):
         pass
     finally:
@@ -175,8 +181,14 @@ class ControlService:
         self._closing = False
         self.restarts = 0
         deadline = time.monotonic() + start_timeout_s
-        for i in range(workers):
-            self._wait_ready(i, deadline)
+        try:
+            for i in range(workers):
+                self._wait_ready(i, deadline)
+        except BaseException:
+            for process in self._procs:
+                process.kill()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self._watcher = threading.Thread(target=self._watch, name="gouache-controlnet-watch", daemon=True)
         self._watcher.start()
 
@@ -213,13 +225,11 @@ class ControlService:
 
     def shutdown(self) -> None:
         self._closing = True
+        self._watcher.join(timeout=5)  # no restart once the workers are being stopped
         for process in self._procs:
             process.kill()
             process.join(timeout=5)
-        for socket in self.address.sockets:
-            if os.path.exists(socket):
-                os.unlink(socket)
-        os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -275,8 +285,12 @@ class ControlClient:
         """Send `worker` its runs of one forward: (ControlNet name, rows of `sample` it runs over,
         each row's conditioning id in `conds`) each; the inputs cross once for all of them."""
         link = self._link(worker)
-        if link.waiting:
-            raise RuntimeError(f"ControlNet worker {worker}'s last reply is unread; read it before the next run")
+        if link.waiting:  # a forward that failed before reading it: read it now, so the replies stay in step
+            try:
+                self._reply(worker)
+            except ControlNetError:
+                pass
+            link = self._link(worker)
         new = [c for c in dict.fromkeys(c for _, _, ids in jobs for c in ids) if c not in link.conds]
         tensors = [sample, timesteps, embeds, *([added["text_embeds"], added["time_ids"]] if added else []),
                    *(conds[c] for c in new)]
@@ -296,8 +310,10 @@ class ControlClient:
         if link is None:
             raise ControlNetUnavailable(f"ControlNet service worker {worker} died; it is being restarted")
         try:
+            if not link.conn.poll(REPLY_TIMEOUT_S):
+                raise TimeoutError(f"no answer in {REPLY_TIMEOUT_S:g} s")
             status, value = link.conn.recv()
-        except (OSError, EOFError) as error:
+        except (OSError, EOFError) as error:  # TimeoutError is an OSError: a hung worker is dropped as a dead one
             self._lost(worker, error)
         link.waiting = False
         if status == "error":
@@ -311,7 +327,7 @@ class ControlClient:
     def _lost(self, worker: int, error: BaseException):
         link = self._links.pop(worker)
         link.inputs.close()
-        link.outputs.close()
+        link.outputs.close(unlink=True)  # its worker is gone or about to be: nobody else removes it
         link.conn.close()
         raise ControlNetUnavailable(f"ControlNet service worker {worker} died ({type(error).__name__}); "
                                     "it is being restarted") from None

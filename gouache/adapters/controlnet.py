@@ -85,12 +85,16 @@ def residuals(model, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torc
     if _bgr(model):
         embedded = embedded.flip(1)  # the model flips its conditioning's channels first: this undoes it
     embedding = model.controlnet_cond_embedding
+    previous = embedding.__dict__.get("forward")  # another wrapper's, kept
     embedding.forward = lambda cond: cond  # already embedded: the same at every step
     try:
         down, mid = model(sample, timesteps, encoder_hidden_states=embeds, controlnet_cond=embedded,
                           conditioning_scale=1.0, added_cond_kwargs=added, return_dict=False)
     finally:
-        del embedding.forward  # the class's forward again
+        if previous is None:
+            del embedding.forward  # the class's forward again
+        else:
+            embedding.forward = previous
     return [*down, mid]
 
 

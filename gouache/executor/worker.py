@@ -125,12 +125,15 @@ class Worker:
         if not all(s.rows == 2 for s in states):
             yield Halves()
             return
-        self.runner.controls.overlap = False  # the rows are cut before the UNet runs: residuals first
+        controls = self.runner.controls
+        controls.overlap = False  # the rows are cut before the UNet runs: residuals first
+        controls.agree = lambda ok: _all_ok(ok, group, self.runner.family.device)
+        self.runner.row_cut = (dist.get_rank(group), 2)  # adapters' hooks see this rank's rows only
         try:
             with cfg_parallel(self.runner.pipe.unet, group) as halves:
                 yield halves
         finally:
-            self.runner.controls.overlap = True
+            controls.overlap, controls.agree, self.runner.row_cut = True, None, None
 
     def load_controlnet(self, name: str) -> dict:
         """Load a ControlNet where this device runs them (POST /v1/controlnets)."""
@@ -138,6 +141,7 @@ class Worker:
 
     def export(self, request_ids: list[str]) -> dict[str, DenoiseState]:
         """Hand these requests' states over (they leave this worker)."""
+        self.runner.controls.collect()  # async ControlNet residuals in flight go with their states
         for rid in request_ids:  # its cached activations stay behind: the next worker starts afresh
             self.runner.release_caches(rid)
         return {rid: self.runner.states.pop(rid) for rid in request_ids if rid in self.runner.states}
@@ -164,3 +168,10 @@ class Worker:
             return
         with ulysses(self.runner.pipe.transformer, group) as shards:
             yield shards
+
+
+def _all_ok(ok: bool, group, device) -> bool:
+    """Whether every rank of `group` is ok (each says for itself)."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -42,6 +42,7 @@ class ModelRunner:
         self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
         self.controls = ControlRuntime(controlnets or ControlNetConfig(), pipe)
+        self.row_cut: tuple[int, int] | None = None  # (rank, ranks): CFG parallelism runs every ranks-th row from rank
 
     @property
     def templates(self) -> TemplateCache:
@@ -138,12 +139,17 @@ class ModelRunner:
             return []
         states = [self.states[rid] for rid in ids]
 
-        def row_maps(group):  # a block cache or template replay computes subsets of rows: no segmenting there
+        def row_maps(group):
             if any(s.control is not None for s in group):  # a plain forward per latent shape (`controls.predict`)
-                return self.family.row_maps(group, False) if len({s.latents.shape for s in group}) == 1 else None
-            if templates is not None or cache_request(group, cache) is not None:
-                return None
-            return self.family.row_maps(group, patched)
+                maps = self.family.row_maps(group, False) if len({s.latents.shape for s in group}) == 1 else None
+            elif templates is not None or cache_request(group, cache) is not None:
+                maps = None  # a block cache or template replay computes subsets of rows: no segmenting there
+            else:
+                maps = self.family.row_maps(group, patched)
+            if maps is None or self.row_cut is None:
+                return maps
+            rank, ranks = self.row_cut
+            return {n // ranks: rows[rank::ranks] for n, rows in maps.items()}
 
         def predict(group):
             def rest(others):

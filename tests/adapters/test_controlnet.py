@@ -90,6 +90,7 @@ def test_a_batch_of_mixed_controlnets_equals_each_request_alone(pipe, control_di
             [("depth", image(2), 0.5), ("edges", image(3), 2.0)]),
            (request("wide", [("edges", None, 0.8)], size=(64, 128), seed=4), [("edges", image(4, (64, 128)), 0.8)])]
     together = run(runner, mix, patched=True)  # ControlNet requests run plain forwards, one per size
+    runner.controls.collect()  # what the engine thread does before a step
     assert not runner.controls.embeddings._by  # each request's embedded conditioning went with it
     for r, nets in mix:
         alone = run(runner, [(r, nets)])

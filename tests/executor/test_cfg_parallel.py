@@ -5,8 +5,11 @@ guidance in the batch runs whole on both; ControlNet residuals are cut with the 
 import numpy as np
 import pytest
 
+from safetensors.torch import save_file
+
 from gouache.adapters.controlnet import random_controlnet
-from gouache.config import ControlNetConfig
+from gouache.adapters.lora import random_lora
+from gouache.config import ControlNetConfig, LoraConfig
 from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.worker import WorkerSpec
 from gouache.request import ImageRequest
@@ -26,8 +29,18 @@ def control_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_workers(control_dir):
-    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1, controlnets=ControlNetConfig(str(control_dir))), 2)
+def lora_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("loras")
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(load_pipeline(MODEL), seed=seed), str(directory / f"{name}.safetensors"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def two_workers(control_dir, lora_dir):
+    spec = WorkerSpec(MODEL, torch_threads=1, controlnets=ControlNetConfig(str(control_dir)),
+                      loras=LoraConfig(str(lora_dir)))
+    executor = MultiprocExecutor(spec, 2)
     yield executor
     executor.shutdown()
 
@@ -40,9 +53,10 @@ def requests(guidance=(4.0, 6.0)):
     return out
 
 
-def steps(runner: ModelRunner, load, executor=None) -> tuple[dict, list]:
+def steps(runner: ModelRunner, load, executor=None, modes: list | None = None) -> tuple[dict, list]:
     """Every request's STEPS steps in one batch of degree 2 on `executor`'s two workers (or on
-    `runner` alone): final latents, and the seconds each step spent exchanging halves."""
+    `runner` alone): final latents, and the seconds each step spent exchanging halves; each
+    step's LoRA mode goes to `modes`."""
     states = {r.request_id: None for r, _ in load}
     for r, controls in load:
         runner.prepare(r, controls=controls)
@@ -56,6 +70,8 @@ def steps(runner: ModelRunner, load, executor=None) -> tuple[dict, list]:
         incoming = {rid: runner.states[rid] for rid in ids} if k == 0 else {}
         outs = executor.collective_rpc("execute", (Batch(ids, (0, 1), 2), incoming), timeout=120)
         assert [o.step.request_ids for o in outs] == [list(ids)] * 2 and not outs[0].step.failed
+        if modes is not None:
+            modes.append(outs[0].step.lora_mode)
         for rid in ids:  # both ranks end the step alike
             assert (outs[0].latents[rid] - outs[1].latents[rid]).abs().max() == 0
             runner.states[rid].latents = outs[0].latents[rid]
@@ -96,3 +112,17 @@ def test_round_knapsack_gives_an_idle_device_to_a_unet_request_as_cfg_parallelis
     assert not pooled.failed
     assert_equal_latents(pooled.latents, alone.latents)
     assert pooled.degrees["first"][0] == 2  # alone, it took both devices: its guidance rows apart
+
+
+def test_requests_with_different_loras_share_the_halves_of_one_forward(two_workers, lora_dir):
+    def load():
+        return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), [])
+                for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
+
+    config = LoraConfig(str(lora_dir))
+    alone, _ = steps(ModelRunner(load_pipeline(MODEL), loras=config), load())
+    modes = []
+    split, _ = steps(ModelRunner(load_pipeline(MODEL), loras=config), load(), two_workers, modes)
+    assert modes == ["segmented"] * STEPS  # each rank's hooks find the owners of its half of the rows
+    for rid in alone:
+        assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
