@@ -1,4 +1,4 @@
-"""GET /v1/models, /health and /metrics: what is served and how busy it is."""
+"""GET /v1/models, /health, /v1/status and /metrics: what is served and how busy it is."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ async def health(ctx: ApiContext = Depends(get_context)) -> JSONResponse:
     stats = ctx.engine.stats()
     body = {"status": stats.status, "model": ctx.model_ids[0], "waiting": stats.waiting, "running": stats.running}
     return JSONResponse(body, status_code=200 if stats.status == "ok" else 503)
+
+
+@router.get("/v1/status")
+async def status(ctx: ApiContext = Depends(get_context)) -> dict:
+    """The queue, each request's size and step, recent step latency and overhead, images per
+    second, the last step of each device block; per replica under --replicas."""
+    return await ctx.engine.status()
 
 
 @router.get("/metrics")

@@ -26,6 +26,7 @@ from gouache.engine.handle import EngineStats, RequestHandle
 from gouache.engine.heap_trim import HeapTrimmer
 from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
 from gouache.engine.stages import Stage
+from gouache.engine.status import StatusBook
 from gouache.errors import (
     DeadlineUnattainableError, EngineStoppedError, GouacheError, InvalidRequestError, QueueFullError,
     RequestTimeoutError, ShuttingDownError, WorkerFailureError,
@@ -75,6 +76,7 @@ class _Image:
     index: int  # which of the handle's n images
     status: RequestStatus = RequestStatus.PREPARING
     previews: int = 0  # partial images sent so far
+    step: int = 0  # denoising steps done
 
 
 def preview_steps(total_steps: int, partial_images: int) -> set[int]:
@@ -124,6 +126,7 @@ class AsyncEngine(AdapterCalls):
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
         self.codecs = CodecPool(engine_config.image_workers)
         self.heap = HeapTrimmer()
+        self.book = StatusBook()
         self._images: dict[str, _Image] = {}  # in-flight images by id; guarded by _lock
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -253,6 +256,15 @@ class AsyncEngine(AdapterCalls):
         status = "dead" if self._dead else "draining" if self._draining else "ok"
         return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
 
+    async def status(self) -> dict:
+        """GET /v1/status: the queue, each request's size and step, the recent steps."""
+        stats = self.stats()
+        with self._lock:
+            requests = [{"id": rid, "size": f"{e.request.width}x{e.request.height}", "status": e.status.value,
+                         "step": e.step, "steps": e.request.num_inference_steps} for rid, e in self._images.items()]
+        return {"status": stats.status, "model": self.info.name, "waiting": stats.waiting, "running": stats.running,
+                "finished": stats.finished, "failed": stats.failed, "requests": requests, **self.book.snapshot()}
+
     async def render_metrics(self) -> bytes:
         return self.metrics.render_with(self.stats())
 
@@ -318,6 +330,7 @@ class AsyncEngine(AdapterCalls):
             if entry.status is RequestStatus.WAITING:
                 entry.status = RequestStatus.RUNNING
                 self.metrics.queueing_time.observe(now - entry.request.arrival_time)
+            entry.step = state.steps_done
             entry.handle.push(ProgressEvent(entry.index, state.steps_done, state.num_steps))
             if rid in finished:
                 entry.status = RequestStatus.POSTPROCESSING
@@ -325,6 +338,7 @@ class AsyncEngine(AdapterCalls):
             elif state.steps_done in preview_steps(state.num_steps, entry.request.partial_images):
                 self.post.put("preview", rid, self.runner.states[rid].latents)
         self.metrics.running_batch.set(len(self.scheduler.running))
+        self.book.step(report.batch.devices, report.output.request_ids, report.step_s, report.output.forward_s)
 
     def _on_drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -374,6 +388,7 @@ class AsyncEngine(AdapterCalls):
         with self._lock:
             self._images.pop(rid, None)
         self._counts["finished"] += 1
+        self.book.finished()
         self.metrics.images.inc()
         entry.handle.push(ImageEvent(entry.index, future.result(), entry.request.seed))
 

@@ -42,6 +42,7 @@ class StepReport:
     output: StepOutput
     finished: list[RequestState]  # done denoising; their states are still in the runner
     states: dict[str, RequestState]  # every request that stepped, by id
+    step_s: float = 0.0  # wall time of the step, launch to result
 
 
 @dataclass
@@ -158,7 +159,8 @@ class EngineCore:
             return None
         self._fail(output.failed)
         finished = self.scheduler.advance(run, output.request_ids, time.monotonic()).finished
-        report = StepReport(flight.batch, output, finished, flight.states)
+        step_s = time.perf_counter() - flight.start
+        report = StepReport(flight.batch, output, finished, flight.states, step_s)
         self.on_step(report)
         self.metrics.image_steps.labels(str(flight.batch.degree)).inc(len(output.request_ids))
         self.metrics.cache_blocks.labels("reused").inc(output.reused_blocks)
@@ -171,7 +173,6 @@ class EngineCore:
         for tier, n in output.template_bytes.items():
             self.metrics.template_bytes.labels(str(flight.batch.devices[0]), tier).set(n)
         self._count_adapters(output, str(flight.batch.devices[0]))
-        step_s = time.perf_counter() - flight.start
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)

@@ -283,6 +283,17 @@ class ReplicaSet:
         status = "dead" if not self._alive() else "draining" if self._draining else "ok"
         return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
 
+    async def status(self) -> dict:
+        """Each replica's status (a dead one says so), under the front's totals."""
+        stats, alive = self.stats(), self._alive()
+        answers = await asyncio.gather(*(self._call(r, "status", timeout_s=_CALL_TIMEOUT_S) for r in alive),
+                                       return_exceptions=True)
+        by_index = {r.index: a for r, a in zip(alive, answers) if isinstance(a, dict)}
+        replicas = [{"replica": r.index, "alive": r.index in by_index, **by_index.get(r.index, {})}
+                    for r in self.replicas]
+        return {"status": stats.status, "model": self.info.name if self.info else None, "waiting": stats.waiting,
+                "running": stats.running, "finished": stats.finished, "failed": stats.failed, "replicas": replicas}
+
     async def render_metrics(self) -> bytes:
         """The API's families and each replica's engine families, labelled replica="<index>"."""
         alive = self._alive()

@@ -137,6 +137,9 @@ class _Replica:
     async def _register_lora(self, name: str) -> dict:
         return await self.engine.register_lora(name)
 
+    async def _status(self) -> dict:
+        return await self.engine.status()
+
     async def _list_controlnets(self) -> list[dict]:
         return await self.engine.list_controlnets()
 

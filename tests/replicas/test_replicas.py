@@ -108,6 +108,14 @@ def test_two_replicas_serve_a_mixed_load_under_each_router(front, router):
     assert (stats.waiting, stats.running, stats.status) == (0, 0, "ok")
 
 
+def test_status_lists_each_replica(front):
+    front.run(serve(front.set, [request("status", 64)]))
+    status = front.run(front.set.status())
+    assert [r["replica"] for r in status["replicas"]] == [0, 1] and all(r["alive"] for r in status["replicas"])
+    assert sum(r["finished"] for r in status["replicas"]) >= 1 and status["model"] == MODEL
+    assert all("steps" in r and r["requests"] == [] for r in status["replicas"])
+
+
 def test_metrics_label_every_engine_family_per_replica(front):
     text = front.run(front.set.render_metrics()).decode()
     for replica in ("0", "1"):

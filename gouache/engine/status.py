@@ -1,0 +1,43 @@
+"""What `GET /v1/status` shows of one engine: its requests (size, step) and its recent steps
+(latency, engine overhead, batch per device block), finished images per second. The engine
+thread records; the API reads a snapshot."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+
+WINDOW_S = 60.0  # images per second over this many seconds
+RECENT_STEPS = 64  # steps the latency medians are taken over
+
+
+class StatusBook:
+    def __init__(self):
+        self._steps: deque[tuple[float, float]] = deque(maxlen=RECENT_STEPS)  # (step s, overhead s)
+        self._finished: deque[float] = deque(maxlen=4096)  # time.monotonic() of each image returned
+        self._blocks: dict[str, dict] = {}  # device block -> its last step
+        self._lock = threading.Lock()
+
+    def step(self, devices: tuple[int, ...], request_ids: list[str], step_s: float, forward_s: float) -> None:
+        with self._lock:
+            self._steps.append((step_s, step_s - forward_s))
+            self._blocks[",".join(map(str, devices))] = {"requests": len(request_ids), "step_ms": 1000 * step_s}
+
+    def finished(self) -> None:
+        with self._lock:
+            self._finished.append(time.monotonic())
+
+    def snapshot(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            steps, blocks = list(self._steps), {k: dict(v) for k, v in self._blocks.items()}
+            recent = sum(1 for t in self._finished if now - t <= WINDOW_S)
+        return {
+            "steps": {"recent": len(steps),
+                      "latency_ms_median": 1000 * statistics.median(s for s, _ in steps) if steps else None,
+                      "overhead_ms_median": 1000 * statistics.median(o for _, o in steps) if steps else None},
+            "images_per_s": recent / WINDOW_S,
+            "devices": blocks,
+        }
