@@ -74,6 +74,7 @@ def run(args) -> int:
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    workflows.check_flags(args)
     shares = [float(s) for s in args.load_shares.split(",")]
     if not all(s > 0 for s in shares):
         raise ValueError(f"--load-shares must be positive, got {args.load_shares!r}")

@@ -284,11 +284,12 @@ def add_arguments(p) -> None:
     p.add_argument("--controlnet", default=None,
                    help="place every prompt's shapes by this layout-map ControlNet (`gouache train controlnet` writes "
                         "'layout'); captions then say no positions (default: none)")
-    p.add_argument("--controlnet-dir", default=None, help="its directory (default: the shapes UNet's trained ones)")
+    p.add_argument("--controlnet-dir", default=None, action=Given,
+                   help="its directory (default: the shapes UNet's trained ones)")
     p.add_argument("--candidate-controlnet-mode", default=None, choices=("sync", "async", "none"), action=Given,
                    help="the candidate's ControlNet mode; none: the same captions without it (the reference's: "
                         "sync; default: the reference's)")
-    p.add_argument("--controlnet-workers", type=int, default=1,
+    p.add_argument("--controlnet-workers", type=int, default=1, action=Given,
                    help="ControlNet service processes under --controlnet (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--step-repeats", type=int, default=3,
@@ -344,8 +345,9 @@ def _check_flags(args, *policies: str) -> None:
         ignored["cost_model"] = "neither policy plans with step times"
     if "patch_size" in given(args) and not any(POLICIES[p].mixes_resolutions for p in policies):
         ignored["patch_size"] = "neither policy cuts images into patches"
-    if "candidate_controlnet_mode" in given(args) and not args.controlnet:
-        ignored["candidate_controlnet_mode"] = "without --controlnet no prompt has a ControlNet"
+    for flag in ("candidate_controlnet_mode", "controlnet_dir", "controlnet_workers"):
+        if flag in given(args) and not args.controlnet:
+            ignored[flag] = "without --controlnet no prompt has a ControlNet"
     if "block_cache_max_reuse" in given(args) and not args.candidate_block_cache:
         ignored["block_cache_max_reuse"] = "no --candidate-block-cache above 0 reuses anything"
     refuse_ignored(ignored)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.data.shapes import caption, sample_scene
 
 MIXES = "0C/0L,0C/1L,1C/0L,1C/1L,2C/2L,3C/2L"
@@ -31,8 +32,16 @@ CASES = ("sequential", "gouache sync", "gouache async")
 def add_arguments(p) -> None:
     p.add_argument("--mixes", default=MIXES, help="workflow mixes mC/nL: m ControlNets, n LoRAs (default: %(default)s; "
                                                   "'' skips them)")
-    p.add_argument("--controlnet-workers", type=int, default=2,
+    p.add_argument("--controlnet-workers", type=int, default=2, action=Given,
                    help="ControlNet service processes of the gouache cases (default: %(default)s)")
+
+
+def check_flags(args) -> None:
+    """--controlnet-workers only with mixes to run, and at least one."""
+    if "controlnet_workers" in given(args) and not args.mixes:
+        refuse_ignored({"controlnet_workers": "with --mixes '' no workflow mix runs a ControlNet"})
+    if args.controlnet_workers < 1:
+        raise ValueError(f"--controlnet-workers must be at least 1, got {args.controlnet_workers}")
 
 
 def parse_mixes(text: str) -> list[tuple[int, int]]:

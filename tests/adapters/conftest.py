@@ -1,4 +1,4 @@
-"""Fixtures of the ControlNet tests: the module's `model` (a fixture each module gives), its
+"""Fixtures of the adapter tests: the module's `model` (a fixture each module gives), its
 pipeline, and a directory of two random ControlNets of it."""
 
 import pytest

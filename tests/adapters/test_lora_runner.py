@@ -25,11 +25,6 @@ def model(request):
 
 
 @pytest.fixture(scope="module")
-def pipe(model):
-    return load_pipeline(model)
-
-
-@pytest.fixture(scope="module")
 def lora_dir(pipe, tmp_path_factory):
     directory = tmp_path_factory.mktemp("loras")
     for seed, name in enumerate(("ink", "paper")):

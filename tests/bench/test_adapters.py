@@ -37,6 +37,11 @@ def test_bench_adapters_refuses_a_missing_adapter(tmp_path, capsys):
     assert "no nope.safetensors" in capsys.readouterr().err
 
 
+def test_controlnet_workers_without_mixes_are_refused(tmp_path, capsys):
+    assert main(["bench", "adapters", "--mixes", "", "--controlnet-workers", "3", "--lora-dir", str(tmp_path)]) == 2
+    assert "no workflow mix runs a ControlNet" in capsys.readouterr().err
+
+
 def test_workflow_mixes_are_parsed_and_bounded():
     assert parse_mixes("0C/0L, 3c/2l") == [(0, 0), (3, 2)]
     with pytest.raises(ValueError, match="mC/nL"):

@@ -123,6 +123,8 @@ def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     assert "threshold must be in [0, 1.0]" in capsys.readouterr().err
     assert main(["bench", "fidelity", "--candidate-controlnet-mode", "async", "--out", out]) == 2
     assert "without --controlnet no prompt has a ControlNet" in capsys.readouterr().err
+    assert main(["bench", "fidelity", "--controlnet-workers", "2", "--out", out]) == 2
+    assert "without --controlnet no prompt has a ControlNet" in capsys.readouterr().err
     for flag in ("--candidate-steps", "--sheet-rows", "--prompts", "--step-repeats"):
         assert main(["bench", "fidelity", flag, "0", "--out", out]) == 2
         assert f"{flag} must be at least 1" in capsys.readouterr().err
