@@ -90,6 +90,11 @@ class Metrics:
         self.controlnet_load_time = Histogram("gouache_controlnet_load_seconds", "Reading one ControlNet from disk",
                                               buckets=_STEP_BUCKETS, registry=r)
 
+    def error_counts(self) -> dict[str, int]:
+        """Requests answered with an error since start, by kind."""
+        return {sample.labels["kind"]: int(sample.value) for family in self.errors.collect()
+                for sample in family.samples if sample.name == "gouache_errors_total"}
+
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""
         return generate_latest(self.registry)

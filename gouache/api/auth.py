@@ -1,6 +1,9 @@
-"""ASGI middleware requiring `Authorization: Bearer <key>` on every route but /health.
+"""ASGI middleware requiring `Authorization: Bearer <key>` on every route but /health and the
+playground's files.
 
-/health stays open so that load balancers and process managers can probe without the key.
+/health stays open so that load balancers and process managers can probe without the key; the
+playground (`/` and `/ui/...`, static files holding no data) so that a browser can load it and
+ask its user for the key, which it then sends as any client does.
 Keys are compared in constant time; a missing or wrong key gets 401 in OpenAI's error shape.
 """
 
@@ -17,7 +20,8 @@ from gouache.errors import GouacheError
 if TYPE_CHECKING:
     from gouache.metrics import Metrics
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIX = "/ui/"
 
 
 class AuthenticationError(GouacheError):
@@ -32,7 +36,7 @@ class ApiKeyMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["path"].startswith(OPEN_PREFIX):
             return await self.app(scope, receive, send)
         sent = dict(scope.get("headers", ())).get(b"authorization")
         if sent is not None and hmac.compare_digest(sent, self.expected):

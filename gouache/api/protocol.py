@@ -407,14 +407,3 @@ class ImagesResponse(BaseModel):
     output_format: str
     size: str
 
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "gouache"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gouache import __version__
-from gouache.api import adapters, files, images, status
+from gouache.api import adapters, files, images, page, status
 from gouache.api.auth import ApiKeyMiddleware
 from gouache.api.body_limit import BodyLimitMiddleware
 from gouache.api.context import ApiContext
@@ -50,8 +50,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=engine.metrics)
     if config.api_key is not None:  # outermost: an unauthenticated request is refused before anything else
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, metrics=engine.metrics)
-    for module in (images, files, adapters, status):
+    for module in (images, files, adapters, status, page):
         app.include_router(module.router)
+    app.mount("/ui", page.static_files(), name="ui")
     return app
 
 

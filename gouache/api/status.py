@@ -2,27 +2,69 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from gouache.api.context import ApiContext, get_context
-from gouache.api.protocol import ModelCard, ModelList
 from gouache.errors import UnknownModelError
 
 router = APIRouter()
 
 
+class ModelDefaults(BaseModel):
+    """gouache's extension of a model card: the defaults and bounds a request form needs."""
+
+    family: str  # sd | sdxl | sd3 | flux
+    default_size: int  # pixels per side when a request names no size
+    size_step: int  # width and height must be multiples of this
+    min_size: int
+    max_size: int
+    max_pixels: int
+    sizes: list[str] | None  # "WxH": the only sizes this server prices, when its cost model restricts them
+    default_steps: int
+    max_steps: int
+    default_guidance: float
+    uses_cfg: bool  # a negative prompt and guidance mean something
+    max_n: int
+
+    @classmethod
+    def of(cls, ctx: ApiContext) -> ModelDefaults:
+        info, limits = ctx.engine.info, ctx.limits
+        sizes = None if limits.sizes is None else [f"{w}x{h}" for w, h in limits.sizes]
+        return cls(family=info.family, default_size=limits.default_size, size_step=limits.size_step,
+                   min_size=limits.min_size, max_size=limits.max_size, max_pixels=limits.max_pixels, sizes=sizes,
+                   default_steps=info.default_steps, max_steps=limits.max_steps,
+                   default_guidance=info.default_guidance, uses_cfg=info.uses_cfg, max_n=limits.max_n)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "gouache"
+    gouache: ModelDefaults
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
 @router.get("/v1/models")
 async def list_models(ctx: ApiContext = Depends(get_context)) -> ModelList:
-    return ModelList(data=[ModelCard(id=name, created=ctx.started) for name in ctx.model_ids])
+    defaults = ModelDefaults.of(ctx)
+    return ModelList(data=[ModelCard(id=name, created=ctx.started, gouache=defaults) for name in ctx.model_ids])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, ctx: ApiContext = Depends(get_context)) -> ModelCard:
     if model_id not in ctx.model_ids:
         raise UnknownModelError(f"The model '{model_id}' does not exist.", "model")
-    return ModelCard(id=model_id, created=ctx.started)
+    return ModelCard(id=model_id, created=ctx.started, gouache=ModelDefaults.of(ctx))
 
 
 @router.get("/health")
@@ -36,8 +78,9 @@ async def health(ctx: ApiContext = Depends(get_context)) -> JSONResponse:
 @router.get("/v1/status")
 async def status(ctx: ApiContext = Depends(get_context)) -> dict:
     """The queue, each request's size and step, recent step latency and overhead, images per
-    second, the last step of each device block; per replica under --replicas."""
-    return await ctx.engine.status()
+    second, the last step of each device block (per replica under --replicas), and the errors
+    answered since start by kind."""
+    return {**await ctx.engine.status(), "errors": ctx.engine.metrics.error_counts()}
 
 
 @router.get("/metrics")

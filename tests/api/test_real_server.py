@@ -5,12 +5,7 @@ the default model."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
@@ -20,34 +15,9 @@ from PIL import Image
 
 from gouache.config import ServerConfig
 from tests.api.corpus import EDITS, malformed_requests
-from tests.api.helpers import open_image
+from tests.api.helpers import open_image, running_server
 
 SIZE_STEP = 16  # tiny-sdxl
-
-
-@contextlib.contextmanager
-def running_server(*flags: str):
-    """`gouache serve FLAGS` on a free port; yields its URL once /health says ok."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "gouache.cli", "serve", *flags, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "server did not become healthy"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from gouache.metrics import Metrics, merged_exposition
 from gouache.replicas.front import ReplicaSet, make_router
 from gouache.request import ImageRequest
 from gouache.sched.router import ROUTERS
-from tests.api.test_real_server import client, rgba_png, running_server
+from tests.api.helpers import running_server
+from tests.api.test_real_server import client, rgba_png
 
 MODEL = "tiny-sd"
 

@@ -1,0 +1,87 @@
+// The playground: tabs, the API key, the served models, and the three tabs' wiring.
+
+import { getJson, keyRequired, savedKey, saveKey } from "./api.js";
+import { MaskPainter, editForm } from "./edit.js";
+import { applyModels, buildFields, readParams } from "./form.js";
+import { imageTab, showError } from "./results.js";
+import { statusTab } from "./status.js";
+
+const keyForm = document.getElementById("key-form");
+const serverLine = document.getElementById("server-line");
+const generateTab = document.getElementById("tab-generate");
+const editTab = document.getElementById("tab-edit");
+const generateFields = generateTab.querySelector("form");
+const editFields = editTab.querySelector("form");
+const status = statusTab(document.getElementById("tab-status"), askForKey);
+let models = null; // the cards of GET /v1/models, once read
+
+function askForKey(error) {
+  keyForm.hidden = false;
+  const line = keyForm.querySelector(".error");
+  if (error) showError(line, error);
+  else line.hidden = true;
+  keyForm.elements.key.focus();
+}
+
+// Read the model cards (the first call that needs the key, when the server wants one).
+async function connect() {
+  try {
+    models = (await getJson("/v1/models")).data;
+  } catch (error) {
+    if (error.status === 401) askForKey(error);
+    else serverLine.textContent = error.message;
+    return;
+  }
+  keyForm.hidden = true;
+  for (const form of [generateFields, editFields]) applyModels(form, models);
+  serverLine.textContent = `serving ${models.map((card) => card.id).join(", ")}`;
+}
+
+function select(name) {
+  for (const button of document.querySelectorAll("[data-tab]")) button.setAttribute("aria-selected", button.dataset.tab === name);
+  for (const section of document.querySelectorAll(".tab")) section.hidden = section.id !== `tab-${name}`;
+  if (name === "status") status.show();
+  else status.hide();
+  history.replaceState(null, "", `#${name}`);
+}
+
+keyForm.addEventListener("submit", (event) => {
+  event.preventDefault();
+  saveKey(keyForm.elements.key.value.trim());
+  connect();
+});
+
+for (const form of [generateFields, editFields]) buildFields(form);
+imageTab(generateTab, async () => {
+  const body = readParams(generateFields);
+  return ["/v1/images/generations", body, body];
+}, askForKey);
+
+const painter = new MaskPainter(editFields);
+editFields.elements.image.addEventListener("change", async () => {
+  const [file] = editFields.elements.image.files;
+  if (!file) return;
+  const errorLine = editTab.querySelector(":scope > .error");
+  errorLine.hidden = true;
+  try {
+    const { width, height } = await painter.load(file);
+    // The edit's size starts as the upload's, down to the model's size step.
+    const step = models ? models[0].gouache.size_step : 1;
+    editFields.elements.width.value = Math.max(step, width - (width % step));
+    editFields.elements.height.value = Math.max(step, height - (height % step));
+  } catch {
+    showError(errorLine, new Error(`This browser cannot read ${file.name} as an image; choose a PNG, JPEG or WebP file.`));
+  }
+});
+imageTab(editTab, async () => {
+  const params = readParams(editFields);
+  return ["/v1/images/edits", await editForm(painter, params), params];
+}, askForKey);
+
+for (const button of document.querySelectorAll("[data-tab]")) button.addEventListener("click", () => select(button.dataset.tab));
+const TABS = ["generate", "edit", "status"];
+const fromHash = () => select(TABS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "generate");
+window.addEventListener("hashchange", fromHash);
+fromHash();
+if (keyRequired() && !savedKey()) askForKey();
+else connect();

@@ -1,0 +1,224 @@
+"""The playground at GET / in a real browser: it loads without console errors, a generation
+shows progress and previews and then images of the requested size, an edit with a painted mask
+keeps every unpainted pixel of the upload, bad input shows the API's own message, the status
+tab follows a running request, and with --api-key the page asks for the key. Each state's
+screenshot goes to benchmarks/results/ui/."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.api.helpers import open_image
+from tests.ui.conftest import API_KEY
+
+pytestmark = pytest.mark.slow
+CAPTION = "a red circle and a blue square on a white background"
+
+
+def wait(browser, condition, timeout: float = 60):
+    from selenium.webdriver.support.wait import WebDriverWait
+
+    return WebDriverWait(browser, timeout, poll_frequency=0.05).until(lambda _: condition())
+
+
+def console_errors(browser) -> list[str]:
+    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def css(browser, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return browser.find_element(By.CSS_SELECTOR, selector)
+
+
+def open_page(browser, url: str, tab: str = "generate") -> None:
+    browser.get("about:blank")  # a fresh page even where only the #tab differs
+    browser.get(f"{url}/#{tab}")
+    browser.get_log("browser")  # forget what an earlier page logged
+
+
+def connected(browser) -> bool:
+    return css(browser, "#server-line").text == "serving shapes-unet"
+
+
+def fill(form, **values) -> None:
+    from selenium.webdriver.common.by import By
+
+    for name, value in values.items():
+        field = form.find_element(By.NAME, name)
+        field.clear()
+        field.send_keys(str(value))
+
+
+def figures(browser) -> list[dict]:
+    return browser.execute_script("""
+        return [...document.querySelectorAll('.tab:not([hidden]) .request:first-child figure.image')].map((f) => {
+          const img = f.querySelector('img');
+          return {state: f.dataset.state, previews: Number(f.dataset.previews || 0), seed: f.dataset.seed,
+                  step: f.querySelector('progress').value, total: f.querySelector('progress').max,
+                  width: img.naturalWidth, height: img.naturalHeight, src: img.getAttribute('src')};
+        });""")
+
+
+def pixels(data_url: str) -> np.ndarray:
+    return np.asarray(open_image(data_url.split(",", 1)[1]).convert("RGB"))
+
+
+def test_the_page_loads_without_console_errors_and_fills_the_models_defaults(browser, server, screenshot):
+    open_page(browser, server)
+    wait(browser, lambda: connected(browser))
+    form = css(browser, "#generate-form")
+    assert form.find_element("name", "width").get_attribute("value") == "128"
+    assert form.find_element("name", "num_inference_steps").get_attribute("placeholder") == "20"
+    assert css(browser, "#key-form").is_displayed() is False
+    screenshot("playground")
+    assert console_errors(browser) == []
+
+
+def test_a_generation_shows_progress_and_previews_then_images_of_the_requested_size(browser, server, screenshot):
+    open_page(browser, server)
+    wait(browser, lambda: connected(browser))
+    form = css(browser, "#generate-form")
+    fill(form, prompt=CAPTION, width=192, height=128, num_inference_steps=40, seed=7, n=2, partial_images=2)
+    form.find_element("css selector", "button[type=submit]").click()
+
+    def previewing():
+        shown = figures(browser)
+        return any(f["previews"] and f["state"] == "running" and 0 < f["step"] < f["total"] for f in shown)
+
+    wait(browser, previewing)
+    screenshot("generating")
+    wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done", "done"])
+    screenshot("generated")
+    done = figures(browser)
+    assert [(f["width"], f["height"], f["seed"]) for f in done] == [(192, 128, "7"), (192, 128, "8")]
+    assert all(f["previews"] == 2 for f in done)
+    # the image shown is the API's answer for that seed, not a preview
+    body = {"prompt": CAPTION, "size": "192x128", "num_inference_steps": 40, "seed": 7}
+    answer = httpx.post(f"{server}/v1/images/generations", json=body, timeout=120).json()
+    expected = np.asarray(open_image(answer["data"][0]["b64_json"]).convert("RGB"), dtype=float)
+    assert np.abs(pixels(done[0]["src"]) - expected).mean() < 1.0
+    assert console_errors(browser) == []
+
+
+def _upload(server: str, path) -> np.ndarray:
+    body = {"prompt": CAPTION, "size": "128x128", "seed": 3}
+    answer = httpx.post(f"{server}/v1/images/generations", json=body, timeout=120).json()
+    path.write_bytes(base64.b64decode(answer["data"][0]["b64_json"]))
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(browser, server, screenshot, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    upload = _upload(server, tmp_path / "upload.png")
+    open_page(browser, server, "edit")
+    wait(browser, lambda: connected(browser))
+    form = css(browser, "#edit-form")
+    form.find_element("name", "image").send_keys(str(tmp_path / "upload.png"))
+    mask = css(browser, "#edit-form canvas.mask")
+    wait(browser, mask.is_displayed)
+    assert form.find_element("name", "width").get_attribute("value") == "128"
+    # shown 3x (384 px for 128): a brush stroke right then down, then the eraser down through it
+    ActionChains(browser).move_to_element_with_offset(mask, -96, -30).click_and_hold().move_by_offset(150, 0) \
+        .move_by_offset(0, 60).release().perform()
+    form.find_element("css selector", "[data-tool=eraser]").click()
+    ActionChains(browser).move_to_element_with_offset(mask, 0, -60).click_and_hold().move_by_offset(0, 120) \
+        .release().perform()
+    screenshot("edit-mask")
+    alpha = np.array(browser.execute_script("""
+        const c = document.querySelector('#edit-form canvas.mask');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        return Array.from(d.filter((_, i) => i % 4 === 3));"""), dtype=np.uint8).reshape(128, 128)
+    assert alpha[54, 45] == 255 and alpha[64, 82] == 255  # painted
+    assert alpha[54, 64] == 0  # painted, then erased
+
+    fill(form, prompt="a green triangle on a white background", seed=5, partial_images=1)
+    form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
+    screenshot("edited")
+    [edited] = figures(browser)
+    result = pixels(edited["src"])
+    assert result.shape == upload.shape
+    kept = alpha == 0
+    assert np.array_equal(result[kept], upload[kept])  # every unpainted pixel, exactly
+    repainted = alpha == 255
+    assert (result[repainted] != upload[repainted]).any(axis=-1).mean() > 0.2
+    assert console_errors(browser) == []
+
+
+def test_bad_input_shows_the_apis_own_error_message(browser, server, screenshot):
+    open_page(browser, server)
+    wait(browser, lambda: connected(browser))
+    form = css(browser, "#generate-form")
+    fill(form, prompt=CAPTION, width=100, height=128)
+    form.find_element("css selector", "button[type=submit]").click()
+    line = css(browser, "#tab-generate > .error")
+    wait(browser, line.is_displayed)
+    body = {"prompt": CAPTION, "model": "shapes-unet", "size": "100x128", "n": 1, "stream": True, "partial_images": 2}
+    error = httpx.post(f"{server}/v1/images/generations", json=body).json()["error"]
+    assert line.text == error["message"] and error["param"] == "size"
+    screenshot("error")
+
+    open_page(browser, server, "edit")  # an edit without an image: the API says what is missing
+    wait(browser, lambda: connected(browser))
+    form = css(browser, "#edit-form")
+    fill(form, prompt=CAPTION)
+    form.find_element("css selector", "button[type=submit]").click()
+    line = css(browser, "#tab-edit > .error")
+    wait(browser, line.is_displayed)
+    assert "image" in line.text and form.find_element("css selector", "button[type=submit]").is_enabled()
+
+
+def test_the_status_tab_follows_a_running_request_and_counts_the_cancel(browser, server, screenshot):
+    open_page(browser, server)
+    wait(browser, lambda: connected(browser))
+    form = css(browser, "#generate-form")
+    fill(form, prompt=CAPTION, width=160, height=96, num_inference_steps=200, seed=1, n=1, partial_images=0)
+    form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: figures(browser) and figures(browser)[0]["state"] == "running")
+    css(browser, "[data-tab=status]").click()
+
+    def row() -> list[str]:
+        cells = browser.execute_script("""return [...document.querySelectorAll('#tab-status table.requests tbody td')]
+                                          .map((td) => td.textContent.trim());""")
+        return cells if len(cells) == 4 and cells[2] == "running" else []
+
+    wait(browser, lambda: row() and int(row()[3].split(" / ")[0]) > 3)
+    size, status, steps = row()[1:]
+    assert (size, status, steps.split(" / ")[1]) == ("160x96", "running", "200")
+    tiles = dict(zip(*[[n.text for n in browser.find_elements("css selector", f"#tab-status .tiles {t}")]
+                       for t in ("dt", "dd")]))
+    assert tiles["running"] == "1" and tiles["step latency (median of 64)"].endswith(" ms")
+    screenshot("status")
+
+    css(browser, "[data-tab=generate]").click()
+    css(browser, "#generate-form .cancel").click()
+    wait(browser, lambda: css(browser, "#tab-generate .request").get_attribute("data-state") == "cancelled")
+    css(browser, "[data-tab=status]").click()
+    wait(browser, lambda: "cancelled" in css(browser, "#tab-status table.errors").text and not row())
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_sends_it(browser, key_server, screenshot):
+    open_page(browser, key_server)
+    key_form = css(browser, "#key-form")
+    wait(browser, key_form.is_displayed)
+    assert console_errors(browser) == []  # nothing was asked of the API without the key
+    screenshot("api-key")
+    fill(key_form, key="not-the-key")
+    key_form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: key_form.find_element("css selector", ".error").text.startswith("Incorrect API key"))
+    fill(key_form, key=API_KEY)
+    key_form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: connected(browser))
+    assert not key_form.is_displayed()
+    form = css(browser, "#generate-form")
+    fill(form, prompt=CAPTION, num_inference_steps=4, partial_images=0)
+    form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
+    assert (figures(browser)[0]["width"], figures(browser)[0]["height"]) == (128, 128)
