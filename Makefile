@@ -7,7 +7,7 @@ PORT ?= 8000
 MODEL ?= shapes-unet
 POLICY ?= orca
 
-.PHONY: install serve test bench clean
+.PHONY: install browser serve test bench clean
 
 install: $(STAMP)
 
@@ -23,7 +23,17 @@ $(STAMP): pyproject.toml constraints.txt
 serve: install
 	$(VENV)/bin/gouache serve --host $(HOST) --port $(PORT) --model $(MODEL) --policy $(POLICY)
 
-test: install
+# The playground's browser tests drive Debian's Chromium; installed here when missing (as root,
+# or with sudo that asks no password). Where it cannot be, those tests are skipped.
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+	  { $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver; } >/dev/null 2>&1 \
+	    || echo "note: could not install chromium and chromium-driver; the browser tests will be skipped"; \
+	fi
+
+test: install browser
 	$(PY) -m pytest -q
 
 bench: install

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="which replica gets each request; only with --replicas > 1. least-tokens and "
                             "mask-aware count an edit's repainted pixels only (default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("GOUACHE_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on every route but /health "
+                       help="require `Authorization: Bearer KEY` on every route but /health and the playground "
                             "(default: $GOUACHE_API_KEY, else no key)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model ids clients may use; the first is listed first "

@@ -204,7 +204,7 @@ class ServerConfig:
     max_n: int = 10  # most images per request (OpenAI allows 1-10)
     max_steps: int = 200  # most num_inference_steps per request
     file_ttl_s: float = 3600.0  # how long `response_format=url` images stay downloadable
-    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer <key>`
+    api_key: str | None = None  # set: `Authorization: Bearer <key>` on all routes but /health and the playground
     served_model_names: tuple[str, ...] = ()  # ids clients may pass as `model`; () = the model's own id
     shutdown_grace_s: float = 30.0  # on SIGTERM / SIGINT, how long running requests may still finish
 

@@ -103,6 +103,8 @@ async def serve(engine: Engine, config: ServerConfig) -> int:
         uvicorn_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port)
         server = GracefulServer(uvicorn_config, engine, config.shutdown_grace_s)
         watchdog = asyncio.create_task(server.exit_when_engine_dies())
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        log.info("playground and status page: http://%s:%d/", host, config.port)
         await server.serve()
         watchdog.cancel()
     finally:

@@ -69,7 +69,7 @@ class FakeEngine:
         self.hold = False  # while True, requests stop before their images until aborted
         self.running = 0  # requests submitted and not ended
         self.started = False
-        self.status = "ok"  # what stats() reports: ok | draining | dead
+        self.state = "ok"  # what stats() reports: ok | draining | dead
         self.died: asyncio.Event | None = None
         self.drained_with: float | None = None  # grace_s of the last drain() call
         self._tasks: set[asyncio.Task] = set()
@@ -92,16 +92,20 @@ class FakeEngine:
         self.started = True
 
     async def drain(self, grace_s: float) -> None:
-        self.status, self.drained_with = "draining", grace_s
+        self.state, self.drained_with = "draining", grace_s
 
     async def aclose(self) -> None:
         self.started = False
 
     def stats(self) -> EngineStats:
-        return EngineStats(waiting=0, running=self.running, finished=0, failed=0, status=self.status)
+        return EngineStats(waiting=0, running=self.running, finished=0, failed=0, status=self.state)
 
     async def render_metrics(self) -> bytes:
         return self.metrics.render_with(self.stats())
+
+    async def status(self) -> dict:
+        """GET /v1/status's engine part, without requests or steps."""
+        return {"status": self.state, "model": self.info.name, "running": self.running}
 
     async def _run(self, handle: RequestHandle, requests: list[ImageRequest]) -> None:
         self.running += 1

@@ -64,7 +64,7 @@ async def test_served_model_names_replace_the_model_id(engine, config):
 @pytest.mark.parametrize("status", ["draining", "dead"])
 async def test_health_is_503_unless_the_engine_serves(engine, config, status):
     """Before: /health answered 200 "ok" while the engine thread was dead."""
-    engine.status = status
+    engine.state = status
     async with client_of(engine, config) as client:
         response = await client.get("/health")
     assert response.status_code == 503 and response.json()["status"] == status

@@ -45,6 +45,12 @@ def server():
 
 
 @pytest.fixture(scope="package")
+def replicas_server():
+    with running_server("--model", "shapes-unet", "--replicas", "2") as url:
+        yield url
+
+
+@pytest.fixture(scope="package")
 def key_server():
     with running_server("--model", "shapes-unet", "--api-key", API_KEY) as url:
         yield url

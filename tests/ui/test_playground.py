@@ -7,6 +7,7 @@ screenshot goes to benchmarks/results/ui/."""
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -202,6 +203,25 @@ def test_the_status_tab_follows_a_running_request_and_counts_the_cancel(browser,
     wait(browser, lambda: css(browser, "#tab-generate .request").get_attribute("data-state") == "cancelled")
     css(browser, "[data-tab=status]").click()
     wait(browser, lambda: "cancelled" in css(browser, "#tab-status table.errors").text and not row())
+
+
+def test_the_status_tab_shows_each_replica(browser, replicas_server, screenshot):
+    body = {"prompt": CAPTION, "size": "128x96", "num_inference_steps": 200}
+    with ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(httpx.post, f"{replicas_server}/v1/images/generations", json={**body, "seed": seed},
+                               timeout=120) for seed in (1, 2)]
+        open_page(browser, replicas_server, "status")
+
+        def running() -> list[str]:
+            return [row.text for row in browser.find_elements("css selector", "#tab-status table.requests tbody tr")
+                    if " running " in f" {row.text} "]
+
+        wait(browser, lambda: len(running()) == 2)
+        titles = [h.text for h in browser.find_elements("css selector", "#tab-status .engine h3")]
+        assert titles == ["replica 0", "replica 1"]
+        assert all("128x96" in row for row in running())
+        screenshot("status-replicas")
+        assert [answer.result().status_code for answer in answers] == [200, 200]
 
 
 def test_with_an_api_key_the_page_asks_for_it_and_sends_it(browser, key_server, screenshot):

@@ -72,7 +72,7 @@ function engineView(status, title) {
     ]),
     table("requests", "Requests in flight", ["request", "size", "status", "step"],
       status.requests.map((r) => [r.id, r.size, r.status, stepCell(r)])),
-    table("devices", "Devices (last step)", ["device block", "requests in batch", "step"],
+    table("devices", "Devices (last step)", ["devices", "requests in batch", "step"],
       Object.entries(status.devices).map(([block, last]) => [block, String(last.requests), ms(last.step_ms)])),
   );
   return section;
@@ -83,7 +83,9 @@ function render(body, status) {
   if (status.replicas) {
     parts.push(tiles([["status", status.status], ["waiting", status.waiting], ["running", status.running],
       ["finished", status.finished], ["failed", status.failed]]));
-    for (const replica of status.replicas) parts.push(engineView(replica, `replica ${replica.replica}`));
+    const replicas = element("div", undefined, "replicas");
+    replicas.append(...status.replicas.map((replica) => engineView(replica, `replica ${replica.replica}`)));
+    parts.push(replicas);
   } else {
     parts.push(engineView(status));
   }
