@@ -57,6 +57,15 @@ imageTab(generateTab, async () => {
   return ["/v1/images/generations", body, body];
 }, askForKey);
 
+// An edit's size starts as the upload's: scaled down to fit the model's bounds, then down to its
+// size step. (Any other size resizes the upload; outside the bounds the API says why.)
+function startingSize({ width, height }) {
+  if (!models) return [width, height];
+  const { size_step: step, min_size: least, max_size: most, max_pixels: pixels } = models[0].gouache;
+  const scale = Math.min(1, most / width, most / height, Math.sqrt(pixels / (width * height)));
+  return [width, height].map((side) => Math.max(Math.ceil(least / step) * step, Math.floor((side * scale) / step) * step));
+}
+
 const painter = new MaskPainter(editFields);
 editFields.elements.image.addEventListener("change", async () => {
   const [file] = editFields.elements.image.files;
@@ -64,11 +73,9 @@ editFields.elements.image.addEventListener("change", async () => {
   const errorLine = editTab.querySelector(":scope > .error");
   errorLine.hidden = true;
   try {
-    const { width, height } = await painter.load(file);
-    // The edit's size starts as the upload's, down to the model's size step.
-    const step = models ? models[0].gouache.size_step : 1;
-    editFields.elements.width.value = Math.max(step, width - (width % step));
-    editFields.elements.height.value = Math.max(step, height - (height % step));
+    const [width, height] = startingSize(await painter.load(file));
+    editFields.elements.width.value = width;
+    editFields.elements.height.value = height;
   } catch {
     showError(errorLine, new Error(`This browser cannot read ${file.name} as an image; choose a PNG, JPEG or WebP file.`));
   }

@@ -38,8 +38,10 @@ export class MaskPainter {
     for (const button of form.querySelectorAll("[data-tool]")) button.setAttribute("aria-pressed", button.dataset.tool === tool);
   }
 
-  // Show `file` and clear the mask; rejects when the browser cannot decode it.
+  // Show `file` and clear the mask; rejects (and holds no image) when the browser cannot decode it.
   async load(file) {
+    this.file = null;
+    this.wrap.hidden = true;
     const bitmap = await createImageBitmap(file);
     for (const canvas of [this.picture, this.mask]) {
       canvas.width = bitmap.width;

@@ -118,7 +118,8 @@ export function imageTab(tab, makeRequest, onAuthError) {
       if (error.name === "AbortError") {
         view.end("cancelled", "cancelled");
       } else {
-        view.root.remove();
+        if (view.figures.size) view.end("failed", "failed");
+        else view.root.remove();
         showError(errorLine, error);
         if (error.status === 401) onAuthError(error);
       }
