@@ -387,8 +387,9 @@ class AsyncEngine(AdapterCalls):
             return
         with self._lock:
             self._images.pop(rid, None)
+            last = not any(other.handle is entry.handle for other in self._images.values())
         self._counts["finished"] += 1
-        self.book.finished()
+        self.book.finished(request_done=last)
         self.metrics.images.inc()
         entry.handle.push(ImageEvent(entry.index, future.result(), entry.request.seed))
 

@@ -8,7 +8,7 @@ import httpx
 from gouache.api.server import create_app
 from gouache.config import EngineConfig, SchedulerConfig, ServerConfig
 from gouache.engine.client import AsyncEngine
-from gouache.engine.status import RECENT_STEPS
+from gouache.engine.status import RECENT_STEPS, WINDOW_S
 from gouache.runner.models import model_info
 from tests.engine.test_async_engine import run
 
@@ -44,3 +44,21 @@ def test_status_shows_a_running_request_and_then_the_steps_it_took(pipes):
     assert after["requests"] == [] and after["finished"] == 1 and after["images_per_s"] > 0
     assert after["steps"]["recent"] == RECENT_STEPS and 0 < after["steps"]["overhead_ms_median"] < after["steps"]["latency_ms_median"]
     assert after["devices"]["0"]["requests"] == 1 and after["devices"]["0"]["step_ms"] > 0
+
+
+def test_images_and_requests_per_second_count_a_request_of_three_images_once(pipes):
+    pipe = pipes("tiny-sd")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
+
+    async def scenario():
+        await engine.start()
+        transport = httpx.ASGITransport(create_app(engine, ServerConfig()))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 2, "n": 3}
+            assert (await http.post("/v1/images/generations", json=body)).status_code == 200
+            status = (await http.get("/v1/status")).json()
+        await engine.aclose()
+        return status
+
+    status = run(scenario())
+    assert round(status["images_per_s"] * WINDOW_S) == 3 and round(status["requests_per_s"] * WINDOW_S) == 1

@@ -66,6 +66,7 @@ function engineView(status, title) {
       ["running", status.running],
       ["finished", status.finished],
       ["failed", status.failed],
+      ["requests / s (1 min)", status.requests_per_s.toFixed(2)],
       ["images / s (1 min)", status.images_per_s.toFixed(2)],
       [`step latency (median of ${steps.recent})`, ms(steps.latency_ms_median)],
       ["engine overhead per step", ms(steps.overhead_ms_median)],
