@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import gouache
 from tests.api.helpers import running_server
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -40,7 +41,10 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def server():
-    with running_server("--model", "shapes-unet") as url:
+    """shapes-unet with its trained adapters: the `palette` LoRA and the `layout` ControlNet."""
+    weights = Path(gouache.__file__).parent / "weights"
+    with running_server("--model", "shapes-unet", "--lora-dir", str(weights / "loras" / "shapes-unet"),
+                        "--controlnet-dir", str(weights / "controlnets" / "shapes-unet")) as url:
         yield url
 
 

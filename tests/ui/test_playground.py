@@ -7,6 +7,7 @@ screenshot goes to benchmarks/results/ui/."""
 from __future__ import annotations
 
 import base64
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from gouache.data.shapes import layout_map, sample_scene, unplaced_caption
 from tests.api.helpers import open_image
 from tests.ui.conftest import API_KEY
 
@@ -139,6 +141,7 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
     assert alpha[54, 45] == 255 and alpha[64, 82] == 255  # painted
     assert alpha[54, 64] == 0  # painted, then erased
 
+    form.find_element("css selector", ".adapter[data-name=palette] .use").click()  # sent as JSON text
     fill(form, prompt="a green triangle on a white background", seed=5, partial_images=1)
     form.find_element("css selector", "button[type=submit]").click()
     wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
@@ -150,6 +153,33 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
     assert np.array_equal(result[kept], upload[kept])  # every unpainted pixel, exactly
     repainted = alpha == 255
     assert (result[repainted] != upload[repainted]).any(axis=-1).mean() > 0.2
+    assert console_errors(browser) == []
+
+
+def test_a_lora_and_a_controlnet_chosen_on_the_page_shape_the_image(browser, server, screenshot, tmp_path):
+    scene = sample_scene(random.Random(4))
+    Image.fromarray(layout_map(scene, 128, 128)).save(tmp_path / "layout.png")
+    open_page(browser, server)
+    wait(browser, lambda: connected(browser))
+    css(browser, "#generate-form .adapter[data-name=palette] .use").click()
+    css(browser, "#generate-form .adapter[data-name=layout] .use").click()
+    css(browser, "#generate-form .adapter[data-name=layout] .image").send_keys(str(tmp_path / "layout.png"))
+    form = css(browser, "#generate-form")
+    fill(form, prompt=unplaced_caption(scene), seed=11, partial_images=0)
+    form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
+    screenshot("adapters")
+    shown = pixels(figures(browser)[0]["src"]).astype(float)
+
+    def answer(**adapters) -> np.ndarray:
+        body = {"prompt": unplaced_caption(scene), "size": "128x128", "seed": 11, **adapters}
+        data = httpx.post(f"{server}/v1/images/generations", json=body, timeout=120).json()["data"][0]["b64_json"]
+        return np.asarray(open_image(data).convert("RGB"), dtype=float)
+
+    layout = base64.b64encode((tmp_path / "layout.png").read_bytes()).decode()
+    with_both = answer(loras=[{"name": "palette", "scale": 1}], controlnets=[{"name": "layout", "image": layout}])
+    assert np.abs(shown - with_both).mean() < 1.0  # what the page sent: both adapters, scale 1
+    assert np.abs(shown - answer()).mean() > 5.0  # and they change the picture
     assert console_errors(browser) == []
 
 

@@ -2,7 +2,7 @@
 
 import { getJson, keyRequired, savedKey, saveKey } from "./api.js";
 import { MaskPainter, editForm } from "./edit.js";
-import { applyModels, buildFields, readParams } from "./form.js";
+import { applyAdapters, applyModels, buildFields, readParams } from "./form.js";
 import { imageTab, showError } from "./results.js";
 import { statusTab } from "./status.js";
 
@@ -23,17 +23,23 @@ function askForKey(error) {
   keyForm.elements.key.focus();
 }
 
-// Read the model cards (the first call that needs the key, when the server wants one).
+// Read the model cards and the adapters (the first calls that need the key, when the server
+// wants one).
 async function connect() {
+  let loras, controlnets;
   try {
     models = (await getJson("/v1/models")).data;
+    [loras, controlnets] = await Promise.all(["/v1/loras", "/v1/controlnets"].map(async (path) => (await getJson(path)).data));
   } catch (error) {
     if (error.status === 401) askForKey(error);
     else serverLine.textContent = error.message;
     return;
   }
   keyForm.hidden = true;
-  for (const form of [generateFields, editFields]) applyModels(form, models);
+  for (const form of [generateFields, editFields]) {
+    applyModels(form, models);
+    applyAdapters(form, loras, controlnets);
+  }
   serverLine.textContent = `serving ${models.map((card) => card.id).join(", ")}`;
 }
 
@@ -53,7 +59,7 @@ keyForm.addEventListener("submit", (event) => {
 
 for (const form of [generateFields, editFields]) buildFields(form);
 imageTab(generateTab, async () => {
-  const body = readParams(generateFields);
+  const body = await readParams(generateFields);
   return ["/v1/images/generations", body, body];
 }, askForKey);
 
@@ -81,7 +87,7 @@ editFields.elements.image.addEventListener("change", async () => {
   }
 });
 imageTab(editTab, async () => {
-  const params = readParams(editFields);
+  const params = await readParams(editFields);
   return ["/v1/images/edits", await editForm(painter, params), params];
 }, askForKey);
 

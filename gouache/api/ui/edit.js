@@ -96,12 +96,13 @@ export class MaskPainter {
   }
 }
 
-// The multipart body of an edit: the upload as it was chosen, the mask, the shared fields.
+// The multipart body of an edit: the upload as it was chosen, the mask, the shared fields (the
+// adapter lists as JSON text).
 export async function editForm(painter, params) {
   const form = new FormData();
   if (painter.file) form.append("image", painter.file, painter.file.name);
   const mask = painter.file ? await painter.maskBlob() : null;
   if (mask) form.append("mask", mask, "mask.png");
-  for (const [name, value] of Object.entries(params)) form.append(name, String(value));
+  for (const [name, value] of Object.entries(params)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   return form;
 }

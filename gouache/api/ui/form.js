@@ -54,10 +54,62 @@ export function applyModels(form, models) {
   form.elements.negative_prompt.placeholder = defaults.uses_cfg ? "" : "this model does not use guidance";
 }
 
+// The LoRAs of --lora-dir and ControlNets of --controlnet-dir (GET /v1/loras, /v1/controlnets):
+// a row each (use it, its scale, a ControlNet's conditioning image), shown when there are any.
+export function applyAdapters(form, loras, controlnets) {
+  const box = form.querySelector(".adapters");
+  box.replaceChildren(...loras.map((card) => adapterRow("lora", card.id)),
+    ...controlnets.map((card) => adapterRow("controlnet", card.id)));
+  box.hidden = box.children.length === 0;
+}
+
+function adapterRow(kind, name) {
+  const row = document.createElement("div");
+  row.className = "adapter";
+  row.dataset.kind = kind;
+  row.dataset.name = name;
+  const use = Object.assign(document.createElement("input"), { type: "checkbox", className: "use" });
+  const title = document.createElement("label");
+  title.append(use, ` ${kind === "lora" ? "LoRA" : "ControlNet"} ${name}`);
+  const scale = field({ name: `${kind}-${name}-scale`, label: "Scale", value: 1, step: "any" });
+  scale.querySelector("input").className = "scale";
+  row.append(title, scale);
+  if (kind === "controlnet") {
+    const image = field({ name: `${kind}-${name}-image`, label: "Conditioning image (the image's size)", kind: "input" });
+    Object.assign(image.querySelector("input"), { type: "file", accept: "image/png,image/jpeg,image/webp", className: "image" });
+    row.append(image);
+  }
+  return row;
+}
+
+const dataUrl = (file) => new Promise((resolve, reject) => {
+  const reader = new FileReader();
+  reader.onload = () => resolve(reader.result);
+  reader.onerror = () => reject(reader.error);
+  reader.readAsDataURL(file);
+});
+
+// The `loras` and `controlnets` of the rows in use.
+async function readAdapters(form) {
+  const loras = [];
+  const controlnets = [];
+  for (const row of form.querySelectorAll(".adapter")) {
+    if (!row.querySelector(".use").checked) continue;
+    const scale = number(row.querySelector(".scale").value);
+    if (row.dataset.kind === "lora") {
+      loras.push({ name: row.dataset.name, scale });
+    } else {
+      const [file] = row.querySelector(".image").files;
+      controlnets.push({ name: row.dataset.name, scale, image: file ? await dataUrl(file) : "" });
+    }
+  }
+  return { loras, controlnets };
+}
+
 const number = (value) => (value.trim() === "" || Number.isNaN(Number(value)) ? value : Number(value));
 
 // The request body the fields describe (always streamed).
-export function readParams(form) {
+export async function readParams(form) {
   const f = form.elements;
   const body = {
     prompt: f.prompt.value,
@@ -71,5 +123,8 @@ export function readParams(form) {
   for (const name of OPTIONAL) {
     if (f[name].value.trim()) body[name] = number(f[name].value);
   }
+  const { loras, controlnets } = await readAdapters(form);
+  if (loras.length) body.loras = loras;
+  if (controlnets.length) body.controlnets = controlnets;
   return body;
 }
