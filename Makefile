@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# shapes-unet is served with the LoRA and ControlNet trained for it (the playground lists them)
+ifeq ($(MODEL),shapes-unet)
+ADAPTERS ?= --lora-dir gouache/weights/loras/shapes-unet --controlnet-dir gouache/weights/controlnets/shapes-unet
+endif
+
 serve: install
-	$(VENV)/bin/gouache serve --host $(HOST) --port $(PORT) --model $(MODEL) --policy $(POLICY)
+	$(VENV)/bin/gouache serve --host $(HOST) --port $(PORT) --model $(MODEL) --policy $(POLICY) $(ADAPTERS)
 
 # The playground's browser tests drive Debian's Chromium; installed here when missing (as root,
 # or with sudo that asks no password). Where it cannot be, those tests are skipped.
