@@ -11,6 +11,8 @@ from pathlib import Path
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.responses import Response
+from starlette.types import Scope
 
 from gouache.api.context import ApiContext, get_context
 
@@ -20,9 +22,19 @@ _KEY_MARK = 'data-api-key="optional"'  # index.html's <body> attribute; "require
 router = APIRouter()
 
 
+class _UiFiles(StaticFiles):
+    """The page's files, revalidated on every load (their ETag makes that cheap), so a browser
+    never pairs a new index.html with old modules after an upgrade."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
 def static_files() -> StaticFiles:
     """What the app mounts at /ui."""
-    return StaticFiles(directory=UI_DIR)
+    return _UiFiles(directory=UI_DIR)
 
 
 @functools.cache
@@ -30,7 +42,7 @@ def _page() -> str:
     return (UI_DIR / "index.html").read_text()
 
 
-@router.get("/", include_in_schema=False)
+@router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
 async def playground(ctx: ApiContext = Depends(get_context)) -> HTMLResponse:
     page = _page()
     if ctx.config.api_key is not None:

@@ -12,10 +12,11 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 _FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _UNREADABLE = (UnidentifiedImageError, OSError, ValueError, SyntaxError)  # what Pillow raises on bad bytes
+_TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 
 
 @dataclass
@@ -37,6 +38,7 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image | DecodeError
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
             image.load()
+            ImageOps.exif_transpose(image, in_place=True)  # upright, as a browser or viewer shows it
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return DecodeError(f"{field} has more than {max_pixels} pixels; send a smaller image", field)
     except _UNREADABLE:
@@ -49,10 +51,13 @@ def _unreadable(field: str) -> DecodeError:
 
 
 def read_size(data: bytes, field: str) -> tuple[int, int] | DecodeError:
-    """An upload's (width, height) from its header alone; its pixels are not decoded."""
+    """An upload's (width, height) from its header alone, upright (EXIF orientation applied, as
+    `_open` does); its pixels are not decoded."""
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return image.size
+            width, height = image.size
+            turned = image.getexif().get(ExifTags.Base.Orientation) in _TURNED
+            return (height, width) if turned else (width, height)
     except Image.DecompressionBombError:
         return DecodeError(f"{field} has too many pixels; send a smaller image", field)
     except _UNREADABLE:

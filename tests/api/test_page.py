@@ -18,9 +18,12 @@ pytestmark = pytest.mark.anyio
 async def test_the_page_and_its_files_need_no_key_and_the_page_says_whether_the_api_does(engine, config, api_key, mark):
     async with client_of(engine, dataclasses.replace(config, api_key=api_key)) as client:
         page = await client.get("/")
+        head = await client.head("/")
         script = await client.get("/ui/app.js")
         models = await client.get("/v1/models")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert head.status_code == 200 and head.content == b""
+    assert page.headers["cache-control"] == script.headers["cache-control"] == "no-cache"
     assert f'<body data-api-key="{mark}">' in page.text
     assert script.status_code == 200 and "javascript" in script.headers["content-type"]
     assert models.status_code == (401 if api_key else 200)

@@ -6,9 +6,9 @@ import io
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 
-from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
+from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image, read_size
 
 KEY = (10, 20, 30)  # a PNG colour key (tRNS): pixels of exactly this colour are transparent
 MAX_PIXELS = 1 << 20
@@ -123,3 +123,21 @@ def test_output_compression_sets_the_lossy_quality(output_format: str, pil_forma
     low, default = encode_image(pixels, output_format, 10), encode_image(pixels, output_format)
     assert len(low) < len(default) // 2
     assert Image.open(io.BytesIO(low)).format == pil_format
+
+
+def test_an_exif_turned_photo_is_decoded_upright_and_its_size_read_upright():
+    """A phone photo stored 8x4 with orientation 6 (turn 90 degrees clockwise) is shown 4x8; its
+    browser-painted mask is 4x8, so the server must read it upright too."""
+    pixels = np.zeros((4, 8, 3), np.uint8)  # stored: 8 wide, 4 high
+    pixels[0, 0] = 255  # stored top left: upright, the top right
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG", exif=exif)
+    photo = buffer.getvalue()
+    mask = np.full((8, 4, 4), 255, np.uint8)
+    mask[:, 2:, 3] = 0  # repaint the right half of the upright picture
+    decoded = _decode(photo, _png(mask), width=4, height=8)
+    assert read_size(photo, "image") == (4, 8)
+    assert decoded.image.shape == (8, 4, 3) and decoded.image[0, 3].tolist() == [255, 255, 255]
+    assert decoded.mask[:, 2:].all() and not decoded.mask[:, :2].any()

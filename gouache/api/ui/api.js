@@ -44,8 +44,8 @@ async function send(path, init) {
   return response;
 }
 
-export async function getJson(path) {
-  return (await send(path, { headers: headers() })).json();
+export async function getJson(path, signal) {
+  return (await send(path, { headers: headers(), signal })).json();
 }
 
 function* parseEvents(text) {
@@ -74,22 +74,29 @@ export async function streamImages(path, body, onEvent, signal) {
     init.headers = headers({ "Content-Type": "application/json" });
   }
   const response = await send(path, init);
+  if (!response.headers.get("Content-Type")?.startsWith("text/event-stream")) {
+    throw new ApiError(`Expected an event stream, got ${response.headers.get("Content-Type")}.`, response.status);
+  }
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let pending = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    pending = (pending + value).replaceAll("\r\n", "\n");
-    const end = pending.lastIndexOf("\n\n");
-    if (end < 0) continue;
-    const complete = pending.slice(0, end);
-    pending = pending.slice(end + 2);
-    for (const [name, data] of parseEvents(complete)) {
-      if (name === "error") {
-        const error = data.error ?? {};
-        throw new ApiError(error.message ?? "The request failed.");
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      pending = (pending + value).replaceAll("\r\n", "\n");
+      const end = pending.lastIndexOf("\n\n");
+      if (end < 0) continue;
+      const complete = pending.slice(0, end);
+      pending = pending.slice(end + 2);
+      for (const [name, data] of parseEvents(complete)) {
+        if (name === "error") {
+          const error = data.error ?? {};
+          throw new ApiError(error.message ?? "The request failed.");
+        }
+        onEvent(name, data);
       }
-      onEvent(name, data);
     }
+  } finally {
+    reader.cancel().catch(() => {}); // whatever ended the loop, the stream is closed
   }
 }

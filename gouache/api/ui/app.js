@@ -14,6 +14,8 @@ const generateFields = generateTab.querySelector("form");
 const editFields = editTab.querySelector("form");
 const status = statusTab(document.getElementById("tab-status"), askForKey);
 let models = null; // the cards of GET /v1/models, once read
+let shown = "generate"; // the selected tab
+const allowed = () => !keyRequired() || savedKey() !== null; // may the page call the API yet?
 
 function askForKey(error) {
   keyForm.hidden = false;
@@ -36,17 +38,21 @@ async function connect() {
     return;
   }
   keyForm.hidden = true;
-  for (const form of [generateFields, editFields]) {
-    applyModels(form, models);
-    applyAdapters(form, loras, controlnets);
+  if (!generateFields.elements.model.options.length) { // the first time: the forms keep what was chosen
+    for (const form of [generateFields, editFields]) {
+      applyModels(form, models);
+      applyAdapters(form, loras, controlnets);
+    }
   }
+  if (shown === "status") status.show();
   serverLine.textContent = `serving ${models.map((card) => card.id).join(", ")}`;
 }
 
 function select(name) {
+  shown = name;
   for (const button of document.querySelectorAll("[data-tab]")) button.setAttribute("aria-selected", button.dataset.tab === name);
   for (const section of document.querySelectorAll(".tab")) section.hidden = section.id !== `tab-${name}`;
-  if (name === "status") status.show();
+  if (name === "status" && allowed()) status.show();
   else status.hide();
   history.replaceState(null, "", `#${name}`);
 }
@@ -64,10 +70,18 @@ imageTab(generateTab, async () => {
 }, askForKey);
 
 // An edit's size starts as the upload's: scaled down to fit the model's bounds, then down to its
-// size step. (Any other size resizes the upload; outside the bounds the API says why.)
+// size step; on a server that prices only some sizes, the one closest in shape. (Any other
+// size resizes the upload; where a size is refused, the API says why.)
 function startingSize({ width, height }) {
   if (!models) return [width, height];
-  const { size_step: step, min_size: least, max_size: most, max_pixels: pixels } = models[0].gouache;
+  const { size_step: step, min_size: least, max_size: most, max_pixels: pixels, sizes } = models[0].gouache;
+  if (sizes) {
+    const skew = (size) => {
+      const [w, h] = size.split("x").map(Number);
+      return Math.abs(Math.log(w / h / (width / height)));
+    };
+    return [...sizes].sort((a, b) => skew(a) - skew(b))[0].split("x").map(Number);
+  }
   const scale = Math.min(1, most / width, most / height, Math.sqrt(pixels / (width * height)));
   return [width, height].map((side) => Math.max(Math.ceil(least / step) * step, Math.floor((side * scale) / step) * step));
 }
@@ -96,5 +110,5 @@ const TABS = ["generate", "edit", "status"];
 const fromHash = () => select(TABS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "generate");
 window.addEventListener("hashchange", fromHash);
 fromHash();
-if (keyRequired() && !savedKey()) askForKey();
-else connect();
+if (allowed()) connect();
+else askForKey();

@@ -1,10 +1,12 @@
 // The edit tab's picture and mask: upload an image, paint the region to repaint with a brush
 // (the eraser takes paint away), and send both to /v1/images/edits. The mask sent is OpenAI's
 // kind: a PNG of the image's size, fully transparent where painted (repainted) and opaque
-// elsewhere (kept, pixel for pixel). With nothing painted no mask is sent: the whole image is
-// repainted.
+// elsewhere (kept, pixel for pixel). With nothing painted it is transparent everywhere: the
+// whole image is repainted. (No mask at all would let the upload's own alpha decide, and an
+// RGBA upload would then repaint only its transparent pixels, often none.)
 
 const PAINT = "rgb(255, 45, 111)"; // shown at half opacity over the picture (style.css)
+const VIEW = 384; // the picture is shown within a VIEW x VIEW box
 
 export class MaskPainter {
   constructor(form) {
@@ -48,6 +50,7 @@ export class MaskPainter {
       canvas.height = bitmap.height;
     }
     this.picture.getContext("2d").drawImage(bitmap, 0, 0);
+    this.wrap.style.width = `${Math.round(VIEW * Math.min(1, bitmap.width / bitmap.height))}px`;
     this.file = file;
     this.wrap.hidden = false;
     return { width: bitmap.width, height: bitmap.height };
@@ -75,19 +78,14 @@ export class MaskPainter {
     ctx.stroke();
   }
 
-  // The mask PNG to send, or null when nothing is painted. A pixel is repainted where the
-  // paint covers at least half of it.
+  // The mask PNG to send. A pixel is repainted where the paint covers at least half of it; with
+  // nothing painted, every pixel is.
   async maskBlob() {
     const { width, height } = this.mask;
     const paint = this.mask.getContext("2d").getImageData(0, 0, width, height).data;
-    const mask = new ImageData(width, height);
-    let painted = 0;
-    for (let i = 3; i < paint.length; i += 4) {
-      const repaint = paint[i] >= 128;
-      painted += repaint;
-      mask.data[i] = repaint ? 0 : 255;
-    }
-    if (!painted) return null;
+    const mask = new ImageData(width, height); // transparent black
+    const painted = paint.some((value, i) => i % 4 === 3 && value >= 128);
+    for (let i = 3; painted && i < paint.length; i += 4) mask.data[i] = paint[i] >= 128 ? 0 : 255;
     const canvas = document.createElement("canvas");
     canvas.width = width;
     canvas.height = height;
@@ -100,9 +98,10 @@ export class MaskPainter {
 // adapter lists as JSON text).
 export async function editForm(painter, params) {
   const form = new FormData();
-  if (painter.file) form.append("image", painter.file, painter.file.name);
-  const mask = painter.file ? await painter.maskBlob() : null;
-  if (mask) form.append("mask", mask, "mask.png");
+  if (painter.file) {
+    form.append("image", painter.file, painter.file.name);
+    form.append("mask", await painter.maskBlob(), "mask.png");
+  }
   for (const [name, value] of Object.entries(params)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   return form;
 }

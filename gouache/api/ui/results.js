@@ -4,6 +4,7 @@
 import { streamImages } from "./api.js";
 
 const KEPT = 6; // finished requests kept on screen per tab
+const MAX_SHOWN = 64; // places made ahead for a request's images
 
 const seconds = (ms) => `${(ms / 1000).toFixed(2)} s`;
 
@@ -27,6 +28,13 @@ class RequestView {
     this.figures = new Map();
     container.prepend(this.root);
     for (const old of [...container.children].slice(KEPT)) old.remove();
+    // a place for each image in order, whichever starts first (a refused `n` gets none)
+    const n = Number(body.n);
+    for (let index = 0; Number.isInteger(n) && index < Math.min(n, MAX_SHOWN); index++) this.figure(index);
+  }
+
+  get done() {
+    return [...this.figures.values()].filter((view) => view.figure.dataset.state === "done").length;
   }
 
   figure(index) {
@@ -76,8 +84,7 @@ class RequestView {
       link.download = `gouache-${data.seed}.${data.output_format}`;
       view.caption.append(" · ", link);
     }
-    const done = [...this.figures.values()].filter((v) => v.figure.dataset.state === "done").length;
-    this.summary.textContent = `${done} of ${this.total} done · ${seconds(now)}`;
+    this.summary.textContent = `${this.done} of ${this.total} done · ${seconds(now)}`;
   }
 
   end(text, state) {
@@ -86,47 +93,44 @@ class RequestView {
   }
 }
 
-// Wire a tab: its form's submit runs `makeRequest()` -> [path, body] (body: JSON object or
-// FormData) and shows what streams back; Cancel aborts it.
+// Wire a tab: its form's submit runs `makeRequest()` -> [path, body, params] (body: JSON object
+// or FormData; params: the fields as sent) and shows what streams back; Cancel aborts it.
 export function imageTab(tab, makeRequest, onAuthError) {
   const form = tab.querySelector("form");
   const submit = form.querySelector("button[type=submit]");
   const cancel = form.querySelector(".cancel");
   const errorLine = tab.querySelector(":scope > .error");
-  let controller = null;
+  let current = null; // the AbortController of the request in flight
 
-  cancel.addEventListener("click", () => controller?.abort());
+  cancel.addEventListener("click", () => current?.abort());
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
-    errorLine.hidden = true;
-    let request;
-    try {
-      request = await makeRequest();
-    } catch (error) {
-      showError(errorLine, error);
-      return;
-    }
-    const [path, body, described] = request;
-    controller = new AbortController();
+    if (current) return; // one request per tab at a time
+    const controller = (current = new AbortController());
     submit.disabled = true;
-    cancel.hidden = false;
-    const view = new RequestView(tab.querySelector(".results"), described);
+    errorLine.hidden = true;
+    let view = null;
     try {
+      const [path, body, params] = await makeRequest();
+      cancel.hidden = false;
+      view = new RequestView(tab.querySelector(".results"), params);
       await streamImages(path, body, (name, data) => view.event(name, data), controller.signal);
-      view.end(`${view.total} × ${described.size} in ${seconds(performance.now() - view.started)}`, "done");
+      if (view.done < view.total) throw new Error("The stream ended before every image arrived; try again.");
+      view.end(`${view.total} × ${params.size} in ${seconds(performance.now() - view.started)}`, "done");
     } catch (error) {
       if (error.name === "AbortError") {
-        view.end("cancelled", "cancelled");
+        view?.end("cancelled", "cancelled");
       } else {
-        if (view.figures.size) view.end("failed", "failed");
-        else view.root.remove();
+        if (view?.done) view.end("failed", "failed");
+        else view?.root.remove();
         showError(errorLine, error);
         if (error.status === 401) onAuthError(error);
       }
     } finally {
+      controller.abort(); // ends the request on the server unless it finished
+      current = null;
       submit.disabled = false;
       cancel.hidden = true;
-      controller = null;
     }
   });
 }

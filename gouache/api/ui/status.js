@@ -1,4 +1,4 @@
-// The status tab: GET /v1/status every second while the tab is shown. The queue, each
+// The status tab: GET /v1/status about every second while the tab is shown. The queue, each
 // in-flight request's size and step, recent step latency and engine overhead, images per
 // second, each device block's last step, errors by kind; a section per replica behind
 // `serve --replicas`.
@@ -96,32 +96,41 @@ function render(body, status) {
   body.dataset.updated = new Date().toISOString();
 }
 
+// Polls while shown: the next request goes a period after the last answer (never two at once),
+// and one that takes longer than a period is given up.
 export function statusTab(tab, onAuthError) {
   const body = tab.querySelector(".status-body");
   const errorLine = tab.querySelector(".error");
-  let timer = null;
+  let polling = null; // {timer} of the loop running now; null while hidden
 
-  const hide = () => {
-    clearInterval(timer);
-    timer = null;
-  };
-
-  async function refresh() {
+  async function poll(loop) {
     try {
-      render(body, await getJson("/v1/status"));
+      const status = await getJson("/v1/status", AbortSignal.timeout(5 * PERIOD_MS));
+      if (loop !== polling) return; // hidden meanwhile
+      render(body, status);
       errorLine.hidden = true;
     } catch (error) {
+      if (loop !== polling) return;
       showError(errorLine, error);
       if (error.status === 401) {
         hide();
         onAuthError(error);
+        return;
       }
     }
+    loop.timer = setTimeout(() => poll(loop), PERIOD_MS);
   }
 
-  const show = () => {
-    refresh();
-    timer ??= setInterval(refresh, PERIOD_MS);
-  };
+  function hide() {
+    if (polling) clearTimeout(polling.timer);
+    polling = null;
+  }
+
+  function show() {
+    if (polling) return;
+    polling = {};
+    poll(polling);
+  }
+
   return { show, hide };
 }
