@@ -20,7 +20,7 @@ from tests.api.helpers import open_image
 from tests.ui.conftest import API_KEY
 
 pytestmark = pytest.mark.slow
-CAPTION = "a red circle and a blue square on a white background"
+CAPTION = "a red circle at the top left and a blue square at the bottom right on a white background"
 
 
 def wait(browser, condition, timeout: float = 60):
