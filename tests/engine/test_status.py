@@ -2,6 +2,7 @@
 overhead, images per second and each device block's last step."""
 
 import asyncio
+import contextlib
 
 import httpx
 
@@ -13,14 +14,22 @@ from gouache.runner.models import model_info
 from tests.engine.test_async_engine import run
 
 
-def test_status_shows_a_running_request_and_then_the_steps_it_took(pipes):
-    pipe = pipes("tiny-sd")
+@contextlib.asynccontextmanager
+async def api_of(pipe):
+    """An HTTP client of the API around a started engine on `pipe` (tiny-sd)."""
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
-
-    async def scenario():
-        await engine.start()
+    await engine.start()
+    try:
         transport = httpx.ASGITransport(create_app(engine, ServerConfig()))
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+            yield http
+    finally:
+        await engine.aclose()
+
+
+def test_status_shows_a_running_request_and_then_the_steps_it_took(pipes):
+    async def scenario():
+        async with api_of(pipes("tiny-sd")) as http:
             idle = (await http.get("/v1/status")).json()
             body = {"prompt": "a fox", "size": "64x96", "num_inference_steps": 120, "seed": 1}
             answer = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
@@ -33,7 +42,6 @@ def test_status_shows_a_running_request_and_then_the_steps_it_took(pipes):
                 await asyncio.sleep(0.02)
             assert (await answer).status_code == 200
             after = (await http.get("/v1/status")).json()
-        await engine.aclose()
         return idle, running, after
 
     idle, running, after = run(scenario())
@@ -47,18 +55,11 @@ def test_status_shows_a_running_request_and_then_the_steps_it_took(pipes):
 
 
 def test_images_and_requests_per_second_count_a_request_of_three_images_once(pipes):
-    pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
-
     async def scenario():
-        await engine.start()
-        transport = httpx.ASGITransport(create_app(engine, ServerConfig()))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+        async with api_of(pipes("tiny-sd")) as http:
             body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 2, "n": 3}
             assert (await http.post("/v1/images/generations", json=body)).status_code == 200
-            status = (await http.get("/v1/status")).json()
-        await engine.aclose()
-        return status
+            return (await http.get("/v1/status")).json()
 
     status = run(scenario())
     assert round(status["images_per_s"] * WINDOW_S) == 3 and round(status["requests_per_s"] * WINDOW_S) == 1

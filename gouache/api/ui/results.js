@@ -8,7 +8,7 @@ const MAX_SHOWN = 64; // places made ahead for a request's images
 
 const seconds = (ms) => `${(ms / 1000).toFixed(2)} s`;
 
-function element(tag, className, text) {
+export function element(tag, className, text) {
   const node = document.createElement(tag);
   if (className) node.className = className;
   if (text !== undefined) node.textContent = text;

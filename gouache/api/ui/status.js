@@ -4,38 +4,31 @@
 // `serve --replicas`.
 
 import { getJson } from "./api.js";
-import { showError } from "./results.js";
+import { element, showError } from "./results.js";
 
 const PERIOD_MS = 1000;
 
 const ms = (value) => (value === null || value === undefined ? "–" : `${value.toFixed(1)} ms`);
 
-function element(tag, text, className) {
-  const node = document.createElement(tag);
-  if (text !== undefined) node.textContent = text;
-  if (className) node.className = className;
-  return node;
-}
-
 function table(className, caption, headings, rows) {
-  const t = element("table", undefined, className);
-  t.append(element("caption", caption));
+  const t = element("table", className);
+  t.append(element("caption", "", caption));
   const head = t.createTHead().insertRow();
-  for (const h of headings) head.append(element("th", h));
+  for (const h of headings) head.append(element("th", "", h));
   const body = t.createTBody();
   for (const row of rows) {
     const tr = body.insertRow();
-    for (const cell of row) tr.append(cell instanceof Node ? cell : element("td", cell));
+    for (const cell of row) tr.append(cell instanceof Node ? cell : element("td", "", cell));
   }
-  if (!rows.length) body.insertRow().append(Object.assign(element("td", "none"), { colSpan: headings.length }));
+  if (!rows.length) body.insertRow().append(Object.assign(element("td", "", "none"), { colSpan: headings.length }));
   return t;
 }
 
 function tiles(pairs) {
-  const dl = element("dl", undefined, "tiles");
+  const dl = element("dl", "tiles");
   for (const [term, value] of pairs) {
     const div = element("div");
-    div.append(element("dt", term), element("dd", String(value)));
+    div.append(element("dt", "", term), element("dd", "", String(value)));
     dl.append(div);
   }
   return dl;
@@ -52,10 +45,10 @@ function stepCell(request) {
 
 // One engine's part of the answer (the whole answer, or one replica's).
 function engineView(status, title) {
-  const section = element("section", undefined, "engine");
-  if (title) section.append(element("h3", title));
+  const section = element("section", "engine");
+  if (title) section.append(element("h3", "", title));
   if (status.alive === false) {
-    section.append(element("p", "not answering (restarting?)", "error"));
+    section.append(element("p", "error", "not answering (restarting?)"));
     return section;
   }
   const steps = status.steps;
@@ -84,7 +77,7 @@ function render(body, status) {
   if (status.replicas) {
     parts.push(tiles([["status", status.status], ["waiting", status.waiting], ["running", status.running],
       ["finished", status.finished], ["failed", status.failed]]));
-    const replicas = element("div", undefined, "replicas");
+    const replicas = element("div", "replicas");
     replicas.append(...status.replicas.map((replica) => engineView(replica, `replica ${replica.replica}`)));
     parts.push(replicas);
   } else {
