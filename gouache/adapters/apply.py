@@ -31,8 +31,8 @@ Adapters = tuple[tuple[Lora, float], ...]  # a request's adapters with their sca
 
 
 def adapters_key(adapters: Adapters) -> tuple[tuple[str, float, int], ...]:
-    """What tells adapter sets apart: names, scales and file versions."""
-    return tuple(sorted((lora.name, scale, lora.version) for lora, scale in adapters))
+    """What tells adapter sets apart: names, scales and file contents."""
+    return tuple(sorted((lora.name, scale, lora.digest) for lora, scale in adapters))
 
 
 class Merged:

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gouache.adapters.controlnet import (
-    Base, ControlNetCache, Embeddings, residual_shapes, residuals, supports_controlnets,
-)
+from gouache.adapters.control_cache import ControlNetCache
+from gouache.adapters.controlnet import Base, Embeddings, residual_shapes, residuals, supports_controlnets
 from gouache.adapters.directory import ControlNetError
 from gouache.config import ControlNetConfig
 
@@ -187,15 +186,9 @@ class ControlRuntime:
         if run is None:
             return
         start = time.perf_counter()
-        try:
-            fresh = self._gather(run)
-        except ControlNetError as error:
-            for i in run.keep:
-                run.states[i].control.failure = str(error)
-            return
-        finally:
-            self._wait_s += time.perf_counter() - start
-        self._keep(run, fresh)
+        fresh, lost = self._gather(run)
+        self._wait_s += time.perf_counter() - start
+        self._keep(run, fresh, lost)
 
     def _agreed_residuals(self, *args) -> dict:
         """`residuals`, raising on every rank if it failed on any."""
@@ -278,41 +271,46 @@ class ControlRuntime:
             self._armed[0].remove()
             self._armed = None
         start = time.perf_counter()
-        try:
-            fresh = self._gather(run)
-        finally:
-            self._wait_s += time.perf_counter() - start
+        fresh, lost = self._gather(run)
+        self._wait_s += time.perf_counter() - start
+        if lost:  # the forward fails; its requests are retried one by one, each needing its own workers
+            raise next(iter(lost.values()))
         starts = np.cumsum([0] + [s.rows for s in run.states])
         for i, state in enumerate(run.states):
             use = state.control
             if use is not None and (use.mode == "sync" or use.previous is None):
                 for acc, part in zip(total, fresh):
                     acc[starts[i]:starts[i + 1]] = part[starts[i]:starts[i + 1]]
-        self._keep(run, fresh)
+        self._keep(run, fresh, lost)
 
-    def _gather(self, run: _Run) -> list[torch.Tensor]:
-        """Every run's residuals, scaled per row and summed (reads every reply, even after an error)."""
+    def _gather(self, run: _Run) -> tuple[list[torch.Tensor], dict[str, ControlNetError]]:
+        """Every run's residuals, scaled per row and summed, and why each ControlNet whose worker
+        failed gave none (every reply is read, whatever failed). A row's residuals are whole when
+        none of its ControlNets failed: a worker's failure is only its own ControlNets' requests'."""
         fresh = [torch.zeros(shape, dtype=self.base.dtype, device=self.base.device) for shape in run.shapes]
-        error = None
+        lost: dict[str, ControlNetError] = {}
         for own, pending in run.jobs:
             try:
                 each, _ = pending.result()
             except ControlNetError as failure:
-                error = error or failure
+                lost.update((job.name, failure) for job in own)
                 continue
             for job, parts in zip(own, each):
                 rows = job.rows.to(fresh[0].device)
                 scale = job.scale.to(fresh[0].device, fresh[0].dtype).view(-1, 1, 1, 1)
                 for acc, part in zip(fresh, parts):
                     acc.index_add_(0, rows, part.to(acc.device) * scale)
-        if error is not None:
-            raise error
-        return fresh
+        return fresh, lost
 
-    def _keep(self, run: _Run, fresh: list[torch.Tensor]) -> None:
+    def _keep(self, run: _Run, fresh: list[torch.Tensor], lost: dict[str, ControlNetError]) -> None:
+        """Each async request's residuals for its next step, or why it has none."""
         for i, first in run.keep.items():
-            state = run.states[i]
-            state.control.previous = [part[first:first + state.rows].clone() for part in fresh]
+            use = run.states[i].control
+            failure = next((lost[name] for name, _, _ in use.nets if name in lost), None)
+            if failure is not None:
+                use.failure = str(failure)
+            else:
+                use.previous = [part[first:first + run.states[i].rows].clone() for part in fresh]
 
     def _disarm(self) -> None:
         """After a forward: a wait hook that never fired (the forward raised) is removed, and its

@@ -28,7 +28,8 @@ from multiprocessing import connection, shared_memory
 
 import torch
 
-from gouache.adapters.controlnet import Base, ControlNetCache, Embeddings, residuals
+from gouache.adapters.control_cache import ControlNetCache
+from gouache.adapters.controlnet import Base, Embeddings, residuals
 from gouache.adapters.directory import ControlNetError
 from gouache.config import ServiceAddress
 

@@ -1,6 +1,6 @@
 """ControlNets of a UNet (KATZ §5): diffusers directories checked against the base model from
-their config alone, a cache of loaded ones under a byte budget, random ones for tests, and
-the residuals one ControlNet gives some rows of a forward.
+their config alone (`control_cache` loads them), random ones for tests, and the residuals one
+ControlNet gives some rows of a forward.
 
 A ControlNet's residuals add to the UNet's skip connections (down blocks) and to its middle
 block's output; diffusers' UNet takes them as `down_block_additional_residuals` and
@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import inspect
 import json
-import threading
-import time
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gouache.adapters.directory import CONFIG, ControlNetError, controlnet_names, controlnet_path
+from gouache.adapters.directory import CONFIG, ControlNetError
 
 # ControlNetModel config keys that must equal the UNet's: the residuals' count, channels and
 # sizes, and the inputs the ControlNet shares with the UNet (latents, text, added conditioning)
@@ -146,24 +143,6 @@ def residual_shapes(unet_config: dict, rows: int, height: int, width: int) -> li
     return shapes + [(rows, channels[-1], height, width)]
 
 
-def nbytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-@dataclass
-class ControlCounts:
-    hits: int = 0
-    misses: int = 0
-    load_s: list[float] = field(default_factory=list)  # seconds of each load, since the last `take`
-    reported: tuple[int, int] = (0, 0)
-
-    def take(self) -> tuple[dict[str, int], list[float]]:
-        """hit / miss counts and load times since the last call."""
-        change = {"hit": self.hits - self.reported[0], "miss": self.misses - self.reported[1]}
-        self.reported, loads, self.load_s = (self.hits, self.misses), self.load_s, []
-        return {k: n for k, n in change.items() if n}, loads
-
-
 @dataclass(frozen=True)
 class Base:
     """What a ControlNet must fit, and where it runs: the UNet's config, its dtype and device
@@ -192,87 +171,3 @@ class Base:
             return None
         config = json.loads(unet.read_text())
         return cls(config, torch_dtype(dtype), device) if config.get("in_channels", 4) == 4 else None
-
-
-class ControlNetCache:
-    """The ControlNets of one model in one process: directories in `directory`, the recently
-    used ones loaded on the base's device within `budget_bytes` (the one in use always stays)."""
-
-    def __init__(self, directory: str | Path | None, base: Base | None, budget_bytes: int = 4 << 30):
-        self.directory = Path(directory) if directory else None
-        self.base = base
-        self.budget_bytes = budget_bytes
-        self.counts = ControlCounts()
-        self._models: OrderedDict[str, tuple[int, nn.Module]] = OrderedDict()  # name -> (config mtime, model)
-        self._checked: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def names(self) -> list[str]:
-        return controlnet_names(self.directory)
-
-    def _stamp(self, name: str) -> tuple[Path, int]:
-        path = controlnet_path(self.directory, name)
-        return path, (path / CONFIG).stat().st_mtime_ns
-
-    def check(self, name: str) -> None:
-        """Raise ControlNetError unless `name` exists and fits the UNet (its config.json only)."""
-        path, stamp = self._stamp(name)
-        if self._checked.get(name) == stamp:
-            return
-        try:
-            config = json.loads((path / CONFIG).read_text())
-        except (OSError, ValueError) as error:
-            raise ControlNetError(f"ControlNet {name!r} has no readable {CONFIG} ({error})") from None
-        if not isinstance(config, dict):
-            raise ControlNetError(f"ControlNet {name!r}: {CONFIG} is not a JSON object")
-        check_config(config, self.base.unet_config, name)
-        self._checked[name] = stamp
-
-    def get(self, name: str) -> nn.Module:
-        """The loaded ControlNet (read from its directory on a miss)."""
-        from diffusers import ControlNetModel
-
-        path, stamp = self._stamp(name)
-        with self._lock:
-            cached = self._models.get(name)
-            if cached is not None and cached[0] == stamp:
-                self._models.move_to_end(name)
-                self.counts.hits += 1
-                return cached[1]
-        self.check(name)
-        start = time.perf_counter()
-        try:
-            model = ControlNetModel.from_pretrained(str(path), torch_dtype=self.base.dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as error:
-            raise ControlNetError(f"ControlNet {name!r} could not be loaded ({type(error).__name__}: {error})") from None
-        model = model.to(self.base.device).eval()
-        with self._lock:
-            self.counts.misses += 1
-            self.counts.load_s.append(time.perf_counter() - start)
-            self._models[name] = (stamp, model)
-            total = sum(nbytes(m) for _, m in self._models.values())
-            while total > self.budget_bytes and len(self._models) > 1:
-                _, (_, old) = self._models.popitem(last=False)
-                total -= nbytes(old)
-        return model
-
-    def load(self, name: str) -> dict:
-        """Check and load ControlNet `name` (POST /v1/controlnets); what is held of it."""
-        self.check(name)
-        self.get(name)
-        return self.describe(name)
-
-    def describe(self, name: str) -> dict:
-        path, stamp = self._stamp(name)
-        with self._lock:
-            cached = self._models.get(name)
-        loaded = cached is not None and cached[0] == stamp
-        out = {"id": name, "object": "controlnet", "loaded": loaded}
-        if loaded:
-            out["bytes"] = nbytes(cached[1])
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        with self._lock:
-            return sum(nbytes(m) for _, m in self._models.values())

@@ -3,8 +3,9 @@ weights in place, or applied to its own rows of a forward next to other adapters
 
 A file is a safetensors state dict in any format diffusers reads (diffusers / peft keys,
 kohya's `lora_unet_*`, and the others its pipelines' `lora_state_dict` converts); it is
-converted with diffusers' own utilities, then every layer is checked against the denoiser it
-is for (module, kind, shapes) so that a wrong file is refused before it reaches a forward.
+converted with diffusers' own utilities, then every layer is checked against a table of the
+denoiser's modules taken before it serves (`Target`: module, kind, shapes), so that a wrong file
+is refused before it reaches a forward. Files are read whole, never mapped (`files`).
 Text-encoder layers are refused: adapters apply to the denoiser only.
 """
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from gouache.adapters.directory import LoraError
+from gouache.files import Header, header_of, read_file
 
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' key of a file's peft settings (r, lora_alpha, patterns)
 
@@ -47,7 +49,7 @@ class Lora:
 
     name: str
     layers: dict[str, LoraLayer]
-    version: int = 0  # its file's modification time (ns): a rewritten file is another adapter
+    digest: str = ""  # of its file's bytes: a rewritten file is another adapter, an unchanged one the same
 
     @property
     def nbytes(self) -> int:
@@ -57,36 +59,107 @@ class Lora:
         """A copy whose layers sit on `device` (still float32: merges compute in it)."""
         layers = {path: LoraLayer(layer.down.to(device), layer.up.to(device), layer.scale)
                   for path, layer in self.layers.items()}
-        return Lora(self.name, layers, self.version)
+        return Lora(self.name, layers, self.digest)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What an adapter of one module must fit: its kind and shapes."""
+
+    kind: str  # "linear", "conv", or the class name of a module no adapter can target
+    inputs: int = 0  # in_features; a conv's in_channels per group
+    outputs: int = 0  # out_features / out_channels
+    kernel: tuple[int, ...] = ()  # a conv's kernel size
+    groups: int = 1
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a LoRA must fit, read once off the denoiser before it serves: the pipeline class
+    (whose `lora_state_dict` converts keys), the denoiser's name in keys, and every module's
+    kind and shapes by path. Checking a file reads this table, never the live model, whose
+    blocks the engine thread may have swapped for wrappers meanwhile (template replay)."""
+
+    pipeline: type
+    prefix: str  # "unet" | "transformer"
+    layers: dict[str, Layer]
+
+    @classmethod
+    def of(cls, pipe) -> Target:
+        prefix = denoiser_prefix(pipe)
+        denoiser = pipe.unet if prefix == "unet" else pipe.transformer
+        return cls(type(pipe), prefix, {name: _layer(module) for name, module in denoiser.named_modules() if name})
+
+
+def _layer(module: nn.Module) -> Layer:
+    if isinstance(module, nn.Linear):
+        return Layer("linear", module.in_features, module.out_features)
+    if isinstance(module, nn.Conv2d):
+        return Layer("conv", module.in_channels // module.groups, module.out_channels, tuple(module.kernel_size),
+                     module.groups)
+    return Layer(type(module).__name__)
 
 
 def denoiser_prefix(pipe) -> str:
     return "unet" if hasattr(pipe, "unet") else "transformer"
 
 
-def read_lora(path: Path, pipe, name: str, version: int = 0) -> Lora:
-    """The adapter in file `path` for `pipe`'s denoiser; LoraError if it is not one."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
+def read_lora(path: Path, target: Target, name: str) -> Lora:
+    """The adapter in file `path` for `target`; LoraError if it is not one (or the file kept
+    changing while it was read)."""
+    try:
+        snapshot = read_file(path)
+    except OSError as error:
+        raise LoraError(f"LoRA {name!r} could not be read ({error})") from None
+    return lora_of_bytes(snapshot.data, snapshot.digest, target, name)
+
+
+def lora_of_bytes(data: bytes, digest: str, target: Target, name: str) -> Lora:
+    """The adapter a safetensors file's bytes hold; LoraError if they are not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
 
     try:
-        raw = load_file(str(path), device="cpu")
-        with safe_open(str(path), "pt") as handle:
-            metadata = handle.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as error:
+        raw, metadata = load(data), header_of(data).metadata
+    except (SafetensorError, ValueError) as error:
         raise LoraError(f"LoRA {name!r} is not a readable safetensors file ({error})") from None
     if not raw:
         raise LoraError(f"LoRA {name!r} holds no tensors")
-    return parse_lora(raw, metadata, pipe, name, version)
+    return parse_lora(raw, metadata, target, name, digest)
 
 
-def parse_lora(raw: dict[str, torch.Tensor], metadata: dict[str, str], pipe, name: str, version: int = 0) -> Lora:
+# safetensors' dtype names
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def header_tensors(header: Header, name: str) -> dict[str, torch.Tensor]:
+    """A file's tensors as its header describes them: one-element ones (alphas) read, the
+    others empty on the meta device (shapes are all a check needs)."""
+    raw = {}
+    for key, info in header.tensors.items():
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise LoraError(f"LoRA {name!r}: tensor {key!r} has dtype {info['dtype']}, which gouache does not read")
+        if key in header.scalars:
+            _, shape, data = header.scalars[key]
+            if len(data) != dtype.itemsize:
+                raise LoraError(f"LoRA {name!r}: tensor {key!r} holds {len(data)} bytes, not one {info['dtype']}")
+            raw[key] = torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+        else:
+            raw[key] = torch.empty(info["shape"], dtype=dtype, device="meta")
+    return raw
+
+
+def parse_lora(raw: dict[str, torch.Tensor], metadata: dict[str, str], target: Target, name: str,
+               digest: str = "") -> Lora:
     """Convert a state dict with diffusers' utilities and check it against the denoiser."""
     from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
 
-    prefix = denoiser_prefix(pipe)
+    prefix = target.prefix
     try:
-        converted = type(pipe).lora_state_dict(dict(raw))
+        converted = target.pipeline.lora_state_dict(dict(raw))
     except Exception as error:  # diffusers' converters raise anything on a foreign layout
         raise LoraError(f"LoRA {name!r}: diffusers cannot read its keys ({type(error).__name__}: {error})") from None
     state, alphas = converted if isinstance(converted, tuple) else (converted, None)
@@ -104,16 +177,15 @@ def parse_lora(raw: dict[str, torch.Tensor], metadata: dict[str, str], pipe, nam
     alpha_of = _alphas(alphas or {}, prefix, convert_unet_state_dict_to_peft)
     settings = _settings(metadata, prefix, name)
     layers = {}
-    denoiser = pipe.unet if prefix == "unet" else pipe.transformer
     for module_name, pair in parts.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise LoraError(f"LoRA {name!r}: {module_name} has {' and '.join(pair)} only")
         down, up = pair["lora_A"], pair["lora_B"]
-        _check_layer(denoiser, module_name, down, up, name)
+        _check_layer(target, module_name, down, up, name)
         rank = down.shape[0]
         alpha = alpha_of.get(module_name, settings.alpha(module_name, rank))
         layers[module_name] = LoraLayer(down.float().contiguous(), up.float().contiguous(), float(alpha) / rank)
-    return Lora(name, layers, version)
+    return Lora(name, layers, digest)
 
 
 def _alphas(alphas: dict, prefix: str, convert) -> dict[str, float]:
@@ -156,21 +228,21 @@ def _settings(metadata: dict[str, str], prefix: str, name: str) -> _Settings:
     return _Settings(None if alpha is None else float(alpha), pattern)
 
 
-def _check_layer(denoiser: nn.Module, module_name: str, down: torch.Tensor, up: torch.Tensor, name: str) -> None:
-    try:
-        module = denoiser.get_submodule(module_name)
-    except AttributeError:
-        raise LoraError(f"LoRA {name!r}: this model has no module {module_name!r}") from None
-    if isinstance(module, nn.Linear):
-        ok = down.ndim == 2 and up.ndim == 2 and down.shape[1] == module.in_features and up.shape[0] == module.out_features
-    elif isinstance(module, nn.Conv2d):
-        ok = (down.ndim == 4 and up.ndim == 4 and down.shape[1:] == (module.in_channels // module.groups, *module.kernel_size)
-              and up.shape[0] == module.out_channels and up.shape[2:] == (1, 1) and module.groups == 1)
+def _check_layer(target: Target, module_name: str, down: torch.Tensor, up: torch.Tensor, name: str) -> None:
+    layer = target.layers.get(module_name)
+    if layer is None:
+        raise LoraError(f"LoRA {name!r}: this model has no module {module_name!r}")
+    if layer.kind == "linear":
+        ok = down.ndim == 2 and up.ndim == 2 and down.shape[1] == layer.inputs and up.shape[0] == layer.outputs
+    elif layer.kind == "conv":
+        ok = (down.ndim == 4 and up.ndim == 4 and tuple(down.shape[1:]) == (layer.inputs, *layer.kernel)
+              and up.shape[0] == layer.outputs and tuple(up.shape[2:]) == (1, 1) and layer.groups == 1)
     else:
-        raise LoraError(f"LoRA {name!r}: {module_name} is a {type(module).__name__}, not a linear or conv layer")
+        raise LoraError(f"LoRA {name!r}: {module_name} is a {layer.kind}, not a linear or conv layer")
     if not ok or down.shape[0] != up.shape[1]:
+        shape = f"{layer.kind} {layer.inputs} -> {layer.outputs}" + (f", kernel {layer.kernel}" if layer.kernel else "")
         raise LoraError(f"LoRA {name!r}: shapes down {tuple(down.shape)} / up {tuple(up.shape)} do not fit "
-                        f"{module_name} ({module})")
+                        f"{module_name} ({shape})")
 
 
 ATTENTION = r".*attn\d?\.(to_q|to_k|to_v|to_out\.0)"  # the attention projections of every family

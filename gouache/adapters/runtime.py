@@ -29,7 +29,7 @@ from gouache.adapters.lora import Lora, LoraError
 from gouache.adapters.store import LoraStore
 from gouache.config import LoraConfig
 
-Key = tuple[tuple[str, float, int], ...]  # an adapter set: (name, scale, file version) each
+Key = tuple[tuple[str, float, str], ...]  # an adapter set: (name, scale, file digest) each
 _EMA = 0.3  # weight of a new measurement in a running cost
 
 
@@ -161,7 +161,7 @@ class LoraRuntime:
         than at every layer of every step."""
         if self._device.type == "cpu":
             return lora
-        key = (lora.name, lora.version)
+        key = (lora.name, lora.digest)
         placed = self._placed.get(key)
         if placed is None:
             placed = self._placed[key] = lora.to(self._device)

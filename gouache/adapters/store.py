@@ -4,6 +4,11 @@ their file's stem, read on a loader thread into a host-memory LRU with a byte bu
 `load` returns a future at once: a request starts denoising while its adapters are read
 (bounded asynchronous loading, `runtime`). `check` reads a file's header only (names and
 shapes), so the API can refuse a file that does not fit the model without reading it.
+
+Files are read whole, never mapped, and an adapter is its file's bytes (`Lora.digest`): a file
+rewritten while the server runs is read again at its next use (its status changed), and a
+request gets the old adapter, the new one, or a 400 (a file caught half-written), never a
+crash (`files`).
 """
 
 from __future__ import annotations
@@ -15,10 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from gouache.adapters.directory import LoraError, lora_names, lora_path
-from gouache.adapters.lora import Lora, parse_lora, read_lora
+from gouache.adapters.directory import LoraError, UnknownLora, lora_names, lora_path
+from gouache.files import Signature, read_file, read_header, signature
+from gouache.adapters.lora import Lora, Target, header_tensors, lora_of_bytes, parse_lora
 
 
 @dataclass
@@ -43,12 +47,13 @@ class LoraStore:
 
     def __init__(self, directory: str | Path | None, pipe, budget_bytes: int = 2 << 30):
         self.directory = Path(directory) if directory else None
-        self.pipe = pipe
+        self.target = Target.of(pipe)  # before any forward has wrapped a block
         self.budget_bytes = budget_bytes
         self.counts = LoraCounts()
-        self._memory: OrderedDict[str, Lora] = OrderedDict()
+        self._memory: OrderedDict[str, tuple[Signature, Lora]] = OrderedDict()  # with its file's status when read
         self._loading: dict[str, Future] = {}
-        self._checked: dict[str, int] = {}  # name -> modification time of the file `check` passed
+        self._checked: dict[str, Signature] = {}  # name -> status of the file `check` passed
+        self._digests: dict[str, tuple[Signature, str]] = {}  # name -> (file status, digest) read by `digest`
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gouache-lora")
 
@@ -61,34 +66,46 @@ class LoraStore:
     def check(self, name: str) -> None:
         """Raise LoraError unless adapter `name` exists and fits the model, from its file's
         header: keys and shapes (tensors on the meta device; scalars such as alphas read)."""
-        from safetensors import SafetensorError, safe_open
-
         path = self.path(name)
-        stamp = path.stat().st_mtime_ns
+        status = self._status(name, path)
         with self._lock:
-            if self._checked.get(name) == stamp:
+            if self._checked.get(name) == status:
                 return
         try:
-            with safe_open(str(path), "pt") as handle:
-                metadata = handle.metadata() or {}
-                raw = {}
-                for key in handle.keys():
-                    shape = handle.get_slice(key).get_shape()
-                    raw[key] = handle.get_tensor(key) if len(shape) < 2 else torch.empty(shape, device="meta")
-        except (SafetensorError, OSError, ValueError) as error:
+            header = read_header(path)
+        except (OSError, ValueError) as error:
             raise LoraError(f"LoRA {name!r} is not a readable safetensors file ({error})") from None
+        raw = header_tensors(header, name)
         if not raw:
             raise LoraError(f"LoRA {name!r} holds no tensors")
-        parse_lora(raw, metadata, self.pipe, name)
+        parse_lora(raw, header.metadata, self.target, name)
         with self._lock:
-            self._checked[name] = stamp
+            self._checked[name] = header.signature
+
+    def digest(self, name: str) -> str:
+        """What identifies the adapter's file now (read whole when it changed since last asked)."""
+        path = self.path(name)
+        status = self._status(name, path)
+        with self._lock:
+            known = self._digests.get(name)
+        if known is not None and known[0] == status:
+            return known[1]
+        try:
+            snapshot = read_file(path)
+        except OSError as error:
+            raise LoraError(f"LoRA {name!r} could not be read ({error})") from None
+        with self._lock:
+            self._digests[name] = (snapshot.signature, snapshot.digest)
+        return snapshot.digest
 
     def describe(self, name: str) -> dict:
         """What the listing says of one adapter (whether it sits in host memory, its size)."""
         path = self.path(name)
+        status = self._status(name, path)
         with self._lock:
-            lora = self._memory.get(name)
-        out = {"id": name, "object": "lora", "file_bytes": path.stat().st_size, "loaded": lora is not None}
+            held = self._memory.get(name)
+        lora = held[1] if held is not None and held[0] == status else None
+        out = {"id": name, "object": "lora", "file_bytes": status[1], "loaded": lora is not None}
         if lora is not None:
             out.update(layers=len(lora.layers), bytes=lora.nbytes,
                        rank=max(layer.down.shape[0] for layer in lora.layers.values()))
@@ -97,29 +114,44 @@ class LoraStore:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(lora.nbytes for lora in self._memory.values())
+            return sum(lora.nbytes for _, lora in self._memory.values())
 
     def load(self, name: str) -> Future:
-        """The adapter, now if it is in host memory, else once the loader thread has read it.
-        An unknown name raises here; a file that cannot apply fails the future (LoraError)."""
+        """The adapter, now if it is in host memory and its file is unchanged, else once the
+        loader thread has read it. An unknown name raises here; a file that cannot apply fails
+        the future (LoraError)."""
         path = self.path(name)
-        version = path.stat().st_mtime_ns
+        status = self._status(name, path)
         with self._lock:
-            if name in self._memory and self._memory[name].version == version:
+            held = self._memory.get(name)
+            if held is not None and held[0] == status:
                 self._memory.move_to_end(name)
                 self.counts.hits += 1
                 done: Future = Future()
-                done.set_result(self._memory[name])
+                done.set_result(held[1])
                 return done
             if name not in self._loading:
                 self.counts.misses += 1
-                self._loading[name] = self._pool.submit(self._read, name, path, version)
+                self._loading[name] = self._pool.submit(self._read, name, path)
             return self._loading[name]
 
-    def _read(self, name: str, path: Path, version: int) -> Lora:
+    def _status(self, name: str, path: Path) -> Signature:
+        try:
+            return signature(path)
+        except OSError as error:  # removed or replaced since `path` found it
+            raise UnknownLora(f"unknown LoRA {name!r}: its file is gone ({error})") from None
+
+    def _read(self, name: str, path: Path) -> Lora:
         start = time.perf_counter()
         try:
-            lora = read_lora(path, self.pipe, name, version)
+            try:
+                snapshot = read_file(path)
+            except OSError as error:
+                raise LoraError(f"LoRA {name!r} could not be read ({error})") from None
+            with self._lock:
+                held = self._memory.get(name)
+            same = held is not None and held[1].digest == snapshot.digest  # rewritten with the same bytes
+            lora = held[1] if same else lora_of_bytes(snapshot.data, snapshot.digest, self.target, name)
         except LoraError:
             with self._lock:
                 self.counts.failures += 1
@@ -128,15 +160,16 @@ class LoraStore:
         with self._lock:
             self.counts.load_s.append(time.perf_counter() - start)
             self._loading.pop(name, None)
-            self._memory[name] = lora
+            self._memory[name] = (snapshot.signature, lora)
+            self._memory.move_to_end(name)
             self._evict()
         return lora
 
     def _evict(self) -> None:
         """Least recently used first, down to the budget (the newest always stays: it is in use)."""
-        total = sum(lora.nbytes for lora in self._memory.values())
+        total = sum(lora.nbytes for _, lora in self._memory.values())
         while total > self.budget_bytes and len(self._memory) > 1:
-            _, lora = self._memory.popitem(last=False)
+            _, (_, lora) = self._memory.popitem(last=False)
             total -= lora.nbytes
 
     def take_counts(self) -> tuple[dict[str, int], list[float]]:

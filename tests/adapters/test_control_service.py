@@ -3,6 +3,8 @@ Sync mode equals running them in process (and so diffusers' pipelines); async mo
 step's residuals; a dead worker fails the requests that need it, with the reason, and comes
 back, while requests without ControlNets go on."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -129,3 +131,32 @@ def test_a_dead_worker_fails_its_requests_and_comes_back(pipe, control_dir, serv
             time.sleep(0.1)
     assert service.restarts == 1
     assert all(torch.isfinite(v).all() for v in again.values())
+
+
+def wait_for_restart(service, restarts: int) -> None:
+    deadline = time.monotonic() + 60
+    while service.restarts < restarts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert service.restarts == restarts
+
+
+def test_a_dead_worker_fails_only_the_async_requests_whose_controlnets_it_ran(pipe, control_dir, service):
+    r = runner(pipe, control_dir, service, mode="async")
+    one = [(request("none", seed=1), []), (request("edges", [("edges", image(1), 1.0)], seed=2), None),
+           (request("depth", [("depth", image(2), 1.0)], seed=3), None)]
+    for req, _ in one:
+        r.prepare(req, controls=[image(k) for k in (1, 2)][:len(req.controlnets)] if req.controlnets else [])
+    ids = tuple(req.request_id for req, _ in one)
+    assert not r.execute(Batch(ids)).failed  # step 0 waits for the residuals (and connects to both workers)
+    victim = service.address.worker_of("edges")
+    assert service.address.worker_of("depth") != victim
+    os.kill(service._procs[victim].pid, signal.SIGSTOP)  # it takes step 1's run but never answers it
+    assert not r.execute(Batch(ids)).failed  # step 1 sends the runs for step 2 and goes on
+    restarts = service.restarts
+    service.kill(victim)
+    out = r.execute(Batch(ids))  # step 2 reads them: the victim's never comes
+    assert set(out.failed) == {"edges"} and "it is being restarted" in out.failed["edges"]
+    assert sorted(out.request_ids) == ["depth", "none"]  # depth with its residuals of step 1
+    for rid in ids:
+        r.release(rid)
+    wait_for_restart(service, restarts + 1)

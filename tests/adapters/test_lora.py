@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from gouache.adapters.apply import Merged
 from gouache.adapters.directory import LoraError, UnknownLora, lora_path
-from gouache.adapters.lora import METADATA_KEY, parse_lora, random_lora, read_lora
+from gouache.adapters.lora import METADATA_KEY, Target, parse_lora, random_lora, read_lora
 from gouache.adapters.runtime import Costs, choose
 from gouache.runner.models import load_pipeline
 
@@ -28,10 +28,10 @@ def layer_pair(pipe, rank=2):
 
 def test_kohya_keys_and_their_alphas_become_the_same_layer(pipe):
     down, up = layer_pair(pipe)
-    peft = parse_lora({f"unet.{Q}.lora_A.weight": down, f"unet.{Q}.lora_B.weight": up}, {}, pipe, "peft")
+    peft = parse_lora({f"unet.{Q}.lora_A.weight": down, f"unet.{Q}.lora_B.weight": up}, {}, Target.of(pipe), "peft")
     key = "lora_unet_" + Q.replace(".", "_")
     kohya = parse_lora({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(1.0)},
-                       {}, pipe, "kohya")
+                       {}, Target.of(pipe), "kohya")
     assert list(peft.layers) == list(kohya.layers) == [Q]
     assert torch.equal(peft.layers[Q].down, kohya.layers[Q].down) and torch.equal(peft.layers[Q].up, kohya.layers[Q].up)
     assert peft.layers[Q].scale == 1.0 and kohya.layers[Q].scale == 0.5  # alpha / rank
@@ -41,11 +41,11 @@ def test_metadata_alpha_and_patterns(pipe):
     down, up = layer_pair(pipe, rank=4)
     raw = {f"unet.{Q}.lora_A.weight": down, f"unet.{Q}.lora_B.weight": up}
     meta = {METADATA_KEY: json.dumps({"unet.r": 4, "unet.lora_alpha": 8})}
-    assert parse_lora(raw, meta, pipe, "x").layers[Q].scale == 2.0
+    assert parse_lora(raw, meta, Target.of(pipe), "x").layers[Q].scale == 2.0
     meta = {METADATA_KEY: json.dumps({"unet.r": 4, "unet.lora_alpha": 8, "unet.alpha_pattern": {"attn1.to_q": 2}})}
-    assert parse_lora(raw, meta, pipe, "x").layers[Q].scale == 0.5
+    assert parse_lora(raw, meta, Target.of(pipe), "x").layers[Q].scale == 0.5
     with pytest.raises(LoraError, match="DoRA"):
-        parse_lora(raw, {METADATA_KEY: json.dumps({"unet.use_dora": True})}, pipe, "x")
+        parse_lora(raw, {METADATA_KEY: json.dumps({"unet.use_dora": True})}, Target.of(pipe), "x")
 
 
 @pytest.mark.parametrize("raw, why", [
@@ -61,7 +61,7 @@ def test_metadata_alpha_and_patterns(pipe):
 ])
 def test_adapters_that_do_not_fit_are_refused_with_the_reason(pipe, raw, why):
     with pytest.raises(LoraError, match=why):
-        parse_lora(raw, {}, pipe, "bad")
+        parse_lora(raw, {}, Target.of(pipe), "bad")
 
 
 def test_names_stay_inside_the_directory(tmp_path):
@@ -82,7 +82,7 @@ def test_merge_and_unmerge_restore_the_weights_bit_for_bit(tmp_path, dtype):
     loras = []
     for seed in (1, 2):
         save_file(random_lora(pipe, seed=seed), str(tmp_path / f"{seed}.safetensors"))
-        loras.append(read_lora(tmp_path / f"{seed}.safetensors", pipe, str(seed)))
+        loras.append(read_lora(tmp_path / f"{seed}.safetensors", Target.of(pipe), str(seed)))
     before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
     merged = Merged.of(pipe.unet)
     assert merged is Merged.of(pipe.unet)  # one per denoiser: every runner of the model shares it

@@ -33,12 +33,12 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
 
 
 def test_lora_writes_an_adapter_the_server_reads(trained_dir):
-    from gouache.adapters.lora import read_lora
+    from gouache.adapters.lora import Target, read_lora
     from gouache.runner.models import load_pipeline
     from gouache.train.lora import RANK
 
     path = trained_dir / "loras" / "shapes-unet" / "palette.safetensors"
-    lora = read_lora(path, load_pipeline("shapes-unet"), "palette")  # the built-in's architecture, any weights
+    lora = read_lora(path, Target.of(load_pipeline("shapes-unet")), "palette")  # the built-in's architecture, any weights
     report = json.loads((trained_dir / "train_lora.json").read_text())
     assert len(lora.layers) == report["extra"]["layers"] and report["extra"]["rank"] == RANK
     assert all(layer.scale == 1.0 and layer.down.shape[0] == RANK for layer in lora.layers.values())
