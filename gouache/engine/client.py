@@ -215,7 +215,7 @@ class AsyncEngine(AdapterCalls):
         self.prep.stop()
         self.post.stop()
         self.pool.shutdown()
-        self.runner.controls.close()
+        self.runner.close()
         if self.control_service is not None:
             self.control_service.shutdown()
         await self._loop.run_in_executor(None, self.codecs.shutdown)

@@ -19,7 +19,9 @@ from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
 from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, cache_request
 from gouache.runner.sampler import DenoiseState
-from gouache.runner.template_reuse import TemplateCache, TemplateUse, content_id, template_key, text_digest
+from gouache.runner.template_reuse import (
+    TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +40,26 @@ class ModelRunner:
         self.states: dict[str, DenoiseState] = {}
         self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()
-        self._templates: TemplateCache | None = None  # made at the first edit that uses one
+        self._model = model_digest(pipe) if self.template_config.directory else ""  # before a LoRA merges
+        self._templates: TemplateCache | None = None  # made at the first edit that uses one, or now with a directory
         self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
         self.controls = ControlRuntime(controlnets or ControlNetConfig(), pipe)
         self.row_cut: tuple[int, int] | None = None  # (rank, ranks): CFG parallelism runs every ranks-th row from rank
+        if self.template_config.directory:  # claimed (and an earlier run's files adopted) before serving
+            _ = self.templates
 
     @property
     def templates(self) -> TemplateCache:
         if self._templates is None:
-            self._templates = TemplateCache(self.template_config, self.family.device)
+            self._templates = TemplateCache(self.template_config, self.family.device, self._model)
         return self._templates
+
+    def close(self) -> None:
+        """Let go of what outlives a forward: the ControlNet service's connections, the template directory."""
+        self.controls.close()
+        if self._templates is not None:
+            self._templates.store.close()
 
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
                 controls: list[np.ndarray] = ()) -> RequestState:
@@ -63,9 +74,10 @@ class ModelRunner:
         if state.lora is not None and self.prefetch_loras:
             self.loras.start(request.request_id, state.lora)  # read while it waits and its first steps run
         if uses_template:
-            template_id = request.template_id or content_id(image)  # the API names every template; others: by pixels
-            key = template_key(template_id, request.height, request.width, len(state.timesteps), state.rows,
-                               request.loras)
+            content = content_id(image)
+            loras = tuple((name, scale, self.loras.store.digest(name)) for name, scale in request.loras)
+            key = template_key(request.template_id or content, content, request.height, request.width,
+                               len(state.timesteps), state.rows, loras)
             state.template = TemplateUse(key, self.family.token_mask(state), text_digest(state.cond, state.rows),
                                          request.register_template)
         self.states[request.request_id] = state

@@ -2,7 +2,9 @@
 other tokens' activations from a template's recorded ones.
 
 A template is an image that edits come back to (a model photo for virtual try-on, a face for
-face swap), named by the id a client gives it or a hash of its upload (of its pixels, offline).
+face swap), named by the id a client gives it or a hash of its upload (of its pixels, offline),
+and keyed by its pixels too: an id reused for another picture records a new template rather
+than replaying the old picture's activations.
 The first edit of it (its *recorder*, or `POST /v1/templates`) runs in full and records, per
 step, every transformer block's output and every attention's keys and values, of all image
 tokens (and text rows), into the tiered `TemplateStore` (one entry per step). A later edit of
@@ -63,11 +65,13 @@ class TemplateUse:
     register: bool = False  # records the template afresh, whatever the store holds (POST /v1/templates)
 
 
-def template_key(template_id: str, height: int, width: int, steps: int, rows: int,
-                 loras: tuple[tuple[str, float], ...] = ()) -> str:
-    """What a template's activations depend on besides its image: geometry and adapters."""
-    adapters = "".join(f":{name}@{scale:g}" for name, scale in sorted(loras))
-    return f"{template_id}:{height}x{width}:{steps}:{rows}{adapters}"
+def template_key(template_id: str, content: str, height: int, width: int, steps: int, rows: int,
+                 loras: tuple[tuple[str, float, str], ...] = ()) -> str:
+    """Everything a template's activations depend on: its image (`content`, its pixels' digest:
+    a template id reused for another picture names another template, recorded anew), geometry,
+    and adapters (name, scale and file digest each)."""
+    adapters = "".join(f":{name}@{scale:g}#{digest}" for name, scale, digest in sorted(loras))
+    return f"{template_id}:{content}:{height}x{width}:{steps}:{rows}{adapters}"
 
 
 def text_digest(cond: dict[str, torch.Tensor], rows: int) -> tuple[bytes, ...]:
@@ -84,6 +88,20 @@ def text_digest(cond: dict[str, torch.Tensor], rows: int) -> tuple[bytes, ...]:
             digest.update(part.detach().float().cpu().numpy().tobytes())
         digests.append(digest.digest())
     return tuple(digests)
+
+
+def model_digest(pipe) -> str:
+    """What tells one model's recorded activations from another's, cheaply: each module's config
+    and the first values of every tensor of its weights (a fine-tune changes nearly all of
+    them). Taken before any LoRA is merged into the weights."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, module in sorted(pipe.components.items()):
+        if isinstance(module, nn.Module):
+            digest.update(f"{name}:{getattr(module, 'config', '')}".encode())
+            for key, tensor in module.state_dict().items():
+                digest.update(key.encode())
+                digest.update(tensor.detach().flatten()[:16].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def content_id(image: np.ndarray) -> str:
@@ -122,11 +140,13 @@ class TemplateCounts:
 class TemplateCache:
     """One device's templates: the store, who records which key, and the counters."""
 
-    def __init__(self, config: TemplateConfig, device: torch.device | str = "cpu"):
+    def __init__(self, config: TemplateConfig, device: torch.device | str = "cpu", model: str = ""):
+        """`model`: the digest of the model's weights (`model_digest`), which a directory an
+        earlier run left must have been recorded with for its templates to be reused."""
         self.config = config
         self.device = torch.device(device)
         self._scratch = None if config.directory else tempfile.TemporaryDirectory(prefix="gouache-templates-")
-        self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device)
+        self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device, owner=model)
         self.cost = load_mask_model(config.cost_model) if config.cost_model else None
         self.counts = TemplateCounts()
         self._lock = threading.Lock()

@@ -28,7 +28,7 @@ def test_entries_spill_down_the_tiers_least_recently_used_first(tmp_path):
     assert [store.tier_of(f"t{i}") for i in range(4)] == ["disk", "disk", "host", "device"]
     store.put("t4", entry(4))  # the disk holds two: the oldest file goes
     assert store.tier_of("t0") is None and [store.tier_of(f"t{i}") for i in (1, 2)] == ["disk", "disk"]
-    files = list((tmp_path / "store").iterdir())
+    files = list((tmp_path / "store").glob("*.safetensors"))
     assert len(files) == 2 and all(p.suffix == ".safetensors" for p in files)
     assert (store.nbytes("device"), store.nbytes("host")) == (BYTES, BYTES) and store.nbytes("disk") <= 2 * on_disk
 
@@ -48,7 +48,7 @@ def test_a_corrupt_or_missing_file_is_a_miss_never_a_wrong_entry(tmp_path):
     store = TemplateStore(tmp_path, {"disk": 1 << 20})
     for key in ("flipped", "truncated", "gone", "good"):
         store.put(key, entry(3.0))
-    files = {key: store._path(key) for key in ("flipped", "truncated", "gone")}
+    files = {key: store._disk[key].path for key in ("flipped", "truncated", "gone")}
     data = bytearray(files["flipped"].read_bytes())
     data[-1] ^= 0x40  # a flipped bit in the tensor data: still a valid safetensors file
     files["flipped"].write_bytes(bytes(data))
@@ -78,7 +78,7 @@ def test_unknown_tiers_are_refused(tmp_path):
 def test_a_disk_only_store_reads_its_files_without_writing_them_again(tmp_path):
     store = TemplateStore(tmp_path, {"disk": 1 << 20})
     store.put("a", entry(1.0))
-    path = store._path("a")
+    path = store._disk["a"].path
     written = path.stat().st_mtime_ns
     for _ in range(3):
         store.prefetch("a")
@@ -95,3 +95,26 @@ def test_reads_started_for_a_reader_that_left_are_dropped(tmp_path):
     store.drop_reads("t:1/")
     assert set(store._reads) == {"u:1/0"}
     assert torch.equal(store.get("t:1/1")["out"], entry(1.0)["out"])  # still on disk: read when asked
+
+
+def test_a_restart_adopts_its_files_within_the_budget_and_deletes_what_it_cannot_use(tmp_path):
+    import pytest
+
+    first = TemplateStore(tmp_path, {"disk": 1 << 20}, owner="model-a")
+    for i in range(4):
+        first.put(f"t{i}", entry(i))
+    size = first.nbytes("disk")
+    with pytest.raises(ValueError, match="in use by another template store"):
+        TemplateStore(tmp_path, {"disk": 1 << 20}, owner="model-a")
+    first.close()
+    (tmp_path / f"{'0' * 32}.tmp").write_bytes(b"half a file")  # a write the last run did not finish
+    (tmp_path / "notes.txt").write_text("not a store's")  # someone else's file
+    again = TemplateStore(tmp_path, {"disk": size // 2}, owner="model-a")  # a smaller budget this time
+    assert again.adopted == 2 and again.nbytes("disk") <= size // 2
+    assert [again.tier_of(f"t{i}") for i in range(4)] == [None, None, "disk", "disk"]  # the newest kept
+    assert torch.equal(again.get("t3")["out"], entry(3)["out"])
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.safetensors")) == again.nbytes("disk")
+    assert not list(tmp_path.glob("*.tmp")) and (tmp_path / "notes.txt").exists()
+    again.close()
+    other = TemplateStore(tmp_path, {"disk": 1 << 20}, owner="model-b")  # another model: none of it is its
+    assert other.adopted == 0 and not list(tmp_path.glob("*.safetensors"))

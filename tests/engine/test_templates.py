@@ -142,3 +142,68 @@ def test_a_template_cost_model_of_another_kind_or_under_sequence_parallel_steps_
     config = EngineConfig(executor="multiproc", devices=2, templates=TemplateConfig(cost_model=str(mask)))
     with pytest.raises(ValueError, match="--template-cost-model would be ignored"):
         AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+
+
+def edit_engine(pipes, directory, model: str = "tiny-flux") -> AsyncEngine:
+    pipe = pipes(model)
+    config = EngineConfig(templates=TemplateConfig(directory=str(directory)))
+    return AsyncEngine(pipe, model_info(pipe, model), config, SchedulerConfig(policy="orca"))
+
+
+def pixels(event) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(event.image)).convert("RGB")).astype(int)
+
+
+def test_a_template_id_sent_with_another_image_records_that_image(pipes, tmp_path):
+    engine = edit_engine(pipes, tmp_path, "shapes-unet")
+    first = np.full((64, 64, 3), 255, np.uint8)  # a white picture, then a noisy one under the same id
+    second = np.random.default_rng(6).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[16:48, 16:48, 3] = 0
+
+    async def scenario():
+        await engine.start()
+        try:
+            for api_id, image, kwargs in (("record", first, {"template_id": "photo"}),
+                                          ("other", second, {"template_id": "photo"}),
+                                          ("exact", second, {"template_cache": False})):
+                edit = images(api_id, image=png(image), mask=png(mask), template_cache=kwargs.get("template_cache", True),
+                              template_id=kwargs.get("template_id"))
+                yield (await (await engine.submit(edit)).images())[0]
+        finally:
+            await engine.aclose()
+
+    async def collect():
+        return [event async for event in scenario()]
+
+    _, other, exact = run(collect())
+    # it replayed the white picture's activations before: up to 81 levels off the exact edit
+    assert np.abs(pixels(other) - pixels(exact)).max() <= 1
+    assert samples(engine, "gouache_template_tokens").get("replayed", 0) == 0  # recorded, never replayed
+
+
+def test_a_restarted_server_replays_the_templates_its_directory_holds(pipes, tmp_path):
+    original = np.random.default_rng(7).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[0:32, 0:32, 3] = 0
+
+    def serve_one_edit(api_id: str) -> AsyncEngine:
+        engine = edit_engine(pipes, tmp_path)
+
+        async def scenario():
+            await engine.start()
+            try:
+                edit = images(api_id, image=png(original), mask=png(mask), template_cache=True, template_id="t")
+                await (await engine.submit(edit)).images()
+            finally:
+                await engine.aclose()
+
+        run(scenario())
+        return engine
+
+    serve_one_edit("record")
+    written = sorted(tmp_path.glob("*.safetensors"))
+    assert len(written) == 4  # a file per step, written from host memory when the server closed
+    again = serve_one_edit("replay")
+    assert samples(again, "gouache_template_tokens")["replayed"] > 0
+    assert samples(again, "gouache_template_store_lookups")["disk"] == 4
