@@ -10,7 +10,7 @@ import sys
 
 from gouache.cli_flags import Given, given, refuse_ignored, size_arg
 from gouache.config import (
-    CONTROLNET_MODES, EXECUTORS, BlockCacheConfig, ControlNetConfig, EngineConfig, LoraConfig, ModelConfig,
+    CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, ControlNetConfig, EngineConfig, LoraConfig, ModelConfig,
     ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
 )
 from gouache.errors import GouacheError
@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=EngineConfig.request_timeout_s,
                        help="seconds before an unfinished request fails with 504 (default: %(default)s)")
     serve.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
-                       help="patch side in pixels; only with the patching policies "
-                            f"({_policies_where('mixes_resolutions')}), where sizes must be multiples of it "
-                            "(default: %(default)s)")
+                       help="the largest patch side in pixels; only with the patching policies "
+                            f"({_policies_where('mixes_resolutions')}) and UNet models: each forward cuts its images "
+                            "into the largest patches up to this that fit every one of them, so every size the model "
+                            f"takes is served; a multiple of the model's size step (default: {DEFAULT_PATCH_PIXELS})")
     serve.add_argument("--block-cache", type=float, default=BlockCacheConfig.threshold,
                        help="block-cache threshold every request runs with unless it sends its own `block_cache`: a "
                             "block's output is reused for a patch (an image, unpatched) whose input changed less than "

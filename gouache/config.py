@@ -12,6 +12,7 @@ EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache
 _DTYPES = ("float32", "float16", "bfloat16")
 CONTROLNET_MODES = ("sync", "async")  # residuals of step t join step t, or step t + 1
 MAX_BLOCK_CACHE_THRESHOLD = 1.0  # a relative change of 1 is as large as the input itself
+DEFAULT_PATCH_PIXELS = 128  # the largest patch side by default: PatchedServe's, a common factor of 256..1024 sizes
 
 
 def _check(ok: bool, message: str) -> None:
@@ -152,7 +153,9 @@ class EngineConfig:
     image_workers: int = 1  # processes that decode uploads and encode PNG/JPEG/WebP
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
     max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for edit uploads
-    patch_size: int = 128  # pixels per patch side under patched batching; sizes must be multiples of it
+    # the largest patch side in pixels under patched batching (UNets); each forward cuts its images
+    # into the largest patches up to this that fit all of them; None: DEFAULT_PATCH_PIXELS. Refused for DiTs.
+    patch_size: int | None = None
     executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
@@ -167,7 +170,7 @@ class EngineConfig:
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
         _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
-        _check(self.patch_size > 0, f"patch_size must be positive, got {self.patch_size}")
+        _check(self.patch_size is None or self.patch_size > 0, f"patch_size must be positive, got {self.patch_size}")
         _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
         _check(self.executor != "uniproc" or self.devices == 1,

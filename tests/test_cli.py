@@ -69,12 +69,14 @@ def test_simulate_runs_policies_on_the_same_workload_and_writes_json(tmp_path, c
     assert all(len(r["requests"]) == 50 for r in data["results"])
 
 
-def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path):
+def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path, capsys):
     from gouache.sched.costmodel import load
 
     out = tmp_path / "cost.json"
-    args = ["profile", "--model", "tiny-sd3", "--sizes", "64,96", "--patch-size", "32", "--samples", "8",
+    args = ["profile", "--model", "tiny-sd3", "--sizes", "64,96", "--samples", "8",
             "--max-batch", "2", "--repeats", "1", "--out", str(out)]
+    assert main([*args, "--patch-size", "32"]) == 2  # a DiT packs tokens: it would ignore the flag
+    assert "--patch-size would be ignored" in capsys.readouterr().err
     assert main(args) == 0
     model = load(out)
     assert model.step_time([(64, 64)], patched=True) > 0  # pixels, as the scheduler sees them
@@ -87,10 +89,10 @@ def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path):
 
 def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
     cost = tmp_path / "cost.json"
-    assert main(["profile", "--model", "tiny-sd3", "--sizes", "64,96", "--patch-size", "32", "--samples", "8",
+    assert main(["profile", "--model", "tiny-sd3", "--sizes", "64,96", "--samples", "8",
                  "--max-batch", "2", "--repeats", "1", "--out", str(cost)]) == 0
     out = tmp_path / "s2r.json"
-    args = ["bench", "sim-to-real", "--model", "tiny-sd3", "--cost-model", str(cost), "--patch-size", "32", "--sizes", "64",
+    args = ["bench", "sim-to-real", "--model", "tiny-sd3", "--cost-model", str(cost), "--sizes", "64",
             "--requests", "3", "--rate", "5", "--steps", "2", "--max-batch-size", "2", "--policies", "patched,round-knapsack",
             "--slo-scale", "100", "--out", str(out)]
     assert main(args) == 0
@@ -149,7 +151,7 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
 def test_serve_passes_the_flags_its_policy_reads(built_configs):
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "orca"])
-    assert built_configs["scheduler"].cost_model is None and built_configs["engine"].patch_size == 128
+    assert built_configs["scheduler"].cost_model is None and built_configs["engine"].patch_size is None
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json", "--round-s", "2"])
     assert built_configs["scheduler"].round_s == 2.0 and built_configs["scheduler"].cost_model == "c.json"

@@ -45,7 +45,7 @@ class Setup:
     policy: str = "orca"
     steps: int | None = None  # None: the model's default
     max_batch_size: int = 8
-    patch_size: int = 32  # pixels per patch under patched policies
+    patch_size: int | None = None  # the largest patch side under patched policies; None: the server's default
     cost_model: str | None = None  # for policies that plan with step times
     block_cache: float = 0.0  # the block cache's threshold for every image; 0: off
     block_cache_max_reuse: int = 2
@@ -277,8 +277,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-cache-max-reuse", type=int, default=2, action=Given,
                    help="with --candidate-block-cache: most steps in a row a block's output is reused "
                         "(default: %(default)s)")
-    p.add_argument("--patch-size", type=int, default=32, action=Given,
-                   help="patch side in pixels under patched policies (default: %(default)s)")
+    p.add_argument("--patch-size", type=int, default=None, action=Given,
+                   help="the largest patch side in pixels under patched policies, UNet models (default: the server's)")
     p.add_argument("--cost-model", default=None,
                    help="JSON from `gouache profile`, for policies that plan with step times (default: none)")
     p.add_argument("--controlnet", default=None,

@@ -122,6 +122,8 @@ def run(args) -> int:
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
     runner = ModelRunner(pipe, args.patch_size)
+    if "patch_size" in given(args) and not runner.family.patches:
+        refuse_ignored({"patch_size": f"{runner.family.name} models pack mixed sizes' tokens; patches are for UNets"})
     prep, engine, post = (ThreadPoolExecutor(1, f"gouache-{name}") for name in ("prep", "engine", "post"))
     with prep, engine, post:
         pool, prep_s = prep.submit(_prepare_pool, runner, sizes, args.max_batch, sync).result()

@@ -49,7 +49,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cost-model", required=True, help="JSON from `gouache profile` for the same model and sizes")
     p.add_argument("--policies", default="patched,orca,round-knapsack",
                    help="comma-separated step policies the cost model can price (default: %(default)s)")
-    p.add_argument("--patch-size", type=int, default=128, help="patch side in pixels for patching policies (default: %(default)s)")
+    p.add_argument("--patch-size", type=int, default=None,
+                   help="the largest patch side in pixels for patching policies, UNet models (default: the server's)")
     p.add_argument("--requests", type=int, default=30, help="requests per policy (default: %(default)s)")
     p.add_argument("--rate", type=float, default=0.5, help="mean arrivals in requests/s, Poisson (default: %(default)s)")
     p.add_argument("--sizes", default="256,384", help="comma-separated square sides in pixels (default: %(default)s)")

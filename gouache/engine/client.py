@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from concurrent.futures import Future
@@ -113,8 +112,6 @@ class AsyncEngine(AdapterCalls):
         one_device = caches_blocks(policy, self.pool.num_devices)
         info = replace(info, deadlines=policy.uses_deadlines, block_cache=one_device,
                        templates=one_device)
-        if policy.mixes_resolutions and self.runner.family.patches:  # every latent must cut into whole patches
-            info = replace(info, size_step=math.lcm(info.size_step, engine_config.patch_size))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw
             info = replace(info, sizes=tuple(sorted((w, h) for h, w in priced)))
@@ -139,7 +136,8 @@ class AsyncEngine(AdapterCalls):
     def from_config(cls, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
         import torch
 
-        from gouache.runner.models import load_pipeline, model_id, model_info
+        from gouache.runner.families import FAMILIES
+        from gouache.runner.models import family_of, load_pipeline, model_id, model_info
         from gouache.sched.costmodel import BatchCostModel
         from gouache.sched.parallel_costmodel import ParallelCostModel
         from gouache.sched.costmodel import load as load_cost_model
@@ -158,6 +156,10 @@ class AsyncEngine(AdapterCalls):
             raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
                              "several devices, where the block cache does not apply")
         pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
+        family = FAMILIES[family_of(pipe)]
+        if engine_config.patch_size is not None and not family.patches:
+            raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
+                             "tokens into one sequence; patches are for UNet models")
         templates = engine_config.templates
         if templates.cost_model:
             load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit

@@ -17,7 +17,7 @@ from gouache.outputs import StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
-from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, cache_request
+from gouache.runner.families.base import cache_request
 from gouache.runner.sampler import DenoiseState
 from gouache.runner.template_reuse import (
     TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
@@ -32,7 +32,7 @@ class ModelRunner:
     before the scheduler learns of its request, and removed only where no step can be using it:
     by the engine thread between steps, or by a stage once the request left the scheduler."""
 
-    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS, block_cache: BlockCacheConfig | None = None,
+    def __init__(self, pipe, patch_pixels: int | None = None, block_cache: BlockCacheConfig | None = None,
                  templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True,
                  controlnets: ControlNetConfig | None = None):
         self.pipe = pipe

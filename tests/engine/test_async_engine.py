@@ -6,9 +6,10 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from gouache.config import EngineConfig, SchedulerConfig
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.client import AsyncEngine
 from gouache.errors import GouacheError, InvalidRequestError, QueueFullError
 from gouache.outputs import ImageEvent, PartialImageEvent, ProgressEvent
@@ -202,7 +203,7 @@ def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
     pipe = pipes("tiny-sdxl")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
     steps = record_steps(engine)
-    assert engine.info.size_step == 32  # sizes must cut into whole patches
+    assert engine.info.size_step == 16  # the model's own: each forward picks patches that cut its sizes
 
     async def scenario():
         await engine.start()
@@ -219,6 +220,48 @@ def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
     sizes = [Image.open(io.BytesIO(r[0].image)).size for r in results]
     assert sizes == [(64, 64), (96, 64), (64, 128)]
     assert max(len(ids) for ids in steps) == 3  # all three sizes in one step's single forward
+
+
+def test_patched_serves_every_size_the_model_takes_equal_to_one_forward_per_size(pipes):
+    # the patch side was 128 px whatever the model: shapes-unet's 64-128 px sizes were 400s
+    pipe = pipes("shapes-unet")
+    sizes = ((64, 64), (96, 96), (128, 64), (64, 128), (128, 128))
+    results = {}
+    for policy in ("patched", "orca"):
+        engine = AsyncEngine(pipe, model_info(pipe, "shapes-unet"), EngineConfig(), SchedulerConfig(policy=policy))
+        assert engine.info.size_step == 32
+        steps = record_steps(engine)
+
+        async def scenario():
+            await engine.start()
+            now = time.monotonic()
+            handles = [await engine.submit([ImageRequest(f"{w}x{h}-0", "a red circle", w, h, 3, 5.0, seed=1,
+                                                         arrival_time=now)]) for w, h in sizes]
+            out = [(await handle.images())[0] for handle in handles]
+            await engine.aclose()
+            return out
+
+        results[policy] = [np.asarray(Image.open(io.BytesIO(event.image))).astype(int) for event in run(scenario())]
+        if policy == "patched":
+            assert max(len(ids) for ids in steps) == len(sizes)  # one forward: 32 px patches fit them all
+    for patched, plain in zip(results["patched"], results["orca"]):
+        assert np.abs(patched - plain).max() <= 1
+
+
+def test_the_largest_patch_that_fits_every_image_of_a_forward_is_used(pipes):
+    from gouache.runner.families import make_family
+
+    family = make_family(pipes("shapes-unet"), None)  # latents of 8 to 16 cells; patches of 4, 8 or 16
+    assert [family.layout([torch.zeros(4, h, w) for h, w in shapes]).patch
+            for shapes in ([(16, 16)], [(16, 16), (8, 16)], [(16, 16), (12, 12)], [(8, 8), (12, 8)])] == [16, 8, 4, 4]
+    assert make_family(pipes("shapes-unet"), 64).layout([torch.zeros(4, 16, 16)]).patch == 8  # capped at 64 px
+    with pytest.raises(ValueError, match="multiple of 32 pixels"):
+        make_family(pipes("shapes-unet"), 48)
+
+
+def test_a_patch_size_is_refused_for_a_dit_which_would_ignore_it():
+    with pytest.raises(ValueError, match="--patch-size would be ignored: sd3 models"):
+        AsyncEngine.from_config(ModelConfig("tiny-sd3"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
 
 
 class _Fixed:

@@ -12,5 +12,5 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
-def make_family(pipe, patch_pixels: int) -> Family:
+def make_family(pipe, patch_pixels: int | None) -> Family:
     return FAMILIES[family_of(pipe)](pipe, patch_pixels)

@@ -7,20 +7,19 @@ over any number of requests of one latent shape, each at its own step.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
 
 from gouache.cache.block_cache import BlockCache
+from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.request import ImageRequest
 from gouache.runner.block_reuse import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
 from gouache.runner.template_reuse import TemplateCache, TemplateRequest
-
-
-DEFAULT_PATCH_PIXELS = 128  # patch side in image pixels: a common factor of 256..1024 sizes
 
 
 class Family(ABC):
@@ -32,15 +31,24 @@ class Family(ABC):
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
 
-    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
+    def __init__(self, pipe, patch_pixels: int | None = None):
+        """`patch_pixels`: the largest patch side of a patched forward (None: DEFAULT_PATCH_PIXELS);
+        families that do not cut images into patches ignore it."""
         self.pipe = pipe
         self.device = pipe.device
         self.dtype = pipe.dtype
         self.vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
-        if self.patches and patch_pixels % self.vae_scale:
-            raise ValueError(f"patch size must be a multiple of {self.vae_scale} pixels for {self.name}, got {patch_pixels}")
-        self.patch_pixels = patch_pixels
-        self.patch = patch_pixels // self.vae_scale  # patch side in latent pixels
+        self.patch_pixels = DEFAULT_PATCH_PIXELS if patch_pixels is None else patch_pixels
+        step = self.vae_scale * self.patch_factor
+        if self.patches and self.patch_pixels % step:
+            raise ValueError(f"patch size must be a multiple of {step} pixels (the size step) for this {self.name} "
+                             f"model, got {self.patch_pixels}")
+        self.patch = self.patch_pixels // self.vae_scale  # the largest patch side in latent pixels
+
+    @property
+    def patch_factor(self) -> int:
+        """What a patch's latent side must be a multiple of (for a UNet: its downsamplings)."""
+        return 1
 
     # -- preparation (prep thread) --------------------------------------------------------
 
@@ -212,7 +220,14 @@ class Family(ABC):
         """Tokens of one of the state's images."""
 
     def layout(self, samples: list[torch.Tensor]) -> PatchLayout:
-        return PatchLayout.build([tuple(x.shape[-2:]) for x in samples], self.patch)
+        """The forward's patches: the largest side up to `patch` that cuts every image whole (a
+        multiple of `patch_factor`; every size the model takes is one), so mixing sizes never
+        narrows the sizes served."""
+        shapes = [tuple(x.shape[-2:]) for x in samples]
+        common = math.gcd(*(side for shape in shapes for side in shape))
+        top = self.patch - self.patch % self.patch_factor
+        side = next(p for p in range(top, 0, -self.patch_factor) if common % p == 0)
+        return PatchLayout.build(shapes, side)
 
     @abstractmethod
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

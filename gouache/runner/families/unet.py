@@ -9,7 +9,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from gouache.request import ImageRequest
 from gouache.runner.block_reuse import CacheRequest
-from gouache.runner.families.base import DEFAULT_PATCH_PIXELS, Family, by_state, cat_cond, row_timesteps
+from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState
 from gouache.runner.template_reuse import TemplateRequest
@@ -20,11 +20,14 @@ class StableDiffusionFamily(Family):
     name = "sd"
     passes_step_kwargs = True
 
-    def __init__(self, pipe, patch_pixels: int = DEFAULT_PATCH_PIXELS):
+    def __init__(self, pipe, patch_pixels: int | None = None):
         super().__init__(pipe, patch_pixels)
         self.unet = pipe.unet
         self.native_inpaint = self.needs_image = self.unet.config.in_channels == 9
 
+    @property
+    def patch_factor(self) -> int:
+        return 2 ** self.pipe.unet.num_upsamplers  # a patch halves whole at every level down
     @property
     def blends_edits(self) -> bool:
         return not self.native_inpaint
