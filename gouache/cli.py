@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--devices", type=int, default=EngineConfig.devices,
                        help="devices (worker processes or actors) under --executor multiproc or ray; more than one for "
                             f"{_policies_where('max_devices', None)} (default: %(default)s)")
+    serve.add_argument("--worker-timeout", type=float, default=EngineConfig.worker_timeout_s, action=Given,
+                       help="seconds a device worker under --executor multiproc or ray may owe a reply and answer "
+                            "nothing before it is taken for hung: killed, its requests failed, its device lost; "
+                            "more than the 60 s collective timeout (default: %(default)s)")
     serve.add_argument("--replicas", type=int, default=ReplicaConfig.replicas,
                        help="engine processes behind this API server, each with its own model and --devices; "
                             "1 runs the engine in the server's process (default: %(default)s)")
@@ -262,6 +266,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if "patch_size" in given(args) and not policy.mixes_resolutions:
         ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_resolutions')} "
                                  "cut them into patches")
+    if "worker_timeout" in given(args) and args.executor == "uniproc":
+        ignored["worker_timeout"] = "--executor uniproc runs the model in the server's own process: no worker to wait for"
     for flag in ("lora_mb", "lora_bound"):
         if flag in given(args) and not args.lora_dir:
             ignored[flag] = "without --lora-dir no request can name an adapter"
@@ -273,14 +279,15 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         ModelConfig(args.model, args.dtype, args.device),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
-                     devices=args.devices, ray_address=args.ray_address,
+                     devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,
                                               cost_model=args.template_cost_model),
                      loras=LoraConfig(args.lora_dir, args.lora_mb << 20, args.lora_bound),
                      controlnets=ControlNetConfig(args.controlnet_dir, args.controlnet_workers, args.controlnet_mode,
-                                                  args.controlnet_mb << 20, args.torch_threads)),
+                                                  args.controlnet_mb << 20, args.torch_threads,
+                                                  reply_timeout_s=0.8 * args.worker_timeout)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                         round_s=args.round_s),
     )

@@ -12,6 +12,13 @@ EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache
 _DTYPES = ("float32", "float16", "bfloat16")
 CONTROLNET_MODES = ("sync", "async")  # residuals of step t join step t, or step t + 1
 MAX_BLOCK_CACHE_THRESHOLD = 1.0  # a relative change of 1 is as large as the input itself
+# How long a device worker (process or actor) that owes a reply may stay silent before it is taken
+# for hung, killed and lost like a dead one. A step of a full-size model takes tens of seconds on
+# a many-core CPU, and a request's first step on a worker also reads its adapters; five minutes
+# leaves room for both, is well past the collective timeout (60 s: a worker waiting in a
+# collective on a hung peer gives up first, so only the hung one is killed), and finds a hung
+# worker inside the 600 s request timeout, so its requests fail with the reason.
+WORKER_TIMEOUT_S = 300.0
 DEFAULT_PATCH_PIXELS = 128  # the largest patch side by default: PatchedServe's, a common factor of 256..1024 sizes
 
 
@@ -134,6 +141,10 @@ class ControlNetConfig:
     model_bytes: int = 4 << 30  # ControlNet weights each process keeps loaded (least recently used leave first)
     torch_threads: int | None = None  # intra-op threads of each service process; None: torch's default
     service: ServiceAddress | None = None  # the running service (set by whoever starts it); None: none yet
+    # a service worker that sends no residuals this long for one forward is taken for hung (its
+    # requests fail); under a device worker it must be less than that worker's timeout, so the
+    # worker gives up on the service before it is taken for hung itself (EngineConfig checks)
+    reply_timeout_s: float = 0.8 * WORKER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         _check(self.workers >= 0, f"ControlNet workers must be >= 0, got {self.workers}")
@@ -142,6 +153,7 @@ class ControlNetConfig:
                "async ControlNet residuals need the ControlNet service: give --controlnet-workers 1 or more")
         _check(self.model_bytes >= 0, f"ControlNet memory must be >= 0 bytes, got {self.model_bytes}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "ControlNet torch_threads must be >= 1")
+        _check(self.reply_timeout_s > 0, f"ControlNet reply_timeout_s must be positive, got {self.reply_timeout_s}")
 
 
 @dataclass
@@ -159,6 +171,7 @@ class EngineConfig:
     executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
+    worker_timeout_s: float = WORKER_TIMEOUT_S  # under multiproc / ray: a worker silent this long while it owes a reply is hung
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
     loras: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
@@ -175,6 +188,10 @@ class EngineConfig:
         _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
         _check(self.executor != "uniproc" or self.devices == 1,
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
+        _check(self.worker_timeout_s > 0, f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
+        _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
+               f"the ControlNet service's reply timeout ({self.controlnets.reply_timeout_s:g} s) must be less than "
+               f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")
         _check(self.ray_address is None or self.executor == "ray",
                f"a Ray address is read only by the ray executor, not {self.executor!r}")
         _check(not (self.controlnets.workers and self.executor == "ray"),

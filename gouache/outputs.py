@@ -16,6 +16,9 @@ class StepOutput:
     forward_s: float  # wall time of the model forwards (and sampler steps) of this step
     collective_s: float = 0.0  # of which in sequence-parallel collectives (all-to-all, all-gather), on one rank
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step failed (it did not advance)
+    # of those, the ones whose own input is at fault (an adapter file that cannot serve them):
+    # request id -> the request field to fix; answered 400, the others 500
+    invalid: dict[str, str] = field(default_factory=dict)
     reused_blocks: int = 0  # unit-blocks the block cache reused in this step (units: patches or images)
     computed_blocks: int = 0  # ... and computed, of the images it caches
     cache_bytes: int = 0  # the block cache's activations held after it

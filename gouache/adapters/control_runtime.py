@@ -78,7 +78,7 @@ class ControlRuntime:
         if config.service is not None and not self.unsupported:
             from gouache.adapters.control_service import ControlClient
 
-            self.client = ControlClient(config.service)
+            self.client = ControlClient(config.service, config.reply_timeout_s)
         self.embeddings = Embeddings()  # in-process runs: each request's conditioning, embedded once
         self._runs: dict[str, int] = {}  # ControlNet runs by mode since the last report
         self._wait_s = 0.0  # seconds forwards waited for residuals since the last report

@@ -30,17 +30,10 @@ import torch
 
 from gouache.adapters.control_cache import ControlNetCache
 from gouache.adapters.controlnet import Base, Embeddings, residuals
-from gouache.adapters.directory import ControlNetError
+from gouache.adapters.directory import ControlNetError, ControlNetUnavailable
 from gouache.config import ServiceAddress
 
 log = logging.getLogger(__name__)
-
-
-REPLY_TIMEOUT_S = 300.0  # a worker that computes one forward's residuals longer than this is taken for hung
-
-
-class ControlNetUnavailable(ControlNetError):
-    """The service worker of a ControlNet is gone (it is being restarted)."""
 
 
 # -- tensors through shared memory ---------------------------------------------------------
@@ -100,11 +93,11 @@ class Buffer:
 # -- the worker processes --------------------------------------------------------------------
 
 
-def _worker_main(socket: str, authkey: bytes, directory: str | None, base: Base, budget: int,
+def _worker_main(index: int, socket: str, authkey: bytes, directory: str | None, base: Base, budget: int,
                  threads: int | None) -> None:
     from gouache.children import become_child
 
-    become_child()
+    become_child(f"gouache-cn-{index}")
     if threads:
         torch.set_num_threads(threads)
     cache = ControlNetCache(directory, base, budget)
@@ -198,7 +191,7 @@ class ControlService:
         if os.path.exists(socket):
             os.unlink(socket)
         process = self._context.Process(target=_worker_main, name=f"gouache-controlnet-{i}", daemon=True,
-                                        args=(socket, self.address.authkey, *self._args))
+                                        args=(i, socket, self.address.authkey, *self._args))
         process.start()
         return process
 
@@ -262,8 +255,9 @@ class Pending:
 class ControlClient:
     """One runner's connections to the service (one per worker, made on first use)."""
 
-    def __init__(self, address: ServiceAddress):
+    def __init__(self, address: ServiceAddress, reply_timeout_s: float):
         self.address = address
+        self.reply_timeout_s = reply_timeout_s  # a worker silent this long over one forward is taken for hung
         self._links: dict[int, _Link] = {}
         self._forget: dict[int, list[str]] = {}
         self.counts: dict[str, int] = {}
@@ -311,8 +305,8 @@ class ControlClient:
         if link is None:
             raise ControlNetUnavailable(f"ControlNet service worker {worker} died; it is being restarted")
         try:
-            if not link.conn.poll(REPLY_TIMEOUT_S):
-                raise TimeoutError(f"no answer in {REPLY_TIMEOUT_S:g} s")
+            if not link.conn.poll(self.reply_timeout_s):
+                raise TimeoutError(f"no answer in {self.reply_timeout_s:g} s")
             status, value = link.conn.recv()
         except (OSError, EOFError) as error:  # TimeoutError is an OSError: a hung worker is dropped as a dead one
             self._lost(worker, error)
@@ -348,8 +342,10 @@ class ControlClient:
         try:
             with connection.Client(self.address.sockets[worker], "AF_UNIX", authkey=self.address.authkey) as conn:
                 conn.send(("load", name))
+                if not conn.poll(self.reply_timeout_s):
+                    raise TimeoutError(f"no answer in {self.reply_timeout_s:g} s")
                 status, value = conn.recv()
-        except (OSError, EOFError) as error:
+        except (OSError, EOFError) as error:  # TimeoutError is an OSError
             raise ControlNetUnavailable(f"ControlNet service worker {worker} is unavailable ({error})") from None
         if status == "error":
             raise ControlNetError(value)

@@ -48,6 +48,11 @@ class ControlNetError(ValueError):
     (the API answers 400)."""
 
 
+class ControlNetUnavailable(ControlNetError):
+    """The service worker of a ControlNet is gone (it is being restarted): the server's failure,
+    not the request's."""
+
+
 class UnknownControlNet(ControlNetError):
     """No such ControlNet in the directory."""
 

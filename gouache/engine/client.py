@@ -20,7 +20,7 @@ from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.adapters.controlnet import Base
 from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
-from gouache.engine.core import EngineCore, StepReport
+from gouache.engine.core import EngineCore, PoolLost, StepReport
 from gouache.engine.handle import EngineStats, RequestHandle
 from gouache.engine.heap_trim import HeapTrimmer
 from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
@@ -60,10 +60,11 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
-        return RayExecutor(spec, engine_config.devices, engine_config.ray_address)
+        return RayExecutor(spec, engine_config.devices, engine_config.ray_address,
+                           reply_deadline_s=engine_config.worker_timeout_s)
     from gouache.executor.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(spec, engine_config.devices)
+    return MultiprocExecutor(spec, engine_config.devices, reply_deadline_s=engine_config.worker_timeout_s)
 
 
 @dataclass
@@ -238,6 +239,8 @@ class AsyncEngine(AdapterCalls):
         api_id = requests[0].request_id.rsplit("-", 1)[0]
         handle = RequestHandle(api_id, len(requests), self._loop, lambda: self._cancel(api_id))
         with self._lock:
+            if self._dead:  # it died during the awaits above: `_on_death` would not see these
+                raise EngineStoppedError("the engine is not running")
             self._check_capacity(len(requests))  # again: others may have got in during the decode
             for index, request in enumerate(requests):
                 self._images[request.request_id] = _Image(request, handle, index)
@@ -350,15 +353,21 @@ class AsyncEngine(AdapterCalls):
                 message = f"the request cannot finish within its slo_ms={slo:g} even if started now; it was dropped"
                 self._fail(entry.handle.request_id, DeadlineUnattainableError(message))
 
-    def _on_step_failure(self, reasons: dict[str, str]) -> None:
+    def _on_step_failure(self, reasons: dict[str, str], invalid: dict[str, str]) -> None:
+        """Requests whose step failed: a 400 naming the field where their own input failed them
+        (an adapter file caught half-written), else the server's failure (500)."""
         for rid, why in reasons.items():
             entry = self._images.get(rid)
-            if entry is not None:
-                self._fail(entry.handle.request_id, WorkerFailureError(f"denoising failed: {why}"))
+            if entry is None:
+                continue
+            error = (InvalidRequestError(why, invalid[rid]) if rid in invalid
+                     else WorkerFailureError(f"denoising failed: {why}"))
+            self._fail(entry.handle.request_id, error)
 
     def _on_death(self, error: BaseException) -> None:
         self._dead = True
-        self._fail_all(EngineStoppedError(f"the engine stopped ({type(error).__name__}: {error}); the server exits"))
+        why = str(error) if isinstance(error, PoolLost) else f"{type(error).__name__}: {error}"  # else a bug's
+        self._fail_all(EngineStoppedError(f"the engine stopped ({why}); the server exits"))
         self._loop.call_soon_threadsafe(self.died.set)
 
     # -- post-processing -------------------------------------------------------------------

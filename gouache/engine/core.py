@@ -8,9 +8,11 @@ runs inside `submit`. Runs in its own thread. Everything else (text encoding, VA
 codecs) happens in the stages, so a step is never held up by them. Other threads talk to the
 loop only through its inbox.
 
-A device whose worker dies is lost for good: the requests running on it or holding their
-state there fail with an explicit error, and the pool plans on the devices left; with none
-left the engine is dead.
+A device whose worker dies (or hangs past its executor's deadline, which kills it) is lost for
+good: the requests running on it or holding their state there fail with an explicit error, and
+the pool plans on the devices left. When the policy cannot plan on those (none left, or no
+aligned block of k for fixed-sp-k) the engine stops, as it would on a bug, so that the server
+fails what waits with the reason and reports itself dead instead of holding requests forever.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from gouache.sched.plan import Batch
 from gouache.sched.scheduler import Run, Scheduler
 
 log = logging.getLogger(__name__)
+
+
+class PoolLost(RuntimeError):
+    """The devices left cannot run the policy: the engine stops."""
 
 
 @dataclass
@@ -61,13 +67,15 @@ class EngineCore:
     concerns and the loop goes on. Should the loop itself die (a bug), `on_death` is told."""
 
     def __init__(self, runner: DevicePool, scheduler: Scheduler, metrics: Metrics,
-                 on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str]], None],
+                 on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str], dict[str, str]], None],
                  on_drop: Callable[[list[str]], None], on_death: Callable[[BaseException], None]):
         self.runner = runner
         self.scheduler = scheduler
         self.metrics = metrics
         self.on_step = on_step  # called in the loop thread after every step
-        self.on_failure = on_failure  # called with {request id: why} of requests that failed and were forgotten
+        # called with {request id: why} of requests that failed and were forgotten, and {request id:
+        # the request field at fault} of those whose own input failed them (StepOutput.invalid)
+        self.on_failure = on_failure
         self.on_drop = on_drop  # called with the ids the policy dropped (deadline unattainable)
         self.on_death = on_death  # called in the loop thread if the loop itself raises
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,15 +110,22 @@ class EngineCore:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work())
                 self.step()
+        except PoolLost as error:  # not a bug: the workers it needs are gone; the server exits non-zero
+            log.critical("the engine stops: %s", error)
+            self._die(error)
         except BaseException as error:  # a bug in the loop: say so; the server exits non-zero
             log.critical("the engine loop died", exc_info=True)
-            self._stop.set()  # `running` is False from here on
-            self.on_death(error)
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        self._stop.set()  # `running` is False from here on
+        self.on_death(error)
 
     def step(self, wait_s: float = 0.05) -> StepReport | None:
         """Launch a step of every ready run not stepping (planning when the scheduler has
         something to decide), then finish one step that has ended, waiting up to `wait_s`
         seconds for one; None if none ended (or none was launched)."""
+        self._lose_idle_workers()
         self._launch(time.monotonic())
         if not self._flights:
             return None
@@ -150,14 +165,16 @@ class EngineCore:
         try:
             output = flight.future.result()
         except WorkerDied as error:
-            self._lose(run, ids, error)
+            if run in self.scheduler.runs:
+                self.scheduler.end(run)
+            self._lose(self.runner.dead() - self.scheduler.lost, dict.fromkeys(ids, str(error)), str(error))
             return None
         except Exception as error:  # outside any one request's work: the step's requests fail
             log.error("denoising step failed: %s", error)
             self.scheduler.end(run)
             self._fail({rid: f"denoising failed: {error}" for rid in ids})
             return None
-        self._fail(output.failed)
+        self._fail(output.failed, output.invalid)
         finished = self.scheduler.advance(run, output.request_ids, time.monotonic()).finished
         step_s = time.perf_counter() - flight.start
         report = StepReport(flight.batch, output, finished, flight.states, step_s)
@@ -200,19 +217,31 @@ class EngineCore:
         for seconds in output.controlnet_load_s:
             self.metrics.controlnet_load_time.observe(seconds)
 
-    def _lose(self, run: Run, ids: list[str], error: WorkerDied) -> None:
-        """A worker died: its devices are lost, and with them the requests that were there."""
-        dead = self.runner.dead()
-        if run in self.scheduler.runs:
-            self.scheduler.end(run)
-        reasons = dict.fromkeys(ids, str(error))
+    def _lose_idle_workers(self) -> None:
+        """Lose the devices whose workers died with no step of theirs in flight, before a plan
+        can use them; a device that is stepping is lost when its step fails, with its worker's
+        own reason."""
+        stepping = {d for f in self._flights for d in f.batch.devices}
+        dead = self.runner.dead() - self.scheduler.lost - stepping
+        if dead:
+            self._lose(dead, {}, "; ".join(str(WorkerDied(d)) for d in sorted(dead)))
+
+    def _lose(self, dead: set[int], failed: dict[str, str], why: str) -> None:
+        """Devices `dead` are lost for good (`why`: their workers died). The requests of a step
+        that failed with them (`failed`: id -> reason) and those whose state was there fail;
+        raises `PoolLost` if the policy cannot plan on the devices left."""
+        reasons = dict(failed)
         for state in self.scheduler.lose(dead):
-            reasons.setdefault(state.request_id, f"its latents were on a device that died ({error})")
+            reasons.setdefault(state.request_id, f"its latents were on a device that died ({why})")
         for rid in self.runner.stranded(dead):
-            reasons.setdefault(rid, f"its latents were on a device that died ({error})")
+            reasons.setdefault(rid, f"its latents were on a device that died ({why})")
         self._fail(reasons)
-        if len(self.scheduler.lost) == self.scheduler.num_devices:
-            raise RuntimeError(f"every device's worker died; the last: {error}")
+        if not self.scheduler.can_serve():
+            policy, lost = self.scheduler.policy, sorted(self.scheduler.lost)
+            left = ", ".join(map(str, self.scheduler.live().free)) or "none"
+            raise PoolLost(f"policy {policy.name!r} cannot run without device{'s' * (len(lost) > 1)} "
+                           f"{', '.join(map(str, lost))}: it needs {policy.needs(self.scheduler.num_devices)}, "
+                           f"and the devices left are {left} ({why})")
 
     def _schedule(self, now: float) -> bool:
         """Ask for a plan, reporting dropped requests; whether it gave runs or drops (so the
@@ -233,12 +262,12 @@ class EngineCore:
             self.on_drop(plan.drop)
         return bool(plan)
 
-    def _fail(self, reasons: dict[str, str]) -> None:
+    def _fail(self, reasons: dict[str, str], invalid: dict[str, str] | None = None) -> None:
         for rid in reasons:
             self.scheduler.abort(rid)
             self.runner.release(rid)
         if reasons:
-            self.on_failure(reasons)
+            self.on_failure(reasons, invalid or {})
 
     def _drain_inbox(self, block: bool) -> None:
         try:

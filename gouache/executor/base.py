@@ -4,18 +4,19 @@
 returns a future of their results in rank order (`collective_rpc` waits for it). A batch of
 degree k is one submit to its block's k ranks, which run it together. A worker that dies fails
 every call pending on it with `WorkerDied` as soon as its executor notices (the pipe closing,
-the actor dying), and stays in `dead()`.
+the actor dying), and stays in `dead()`. So does a worker that hangs: one that owes a reply and
+sends none for the executor's reply deadline is killed (`ReplyWatch`), so no call waits forever.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
-
 
 class WorkerDied(RuntimeError):
     """A worker process (device) is gone; calls on it fail with this."""
@@ -72,3 +73,63 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+class ReplyWatch:
+    """Finds hung workers (alive, answering nothing): a worker that owes replies and has sent none
+    for `deadline_s` seconds is reported to `on_hung(rank, why)`, once; the executor kills it and
+    fails its calls with `WorkerDied`, as if it had died.
+
+    A worker answers its calls in order, so silence runs from its last reply, or from the call
+    that ended its last idle spell: a call queued behind a long one is not charged the wait, and
+    a worker that keeps answering is never hung however much it owes. A worker waiting in a
+    collective on a hung peer is silent too; it gives up at the collective timeout, which the
+    deadline must exceed, else both would be taken for hung."""
+
+    def __init__(self, num_workers: int, deadline_s: float, collective_timeout_s: float,
+                 on_hung: Callable[[int, str], None]):
+        if deadline_s <= collective_timeout_s:
+            raise ValueError(f"the reply deadline ({deadline_s:g} s) must exceed the collective timeout "
+                             f"({collective_timeout_s:g} s): a worker waiting in a collective on a hung peer "
+                             "must give up before it is taken for hung too")
+        self.deadline_s = deadline_s
+        self.on_hung = on_hung
+        self._owed = [0] * num_workers  # calls sent to each worker and not answered yet
+        self._since = [0.0] * num_workers  # monotonic time each worker's silence began (read while it owes)
+        self._reported: set[int] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gouache-reply-watch", daemon=True)
+
+    def start(self) -> None:
+        """Watch from now (after the workers' start, which has its own, longer, timeout)."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def sent(self, rank: int) -> None:
+        """A call is about to go to `rank` (before it is sent, so that its reply comes after)."""
+        with self._lock:
+            if self._owed[rank] == 0:
+                self._since[rank] = time.monotonic()
+            self._owed[rank] += 1
+
+    def replied(self, rank: int) -> None:
+        with self._lock:
+            self._owed[rank] -= 1
+            self._since[rank] = time.monotonic()
+
+    def hung(self, now: float) -> list[int]:
+        """The workers silent past the deadline at `now` that were not reported yet (they are now)."""
+        with self._lock:
+            found = [rank for rank, owed in enumerate(self._owed)
+                     if owed > 0 and rank not in self._reported and now - self._since[rank] > self.deadline_s]
+            self._reported.update(found)
+        return found
+
+    def _watch(self) -> None:
+        tick = min(1.0, self.deadline_s / 10)
+        while not self._stopped.wait(tick):
+            for rank in self.hung(time.monotonic()):
+                self.on_hung(rank, f"it answered nothing for {self.deadline_s:g} s (hung) and was killed")

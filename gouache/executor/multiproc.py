@@ -5,7 +5,8 @@ process groups of every aligned device block up front, in the same order on ever
 batch can run on any block at any degree without making a group while serving. Calls go over
 one pipe per worker (tensors through shared memory, torch's multiprocessing pickler); one
 thread per worker reads its replies, and a closed pipe means the worker died: every call
-pending on it fails with `WorkerDied` at once and the rank stays dead.
+pending on it fails with `WorkerDied` at once and the rank stays dead. A worker that owes a reply
+and sends none for `reply_deadline_s` is taken for hung: it is killed and treated the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from gouache.children import become_child
-from gouache.executor.base import Executor, Gather, WorkerDied, free_port
+from gouache.config import WORKER_TIMEOUT_S
+from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port
 from gouache.executor.worker import WorkerSpec, join_world
 
 log = logging.getLogger(__name__)
@@ -30,10 +32,11 @@ class MultiprocExecutor(Executor):
     kind = "multiproc"
 
     def __init__(self, spec: WorkerSpec, num_devices: int, start_timeout_s: float = 600.0,
-                 collective_timeout_s: float = 60.0):
+                 collective_timeout_s: float = 60.0, reply_deadline_s: float = WORKER_TIMEOUT_S):
         if num_devices < 1:
             raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         self.num_devices = num_devices
+        self._watch = ReplyWatch(num_devices, reply_deadline_s, collective_timeout_s, self._hung)
         context = mp.get_context("spawn")
         port = free_port()
         self._procs, self._conns, self._send_locks = [], [], []
@@ -60,6 +63,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self._watch.start()
 
     def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
         ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
@@ -72,6 +76,7 @@ class MultiprocExecutor(Executor):
             call_id = next(self._ids)
             self._calls[call_id] = call
         for rank in ranks:
+            self._watch.sent(rank)
             try:
                 with self._send_locks[rank]:
                     self._conns[rank].send((call_id, method, args))
@@ -86,6 +91,7 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._closing = True
+        self._watch.stop()
         for rank, conn in enumerate(self._conns):
             try:
                 with self._send_locks[rank]:
@@ -114,10 +120,17 @@ class MultiprocExecutor(Executor):
                 code = self._procs[rank].exitcode
                 self._died(rank, "shut down" if self._closing else f"its process ended (exit code {code})")
                 return
+            self._watch.replied(rank)
             with self._lock:
                 call = self._calls.get(call_id)
             if call is not None:
                 call.reply(rank, ok, value)
+
+    def _hung(self, rank: int, why: str) -> None:
+        """A worker past its reply deadline: its calls fail with `why` first, then it is killed
+        (its pipe then closes, and the reader finds it dead already)."""
+        self._died(rank, why)
+        self._procs[rank].kill()
 
     def _died(self, rank: int, why: str) -> None:
         with self._lock:
@@ -139,7 +152,7 @@ def _worker_main(rank: int, world: int, port: int, spec: WorkerSpec, collective_
     """A worker process: join the world, load the model, serve calls."""
     import torch.distributed as dist
 
-    become_child()  # the engine stops its workers itself
+    become_child(f"gouache-dev-{rank}")  # the engine stops its workers itself
     device = f"cuda:{rank}" if spec.cuda else "cpu"  # worker i on cuda:i
     worker = join_world(rank, world, f"tcp://127.0.0.1:{port}", spec, device, collective_timeout_s)
     while True:

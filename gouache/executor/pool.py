@@ -100,8 +100,11 @@ class DevicePool:
         self.runner.release(request_id)
         with self._lock:
             where = self.held.pop(request_id, None)
-        if where is not None and not self.executor.dead() & set(where):
-            self.executor.submit("release", ([request_id],), ranks=where)
+        if where is None:
+            return
+        live = [d for d in where if d not in self.executor.dead()]  # a dead block-mate's copy went with it
+        if live:
+            self.executor.submit("release", ([request_id],), ranks=live)
 
     def stranded(self, dead: set[int]) -> list[str]:
         """The requests whose only state beyond the driver's sampler was on a dead device."""

@@ -6,7 +6,8 @@ reserves its device (one GPU under CUDA, where Ray makes it the actor's `cuda:0`
 otherwise) and runs the same `Worker` as `multiproc`: it joins one torch.distributed world
 (gloo / NCCL) whose rendezvous is a free port on rank 0's node, and makes every aligned block's
 group up front. A call is an actor method call per rank; an actor that dies fails its calls
-with `WorkerDied` as soon as Ray reports it, and its rank stays dead.
+with `WorkerDied` as soon as Ray reports it, and its rank stays dead. An actor that owes a
+reply and sends none for `reply_deadline_s` is taken for hung: it is killed and treated the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from gouache.executor.base import Executor, Gather, WorkerDied, free_port
+from gouache.config import WORKER_TIMEOUT_S
+from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port
 from gouache.executor.worker import WorkerSpec, join_world
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,9 @@ class RayExecutor(Executor):
     kind = "ray"
 
     def __init__(self, spec: WorkerSpec, num_devices: int, address: str | None = None,
-                 start_timeout_s: float = 600.0, collective_timeout_s: float = 60.0):
+                 start_timeout_s: float = 600.0, collective_timeout_s: float = 60.0,
+                 reply_deadline_s: float = WORKER_TIMEOUT_S):
+        self._watch = ReplyWatch(num_devices, reply_deadline_s, collective_timeout_s, self._hung)
         ray = require_ray()
         self._owns_ray = connect(address)
         self.num_devices = num_devices
@@ -87,6 +91,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self._watch.start()
 
     def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
         ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
@@ -97,6 +102,7 @@ class RayExecutor(Executor):
             gather.reply(dead[0], False, WorkerDied(dead[0], self._dead[dead[0]]))
             return gather.future
         for rank in ranks:
+            self._watch.sent(rank)
             reply = self._actors[rank].call.remote(method, args).future()
             reply.add_done_callback(lambda f, rank=rank: self._replied(gather, rank, f))
         return gather.future
@@ -106,6 +112,7 @@ class RayExecutor(Executor):
             return set(self._dead)
 
     def shutdown(self) -> None:
+        self._watch.stop()
         ray = require_ray()
         for rank, actor in enumerate(self._actors):
             with self._lock:
@@ -118,7 +125,18 @@ class RayExecutor(Executor):
         """Kill one worker's actor, as a crash would (for tests and fault drills)."""
         require_ray().kill(self._actors[rank])
 
+    def _hung(self, rank: int, why: str) -> None:
+        """An actor past its reply deadline: killed, its calls fail with `why` (Ray reports them
+        failed, and `_replied` names the rank's first reason)."""
+        with self._lock:
+            if rank in self._dead:
+                return
+            self._dead[rank] = why
+        log.error("the worker of device %d died: %s", rank, why)
+        require_ray().kill(self._actors[rank])
+
     def _replied(self, gather: Gather, rank: int, reply: Future) -> None:
+        self._watch.replied(rank)
         error = reply.exception()
         if error is None:
             gather.reply(rank, *reply.result())

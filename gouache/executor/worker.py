@@ -74,11 +74,15 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         torch.set_num_threads(spec.torch_threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=collective_timeout_s)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method,
-                            rank=rank, world_size=world, timeout=timedelta(seconds=collective_timeout_s))
+                            rank=rank, world_size=world, timeout=timeout)
     groups = {}
     for block in aligned_blocks(world):
-        group = dist.new_group(list(block))
+        # A group does not inherit the world's timeout (torch's default is 30 min): without it a
+        # worker waiting in a step's collective on a hung peer would wait that long, and be
+        # taken for hung with it at the executor's reply deadline.
+        group = dist.new_group(list(block), timeout=timeout)
         if rank in block:
             groups[block] = group
     templates = spec.templates  # each device its own store: a shared disk directory would mix their files

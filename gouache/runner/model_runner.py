@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gouache.adapters.control_runtime import ControlRuntime
+from gouache.adapters.directory import ControlNetError, ControlNetUnavailable, LoraError
 from gouache.adapters.runtime import LoraRuntime, LoraStep
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
 from gouache.cache.template_store import TIERS
@@ -116,10 +117,12 @@ class ModelRunner:
         templates = self.templates if cached and any(self.states[rid].template for rid in present) else None
         reused, computed = self.cache.reused, self.cache.computed
         before = templates.counts.snapshot(templates.store) if templates is not None else None
-        lora = LoraStep()
+        lora, invalid = LoraStep(), {}
         adapters = self.loras.arrived([self.states[rid] for rid in present], not cached, failed, lora)
+        invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
         present = [rid for rid in present if rid in adapters]
-        for rid, prediction in self._predict(present, batch.patched, cache, templates, failed, (adapters, lora)):
+        for rid, prediction in self._predict(present, batch.patched, cache, templates, (failed, invalid),
+                                             (adapters, lora)):
             try:
                 self.family.advance(self.states[rid], prediction)
             except Exception as error:
@@ -128,7 +131,7 @@ class ModelRunner:
             else:
                 stepped.append(rid)
         self.cache.settle()
-        output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed,
+        output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed, invalid=invalid,
                             reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
                             cache_bytes=self.cache.nbytes, lora_mode=lora.mode, lora_merge_s=lora.merge_s,
                             lora_waiting=lora.waiting, lora_without=lora.without,
@@ -143,10 +146,12 @@ class ModelRunner:
         return output
 
     def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None, templates: TemplateCache | None,
-                 failed: dict[str, str], lora: tuple[dict, LoraStep]) -> list[tuple[str, torch.Tensor]]:
+                 failures: tuple[dict[str, str], dict[str, str]],
+                 lora: tuple[dict, LoraStep]) -> list[tuple[str, torch.Tensor]]:
         """(id, prediction) of one forward over `ids`, each with the adapters that arrived for it
-        (`lora`: them by id, and the step's adapter report);
-        if it raises, of each request alone, and the requests that fail alone go to `failed`."""
+        (`lora`: them by id, and the step's adapter report); if it raises, of each request
+        alone, and the requests that fail alone go to `failures` (why, and the request field at
+        fault where it is the request's own input: StepOutput's `failed` and `invalid`)."""
         if not ids:
             return []
         states = [self.states[rid] for rid in ids]
@@ -176,10 +181,13 @@ class ModelRunner:
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])
+                failed, invalid = failures
                 failed[ids[0]] = f"{type(error).__name__}: {error}"
+                if fault_of(error) is not None:  # the request's own input: its error says what to fix
+                    failed[ids[0]], invalid[ids[0]] = str(error), fault_of(error)
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        return [pair for rid in ids for pair in self._predict([rid], False, cache, templates, failed, lora)]
+        return [pair for rid in ids for pair in self._predict([rid], False, cache, templates, failures, lora)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;
@@ -200,3 +208,14 @@ class ModelRunner:
         self.controls.release(request_id)
         if self._templates is not None:
             self._templates.release(request_id)
+
+
+def fault_of(error: Exception) -> str | None:
+    """The request field at fault when a request's step fails with `error`: an adapter of its
+    own that cannot serve it (a file caught half-written, one that no longer fits); None when
+    the server is at fault (a ControlNet service worker that died is not the request's doing)."""
+    if isinstance(error, LoraError):
+        return "loras"
+    if isinstance(error, ControlNetError) and not isinstance(error, ControlNetUnavailable):
+        return "controlnets"
+    return None

@@ -65,6 +65,18 @@ class Policy(ABC):
         self.config = config
         self.predictor = predictor
 
+    def can_plan_on(self, live: Devices) -> bool:
+        """Whether it can still plan once the pool is down to `live.free`, every device that is
+        not lost for good (a dead worker), as when nothing runs. When it cannot, the engine
+        stops rather than let requests wait for devices that never come back. A step policy
+        plans every step on device 0 (`one_step`), so by default that one must be live."""
+        return 0 in live.free
+
+    def needs(self, num_devices: int) -> str:
+        """What `can_plan_on` asks of the live devices of a pool of `num_devices`, in words, for
+        the error that stops a pool without it."""
+        return "device 0, where it plans every step"
+
     def degrees(self, num_devices: int) -> set[int]:
         """The sequence-parallel degrees its plans can give a batch on a pool of `num_devices`,
         so a server can refuse, before serving, a degree its model cannot run."""
@@ -75,6 +87,13 @@ class Policy(ABC):
              devices: Devices) -> Plan:
         """`waiting` is in arrival order; `running` (admitted, not in a batch that is still
         running) in admission order; batches may use `devices.free` only."""
+
+
+def aligned_blocks(devices: Devices, k: int) -> list[tuple[int, ...]]:
+    """The aligned blocks of `k` devices (degree k sits on [a*k, (a+1)*k)) all of whose devices
+    are in `devices.free`, in order."""
+    free = set(devices.free)
+    return [block for a in range(0, devices.count - k + 1, k) if free.issuperset(block := tuple(range(a, a + k)))]
 
 
 def group_by_resolution(states: Sequence[RequestState]) -> list[list[str]]:

@@ -106,6 +106,14 @@ class Scheduler:
         gone = [rid for rid, where in self.latents_on.items() if devices & set(where)]
         return [state for rid in gone if (state := self.abort(rid)) is not None]
 
+    def live(self) -> Devices:
+        """The pool as its policy would find it with nothing running: every device not lost."""
+        return Devices(self.num_devices, tuple(d for d in range(self.num_devices) if d not in self.lost))
+
+    def can_serve(self) -> bool:
+        """Whether the policy can still plan on the devices not lost (else requests would wait forever)."""
+        return self.policy.can_plan_on(self.live())
+
     def ready(self) -> list[Run]:
         """The runs that may step now: the first of the runs on each device group."""
         taken: set[int] = set()

@@ -134,3 +134,28 @@ def test_a_controlnet_whose_weights_are_replaced_is_loaded_anew(pipe, tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])  # caught half-written: the request's 400
     with pytest.raises(ControlNetError, match="could not be loaded"):
         cache.get("x")
+
+
+def test_an_adapter_file_spoilt_after_admission_fails_its_request_as_its_own_input(pipe, tmp_path):
+    import numpy as np
+
+    from gouache.config import ControlNetConfig, LoraConfig
+    from gouache.request import ImageRequest
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.sched.plan import Batch
+
+    save_file(random_lora(pipe, seed=1), tmp_path / "x.safetensors")
+    random_controlnet(pipe, seed=1).save_pretrained(str(tmp_path / "c"))
+    runner = ModelRunner(pipe, loras=LoraConfig(str(tmp_path)), controlnets=ControlNetConfig(str(tmp_path)))
+    runner.loras.store.check("x")  # admitted: the file was whole then
+    runner.controls.check("c")
+    for path in (tmp_path / "x.safetensors", tmp_path / "c" / SAFETENSORS):
+        path.write_bytes(path.read_bytes()[:100])  # then caught half-written by the loads
+    control = np.zeros((64, 64, 3), np.uint8)
+    runner.prepare(ImageRequest("lora", "a cat", 64, 64, 2, 4.0, seed=1, loras=(("x", 1.0),)))
+    runner.prepare(ImageRequest("control", "a cat", 64, 64, 2, 4.0, seed=1, controlnets=(("c", b"", 1.0),)), controls=[control])
+    runner.prepare(ImageRequest("plain", "a cat", 64, 64, 2, 4.0, seed=1))
+    assert runner.loras.store.load("x").exception(timeout=60) is not None  # the loader thread read it (and failed)
+    out = runner.execute(Batch(("lora", "control", "plain")))
+    assert out.request_ids == ["plain"] and out.invalid == {"lora": "loras", "control": "controlnets"}
+    assert "not a readable safetensors file" in out.failed["lora"] and "could not be loaded" in out.failed["control"]

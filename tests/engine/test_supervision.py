@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from gouache.config import EngineConfig, SchedulerConfig
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.client import AsyncEngine
-from gouache.errors import GouacheError, InvalidRequestError
+from gouache.errors import EngineStoppedError, GouacheError, InvalidRequestError
 from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
 from gouache.request import ImageRequest
 from gouache.runner.models import model_info
@@ -247,3 +247,50 @@ def test_a_stage_job_that_raises_fails_its_request_and_the_stage_goes_on(pipes, 
         return results, left
 
     assert run(scenario()) == (["worker_failure", "images"], 0)
+
+
+async def ending(handle, started: asyncio.Event | None = None) -> tuple[str, str, int]:
+    """(kind, message, HTTP status) the request ended with ('images', '', 200 for images); sets
+    `started` at its first step."""
+    async for event in handle:
+        if isinstance(event, ProgressEvent) and started is not None:
+            started.set()
+        if isinstance(event, ErrorEvent):
+            return event.kind, event.message, event.status
+        if isinstance(event, ImageEvent):
+            return "images", "", 200
+    raise AssertionError("the request's events ended without an image or an error")
+
+
+def test_fixed_sp_2_stops_when_a_worker_dies_and_every_request_ends():
+    """Issue 32, item 3. Before: the request on the dead worker failed, the others (and any new
+    one) waited until the request timeout, and the engine said ok: fixed-sp-2 needs an aligned
+    pair of live devices and one of two can never give it. Now the engine stops as when every
+    device dies: the waiting requests fail with 503 saying why, new ones are refused."""
+    engine = AsyncEngine.from_config(ModelConfig("tiny-sd"),
+                                     EngineConfig(executor="multiproc", devices=2, torch_threads=1),
+                                     SchedulerConfig(policy="fixed-sp-2"))
+
+    async def scenario():
+        await engine.start()
+        try:
+            started = asyncio.Event()
+            handles = [await engine.submit(images(f"r{i}", steps=40)) for i in range(3)]
+            ends = [asyncio.create_task(ending(h, started if i == 0 else None)) for i, h in enumerate(handles)]
+            await asyncio.wait_for(started.wait(), 60)  # r0 runs on both devices; r1 and r2 wait
+            engine.pool.executor.kill(1)
+            results = await asyncio.wait_for(asyncio.gather(*ends), 60)
+            await asyncio.wait_for(engine.died.wait(), 10)
+            with pytest.raises(EngineStoppedError) as refused:
+                await engine.submit(images("later"))
+            return results, engine.stats().status, refused.value
+        finally:
+            await engine.aclose()
+
+    results, status, refused = run(scenario())
+    (kind, message, code), *waiting = results
+    assert (kind, code) == ("worker_failure", 500) and "device 1 died" in message
+    for kind, message, code in waiting:
+        assert (kind, code) == ("engine_stopped", 503)
+        assert "'fixed-sp-2'" in message and "device 1" in message and "aligned block of 2 live devices" in message
+    assert status == "dead" and refused.status == 503

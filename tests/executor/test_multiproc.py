@@ -1,6 +1,8 @@
 """The multiproc executor: worker processes on gloo run round-knapsack plans whose degrees
 change between rounds, with the pixels of one device, and survive a worker's death."""
 
+import os
+import signal
 import time
 
 import pytest
@@ -34,10 +36,10 @@ def request(rid, seed, steps=6):
 class Loop:
     """An EngineCore on a device pool, driven by hand; keeps final latents, failures, degrees."""
 
-    def __init__(self, executor=None, round_s=0.15, model=MODEL):
+    def __init__(self, executor=None, round_s=0.15, model=MODEL, cost=COST):
         self.runner = ModelRunner(load_pipeline(model))
         self.pool = DevicePool(self.runner, executor) if executor else DevicePool.in_process(self.runner)
-        policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=round_s), COST)
+        policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=round_s), cost)
         self.scheduler = Scheduler(policy, self.pool.num_devices)
         self.latents, self.failed, self.degrees = {}, {}, {}
         self.metrics = Metrics()
@@ -156,6 +158,92 @@ def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():
     executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
     try:
         check_a_dead_worker(executor)
+    finally:
+        executor.shutdown()
+
+
+# One device only: two requests run side by side, one on each device, with no collective.
+ONE_DEVICE_COST = ParallelCostModel({(64, 64): {1: 0.1}})
+
+
+def check_a_hung_worker(executor, deadline_s: float, pid: int) -> None:
+    """Stop device 1's worker (process `pid`: alive, answering nothing) while each of two requests
+    runs on one device: within the deadline it is taken for dead, killed, and its request fails
+    saying so; the other request finishes, and the next is served on device 0."""
+    loop = Loop(executor, cost=ONE_DEVICE_COST)
+    loop.add(request("left", seed=3, steps=12))
+    loop.add(request("right", seed=4, steps=12))
+    loop.core.step()
+    assert {rid: s.devices for rid, s in loop.scheduler.running.items()} == {"left": (0,), "right": (1,)}
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    loop.run(timeout_s=deadline_s + 60)
+    assert time.monotonic() - stopped < deadline_s + 30
+    assert list(loop.failed) == ["right"] and set(loop.latents) == {"left"}
+    assert "device 1" in loop.failed["right"] and f"answered nothing for {deadline_s:g} s" in loop.failed["right"]
+    assert executor.dead() == {1}
+    loop.add(request("next", seed=5, steps=3))
+    loop.run()
+    assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
+
+
+def check_a_worker_hung_in_a_collective(executor, deadline_s: float, pid: int) -> None:
+    """Stop device 1's worker while a request runs on both devices: device 0's worker waits in the
+    step's collective, gives up at the collective timeout (so it is not taken for hung too), the
+    request fails, device 1's worker is killed at its deadline, and the next request is served
+    on device 0."""
+    loop = Loop(executor)
+    loop.add(request("doomed", seed=3, steps=50))
+    loop.core.step()
+    assert loop.scheduler.running["doomed"].devices == (0, 1)  # alone, it takes both (elastic scale-up)
+    os.kill(pid, signal.SIGSTOP)
+    loop.run(timeout_s=deadline_s + 60)
+    assert list(loop.failed) == ["doomed"]
+    wait_until = time.monotonic() + deadline_s + 30
+    while executor.dead() != {1}:  # until then, a step on both would wait for the hung worker too
+        assert time.monotonic() < wait_until and not executor.dead() - {1}, executor.dead()
+        time.sleep(0.1)
+    loop.add(request("next", seed=5, steps=3))
+    loop.run()
+    assert "next" in loop.latents and set(loop.degrees["next"]) == {1} and loop.scheduler.lost == {1}
+
+
+@pytest.mark.parametrize("check", [check_a_hung_worker, check_a_worker_hung_in_a_collective])
+def test_a_hung_worker_is_taken_for_dead_at_its_deadline_and_the_rest_are_served(check):
+    """Before: a worker that stopped answering (alive, stuck) held its step forever; the round
+    never ended and nothing else ran. Its collective peer waited 30 min (a block's process
+    group had torch's default timeout, not the collective timeout)."""
+    deadline_s = 12.0
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2, collective_timeout_s=8.0,
+                                 reply_deadline_s=deadline_s)
+    try:
+        check(executor, deadline_s, executor._procs[1].pid)
+        assert executor._procs[0].is_alive()
+    finally:
+        executor.shutdown()
+
+
+def test_a_reply_deadline_within_the_collective_timeout_is_refused():
+    with pytest.raises(ValueError, match="reply deadline .* must exceed the collective timeout"):
+        MultiprocExecutor(WorkerSpec(MODEL), 2, collective_timeout_s=60.0, reply_deadline_s=30.0)
+
+
+def test_a_worker_that_dies_while_idle_is_lost_before_the_next_plan_uses_it():
+    """Before: the engine learned of the death only when a step failed on it, so the next request
+    (alone: on both devices) failed although device 0 could serve it."""
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
+    try:
+        loop = Loop(executor)
+        loop.add(request("first", seed=3, steps=2))
+        loop.run()
+        executor.kill(1)
+        executor._procs[1].join(10)
+        while executor.dead() != {1}:  # the reader thread sees the pipe close
+            time.sleep(0.05)
+        loop.add(request("next", seed=4, steps=3))
+        loop.run()
+        assert not loop.failed and set(loop.latents) == {"first", "next"}
+        assert loop.degrees["first"][0] == 2 and set(loop.degrees["next"]) == {1} and loop.scheduler.lost == {1}
     finally:
         executor.shutdown()
 

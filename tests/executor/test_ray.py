@@ -3,6 +3,7 @@ pixels of one device; the whole engine serves a request through them; a killed a
 requests and the next request is served on the other. Skipped without the `gouache[ray]` extra."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.executor.worker import WorkerSpec
 from gouache.request import ImageRequest
 from gouache.sched.costmodel import save
-from tests.executor.test_multiproc import COST, MODEL, check_a_dead_worker, check_scripted_rounds
+from tests.executor.test_multiproc import COST, MODEL, check_a_dead_worker, check_a_hung_worker, check_scripted_rounds
 
 ray = pytest.importorskip("ray", reason="the ray executor needs the gouache[ray] extra")
 
@@ -38,6 +39,20 @@ def test_degrees_change_between_rounds_on_ray_actors_with_the_pixels_of_one_devi
 
 def test_a_killed_actor_fails_its_requests_and_the_next_is_served(two_actors):
     check_a_dead_worker(two_actors)
+
+
+def test_a_hung_actor_is_taken_for_dead_at_its_deadline_and_the_rest_are_served(local_ray):
+    """Before: a ray call waited as long as its actor took, so a stuck actor held its step forever."""
+    from gouache.executor.ray_executor import RayExecutor
+
+    deadline_s = 12.0
+    executor = RayExecutor(WorkerSpec(MODEL, torch_threads=1), 2, collective_timeout_s=8.0,
+                           reply_deadline_s=deadline_s)
+    try:
+        pid = ray.get(executor._actors[1].__ray_call__.remote(lambda actor: os.getpid()))
+        check_a_hung_worker(executor, deadline_s, pid)
+    finally:
+        executor.shutdown()
 
 
 def test_the_engine_serves_a_request_through_ray_actors(local_ray, tmp_path):

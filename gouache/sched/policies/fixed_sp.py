@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gouache.request import RequestState
-from gouache.sched.interface import Devices, Policy
+from gouache.sched.interface import Devices, Policy, aligned_blocks
 from gouache.sched.plan import Batch, Plan
 
 DEGREES = (1, 2, 4, 8)
@@ -23,10 +23,21 @@ class FixedSpPolicy(Policy):
     def degrees(self, num_devices: int) -> set[int]:
         return {self.degree}
 
+    def can_plan_on(self, live: Devices) -> bool:
+        """Every request needs k devices of one aligned block: a lost device takes its block
+        out for good, and with no whole block left no request can ever run again."""
+        return bool(aligned_blocks(live, self.degree))
+
+    def needs(self, num_devices: int) -> str:
+        k = self.degree
+        if k == 1:
+            return "one live device"
+        blocks = [f"{a}-{a + k - 1}" for a in range(0, num_devices - k + 1, k)]
+        return f"an aligned block of {k} live devices ({' or '.join(blocks)})"
+
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
-        k, free = self.degree, set(devices.free)
-        blocks = [tuple(range(a, a + k)) for a in range(0, devices.count - k + 1, k) if free.issuperset(range(a, a + k))]
+        blocks = aligned_blocks(devices, self.degree)
         queue = [*running, *sorted(waiting, key=lambda s: s.arrival_time)]
         batches = [Batch((s.request_id,), block, s.remaining_steps) for s, block in zip(queue, blocks)]
         waiting_ids = {s.request_id for s in waiting}

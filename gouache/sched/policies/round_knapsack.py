@@ -69,6 +69,20 @@ class RoundKnapsackPolicy(Policy):
         admit = [rid for group in groups for rid in group if rid in waiting_ids]
         return Plan(batches=batches, admit=admit, until=now + tau)
 
+    def can_plan_on(self, live: Devices) -> bool:
+        """A round plans on the largest aligned block of live devices (`pool_of`), which must
+        hold the smallest degree the cost model prices: any one device, unless it prices none."""
+        return bool(live.free) and pool_of(live)[1] >= self._least_degree(live.count)
+
+    def needs(self, num_devices: int) -> str:
+        least = self._least_degree(num_devices)
+        return "one live device" if least == 1 else f"an aligned block of {least} live devices"
+
+    def _least_degree(self, num_devices: int) -> int:
+        """The smallest degree the cost model prices for some size (1 when it cannot list its
+        sizes: then a degree-1 step is tried like any other)."""
+        return min(self.degrees(num_devices), default=1)
+
     def degrees(self, num_devices: int) -> set[int]:
         """The degrees the cost model prices for some size (a degree it has no time for is never planned)."""
         sizes = self.predictor.sizes(False) or ()
