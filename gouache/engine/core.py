@@ -110,6 +110,8 @@ class EngineCore:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work())
                 self.step()
+                if not self._flights and not self.scheduler.has_work():  # idle: caches say what they hold
+                    self.runner.settle(self._cache_held)
         except PoolLost as error:  # not a bug: the workers it needs are gone; the server exits non-zero
             log.critical("the engine stops: %s", error)
             self._die(error)
@@ -194,6 +196,9 @@ class EngineCore:
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
+
+    def _cache_held(self, device: int, nbytes: int) -> None:
+        self.metrics.cache_bytes.labels(str(device)).set(nbytes)
 
     def _count_adapters(self, output: StepOutput, device: str) -> None:
         if output.lora_mode:

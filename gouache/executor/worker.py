@@ -154,6 +154,11 @@ class Worker:
         for rid in request_ids:
             self.runner.release(rid)
 
+    def settle(self) -> int:
+        """Free what released requests hold in the block cache (calls run between steps); the bytes it holds."""
+        self.runner.cache.settle()
+        return self.runner.cache.nbytes
+
     @contextlib.contextmanager
     def _parallel(self, batch: Batch):
         if batch.degree == 1:

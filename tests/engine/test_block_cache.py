@@ -1,7 +1,9 @@
 """The block cache in the runner and the engine: opt-in per request, exact for everyone else,
 counted in /metrics."""
 
+import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -74,3 +76,32 @@ def test_a_server_whose_every_step_is_sequence_parallel_refuses_block_cache_befo
     config = EngineConfig(executor="multiproc", devices=2, block_cache=BlockCacheConfig(0.1))
     with pytest.raises(ValueError, match="--block-cache would be ignored: every step of --policy fixed-sp-2"):
         AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+
+
+def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle(pipes):
+    from gouache.config import EngineConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.runner.models import model_info
+    from tests.engine.test_async_engine import images, run as run_async
+
+    pipe = pipes("tiny-sd")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
+    held, inner = [], engine.core.on_step
+    engine.core.on_step = lambda report: (held.append(report.output.cache_bytes), inner(report))
+
+    def gauge() -> float:
+        return next(s.value for m in engine.metrics.registry.collect() if m.name == "gouache_block_cache_bytes"
+                    for s in m.samples)
+
+    async def scenario():
+        await engine.start()
+        await (await engine.submit(images("cached", steps=4, block_cache=0.5))).images()
+        deadline = time.monotonic() + 10
+        while gauge() > 0 and time.monotonic() < deadline:  # the engine settles within its idle wake-up
+            await asyncio.sleep(0.05)
+        value = gauge()
+        await engine.aclose()
+        return value
+
+    assert run_async(scenario()) == 0 and max(held) > 0  # it kept the last step's bytes before
+    assert engine.runner.cache.nbytes == 0
