@@ -44,7 +44,7 @@ def run(pipe, requests, policy="patched") -> tuple[dict[str, torch.Tensor], Metr
         for state in report.finished:
             results[state.request_id] = runner.states.pop(state.request_id).latents
 
-    core = EngineCore(DevicePool.in_process(runner), scheduler, metrics, keep, lambda reasons: pytest.fail(str(reasons)),
+    core = EngineCore(DevicePool.in_process(runner), scheduler, metrics, keep, lambda reasons, invalid: pytest.fail(str(reasons)),
                       pytest.fail, lambda error: pytest.fail(str(error)))
     for r in requests:
         scheduler.add(runner.prepare(r))

@@ -50,7 +50,7 @@ def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orc
         for state in report.finished:
             results[state.request_id] = runner.states.pop(state.request_id).latents
 
-    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep_finished, lambda reasons: pytest.fail(str(reasons)), pytest.fail,
+    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep_finished, lambda reasons, invalid: pytest.fail(str(reasons)), pytest.fail,
                       lambda error: pytest.fail(str(error)))
     step = 0
     while step <= max(arrivals) or scheduler.has_work():

@@ -43,7 +43,8 @@ class Loop:
         self.scheduler = Scheduler(policy, self.pool.num_devices)
         self.latents, self.failed, self.degrees = {}, {}, {}
         self.metrics = Metrics()
-        self.core = EngineCore(self.pool, self.scheduler, self.metrics, self.on_step, self.failed.update,
+        self.core = EngineCore(self.pool, self.scheduler, self.metrics, self.on_step,
+                               lambda reasons, invalid: self.failed.update(reasons),
                                pytest.fail, lambda error: pytest.fail(str(error)))
 
     def on_step(self, report):
