@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass, field
 
 from gouache.sched.router import ROUTERS
@@ -90,6 +92,13 @@ class TemplateConfig:
 
     def budgets(self) -> dict[str, int]:
         return {"device": self.device_bytes, "host": self.host_bytes, "disk": self.disk_bytes}
+
+    def under(self, part: str) -> TemplateConfig:
+        """The config of one store of several sharing `directory` (a replica's, a device's): its own
+        subdirectory, so that each owns its files and budgets."""
+        if self.directory is None:
+            return self
+        return dataclasses.replace(self, directory=os.path.join(self.directory, part))
 
 
 @dataclass(frozen=True)

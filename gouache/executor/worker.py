@@ -11,9 +11,8 @@ degree next round on any block that receives its state (the hand-off).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,9 +84,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         group = dist.new_group(list(block), timeout=timeout)
         if rank in block:
             groups[block] = group
-    templates = spec.templates  # each device its own store: a shared disk directory would mix their files
-    if templates.directory:
-        templates = replace(templates, directory=str(Path(templates.directory) / f"rank-{rank}"))
+    templates = spec.templates.under(f"rank-{rank}")  # each device its own store: a shared one would mix their files
     runner = ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache, templates,
                          spec.loras, controlnets=spec.controlnets)
     return Worker(rank, runner, groups)

@@ -7,15 +7,16 @@ until its first step and running after it, with its steps still to run, until it
 error. Edits get their repaint ratio measured here when the router reads it (least-tokens,
 mask-aware).
 
-A replica that exits is noticed within `_WATCH_S`: its requests end with an explicit
-WorkerFailureError and nothing more is routed to it; the server keeps serving on the others
-and exits (like a single engine's death) only when none is left.
+A replica that exits is noticed within `_WATCH_S`, one that hangs (alive, not answering) by
+its missed pings (`Deadlines`): its requests end with an explicit WorkerFailureError and nothing
+more is routed to it; the server keeps serving on the others and exits (like a single engine's
+death) only when none is left. Every call to a replica has a deadline (`replicas/calls.py`), so
+a replica that dies or hangs fails only the calls and requests that needed it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import multiprocessing
 import os
@@ -33,7 +34,8 @@ from gouache.engine.imaging import repaint_ratio
 from gouache.errors import EngineStoppedError, GouacheError, QueueFullError, ShuttingDownError, WorkerFailureError
 from gouache.metrics import Metrics, merged_exposition
 from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
-from gouache.replicas.process import decode, encode, replica_main
+from gouache.replicas.calls import Calls, Deadlines, ReplicaLostError, tell
+from gouache.replicas.process import decode, replica_main
 from gouache.sched.router import ROUTERS, ReplicaLoad, RouteRequest, Router
 from gouache.sim.costs import linear_step_cost
 
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _WATCH_S = 0.25  # how often the replicas' processes are checked
-_CALL_TIMEOUT_S = 10.0  # a replica that does not answer /metrics in this long is left out of it
 # The mask-aware router's step cost: the simulator's linear stand-in (20 ms a forward, 80 ms a
 # megapixel, an edit counting its repainted pixels). Routing only compares replicas, so the
 # shape matters, not the scale.
@@ -72,6 +73,7 @@ class _Replica:
     commands: zmq.asyncio.Socket
     alive: bool = True
     requests: dict[str, _Request] = field(default_factory=dict)  # by API id
+    missed_pings: int = 0  # pings in a row it did not answer in time
 
     def load(self, max_batch: int) -> ReplicaLoad:
         load = ReplicaLoad(max_batch=max_batch)
@@ -83,7 +85,7 @@ class _Replica:
 
 class ReplicaSet:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig,
-                 replica_config: ReplicaConfig, start_timeout_s: float = 600.0):
+                 replica_config: ReplicaConfig, start_timeout_s: float = 600.0, deadlines: Deadlines = Deadlines()):
         if engine_config.torch_threads is None:  # R replicas share the cores instead of each taking all
             threads = max(1, (os.cpu_count() or 1) // replica_config.replicas)
             engine_config = replace(engine_config, torch_threads=threads)
@@ -93,18 +95,19 @@ class ReplicaSet:
         self.max_batch = sched_config.max_batch_size
         self.max_upload_pixels = engine_config.max_upload_pixels
         self.start_timeout_s = start_timeout_s
+        self.deadlines = deadlines
         self.metrics = Metrics()  # the API's own families; the engines' come from the replicas
         self.info: ModelInfo | None = None  # the replicas' model, once started
         self.died: asyncio.Event | None = None
         self.replicas: list[_Replica] = []
-        self._calls: dict[int, tuple[int, asyncio.Future]] = {}  # call id -> (replica, its answer)
-        self._call_ids = itertools.count()
+        self._calls = Calls()
         self._counts = {"finished": 0, "failed": 0}
         self._draining = False
         self._owns_ray = False  # whether start() started Ray (and so shuts it down)
         self.control_service = None  # the ControlNet service the replicas share, if one was asked for
         self._receiver: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._pinger: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -113,6 +116,22 @@ class ReplicaSet:
         self.died = asyncio.Event()
         self._dir = tempfile.mkdtemp(prefix="gouache-replicas-")
         self._context = zmq.asyncio.Context()
+        try:
+            await self._start_replicas()
+        except BaseException:  # whatever failed, and wherever: nothing started is left behind
+            try:
+                await self._stop_processes(close_s=0.0)
+            finally:
+                self._release()
+            raise
+        self._receiver = asyncio.ensure_future(self._receive())
+        self._watcher = asyncio.ensure_future(self._watch())
+        self._pinger = asyncio.ensure_future(self._ping())  # from now on: a replica loading its model is not pinged
+        log.info("%d replicas ready; router %s", self.count, self.router.name)
+
+    async def _start_replicas(self) -> None:
+        """Connect to Ray (under ray), start the ControlNet service if one is asked for and the
+        replicas' processes, and wait until each replica is ready."""
         self._host = None  # under ray: this node's address, where replicas anywhere can reach us
         if self.configs[1].executor == "ray":
             from gouache.executor.ray_executor import connect
@@ -131,15 +150,7 @@ class ReplicaSet:
             process = self._launch(index, self._bind(commands, f"commands-{index}"), messages)
             process.start()
             self.replicas.append(_Replica(index, process, commands))
-        try:
-            await asyncio.wait_for(self._await_ready(), self.start_timeout_s)
-        except BaseException:
-            await self._stop_processes(grace_s=0.0)
-            self._release()
-            raise
-        self._receiver = asyncio.ensure_future(self._receive())
-        self._watcher = asyncio.ensure_future(self._watch())
-        log.info("%d replicas ready; router %s", self.count, self.router.name)
+        await asyncio.wait_for(self._await_ready(), self.start_timeout_s)
 
     def _bind(self, socket: zmq.asyncio.Socket, name: str) -> str:
         """Bind `socket` (IPC here, TCP on this node's address under ray); the address to connect to."""
@@ -177,17 +188,21 @@ class ReplicaSet:
 
     async def drain(self, grace_s: float) -> None:
         self._draining = True
-        await asyncio.gather(*(self._call(r, "drain", grace_s, timeout_s=grace_s + _CALL_TIMEOUT_S)
-                               for r in self._alive()), return_exceptions=True)
+        timeout_s = grace_s + self.deadlines.drain_margin_s
+        await asyncio.gather(*(self._call(r, "drain", grace_s, timeout_s=timeout_s) for r in self._alive()),
+                             return_exceptions=True)
 
     async def aclose(self) -> None:
         self._draining = True
         self._watcher.cancel()  # replicas exiting now is what was asked for
-        await self._stop_processes(grace_s=_CALL_TIMEOUT_S)
-        self._receiver.cancel()
-        for replica in self.replicas:
-            self._fail_replica(replica, EngineStoppedError("the server is shutting down"))
-        self._release()
+        self._pinger.cancel()
+        try:
+            await self._stop_processes(close_s=self.deadlines.close_s)
+        finally:  # the socket directory goes whatever became of the replicas
+            self._receiver.cancel()
+            for replica in self.replicas:
+                self._fail_replica(replica, EngineStoppedError("the server is shutting down"))
+            self._release()
 
     def _release(self) -> None:
         if self.control_service is not None:
@@ -199,13 +214,17 @@ class ReplicaSet:
 
             ray.shutdown()
 
-    async def _stop_processes(self, grace_s: float) -> None:
-        if grace_s > 0:
-            await asyncio.gather(*(self._call(r, "close", timeout_s=grace_s) for r in self._alive()),
-                                 return_exceptions=True)
+    async def _stop_processes(self, close_s: float) -> None:
+        """Close each live replica (if `close_s`) and give the ones that answered `close_s` to
+        exit; kill every one still running then (a dead or hung one at once)."""
+        closing = self._alive() if close_s > 0 else []
+        answers = await asyncio.gather(*(self._call(r, "close", timeout_s=close_s) for r in closing),
+                                       return_exceptions=True)
+        closed = {r.index for r, answer in zip(closing, answers) if not isinstance(answer, BaseException)}
         loop = asyncio.get_running_loop()
         for replica in self.replicas:
-            await loop.run_in_executor(None, replica.process.join, grace_s or 0.1)
+            if replica.index in closed:
+                await loop.run_in_executor(None, replica.process.join, close_s)
             if replica.process.exitcode is None:
                 replica.process.kill()
                 await loop.run_in_executor(None, replica.process.join, 5.0)
@@ -227,14 +246,18 @@ class ReplicaSet:
         api_id = first.request_id.rsplit("-", 1)[0]
         whole = RouteRequest(api_id, sum(v.pixels for v in views.values()), first.num_inference_steps, ratio)
         chosen = alive[self.router.route(whole, [r.load(self.max_batch) for r in alive])]
-        # a full replica passes the request on to the others, least loaded first
+        # a full replica passes the request on to the others, least loaded first, and so does one
+        # lost (or not answering) before it took the request: the request did not need that one
         others = sorted((r for r in alive if r is not chosen), key=lambda r: len(r.requests))
+        refused: GouacheError = EngineStoppedError("no replica is running")
         for replica in (chosen, *others):
+            if not replica.alive:  # lost while an earlier one was asked
+                continue
             try:
                 return await self._submit_to(replica, api_id, requests, views)
-            except QueueFullError as error:
-                full = error
-        raise full
+            except (QueueFullError, ReplicaLostError) as error:
+                refused = error
+        raise refused
 
     async def _submit_to(self, replica: _Replica, api_id: str, requests: list[ImageRequest],
                          views: dict[int, RouteRequest]) -> RequestHandle:
@@ -242,9 +265,11 @@ class ReplicaSet:
         handle = RequestHandle(api_id, len(requests), loop, lambda: self._abort(replica, api_id))
         replica.requests[api_id] = _Request(handle, dict(views))  # before the call: events may follow its reply at once
         try:
-            await self._call(replica, "submit", requests)
+            await self._call(replica, "submit", api_id, requests, timeout_s=self.deadlines.submit_s)
         except BaseException:
-            replica.requests.pop(api_id, None)
+            # the replica may hold the request yet (the call timed out, or was cancelled, after its
+            # send): abort it there; an abort of what a replica never took does nothing
+            self._abort(replica, api_id)
             raise
         return handle
 
@@ -265,14 +290,14 @@ class ReplicaSet:
         alive = self._alive()
         if not alive:
             raise EngineStoppedError("no replica is running")
-        return await self._call(alive[0], call, timeout_s=_CALL_TIMEOUT_S)
+        return await self._call(alive[0], call, timeout_s=self.deadlines.query_s)
 
     async def _register(self, call: str, name: str) -> dict:
         """Every live replica loads the adapter; the first one's answer."""
         alive = self._alive()
         if not alive:
             raise EngineStoppedError("no replica is running")
-        answers = await asyncio.gather(*(self._call(r, call, name) for r in alive))
+        answers = await asyncio.gather(*(self._call(r, call, name, timeout_s=self.deadlines.register_s) for r in alive))
         return answers[0]
 
     def stats(self) -> EngineStats:
@@ -286,7 +311,7 @@ class ReplicaSet:
     async def status(self) -> dict:
         """Each replica's status (a dead one says so), under the front's totals."""
         stats, alive = self.stats(), self._alive()
-        answers = await asyncio.gather(*(self._call(r, "status", timeout_s=_CALL_TIMEOUT_S) for r in alive),
+        answers = await asyncio.gather(*(self._call(r, "status", timeout_s=self.deadlines.query_s) for r in alive),
                                        return_exceptions=True)
         by_index = {r.index: a for r, a in zip(alive, answers) if isinstance(a, dict)}
         replicas = [{"replica": r.index, "alive": r.index in by_index, **by_index.get(r.index, {})}
@@ -297,7 +322,7 @@ class ReplicaSet:
     async def render_metrics(self) -> bytes:
         """The API's families and each replica's engine families, labelled replica="<index>"."""
         alive = self._alive()
-        texts = await asyncio.gather(*(self._call(r, "metrics", timeout_s=_CALL_TIMEOUT_S) for r in alive),
+        texts = await asyncio.gather(*(self._call(r, "metrics", timeout_s=self.deadlines.query_s) for r in alive),
                                      return_exceptions=True)
         return merged_exposition(self.metrics, {str(r.index): text for r, text in zip(alive, texts)
                                                 if isinstance(text, bytes)})
@@ -307,33 +332,21 @@ class ReplicaSet:
     def _alive(self) -> list[_Replica]:
         return [r for r in self.replicas if r.alive]
 
-    async def _call(self, replica: _Replica, kind: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Send a command and wait for its reply; raise the GouacheError it answered with."""
-        call = next(self._call_ids)
-        answer = asyncio.get_running_loop().create_future()
-        self._calls[call] = (replica.index, answer)
-        try:
-            await replica.commands.send(encode((kind, call, *args)))
-            value = await asyncio.wait_for(answer, timeout_s)
-        finally:
-            self._calls.pop(call, None)
-        if isinstance(value, GouacheError):
-            raise value
-        return value
+    async def _call(self, replica: _Replica, kind: str, *args: Any, timeout_s: float) -> Any:
+        """Send a command and wait for its reply within `timeout_s`; raise the GouacheError it
+        answered with, or ReplicaLostError."""
+        return await self._calls.call(replica.index, replica.commands, kind, *args, timeout_s=timeout_s)
 
     def _abort(self, replica: _Replica, api_id: str) -> None:
         replica.requests.pop(api_id, None)
         if replica.alive:
-            replica.commands.send(encode(("abort", api_id)))
+            tell(replica.commands, ("abort", api_id))
 
     async def _receive(self) -> None:
         while True:
             kind, index, *rest = decode(await self._messages.recv())
             if kind == "reply":
-                call, value = rest
-                pending = self._calls.get(call)
-                if pending is not None and not pending[1].done():
-                    pending[1].set_result(value)
+                self._calls.answer(*rest)
             elif kind == "event":
                 self._on_event(self.replicas[index], *rest)
 
@@ -360,18 +373,32 @@ class ReplicaSet:
             await asyncio.sleep(_WATCH_S)
             for replica in self._alive():
                 if replica.process.exitcode is not None:
-                    self._lose(replica)
+                    self._lose(replica, f"exited (status {replica.process.exitcode})")
 
-    def _lose(self, replica: _Replica) -> None:
+    async def _ping(self) -> None:
+        """Ping every live replica each `ping_s`; kill and lose one that misses `missed_pings` in
+        a row. A replica answers from its asyncio loop, which its engine's steps do not hold."""
+        deadlines = self.deadlines
+        while True:
+            await asyncio.sleep(deadlines.ping_s)
+            alive = self._alive()
+            answers = await asyncio.gather(*(self._call(r, "ping", timeout_s=deadlines.ping_s) for r in alive),
+                                           return_exceptions=True)
+            for replica, answer in zip(alive, answers):
+                replica.missed_pings = replica.missed_pings + 1 if isinstance(answer, Exception) else 0
+                if replica.alive and replica.missed_pings >= deadlines.missed_pings:
+                    replica.process.kill()
+                    self._lose(replica, f"stopped answering ({replica.missed_pings} pings in a row unanswered "
+                                        f"within {deadlines.ping_s:g} s) and was killed")
+
+    def _lose(self, replica: _Replica, reason: str) -> None:
+        """`replica` is gone for `reason`: fail its requests and its calls, route nothing more to it."""
         replica.alive = False
-        code = replica.process.exitcode
         left = len(self._alive())
-        log.error("replica %d exited with status %s; %d replicas left", replica.index, code, left)
-        self._fail_replica(replica, WorkerFailureError(f"replica {replica.index} exited (status {code}) "
+        log.error("replica %d %s; %d replicas left", replica.index, reason, left)
+        self._fail_replica(replica, WorkerFailureError(f"replica {replica.index} {reason} "
                                                        "before this request finished; retry it"))
-        for index, answer in list(self._calls.values()):
-            if index == replica.index and not answer.done():
-                answer.set_exception(WorkerFailureError(f"replica {replica.index} exited (status {code})"))
+        self._calls.fail(replica.index, reason)
         if not left:
             self.died.set()
 

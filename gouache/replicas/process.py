@@ -3,16 +3,21 @@
 The API server binds a PUSH socket per replica (its commands) and one PULL socket (every
 replica's messages); a replica connects to both. Messages are pickled tuples:
 
-    commands  ("submit", call, requests)  ("abort", api_id)  ("drain", call, grace_s)
-              ("metrics", call)  ("close", call)
+    commands  ("submit", call, api_id, requests)  ("abort", api_id)  ("drain", call, grace_s)
+              ("metrics", call)  ("status", call)  ("ping", call)  ("close", call)
     messages  ("ready", replica, info)  ("failed", replica, why)  ("reply", replica, call, value)
               ("event", replica, api_id, event)
 
 A reply's value is what the call returned, or the GouacheError it raised. A submit is
 answered before any of its request's events, which then follow in order until the request's
-last image or its error. A replica is a `become_child` process (the API server drains and
-closes it; it exits if the server is gone) and exits when its engine loop dies, after the
-engine's errors for what was in flight.
+last image or its error. An abort may overtake its submit (the front gave up waiting for it):
+the request is then aborted as soon as it is in. Every call is answered from this process's
+asyncio loop while the engine's steps run on its own thread, so a ping is answered however long
+a step takes: the front takes a replica that stops answering pings for hung.
+
+A replica is a `become_child` process (the API server drains and closes it; it exits if the
+server is gone) and exits when its engine loop dies, after the engine's errors for what was in
+flight.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -66,13 +72,16 @@ class _Replica:
         self.messages.connect(messages)
         self.engine: AsyncEngine | None = None
         self.handles: dict[str, RequestHandle] = {}
+        self.submitting: dict[str, bool] = {}  # api id -> aborted already, while its submit is under way
         self.tasks: set[asyncio.Task] = set()
 
     async def serve(self, configs: tuple[ModelConfig, EngineConfig, SchedulerConfig]) -> None:
         from gouache.engine.client import AsyncEngine
 
+        model_config, engine_config, sched_config = configs
+        engine_config = replace(engine_config, templates=engine_config.templates.under(f"replica-{self.index}"))
         try:
-            self.engine = AsyncEngine.from_config(*configs)
+            self.engine = AsyncEngine.from_config(model_config, engine_config, sched_config)
             await self.engine.start()
         except Exception as error:  # the API server reports it and exits
             log.exception("did not start")
@@ -104,6 +113,8 @@ class _Replica:
             handle = self.handles.get(args[0])
             if handle is not None:
                 handle.abort()
+            elif args[0] in self.submitting:
+                self.submitting[args[0]] = True
             return
         call, *rest = args
         try:
@@ -122,8 +133,18 @@ class _Replica:
         finally:
             self.handles.pop(value.request_id, None)
 
-    async def _submit(self, requests: list) -> RequestHandle:
-        return await self.engine.submit(requests)
+    async def _submit(self, api_id: str, requests: list) -> RequestHandle:
+        self.submitting[api_id] = False
+        try:
+            handle = await self.engine.submit(requests)
+        finally:
+            aborted = self.submitting.pop(api_id)
+        if aborted:
+            handle.abort()
+        return handle
+
+    async def _ping(self) -> None:
+        return None
 
     async def _drain(self, grace_s: float) -> None:
         await self.engine.drain(grace_s)
