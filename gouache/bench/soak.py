@@ -4,7 +4,10 @@ Per policy, one real `gouache serve` process. Its capacity is measured first (a 
 plain generations from the run's sizes and steps), then a seeded Poisson trace at `--load` x
 that capacity runs for `--duration-s`, mixing plain generations, edits, streams with partial
 images, streams the client abandons mid-way, streams cancelled with
-`DELETE /v1/images/requests/{id}`, and non-streamed requests whose client disconnects.
+`DELETE /v1/images/requests/{id}`, non-streamed requests whose client disconnects, and requests
+of the features users reach for next: a LoRA, a ControlNet, an edit of a template. The server
+gets random LoRAs and ControlNets of its model (`soak_adapters`), and one LoRA file is rewritten
+in place every `--rewrite-s` seconds while the load runs.
 Capacity counts whole requests; the cancelling kinds cost less, so the offered work is
 somewhat below `--load` x capacity. The trace's kinds, sizes and seeds come from `--seed`
 alone; only its arrival times scale with each policy's capacity.
@@ -37,7 +40,8 @@ import httpx
 
 from gouache.bench.server_process import ServerWatch, server_process, terminate
 from gouache.bench.soak_client import drive, measure_capacity
-from gouache.bench.soak_trace import KINDS, make_trace, parse_mix, tally
+from gouache.bench.soak_adapters import Rewriter, make_adapters
+from gouache.bench.soak_trace import ADAPTER_KINDS, KINDS, make_trace, parse_mix, tally
 from gouache.sched.policies import POLICIES
 
 # the policies that plan with a step-cost model, and so take --cost-model
@@ -53,8 +57,12 @@ def add_arguments(p) -> None:
     p.add_argument("--duration-s", type=float, default=600.0, help="seconds of Poisson arrivals per policy (default: %(default)s)")
     p.add_argument("--sizes", default="256x256,384x384", help="comma-separated WxH in pixels, drawn uniformly (default: %(default)s)")
     p.add_argument("--steps", default="10,20,30", help="comma-separated step counts, drawn uniformly (default: %(default)s)")
-    p.add_argument("--mix", default="plain=0.3,edit=0.15,stream=0.15,stream_cancel=0.15,delete=0.1,disconnect=0.15",
+    p.add_argument("--mix", default="plain=0.2,edit=0.1,stream=0.1,stream_cancel=0.1,delete=0.1,disconnect=0.1,"
+                                    "lora=0.1,controlnet=0.1,template=0.1",
                    help=f"kind=weight, kinds: {', '.join(KINDS)} (default: %(default)s)")
+    p.add_argument("--rewrite-s", type=float, default=5.0,
+                   help="seconds between in-place rewrites of one LoRA file during the load; 0: none "
+                        "(default: %(default)s)")
     p.add_argument("--capacity-requests", type=int, default=12, help="plain requests of the capacity measurement (default: %(default)s)")
     p.add_argument("--capacity-concurrency", type=int, default=2, help="concurrent clients of the capacity measurement (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=20000, help="cap on the trace's length in requests (default: %(default)s)")
@@ -71,9 +79,11 @@ def add_arguments(p) -> None:
 # -- one policy ------------------------------------------------------------------------------
 
 
-def _serve_args(args, policy: str) -> list[str]:
+def _serve_args(args, policy: str, directories: dict[str, Path]) -> list[str]:
     serve = ["--model", args.model, "--policy", policy, "--max-batch-size", str(args.max_batch_size),
              "--max-queue-len", str(args.max_queue_len), "--request-timeout", str(args.request_timeout)]
+    for flag, path in directories.items():
+        serve += [f"--{flag.replace('_', '-')}", str(path)]
     return serve + (["--cost-model", args.cost_model] if policy in COST_MODEL_POLICIES else [])
 
 
@@ -111,11 +121,16 @@ def _resources(samples: list, load_start_s: float, duration_s: float) -> dict:
             "health_not_ok": sum(s.health != 200 for s in samples)}
 
 
-def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int, int]], steps: list[int]) -> dict:
+def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int, int]], steps: list[int],
+                adapters: Path) -> dict:
     fd, log_name = tempfile.mkstemp(prefix=f"gouache-soak-{policy}-", suffix=".log")
     os.close(fd)
     log_path = Path(log_name)
-    with server_process(_serve_args(args, policy), log_path) as (proc, base_url):
+    wanted = {flag for kind, flag in ADAPTER_KINDS.items() if mix.get(kind)}
+    made = make_adapters(args.model, adapters) if wanted else {}
+    directories = {flag: path for flag, path in made.items() if flag in wanted}
+    rewriter = Rewriter(adapters, args.rewrite_s if "lora_dir" in wanted else 0)
+    with server_process(_serve_args(args, policy, directories), log_path) as (proc, base_url):
         watch = ServerWatch(proc.pid, base_url, args.sample_s)
         watch.start()
         try:
@@ -126,7 +141,11 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
             trace = make_trace(args.load * capacity, args.duration_s, sizes, steps, mix, args.seed, args.max_requests)
             load_start = watch.sample("load_start")
             start = time.perf_counter()
-            outcomes = asyncio.run(drive(base_url, trace, args.model, deadline_s, 2 * median_s))
+            rewriter.start()
+            try:
+                outcomes = asyncio.run(drive(base_url, trace, args.model, deadline_s, 2 * median_s))
+            finally:
+                rewriter.stop()
             wall = time.perf_counter() - start
             after_drain = _drain(base_url, args.grace_s)
             server_errors = _server_errors(base_url)
@@ -136,7 +155,7 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
         shutdown = terminate(proc, watch, args.shutdown_timeout_s)
     log = log_path.read_text(errors="replace")
     return {"policy": policy, "capacity_rps": capacity, "capacity_median_latency_s": median_s,
-            "offered_rps": args.load * capacity, "load_wall_s": wall, **tally(outcomes),
+            "offered_rps": args.load * capacity, "load_wall_s": wall, "lora_rewrites": rewriter.rewrites, **tally(outcomes),
             **_resources(watch.samples, load_start.t_s, args.duration_s), **shutdown,
             "after_drain": after_drain, "server_errors_total": server_errors, "server_log": str(log_path),
             "server_log_tracebacks": log.count("Traceback"), "timeline": [asdict(s) for s in watch.samples]}
@@ -201,9 +220,10 @@ def run(args) -> int:
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     steps = [int(s) for s in args.steps.split(",")]
     rows = []
-    for policy in policies:  # written after each policy: a long run keeps what it measured
-        rows.append(soak_policy(args, policy, mix, sizes, steps))
-        table = _write(args, rows)
+    with tempfile.TemporaryDirectory(prefix="gouache-soak-adapters-") as adapters:
+        for policy in policies:  # written after each policy: a long run keeps what it measured
+            rows.append(soak_policy(args, policy, mix, sizes, steps, Path(adapters) / policy))
+            table = _write(args, rows)
     print(table)
     print(f"wrote {args.out}")
     return 0

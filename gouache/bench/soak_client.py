@@ -4,6 +4,7 @@ the open-loop and closed-loop drivers. What a request ended as is judged in `soa
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import io
 import json
@@ -15,10 +16,12 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from gouache.bench.soak_adapters import CONTROLNETS, LORAS
 from gouache.bench.soak_trace import Outcome, Seen, SoakItem, judge
 from gouache.stats import percentile
 
 PROMPT = "a red fox in the snow"
+TEMPLATES = 3  # `template` edits name soak-0..2 (each at every size it is sent at)
 
 
 @functools.lru_cache(maxsize=16)
@@ -33,9 +36,24 @@ def edit_png(width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
+@functools.lru_cache(maxsize=16)
+def control_image(width: int, height: int) -> str:
+    """A ControlNet's conditioning image of the request's size, base64 PNG."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.effect_noise((width, height), 80).convert("RGB").save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
 def _fields(item: SoakItem, model: str) -> dict:
-    return {"prompt": PROMPT, "model": model, "size": f"{item.width}x{item.height}", "num_inference_steps": item.steps,
-            "seed": item.seed}
+    fields = {"prompt": PROMPT, "model": model, "size": f"{item.width}x{item.height}",
+              "num_inference_steps": item.steps, "seed": item.seed}
+    if item.kind == "lora":
+        fields["loras"] = [{"name": f"l{item.seed % LORAS}", "scale": 0.8}]
+    elif item.kind == "controlnet":
+        fields["controlnets"] = [{"name": f"c{item.seed % CONTROLNETS}", "image": control_image(item.width, item.height)}]
+    return fields
 
 
 def _error_code(body) -> str | None:
@@ -66,8 +84,12 @@ async def _plain(client: httpx.AsyncClient, item: SoakItem, model: str) -> Seen:
 
 
 async def _edit(client: httpx.AsyncClient, item: SoakItem, model: str) -> Seen:
+    """An edit; a `template` edit names one of a few templates (the first edit of each records it,
+    later ones replay it)."""
     files = {"image": ("image.png", edit_png(item.width, item.height), "image/png")}
     data = {name: str(value) for name, value in _fields(item, model).items()}
+    if item.kind == "template":
+        data["template_id"] = f"soak-{item.seed % TEMPLATES}"
     return _from_json(await client.post("/v1/images/edits", data=data, files=files))
 
 
@@ -110,7 +132,8 @@ async def _stream(client: httpx.AsyncClient, item: SoakItem, model: str) -> Seen
 def _request(client: httpx.AsyncClient, item: SoakItem, model: str, disconnect_s: float) -> Coroutine[Any, Any, Seen]:
     if item.kind == "disconnect":
         return _disconnect(client, item, model, item.cut * disconnect_s)
-    return {"plain": _plain, "edit": _edit}.get(item.kind, _stream)(client, item, model)
+    simple = {"plain": _plain, "lora": _plain, "controlnet": _plain, "edit": _edit, "template": _edit}
+    return simple.get(item.kind, _stream)(client, item, model)
 
 
 async def send(client: httpx.AsyncClient, item: SoakItem, model: str, deadline_s: float, disconnect_s: float) -> Outcome:

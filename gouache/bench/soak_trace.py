@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from gouache.stats import percentile
 
-KINDS = ("plain", "edit", "stream", "stream_cancel", "delete", "disconnect")
+KINDS = ("plain", "edit", "stream", "stream_cancel", "delete", "disconnect", "lora", "controlnet", "template")
+ADAPTER_KINDS = {"lora": "lora_dir", "controlnet": "controlnet_dir"}  # kinds whose server needs a directory
 RESULTS = ("images", "error", "cancelled", "lost")
 
 

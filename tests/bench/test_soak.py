@@ -79,9 +79,9 @@ def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
     args = parser.parse_args([
         "--policies", "orca", "--sizes", "64x64,64x128", "--steps", "4,6", "--duration-s", "3", "--max-requests", "24",
         "--mix", ",".join(f"{kind}=1" for kind in KINDS), "--capacity-requests", "4", "--sample-s", "0.5",
-        "--request-timeout", "20", "--grace-s", "10", "--out", str(out),
+        "--request-timeout", "20", "--grace-s", "10", "--seed", "1", "--rewrite-s", "0.5", "--out", str(out),
     ])
-    trace = make_trace(1.0, float("inf"), [(64, 64), (64, 128)], [4, 6], parse_mix(args.mix), 0, 24)
+    trace = make_trace(1.0, float("inf"), [(64, 64), (64, 128)], [4, 6], parse_mix(args.mix), 1, 24)
     assert {item.kind for item in trace} == set(KINDS)  # the run below sends every kind
     assert run(args) == 0
     result = json.loads(out.read_text())
