@@ -10,10 +10,10 @@ patch sizes, each against real `gouache serve` processes, repeated `--runs` time
 - `controlnet-async-death` (item 4): `--controlnet-workers 2 --controlnet-mode async`; the
   service worker of one ControlNet is killed while requests of both run. Passes when every
   request of the other ControlNet is 200 and the victim's are answered.
-- `template-dir-restart` (item 5): template edits under `--template-dir` with a small disk
-  budget, a restart, the same edits again; then `--replicas 2`. Passes when each store's
-  directory stays within its budget, the restarted server replays from the files the first one
-  left, and each replica has its own subdirectory.
+- `template-dir-restart` (item 5): template edits of more pictures than `--template-dir`'s disk
+  budget holds, a restart, edits of the newest two again; then `--replicas 2`. Passes when each
+  store's directory stays within its budget, the restarted server replays from the files the
+  first one left, and each replica has its own subdirectory.
 - `controlnet-replaced` (item 6): a ControlNet's weights replaced atomically (its config.json
   and timestamps as they were). Passes when `POST /v1/controlnets` says loaded, the image changes,
   and putting the old weights back gives the old image again.
@@ -257,11 +257,11 @@ def _disk_lookups(base: str) -> float:
 def template_dir_restart(adapters: Adapters, work: Path) -> dict:
     store, budget_mb = work / "templates", 2
     serve = ["--template-dir", str(store), "--template-disk-mb", str(budget_mb), "--template-mb", "1"]
-    pictures, mask = [noise(64, 20 + i) for i in range(6)], corner_mask()
+    pictures, mask = [noise(64, 20 + i) for i in range(6)], corner_mask()  # more than the budget holds
     sizes = []
-    for run in range(2):
+    for run, indices in enumerate((range(6), (5, 4))):  # then the newest two again: their files are left
         with serving(serve, work, f"templates-{run}") as (proc, base):
-            answers = [edit(base, p, mask, template_id=f"p{i}") for i, p in enumerate(pictures)]
+            answers = [edit(base, pictures[i], mask, template_id=f"p{i}") for i in indices]
             replayed = _disk_lookups(base)
             proc.terminate()
             proc.wait(60)
@@ -272,7 +272,7 @@ def template_dir_restart(adapters: Adapters, work: Path) -> dict:
         proc.wait(60)
     per_replica = {d.name: _dir_bytes(d) for d in sorted(store.iterdir()) if d.is_dir()}
     budget = budget_mb << 20
-    ok = (statuses(answers) == {"200": 6} and statuses(replica_answers) == {"200": 6} and replayed > 0
+    ok = (statuses(answers) == {"200": 2} and statuses(replica_answers) == {"200": 6} and replayed > 0
           and all(0 < size <= budget for size in sizes)
           and set(per_replica) == {"replica-0", "replica-1"} and all(v <= budget for v in per_replica.values()))
     return {"passed": ok, "dir_bytes_after_each_run": sizes, "budget": budget, "disk_lookups_after_restart": replayed,

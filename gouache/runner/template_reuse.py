@@ -36,6 +36,7 @@ was cancelled) runs in full and records it again, never with a wrong activation.
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -97,7 +98,10 @@ def model_digest(pipe) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name, module in sorted(pipe.components.items()):
         if isinstance(module, nn.Module):
-            digest.update(f"{name}:{getattr(module, 'config', '')}".encode())
+            config = getattr(module, "config", None) or {}
+            config = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # transformers' / diffusers'
+            config = {k: v for k, v in config.items() if not k.startswith("_")}  # private keys vary run to run
+            digest.update(f"{name}:{json.dumps(config, sort_keys=True, default=str)}".encode())
             for key, tensor in module.state_dict().items():
                 digest.update(key.encode())
                 digest.update(tensor.detach().flatten()[:16].float().cpu().numpy().tobytes())

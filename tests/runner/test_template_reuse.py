@@ -152,3 +152,16 @@ def test_blocks_the_plan_computes_in_full_take_every_token_and_stay_exact(pipe, 
         kept = (~state.template.tokens).sum().item() * state.rows  # unmasked tokens, over the CFG rows
         assert runner.templates.counts.replayed_tokens == STEPS * len(others) * kept  # the first block computes all
     assert (replayed - exact).abs().max() <= TOL
+
+
+def test_the_model_digest_is_the_same_in_every_process_and_tells_models_apart():
+    # a restart adopts its store's files only for the same model: the digest must not vary run
+    # to run (diffusers' configs list their defaulted keys in set order)
+    import subprocess
+    import sys
+
+    code = ("from gouache.runner.models import load_pipeline; from gouache.runner.template_reuse import model_digest; "
+            "print(model_digest(load_pipeline('tiny-sd')), model_digest(load_pipeline('tiny-sdxl')))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
