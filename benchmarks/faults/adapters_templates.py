@@ -149,23 +149,31 @@ def serving(args: list[str], work: Path, name: str):
 # -- the drills ------------------------------------------------------------------------------
 
 
-def lora_rewrite(adapters: Adapters, work: Path, executor: str = "uniproc") -> dict:
-    loras = work / "loras"
-    loras.mkdir()
-    versions = [adapters.lora(1), adapters.lora(2)]
-    (loras / "x.safetensors").write_bytes(versions[0])
-    extra = ["--executor", "multiproc", "--devices", "2", "--policy", "fixed-sp-1"] if executor == "multiproc" else []
-    with serving(["--lora-dir", str(loras), *extra], work, f"lora-{executor}") as (proc, base):
+def under_rewrites(serve: list[str], work: Path, name: str, path: Path, versions: list[bytes], pause_s: float,
+                   fields: dict) -> dict:
+    """40 generations with `fields` while `path` is rewritten in place; passes when the server
+    lives and answers each 200 or 400 (some 200)."""
+    with serving(serve, work, name) as (proc, base):
         stop = threading.Event()
         with ThreadPoolExecutor(9) as pool:
-            writer = pool.submit(rewrite_in_place, loras / "x.safetensors", versions, stop)
-            answers = list(pool.map(lambda i: generate(base, seed=i, loras=[{"name": "x"}]), range(40)))
+            writer = pool.submit(rewrite_in_place, path, versions, stop, pause_s)
+            answers = list(pool.map(lambda i: generate(base, seed=i, **fields), range(40)))
             stop.set()
             rewrites = writer.result()
         alive = proc.poll() is None and httpx.get(f"{base}/health", timeout=10).status_code == 200
     seen = statuses(answers)
     ok = alive and set(seen) <= {"200", "400"} and seen.get("200", 0) > 0
     return {"passed": ok, "alive": alive, "statuses": seen, "rewrites": rewrites}
+
+
+def lora_rewrite(adapters: Adapters, work: Path, executor: str = "uniproc") -> dict:
+    loras = work / "loras"
+    loras.mkdir()
+    versions = [adapters.lora(1), adapters.lora(2)]
+    (loras / "x.safetensors").write_bytes(versions[0])
+    extra = ["--executor", "multiproc", "--devices", "2", "--policy", "fixed-sp-1"] if executor == "multiproc" else []
+    return under_rewrites(["--lora-dir", str(loras), *extra], work, f"lora-{executor}", loras / "x.safetensors",
+                          versions, 0.01, {"loras": [{"name": "x"}]})
 
 
 def controlnet_rewrite(adapters: Adapters, work: Path) -> dict:
@@ -174,18 +182,9 @@ def controlnet_rewrite(adapters: Adapters, work: Path) -> dict:
     weights = nets / "c" / "diffusion_pytorch_model.safetensors"
     versions = [weights.read_bytes(), (adapters.controlnet(work / "other", 2) / weights.name).read_bytes()]
     control = base64.b64encode(png(noise(64, 3))).decode()
-    with serving(["--controlnet-dir", str(nets)], work, "controlnet-rewrite") as (proc, base):
-        stop = threading.Event()
-        with ThreadPoolExecutor(9) as pool:
-            writer = pool.submit(rewrite_in_place, weights, versions, stop, 0.5)
-            answers = list(pool.map(lambda i: generate(base, seed=i, controlnets=[{"name": "c", "image": control}]),
-                                    range(40)))
-            stop.set()
-            rewrites = writer.result()
-        alive = proc.poll() is None and httpx.get(f"{base}/health", timeout=10).status_code == 200
-    seen = statuses(answers)
-    ok = alive and set(seen) <= {"200", "400"} and seen.get("200", 0) > 0
-    return {"passed": ok, "alive": alive, "statuses": seen, "rewrites": rewrites}
+    # a ControlNet's weights take a while to write: pauses between rewrites let some reads find them whole
+    return under_rewrites(["--controlnet-dir", str(nets)], work, "controlnet-rewrite", weights, versions, 0.5,
+                          {"controlnets": [{"name": "c", "image": control}]})
 
 
 def lora_during_template(adapters: Adapters, work: Path) -> dict:

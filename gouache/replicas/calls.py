@@ -35,7 +35,7 @@ class Deadlines:
     submit_s: float = 60.0  # a submit decodes an edit's upload and checks its adapters' headers on the codec
     # processes and threads, behind whatever else is queued there
     register_s: float = 300.0  # registering reads a whole adapter file and loads it on every device (the
-    # ControlNet service's own bound on one answer is 300 s too)
+    # ControlNet service's own bound on one answer is 240 s, 0.8 of the worker timeout)
     drain_margin_s: float = 10.0  # a drain answers once its grace is over; this much later it is taken for hung
     close_s: float = 10.0  # a close stops the engine's threads and joins its codec processes; also how long
     # a closed replica gets to exit before it is killed

@@ -186,15 +186,17 @@ def test_gouache_serve_with_two_replicas_behind_the_mask_aware_router_serves_edi
     assert len(per_replica) == 2 and sum(per_replica) == 7
 
 
-def test_one_controlnet_service_serves_two_replicas(tmp_path):
-    """The front starts the service; each replica's engine connects to it (none starts its own)."""
+def test_one_controlnet_service_serves_two_replicas_each_with_its_own_template_store(tmp_path):
+    """The front starts the service; each replica's engine connects to it (none starts its own).
+    Each replica's template store has a subdirectory of --template-dir to itself."""
     from gouache.adapters.controlnet import random_controlnet
-    from gouache.config import ControlNetConfig
+    from gouache.config import ControlNetConfig, TemplateConfig
     from gouache.runner.models import load_pipeline
 
     random_controlnet(load_pipeline(MODEL), std=0.2).save_pretrained(str(tmp_path / "edges"))
-    config = (ModelConfig(MODEL), EngineConfig(torch_threads=1, controlnets=ControlNetConfig(str(tmp_path), workers=1)),
-              SchedulerConfig(), ReplicaConfig(2, "round-robin"))
+    engine = EngineConfig(torch_threads=1, controlnets=ControlNetConfig(str(tmp_path), workers=1),
+                          templates=TemplateConfig(directory=str(tmp_path / "templates")))
+    config = (ModelConfig(MODEL), engine, SchedulerConfig(), ReplicaConfig(2, "round-robin"))
     front = Front(ReplicaSet(*config))
     try:
         service = front.set.control_service
@@ -206,6 +208,7 @@ def test_one_controlnet_service_serves_two_replicas(tmp_path):
         assert all(not isinstance(o, BaseException) for o in outcomes), outcomes
         assert outcomes[0][0].image == outcomes[1][0].image  # same request, same image, through either replica
         assert [p.is_alive() for p in service._procs] == [True]
+        assert sorted(p.name for p in (tmp_path / "templates").iterdir()) == ["replica-0", "replica-1"]
     finally:
         front.close()
     assert not service._procs[0].is_alive()
