@@ -39,6 +39,15 @@ class StepOutput:
 
 
 @dataclass
+class CacheBytes:
+    """What one device's caches hold between steps, for /metrics to be true when nothing runs."""
+
+    block_cache: int  # the block cache's activations (released requests' freed first)
+    lora: int  # adapters in host memory
+    templates: dict[str, int] = field(default_factory=dict)  # the template store's bytes per tier; {}: no store
+
+
+@dataclass
 class ProgressEvent:
     """One denoising step of one image finished."""
 

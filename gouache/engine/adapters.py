@@ -62,7 +62,9 @@ class AdapterCalls:
         """POST /v1/loras: check an adapter against the model and read it into every device's
         host memory, so its first request finds it there."""
         await self._adapter_call(self.runner.loras.store.check, name)
-        return (await self._adapter_call(self.pool.executor.collective_rpc, "load_lora", (name,)))[0]
+        loaded = (await self._adapter_call(self.pool.executor.collective_rpc, "load_lora", (name,)))[0]
+        self.pool.touch()  # /metrics says what host memory holds now, not at the next step
+        return loaded
 
     async def list_controlnets(self) -> list[dict]:
         """GET /v1/controlnets: the ControlNet directory, and which are loaded."""

@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 
 from gouache.metrics import Metrics
-from gouache.outputs import StepOutput
+from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import RequestState
 from gouache.executor.base import WorkerDied
 from gouache.executor.pool import DevicePool
@@ -197,8 +197,12 @@ class EngineCore:
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
 
-    def _cache_held(self, device: int, nbytes: int) -> None:
-        self.metrics.cache_bytes.labels(str(device)).set(nbytes)
+    def _cache_held(self, device: int, held: CacheBytes) -> None:
+        """What a device's caches hold, reported while the engine is idle."""
+        self.metrics.cache_bytes.labels(str(device)).set(held.block_cache)
+        self.metrics.lora_bytes.labels(str(device)).set(held.lora)
+        for tier, n in held.templates.items():
+            self.metrics.template_bytes.labels(str(device), tier).set(n)
 
     def _count_adapters(self, output: StepOutput, device: str) -> None:
         if output.lora_mode:

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 from gouache.executor.base import Executor
 from gouache.executor.worker import RunOutput
-from gouache.outputs import StepOutput
+from gouache.outputs import CacheBytes, StepOutput
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 
@@ -32,7 +32,7 @@ class DevicePool:
         self.on_handoff = on_handoff  # called at each hand-off (the engine counts them in /metrics)
         self.held: dict[str, tuple[int, ...]] = {}  # request id -> the block whose workers hold its state
         self.handoffs = 0  # states moved from one block to another
-        self._released = False  # a request was released since the last `settle`
+        self._stale = True  # a request was released or a cache touched since the last `settle` (at start: adopted files)
         self._lock = threading.Lock()  # guards `held`
 
     @classmethod
@@ -101,23 +101,29 @@ class DevicePool:
         self.runner.release(request_id)
         with self._lock:
             where = self.held.pop(request_id, None)
-            self._released = True
+            self._stale = True
         if where is None:
             return
         live = [d for d in where if d not in self.executor.dead()]  # a dead block-mate's copy went with it
         if live:
             self.executor.submit("release", ([request_id],), ranks=live)
 
-    def settle(self, report: Callable[[int, int], None]) -> None:
-        """Between steps (the engine thread): free what requests released since the last call
-        still hold in each live device's block cache (released entries otherwise wait for the
-        next forward), and `report(device, block-cache bytes)` as each device answers."""
+    def touch(self) -> None:
+        """The caches changed outside a step (an adapter registered): `settle` reports them again."""
         with self._lock:
-            if not self._released:
+            self._stale = True
+
+    def settle(self, report: Callable[[int, CacheBytes], None]) -> None:
+        """Between steps (the engine thread), when a request was released or a cache touched since
+        the last call: free what released requests still hold in each live device's block cache
+        (released entries otherwise wait for the next forward), and `report(device, what its
+        caches hold)` as each device answers."""
+        with self._lock:
+            if not self._stale:
                 return
-            self._released = False
+            self._stale = False
         for rank in sorted(set(range(self.num_devices)) - self.executor.dead()):
-            call = self.executor.submit("settle", ranks=[rank])
+            call = self.executor.submit("held", ranks=[rank])
             call.add_done_callback(lambda done, rank=rank: done.exception() or report(rank, done.result()[0]))
 
     def stranded(self, dead: set[int]) -> list[str]:

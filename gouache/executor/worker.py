@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, TemplateConfig
-from gouache.outputs import StepOutput
+from gouache.outputs import CacheBytes, StepOutput
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.sampler import DenoiseState
 from gouache.sched.plan import Batch
@@ -151,10 +151,9 @@ class Worker:
         for rid in request_ids:
             self.runner.release(rid)
 
-    def settle(self) -> int:
-        """Free what released requests hold in the block cache (calls run between steps); the bytes it holds."""
-        self.runner.cache.settle()
-        return self.runner.cache.nbytes
+    def held(self) -> CacheBytes:
+        """What this device's caches hold, released requests' entries freed (calls run between steps)."""
+        return self.runner.held()
 
     @contextlib.contextmanager
     def _parallel(self, batch: Batch):

@@ -14,7 +14,7 @@ from gouache.adapters.runtime import LoraRuntime, LoraStep
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
 from gouache.cache.template_store import TIERS
 from gouache.config import ControlNetConfig, LoraConfig, TemplateConfig
-from gouache.outputs import StepOutput
+from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
@@ -55,6 +55,14 @@ class ModelRunner:
         if self._templates is None:
             self._templates = TemplateCache(self.template_config, self.family.device, self._model)
         return self._templates
+
+    def held(self) -> CacheBytes:
+        """Free what released requests hold in the block cache (between steps) and say what every
+        cache holds."""
+        self.cache.settle()
+        stored = self._templates.store if self._templates is not None else None
+        templates = {tier: stored.nbytes(tier) for tier in TIERS} if stored is not None else {}
+        return CacheBytes(self.cache.nbytes, self.loras.store.nbytes, templates)
 
     def close(self) -> None:
         """Let go of what outlives a forward: the ControlNet service's connections, the template directory."""

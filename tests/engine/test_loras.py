@@ -124,3 +124,26 @@ def test_adapters_under_a_worker_process(lora_dir):
     assert registered["loaded"]
     plain, paper, again = (out[0].image for out in outs)
     assert plain != paper and plain == again
+
+
+def test_an_adapter_registered_while_nothing_runs_shows_in_the_metrics(pipes, lora_dir):
+    import asyncio
+    import time
+
+    pipe = pipes("tiny-sd")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(loras=LoraConfig(str(lora_dir))),
+                         SchedulerConfig(policy="orca"))
+
+    async def scenario():
+        await engine.start()
+        before = samples(engine, "gouache_lora_host_bytes").get(None, 0)
+        await engine.register_lora("paper")
+        deadline = time.monotonic() + 10
+        while samples(engine, "gouache_lora_host_bytes").get(None, 0) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # no step runs: the engine's idle settle reports it
+        after = samples(engine, "gouache_lora_host_bytes").get(None, 0)
+        await engine.aclose()
+        return before, after
+
+    before, after = run(scenario())
+    assert before == 0 and after == engine.runner.loras.store.nbytes > 0
