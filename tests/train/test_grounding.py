@@ -69,7 +69,8 @@ def test_recording_changes_no_output_and_keeps_one_map_per_cross_attention():
         plain = unet(latents, t, encoder_hidden_states=embeds).sample
         recorder = record_cross_attention(unet)
         recorded = unet(latents, t, encoder_hidden_states=embeds).sample
-    torch.testing.assert_close(recorded, plain, rtol=1e-5, atol=1e-6)
+    # the recorder's explicit softmax attention rounds otherwise than SDPA: 1.07e-6 was seen under CI's load
+    torch.testing.assert_close(recorded, plain, rtol=1e-5, atol=1e-5)
     cross = [name for name in unet.attn_processors if name.endswith("attn2.processor")]
     assert len(recorder.maps) == len(cross) > 0
     assert all(m.shape[0] == 2 and m.shape[2] == trained.TEXT_LENGTH for m in recorder.maps)
