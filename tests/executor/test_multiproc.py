@@ -214,8 +214,8 @@ def test_a_hung_worker_is_taken_for_dead_at_its_deadline_and_the_rest_are_served
     """Before: a worker that stopped answering (alive, stuck) held its step forever; the round
     never ended and nothing else ran. Its collective peer waited 30 min (a block's process
     group had torch's default timeout, not the collective timeout)."""
-    deadline_s = 12.0
-    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2, collective_timeout_s=8.0,
+    deadline_s = 5.0  # a tiny model's step takes milliseconds: seconds are ample, even under CI's load
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2, collective_timeout_s=3.0,
                                  reply_deadline_s=deadline_s)
     try:
         check(executor, deadline_s, executor._procs[1].pid)

@@ -45,8 +45,8 @@ def test_a_hung_actor_is_taken_for_dead_at_its_deadline_and_the_rest_are_served(
     """Before: a ray call waited as long as its actor took, so a stuck actor held its step forever."""
     from gouache.executor.ray_executor import RayExecutor
 
-    deadline_s = 12.0
-    executor = RayExecutor(WorkerSpec(MODEL, torch_threads=1), 2, collective_timeout_s=8.0,
+    deadline_s = 5.0
+    executor = RayExecutor(WorkerSpec(MODEL, torch_threads=1), 2, collective_timeout_s=3.0,
                            reply_deadline_s=deadline_s)
     try:
         pid = ray.get(executor._actors[1].__ray_call__.remote(lambda actor: os.getpid()))

@@ -45,10 +45,13 @@ async def start_long_on_each(replicas: ReplicaSet) -> list:
     return sorted(handles, key=lambda h: placed[h.request_id].index)
 
 
-def test_status_and_metrics_answer_when_a_replica_dies_under_them():
+def test_calls_answer_when_a_replica_dies_under_them_and_shutdown_ends_with_a_dead_and_a_stopped_one():
     """A call sent after a replica died but before the front noticed waited in its send forever
-    (a PUSH socket whose peer is gone holds it): /v1/status hung, then SIGTERM behind it."""
-    front = start_front()
+    (a PUSH socket whose peer is gone holds it): /v1/status hung, then SIGTERM behind it. Then
+    drain and aclose: the dead replica is not waited for, the stopped one only up to the drain's
+    and the close's deadlines, then killed; the socket directory is removed all the same."""
+    deadlines = Deadlines(drain_margin_s=1.0, close_s=1.0, ping_s=60.0)
+    front = start_front(deadlines)
     try:
         async def scenario():
             replicas = front.set
@@ -62,16 +65,28 @@ def test_status_and_metrics_answer_when_a_replica_dies_under_them():
             done, pending = await asyncio.wait(calls, timeout=5)
             answered_s = time.monotonic() - killed
             status = await asyncio.wait_for(replicas.status(), 5)
-            handles[1].abort()
-            return len(pending), [c.exception() for c in done], answered_s, status
+            os.kill(replicas.replicas[1].process.pid, signal.SIGSTOP)  # and the other hangs with its request
+            start = time.monotonic()
+            await replicas.drain(0.5)
+            drained_s = time.monotonic() - start
+            await replicas.aclose()
+            closed_s = time.monotonic() - start
+            return len(pending), [c.exception() for c in done], answered_s, status, drained_s, closed_s, handles
 
-        pending, errors, answered_s, status = front.run(scenario(), timeout=60)
+        pending, errors, answered_s, status, drained_s, closed_s, _ = front.run(scenario(), timeout=90)
+        front.loop.call_soon_threadsafe(front.loop.stop)
         assert pending == 0, f"{pending} of 60 status and metrics calls had no answer 5 s after the kill"
         assert errors == [None] * 60 and answered_s < 5
         assert [r["alive"] for r in status["replicas"]] == [False, True]
         assert status["replicas"][1]["status"] == "ok"
+        assert drained_s < 0.5 + deadlines.drain_margin_s + 1
+        assert closed_s < drained_s + deadlines.close_s + 5  # the close's deadline, then a kill and a join
+        assert [r.process.exitcode for r in front.set.replicas] == [-signal.SIGKILL, -signal.SIGKILL]
+        assert not os.path.exists(front.set._dir)
     finally:
-        stop_for_good(front)
+        for replica in front.set.replicas:
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(replica.process.pid, signal.SIGKILL)
 
 
 def test_a_hung_replica_is_killed_its_request_fails_and_the_other_serves_on():
@@ -126,35 +141,6 @@ def test_a_submit_to_a_stopped_replica_passes_to_the_other_and_is_aborted_there(
         assert resumed["alive"] and resumed["requests"] == [] and resumed["finished"] == 0
     finally:
         stop_for_good(front)
-
-
-def test_shutdown_with_a_dead_and_a_stopped_replica_ends_within_its_deadlines():
-    """drain and aclose: the dead replica is not waited for, the stopped one only up to the drain's
-    and the close's deadlines, then killed; the socket directory is removed all the same."""
-    deadlines = Deadlines(drain_margin_s=1.0, close_s=1.0, ping_s=60.0)
-    front = start_front(deadlines)
-    try:
-        async def scenario():
-            replicas = front.set
-            await start_long_on_each(replicas)
-            os.kill(replicas.replicas[0].process.pid, signal.SIGSTOP)
-            replicas.replicas[1].process.kill()
-            start = time.monotonic()
-            await replicas.drain(0.5)
-            drained_s = time.monotonic() - start
-            await replicas.aclose()
-            return drained_s, time.monotonic() - start
-
-        drained_s, closed_s = front.run(scenario(), timeout=60)
-        front.loop.call_soon_threadsafe(front.loop.stop)
-        assert drained_s < 0.5 + deadlines.drain_margin_s + 1
-        assert closed_s < drained_s + deadlines.close_s + 5  # the close's deadline, then a kill and a join
-        assert [r.process.exitcode for r in front.set.replicas] == [-signal.SIGKILL, -signal.SIGKILL]
-        assert not os.path.exists(front.set._dir)
-    finally:
-        for replica in front.set.replicas:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(replica.process.pid, signal.SIGKILL)
 
 
 def test_a_start_that_fails_midway_leaves_neither_a_process_nor_the_socket_directory():
