@@ -159,3 +159,18 @@ def test_an_adapter_file_spoilt_after_admission_fails_its_request_as_its_own_inp
     out = runner.execute(Batch(("lora", "control", "plain")))
     assert out.request_ids == ["plain"] and out.invalid == {"lora": "loras", "control": "controlnets"}
     assert "not a readable safetensors file" in out.failed["lora"] and "could not be loaded" in out.failed["control"]
+
+
+def test_no_reader_of_users_files_maps_them():
+    """The class of item 1: every user's file is read whole through gouache.files. Mapping
+    readers (safetensors' safe_open/load_file, diffusers' from_pretrained, torch.load of a path)
+    appear only where the served model's own weights are loaded at start."""
+    import re
+    from pathlib import Path
+
+    import gouache
+
+    root = Path(gouache.__file__).parent
+    mapping = re.compile(r"\b(safe_open|load_file|from_pretrained)\(|torch\.load\((?!io\.BytesIO)")
+    found = {str(path.relative_to(root)) for path in root.rglob("*.py") if mapping.search(path.read_text())}
+    assert found == {"runner/trained.py", "runner/models.py"}
