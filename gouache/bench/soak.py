@@ -99,15 +99,27 @@ def _drain(base_url: str, timeout_s: float) -> dict | None:
     return health
 
 
-def _server_errors(base_url: str) -> dict[str, float] | None:
-    """errors_total by kind, as the server counted them; None if /metrics does not answer."""
+CACHES = {"block_cache": "gouache_block_cache_bytes", "templates": "gouache_template_store_bytes",
+          "lora_host": "gouache_lora_host_bytes"}  # what the server's caches hold, by /metrics gauge
+
+
+def _server_metrics(base_url: str) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """errors_total by kind, as the server counted them, and the bytes each cache holds in memory
+    (summed over devices and the template store's memory tiers); (None, None) if /metrics does not answer."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return None
+        return None, None
+    errors, caches = {}, dict.fromkeys(CACHES, 0.0)
     prefix = 'gouache_errors_total{kind="'
-    return {line[len(prefix):].partition('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(prefix)}
+    for line in text.splitlines():
+        name, value = line.partition("{")[0], line.rsplit(" ", 1)[-1]
+        if line.startswith(prefix):
+            errors[line[len(prefix):].partition('"')[0]] = float(value)
+        for cache, gauge in CACHES.items():
+            if name == gauge and 'tier="disk"' not in line:
+                caches[cache] += float(value)
+    return errors, caches
 
 
 def _resources(samples: list, load_start_s: float, duration_s: float) -> dict:
@@ -148,7 +160,7 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
                 rewriter.stop()
             wall = time.perf_counter() - start
             after_drain = _drain(base_url, args.grace_s)
-            server_errors = _server_errors(base_url)
+            server_errors, caches = _server_metrics(base_url)
             watch.sample("end")
         finally:
             watch.stop()
@@ -157,7 +169,8 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
     return {"policy": policy, "capacity_rps": capacity, "capacity_median_latency_s": median_s,
             "offered_rps": args.load * capacity, "load_wall_s": wall, "lora_rewrites": rewriter.rewrites, **tally(outcomes),
             **_resources(watch.samples, load_start.t_s, args.duration_s), **shutdown,
-            "after_drain": after_drain, "server_errors_total": server_errors, "server_log": str(log_path),
+            "after_drain": after_drain, "server_errors_total": server_errors,
+            "caches_end_mb": None if caches is None else {k: v / 2**20 for k, v in caches.items()}, "server_log": str(log_path),
             "server_log_tracebacks": log.count("Traceback"), "timeline": [asdict(s) for s in watch.samples]}
 
 
@@ -168,6 +181,7 @@ COLUMNS = [("policy", "policy", "{}"), ("capacity req/s", "capacity_rps", "{:.2f
            ("cancelled", "cancelled", "{}"), ("lost", "lost", "{}"), ("p50 s", "latency_p50_s", "{:.2f}"),
            ("p95 s", "latency_p95_s", "{:.2f}"), ("p99 s", "latency_p99_s", "{:.2f}"), ("RSS warm MiB", "rss_warm_mb", "{:.0f}"),
            ("RSS end MiB", "rss_end_mb", "{:.0f}"), ("RSS growth %", "rss_growth_pct", "{:+.1f}"),
+           ("caches end MiB", "caches_end_mb", "{:.0f}"),
            ("fds start", "fds_start", "{}"), ("fds end", "fds_end", "{}"), ("/health not 200", "health_not_ok", "{}"),
            ("leaked procs", "leaked", "{}"), ("exit code", "exit_code", "{}")]
 
@@ -177,6 +191,8 @@ def format_table(rows: list[dict]) -> str:
         value = row[key]
         if key == "leaked":
             value = len(value)
+        elif key == "caches_end_mb" and value is not None:
+            value = sum(value.values())
         return "-" if value is None else fmt.format(value)
 
     lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -185,7 +201,8 @@ def format_table(rows: list[dict]) -> str:
         errors = ", ".join(f"{code} {n}" for code, n in sorted(row["errors_by_code"].items())) or "none"
         lost = ", ".join(f"{why} {n}" for why, n in sorted(row["lost_by_reason"].items())) or "none"
         leaked = "; ".join(f"{p['pid']} {p['cmdline'][:80]}" for p in row["leaked"]) or "none"
-        lines.append(f"\n{row['policy']}: errors by code: {errors}; lost: {lost}; leaked: {leaked}; "
+        caches = ", ".join(f"{name} {mb:.0f} MiB" for name, mb in (row["caches_end_mb"] or {}).items()) or "unknown"
+        lines.append(f"\n{row['policy']}: errors by code: {errors}; lost: {lost}; leaked: {leaked}; caches at the end: {caches}; "
                      f"tracebacks in the server log: {row['server_log_tracebacks']}")
     return "\n".join(lines)
 

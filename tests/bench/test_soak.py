@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from gouache.bench.soak import add_arguments, run
+from gouache.bench.soak import CACHES, add_arguments, run
 from gouache.bench.soak_trace import KINDS, RESULTS, Outcome, Seen, judge, make_trace, parse_mix, tally
 
 SIZES = [(64, 64), (64, 128)]
@@ -94,6 +94,8 @@ def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
     for key in ("rss_warm_mb", "rss_end_mb", "rss_growth_pct", "fds_start", "fds_end", "exit_code", "leaked",
                 "children_seen", "latency_p99_s", "errors_by_code", "server_errors_total", "after_drain"):
         assert key in row
+    caches = row["caches_end_mb"]  # what the caches hold, beside the RSS they explain
+    assert set(caches) == set(CACHES) and min(caches.values()) >= 0
     assert out.with_suffix(".md").read_text().startswith("`gouache bench soak")
 
 
