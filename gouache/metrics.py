@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from gouache.engine.handle import EngineStats
+    from gouache.outputs import EngineStats
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 API_FAMILIES = ("gouache_request_latency_seconds", "gouache_errors")  # recorded by the API server, not by engines

@@ -1,4 +1,5 @@
-"""Data that leaves the engine: per-step results for the scheduler and events for clients.
+"""Data that leaves the engine: per-step results for the scheduler, events for clients and the
+engine's state for /health and /metrics.
 
 Plain values only; encoded images are bytes (PNG/JPEG/WebP), never tensors.
 """
@@ -84,3 +85,14 @@ class ErrorEvent:
 
 
 Event = ProgressEvent | PartialImageEvent | ImageEvent | ErrorEvent
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /health and /metrics."""
+
+    waiting: int  # requests accepted but not yet denoising (preparing or queued)
+    running: int  # requests in the denoising batch
+    finished: int  # images returned since start
+    failed: int  # images that ended with an error since start
+    status: str = "ok"  # ok | draining (shutting down, admits nothing) | dead (the engine loop died)

@@ -10,7 +10,7 @@ from fastapi import Request
 
 if TYPE_CHECKING:
     from gouache.api.engine import Engine
-    from gouache.api.files import FileStore
+    from gouache.api.file_store import FileStore
     from gouache.api.protocol import Limits
     from gouache.config import ServerConfig
     from gouache.engine.handle import RequestHandle

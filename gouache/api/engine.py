@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import asyncio
 
-    from gouache.engine.handle import EngineStats, RequestHandle
+    from gouache.engine.handle import RequestHandle
+    from gouache.outputs import EngineStats
     from gouache.metrics import Metrics
     from gouache.model_info import ModelInfo
     from gouache.request import ImageRequest

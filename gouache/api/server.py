@@ -25,7 +25,7 @@ from gouache.api.auth import ApiKeyMiddleware
 from gouache.api.body_limit import BodyLimitMiddleware
 from gouache.api.context import ApiContext
 from gouache.api.errors import install_error_handlers
-from gouache.api.files import FileStore
+from gouache.api.file_store import FileStore
 from gouache.api.protocol import Limits
 
 if TYPE_CHECKING:

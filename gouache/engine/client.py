@@ -21,7 +21,7 @@ from gouache.adapters.controlnet import Base
 from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, PoolLost, StepReport
-from gouache.engine.handle import EngineStats, RequestHandle
+from gouache.engine.handle import RequestHandle
 from gouache.engine.heap_trim import HeapTrimmer
 from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
 from gouache.engine.stages import Stage
@@ -32,7 +32,7 @@ from gouache.errors import (
 )
 from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo, unpriced_message
-from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
+from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus
 from gouache.executor.base import Executor
 from gouache.executor.pool import DevicePool

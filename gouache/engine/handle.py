@@ -4,21 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from gouache.errors import CancelledError, GouacheError
 from gouache.outputs import ErrorEvent, Event, ImageEvent
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for /health and /metrics."""
-
-    waiting: int  # requests accepted but not yet denoising (preparing or queued)
-    running: int  # requests in the denoising batch
-    finished: int  # images returned since start
-    failed: int  # images that ended with an error since start
-    status: str = "ok"  # ok | draining (shutting down, admits nothing) | dead (the engine loop died)
 
 
 class RequestHandle:

@@ -29,11 +29,11 @@ import zmq
 import zmq.asyncio
 
 from gouache.engine.adapters import start_control_service
-from gouache.engine.handle import EngineStats, RequestHandle
+from gouache.engine.handle import RequestHandle
 from gouache.engine.imaging import repaint_ratio
 from gouache.errors import EngineStoppedError, GouacheError, QueueFullError, ShuttingDownError, WorkerFailureError
 from gouache.metrics import Metrics, merged_exposition
-from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
+from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, ProgressEvent
 from gouache.replicas.calls import Calls, Deadlines, ReplicaLostError, tell
 from gouache.replicas.process import decode, replica_main
 from gouache.sched.router import ROUTERS, ReplicaLoad, RouteRequest, Router
@@ -54,6 +54,8 @@ ROUTER_STEP_COST = linear_step_cost(per_forward_s=0.020, per_megapixel_s=0.080)
 
 
 def make_router(name: str) -> Router:
+    if name not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(sorted(ROUTERS))}, got {name!r}")
     return ROUTERS[name](ROUTER_STEP_COST.batch_step_time) if name == "mask-aware" else ROUTERS[name]()
 
 

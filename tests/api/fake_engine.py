@@ -12,11 +12,11 @@ import io
 
 from PIL import Image
 
-from gouache.engine.handle import EngineStats, RequestHandle
+from gouache.engine.handle import RequestHandle
 from gouache.errors import InvalidRequestError
 from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo
-from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
+from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest
 
 FAKE_INFO = ModelInfo(

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from gouache.api.errors import from_validation_errors
-from gouache.api.files import FileStore
+from gouache.api.file_store import FileStore
 from gouache.api.protocol import MAX_SEED, ImageEditRequest, ImageGenerationRequest, Limits
 from gouache.errors import InvalidRequestError
 from tests.api.fake_engine import FAKE_INFO

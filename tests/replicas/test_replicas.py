@@ -109,6 +109,11 @@ def test_two_replicas_serve_a_mixed_load_under_each_router(front, router):
     assert (stats.waiting, stats.running, stats.status) == (0, 0, "ok")
 
 
+def test_an_unknown_router_is_refused_with_the_names_it_could_be():
+    with pytest.raises(ValueError, match="router must be one of least-requests, least-tokens, mask-aware, round-robin, got .round-robinn."):
+        make_router("round-robinn")
+
+
 def test_status_lists_each_replica(front):
     front.run(serve(front.set, [request("status", 64)]))
     status = front.run(front.set.status())
