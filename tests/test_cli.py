@@ -172,7 +172,7 @@ def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):
 
 
 def test_bench_batching_refuses_flags_it_would_ignore(monkeypatch, capsys, tmp_path):
-    from gouache.runner import arch
+    from gouache.zoo import arch
 
     def build_arch(*args):
         raise AssertionError("the flags were accepted")
@@ -203,8 +203,8 @@ def test_every_option_names_its_default(command):
 
 
 def test_models_lists_the_full_size_benchmark_architectures(capsys):
-    from gouache.runner.arch import ARCH_CONFIGS
-    from gouache.runner.models import BUILTIN_MODELS
+    from gouache.zoo.arch import ARCH_CONFIGS
+    from gouache.zoo.models import BUILTIN_MODELS
 
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()

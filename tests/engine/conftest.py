@@ -1,6 +1,6 @@
 import pytest
 
-from gouache.runner.models import load_pipeline
+from gouache.zoo.models import load_pipeline
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.worker import WorkerSpec
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.runner.models import load_pipeline
+from gouache.zoo.models import load_pipeline
 from gouache.sched.plan import Batch
 
 MODEL = "tiny-sd"

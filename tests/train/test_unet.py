@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gouache.runner import trained
-from gouache.runner.models import shapes_sd
+from gouache.zoo import trained
+from gouache.zoo.models import shapes_sd
 from gouache.train.unet import BATCH, NOISE_DRAWS, encoded_batch, foreground_weights, velocity
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
 from gouache.data.shapes import WORDS
-from gouache.runner.tokenizer import build_tokenizer
+from gouache.zoo.tokenizer import build_tokenizer
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 SIZE = 128  # default pixels per side; trained on 64..128, square and not
