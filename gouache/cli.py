@@ -311,8 +311,8 @@ def _generate(args) -> int:
 
 
 def _models(args) -> int:
-    from gouache.zoo.arch import ARCH_CONFIGS, arch_description
-    from gouache.zoo.models import BUILTIN_MODELS
+    from gouache.models.arch import ARCH_CONFIGS, arch_description
+    from gouache.models.zoo import BUILTIN_MODELS
 
     for name, spec in BUILTIN_MODELS.items():
         print(f"{name:20s} {spec.description}")
@@ -322,7 +322,7 @@ def _models(args) -> int:
 
 
 def _export(args) -> int:
-    from gouache.zoo.models import export_model
+    from gouache.models.zoo import export_model
 
     export_model(args.name, args.directory)
     print(f"wrote {args.name} to {args.directory}")
@@ -333,7 +333,7 @@ def _make_lora(args) -> int:
     from safetensors.torch import save_file
 
     from gouache.adapters.lora import random_lora
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     if args.rank < 1:
         raise ValueError(f"--rank must be >= 1, got {args.rank}")
@@ -347,7 +347,7 @@ def _make_lora(args) -> int:
 
 def _make_controlnet(args) -> int:
     from gouache.adapters.controlnet import random_controlnet, supports_controlnets
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(args.model, args.dtype, args.device)
     why = supports_controlnets(pipe)

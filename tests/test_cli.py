@@ -172,7 +172,7 @@ def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):
 
 
 def test_bench_batching_refuses_flags_it_would_ignore(monkeypatch, capsys, tmp_path):
-    from gouache.zoo import arch
+    from gouache.models import arch
 
     def build_arch(*args):
         raise AssertionError("the flags were accepted")
@@ -203,8 +203,8 @@ def test_every_option_names_its_default(command):
 
 
 def test_models_lists_the_full_size_benchmark_architectures(capsys):
-    from gouache.zoo.arch import ARCH_CONFIGS
-    from gouache.zoo.models import BUILTIN_MODELS
+    from gouache.models.arch import ARCH_CONFIGS
+    from gouache.models.zoo import BUILTIN_MODELS
 
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()

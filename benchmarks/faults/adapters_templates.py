@@ -109,7 +109,7 @@ class Adapters:
     """Random LoRAs and ControlNets of the model (built once per drill)."""
 
     def __init__(self):
-        from gouache.zoo.models import load_pipeline
+        from gouache.models.zoo import load_pipeline
 
         self.pipe = load_pipeline(MODEL)
 

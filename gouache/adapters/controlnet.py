@@ -162,7 +162,7 @@ class Base:
     @classmethod
     def of_model(cls, model: str, dtype: str, device: str) -> Base | None:
         """The base of a model not loaded here (a local directory's UNet config; a built-in is built)."""
-        from gouache.zoo.models import load_pipeline, torch_dtype
+        from gouache.models.zoo import load_pipeline, torch_dtype
 
         unet = Path(model) / "unet" / CONFIG
         if not Path(model).is_dir():

@@ -69,7 +69,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from gouache.zoo.models import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline, model_info
     from gouache.train.lora import lora_dir
 
     if args.torch_threads:
@@ -230,7 +230,7 @@ def throughput(args, info, steps: int, rate: float) -> dict:
     from safetensors.torch import save_file
 
     from gouache.adapters.lora import random_lora
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(args.model)
     rng = random.Random("adapters-load")

@@ -66,7 +66,7 @@ def median_s(fn, repeats: int, sync) -> float:
 def run(args) -> int:
     import torch
 
-    from gouache.zoo.arch import ARCH_CONFIGS
+    from gouache.models.arch import ARCH_CONFIGS
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     sides = [int(s) for s in args.sizes.split(",")]
@@ -97,7 +97,7 @@ def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
 
     from gouache.request import ImageRequest
     from gouache.runner.model_runner import ModelRunner
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
@@ -134,7 +134,7 @@ def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
     import torch
 
     from gouache.bench.denoiser_inputs import DenoiserBench
-    from gouache.zoo.arch import build_arch
+    from gouache.models.arch import build_arch
 
     model = build_arch(args.model, args.device, args.dtype)
     rows = []

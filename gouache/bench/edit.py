@@ -69,7 +69,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from gouache.zoo.models import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline, model_info
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

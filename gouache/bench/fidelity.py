@@ -124,7 +124,7 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
     from gouache.config import BlockCacheConfig
     from gouache.request import ImageRequest
     from gouache.runner.model_runner import ModelRunner
-    from gouache.zoo.models import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline, model_info
     from gouache.sched.plan import Batch
     from gouache.sched.policies import POLICIES
 
@@ -302,7 +302,7 @@ def add_arguments(p) -> None:
 
 def setups(args) -> tuple[Setup, Setup]:
     """The reference and the candidate the flags describe."""
-    from gouache.zoo.models import BUILTIN_MODELS, TINY_DEFAULT_STEPS
+    from gouache.models.zoo import BUILTIN_MODELS, TINY_DEFAULT_STEPS
 
     reference = Setup("reference", args.policy, args.steps, 8, args.patch_size, args.cost_model,
                       controlnet_mode="sync" if args.controlnet else None)

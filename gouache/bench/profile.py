@@ -112,7 +112,7 @@ def run(args) -> int:
     import torch
 
     from gouache.runner.model_runner import ModelRunner
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
     from gouache.sched.costmodel import save
 
     sizes = [int(s) for s in args.sizes.split(",")]

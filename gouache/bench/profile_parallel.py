@@ -28,7 +28,7 @@ def run(args) -> int:
     from gouache.executor.pool import DevicePool
     from gouache.executor.worker import WorkerSpec
     from gouache.runner.model_runner import ModelRunner
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
     from gouache.runner.ulysses import check_degree
     from gouache.sched.parallel_costmodel import ParallelCostModel
     from gouache.sched.rounds import degrees as degrees_of

@@ -21,7 +21,7 @@ def make_adapters(model: str, directory: Path) -> dict[str, Path]:
 
     from gouache.adapters.controlnet import random_controlnet
     from gouache.adapters.lora import random_lora
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(model)
     loras, controlnets = directory / "loras", directory / "controlnets"

@@ -138,7 +138,7 @@ class AsyncEngine(AdapterCalls):
         import torch
 
         from gouache.runner.families import FAMILIES
-        from gouache.zoo.models import family_of, load_pipeline, model_id, model_info
+        from gouache.models.zoo import family_of, load_pipeline, model_id, model_info
         from gouache.sched.costmodel import BatchCostModel
         from gouache.sched.parallel_costmodel import ParallelCostModel
         from gouache.sched.costmodel import load as load_cost_model

@@ -67,7 +67,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
     """Join the executor's torch.distributed world (gloo on the CPU, NCCL on GPUs), make the
     process group of every aligned block (the same order on every rank) and load the model:
     what each worker of `multiproc` and `ray` does first."""
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)

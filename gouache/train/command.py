@@ -22,7 +22,7 @@ NEEDS = {"vae": (), "unet": ("shapes-vae",), "inpaint": ("shapes-vae", "shapes-u
 
 
 def default_out() -> Path:
-    from gouache.zoo.trained import WEIGHTS_DIR
+    from gouache.models.trained import WEIGHTS_DIR
 
     return WEIGHTS_DIR
 
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gouache.zoo.trained import weights_path
+    from gouache.models.trained import weights_path
 
     steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.kind]
     if steps < 1:

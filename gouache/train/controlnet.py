@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from gouache.data.shapes import unplaced_caption
-from gouache.zoo import trained
+from gouache.models import trained
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import denoising_loss, drop_captions, foreground_weights, frozen_pipeline
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from diffusers import StableDiffusion3Pipeline
 from diffusers.models.attention_processor import Attention
 
-from gouache.zoo import trained
-from gouache.zoo.models import shapes_sd3
+from gouache.models import trained
+from gouache.models.zoo import shapes_sd3
 from gouache.train.grounding import grounding_loss
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import drop_captions

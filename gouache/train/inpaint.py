@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gouache.zoo import trained
-from gouache.zoo.models import shapes_sd
+from gouache.models import trained
+from gouache.models.zoo import shapes_sd
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions
 

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gouache.data.shapes import Scene
-from gouache.zoo import trained
+from gouache.models import trained
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions, foreground_weights, frozen_pipeline
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gouache.zoo import trained
-from gouache.zoo.models import shapes_sd
+from gouache.models import trained
+from gouache.models.zoo import shapes_sd
 from gouache.train.grounding import grounding_loss, record_cross_attention
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gouache.zoo import trained
+from gouache.models import trained
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 
 CROP = 64

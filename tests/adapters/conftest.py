@@ -4,7 +4,7 @@ pipeline, and a directory of two random ControlNets of it."""
 import pytest
 
 from gouache.adapters.controlnet import random_controlnet
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 
 
 @pytest.fixture(scope="module")

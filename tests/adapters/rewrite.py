@@ -17,7 +17,7 @@ from gouache.adapters.directory import ControlNetError, LoraError
 from gouache.files import digest
 from gouache.adapters.lora import random_lora
 from gouache.adapters.store import LoraStore
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 
 
 def rewrite(path: Path, versions: list[bytes], until: float) -> None:

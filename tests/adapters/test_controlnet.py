@@ -14,7 +14,7 @@ from gouache.adapters.directory import ControlNetError, UnknownControlNet
 from gouache.config import ControlNetConfig
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 
 TOL = 1e-4

@@ -11,7 +11,7 @@ from gouache.adapters.apply import Merged
 from gouache.adapters.directory import LoraError, UnknownLora, lora_path
 from gouache.adapters.lora import METADATA_KEY, Target, parse_lora, random_lora, read_lora
 from gouache.adapters.runtime import Costs, choose
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 
 Q = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
 

@@ -11,7 +11,7 @@ from gouache.adapters.lora import random_lora
 from gouache.config import LoraConfig
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 
 TOL = 1e-4

@@ -20,7 +20,7 @@ from gouache.adapters.directory import ControlNetError, LoraError
 from gouache.files import FileChanging, digest, header_of, read_file, read_header
 from gouache.adapters.lora import random_lora
 from gouache.adapters.store import LoraStore
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.runner.unet_templates import MaskedTransformerBlock, unet_template_blocks
 
 
@@ -173,4 +173,4 @@ def test_no_reader_of_users_files_maps_them():
     root = Path(gouache.__file__).parent
     mapping = re.compile(r"\b(safe_open|load_file|from_pretrained)\(|torch\.load\((?!io\.BytesIO)")
     found = {str(path.relative_to(root)) for path in root.rglob("*.py") if mapping.search(path.read_text())}
-    assert found == {"zoo/trained.py", "zoo/models.py"}
+    assert found == {"models/trained.py", "models/zoo.py"}

@@ -10,7 +10,7 @@ import pytest
 from gouache.api.server import create_app
 from gouache.cli import build_parser
 from gouache.config import ServerConfig
-from gouache.zoo.models import model_id
+from gouache.models.zoo import model_id
 from tests.api.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio

@@ -26,7 +26,7 @@ def server_url(tmp_path_factory):
 
     from gouache.adapters.controlnet import random_controlnet
     from gouache.adapters.lora import random_lora
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     loras, controlnets = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("controlnets")
     save_file(random_lora(load_pipeline("tiny-sdxl"), rank=8), str(loras / "ink.safetensors"))

@@ -6,7 +6,7 @@ import torch
 from gouache.bench.batching import parse_mix
 from gouache.bench.denoiser_inputs import DenoiserBench
 from gouache.cli import main
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 
 
 def test_parse_mix():

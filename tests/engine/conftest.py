@@ -1,6 +1,6 @@
 import pytest
 
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from gouache.adapters.controlnet import random_controlnet
 from gouache.api.server import create_app
 from gouache.config import ControlNetConfig, EngineConfig, SchedulerConfig, ServerConfig
 from gouache.engine.client import AsyncEngine
-from gouache.zoo.models import model_info
+from gouache.models.zoo import model_info
 from tests.engine.test_async_engine import png, run
 from tests.engine.test_templates import samples
 
@@ -141,7 +141,7 @@ def test_transformer_models_refuse_controlnets(pipes, control_dir):
 def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
     from gouache.adapters.control_runtime import ControlRuntime
     from gouache.cli import main
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     assert main(["make-controlnet", "--model", "tiny-sdxl", "--out", str(tmp_path / "pose"), "--seed", "3"]) == 0
     assert "a random ControlNet of tiny-sdxl" in capsys.readouterr().out

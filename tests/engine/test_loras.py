@@ -13,7 +13,7 @@ from gouache.adapters.lora import random_lora
 from gouache.api.server import create_app
 from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.engine.client import AsyncEngine
-from gouache.zoo.models import model_info
+from gouache.models.zoo import model_info
 from tests.engine.test_async_engine import png, run
 from tests.engine.test_templates import samples
 

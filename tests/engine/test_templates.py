@@ -10,7 +10,7 @@ from PIL import Image
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, TemplateConfig
 from gouache.engine.client import AsyncEngine
-from gouache.zoo.models import model_info
+from gouache.models.zoo import model_info
 from tests.engine.test_async_engine import images, png, run
 
 

@@ -14,7 +14,7 @@ from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.worker import WorkerSpec
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 
 MODEL = "tiny-sd"

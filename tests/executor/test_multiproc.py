@@ -16,7 +16,7 @@ from gouache.executor.worker import WorkerSpec
 from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.interface import Policy
 from gouache.sched.plan import Batch, Plan

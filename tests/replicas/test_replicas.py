@@ -196,7 +196,7 @@ def test_one_controlnet_service_serves_two_replicas_each_with_its_own_template_s
     Each replica's template store has a subdirectory of --template-dir to itself."""
     from gouache.adapters.controlnet import random_controlnet
     from gouache.config import ControlNetConfig, TemplateConfig
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     random_controlnet(load_pipeline(MODEL), std=0.2).save_pretrained(str(tmp_path / "edges"))
     engine = EngineConfig(torch_threads=1, controlnets=ControlNetConfig(str(tmp_path), workers=1),

@@ -10,7 +10,7 @@ from gouache.cache.block_cache import BlockCache
 from gouache.config import BlockCacheConfig
 from gouache.runner.block_reuse import CacheRequest, cacheable_blocks, cached_blocks
 from gouache.runner.layout import PatchLayout
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.runner.patch_ops import patched_unet_forward
 from tests.runner.test_pack_dit import make_inputs, reference_flux, reference_sd3, run_packed
 from tests.runner.test_patch_ops import TOL, conditioning, max_diff, per_image_forward, random_samples, unets  # noqa: F401

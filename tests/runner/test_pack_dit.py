@@ -8,7 +8,7 @@ import torch
 from diffusers import FluxPipeline, SD3Transformer2DModel
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.runner.pack_dit import Packing, packed_sd3_forward
 from gouache.runner.pack_flux import packed_flux_forward
 

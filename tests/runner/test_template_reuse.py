@@ -7,7 +7,7 @@ import pytest
 
 from gouache.config import TemplateConfig
 from gouache.request import ImageRequest
-from gouache.zoo.models import load_pipeline
+from gouache.models.zoo import load_pipeline
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.template_reuse import model_digest
 from gouache.sched.plan import Batch
@@ -163,7 +163,7 @@ def test_the_model_digest_is_the_same_in_every_process_and_tells_models_apart():
 
     import os
 
-    code = ("from gouache.zoo.models import load_pipeline; from gouache.runner.template_reuse import model_digest; "
+    code = ("from gouache.models.zoo import load_pipeline; from gouache.runner.template_reuse import model_digest; "
             "print(model_digest(load_pipeline('tiny-sd')))")
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"  # another set order than this process's
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

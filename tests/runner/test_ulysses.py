@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel
 
-from gouache.zoo.models import SEED_DENOISER, load_pipeline, seeded
+from gouache.models.zoo import SEED_DENOISER, load_pipeline, seeded
 from gouache.runner.ulysses import ulysses
 
 TOL = 1e-4

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from gouache.cli import main
-from gouache.zoo import trained
+from gouache.models import trained
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
 
 def test_lora_writes_an_adapter_the_server_reads(trained_dir):
     from gouache.adapters.lora import Target, read_lora
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
     from gouache.train.lora import RANK
 
     path = trained_dir / "loras" / "shapes-unet" / "palette.safetensors"
@@ -48,7 +48,7 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
 def test_controlnet_writes_a_directory_the_server_takes(trained_dir):
     from gouache.adapters.control_runtime import ControlRuntime
     from gouache.config import ControlNetConfig
-    from gouache.zoo.models import load_pipeline
+    from gouache.models.zoo import load_pipeline
 
     report = json.loads((trained_dir / "train_controlnet.json").read_text())
     assert report["command"] == "gouache train controlnet --seed 0 --steps 2 --workers 1" and report["steps"] == 2

@@ -1,7 +1,7 @@
 import torch
 
-from gouache.zoo import trained
-from gouache.zoo.models import shapes_sd3
+from gouache.models import trained
+from gouache.models.zoo import shapes_sd3
 from gouache.train.dit import ZERO_TOKENS, CollapsedJointAttention, collapsed_inputs
 
 CAPTIONS = ["a red circle at the top left on a white background", ""]

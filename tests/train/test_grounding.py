@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 from gouache.data.shapes import Scene, Shape, caption, render
-from gouache.zoo import trained
+from gouache.models import trained
 from gouache.train.grounding import grounding_loss, phrase_tokens, record_cross_attention
 
 SCENE = Scene(

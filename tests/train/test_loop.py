@@ -1,6 +1,6 @@
 import torch
 
-from gouache.zoo import trained
+from gouache.models import trained
 from gouache.train.loop import Schedule, shapes_batch
 
 

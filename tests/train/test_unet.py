@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gouache.zoo import trained
-from gouache.zoo.models import shapes_sd
+from gouache.models import trained
+from gouache.models.zoo import shapes_sd
 from gouache.train.unet import BATCH, NOISE_DRAWS, encoded_batch, foreground_weights, velocity
 
 

@@ -29,8 +29,8 @@ from transformers import (
 
 from gouache.errors import UnknownModelError
 from gouache.model_info import ModelInfo
-from gouache.zoo import trained
-from gouache.zoo.tokenizer import build_tokenizer
+from gouache.models import trained
+from gouache.models.tokenizer import build_tokenizer
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
 from gouache.errors import UnknownModelError
-from gouache.zoo.models import SEED_DENOISER, seeded, torch_dtype
+from gouache.models.zoo import SEED_DENOISER, seeded, torch_dtype
 
 # Published denoiser configs (diffusers format), with random weights: for memory and speed
 # planning without downloading anything.

@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from gouache.errors import UnknownModelError
-from gouache.zoo.arch import build_arch
-from gouache.zoo.models import (
+from gouache.models.arch import build_arch
+from gouache.models.zoo import (
     BUILDERS,
     BUILTIN_MODELS,
     denoiser,
@@ -21,7 +21,7 @@ from gouache.zoo.models import (
     load_pipeline,
     model_info,
 )
-from gouache.zoo.tokenizer import build_tokenizer
+from gouache.models.tokenizer import build_tokenizer
 
 SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux packs 2x2)
 
@@ -106,8 +106,8 @@ def test_builds_are_bit_identical_whatever_the_global_rng(pipes, name):
 def test_another_process_builds_the_same_weights(pipes):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"
-        "from test_models import state_digest\n"
-        "from gouache.zoo.models import BUILDERS\n"
+        "from test_zoo import state_digest\n"
+        "from gouache.models.zoo import BUILDERS\n"
         "print(state_digest(BUILDERS['tiny-flux']()))"
     )
     here = Path(__file__).parent
@@ -207,7 +207,7 @@ def test_pipelines_truncate_long_prompts(pipes):
 
 def test_every_shapes_caption_word_is_one_token():
     from gouache.data.shapes import WORDS
-    from gouache.zoo.trained import tokenizer
+    from gouache.models.trained import tokenizer
 
     tok = tokenizer()
     for word in WORDS:

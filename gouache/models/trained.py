@@ -2,7 +2,7 @@
 shapes dataset (`gouache.data.shapes`), so their pictures can be checked by a program.
 
 This module holds what training and serving must agree on: the architectures, the tokenizer, the
-weight files. The pipelines that put them together are in `models.py`.
+weight files. The pipelines that put them together are in `zoo.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
 from gouache.data.shapes import WORDS
-from gouache.zoo.tokenizer import build_tokenizer
+from gouache.models.tokenizer import build_tokenizer
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 SIZE = 128  # default pixels per side; trained on 64..128, square and not
