@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args) -> int:
     from gouache.api.server import run_server
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
 
     _log_to_stderr()
 
@@ -245,7 +245,7 @@ def _serve(args) -> int:
         return run_server(ReplicaSet(*configs, replicas), config)
     if "router" in given(args):
         refuse_ignored({"router": "one replica has nothing to route between; add --replicas 2 or more"})
-    return run_server(AsyncEngine.from_config(*configs), config)
+    return run_server(build_engine(*configs), config)
 
 
 def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:

@@ -109,21 +109,21 @@ def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
 
 
 class _EngineBuilt(Exception):
-    """Raised by the stand-in `AsyncEngine.from_config`: the flags were accepted."""
+    """Raised by the stand-in `build_engine`: the flags were accepted."""
 
 
 @pytest.fixture
 def built_configs(monkeypatch):
     """`gouache serve` up to building its engine: the configs it would build it from."""
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine import build
 
     configs = {}
 
-    def from_config(model_config, engine_config, sched_config):
+    def build_engine(model_config, engine_config, sched_config):
         configs.update(model=model_config, engine=engine_config, scheduler=sched_config)
         raise _EngineBuilt
 
-    monkeypatch.setattr(AsyncEngine, "from_config", from_config)
+    monkeypatch.setattr(build, "build_engine", build_engine)
     return configs
 
 

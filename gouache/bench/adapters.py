@@ -253,13 +253,13 @@ def throughput(args, info, steps: int, rate: float) -> dict:
 
 async def _serve(args, info, steps: int, directory: str, batching: str, load) -> dict:
     from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
     from gouache.request import ImageRequest
 
     adapters = batching != "none"
     config = EngineConfig(max_queue_len=len(load) + 1, torch_threads=args.torch_threads,
                           loras=LoraConfig(directory, batching=batching if adapters else "mixed"))
-    engine = AsyncEngine.from_config(ModelConfig(args.model), config, SchedulerConfig(policy="orca"))
+    engine = build_engine(ModelConfig(args.model), config, SchedulerConfig(policy="orca"))
     await engine.start()
     try:
         for name in {a for _, a, _ in load} if adapters else ():

@@ -277,10 +277,10 @@ def throughput(model: str, info, size: int, steps: int, n: int, templates: int, 
 
 async def _serve_load(model, info, size, steps, policy, use_templates, scenes, pictures, load, torch_threads) -> dict:
     from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
     from gouache.request import ImageRequest
 
-    engine = AsyncEngine.from_config(ModelConfig(model), EngineConfig(max_queue_len=len(load) + len(pictures),
+    engine = build_engine(ModelConfig(model), EngineConfig(max_queue_len=len(load) + len(pictures),
                                                                        torch_threads=torch_threads),
                                      SchedulerConfig(policy=policy))
     await engine.start()

@@ -79,11 +79,11 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
                     control: Control | None = None) -> Result:
     from gouache.config import BlockCacheConfig, ControlNetConfig, EngineConfig, ModelConfig, SchedulerConfig
     from gouache.data.shapes import unplaced_caption
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
     from gouache.request import ImageRequest
 
     controlnets = ControlNetConfig(control.directory, control.workers) if control else ControlNetConfig()
-    engine = AsyncEngine.from_config(
+    engine = build_engine(
         ModelConfig(model),
         EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads,
                      block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse),

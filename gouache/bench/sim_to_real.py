@@ -77,14 +77,14 @@ class LiveRun:
 async def live_run(args, policy: str, trace: list[SimRequest], model) -> LiveRun:
     """Run the trace through the real engine in this process."""
     from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
     from gouache.outputs import ErrorEvent, ProgressEvent
     from gouache.request import ImageRequest
 
     sched = SchedulerConfig(policy=policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                             round_s=args.round_s)
     engine_config = EngineConfig(patch_size=args.patch_size, torch_threads=args.torch_threads)
-    engine = AsyncEngine.from_config(ModelConfig(args.model), engine_config, sched)
+    engine = build_engine(ModelConfig(args.model), engine_config, sched)
     out, arrivals = LiveRun(), {}
     _observe(engine, model, out, arrivals)
     await engine.start()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.config import EngineConfig, SchedulerConfig
 from gouache.adapters.controlnet import Base
 from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
@@ -38,8 +38,8 @@ from gouache.executor.base import Executor
 from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import StepTimePredictor
-from gouache.sched.policies import POLICIES, make_policy
-from gouache.sched.scheduler import Scheduler, check_devices
+from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +48,6 @@ def caches_blocks(policy, num_devices: int) -> bool:
     """Whether some steps run on one device, where the block cache applies (sequence-parallel
     steps run uncached: ranks must not decide apart)."""
     return 1 in policy.degrees(num_devices)
-
-
-def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Executor:
-    """The worker processes (`multiproc`) or actors (`ray`) of `engine_config.devices` devices."""
-    from gouache.executor.worker import WorkerSpec
-
-    spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
-                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
-                      engine_config.loras, engine_config.controlnets)
-    if engine_config.executor == "ray":
-        from gouache.executor.ray_executor import RayExecutor
-
-        return RayExecutor(spec, engine_config.devices, engine_config.ray_address,
-                           reply_deadline_s=engine_config.worker_timeout_s)
-    from gouache.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor(spec, engine_config.devices, reply_deadline_s=engine_config.worker_timeout_s)
 
 
 @dataclass
@@ -132,63 +115,6 @@ class AsyncEngine(AdapterCalls):
         self._draining = False  # set by drain(): nothing new is admitted
         self._dead = False  # set when the engine loop died
         self.died: asyncio.Event | None = None  # set (on the API's loop) if the engine loop dies
-
-    @classmethod
-    def from_config(cls, model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
-        import torch
-
-        from gouache.runner.families import FAMILIES
-        from gouache.models.zoo import family_of, load_pipeline, model_id, model_info
-        from gouache.sched.costmodel import BatchCostModel
-        from gouache.sched.parallel_costmodel import ParallelCostModel
-        from gouache.sched.costmodel import load as load_cost_model
-        from gouache.sched.costmodel import load_mask_model
-
-        if engine_config.torch_threads:
-            torch.set_num_threads(engine_config.torch_threads)
-        predictor = load_cost_model(sched_config.cost_model) if sched_config.cost_model else None
-        if predictor is not None and not isinstance(predictor, BatchCostModel | ParallelCostModel):
-            raise ValueError(f"{sched_config.cost_model} is a {predictor.kind!r} cost model; --cost-model takes "
-                             "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
-                             "(kind 'parallel')")
-        check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
-        if engine_config.block_cache.threshold > 0 and not caches_blocks(make_policy(sched_config, predictor),
-                                                                        engine_config.devices):
-            raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
-                             "several devices, where the block cache does not apply")
-        pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
-        family = FAMILIES[family_of(pipe)]
-        if engine_config.patch_size is not None and not family.patches:
-            raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
-                             "tokens into one sequence; patches are for UNet models")
-        templates = engine_config.templates
-        if templates.cost_model:
-            load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
-        if (templates.default or templates.cost_model) and not caches_blocks(make_policy(sched_config, predictor),
-                                                                             engine_config.devices):
-            flag = "--template-cache" if templates.default else "--template-cost-model"
-            raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs "
-                             "on several devices, where template reuse does not apply")
-        if engine_config.loras.bound and not caches_blocks(make_policy(sched_config, predictor), engine_config.devices):
-            raise ValueError(f"--lora-bound would be ignored: every step of --policy {sched_config.policy} runs on "
-                             "several devices, whose ranks load adapters before the step (synchronously)")
-        executor = None
-        if engine_config.executor != "uniproc":
-            from gouache.runner.ulysses import check_degree
-
-            for degree in make_policy(sched_config, predictor).degrees(engine_config.devices):
-                check_degree(pipe, degree)  # refused now, not in the middle of a request
-            service, engine_config = start_control_service(lambda: Base.of(pipe), engine_config)  # its workers connect to it
-            try:
-                executor = make_executor(model_config, engine_config)
-            except BaseException:
-                if service is not None:
-                    service.shutdown()
-                raise
-            return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config,
-                       predictor=predictor, executor=executor, control_service=service)
-        return cls(pipe, model_info(pipe, model_id(model_config.model)), engine_config, sched_config,
-                   predictor=predictor, executor=executor)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -76,12 +76,12 @@ class _Replica:
         self.tasks: set[asyncio.Task] = set()
 
     async def serve(self, configs: tuple[ModelConfig, EngineConfig, SchedulerConfig]) -> None:
-        from gouache.engine.client import AsyncEngine
+        from gouache.engine.build import build_engine
 
         model_config, engine_config, sched_config = configs
         engine_config = replace(engine_config, templates=engine_config.templates.under(f"replica-{self.index}"))
         try:
-            self.engine = AsyncEngine.from_config(model_config, engine_config, sched_config)
+            self.engine = build_engine(model_config, engine_config, sched_config)
             await self.engine.start()
         except Exception as error:  # the API server reports it and exits
             log.exception("did not start")

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.errors import GouacheError, InvalidRequestError, QueueFullError
 from gouache.outputs import ImageEvent, PartialImageEvent, ProgressEvent
@@ -261,7 +262,7 @@ def test_the_largest_patch_that_fits_every_image_of_a_forward_is_used(pipes):
 
 def test_a_patch_size_is_refused_for_a_dit_which_would_ignore_it():
     with pytest.raises(ValueError, match="--patch-size would be ignored: sd3 models"):
-        AsyncEngine.from_config(ModelConfig("tiny-sd3"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
+        build_engine(ModelConfig("tiny-sd3"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
 
 
 class _Fixed:

@@ -71,11 +71,11 @@ def test_an_exact_request_is_unchanged_by_cached_batch_mates_and_the_reuse_is_co
 
 def test_a_server_whose_every_step_is_sequence_parallel_refuses_block_cache_before_starting_workers():
     from gouache.config import BlockCacheConfig, EngineConfig, ModelConfig
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
 
     config = EngineConfig(executor="multiproc", devices=2, block_cache=BlockCacheConfig(0.1))
     with pytest.raises(ValueError, match="--block-cache would be ignored: every step of --policy fixed-sp-2"):
-        AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+        build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
 
 
 def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle(pipes):

@@ -15,6 +15,7 @@ from PIL import Image
 from gouache.adapters.controlnet import random_controlnet
 from gouache.api.server import create_app
 from gouache.config import ControlNetConfig, EngineConfig, SchedulerConfig, ServerConfig
+from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.models.zoo import model_info
 from tests.engine.test_async_engine import png, run
@@ -191,7 +192,7 @@ def test_controlnets_under_worker_processes(control_dir):
     for workers in (0, 1):
         config = EngineConfig(executor="multiproc", devices=1,
                               controlnets=ControlNetConfig(str(control_dir), workers=workers, torch_threads=1))
-        engine = AsyncEngine.from_config(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
+        engine = build_engine(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
 
         async def scenario():
             await engine.start()

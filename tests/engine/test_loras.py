@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from gouache.adapters.lora import random_lora
 from gouache.api.server import create_app
 from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
+from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.models.zoo import model_info
 from tests.engine.test_async_engine import png, run
@@ -101,13 +102,13 @@ def test_lora_flags_without_a_directory_are_refused():
 def test_a_loading_bound_is_refused_where_every_step_runs_sequence_parallel(lora_dir):
     config = EngineConfig(executor="multiproc", devices=2, loras=LoraConfig(str(lora_dir), bound=3))
     with pytest.raises(ValueError, match="--lora-bound would be ignored: every step of --policy fixed-sp-2"):
-        AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+        build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
 
 
 def test_adapters_under_a_worker_process(lora_dir):
     """A multiproc worker reads the adapters itself; registration warms it."""
     config = EngineConfig(executor="multiproc", devices=1, loras=LoraConfig(str(lora_dir)))
-    engine = AsyncEngine.from_config(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
+    engine = build_engine(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
     from tests.engine.test_async_engine import images
 
     async def scenario():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.errors import EngineStoppedError, GouacheError, InvalidRequestError
 from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
@@ -267,7 +268,7 @@ def test_fixed_sp_2_stops_when_a_worker_dies_and_every_request_ends():
     one) waited until the request timeout, and the engine said ok: fixed-sp-2 needs an aligned
     pair of live devices and one of two can never give it. Now the engine stops as when every
     device dies: the waiting requests fail with 503 saying why, new ones are refused."""
-    engine = AsyncEngine.from_config(ModelConfig("tiny-sd"),
+    engine = build_engine(ModelConfig("tiny-sd"),
                                      EngineConfig(executor="multiproc", devices=2, torch_threads=1),
                                      SchedulerConfig(policy="fixed-sp-2"))
 

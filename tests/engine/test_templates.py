@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, TemplateConfig
+from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.models.zoo import model_info
 from tests.engine.test_async_engine import images, png, run
@@ -53,7 +54,7 @@ def test_the_second_edit_of_an_image_replays_its_template(pipes, tmp_path):
 def test_template_cache_is_refused_where_every_step_runs_sequence_parallel():
     config = EngineConfig(executor="multiproc", devices=2, templates=TemplateConfig(default=True))
     with pytest.raises(ValueError, match="--template-cache would be ignored: every step of --policy fixed-sp-2"):
-        AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+        build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
 
 
 def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path):
@@ -106,7 +107,7 @@ def test_templates_under_worker_processes_and_next_to_other_requests(pipes, tmp_
     """A multiproc worker holds its own store: a recorder and a replay there, batched with a
     block-cached generation and a plain one under patched (mixed sizes)."""
     config = EngineConfig(executor="multiproc", devices=1, templates=TemplateConfig(directory=str(tmp_path)))
-    engine = AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="patched"))
+    engine = build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="patched"))
     original = np.random.default_rng(3).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     mask = np.full((64, 64, 4), 255, np.uint8)
     mask[32:64, 0:32, 3] = 0
@@ -137,11 +138,11 @@ def test_a_template_cost_model_of_another_kind_or_under_sequence_parallel_steps_
     save(BatchCostModel([(64, 64)], patch_px=32), batch)
     save(MaskCostModel(64, 2), mask)
     with pytest.raises(ValueError, match="--template-cost-model takes the mask-aware one"):
-        AsyncEngine.from_config(ModelConfig("tiny-sd3"), EngineConfig(templates=TemplateConfig(cost_model=str(batch))),
+        build_engine(ModelConfig("tiny-sd3"), EngineConfig(templates=TemplateConfig(cost_model=str(batch))),
                                 SchedulerConfig())
     config = EngineConfig(executor="multiproc", devices=2, templates=TemplateConfig(cost_model=str(mask)))
     with pytest.raises(ValueError, match="--template-cost-model would be ignored"):
-        AsyncEngine.from_config(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+        build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
 
 
 def edit_engine(pipes, directory, model: str = "tiny-flux") -> AsyncEngine:

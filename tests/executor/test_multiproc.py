@@ -287,7 +287,7 @@ def test_bench_parallel_reports_executor_overhead_collectives_and_handoffs(tmp_p
 def test_a_degree_the_model_cannot_run_is_refused_before_any_worker_starts(tmp_path, model, policy, devices, cost,
                                                                            message):
     from gouache.config import EngineConfig, ModelConfig
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
     from gouache.sched.costmodel import save
 
     path = None
@@ -296,7 +296,7 @@ def test_a_degree_the_model_cannot_run_is_refused_before_any_worker_starts(tmp_p
         save(ParallelCostModel(cost), path)
     config = SchedulerConfig(policy=policy, cost_model=str(path) if path else None)
     with pytest.raises(ValueError, match=message):
-        AsyncEngine.from_config(ModelConfig(model), EngineConfig(executor="multiproc", devices=devices), config)
+        build_engine(ModelConfig(model), EngineConfig(executor="multiproc", devices=devices), config)
 
 
 def test_round_knapsack_plans_only_the_degrees_its_cost_model_prices():

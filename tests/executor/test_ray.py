@@ -56,10 +56,10 @@ def test_a_hung_actor_is_taken_for_dead_at_its_deadline_and_the_rest_are_served(
 
 
 def test_the_engine_serves_a_request_through_ray_actors(local_ray, tmp_path):
-    from gouache.engine.client import AsyncEngine
+    from gouache.engine.build import build_engine
 
     save(COST, tmp_path / "parallel.json")
-    engine = AsyncEngine.from_config(
+    engine = build_engine(
         ModelConfig(MODEL), EngineConfig(executor="ray", devices=2, torch_threads=1),
         SchedulerConfig(policy="round-knapsack", cost_model=str(tmp_path / "parallel.json")))
 

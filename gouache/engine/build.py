@@ -1,0 +1,85 @@
+"""An engine from the server's configs: the cost model read and checked, the flags that the
+policy would ignore refused, the model loaded, and the workers (or actors) and the ControlNet
+service started, before anything is served."""
+
+from __future__ import annotations
+
+from gouache.adapters.controlnet import Base
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.adapters import start_control_service
+from gouache.engine.client import AsyncEngine, caches_blocks
+from gouache.executor.base import Executor
+from gouache.sched.policies import POLICIES, make_policy
+from gouache.sched.scheduler import check_devices
+
+
+def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
+    import torch
+
+    from gouache.models.zoo import family_of, load_pipeline, model_id, model_info
+    from gouache.runner.families import FAMILIES
+    from gouache.sched.costmodel import BatchCostModel, load_mask_model
+    from gouache.sched.costmodel import load as load_cost_model
+    from gouache.sched.parallel_costmodel import ParallelCostModel
+
+    if engine_config.torch_threads:
+        torch.set_num_threads(engine_config.torch_threads)
+    predictor = load_cost_model(sched_config.cost_model) if sched_config.cost_model else None
+    if predictor is not None and not isinstance(predictor, BatchCostModel | ParallelCostModel):
+        raise ValueError(f"{sched_config.cost_model} is a {predictor.kind!r} cost model; --cost-model takes "
+                         "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
+                         "(kind 'parallel')")
+    check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
+    policy = make_policy(sched_config, predictor)
+    one_device = caches_blocks(policy, engine_config.devices)
+    if engine_config.block_cache.threshold > 0 and not one_device:
+        raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
+                         "several devices, where the block cache does not apply")
+    pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
+    family = FAMILIES[family_of(pipe)]
+    if engine_config.patch_size is not None and not family.patches:
+        raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
+                         "tokens into one sequence; patches are for UNet models")
+    templates = engine_config.templates
+    if templates.cost_model:
+        load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
+    if (templates.default or templates.cost_model) and not one_device:
+        flag = "--template-cache" if templates.default else "--template-cost-model"
+        raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs "
+                         "on several devices, where template reuse does not apply")
+    if engine_config.loras.bound and not one_device:
+        raise ValueError(f"--lora-bound would be ignored: every step of --policy {sched_config.policy} runs on "
+                         "several devices, whose ranks load adapters before the step (synchronously)")
+    info = model_info(pipe, model_id(model_config.model))
+    if engine_config.executor == "uniproc":
+        return AsyncEngine(pipe, info, engine_config, sched_config, predictor=predictor)
+    from gouache.runner.ulysses import check_degree
+
+    for degree in policy.degrees(engine_config.devices):
+        check_degree(pipe, degree)  # refused now, not in the middle of a request
+    service, engine_config = start_control_service(lambda: Base.of(pipe), engine_config)  # its workers connect to it
+    try:
+        executor = make_executor(model_config, engine_config)
+    except BaseException:
+        if service is not None:
+            service.shutdown()
+        raise
+    return AsyncEngine(pipe, info, engine_config, sched_config, predictor=predictor, executor=executor,
+                       control_service=service)
+
+
+def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Executor:
+    """The worker processes (`multiproc`) or actors (`ray`) of `engine_config.devices` devices."""
+    from gouache.executor.worker import WorkerSpec
+
+    spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
+                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
+                      engine_config.loras, engine_config.controlnets)
+    if engine_config.executor == "ray":
+        from gouache.executor.ray_executor import RayExecutor
+
+        return RayExecutor(spec, engine_config.devices, engine_config.ray_address,
+                           reply_deadline_s=engine_config.worker_timeout_s)
+    from gouache.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(spec, engine_config.devices, reply_deadline_s=engine_config.worker_timeout_s)
