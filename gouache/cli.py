@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     make_controlnet.add_argument("--out", required=True, help="the directory to write (a name in --controlnet-dir)")
     make_controlnet.add_argument("--seed", type=int, default=0, help="seed of its random weights (default: %(default)s)")
 
-    from gouache.bench import profile, profile_lora
+    from gouache.profile import lora as profile_lora, step as profile
     from gouache.sim import command as simulate
     from gouache.sim import reproduce
     from gouache.train import command as train
@@ -373,13 +373,13 @@ def _train(args) -> int:
 
 
 def _profile(args) -> int:
-    from gouache.bench.profile import run
+    from gouache.profile.step import run
 
     return run(args)
 
 
 def _profile_lora(args) -> int:
-    from gouache.bench.profile_lora import run
+    from gouache.profile.lora import run
 
     return run(args)
 

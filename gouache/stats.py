@@ -1,9 +1,11 @@
-"""Summary statistics shared by the benchmarks and the simulator, in plain Python (no numpy,
-no torch), so that every table in gouache computes a percentile the same way."""
+"""Summary statistics and timing shared by the benchmarks, profilers and the simulator, in plain
+Python (no numpy, no torch), so that every table in gouache computes a percentile the same way."""
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Iterable
 
 
@@ -29,3 +31,17 @@ def percentile(values: Iterable[float], q: float) -> float:
     if weight >= 0.5:
         return high - (high - low) * (1 - weight)
     return low + (high - low) * weight
+
+
+def median_s(fn, repeats: int, sync) -> float:
+    """The median wall time of `fn` over `repeats` calls after one warm-up, each followed by
+    `sync` (a device synchronisation, or nothing on a CPU)."""
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

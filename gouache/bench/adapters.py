@@ -157,7 +157,7 @@ class Bench:
         return image, time.perf_counter() - start
 
     def bound(self, prompts: list[str], threshold: float) -> tuple[list[float], int]:
-        from gouache.bench.profile_lora import first_below, similarities
+        from gouache.profile.lora import first_below, similarities
 
         runner = self.runner()
         similarity = similarities(runner, self.info, ((self.lora, 1.0),), prompts, self.size, self.steps)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.stats import median_s
 
 DEFAULT_MIXES = "SSS,SML,SSM,MML,LLL,4S,4M,4L,4S4M4L"
 
@@ -49,18 +48,6 @@ def parse_mix(mix: str) -> list[str]:
     if not re.fullmatch(r"(\d*[SML])+", mix):
         raise ValueError(f"mix must be letters S/M/L with optional counts, like SML or 4S4M, got {mix!r}")
     return [letter for count, letter in re.findall(r"(\d*)([SML])", mix) for _ in range(int(count or 1))]
-
-
-def median_s(fn, repeats: int, sync) -> float:
-    fn()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run(args) -> int:

@@ -43,6 +43,7 @@ from gouache.bench.load import run_load
 from gouache.bench.results import write_results
 from gouache.data.checker import check
 from gouache.data.shapes import COLOURS, Scene, caption, cell_box, render, sample_scene
+from gouache.profile.edits import centred_mask
 
 RATIOS = "0.05,0.1,0.2,0.4,0.6,0.8"
 
@@ -306,17 +307,6 @@ async def _serve_load(model, info, size, steps, policy, use_templates, scenes, p
     return {"policy": policy, "templates": use_templates, "seconds": measured["seconds"],
             "edits_per_s": measured["per_s"], "mean_latency_s": measured["mean_latency_s"],
             "p90_latency_s": measured["p90_latency_s"]}
-
-
-def centred_mask(size: int, token: int, ratio: float) -> tuple[np.ndarray, float]:
-    """A [size, size] mask repainting a centred square of whole tokens (`token` pixels a side),
-    about `ratio` of them; and the share of tokens it repaints."""
-    grid = size // token
-    side = max(1, min(grid, round(grid * ratio**0.5)))
-    lo = (grid - side) // 2 * token
-    mask = np.zeros((size, size), np.float32)
-    mask[lo:lo + side * token, lo:lo + side * token] = 1
-    return mask, side * side / (grid * grid)
 
 
 def picture(scene: Scene, size: int, seed: int) -> np.ndarray:

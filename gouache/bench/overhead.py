@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gouache.bench.batching import median_s
+from gouache.stats import median_s
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.interface import Devices

@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from gouache.bench.profile_parallel import time_size
+    from gouache.profile.parallel import time_size
     from gouache.executor.multiproc import MultiprocExecutor
     from gouache.executor.pool import DevicePool
     from gouache.executor.worker import WorkerSpec

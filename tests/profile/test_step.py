@@ -1,4 +1,4 @@
-from gouache.bench.profile import compositions
+from gouache.profile.step import compositions
 
 
 def test_every_composition_is_timed_when_there_are_few():

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gouache.bench.edit import centred_mask
 
 RATIOS = "0.1,0.2,0.4,0.6,0.8,1.0"
 
@@ -134,3 +133,14 @@ def _copy_s(nbytes: float, device: str, repeats: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def centred_mask(size: int, token: int, ratio: float) -> tuple[np.ndarray, float]:
+    """A [size, size] mask repainting a centred square of whole tokens (`token` pixels a side),
+    about `ratio` of them; and the share of tokens it repaints."""
+    grid = size // token
+    side = max(1, min(grid, round(grid * ratio**0.5)))
+    lo = (grid - side) // 2 * token
+    mask = np.zeros((size, size), np.float32)
+    mask[lo:lo + side * token, lo:lo + side * token] = 1
+    return mask, side * side / (grid * grid)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gouache.bench.batching import median_s
+from gouache.stats import median_s
 from gouache.cli_flags import Given, given, refuse_ignored
 
 
@@ -94,7 +94,7 @@ def run(args) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if args.edits:
-        from gouache.bench import profile_edits
+        from gouache.profile import edits as profile_edits
 
         refuse_ignored({dest: "--edits times template edits of one size at a time; it fits no batch model"
                         for dest in ("samples", "max_batch", "seed", "patch_size") if dest in given(args)}
@@ -103,7 +103,7 @@ def run(args) -> int:
     if "ratios" in given(args):
         refuse_ignored({"ratios": "only --edits profiles mask ratios"})
     if args.devices > 1:
-        from gouache.bench import profile_parallel
+        from gouache.profile import parallel as profile_parallel
 
         refuse_ignored({dest: "--devices times one request per size at each degree; it fits no batch model"
                         for dest in ("samples", "max_batch", "seed", "patch_size") if dest in given(args)})
