@@ -1,5 +1,5 @@
-"""DESIGN.md invariant 1: the scheduler and the simulator import no torch, so they can be
-tested, and run, without it."""
+"""docs/architecture.md, invariant 1: the scheduler and the simulator import no torch, so
+they can be tested, and run, without it."""
 
 import subprocess
 import sys

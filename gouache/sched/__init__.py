@@ -1,1 +1,1 @@
-"""The scheduler: pure Python, no torch (DESIGN.md invariant 1)."""
+"""The scheduler: pure Python, no torch (docs/architecture.md, invariant 1)."""

@@ -1,5 +1,5 @@
-"""DESIGN.md invariant 2: the engine's result equals the plain diffusers pipeline's, alone or
-batched with requests that join and leave at other steps."""
+"""docs/architecture.md, invariant 2: the engine's result equals the plain diffusers
+pipeline's, alone or batched with requests that join and leave at other steps."""
 
 import pytest
 import torch
