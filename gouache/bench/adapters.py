@@ -69,7 +69,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from gouache.models.zoo import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline
+
+    from gouache.runner.describe import model_info
     from gouache.train.lora import lora_dir
 
     if args.torch_threads:

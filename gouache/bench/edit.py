@@ -70,7 +70,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from gouache.models.zoo import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline
+
+    from gouache.runner.describe import model_info
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

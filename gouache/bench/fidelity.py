@@ -124,7 +124,8 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
     from gouache.config import BlockCacheConfig
     from gouache.request import ImageRequest
     from gouache.runner.model_runner import ModelRunner
-    from gouache.models.zoo import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.describe import model_info
     from gouache.sched.plan import Batch
     from gouache.sched.policies import POLICIES
 

@@ -16,7 +16,9 @@ from gouache.sched.scheduler import check_devices
 def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
     import torch
 
-    from gouache.models.zoo import family_of, load_pipeline, model_id, model_info
+    from gouache.models.zoo import load_pipeline, model_id
+
+    from gouache.runner.describe import family_of, model_info
     from gouache.runner.families import FAMILIES
     from gouache.sched.costmodel import BatchCostModel, load_mask_model
     from gouache.sched.costmodel import load as load_cost_model

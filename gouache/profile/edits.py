@@ -27,7 +27,8 @@ def run(args) -> int:
 
     from gouache.config import TemplateConfig
     from gouache.runner.model_runner import ModelRunner
-    from gouache.models.zoo import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.describe import model_info
     from gouache.runner.unet_templates import unet_template_blocks
     from gouache.sched.costmodel import MaskCostModel, save
 

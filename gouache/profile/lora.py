@@ -35,7 +35,8 @@ def run(args) -> int:
 
     from gouache.config import LoraConfig
     from gouache.runner.model_runner import ModelRunner
-    from gouache.models.zoo import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.describe import model_info
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

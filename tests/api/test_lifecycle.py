@@ -180,7 +180,8 @@ def test_the_server_exits_1_when_the_engine_loop_dies():
     from gouache.api.server import serve
     from gouache.config import EngineConfig, SchedulerConfig, ServerConfig
     from gouache.engine.client import AsyncEngine
-    from gouache.models.zoo import load_pipeline, model_info
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.describe import model_info
 
     pipe = load_pipeline("tiny-sdxl")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(), SchedulerConfig())

@@ -15,7 +15,7 @@ from gouache.engine.client import AsyncEngine
 from gouache.errors import GouacheError, InvalidRequestError, QueueFullError
 from gouache.outputs import ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest
-from gouache.models.zoo import model_info
+from gouache.runner.describe import model_info
 
 
 def make_engine(pipes, policy="orca", **engine_kwargs) -> AsyncEngine:

@@ -81,7 +81,7 @@ def test_a_server_whose_every_step_is_sequence_parallel_refuses_block_cache_befo
 def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle(pipes):
     from gouache.config import EngineConfig
     from gouache.engine.client import AsyncEngine
-    from gouache.models.zoo import model_info
+    from gouache.runner.describe import model_info
     from tests.engine.test_async_engine import images, run as run_async
 
     pipe = pipes("tiny-sd")

@@ -17,7 +17,7 @@ from gouache.api.server import create_app
 from gouache.config import ControlNetConfig, EngineConfig, SchedulerConfig, ServerConfig
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
-from gouache.models.zoo import model_info
+from gouache.runner.describe import model_info
 from tests.engine.test_async_engine import png, run
 from tests.engine.test_templates import samples
 

@@ -10,7 +10,7 @@ from gouache.api.server import create_app
 from gouache.config import EngineConfig, SchedulerConfig, ServerConfig
 from gouache.engine.client import AsyncEngine
 from gouache.engine.status import RECENT_STEPS, WINDOW_S
-from gouache.models.zoo import model_info
+from gouache.runner.describe import model_info
 from tests.engine.test_async_engine import run
 
 

@@ -12,7 +12,7 @@ from gouache.engine.client import AsyncEngine
 from gouache.errors import EngineStoppedError, GouacheError, InvalidRequestError
 from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
 from gouache.request import ImageRequest
-from gouache.models.zoo import model_info
+from gouache.runner.describe import model_info
 from gouache.sched.costmodel import BatchCostModel
 
 from .test_async_engine import images, png, run

@@ -11,7 +11,7 @@ from PIL import Image
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, TemplateConfig
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
-from gouache.models.zoo import model_info
+from gouache.runner.describe import model_info
 from tests.engine.test_async_engine import images, png, run
 
 

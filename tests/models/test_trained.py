@@ -8,7 +8,8 @@ from gouache.bench.prompts import Prompt
 from gouache.data.checker import check
 from gouache.data.shapes import parse_caption
 from gouache.models import trained
-from gouache.models.zoo import BUILTIN_MODELS, load_pipeline, model_info
+from gouache.models.zoo import BUILTIN_MODELS, load_pipeline
+from gouache.runner.describe import model_info
 
 SHAPES_MODELS = [name for name in BUILTIN_MODELS if name.startswith("shapes-")]
 BUDGET_MB = 25  # the limit on the repository's weights

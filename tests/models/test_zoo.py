@@ -13,14 +13,8 @@ from PIL import Image
 
 from gouache.errors import UnknownModelError
 from gouache.models.arch import build_arch
-from gouache.models.zoo import (
-    BUILDERS,
-    BUILTIN_MODELS,
-    denoiser,
-    export_model,
-    load_pipeline,
-    model_info,
-)
+from gouache.models.zoo import BUILDERS, BUILTIN_MODELS, export_model, load_pipeline
+from gouache.runner.describe import denoiser, model_info
 from gouache.models.tokenizer import build_tokenizer
 
 SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux packs 2x2)

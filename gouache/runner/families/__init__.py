@@ -5,7 +5,7 @@ from __future__ import annotations
 from gouache.runner.families.base import Family
 from gouache.runner.families.dit import FluxFamily, StableDiffusion3Family
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
-from gouache.models.zoo import family_of
+from gouache.runner.describe import family_of
 
 FAMILIES: dict[str, type[Family]] = {
     f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily)
