@@ -70,7 +70,6 @@ def run(args) -> int:
     import torch
 
     from gouache.models.zoo import load_pipeline
-
     from gouache.runner.describe import model_info
     from gouache.train.lora import lora_dir
 

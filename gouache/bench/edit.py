@@ -71,7 +71,6 @@ def run(args) -> int:
     import torch
 
     from gouache.models.zoo import load_pipeline
-
     from gouache.runner.describe import model_info
 
     if args.torch_threads:
@@ -284,8 +283,8 @@ async def _serve_load(model, info, size, steps, policy, use_templates, scenes, p
     from gouache.request import ImageRequest
 
     engine = build_engine(ModelConfig(model), EngineConfig(max_queue_len=len(load) + len(pictures),
-                                                                       torch_threads=torch_threads),
-                                     SchedulerConfig(policy=policy))
+                                                           torch_threads=torch_threads),
+                          SchedulerConfig(policy=policy))
     await engine.start()
 
     def request(rid, prompt, image, seed=0, **fields):

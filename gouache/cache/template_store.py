@@ -81,6 +81,11 @@ class TemplateStore:
         with self._lock:
             return self._bytes[tier]
 
+    def held(self) -> dict[str, int]:
+        """Bytes held per tier."""
+        with self._lock:
+            return dict(self._bytes)
+
     def tier_of(self, key: str) -> str | None:
         with self._lock:
             for tier in ("device", "host"):

@@ -17,7 +17,6 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     import torch
 
     from gouache.models.zoo import load_pipeline, model_id
-
     from gouache.runner.describe import family_of, model_info
     from gouache.runner.families import FAMILIES
     from gouache.sched.costmodel import BatchCostModel, load_mask_model

@@ -12,7 +12,6 @@ from gouache.adapters.control_runtime import ControlRuntime
 from gouache.adapters.directory import ControlNetError, ControlNetUnavailable, LoraError
 from gouache.adapters.runtime import LoraRuntime, LoraStep
 from gouache.cache.block_cache import BlockCache, BlockCacheConfig
-from gouache.cache.template_store import TIERS
 from gouache.config import ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import ImageRequest, RequestState
@@ -60,8 +59,7 @@ class ModelRunner:
         """Free what released requests hold in the block cache (between steps) and say what every
         cache holds."""
         self.cache.settle()
-        stored = self._templates.store if self._templates is not None else None
-        templates = {tier: stored.nbytes(tier) for tier in TIERS} if stored is not None else {}
+        templates = self._templates.store.held() if self._templates is not None else {}
         return CacheBytes(self.cache.nbytes, self.loras.store.nbytes, templates)
 
     def close(self) -> None:
@@ -150,7 +148,7 @@ class ModelRunner:
             change = {name: after[name] - before[name] for name in after}
             output.template_tokens = {name: change.pop(name) for name in ("replayed", "computed", "replayed_text")}
             output.template_lookups = change
-            output.template_bytes = {tier: templates.store.nbytes(tier) for tier in TIERS}
+            output.template_bytes = templates.store.held()
         return output
 
     def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None, templates: TemplateCache | None,

@@ -269,8 +269,8 @@ def test_fixed_sp_2_stops_when_a_worker_dies_and_every_request_ends():
     pair of live devices and one of two can never give it. Now the engine stops as when every
     device dies: the waiting requests fail with 503 saying why, new ones are refused."""
     engine = build_engine(ModelConfig("tiny-sd"),
-                                     EngineConfig(executor="multiproc", devices=2, torch_threads=1),
-                                     SchedulerConfig(policy="fixed-sp-2"))
+                          EngineConfig(executor="multiproc", devices=2, torch_threads=1),
+                          SchedulerConfig(policy="fixed-sp-2"))
 
     async def scenario():
         await engine.start()

@@ -139,7 +139,7 @@ def test_a_template_cost_model_of_another_kind_or_under_sequence_parallel_steps_
     save(MaskCostModel(64, 2), mask)
     with pytest.raises(ValueError, match="--template-cost-model takes the mask-aware one"):
         build_engine(ModelConfig("tiny-sd3"), EngineConfig(templates=TemplateConfig(cost_model=str(batch))),
-                                SchedulerConfig())
+                     SchedulerConfig())
     config = EngineConfig(executor="multiproc", devices=2, templates=TemplateConfig(cost_model=str(mask)))
     with pytest.raises(ValueError, match="--template-cost-model would be ignored"):
         build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
