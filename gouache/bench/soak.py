@@ -42,6 +42,7 @@ from gouache.bench.server_process import ServerWatch, server_process, terminate
 from gouache.bench.soak_client import drive, measure_capacity
 from gouache.bench.soak_adapters import Rewriter, make_adapters
 from gouache.bench.soak_trace import ADAPTER_KINDS, KINDS, make_trace, parse_mix, tally
+from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.sched.policies import POLICIES
 
 # the policies that plan with a step-cost model, and so take --cost-model
@@ -60,7 +61,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mix", default="plain=0.2,edit=0.1,stream=0.1,stream_cancel=0.1,delete=0.1,disconnect=0.1,"
                                     "lora=0.1,controlnet=0.1,template=0.1",
                    help=f"kind=weight, kinds: {', '.join(KINDS)} (default: %(default)s)")
-    p.add_argument("--rewrite-s", type=float, default=5.0,
+    p.add_argument("--rewrite-s", type=float, default=5.0, action=Given,
                    help="seconds between in-place rewrites of one LoRA file during the load; 0: none "
                         "(default: %(default)s)")
     p.add_argument("--capacity-requests", type=int, default=12, help="plain requests of the capacity measurement (default: %(default)s)")
@@ -234,6 +235,8 @@ def run(args) -> int:
         raise ValueError(f"--cost-model would be ignored: only {', '.join(COST_MODEL_POLICIES)} read it, "
                          f"and --policies names neither")
     mix = parse_mix(args.mix)
+    if "rewrite_s" in given(args) and args.rewrite_s and not mix.get("lora"):
+        refuse_ignored({"rewrite_s": "--mix sends no lora requests, so no server reads the rewritten LoRA"})
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     steps = [int(s) for s in args.steps.split(",")]
     rows = []

@@ -103,8 +103,9 @@ def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
     (["--policies", "orca,patched", "--cost-model", "costmodel.json"], "--cost-model would be ignored"),
     (["--policies", "orca,round-knapsack"], "round-knapsack need --cost-model"),
     (["--policies", "orca,no-such"], "unknown policies"),
+    (["--policies", "orca", "--mix", "plain=1,edit=1", "--rewrite-s", "2"], "--rewrite-s would be ignored"),
 ])
-def test_policies_and_cost_model_are_checked_before_any_server_starts(flags, message):
+def test_policies_cost_model_and_rewrites_are_checked_before_any_server_starts(flags, message):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(ValueError, match=message):
