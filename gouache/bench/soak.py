@@ -216,7 +216,7 @@ def _command() -> str:
 
 def _write(args, rows: list[dict]) -> str:
     table = format_table(rows)
-    result = {"command": _command(), "args": vars(args), "machine": f"{os.cpu_count()} CPU cores", "results": rows}
+    result = {"command": _command(), "args": {k: v for k, v in vars(args).items() if k != "given"}, "machine": f"{os.cpu_count()} CPU cores", "results": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
