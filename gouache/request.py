@@ -43,6 +43,11 @@ class ImageRequest:
         return self.image is not None
 
 
+def preview_steps(total_steps: int, partial_images: int) -> set[int]:
+    """Steps after which a preview is decoded: evenly spaced, never the last one."""
+    return {round(k * total_steps / (partial_images + 1)) for k in range(1, partial_images + 1)} - {0, total_steps}
+
+
 class RequestStatus(enum.Enum):
     PREPARING = "preparing"  # decoding, text encoding, initial latents
     WAITING = "waiting"  # ready to denoise, not admitted yet

@@ -86,12 +86,10 @@ class ControlRuntime:
         self._armed = None  # the sync wait hook of the forward running now
         self._released: list[str] = []  # requests gone since the last forward (`release`)
         self._lock = threading.Lock()
-        # under CFG parallelism: agree(ok) -> whether every rank got its residuals (both must
-        # raise, or neither, or their collectives would part ways)
-        self.agree: Callable[[bool], bool] | None = None
-        # sync residuals filled after the UNet's encoder (False: before the forward, as when
-        # CFG parallelism cuts the rows before the UNet runs)
-        self.overlap = True
+        # the parallel split of the forward running now (`predict`): its ranks agree on whether
+        # every one got its residuals (all raise, or none, or their collectives would part ways),
+        # and where it cuts the rows before the UNet runs, sync residuals come first
+        self._split = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -160,18 +158,21 @@ class ControlRuntime:
     # -- forwards --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def predict(self, states: list, forward: Callable, rest: Callable) -> list[torch.Tensor]:
+    def predict(self, states: list, forward: Callable, rest: Callable, split=None) -> list[torch.Tensor]:
         """Per state, its rows' predictions: each latent shape that has ControlNet requests in one
-        forward with their residuals (`forward(group, control)`), the other states by `rest(group)`."""
+        forward with their residuals (`forward(group, control)`), the other states by `rest(group)`.
+        `split`: the step's parallel split (`gouache.runner.forward.Split`), or None on one device."""
         shapes = {tuple(s.latents.shape) for s in states if s.control is not None}
         out: dict[int, torch.Tensor] = {}
         for shape in shapes:
             members = [i for i, s in enumerate(states) if tuple(s.latents.shape) == shape]
             group = [states[i] for i in members]
-            control = self.residuals if self.agree is None else self._agreed_residuals
+            control = self.residuals if split is None else self._agreed_residuals
+            self._split = split
             try:
                 out.update(zip(members, forward(group, control).split([s.rows for s in group])))
             finally:
+                self._split = None
                 self._disarm()
         others = [i for i in range(len(states)) if i not in out]
         if others:
@@ -197,7 +198,7 @@ class ControlRuntime:
             out = self.residuals(*args)
         except ControlNetError as error:
             failure = error
-        if not self.agree(failure is None):
+        if not self._split.agree(failure is None):
             raise failure or ControlNetError("a ControlNet run failed on the other device of this step")
         return out
 
@@ -225,7 +226,7 @@ class ControlRuntime:
             if use.mode == "async" and state.step + 1 < len(state.timesteps):
                 keep[i] = int(starts[i])
         run = _Run(self._send(states, sample, timesteps, kwargs, keep, "sync" if waits else "async"), shapes, states, keep)
-        if waits and self.overlap:
+        if waits and (self._split is None or not self._split.residuals_first):
             down = self.pipe.unet.down_blocks[-1]
             handle = down.register_forward_hook(lambda *_: self._fill(run, total))
             self._armed = (handle, run)

@@ -24,6 +24,7 @@ from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import unpriced_message
 from gouache.request import ImageRequest
+from gouache.techniques import refused_pair
 
 if TYPE_CHECKING:
     from gouache.config import ServerConfig
@@ -294,9 +295,12 @@ class ImageParams(BaseModel):
             raise InvalidRequestError("Invalid value for 'block_cache': every step of this server's scheduling "
                                       "policy runs on several devices, where the block cache does not apply; send "
                                       "0 or leave it out.", "block_cache")
-        if self.controlnets and self.block_cache:
-            raise InvalidRequestError("Invalid value for 'block_cache': requests with ControlNets run every block; "
-                                      "send 0 or leave it out.", "block_cache")
+        refused = refused_pair(set(self._asked()))
+        if refused is not None:  # docs/architecture.md, "The compatibility table"
+            a, b, why = refused
+            first, field = self._asked()[a], self._asked()[b]
+            raise InvalidRequestError(f"Invalid value for '{field}': {first} and {field} do not compose ({why}); "
+                                      "send one of them.", field)
         if self.negative_prompt is not None and not (info.uses_cfg and guidance > 1.0):
             why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
                    else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above 1")
@@ -328,6 +332,18 @@ class ImageParams(BaseModel):
             for i in range(self.n)
         ]
 
+
+    def _asked(self) -> dict[str, str]:
+        """The techniques (`gouache.techniques`) this request's fields ask for, each with the field
+        that asks: server defaults aside, which apply only where they compose."""
+        asked = {}
+        if self.loras:
+            asked["lora"] = "loras"
+        if self.controlnets:
+            asked["controlnet_async" if self.controlnet_mode == "async" else "controlnet"] = "controlnets"
+        if self.block_cache:
+            asked["block_cache"] = "block_cache"
+        return asked
 
     def _edit_fields(self, info: ModelInfo, image: bytes | None) -> dict[str, Any]:
         """ImageRequest fields only edits have."""
@@ -361,18 +377,11 @@ class ImageEditRequest(ImageParams):
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
         asked = self.template_cache or self.template_id is not None
-        if asked and self.controlnets:
-            field = "template_id" if self.template_id is not None else "template_cache"
-            raise InvalidRequestError(f"Invalid value for '{field}': a template's activations hold no ControlNet's "
-                                      "residuals; send controlnets or template reuse, not both.", field)
         if asked and not info.templates:
             field = "template_id" if self.template_id is not None else "template_cache"
             raise InvalidRequestError(f"Invalid value for '{field}': every step of this server's scheduling policy "
                                       "runs on several devices, where template reuse does not apply; leave it out.",
                                       field)
-        if asked and self.block_cache:
-            raise InvalidRequestError("Invalid value for 'block_cache': an edit that reuses its template does not "
-                                      "use the block cache; send one of them.", "block_cache")
         template_id = self.template_id
         if template_id is None and info.templates and image is not None:  # the same upload is the same template
             template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()
@@ -381,6 +390,14 @@ class ImageEditRequest(ImageParams):
     @classmethod
     def _auto_size(cls, limits: Limits) -> str:
         return "auto"
+
+    def _asked(self) -> dict[str, str]:
+        asked = super()._asked()
+        if self.template_id is not None:
+            asked["template"] = "template_id"
+        elif self.template_cache:
+            asked["template"] = "template_cache"
+        return asked
 
     def at_upload_size(self, width: int, height: int, limits: Limits) -> ImageEditRequest:
         """This request with `size` "auto" resolved to the upload's width x height, or an

@@ -33,7 +33,7 @@ from gouache.errors import (
 from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo, unpriced_message
 from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
-from gouache.request import ImageRequest, RequestStatus
+from gouache.request import ImageRequest, RequestStatus, preview_steps
 from gouache.executor.base import Executor
 from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
@@ -60,11 +60,6 @@ class _Image:
     status: RequestStatus = RequestStatus.PREPARING
     previews: int = 0  # partial images sent so far
     step: int = 0  # denoising steps done
-
-
-def preview_steps(total_steps: int, partial_images: int) -> set[int]:
-    """Steps after which a preview is decoded: evenly spaced, never the last one."""
-    return {round(k * total_steps / (partial_images + 1)) for k in range(1, partial_images + 1)} - {0, total_steps}
 
 
 class AsyncEngine(AdapterCalls):

@@ -5,8 +5,9 @@ Preparation (text encoding, initial latents) and decoding stay in the driver's `
 which keeps every request's `DenoiseState` from `prepare` to `release`. A block of workers gets
 a request's state with the first batch it runs there: from the driver if the request never ran,
 else exported from the block that ran it last (and dropped there). After each step the block's
-reply carries the members' latents and step counts back into the driver's state, for previews
-and the final decode; the sampler itself moves only with a hand-off.
+reply carries the members' step counts back into the driver's state, and the latents of those
+the driver decodes next (finished, or at a preview step); the others' latents and the sampler
+stay on the block and move only with a hand-off.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class DevicePool:
             for rid in output.step.request_ids:
                 state = self.runner.states.get(rid)
                 if state is not None:
-                    state.latents, state.step = output.latents[rid], output.steps[rid]
+                    state.step = output.steps[rid]
+                    if rid in output.latents:
+                        state.latents = output.latents[rid]
             output.step.failed.update(failed)
             result.set_result(output.step)
 

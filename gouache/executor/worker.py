@@ -10,7 +10,6 @@ degree next round on any block that receives its state (the hand-off).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, StepOutput
+from gouache.request import preview_steps
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.sampler import DenoiseState
 from gouache.sched.plan import Batch
@@ -48,7 +48,9 @@ class RunOutput:
     """What one step of a batch did on its block (every rank returns the same)."""
 
     step: StepOutput
-    latents: dict[str, torch.Tensor] = field(default_factory=dict)  # each stepped member's latents after it
+    # the latents of the stepped members the driver decodes after this step (finished, or at a
+    # preview step): the others' stay on the block that computes them
+    latents: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)  # each stepped member's denoising steps done
 
 
@@ -106,35 +108,19 @@ class Worker:
         """Take `incoming` states (new to this block or moved to it), then run one step of
         `batch` on its devices."""
         self.runner.states.update(incoming)
-        with self._parallel(batch) as shards:
-            step = self.runner.execute(Batch(batch.request_ids, (0,), 1, batch.patched), cached=shards is None)
-        step.collective_s = shards.collective_s if shards is not None else 0.0
+        group = self.groups.get(batch.devices) if batch.degree > 1 else None
+        if batch.degree > 1 and group is None:
+            raise ValueError(f"worker {self.rank} has no process group for devices {batch.devices}")
+        step = self.runner.execute(batch, group)
         states = {rid: self.runner.states[rid] for rid in step.request_ids}
-        return RunOutput(step, {rid: s.latents for rid, s in states.items()}, {rid: s.step for rid, s in states.items()})
+        wanted = {rid: s.latents for rid, s in states.items()
+                  if s.done or s.step in preview_steps(len(s.timesteps), s.request.partial_images)}
+        return RunOutput(step, wanted, {rid: s.step for rid, s in states.items()})
 
     def load_lora(self, name: str) -> dict:
         """Read an adapter into this device's host memory (POST /v1/loras); what it holds of it."""
         self.runner.loras.store.load(name).result()
         return self.runner.loras.store.describe(name)
-
-    def _cfg_parallel(self, batch: Batch, group):
-        """A UNet's batch of degree 2: each device its half of the guidance rows; a batch with a
-        request without guidance runs whole on both (still identical on both ranks)."""
-        from gouache.runner.cfg_parallel import Halves, cfg_parallel
-
-        states = [self.runner.states[rid] for rid in batch.request_ids if rid in self.runner.states]
-        if not all(s.rows == 2 for s in states):
-            yield Halves()
-            return
-        controls = self.runner.controls
-        controls.overlap = False  # the rows are cut before the UNet runs: residuals first
-        controls.agree = lambda ok: _all_ok(ok, group, self.runner.family.device)
-        self.runner.row_cut = (dist.get_rank(group), 2)  # adapters' hooks see this rank's rows only
-        try:
-            with cfg_parallel(self.runner.pipe.unet, group) as halves:
-                yield halves
-        finally:
-            controls.overlap, controls.agree, self.runner.row_cut = True, None, None
 
     def load_controlnet(self, name: str) -> dict:
         """Load a ControlNet where this device runs them (POST /v1/controlnets)."""
@@ -154,29 +140,3 @@ class Worker:
     def held(self) -> CacheBytes:
         """What this device's caches hold, released requests' entries freed (calls run between steps)."""
         return self.runner.held()
-
-    @contextlib.contextmanager
-    def _parallel(self, batch: Batch):
-        if batch.degree == 1:
-            yield None
-            return
-        if batch.patched:
-            raise ValueError("patched batches run on one device; a batch of degree > 1 runs plain forwards")
-        group = self.groups.get(batch.devices)
-        if group is None:
-            raise ValueError(f"worker {self.rank} has no process group for devices {batch.devices}")
-        from gouache.runner.ulysses import check_degree, ulysses
-
-        check_degree(self.runner.pipe, batch.degree)
-        if getattr(self.runner.pipe, "unet", None) is not None:
-            yield from self._cfg_parallel(batch, group)
-            return
-        with ulysses(self.runner.pipe.transformer, group) as shards:
-            yield shards
-
-
-def _all_ok(ok: bool, group, device) -> bool:
-    """Whether every rank of `group` is ok (each says for itself)."""
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())

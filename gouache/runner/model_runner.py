@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
-from gouache.runner.families.base import cache_request
+from gouache.runner.forward import Forward, StepSpec, split_step
 from gouache.runner.sampler import DenoiseState
 from gouache.runner.template_reuse import (
     TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
@@ -45,7 +46,6 @@ class ModelRunner:
         self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
         self.controls = ControlRuntime(controlnets or ControlNetConfig(), pipe)
-        self.row_cut: tuple[int, int] | None = None  # (rank, ranks): CFG parallelism runs every ranks-th row from rank
         if self.template_config.directory:  # claimed (and an earlier run's files adopted) before serving
             _ = self.templates
 
@@ -77,6 +77,9 @@ class ModelRunner:
                                           request.controlnet_mode, self.family.device, self.family.dtype)
         # a ControlNet's residuals change every block after the first: no template replays them
         uses_template = self.uses_template(request) and state.edit is not None and state.control is None
+        if request.block_cache is None and (state.control is not None or uses_template):
+            # the server's default threshold applies only where it composes (`gouache.techniques`)
+            state.request = replace(request, block_cache=0.0)
         state.lora = self.loras.use(request.loras, synchronous=uses_template)  # a template records or replays with them
         if state.lora is not None and self.prefetch_loras:
             self.loras.start(request.request_id, state.lora)  # read while it waits and its first steps run
@@ -104,40 +107,44 @@ class ModelRunner:
             return True
         return self.template_config.default if request.template_cache is None else request.template_cache
 
-    def execute(self, batch: Batch, cached: bool = True) -> StepOutput:
-        """One denoising step of the batch: one forward (patched if it says so), then each
-        member's sampler step. The runner holds one device: a batch of degree 1 only (a worker
-        runs a shard of a wider batch through it, `cached` False: ranks must not decide apart).
+    def execute(self, batch: Batch, group=None) -> StepOutput:
+        """One denoising step of the batch: one forward composed of the techniques its requests
+        use (`forward`), then each member's sampler step. A batch of degree > 1 runs on the
+        devices of `group` (a worker's process group), each rank with the same states; the block
+        cache and templates run at degree 1 only (ranks must not decide apart).
 
         One request's error fails that request only: a forward that raises is retried one
         request at a time, and each request's sampler step is its own.
         """
-        if batch.degree != 1:
-            raise ValueError(f"this runner holds one device; a batch of degree {batch.degree} needs an executor")
         start = time.perf_counter()
         self.controls.collect()  # the service's async residuals of the last step, computed meanwhile
         stepped: list[str] = []
         failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
-        cache = self.cache if cached else None
-        templates = self.templates if cached and any(self.states[rid].template for rid in present) else None
-        reused, computed = self.cache.reused, self.cache.computed
-        before = templates.counts.snapshot(templates.store) if templates is not None else None
-        lora, invalid = LoraStep(), {}
-        adapters = self.loras.arrived([self.states[rid] for rid in present], not cached, failed, lora)
-        invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
-        present = [rid for rid in present if rid in adapters]
-        for rid, prediction in self._predict(present, batch.patched, cache, templates, (failed, invalid),
-                                             (adapters, lora)):
-            try:
-                self.family.advance(self.states[rid], prediction)
-            except Exception as error:
-                log.exception("sampler step of %s failed", rid)
-                failed[rid] = f"{type(error).__name__}: {error}"
-            else:
-                stepped.append(rid)
+        states = [self.states[rid] for rid in present]
+        one_device = batch.degree == 1
+        templates = self.templates if one_device and any(s.template for s in states) else None
+        spec = StepSpec(batch.patched, batch.degree, self.cache if one_device else None, templates)
+        Forward.check(spec, states)
+        with split_step(self.pipe, states, batch.degree, group, self.family.device) as split:
+            forward = Forward(replace(spec, split=split), self.family, self.loras, self.controls)
+            reused, computed = self.cache.reused, self.cache.computed
+            before = templates.counts.snapshot(templates.store) if templates is not None else None
+            lora, invalid = LoraStep(), {}
+            adapters = self.loras.arrived(states, not one_device, failed, lora)
+            invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
+            present = [rid for rid in present if rid in adapters]
+            for rid, prediction in self._predict(forward, present, (failed, invalid), (adapters, lora)):
+                try:
+                    self.family.advance(self.states[rid], prediction)
+                except Exception as error:
+                    log.exception("sampler step of %s failed", rid)
+                    failed[rid] = f"{type(error).__name__}: {error}"
+                else:
+                    stepped.append(rid)
         self.cache.settle()
         output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed, invalid=invalid,
+                            collective_s=split.collective_s if split is not None else 0.0,
                             reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
                             cache_bytes=self.cache.nbytes, lora_mode=lora.mode, lora_merge_s=lora.merge_s,
                             lora_waiting=lora.waiting, lora_without=lora.without,
@@ -151,39 +158,16 @@ class ModelRunner:
             output.template_bytes = templates.store.held()
         return output
 
-    def _predict(self, ids: list[str], patched: bool, cache: BlockCache | None, templates: TemplateCache | None,
-                 failures: tuple[dict[str, str], dict[str, str]],
+    def _predict(self, forward: Forward, ids: list[str], failures: tuple[dict[str, str], dict[str, str]],
                  lora: tuple[dict, LoraStep]) -> list[tuple[str, torch.Tensor]]:
-        """(id, prediction) of one forward over `ids`, each with the adapters that arrived for it
-        (`lora`: them by id, and the step's adapter report); if it raises, of each request
+        """(id, prediction) of one `forward` over `ids`, each with the adapters that arrived for
+        it (`lora`: them by id, and the step's adapter report); if it raises, of each request
         alone, and the requests that fail alone go to `failures` (why, and the request field at
         fault where it is the request's own input: StepOutput's `failed` and `invalid`)."""
         if not ids:
             return []
-        states = [self.states[rid] for rid in ids]
-
-        def row_maps(group):
-            if any(s.control is not None for s in group):  # a plain forward per latent shape (`controls.predict`)
-                maps = self.family.row_maps(group, False) if len({s.latents.shape for s in group}) == 1 else None
-            elif templates is not None or cache_request(group, cache) is not None:
-                maps = None  # a block cache or template replay computes subsets of rows: no segmenting there
-            else:
-                maps = self.family.row_maps(group, patched)
-            if maps is None or self.row_cut is None:
-                return maps
-            rank, ranks = self.row_cut
-            return {n // ranks: rows[rank::ranks] for n, rows in maps.items()}
-
-        def predict(group):
-            def rest(others):
-                return self.family.predict(others, patched, cache, templates)
-
-            if all(s.control is None for s in group):
-                return rest(group)
-            return self.controls.predict(group, self.family.forward, rest)
-
         try:
-            return list(zip(ids, self.loras.run(states, [lora[0][rid] for rid in ids], predict, row_maps, lora[1])))
+            return list(zip(ids, forward([self.states[rid] for rid in ids], [lora[0][rid] for rid in ids], lora[1])))
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])
@@ -193,7 +177,8 @@ class ModelRunner:
                     failed[ids[0]], invalid[ids[0]] = str(error), fault_of(error)
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        return [pair for rid in ids for pair in self._predict([rid], False, cache, templates, failures, lora)]
+        alone = Forward(replace(forward.spec, patched=False), forward.layout, forward.adapters, forward.residuals)
+        return [pair for rid in ids for pair in self._predict(alone, [rid], failures, lora)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;

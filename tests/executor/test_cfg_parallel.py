@@ -47,9 +47,9 @@ def two_workers(control_dir, lora_dir):
 
 def requests(guidance=(4.0, 6.0)):
     cond = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
-    out = [(ImageRequest(f"g{i}", "a red circle", 64, 64, STEPS, g, seed=i), []) for i, g in enumerate(guidance)]
+    out = [(ImageRequest(f"g{i}", "a red circle", 64, 64, STEPS, g, seed=i), {}) for i, g in enumerate(guidance)]
     out.append((ImageRequest("edges", "a blue square", 64, 64, STEPS, 5.0, seed=7,
-                             controlnets=(("edges", b"", 0.8),)), [cond]))
+                             controlnets=(("edges", b"", 0.8),)), {"controls": [cond]}))
     return out
 
 
@@ -58,8 +58,8 @@ def steps(runner: ModelRunner, load, executor=None, modes: list | None = None) -
     `runner` alone): final latents, and the seconds each step spent exchanging halves; each
     step's LoRA mode goes to `modes`."""
     states = {r.request_id: None for r, _ in load}
-    for r, controls in load:
-        runner.prepare(r, controls=controls)
+    for r, inputs in load:
+        runner.prepare(r, **inputs)
         states[r.request_id] = runner.states[r.request_id]
     ids = tuple(states)
     collectives = []
@@ -116,7 +116,7 @@ def test_round_knapsack_gives_an_idle_device_to_a_unet_request_as_cfg_parallelis
 
 def test_requests_with_different_loras_share_the_halves_of_one_forward(two_workers, lora_dir):
     def load():
-        return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), [])
+        return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), {})
                 for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
 
     config = LoraConfig(str(lora_dir))
@@ -126,3 +126,42 @@ def test_requests_with_different_loras_share_the_halves_of_one_forward(two_worke
     assert modes == ["segmented"] * STEPS  # each rank's hooks find the owners of its half of the rows
     for rid in alone:
         assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
+
+
+def test_the_parallel_pairs_compose_as_the_table_says(two_workers, control_dir, lora_dir):
+    """docs/architecture.md, "The compatibility table": each technique a request asks for, in a
+    batch of degree 2 (CFG halves) beside the others; every request ends, and every request of
+    an exact pair equals its one-device run. (mixed_sizes with parallel is refused:
+    `tests/engine/test_compose.py`; --lora-bound and async ControlNets need a server flag.)"""
+    from gouache.techniques import EXACT, REFUSED, pair
+
+    rng = np.random.default_rng(1)
+    cond, image = (rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(2))
+    mask = np.zeros((64, 64), np.float32)
+    mask[:32] = 1.0
+    asks = {"lora": ({"loras": (("ink", 0.8),)}, {}),
+            "controlnet": ({"controlnets": (("edges", b"", 0.8),)}, {"controls": [cond]}),
+            "block_cache": ({"block_cache": 0.5}, {}),
+            "template": ({"image": b"-", "template_cache": True, "template_id": "shirt"}, {"image": image, "mask": mask})}
+    kinds = [(t,) for t in asks] + [("lora", "controlnet"), ()]
+
+    def load():
+        out = []
+        for i, kind in enumerate(kinds):
+            fields = {k: v for t in kind for k, v in asks[t][0].items()}
+            inputs = {k: v for t in kind for k, v in asks[t][1].items()}
+            out.append((ImageRequest("+".join(kind) or "plain", "a red circle", 64, 64, STEPS, 4.0, seed=i, **fields),
+                        inputs))
+        return out
+
+    runners = [ModelRunner(load_pipeline(MODEL), loras=LoraConfig(str(lora_dir)),
+                           controlnets=ControlNetConfig(str(control_dir))) for _ in range(2)]
+    alone, _ = steps(runners[0], load())
+    split, _ = steps(runners[1], load(), two_workers)
+    assert set(split) == set(alone)
+    for technique in asks:
+        assert pair(technique, "parallel").verdict != REFUSED
+        for rid in split:
+            if technique in rid.split("+") and all(pair(t, "parallel").verdict == EXACT for t in rid.split("+")):
+                assert (alone[rid] - split[rid]).abs().max() <= 1e-4, (technique, rid)
+    assert (alone["plain"] - split["plain"]).abs().max() <= 1e-4

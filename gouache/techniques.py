@@ -1,0 +1,139 @@
+"""The techniques a forward can combine, and the compatibility table: for every pair, whether
+it composes exactly, composes approximately, or is refused (docs/architecture.md, "The
+compatibility table").
+
+A technique is asked for by a request field (`loras`, `controlnets`, ...) or chosen by the
+server (`--lora-bound`, the policy's layout and degree). Admission refuses a request whose
+fields ask for a refused pair, naming both fields (`refused_pair`); a server default applies to
+a request only where it composes with what the request asked (`composes`). The forward composer
+(`gouache.runner.forward`) builds a step from the same names. No torch here: the API reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import combinations
+
+
+@dataclass(frozen=True)
+class Technique:
+    name: str
+    field: str  # what asks for it: a request field, or the server flag or policy that chooses it
+    exact: bool  # whether it keeps a request's image equal to diffusers' (docs/architecture.md, invariant 2)
+    per_request: bool  # a request asks for it; else the server or its policy chooses it per step
+    what: str
+
+
+TECHNIQUES = {t.name: t for t in (
+    Technique("lora", "loras", True, True, "LoRA adapters on the denoiser (KATZ): merged, segmented per row or split"),
+    Technique("lora_async", "--lora-bound", False, False,
+              "bounded asynchronous LoRA loading (KATZ): a request denoises without its adapters until they arrive"),
+    Technique("controlnet", "controlnets", True, True,
+              "ControlNet residuals (KATZ), in process or from the service overlapping the UNet's encoder"),
+    Technique("controlnet_async", "controlnet_mode", False, True,
+              "asynchronous ControlNet residuals (KATZ): step t takes the residuals of step t - 1"),
+    Technique("block_cache", "block_cache", False, True,
+              "block-output reuse across steps (PatchedServe), per image, patch or token"),
+    Technique("template", "template_cache", False, True,
+              "template replay of an edit's unmasked tokens (InstGenIE)"),
+    Technique("mixed_sizes", "--policy", True, False,
+              "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens"),
+    Technique("parallel", "--devices", True, False,
+              "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
+)}
+
+EXACT, APPROXIMATE, REFUSED = "exact", "approximate", "refused"
+
+
+@dataclass(frozen=True)
+class Pair:
+    verdict: str  # exact | approximate | refused
+    why: str
+
+
+def _pair(a: str, b: str) -> frozenset[str]:
+    return frozenset((a, b))
+
+
+# One entry per pair. "exact": a request using both is served as each alone would be, and an
+# exact request's image is the same with either beside it; "approximate": the pair runs, the
+# image depends on the approximate technique as measured by its benchmark; "refused": never for
+# one request (admission answers 400; a server default does not apply where it would make one).
+# Requests of a refused pair's two techniques still share forwards: the pair is per request.
+TABLE: dict[frozenset[str], Pair] = {
+    _pair("lora", "lora_async"): Pair(APPROXIMATE, "adapters join their request after up to --lora-bound steps"),
+    _pair("lora", "controlnet"): Pair(EXACT, "the adapters change the denoiser, the residuals come from the ControlNet's "
+                                             "own weights"),
+    _pair("lora", "controlnet_async"): Pair(APPROXIMATE, "the adapters are exact, the residuals a step late"),
+    _pair("lora", "block_cache"): Pair(APPROXIMATE, "a forward of several adapter sets with cached rows runs one forward "
+                                                    "per set (cached rows cannot be segmented)"),
+    _pair("lora", "template"): Pair(APPROXIMATE, "a template is keyed by its adapters' digests; its edits load them "
+                                                 "before their first step"),
+    _pair("lora", "mixed_sizes"): Pair(EXACT, "patches of mixed sizes cannot be told apart by row: one forward per "
+                                              "adapter set; packed tokens are segmented per row"),
+    _pair("lora", "parallel"): Pair(EXACT, "every rank waits for the adapters; each CFG half applies its own rows' "
+                                           "adapters"),
+    _pair("lora_async", "controlnet"): Pair(APPROXIMATE, "the adapters join late, the residuals are exact"),
+    _pair("lora_async", "controlnet_async"): Pair(APPROXIMATE, "both approximations apply; their fidelity is "
+                                                                    "measured apart"),
+    _pair("lora_async", "block_cache"): Pair(APPROXIMATE, "both approximations apply; their fidelity is measured "
+                                                               "apart"),
+    _pair("lora_async", "template"): Pair(APPROXIMATE, "a template's edits load their adapters before their first step "
+                                                       "(the template is keyed by them)"),
+    _pair("lora_async", "mixed_sizes"): Pair(APPROXIMATE, "the adapters join late, the layout is exact"),
+    _pair("lora_async", "parallel"): Pair(APPROXIMATE, "a step on several devices waits for the adapters (ranks must not "
+                                                       "decide apart); a server whose every step is parallel refuses "
+                                                       "--lora-bound"),
+    _pair("controlnet", "controlnet_async"): Pair(APPROXIMATE, "a request's ControlNets all run in its one mode"),
+    _pair("controlnet", "block_cache"): Pair(REFUSED, "a ControlNet's residuals enter every block, which a reused block "
+                                                      "output would drop"),
+    _pair("controlnet", "template"): Pair(REFUSED, "a template's activations hold no ControlNet's residuals"),
+    _pair("controlnet", "mixed_sizes"): Pair(EXACT, "requests with ControlNets run one plain forward per latent shape "
+                                                    "(residuals are per image grid)"),
+    _pair("controlnet", "parallel"): Pair(EXACT, "under CFG halves the residuals are computed before the rows are cut"),
+    _pair("controlnet_async", "block_cache"): Pair(REFUSED, "a ControlNet's residuals enter every block, which a reused "
+                                                            "block output would drop"),
+    _pair("controlnet_async", "template"): Pair(REFUSED, "a template's activations hold no ControlNet's residuals"),
+    _pair("controlnet_async", "mixed_sizes"): Pair(APPROXIMATE, "a plain forward per latent shape, residuals a step "
+                                                                     "late"),
+    _pair("controlnet_async", "parallel"): Pair(APPROXIMATE, "residuals computed before the rows are cut, a step late"),
+    _pair("block_cache", "template"): Pair(REFUSED, "an edit that replays its template computes its masked tokens "
+                                                    "only; it has no block outputs of its own to reuse"),
+    _pair("block_cache", "mixed_sizes"): Pair(APPROXIMATE, "reuse per patch (UNet) or per token (DiT)"),
+    _pair("block_cache", "parallel"): Pair(APPROXIMATE, "a step on several devices computes every block (ranks must not "
+                                                        "decide apart); a server whose every step is parallel refuses "
+                                                        "block_cache"),
+    _pair("template", "mixed_sizes"): Pair(APPROXIMATE, "packed DiT forwards replay any mix of sizes; a UNet replays "
+                                                        "one pass per latent shape"),
+    _pair("template", "parallel"): Pair(APPROXIMATE, "a step on several devices computes the full forward; a server "
+                                                     "whose every step is parallel refuses template reuse"),
+    _pair("mixed_sizes", "parallel"): Pair(REFUSED, "a mixed-size forward runs on one device: the policies plan mixed "
+                                                    "sizes at degree 1 only"),
+}
+
+
+def pair(a: str, b: str) -> Pair:
+    return TABLE[_pair(a, b)]
+
+
+def composes(a: str, b: str) -> bool:
+    return a == b or pair(a, b).verdict != REFUSED
+
+
+def refused_pair(used: set[str] | frozenset[str]) -> tuple[str, str, str] | None:
+    """The first refused pair among `used` (in the table's order of techniques): (a, b, why)."""
+    order = [name for name in TECHNIQUES if name in used]
+    for a, b in combinations(order, 2):
+        entry = pair(a, b)
+        if entry.verdict == REFUSED:
+            return a, b, entry.why
+    return None
+
+
+def check_row(used: set[str] | frozenset[str]) -> None:
+    """Raise ValueError if one request's row of a forward would combine a refused pair (admission
+    and the policies keep such a step from being planned: this is the composer's last guard)."""
+    refused = refused_pair(used)
+    if refused is not None:
+        a, b, why = refused
+        raise ValueError(f"{a} and {b} do not compose for one request: {why}")

@@ -1,0 +1,261 @@
+"""docs/architecture.md, "The compatibility table" and invariant 6: every pair of techniques
+composes as `gouache.techniques.TABLE` says, under every policy of one device, and an exact
+request's image does not depend on what shares its batch.
+
+The pairs a CPU runner serves in one process (LoRA, ControlNet, block cache, templates, mixed
+sizes) are served here; the parallel pairs on two worker processes are in
+`tests/executor/test_cfg_parallel.py`; refused pairs are refused at admission, naming both fields.
+"""
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gouache.adapters.controlnet import random_controlnet
+from gouache.adapters.lora import random_lora
+from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
+from gouache.config import ControlNetConfig, LoraConfig, SchedulerConfig
+from gouache.engine.core import EngineCore
+from gouache.errors import InvalidRequestError
+from gouache.executor.pool import DevicePool
+from gouache.metrics import Metrics
+from gouache.request import ImageRequest
+from gouache.runner.model_runner import ModelRunner
+from gouache.sched.plan import Batch
+from gouache.sched.policies import POLICIES, make_policy
+from gouache.sched.scheduler import Scheduler
+from gouache.techniques import EXACT, REFUSED, TABLE, TECHNIQUES, pair
+from tests.api.fake_engine import FAKE_INFO
+from tests.api.test_protocol import CONTEXT
+from tests.engine.test_exactness import FlatCost
+
+MODEL = "tiny-sd"
+STEPS = 2
+ONE_DEVICE = [name for name, cls in POLICIES.items() if cls.min_devices == 1]
+SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes")  # in one process, in this module
+TOLERANCE = 1e-4  # fp32 on the CPU: another batch layout rounds otherwise (docs/architecture.md, invariant 2)
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory):
+    from gouache.models.zoo import load_pipeline
+
+    pipe = load_pipeline(MODEL)
+    loras, controls = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("controlnets")
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(pipe, seed=seed), str(loras / f"{name}.safetensors"))
+    random_controlnet(pipe, seed=0, std=0.2).save_pretrained(str(controls / "edges"))
+    return str(loras), str(controls)
+
+
+def member(rid: str, uses: tuple[str, ...], seed: int, size: int = 64, lora: str = "ink") -> tuple[ImageRequest, dict]:
+    """A request using `uses` (of SERVED but mixed_sizes, which is the batch's), and the inputs
+    its preparation takes (the decoded upload, mask and ControlNet images)."""
+    request = ImageRequest(rid, "a red fox", size, size, STEPS, 5.0, seed)
+    inputs = {}
+    rng = np.random.default_rng(size)
+    if "lora" in uses:
+        request = replace(request, loras=((lora, 0.8),))
+    if "controlnet" in uses:
+        request = replace(request, controlnets=(("edges", b"", 0.8),))
+        inputs["controls"] = [rng.integers(0, 255, (size, size, 3), dtype=np.uint8)]
+    if "block_cache" in uses:
+        request = replace(request, block_cache=0.5)
+    if "template" in uses:
+        request = replace(request, image=b"-", template_cache=True, template_id=f"shirt-{size}")
+        mask = np.zeros((size, size), np.float32)
+        mask[: size // 2] = 1.0
+        inputs.update(image=rng.integers(0, 255, (size, size, 3), dtype=np.uint8), mask=mask)
+    return request, inputs
+
+
+def exact(request: ImageRequest) -> bool:
+    return not request.block_cache and not request.template_cache
+
+
+def serve(pipe, directories, policy: str, arrivals: dict[int, list[tuple[ImageRequest, dict]]]) -> dict[str, torch.Tensor]:
+    """Final latents of every request, `arrivals[k]` joining before step k, on a fresh runner."""
+    loras, controls = directories
+    runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(loras), controlnets=ControlNetConfig(controls))
+    predictor = FlatCost() if POLICIES[policy].needs_predictor else None
+    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
+    results = {}
+
+    def keep(report):
+        for state in report.finished:
+            results[state.request_id] = runner.states.pop(state.request_id).latents
+
+    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep,
+                      lambda reasons, invalid: pytest.fail(str(reasons)), pytest.fail, lambda error: pytest.fail(str(error)))
+    step = 0
+    while step <= max(arrivals) or scheduler.has_work():
+        for request, inputs in arrivals.get(step, []):
+            scheduler.add(runner.prepare(request, **inputs))
+        core.step()
+        step += 1
+    runner.close()
+    return results
+
+
+class Alone:
+    """Each request's latents served alone (by `orca`, one request per step), computed once."""
+
+    def __init__(self, pipe, directories):
+        self.pipe, self.directories, self.done = pipe, directories, {}
+
+    def __call__(self, request: ImageRequest, inputs: dict) -> torch.Tensor:
+        key = replace(request, request_id="alone", arrival_time=0.0)
+        name = repr(key)
+        if name not in self.done:
+            self.done[name] = serve(self.pipe, self.directories, "orca", {0: [(key, inputs)]})["alone"]
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def alone(pipes, directories):
+    return Alone(pipes(MODEL), directories)
+
+
+def pairs(verdicts: set[str]) -> list[tuple[str, str]]:
+    return [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items()
+            if p <= set(SERVED) and entry.verdict in verdicts]
+
+
+def test_the_table_has_one_entry_per_pair_of_techniques():
+    names = list(TECHNIQUES)
+    assert len(TABLE) == len(names) * (len(names) - 1) // 2
+    assert all(len(p) == 2 and p <= set(names) for p in TABLE)
+    # an exact pair is of exact techniques only
+    assert all(TECHNIQUES[a].exact and TECHNIQUES[b].exact for a, b in map(tuple, TABLE) if pair(a, b).verdict == EXACT)
+
+
+@pytest.mark.parametrize("policy", ONE_DEVICE)
+def test_every_pair_composes_as_the_table_says(pipes, directories, alone, policy):
+    """One batch walks every pair served in one process that composes: a request of each
+    technique and of both (where both are a request's), in two sizes (which mixing policies
+    patch or pack into one forward) and two adapter sets, beside plain requests. Every request
+    ends, and every exact one equals itself served alone."""
+    composing = pairs({EXACT, "approximate"})
+    kinds = {(t,) for t in SERVED if t != "mixed_sizes"} | {()}
+    kinds |= {(a, b) for a, b in composing if "mixed_sizes" not in (a, b)}
+    batch = [member(f"{'+'.join(uses) or 'plain'}-{size}", uses, seed=seed, size=size, lora=lora)
+             for seed, uses in enumerate(sorted(kinds)) for size, lora in ((64, "ink"), (96, "paper"))]
+    latents = serve(pipes(MODEL), directories, policy, {0: batch})
+    assert set(latents) == {r.request_id for r, _ in batch}
+    for a, b in composing:
+        own = {a, b} - {"mixed_sizes"}
+        members = [(r, i) for r, i in batch if own <= set(r.request_id.split("-")[0].split("+"))]
+        assert members, (a, b)
+        for request, inputs in members:
+            assert torch.isfinite(latents[request.request_id]).all(), (a, b, request.request_id)
+            if exact(request):
+                difference = (latents[request.request_id] - alone(request, inputs)).abs().max()
+                assert difference <= TOLERANCE, (a, b, request.request_id, float(difference))
+
+
+def edit_body(fields: dict) -> dict:
+    return {"prompt": "p", "size": "256x256", **fields}
+
+
+FIELDS = {  # the request fields that ask for each technique a request can ask for
+    "lora": {"loras": [{"name": "ink"}]},
+    "controlnet": {"controlnets": [{"name": "edges", "image": "data:image/png;base64,AA=="}]},
+    "controlnet_async": {"controlnets": [{"name": "edges", "image": "data:image/png;base64,AA=="}],
+                         "controlnet_mode": "async"},
+    "block_cache": {"block_cache": 0.1},
+    "template": {"template_cache": True},
+}
+
+
+ASKED = {"controlnet_async": "controlnets"}  # the field named for it: controlnet_mode only says how they run
+
+
+def test_refused_pairs_are_refused_at_admission_naming_both_fields():
+    refused = [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items() if entry.verdict == REFUSED]
+    per_request = [(a, b) for a, b in refused if TECHNIQUES[a].per_request and TECHNIQUES[b].per_request]
+    assert len(per_request) == 5
+    for a, b in per_request:
+        params = ImageEditRequest.model_validate(edit_body({**FIELDS[a], **FIELDS[b]}), context=CONTEXT)
+        with pytest.raises(InvalidRequestError) as error:
+            params.to_requests("x", replace(FAKE_INFO, templates=True), 0.0)
+        message, fields = error.value.message, (ASKED.get(a, TECHNIQUES[a].field), ASKED.get(b, TECHNIQUES[b].field))
+        assert f"{fields[0]} and {fields[1]} do not compose" in message, (a, b, message)
+        assert error.value.param in fields
+        for one in (a, b):  # each alone is taken
+            alone_params = ImageEditRequest.model_validate(edit_body(FIELDS[one]), context=CONTEXT)
+            assert alone_params.to_requests("x", replace(FAKE_INFO, templates=True), 0.0)
+    generation = ImageGenerationRequest.model_validate(edit_body({**FIELDS["controlnet"], **FIELDS["block_cache"]}),
+                                                       context=CONTEXT)
+    with pytest.raises(InvalidRequestError, match="controlnets and block_cache do not compose"):
+        generation.to_requests("x", FAKE_INFO, 0.0)
+
+
+def test_a_refused_pair_never_reaches_a_forward(pipes, directories):
+    """The composer's last guard: a patched batch on several devices (mixed_sizes with parallel,
+    which no policy plans) is refused before anything runs, as is a request that asks for a
+    ControlNet and the block cache past admission."""
+    runner = ModelRunner(pipes(MODEL), controlnets=ControlNetConfig(directories[1]))
+    request, inputs = member("a", (), seed=0)
+    runner.prepare(request, **inputs)
+    with pytest.raises(ValueError, match="mixed_sizes and parallel do not compose"):
+        runner.execute(Batch(("a",), (0, 1), 2, patched=True), group=None)
+    request, inputs = member("b", ("controlnet", "block_cache"), seed=0)
+    runner.prepare(request, **inputs)
+    with pytest.raises(ValueError, match="controlnet and block_cache do not compose"):
+        runner.execute(Batch(("b",)))
+    assert runner.states["a"].step == runner.states["b"].step == 0
+
+
+def test_a_server_default_applies_only_where_it_composes(pipes, directories):
+    """--block-cache's threshold does not apply to a ControlNet request (it would be refused)."""
+    from gouache.config import BlockCacheConfig
+
+    runner = ModelRunner(pipes(MODEL), block_cache=BlockCacheConfig(threshold=0.5),
+                         controlnets=ControlNetConfig(directories[1]))
+    request, inputs = member("c", ("controlnet",), seed=0)
+    runner.prepare(request, **inputs)
+    assert runner.states["c"].request.block_cache == 0.0
+    assert not runner.execute(Batch(("c",))).failed
+
+
+KINDS = [(), ("lora",), ("controlnet",), ("block_cache",), ("template",), ("lora", "controlnet"),
+         ("lora", "block_cache"), ("lora", "template")]
+
+
+@pytest.mark.parametrize("policy", ONE_DEVICE)
+def test_an_exact_request_is_the_same_in_any_random_mix(pipes, directories, alone, policy):
+    """Seeded random mixes of sizes, adapters, ControlNets, cached and templated neighbours,
+    joining at random steps: every exact request equals itself served alone."""
+    pipe = pipes(MODEL)
+    draw = random.Random(f"mix-{policy}")
+    for mix in range(2):
+        arrivals: dict[int, list] = {}
+        for i in range(4):
+            uses = draw.choice(KINDS)
+            request, inputs = member(f"m{mix}-{i}", uses, seed=draw.randrange(2), size=draw.choice((64, 96)),
+                                     lora=draw.choice(("ink", "paper")))
+            arrivals.setdefault(draw.randrange(3), []).append((request, inputs))
+        if not any(exact(r) for batch in arrivals.values() for r, _ in batch):
+            arrivals.setdefault(0, []).append(member(f"m{mix}-plain", (), seed=1))
+        latents = serve(pipe, directories, policy, arrivals)
+        for request, inputs in (item for batch in arrivals.values() for item in batch):
+            if exact(request):
+                difference = (latents[request.request_id] - alone(request, inputs)).abs().max()
+                assert difference <= TOLERANCE, (policy, mix, request, float(difference))
+
+
+def test_the_architecture_page_shows_the_table_of_the_code():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    shown = {}
+    for line in page.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 3 and " + " in cells[0]:
+            a, b = (name.strip("` ") for name in cells[0].split(" + "))
+            shown[frozenset((a, b))] = (cells[1], cells[2])
+    assert shown == {p: (entry.verdict, entry.why) for p, entry in TABLE.items()}
