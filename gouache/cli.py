@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-cache", type=float, default=BlockCacheConfig.threshold,
                        help="block-cache threshold every request runs with unless it sends its own `block_cache`: a "
                             "block's output is reused for a patch (an image, unpatched) whose input changed less than "
-                            "this, relatively; approximate (docs/patched.md); 0 keeps images exact (default: %(default)s)")
+                            "this, relatively; approximate (docs/block_cache.md); 0 keeps images exact (default: %(default)s)")
     serve.add_argument("--block-cache-max-reuse", type=int, default=BlockCacheConfig.max_reuse,
                        help="most steps in a row one block's output is reused (default: %(default)s)")
     serve.add_argument("--block-cache-mb", type=int, default=BlockCacheConfig.budget_bytes >> 20,
@@ -332,7 +332,7 @@ def _export(args) -> int:
 def _make_lora(args) -> int:
     from safetensors.torch import save_file
 
-    from gouache.adapters.lora import random_lora
+    from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
 
     if args.rank < 1:
@@ -346,7 +346,7 @@ def _make_lora(args) -> int:
 
 
 def _make_controlnet(args) -> int:
-    from gouache.adapters.controlnet import random_controlnet, supports_controlnets
+    from gouache.controlnet.model import random_controlnet, supports_controlnets
     from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(args.model, args.dtype, args.device)

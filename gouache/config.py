@@ -58,7 +58,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class BlockCacheConfig:
-    """PatchedServe §5's block cache (`gouache.cache.block_cache`): off unless a threshold is given."""
+    """PatchedServe §5's block cache (`gouache.block_cache.store`): off unless a threshold is given."""
 
     threshold: float = 0.0  # the server's default relative-change threshold; 0 keeps requests exact
     max_reuse: int = 2  # most steps in a row a unit may reuse one block's output
@@ -73,7 +73,7 @@ class BlockCacheConfig:
 
 @dataclass(frozen=True)
 class TemplateConfig:
-    """InstGenIE's mask-aware edits (`gouache.runner.template_reuse`): templates' activations
+    """InstGenIE's mask-aware edits (`gouache.templates.replay`): templates' activations
     in a tiered store. Edits use them when they ask (`template_cache`), or all edits with `default`."""
 
     default: bool = False  # edits that do not say use templates
@@ -102,7 +102,7 @@ class TemplateConfig:
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """LoRA adapters (`gouache.adapters`): files in `directory`, the popular ones in host memory,
+    """LoRA adapters (`gouache.lora`): files in `directory`, the popular ones in host memory,
     and KATZ's bounded asynchronous loading: a request whose adapters are still being read
     starts without them and takes them at the first step after they arrive, no later than step
     `bound` (waiting there). `bound` 0 is synchronous loading (exact)."""
@@ -123,7 +123,7 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class ServiceAddress:
-    """Where a ControlNet service listens (`gouache.adapters.control_service`): a Unix socket
+    """Where a ControlNet service listens (`gouache.controlnet.service`): a Unix socket
     per worker process, and the key that admits its clients."""
 
     sockets: tuple[str, ...]
@@ -137,7 +137,7 @@ class ServiceAddress:
 
 @dataclass(frozen=True)
 class ControlNetConfig:
-    """ControlNets (`gouache.adapters.controlnet`, KATZ §5): diffusers directories in
+    """ControlNets (`gouache.controlnet.model`, KATZ §5): diffusers directories in
     `directory`, run in this process before each forward (`workers` 0: the sequential way of
     diffusers' pipelines) or as a service of `workers` processes, each caching models in
     `model_bytes`, whose residuals of step t join step t (`mode` "sync": exact) or step t + 1

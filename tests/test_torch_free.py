@@ -10,7 +10,7 @@ import gouache.sched, gouache.sim
 for package in (gouache.sched, gouache.sim):
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(module.name)
-for name in ("gouache.cache.load_plan", "gouache.bench.overhead", "gouache.bench.sim_to_real"):
+for name in ("gouache.templates.load_plan", "gouache.bench.overhead", "gouache.bench.sim_to_real"):
     importlib.import_module(name)
 print(sorted(m for m in sys.modules if m.startswith("gouache.")))
 print("torch" in sys.modules)

@@ -116,12 +116,12 @@ class Adapters:
     def lora(self, seed: int) -> bytes:
         from safetensors.torch import save
 
-        from gouache.adapters.lora import random_lora
+        from gouache.lora.files import random_lora
 
         return save(random_lora(self.pipe, rank=8, seed=seed))
 
     def controlnet(self, directory: Path, seed: int) -> Path:
-        from gouache.adapters.controlnet import random_controlnet
+        from gouache.controlnet.model import random_controlnet
 
         random_controlnet(self.pipe, seed=seed, std=0.2).save_pretrained(str(directory))
         return directory

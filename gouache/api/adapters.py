@@ -1,5 +1,5 @@
 """GET and POST /v1/loras and /v1/controlnets: the adapters of the server's --lora-dir
-(docs/adapters.md) and --controlnet-dir (docs/controlnet.md). A request names them in `loras`
+(docs/lora.md) and --controlnet-dir (docs/controlnet.md). A request names them in `loras`
 and `controlnets`; registering one ahead checks it against the model and loads it where it
 runs, so its first request does not wait for the read."""
 
@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from gouache.adapters.directory import NAME
+from gouache.adapter_names import NAME
 from gouache.api.context import ApiContext, get_context
 
 router = APIRouter()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
-from gouache.adapters.directory import NAME as LORA_NAME
+from gouache.adapter_names import NAME as LORA_NAME
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import unpriced_message
@@ -157,9 +157,9 @@ class ImageParams(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random seed
     slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)  # deadline after arrival
-    # block-cache threshold (docs/patched.md); 0: exact; None: the server's --block-cache
+    # block-cache threshold (docs/block_cache.md); 0: exact; None: the server's --block-cache
     block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
-    # LoRA adapters (docs/adapters.md); a multipart edit sends the list as JSON text
+    # LoRA adapters (docs/lora.md); a multipart edit sends the list as JSON text
     loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS)
     # ControlNets (docs/controlnet.md), summed in this order; a multipart edit sends JSON text
     controlnets: list[ControlNetRef] = Field(default_factory=list, max_length=MAX_CONTROLNETS)

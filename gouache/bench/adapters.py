@@ -118,7 +118,7 @@ class Bench:
                directory: Path | None = None, controlnets=None):
         """A runner whose adapter reads take `read_s` longer, or wait for `gate` (cold: a new
         store), with the adapters of `directory` (default: the bench's) and `controlnets`."""
-        from gouache.adapters.store import LoraStore
+        from gouache.lora.store import LoraStore
         from gouache.config import LoraConfig
         from gouache.runner.model_runner import ModelRunner
 
@@ -230,7 +230,7 @@ def throughput(args, info, steps: int, rate: float) -> dict:
 
     from safetensors.torch import save_file
 
-    from gouache.adapters.lora import random_lora
+    from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(args.model)

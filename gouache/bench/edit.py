@@ -149,7 +149,7 @@ class Bench:
     def _transformer_share(self) -> float:
         """The share of a UNet's full edit steps spent in its transformer blocks (the rest runs
         on every token whatever the mask)."""
-        from gouache.runner.unet_templates import unet_template_blocks
+        from gouache.templates.unet import unet_template_blocks
 
         spent, starts = [0.0], {}
 

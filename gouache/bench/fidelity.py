@@ -274,7 +274,7 @@ def add_arguments(p) -> None:
     p.add_argument("--candidate-max-batch-size", type=int, default=None, action=Given,
                    help="candidate's most requests per step, another batch mix (default: the reference's, 8)")
     p.add_argument("--candidate-block-cache", type=float, default=None, action=Given,
-                   help="candidate's block-cache threshold for every image (docs/patched.md) (default: off)")
+                   help="candidate's block-cache threshold for every image (docs/block_cache.md) (default: off)")
     p.add_argument("--block-cache-max-reuse", type=int, default=2, action=Given,
                    help="with --candidate-block-cache: most steps in a row a block's output is reused "
                         "(default: %(default)s)")

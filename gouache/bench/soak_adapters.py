@@ -19,8 +19,8 @@ def make_adapters(model: str, directory: Path) -> dict[str, Path]:
     versions of the rewritten LoRA beside them."""
     from safetensors.torch import save
 
-    from gouache.adapters.controlnet import random_controlnet
-    from gouache.adapters.lora import random_lora
+    from gouache.controlnet.model import random_controlnet
+    from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(model)

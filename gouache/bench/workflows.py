@@ -61,9 +61,9 @@ def workflows(bench, args, bound: int) -> dict:
     """Median request latency of each mix and case, relative to 0C/0L served sequentially."""
     from safetensors.torch import save_file
 
-    from gouache.adapters.control_service import ControlService
-    from gouache.adapters.controlnet import Base, random_controlnet
-    from gouache.adapters.lora import random_lora
+    from gouache.controlnet.service import ControlService
+    from gouache.controlnet.model import Base, random_controlnet
+    from gouache.lora.files import random_lora
     from gouache.config import ControlNetConfig
 
     mixes = parse_mixes(args.mixes)

@@ -24,7 +24,7 @@ def start_control_service(base: Callable[[], object], config: EngineConfig) -> t
     controlnets = config.controlnets
     if not (controlnets.workers and controlnets.directory) or controlnets.service is not None:
         return None, config
-    from gouache.adapters.control_service import ControlService
+    from gouache.controlnet.service import ControlService
 
     model = base()
     if model is None:
@@ -78,7 +78,7 @@ class AdapterCalls:
 
     async def _adapter_call(self, function, *args):
         """`function(*args)` on a thread; an adapter that does not fit is the request's error (400)."""
-        from gouache.adapters.directory import ControlNetError, LoraError
+        from gouache.adapter_names import ControlNetError, LoraError
 
         try:
             return await asyncio.get_running_loop().run_in_executor(None, function, *args)

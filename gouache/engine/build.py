@@ -4,7 +4,7 @@ service started, before anything is served."""
 
 from __future__ import annotations
 
-from gouache.adapters.controlnet import Base
+from gouache.controlnet.model import Base
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.adapters import start_control_service
 from gouache.engine.client import AsyncEngine, caches_blocks
@@ -54,7 +54,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     info = model_info(pipe, model_id(model_config.model))
     if engine_config.executor == "uniproc":
         return AsyncEngine(pipe, info, engine_config, sched_config, predictor=predictor)
-    from gouache.runner.ulysses import check_degree
+    from gouache.parallel.ulysses import check_degree
 
     for degree in policy.degrees(engine_config.devices):
         check_degree(pipe, degree)  # refused now, not in the middle of a request

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from gouache.config import EngineConfig, SchedulerConfig
-from gouache.adapters.controlnet import Base
+from gouache.controlnet.model import Base
 from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, PoolLost, StepReport

@@ -2,7 +2,7 @@
 process groups of the aligned device blocks it belongs to.
 
 A batch of degree k runs on the k workers of its block at once, each with the same full
-states; Ulysses sequence parallelism (`gouache.runner.ulysses`) shards the image tokens inside
+states; Ulysses sequence parallelism (`gouache.parallel.ulysses`) shards the image tokens inside
 the forward and every rank ends the step with identical latents and sampler state. So each
 worker of a block holds a whole copy of its requests' states, and a request can run at another
 degree next round on any block that receives its state (the hand-off).

@@ -29,7 +29,7 @@ def run(args) -> int:
     from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
     from gouache.runner.describe import model_info
-    from gouache.runner.unet_templates import unet_template_blocks
+    from gouache.templates.unet import unet_template_blocks
     from gouache.sched.costmodel import MaskCostModel, save
 
     if args.torch_threads:

@@ -29,7 +29,7 @@ def run(args) -> int:
     from gouache.executor.worker import WorkerSpec
     from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
-    from gouache.runner.ulysses import check_degree
+    from gouache.parallel.ulysses import check_degree
     from gouache.sched.parallel_costmodel import ParallelCostModel
     from gouache.sched.rounds import degrees as degrees_of
     from gouache.sched.rounds import max_degree

@@ -413,6 +413,6 @@ class ReplicaSet:
 
 def _base(model_config: ModelConfig):
     """What the replicas' ControlNets must fit (torch is imported only for a ControlNet service)."""
-    from gouache.adapters.controlnet import Base
+    from gouache.controlnet.model import Base
 
     return Base.of_model(model_config.model, model_config.dtype, model_config.device)

@@ -29,9 +29,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from gouache.cache.block_cache import BlockCache
+from gouache.block_cache.store import BlockCache
 from gouache.runner.sampler import DenoiseState
-from gouache.runner.template_reuse import TemplateCache
+from gouache.templates.replay import TemplateCache
 from gouache.techniques import check_row
 
 ORDER = ("parallel", "lora", "controlnet", "layout", "block pass")  # outermost first
@@ -56,7 +56,7 @@ class Split(Protocol):
 
 
 class Adapters(Protocol):
-    """LoRA (`gouache.adapters.runtime.LoraRuntime`)."""
+    """LoRA (`gouache.lora.runtime.LoraRuntime`)."""
 
     def run(self, states: list[DenoiseState], adapters: list, predict: Callable, row_maps: Callable,
             step) -> list[torch.Tensor]:
@@ -65,7 +65,7 @@ class Adapters(Protocol):
 
 
 class Residuals(Protocol):
-    """ControlNet (`gouache.adapters.control_runtime.ControlRuntime`)."""
+    """ControlNet (`gouache.controlnet.runtime.ControlRuntime`)."""
 
     def predict(self, states: list[DenoiseState], forward: Callable, rest: Callable,
                 split: Split | None) -> list[torch.Tensor]:
@@ -219,7 +219,7 @@ def split_step(pipe, states: list[DenoiseState], degree: int, group, device) -> 
         return
     if group is None:
         raise ValueError(f"a batch of degree {degree} needs the process group of its devices")
-    from gouache.runner.ulysses import check_degree, ulysses
+    from gouache.parallel.ulysses import check_degree, ulysses
 
     check_degree(pipe, degree)
     if getattr(pipe, "unet", None) is None:
@@ -229,7 +229,7 @@ def split_step(pipe, states: list[DenoiseState], degree: int, group, device) -> 
     if not all(s.rows == 2 for s in states):  # a request without guidance: both ranks run every row
         yield _Whole(group, device)
         return
-    from gouache.runner.cfg_parallel import cfg_parallel
+    from gouache.parallel.cfg import cfg_parallel
 
     with cfg_parallel(pipe.unet, group) as halves:
         yield _Halves(group, device, halves)

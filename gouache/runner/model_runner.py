@@ -9,10 +9,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from gouache.adapters.control_runtime import ControlRuntime
-from gouache.adapters.directory import ControlNetError, ControlNetUnavailable, LoraError
-from gouache.adapters.runtime import LoraRuntime, LoraStep
-from gouache.cache.block_cache import BlockCache, BlockCacheConfig
+from gouache.controlnet.runtime import ControlRuntime
+from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
+from gouache.lora.runtime import LoraRuntime, LoraStep
+from gouache.block_cache.store import BlockCache, BlockCacheConfig
 from gouache.config import ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import ImageRequest, RequestState
@@ -20,7 +20,7 @@ from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
 from gouache.runner.forward import Forward, StepSpec, split_step
 from gouache.runner.sampler import DenoiseState
-from gouache.runner.template_reuse import (
+from gouache.templates.replay import (
     TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
 )
 

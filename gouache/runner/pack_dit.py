@@ -23,7 +23,6 @@ Images all of one size need no packing: they run as the model's own batch (unles
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,18 +32,8 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
-from gouache.runner.block_reuse import CacheRequest, cached_blocks
-
-QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # each [batch, tokens, heads, head_dim]
-
-
-def project(x: torch.Tensor, heads: int, projections, norms) -> QKV:
-    """q, k, v of tokens x [B, S, D] as [B, S, heads, d], with the model's optional qk norms."""
-    out = []
-    for proj, norm in zip(projections, (*norms, None)):  # v is never normed
-        y = proj(x).unflatten(-1, (heads, -1))
-        out.append(y if norm is None else norm(y))
-    return tuple(out)
+from gouache.attention import QKV, attend_each, attention_modules, project
+from gouache.block_cache.blocks import CacheRequest, cached_blocks
 
 
 @dataclass(frozen=True)
@@ -187,21 +176,6 @@ class Packing:
         return len(self.text_index) if text is None else len(text)
 
 
-def attend_each(calls: list[QKV]) -> list[torch.Tensor]:
-    """Attention of each (q, k, v) [S, H, d] on its own, in as few calls as can be: consecutive
-    ones of equal shapes (the CFG rows of one edit, say) are stacked into one batch. Returns
-    each one's output [S_q, H * d]."""
-    out, i = [], 0
-    while i < len(calls):
-        j = i + 1
-        while j < len(calls) and all(a.shape == b.shape for a, b in zip(calls[i], calls[j])):
-            j += 1
-        batch = [torch.stack(parts) for parts in zip(*calls[i:j])]
-        out.extend(dispatch_attention_fn(*batch).flatten(2).unbind(0))
-        i = j
-    return out
-
-
 def _cuts(rows: torch.Tensor, bounds: list[int]) -> list[int]:
     """Where each range [bounds[i], bounds[i + 1]) starts among the sorted `rows` (and the last ends)."""
     return torch.searchsorted(rows, torch.tensor(bounds, device=rows.device)).tolist()
@@ -250,12 +224,6 @@ def swapped(transformer: nn.Module, processor, expected: type, swaps: list[tuple
             setattr(owner, name, module)
         for (_, attn), original in zip(attentions, saved):
             attn.set_processor(original)
-
-
-@functools.lru_cache(maxsize=16)
-def attention_modules(transformer: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
-    """(name, module) of the transformer's attentions, found once: every forward sets their processors."""
-    return tuple((name, m) for name, m in transformer.named_modules() if hasattr(m, "set_processor"))
 
 
 def norm_swaps(norm: nn.Module, index: torch.Tensor, packing: Packing | None = None,

@@ -13,7 +13,7 @@ from diffusers import FluxPipeline
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
-from gouache.runner.block_reuse import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CacheRequest, cached_blocks
 from gouache.runner.pack_dit import Packing, image_qkv, norm_swaps, swapped, text_qkv, token_pass
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
-from gouache.runner.block_reuse import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 
 

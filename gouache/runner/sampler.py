@@ -13,10 +13,10 @@ if TYPE_CHECKING:
     import torch
     from diffusers import SchedulerMixin
 
-    from gouache.adapters.control_runtime import ControlUse
-    from gouache.adapters.runtime import LoraUse
+    from gouache.controlnet.runtime import ControlUse
+    from gouache.lora.runtime import LoraUse
     from gouache.request import ImageRequest
-    from gouache.runner.template_reuse import TemplateUse
+    from gouache.templates.replay import TemplateUse
 
 
 @dataclass

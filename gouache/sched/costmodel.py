@@ -239,8 +239,8 @@ class MaskCostModel:
         self.hidden = hidden  # H
         self.num_blocks = num_blocks  # transformer blocks whose unmasked activations are cached
         self.bytes_per_element = bytes_per_element  # of the cached activations (2 = bf16/fp16)
-        self.compute = compute or LinearPredictor()  # FLOPs -> seconds
-        self.load = load or LinearPredictor()  # bytes -> seconds
+        self.compute = compute or LinearPredictor(nonnegative=True)  # FLOPs -> seconds
+        self.load = load or LinearPredictor(nonnegative=True)  # bytes -> seconds
         self.text_tokens = text_tokens  # T: text rows each request runs in full in every block
         self.tensors = tensors  # cached tensors per unmasked token and block
         self.plain = plain  # m = 1 FLOPs -> seconds of a full regeneration, or None
@@ -265,7 +265,7 @@ class MaskCostModel:
         self.compute.fit(Xc, yc)
         self.load.fit(Xl, yl)
         if plain_samples:
-            self.plain = LinearPredictor().fit([[self.flops(b)] for b, _ in plain_samples],
+            self.plain = LinearPredictor(nonnegative=True).fit([[self.flops(b)] for b, _ in plain_samples],
                                                [s for _, s in plain_samples])
         self.report = MaskFitReport(self.compute.score(Xc, yc), self.load.score(Xl, yl))
         return self.report

@@ -185,18 +185,25 @@ class SvrPredictor:
 
 
 class LinearPredictor:
-    """Ordinary least squares, y = intercept + coef . x."""
+    """Ordinary least squares, y = intercept + coef . x. `nonnegative`: the coefficients and the
+    intercept are kept >= 0 (seconds per FLOP or byte, and a fixed cost, are never negative), so
+    that a fit on few noisy samples never predicts a negative time outside their range."""
 
     kind = "linear"
 
-    def __init__(self) -> None:
+    def __init__(self, nonnegative: bool = False) -> None:
+        self.nonnegative = nonnegative
         self._model: LinearRegression | None = None
 
     def unfitted(self) -> LinearPredictor:
-        return LinearPredictor()
+        return LinearPredictor(self.nonnegative)
 
     def fit(self, X, y) -> LinearPredictor:
-        self._model = LinearRegression().fit(np.asarray(X, float), np.asarray(y, float))
+        X, y = np.asarray(X, float), np.asarray(y, float)
+        model = LinearRegression(positive=self.nonnegative).fit(X, y)
+        if self.nonnegative and model.intercept_ < 0:  # no fixed cost then: the line through the origin
+            model = LinearRegression(positive=True, fit_intercept=False).fit(X, y)
+        self._model = model
         return self
 
     @property

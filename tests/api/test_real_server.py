@@ -24,8 +24,8 @@ SIZE_STEP = 16  # tiny-sdxl
 def server_url(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from gouache.adapters.controlnet import random_controlnet
-    from gouache.adapters.lora import random_lora
+    from gouache.controlnet.model import random_controlnet
+    from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
 
     loras, controlnets = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("controlnets")

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from gouache.cache.block_cache import BlockCache
+from gouache.block_cache.store import BlockCache
 from gouache.config import SchedulerConfig
 from gouache.engine.core import EngineCore
 from gouache.executor.pool import DevicePool

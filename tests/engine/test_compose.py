@@ -4,7 +4,7 @@ request's image does not depend on what shares its batch.
 
 The pairs a CPU runner serves in one process (LoRA, ControlNet, block cache, templates, mixed
 sizes) are served here; the parallel pairs on two worker processes are in
-`tests/executor/test_cfg_parallel.py`; refused pairs are refused at admission, naming both fields.
+`tests/parallel/test_cfg.py`; refused pairs are refused at admission, naming both fields.
 """
 
 import random
@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gouache.adapters.controlnet import random_controlnet
-from gouache.adapters.lora import random_lora
+from gouache.controlnet.model import random_controlnet
+from gouache.lora.files import random_lora
 from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
 from gouache.config import ControlNetConfig, LoraConfig, SchedulerConfig
 from gouache.engine.core import EngineCore

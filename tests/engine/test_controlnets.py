@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gouache.adapters.controlnet import random_controlnet
+from gouache.controlnet.model import random_controlnet
 from gouache.api.server import create_app
 from gouache.config import ControlNetConfig, EngineConfig, SchedulerConfig, ServerConfig
 from gouache.engine.build import build_engine
@@ -140,7 +140,7 @@ def test_transformer_models_refuse_controlnets(pipes, control_dir):
 
 
 def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
-    from gouache.adapters.control_runtime import ControlRuntime
+    from gouache.controlnet.runtime import ControlRuntime
     from gouache.cli import main
     from gouache.models.zoo import load_pipeline
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.torch import save_file
 
-from gouache.adapters.lora import random_lora
+from gouache.lora.files import random_lora
 from gouache.api.server import create_app
 from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.engine.build import build_engine

@@ -303,3 +303,13 @@ def test_cost_models_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_mask_cost_model_never_predicts_a_negative_time_from_noisy_samples():
+    small, big = [(64, 0.25)], [(64, 1.0)]
+    model = MaskCostModel(64, 2, 4)
+    model.fit([(small, 0.02), (big, 0.01)], [(small, 0.002), (big, 0.001)])  # the bigger one measured faster
+    assert model.compute.coef[0] == 0 and model.compute.intercept > 0  # not a line sloping below zero
+    model.fit([(small, 0.005), (big, 0.04)], [(small, 0.002), (big, 0.0)])  # a line with a negative intercept
+    assert model.compute.intercept == 0 and model.compute.coef[0] > 0  # through the origin: no negative fixed cost
+    assert model.compute_time([(8, 0.05)]) > 0 and model.load_time([(8, 0.05)]) >= 0

@@ -33,7 +33,7 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
 
 
 def test_lora_writes_an_adapter_the_server_reads(trained_dir):
-    from gouache.adapters.lora import Target, read_lora
+    from gouache.lora.files import Target, read_lora
     from gouache.models.zoo import load_pipeline
     from gouache.train.lora import RANK
 
@@ -46,7 +46,7 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
 
 
 def test_controlnet_writes_a_directory_the_server_takes(trained_dir):
-    from gouache.adapters.control_runtime import ControlRuntime
+    from gouache.controlnet.runtime import ControlRuntime
     from gouache.config import ControlNetConfig
     from gouache.models.zoo import load_pipeline
 

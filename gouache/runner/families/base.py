@@ -13,13 +13,13 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from gouache.cache.block_cache import BlockCache
+from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.request import ImageRequest
-from gouache.runner.block_reuse import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CacheRequest, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
-from gouache.runner.template_reuse import TemplateCache, TemplateRequest
+from gouache.templates.replay import TemplateCache, TemplateRequest
 
 
 class Family(ABC):
@@ -191,7 +191,7 @@ class Family(ABC):
         """For a forward of `predict(states, patched)`: for each size a leading dimension of its
         layers' inputs takes, the forward row (row of a state, in order) of each index; None
         where those cannot be told apart (patches of mixed sizes). Adapters of several sets
-        apply to their own rows by it (`gouache.adapters.apply.segmented`)."""
+        apply to their own rows by it (`gouache.lora.apply.segmented`)."""
         rows = sum(s.rows for s in states)
         if patched and len(_by_shape(states)) > 1:
             return None

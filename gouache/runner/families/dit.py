@@ -7,12 +7,12 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from gouache.request import ImageRequest
-from gouache.runner.block_reuse import CacheRequest, cacheable_blocks
+from gouache.block_cache.blocks import CacheRequest, cacheable_blocks
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.pack_dit import Packing, packed_sd3_forward
 from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.sampler import DenoiseState
-from gouache.runner.template_reuse import TemplateRequest
+from gouache.templates.replay import TemplateRequest
 
 
 class FlowFamily(Family):

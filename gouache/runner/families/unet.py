@@ -8,12 +8,12 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from gouache.request import ImageRequest
-from gouache.runner.block_reuse import CacheRequest
+from gouache.block_cache.blocks import CacheRequest
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState
-from gouache.runner.template_reuse import TemplateRequest
-from gouache.runner.unet_templates import masked_blocks, unet_template_blocks
+from gouache.templates.replay import TemplateRequest
+from gouache.templates.unet import masked_blocks, unet_template_blocks
 
 
 class StableDiffusionFamily(Family):

@@ -1,0 +1,208 @@
+"""Adapters on a denoiser's weights: merged in place, or applied per row of one forward.
+
+- **Merged** (`Merged`): W += s * B @ A on the base weights themselves, no layer created or
+  replaced (KATZ §6). A host copy of each weight an adapter touches is kept while it is
+  touched, and unmerging copies it back: the base weights come back bit for bit. Subtracting
+  the update instead would leave a rounding error with every merge, which a long-running server
+  would accumulate into its base model (docs/lora.md).
+- **Segmented** (`segmented`): forward hooks on the adapted modules add each row's own update
+  x_rows @ A^T @ B^T * s to the base output, so requests with different adapter sets share one
+  forward. Updates are relative to whatever is merged: a row whose set is the merged one gets
+  nothing, another row its own set's update minus the merged set's.
+
+A hook sees a module's input, not whose rows it holds: the caller gives, for every leading
+size the forward's tensors can have, the forward row (request row) of each index of that
+dimension (`row_maps`). A forward whose tensors take sizes outside that map raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gouache.lora.files import Lora, LoraError
+
+Adapters = tuple[tuple[Lora, float], ...]  # a request's adapters with their scales
+
+
+def adapters_key(adapters: Adapters) -> tuple[tuple[str, float, int], ...]:
+    """What tells adapter sets apart: names, scales and file contents."""
+    return tuple(sorted((lora.name, scale, lora.digest) for lora, scale in adapters))
+
+
+class Merged:
+    """The adapter set merged into one denoiser's weights now: one per denoiser (`of`), which
+    every runner of that model shares."""
+
+    @classmethod
+    def of(cls, denoiser: nn.Module) -> Merged:
+        if "_gouache_merged" not in denoiser.__dict__:
+            denoiser.__dict__["_gouache_merged"] = cls(denoiser)
+        return denoiser.__dict__["_gouache_merged"]
+
+    def __init__(self, denoiser: nn.Module):
+        self.denoiser = denoiser
+        self.adapters: Adapters = ()
+        self._originals: dict[str, torch.Tensor] = {}  # touched weights as they were before any merge (host)
+
+    @property
+    def key(self) -> tuple[tuple[str, float, int], ...]:
+        return adapters_key(self.adapters)
+
+    @torch.no_grad()
+    def set(self, adapters: Adapters) -> bool:
+        """Merge `adapters` in place of what is merged; whether the weights changed."""
+        if adapters_key(adapters) == self.key:
+            return False
+        old, self.adapters = self.adapters, tuple(adapters)
+        for path in sorted(_paths(old) | _paths(self.adapters)):
+            weight = self.denoiser.get_submodule(path).weight
+            original = self._originals.setdefault(path, weight.detach().to("cpu", copy=True))
+            if path in _paths(self.adapters):
+                weight.copy_((original.to(weight.device).float() + _update(self.adapters, path, weight)).to(weight.dtype))
+            else:
+                weight.copy_(original.to(weight.device))
+                del self._originals[path]
+        return True
+
+
+def _paths(adapters: Adapters) -> set[str]:
+    return {path for lora, _ in adapters for path in lora.layers}
+
+
+def _update(adapters: Adapters, path: str, weight: torch.Tensor) -> torch.Tensor:
+    """The float32 sum of `adapters`' updates to the weight of `path` (zeros if none)."""
+    total = torch.zeros(weight.shape, device=weight.device)
+    for lora, scale in adapters:
+        if path in lora.layers:
+            total += scale * lora.layers[path].delta(weight)
+    return total
+
+
+class Factors:
+    """Each group's adapters on one module as a single low-rank pair (their downs stacked, their
+    ups scaled and joined), stacked over the groups with a zero group last and padded to one rank.
+    Kept while a forward's groups stay the same (a running batch's, for several steps), so that
+    a step pays one gather and two matmuls per module rather than a few per group."""
+
+    def __init__(self):
+        self._key: tuple = ()
+        self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def pair(self, key: tuple, groups: list[Adapters], path: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(downs [G + 1, R, in, ...], ups [G + 1, out, R]) of `path` in `like`'s device and dtype."""
+        if key != self._key:
+            self._key, self._pairs = key, {}
+        slot = (path, like.device, like.dtype)
+        if slot not in self._pairs:
+            self._pairs[slot] = _stack(groups, path, like)
+        return self._pairs[slot]
+
+
+def _stack(groups: list[Adapters], path: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    layers = [[(lora.layers[path], scale) for lora, scale in adapters if path in lora.layers] for adapters in groups]
+    first = next(layer for group in layers for layer, _ in group)
+    rank = max(sum(layer.down.shape[0] for layer, _ in group) for group in layers)
+    downs = first.down.new_zeros((len(groups) + 1, rank, *first.down.shape[1:]))
+    ups = first.up.new_zeros((len(groups) + 1, first.up.shape[0], rank))
+    for g, group in enumerate(layers):
+        r = 0
+        for layer, scale in group:
+            k = layer.down.shape[0]
+            downs[g, r:r + k] = layer.down
+            ups[g, :, r:r + k] = scale * layer.scale * layer.up.flatten(1)
+            r += k
+    return downs.to(like.device, like.dtype), ups.to(like.device, like.dtype)
+
+
+def _rows_update(module: nn.Module, x: torch.Tensor, downs: torch.Tensor, ups: torch.Tensor) -> torch.Tensor:
+    """Row i of x through its own pair (downs[i], ups[i]): batched matmuls, or grouped convs."""
+    n = x.shape[0]
+    if isinstance(module, nn.Conv2d):
+        hidden = F.conv2d(x.reshape(1, -1, *x.shape[2:]), downs.flatten(0, 1), None, module.stride, module.padding,
+                          module.dilation, groups=n)
+        update = F.conv2d(hidden, ups.flatten(0, 1)[..., None, None], groups=n)
+        return update.view(n, -1, *update.shape[2:])
+    hidden = torch.matmul(x.reshape(n, -1, x.shape[-1]), downs.transpose(1, 2))
+    return torch.matmul(hidden, ups.transpose(1, 2)).view(*x.shape[:-1], ups.shape[1])
+
+
+def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """x through one pair."""
+    if isinstance(module, nn.Conv2d):
+        hidden = F.conv2d(x, down, None, module.stride, module.padding, module.dilation)
+        return F.conv2d(hidden, up[..., None, None])
+    return F.linear(F.linear(x, down), up)
+
+
+@contextlib.contextmanager
+def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Adapters,
+              row_maps: dict[int, torch.Tensor], spent: list[float] | None = None,
+              factors: Factors | None = None) -> Iterator[None]:
+    """Within: each forward row r gets `row_adapters[r]`'s update (relative to `merged`) on
+    every module they adapt. `row_maps[n]`: [n] forward row of each index of a leading
+    dimension of size n. `spent[0]` accumulates the seconds the updates took; `factors` keeps
+    the groups' stacked pairs between forwards of the same groups."""
+    merged_key = adapters_key(merged)
+    groups: dict[tuple, Adapters] = {}
+    row_group = []
+    for adapters in row_adapters:
+        key = adapters_key(adapters)
+        if key != merged_key:
+            groups.setdefault(key, tuple(adapters) + tuple((lora, -scale) for lora, scale in merged))
+        row_group.append(list(groups).index(key) if key != merged_key else -1)
+    if not groups:
+        yield
+        return
+    factors = factors or Factors()
+    composition, group_list = (tuple(groups), merged_key), list(groups.values())
+    tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])  # the zero group for merged rows
+    tags_of: dict[tuple, torch.Tensor] = {}  # (leading size, device) -> group of each index
+
+    def owners(x: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The dimension of x that holds rows (0; 1 in a packed forward's [1, S, D] views) and
+        the group of each index along it."""
+        dim = 1 if x.shape[0] not in row_maps and x.ndim > 2 and x.shape[0] == 1 else 0
+        n = x.shape[dim]
+        if n not in row_maps:
+            raise LoraError(f"a tensor of shape {tuple(x.shape)} has no known owner rows; this forward cannot mix adapters")
+        if (n, x.device) not in tags_of:
+            tags_of[n, x.device] = tags[row_maps[n].cpu()].to(x.device)
+        return dim, tags_of[n, x.device]
+
+    members_of: dict[int, list[torch.Tensor]] = {}
+
+    def members(owner: torch.Tensor) -> list[torch.Tensor]:
+        """The indices of each group in `owner`, found once per forward."""
+        if id(owner) not in members_of:
+            members_of[id(owner)] = [(owner == g).nonzero().squeeze(1) for g in range(len(group_list))]
+        return members_of[id(owner)]
+
+    def hook(path: str, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        start, x = time.perf_counter(), args[0]
+        dim, owner = owners(x)
+        downs, ups = factors.pair(composition, group_list, path, x)
+        if dim == 0:
+            output += _rows_update(module, x, downs.index_select(0, owner), ups.index_select(0, owner)).to(output.dtype)
+        else:  # packed tokens of many images: a gather per group rather than a pair per token
+            for g, index in enumerate(members(owner)):
+                if len(index):
+                    update = _pair_update(module, x.index_select(dim, index), downs[g], ups[g])
+                    output.index_add_(dim, index, update.to(output.dtype))
+        if spent is not None:
+            spent[0] += time.perf_counter() - start
+        return output
+
+    paths = {path for adapters in group_list for lora, _ in adapters for path in lora.layers}
+    handles = [denoiser.get_submodule(path).register_forward_hook(
+        lambda module, args, output, path=path: hook(path, module, args, output)) for path in sorted(paths)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

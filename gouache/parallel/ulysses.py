@@ -1,0 +1,257 @@
+"""Ulysses sequence parallelism for the DiTs (SD3's MMDiT, Flux) over a torch.distributed group.
+
+DeepSpeed Ulysses (Jacobs et al., 2023, arXiv:2309.14509, §3): each of the group's k ranks holds
+a contiguous 1/k of the sequence. Everything between attentions (AdaLN, FFN, projections) is per
+token and runs on the shard unchanged; around attention an all-to-all trades (sequence shard,
+all heads) for (whole sequence, heads/k), each rank attends over every token for its own heads,
+and a second all-to-all trades back. The model runs unchanged: a forward hook cuts the embedded
+image tokens, the attention processors do the exchanges, a hook on `proj_out` gathers the output.
+
+Where this departs from the paper, and why:
+- Only the image tokens are sharded. The text tokens (a few hundred) stay whole on every rank:
+  each rank slices its heads out of the text's q/k/v, and the text's attention output is
+  all-gathered over heads, so every rank runs the identical whole text stream into the next
+  block. The text length then need not divide by k (diffusers' own context-parallel plan
+  shards the text too).
+- The degree is not fixed at load time: `ulysses(transformer, group)` installs everything for
+  one forward (or one step) and removes it on exit. Every rank ends each forward with the full,
+  identical output, which is all the next step needs, so a request's degree can change between
+  denoising steps (TetriServe's step-level parallelism).
+
+Collectives per attention call: one all-to-all of the shard's stacked q/k/v, one all-to-all of
+the attention output back, one all-gather of the text's attention output (skipped where the
+model drops it: SD3's last block). Per forward: one all-gather of the output tokens. Only
+`all_to_all_single` and `all_gather_single` are used; gloo and NCCL implement both. Inference
+only: the collectives carry no gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from torch import nn
+
+from gouache.attention import QKV, project
+
+# Keyword arguments through which the transformers take ControlNet residuals: lists of
+# [B, image tokens, D] added to the image stream, so they are cut like it.
+CONTROLNET_RESIDUALS = ("block_controlnet_hidden_states", "controlnet_block_samples", "controlnet_single_block_samples")
+
+
+class SequenceShards:
+    """A process group seen by one rank: its shard of the image tokens and the collectives that
+    move tokens and heads between the ranks."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.degree = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("this process is not in the Ulysses group; enter ulysses() on the group's ranks only")
+        self.tokens = 0  # image tokens in this rank's shard, set by `split` at the start of each forward
+        self.collective_s = 0.0  # wall time spent in this group's collectives so far
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, N, ...] image tokens -> [B, N/k, ...]: this rank's contiguous shard."""
+        if x.shape[1] % self.degree:
+            raise ValueError(
+                f"Ulysses degree {self.degree} must divide the image token count, but this forward has "
+                f"{x.shape[1]} image tokens; use a latent size whose token count divides by {self.degree}, "
+                "or a degree that divides it"
+            )
+        self.tokens = x.shape[1] // self.degree
+        return x.narrow(1, self.rank * self.tokens, self.tokens)
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's x, concatenated along `dim` in rank order."""
+        out = x.new_empty(self.degree * x.shape[0], *x.shape[1:])  # gloo takes only the concatenated form
+        start = time.perf_counter()
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        self.collective_s += time.perf_counter() - start
+        return out.unflatten(0, (self.degree, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+    def swap(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
+        """All-to-all: cut x into k pieces along `split_dim`, send piece j to rank j, and
+        concatenate the pieces received along `cat_dim` in rank order."""
+        send = x.unflatten(split_dim, (self.degree, -1)).movedim(split_dim, 0).contiguous()
+        received = torch.empty_like(send)
+        start = time.perf_counter()
+        dist.all_to_all_single(received, send, group=self.group)
+        self.collective_s += time.perf_counter() - start
+        return received.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1)
+
+    def own_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., H, d] -> [..., H/k, d]: the heads this rank attends for."""
+        per_rank = x.shape[-2] // self.degree
+        return x.narrow(-2, self.rank * per_rank, per_rank)
+
+    def attend(
+        self, image: QKV, text: QKV | None, text_first: bool, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep_text: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Joint attention of the whole image sequence and the text, this rank's shard out.
+
+        image: q, k, v of this rank's shard [B, N/k, H, d]; text: the whole text's q, k, v
+        [B, L, H, d], or None for image-only attention (projected in all heads and sliced here,
+        not by slicing projection weights: a LoRA or quantised layer is a module, not one
+        weight); rope: Flux's (cos, sin) [L + N, d] of the joint sequence. Returns the image
+        output [B, N/k, H*d] and the text output [B, L, H*d] (None without text or unless
+        `keep_text`), both in all heads.
+        """
+        qkv = list(self.swap(torch.stack(image), split_dim=3, cat_dim=2))  # 3 x [B, N, H/k, d]
+        text_len = 0
+        if text is not None:  # in the model's own token order: Flux puts text first, SD3 last
+            text_len = text[0].shape[1]
+            qkv = [torch.cat([t, x] if text_first else [x, t], dim=1) for t, x in zip(map(self.own_heads, text), qkv)]
+        if rope is not None:  # the whole sequence is here, so the model's RoPE applies as it is
+            qkv[:2] = [apply_rotary_emb(x, rope, sequence_dim=1) for x in qkv[:2]]
+        out = dispatch_attention_fn(*qkv)  # [B, L + N, H/k, d]
+        sizes = [text_len, out.shape[1] - text_len]
+        text_part, image_part = out.split(sizes, 1) if text_first else out.split(sizes[::-1], 1)[::-1]
+        image_out = self.swap(image_part, split_dim=1, cat_dim=2).flatten(2)
+        if text is None or not keep_text:
+            return image_out, None
+        return image_out, self.gather(text_part, dim=2).flatten(2)
+
+    def split_residuals(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of the transformer: ControlNet residuals cut like the image stream."""
+        for name in CONTROLNET_RESIDUALS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = [self.split(residual) for residual in kwargs[name]]
+        return args, kwargs
+
+
+def refuse_mask(attention_mask: torch.Tensor | None) -> None:
+    if attention_mask is not None:  # the pipelines pass none; a mask would need cutting like the tokens
+        raise NotImplementedError("Ulysses attention takes no attention mask")
+
+
+class UlyssesJointAttnProcessor:
+    """JointAttnProcessor2_0 (SD3) over sequence shards; also serves SD3.5's image-only `attn2`."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+
+    def __call__(
+        self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        refuse_mask(attention_mask)
+        image = project(hidden_states, attn.heads, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
+        if encoder_hidden_states is None:
+            image_out, _ = self.shards.attend(image, None, text_first=False)
+            return attn.to_out[1](attn.to_out[0](image_out))
+        added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        text = project(encoder_hidden_states, attn.heads, added, (attn.norm_added_q, attn.norm_added_k))
+        # SD3's last block (context_pre_only) drops the text stream: its output is never gathered
+        image_out, text_out = self.shards.attend(image, text, text_first=False, keep_text=not attn.context_pre_only)
+        image_out = attn.to_out[1](attn.to_out[0](image_out))
+        return image_out, (None if text_out is None else attn.to_add_out(text_out))
+
+
+class UlyssesFluxAttnProcessor:
+    """FluxAttnProcessor over sequence shards, in both block kinds."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+
+    def __call__(
+        self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        refuse_mask(attention_mask)
+        own, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
+        single = encoder_hidden_states is None
+        if single:  # single-stream block: it passes [whole text; image shard] as one sequence
+            text_len = hidden_states.shape[1] - self.shards.tokens
+            text = project(hidden_states[:, :text_len], attn.heads, own, norms)
+            hidden_states = hidden_states[:, text_len:]
+        else:
+            added = (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            text = project(encoder_hidden_states, attn.heads, added, (attn.norm_added_q, attn.norm_added_k))
+        image = project(hidden_states, attn.heads, own, norms)
+        image_out, text_out = self.shards.attend(image, text, text_first=True, rope=image_rotary_emb)
+        if single:  # no output projection here: the block's proj_out takes attention and MLP together
+            return torch.cat([text_out, image_out], dim=1)
+        return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
+
+
+# per transformer class: the module whose output is the embedded image tokens (SD3's carries its
+# positions; Flux's get theirs as RoPE inside attention), the processor the model ships with, and
+# the Ulysses processor that replaces it
+SUPPORTED: dict[type, tuple[str, type, type]] = {
+    SD3Transformer2DModel: ("pos_embed", JointAttnProcessor2_0, UlyssesJointAttnProcessor),
+    FluxTransformer2DModel: ("x_embedder", FluxAttnProcessor, UlyssesFluxAttnProcessor),
+}
+
+
+def embedder_and_processor(transformer: nn.Module, degree: int) -> tuple[str, type]:
+    """The transformer's image embedder name and Ulysses processor, after refusing what it cannot run."""
+    found = [spec for cls, spec in SUPPORTED.items() if isinstance(transformer, cls)]
+    if not found:
+        supported = " and ".join(cls.__name__ for cls in SUPPORTED)
+        raise ValueError(f"Ulysses supports {supported}, not {type(transformer).__name__}")
+    embedder, expected, processor = found[0]
+    heads = transformer.config.num_attention_heads
+    if heads % degree:
+        raise ValueError(
+            f"Ulysses gives each rank heads/degree attention heads, but the model's {heads} heads do not divide "
+            f"by degree {degree}; use a degree that divides {heads}"
+        )
+    for name, original in transformer.attn_processors.items():
+        # any other processor (IP-Adapter, fused qkv, PAG) does work the Ulysses one would drop
+        if type(original) is not expected:
+            raise ValueError(f"Ulysses supports {expected.__name__} only; {name} is {type(original).__name__}")
+        if getattr(original, "_parallel_config", None) is not None:
+            raise ValueError("diffusers' own context parallelism is enabled on this model; disable it for Ulysses")
+    return embedder, processor
+
+
+def check_degree(pipe, degree: int) -> None:
+    """Refuse a degree above 1 that `pipe` cannot run in parallel, with the reason: DiTs run
+    sequence parallel, UNets CFG parallel (degree 2: a request's two guidance rows apart)."""
+    if degree == 1:
+        return
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        if degree == 2:
+            return
+        raise ValueError(f"{type(pipe).__name__} denoises with a UNet, which runs at degree 1, or 2 with CFG "
+                         f"parallelism (its guidance rows on two devices), not {degree}; sequence parallelism is for "
+                         "the DiTs")
+    embedder_and_processor(transformer, degree)
+
+
+@contextlib.contextmanager
+def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator[SequenceShards | None]:
+    """While inside, a call of `transformer` made on every rank of `group`, each with the same
+    full inputs, runs sequence parallel and returns the full output on every rank, identical
+    across them; it yields the group's `SequenceShards` (None when there is nothing to shard).
+    A group of one rank, or None, changes nothing. On exit the processors and hooks are gone,
+    so the next call may use another group."""
+    if group is None or dist.get_world_size(group) == 1:
+        yield None
+        return
+    shards = SequenceShards(group)
+    embedder, processor = embedder_and_processor(transformer, shards.degree)
+    with contextlib.ExitStack() as installed:
+        saved = dict(transformer.attn_processors)  # a copy: diffusers pops from it
+        installed.callback(transformer.set_attn_processor, saved)
+        transformer.set_attn_processor(processor(shards))
+        hooks = (
+            transformer.register_forward_pre_hook(shards.split_residuals, with_kwargs=True),
+            getattr(transformer, embedder).register_forward_hook(lambda module, args, tokens: shards.split(tokens)),
+            transformer.proj_out.register_forward_hook(lambda module, args, tokens: shards.gather(tokens, dim=1)),
+        )
+        for hook in hooks:
+            installed.callback(hook.remove)
+        yield shards

@@ -1,0 +1,174 @@
+"""Mask-aware edits in a UNet (SD, SDXL): the transformer blocks compute masked tokens only.
+
+InstGenIE's SDXL case. In each `BasicTransformerBlock` (the self-attention, cross-attention
+and feed-forward of a UNet's `Transformer2DModel`), an edit that replays a template runs its
+masked tokens only: the block gets them packed image by image as one row `[1, N, C]`, its
+self-attention takes their queries with the keys and values of every token of their image
+(the others' from the template), its cross-attention each image's own text, and the
+unmasked tokens' outputs come from the template. Everything else (resnets, GroupNorms,
+convolutions, up/downsampling, the Transformer2DModels' projections in and out) runs on every
+token: the share of the UNet's work this saves is the blocks' (`gouache bench edit` reports it).
+
+A level of the UNet has its own token grid (the latent's, halved per downsampling); an edit's
+mask there is its latent mask max-pooled to that grid, so a token is computed wherever any of
+its latent pixels is. Each level gets a `TemplatePass` of its own over the same images, entries
+and recordings (`template_reuse`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import AttnProcessor2_0
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+from torch import nn
+
+from gouache.attention import attend_each
+from gouache.templates.replay import TemplatePass, TemplateRequest
+
+
+@functools.lru_cache(maxsize=16)
+def unet_template_blocks(unet: nn.Module) -> tuple[tuple[nn.Module, str, str], ...]:
+    """(parent, attribute, key) of every transformer block of the UNet, in forward order; found
+    once per model (walking its modules costs a millisecond, every forward needs them)."""
+    return tuple((module.transformer_blocks, str(i), f"{name}.transformer_blocks.{i}")
+                 for name, module in unet.named_modules() if isinstance(module, Transformer2DModel)
+                 for i in range(len(module.transformer_blocks)))
+
+
+class UNetTemplatePass:
+    """One UNet forward's template reuse: a `TemplatePass` per token grid, made when first met."""
+
+    def __init__(self, request: TemplateRequest, latent_hw: tuple[int, int]):
+        self.request, self.latent_hw = request, latent_hw
+        self._levels: dict[int, TemplatePass] = {}
+        self._masks: dict[int, tuple[torch.Tensor | None, ...]] = {}
+
+    def level(self, tokens: int) -> TemplatePass:
+        """The pass over images of `tokens` tokens each (one grid of the UNet)."""
+        if tokens not in self._levels:
+            factor = self._factor(tokens)
+            images = [replace(image, tokens=tokens, computed=self._pooled(image.computed, factor))
+                      for image in self.request.images]
+            self._levels[tokens] = TemplatePass(self.request, images)
+        return self._levels[tokens]
+
+    def _factor(self, tokens: int) -> int:
+        h, w = self.latent_hw
+        factor = 1
+        while math.ceil(h / factor) * math.ceil(w / factor) != tokens:
+            factor *= 2
+            if factor > max(h, w):
+                raise ValueError(f"no level of a {h}x{w} latent has {tokens} tokens")
+        return factor
+
+    def _pooled(self, computed: torch.Tensor | None, factor: int) -> torch.Tensor | None:
+        """Latent-pixel indices -> indices at the grid `factor` times coarser (a token is computed
+        if any of its pixels is)."""
+        if computed is None or factor == 1:
+            return computed
+        h, w = self.latent_hw
+        grid = torch.zeros(h * w, device=computed.device)
+        grid[computed] = 1
+        pooled = F.max_pool2d(grid.view(1, 1, h, w), factor, ceil_mode=True)
+        return pooled.flatten().nonzero().squeeze(1)
+
+    def end(self) -> None:
+        self.request.cache.finish(self.request.recordings, self.request.blocks)
+
+
+class MaskedTransformerBlock(nn.Module):
+    """Runs a BasicTransformerBlock on the tokens its level's pass computes."""
+
+    def __init__(self, inner: nn.Module, key: str, unet_pass: UNetTemplatePass):
+        super().__init__()
+        if inner.norm_type != "layer_norm" or inner.pos_embed is not None or inner.only_cross_attention:
+            raise ValueError("mask-aware UNet edits support layer-norm transformer blocks with self-attention")
+        self.inner, self.key, self.unet_pass = inner, key, unet_pass
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
+        if attention_mask is not None or encoder_attention_mask is not None:
+            raise NotImplementedError("mask-aware UNet edits take no attention mask")
+        batch, tokens = hidden_states.shape[:2]
+        level = self.unet_pass.level(tokens)
+        units = hidden_states.flatten(0, 1)  # [B * S, C]: image-major, as the pass counts tokens
+        computed = level.select(self.key, units)
+        rows = units if computed is None else units.index_select(0, computed)
+        processor = RowsAttnProcessor(level, computed, batch, tokens)
+        attentions = [self.inner.attn1] + ([self.inner.attn2] if self.inner.attn2 is not None else [])
+        with _processors(attentions, processor):
+            out = self.inner(rows[None], encoder_hidden_states=encoder_hidden_states,
+                             cross_attention_kwargs=cross_attention_kwargs)[0]
+        return level.merge(self.key, units, computed, [out])[0].unflatten(0, (batch, tokens))
+
+
+class RowsAttnProcessor:
+    """AttnProcessor2_0 over one row of computed tokens, image by image: self-attention over
+    every token of the image (the others' keys and values from the pass), cross-attention over
+    the image's own text."""
+
+    def __init__(self, level: TemplatePass, computed: torch.Tensor | None, batch: int, tokens: int):
+        self.level, self.computed, self.batch, self.tokens = level, computed, batch, tokens
+
+    def _cuts(self, device: torch.device) -> list[int]:
+        """Where each image's rows start among the computed rows (and where the last ends)."""
+        bounds = torch.arange(self.batch + 1, device=device) * self.tokens
+        if self.computed is None:
+            return bounds.tolist()
+        return torch.searchsorted(self.computed, bounds).tolist()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 *args, **kwargs):
+        rows = hidden_states[0]  # [N, C]
+        q = attn.to_q(rows)
+        if encoder_hidden_states is None:  # self-attention: keys and values of every token
+            k, v = self.level.kv(attn, attn.to_k(rows), attn.to_v(rows), self.computed)
+            keys = [(k[b * self.tokens:(b + 1) * self.tokens], v[b * self.tokens:(b + 1) * self.tokens])
+                    for b in range(self.batch)]
+        else:
+            keys = list(zip(attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)))
+        cuts, heads = self._cuts(rows.device), attn.heads
+        calls = [tuple(x.unflatten(-1, (heads, -1)) for x in (q[cuts[b]:cuts[b + 1]], kb, vb))  # [S, H, d]
+                 for b, (kb, vb) in enumerate(keys)]
+        out = torch.cat(attend_each(calls))
+        return attn.to_out[1](attn.to_out[0](out))[None] / attn.rescale_output_factor
+
+
+@contextlib.contextmanager
+def _processors(attentions: list[nn.Module], processor) -> Iterator[None]:
+    saved = [attn.processor for attn in attentions]
+    for attn, original in zip(attentions, saved):
+        plain = attn.group_norm is None and attn.spatial_norm is None and attn.norm_cross is None
+        if type(original) is not AttnProcessor2_0 or attn.residual_connection or not plain:
+            raise ValueError(f"mask-aware UNet edits support AttnProcessor2_0 only, not {type(original).__name__}")
+    try:
+        for attn in attentions:
+            attn.set_processor(processor)
+        yield
+    finally:
+        for attn, original in zip(attentions, saved):
+            attn.set_processor(original)
+
+
+@contextlib.contextmanager
+def masked_blocks(unet: nn.Module, request: TemplateRequest, latent_hw: tuple[int, int]) -> Iterator[None]:
+    """Wrap the UNet's transformer blocks for one forward of `request`; restore them after and
+    store what the forward recorded."""
+    unet_pass = UNetTemplatePass(request, latent_hw)
+    slots = unet_template_blocks(unet)
+    originals = [getattr(parent, name) for parent, name, _ in slots]
+    try:
+        for (parent, name, key), block in zip(slots, originals):
+            setattr(parent, name, MaskedTransformerBlock(block, key, unet_pass))
+        yield
+    finally:
+        for (parent, name, _), block in zip(slots, originals):
+            setattr(parent, name, block)
+        unet_pass.end()
