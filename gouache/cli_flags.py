@@ -28,12 +28,13 @@ def refuse_ignored(ignored: dict[str, str]) -> None:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """'128x64' -> (128, 64); ValueError saying what a size looks like otherwise."""
+    """'128x64' (WxH, as OpenAI's `size`) -> (64, 128): (height, width), as every size tuple in
+    gouache; ValueError saying what a size looks like otherwise."""
     try:
         width, height = (int(v) for v in text.strip().lower().split("x"))
     except ValueError:
         raise ValueError(f"a size looks like WxH, e.g. 512x512; got {text!r}") from None
-    return width, height
+    return height, width
 
 
 def size_arg(text: str) -> tuple[int, int]:

@@ -15,7 +15,7 @@ class ModelInfo:
     default_guidance: float  # guidance_scale when the request names none
     uses_cfg: bool  # classifier-free guidance (a negative prompt is meaningful)
     inpaint_channels: bool  # a 9-channel inpainting UNet (masked image as input)
-    # (width, height) pixel sizes the server can serve, when its policy plans with a cost model
+    # (height, width) pixel sizes the server can serve, when its policy plans with a cost model
     # that prices only the sizes it was profiled at; None: any size the rules above allow
     sizes: tuple[tuple[int, int], ...] | None = None
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
@@ -23,8 +23,8 @@ class ModelInfo:
     templates: bool = False  # edits can reuse a template's activations (some steps run on one device)
 
 
-def unpriced_message(sizes: tuple[tuple[int, int], ...], width: int, height: int) -> str:
-    """Why width x height is refused by a server whose cost model prices only `sizes`."""
-    listed = ", ".join(f"{w}x{h}" for w, h in sizes)
+def unpriced_message(sizes: tuple[tuple[int, int], ...], height: int, width: int) -> str:
+    """Why width x height is refused by a server whose cost model prices only `sizes` ((h, w) each)."""
+    listed = ", ".join(f"{w}x{h}" for h, w in sizes)
     return (f"this server's scheduling cost model prices only {listed}, not {width}x{height}; ask for one of "
             f"those sizes (the operator can re-profile with `gouache profile --sizes` to serve others)")

@@ -28,7 +28,7 @@ def run_offline(args) -> None:
     pipe.set_progress_bar_config(disable=True)
     info = model_info(pipe, model_id(args.model))
     image_bytes = Path(args.image).read_bytes() if getattr(args, "image", None) else None
-    width, height = args.size or _upload_size(image_bytes) or (info.default_size, info.default_size)
+    height, width = args.size or _upload_size(image_bytes) or (info.default_size, info.default_size)
     if width % info.size_step or height % info.size_step:
         raise ValueError(f"size must be a multiple of {info.size_step} pixels per side, got {width}x{height}")
     request = ImageRequest(
@@ -70,4 +70,5 @@ def _upload_size(image_bytes: bytes | None) -> tuple[int, int] | None:
     size = read_size(image_bytes, "image")
     if isinstance(size, DecodeError):
         raise ValueError(size.message)
-    return size
+    width, height = size
+    return height, width

@@ -10,8 +10,87 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class BlockCacheReport:
+    """What the block cache did in one step (`gouache.block_cache`)."""
+
+    reused: int = 0  # unit-blocks reused (units: patches, tokens or images)
+    computed: int = 0  # ... and computed, of the images it caches
+    held_bytes: int = 0  # activations held after it
+
+    def record(self, metrics, device: str) -> None:
+        metrics.cache_blocks.labels("reused").inc(self.reused)
+        metrics.cache_blocks.labels("computed").inc(self.computed)
+        metrics.cache_bytes.labels(device).set(self.held_bytes)
+
+
+@dataclass
+class TemplateReport:
+    """What template replay did in one step (`gouache.templates`)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)  # token-blocks of template edits: replayed | computed | replayed_text
+    lookups: dict[str, int] = field(default_factory=dict)  # store gets: hit tier (device|host|disk) | miss
+    held_bytes: dict[str, int] = field(default_factory=dict)  # the store's bytes per tier after it
+
+    def record(self, metrics, device: str) -> None:
+        for result, n in self.tokens.items():
+            metrics.template_tokens.labels(result).inc(n)
+        for result, n in self.lookups.items():
+            metrics.template_lookups.labels(result).inc(n)
+        for tier, n in self.held_bytes.items():
+            metrics.template_bytes.labels(device, tier).set(n)
+
+
+@dataclass
+class LoraReport:
+    """What LoRA adapters did in one step (`gouache.lora`)."""
+
+    mode: str = ""  # how adapters applied: merged | segmented | split ("" if none did)
+    merge_s: float = 0.0  # seconds merging and unmerging adapter weights
+    waiting: int = 0  # requests left out of the step: at their loading bound, adapters still loading
+    without: int = 0  # requests that ran the step without their adapters (still loading, before the bound)
+    loads: dict[str, int] = field(default_factory=dict)  # adapter loads: hit | miss | failed
+    load_s: list[float] = field(default_factory=list)  # seconds of each adapter file read that ended
+    held_bytes: int = 0  # adapters held in host memory after it
+
+    def record(self, metrics, device: str) -> None:
+        if self.mode:
+            metrics.lora_steps.labels(self.mode).inc()
+        if self.merge_s:
+            metrics.lora_merge.observe(self.merge_s)
+        for result, n in self.loads.items():
+            metrics.lora_loads.labels(result).inc(n)
+        for seconds in self.load_s:
+            metrics.lora_load_time.observe(seconds)
+        for result, n in (("without", self.without), ("waiting", self.waiting)):
+            if n:
+                metrics.lora_request_steps.labels(result).inc(n)
+        metrics.lora_bytes.labels(device).set(self.held_bytes)
+
+
+@dataclass
+class ControlNetReport:
+    """What ControlNets did in one step (`gouache.controlnet`)."""
+
+    runs: dict[str, int] = field(default_factory=dict)  # ControlNet runs over a forward's rows, by mode
+    wait_s: float = 0.0  # seconds the forwards waited for residuals (in process: computed them)
+    loads: dict[str, int] = field(default_factory=dict)  # ControlNet model loads: hit | miss
+    load_s: list[float] = field(default_factory=list)  # seconds of each ControlNet read from disk
+
+    def record(self, metrics, device: str) -> None:
+        for mode, n in self.runs.items():
+            metrics.controlnet_runs.labels(mode).inc(n)
+        if self.runs:
+            metrics.controlnet_wait.observe(self.wait_s)
+        for result, n in self.loads.items():
+            metrics.controlnet_loads.labels(result).inc(n)
+        for seconds in self.load_s:
+            metrics.controlnet_load_time.observe(seconds)
+
+
+@dataclass
 class StepOutput:
-    """What the runner reports after executing one step plan."""
+    """What the runner reports after executing one step plan: which requests stepped, and each
+    technique's own report."""
 
     request_ids: list[str]  # [num_reqs] requests that advanced by one denoising step
     forward_s: float  # wall time of the model forwards (and sampler steps) of this step
@@ -20,23 +99,15 @@ class StepOutput:
     # of those, the ones whose own input is at fault (an adapter file that cannot serve them):
     # request id -> the request field to fix; answered 400, the others 500
     invalid: dict[str, str] = field(default_factory=dict)
-    reused_blocks: int = 0  # unit-blocks the block cache reused in this step (units: patches or images)
-    computed_blocks: int = 0  # ... and computed, of the images it caches
-    cache_bytes: int = 0  # the block cache's activations held after it
-    template_tokens: dict[str, int] = field(default_factory=dict)  # token-blocks of template edits: replayed | computed | replayed_text
-    template_lookups: dict[str, int] = field(default_factory=dict)  # store gets: hit tier (device|host|disk) | miss
-    template_bytes: dict[str, int] = field(default_factory=dict)  # the template store's bytes per tier after it
-    lora_mode: str = ""  # how adapters applied: merged | segmented | split ("" if none did)
-    lora_merge_s: float = 0.0  # seconds merging and unmerging adapter weights
-    lora_waiting: int = 0  # requests left out of the step: at their loading bound, adapters still loading
-    lora_without: int = 0  # requests that ran the step without their adapters (still loading, before the bound)
-    lora_loads: dict[str, int] = field(default_factory=dict)  # adapter loads: hit | miss | failed
-    lora_load_s: list[float] = field(default_factory=list)  # seconds of each adapter file read that ended
-    lora_bytes: int = 0  # adapters held in host memory after it
-    controlnet_runs: dict[str, int] = field(default_factory=dict)  # ControlNet runs over a forward's rows, by mode
-    controlnet_wait_s: float = 0.0  # seconds the forwards waited for ControlNet residuals (in-process: computed them)
-    controlnet_loads: dict[str, int] = field(default_factory=dict)  # ControlNet model loads: hit | miss
-    controlnet_load_s: list[float] = field(default_factory=list)  # seconds of each ControlNet read from disk
+    block_cache: BlockCacheReport = field(default_factory=BlockCacheReport)
+    templates: TemplateReport = field(default_factory=TemplateReport)  # empty when no edit used a template
+    lora: LoraReport = field(default_factory=LoraReport)
+    controlnet: ControlNetReport = field(default_factory=ControlNetReport)
+
+    def record(self, metrics, device: str) -> None:
+        """Each technique's report into /metrics (`device`: the first of the step's devices)."""
+        for report in (self.block_cache, self.templates, self.lora, self.controlnet):
+            report.record(metrics, device)
 
 
 @dataclass

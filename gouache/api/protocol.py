@@ -64,7 +64,7 @@ class Limits:
     max_pixels: int = 2048 * 2048
     size_step: int = 8  # width and height must be multiples of this
     default_size: int = 1024  # pixels per side for size "auto" or absent
-    sizes: tuple[tuple[int, int], ...] | None = None  # the only (width, height) allowed, if restricted
+    sizes: tuple[tuple[int, int], ...] | None = None  # the only (height, width) allowed, if restricted
 
     @classmethod
     def of(cls, config: ServerConfig, info: ModelInfo) -> Limits:
@@ -87,8 +87,8 @@ class Limits:
             raise ValueError(f"width and height must be between {self.min_size} and {self.max_size} pixels")
         if width * height > self.max_pixels:
             raise ValueError(f"width*height must be at most {self.max_pixels} pixels")
-        if self.sizes is not None and (width, height) not in self.sizes:
-            raise ValueError(unpriced_message(self.sizes, width, height))
+        if self.sizes is not None and (height, width) not in self.sizes:
+            raise ValueError(unpriced_message(self.sizes, height, width))
 
 
 def _limits(info: ValidationInfo) -> Limits:

@@ -34,7 +34,7 @@ class ModelDefaults(BaseModel):
     @classmethod
     def of(cls, ctx: ApiContext) -> ModelDefaults:
         info, limits = ctx.engine.info, ctx.limits
-        sizes = None if limits.sizes is None else [f"{w}x{h}" for w, h in limits.sizes]
+        sizes = None if limits.sizes is None else [f"{w}x{h}" for h, w in limits.sizes]
         return cls(family=info.family, default_size=limits.default_size, size_step=limits.size_step,
                    min_size=limits.min_size, max_size=limits.max_size, max_pixels=limits.max_pixels, sizes=sizes,
                    default_steps=info.default_steps, max_steps=limits.max_steps,

@@ -24,11 +24,12 @@ class Prompt:
 
 
 def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
-    """n scenes (deterministic from `seed`), sizes taken in turn, each with seeds 0..seeds-1."""
+    """n scenes (deterministic from `seed`), sizes ((h, w) each) taken in turn, each with seeds 0..seeds-1."""
     rng = random.Random(f"fidelity:{seed}")
     scenes = [sample_scene(rng) for _ in range(n)]
     return [
-        Prompt(scene, *sizes[i % len(sizes)], seed=s) for i, scene in enumerate(scenes) for s in range(seeds)
+        Prompt(scene, width=sizes[i % len(sizes)][1], height=sizes[i % len(sizes)][0], seed=s)
+        for i, scene in enumerate(scenes) for s in range(seeds)
     ]
 
 

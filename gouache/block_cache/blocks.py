@@ -9,7 +9,7 @@ The units (`Mode`):
 - `patch`: the patches of a patched UNet forward (PatchedServe's patch-level reuse, inside a
   mixed-size batch); the patch operators (`patch_ops`) fill the rows of reused patches from the
   cache's stale activations (`PatchIndex.subset`);
-- `token`: the image tokens of a packed DiT forward (mixed sizes). A DiT patch is one token.
+- `token`: the image tokens of a packed DiT forward (mixed sizes; a token is 2x2 latent pixels).
   Text rows are always computed (each image's text attends to all of its tokens), so the block
   always runs; attention takes the reused tokens' keys and values from the stale activations
   (`Packing.subset`), and the norms, feed-forwards and output projections run on the computed
@@ -51,7 +51,7 @@ MODES = {
 
 
 @dataclass(frozen=True)
-class CacheRequest:
+class CachedForward:
     """The images of one forward as the cache sees them, in the caller's row order."""
 
     cache: BlockCache

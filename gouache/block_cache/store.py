@@ -39,6 +39,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from gouache.config import BlockCacheConfig
+from gouache.outputs import BlockCacheReport
 
 ImageKey = tuple[str, int]  # (request id, forward row): one image of a forward
 Signature = tuple[str, tuple[ImageKey, ...], tuple[int, ...]]  # (mode, cached images, their units)
@@ -90,6 +91,13 @@ class BlockCache:
         self.computed = 0  # unit-blocks of cached images computed
         self.evictions = 0  # requests evicted for the budget
         self.nbytes = 0  # held after the last forward
+        self._reported = (0, 0)  # reused, computed at the last report
+
+    def take_report(self) -> BlockCacheReport:
+        """What the cache did since the last report (once per step), and what it holds."""
+        reused, computed = self._reported
+        self._reported = (self.reused, self.computed)
+        return BlockCacheReport(self.reused - reused, self.computed - computed, self.nbytes)
 
     def threshold(self, request_id: str, asked: float | None) -> float:
         """The threshold a request runs with: its own, else the server's; 0 once it was evicted."""

@@ -1,5 +1,5 @@
 """The ControlNets of one model in one process: diffusers directories read whole (never
-mapped: `files`), loaded on the base's device, the recently used ones kept within a byte budget.
+mapped: `gouache.files`), loaded on the base's device, the recently used ones kept within a byte budget.
 
 A loaded ControlNet is the bytes it was built from (`_Held.digest`: its config and weights).
 The files' status is the cue to look again: when it changed (a file rewritten or replaced,

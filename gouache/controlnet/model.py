@@ -1,5 +1,5 @@
 """ControlNets of a UNet (KATZ §5): diffusers directories checked against the base model from
-their config alone (`control_cache` loads them), random ones for tests, and the residuals one
+their config alone (`cache` loads them), random ones for tests, and the residuals one
 ControlNet gives some rows of a forward.
 
 A ControlNet's residuals add to the UNet's skip connections (down blocks) and to its middle

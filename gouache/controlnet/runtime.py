@@ -10,7 +10,7 @@ the order the request names them, as diffusers' MultiControlNetModel does.
 Where they run is the runner's `ControlNetConfig`:
 
 - in this process, before the forward: the sequential way of diffusers' pipelines;
-- on the ControlNet service (`control_service`), sent when the forward starts. In `sync` mode
+- on the ControlNet service (`gouache.controlnet.service`), sent when the forward starts. In `sync` mode
   the UNet gets zero-filled residual tensors and runs its encoder meanwhile; a hook after its
   last down block waits for the service and fills them in place before the UNet adds them, as
   KATZ overlaps the ControlNets with the UNet's encoder (exact). In `async` mode a request's
@@ -32,6 +32,7 @@ from gouache.controlnet.cache import ControlNetCache
 from gouache.controlnet.model import Base, Embeddings, residual_shapes, residuals, supports_controlnets
 from gouache.adapter_names import ControlNetError
 from gouache.config import ControlNetConfig
+from gouache.outputs import ControlNetReport
 
 
 @dataclass
@@ -145,15 +146,14 @@ class ControlRuntime:
         if self.client is not None:
             self.client.close()
 
-    def take_report(self) -> dict:
-        """The StepOutput fields of what ran since the last call."""
+    def take_report(self) -> ControlNetReport:
+        """What ran since the last call."""
         loads, load_s = self.cache.counts.take()
         if self.client is not None:
             loads, load_s = self.client.counts, self.client.load_s
             self.client.counts, self.client.load_s = {}, []
         runs, wait_s, self._runs, self._wait_s = self._runs, self._wait_s, {}, 0.0
-        return {"controlnet_runs": runs, "controlnet_wait_s": wait_s, "controlnet_loads": loads,
-                "controlnet_load_s": load_s}
+        return ControlNetReport(runs, wait_s, loads, load_s)
 
     # -- forwards --------------------------------------------------------------------------------
 

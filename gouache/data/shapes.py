@@ -202,18 +202,18 @@ class ShapesDataset:
     """An unlimited, reproducible dataset: item i depends on (seed, i) alone."""
 
     seed: int  # the dataset's seed; two datasets with one seed are identical
-    sizes: list[tuple[int, int]]  # (width, height) choices, each 32..256 px; one is drawn per item
+    sizes: list[tuple[int, int]]  # (height, width) choices, each 32..256 px; one is drawn per item
 
     def __post_init__(self) -> None:
         if not self.sizes:
-            raise ValueError("ShapesDataset needs at least one (width, height) size")
-        for w, h in self.sizes:
+            raise ValueError("ShapesDataset needs at least one (height, width) size")
+        for h, w in self.sizes:
             if not (32 <= w <= 256 and 32 <= h <= 256):
                 raise ValueError(f"sizes must be 32 to 256 px, got {w}x{h}")
 
     def item(self, index: int) -> tuple[np.ndarray, str, Scene, tuple[int, int]]:
-        """(image [H, W, 3] uint8, caption, scene, (width, height)) of item `index`."""
+        """(image [H, W, 3] uint8, caption, scene, (height, width)) of item `index`."""
         rng = random.Random(f"shapes:{self.seed}:{index}")  # str seeds are stable across runs
         scene = sample_scene(rng)
-        width, height = rng.choice(self.sizes)
-        return render(scene, width, height, seed=rng.getrandbits(32)), caption(scene), scene, (width, height)
+        height, width = rng.choice(self.sizes)
+        return render(scene, width, height, seed=rng.getrandbits(32)), caption(scene), scene, (height, width)

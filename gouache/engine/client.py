@@ -93,7 +93,7 @@ class AsyncEngine(AdapterCalls):
                        templates=one_device)
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw
-            info = replace(info, sizes=tuple(sorted((w, h) for h, w in priced)))
+            info = replace(info, sizes=tuple(sorted(priced)))
         self.info = info
         self.core = EngineCore(
             self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop, self._on_death
@@ -204,8 +204,8 @@ class AsyncEngine(AdapterCalls):
             )
 
     def _check_size(self, request: ImageRequest) -> None:
-        if self.info.sizes is not None and (request.width, request.height) not in self.info.sizes:
-            raise InvalidRequestError(unpriced_message(self.info.sizes, request.width, request.height), "size")
+        if self.info.sizes is not None and (request.height, request.width) not in self.info.sizes:
+            raise InvalidRequestError(unpriced_message(self.info.sizes, request.height, request.width), "size")
 
     async def _decode_edit(self, request: ImageRequest) -> DecodedEdit:
         result = await asyncio.wrap_future(self.codecs.submit(

@@ -46,7 +46,7 @@ class StepReport:
 
     batch: Batch  # the batch the step belonged to, with the members that stepped
     output: StepOutput
-    finished: list[RequestState]  # done denoising; their states are still in the runner
+    finished: list[RequestState]  # done denoising; their states are still in the pool
     states: dict[str, RequestState]  # every request that stepped, by id
     step_s: float = 0.0  # wall time of the step, launch to result
 
@@ -66,10 +66,10 @@ class EngineCore:
     """The loop. No request can stop it: a step or a plan that fails fails the requests it
     concerns and the loop goes on. Should the loop itself die (a bug), `on_death` is told."""
 
-    def __init__(self, runner: DevicePool, scheduler: Scheduler, metrics: Metrics,
+    def __init__(self, pool: DevicePool, scheduler: Scheduler, metrics: Metrics,
                  on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str], dict[str, str]], None],
                  on_drop: Callable[[list[str]], None], on_death: Callable[[BaseException], None]):
-        self.runner = runner
+        self.pool = pool
         self.scheduler = scheduler
         self.metrics = metrics
         self.on_step = on_step  # called in the loop thread after every step
@@ -111,7 +111,7 @@ class EngineCore:
                 self._drain_inbox(block=not self.scheduler.has_work())
                 self.step()
                 if not self._flights and not self.scheduler.has_work():  # idle: caches say what they hold
-                    self.runner.settle(self._cache_held)
+                    self.pool.settle(self._cache_held)
         except PoolLost as error:  # not a bug: the workers it needs are gone; the server exits non-zero
             log.critical("the engine stops: %s", error)
             self._die(error)
@@ -153,7 +153,7 @@ class EngineCore:
                 states = {rid: self.scheduler.running[rid] for rid in ids}
                 start = time.perf_counter()
                 try:
-                    future = self.runner.submit(batch)
+                    future = self.pool.submit(batch)
                 except Exception as error:
                     future = Future()
                     future.set_exception(error)
@@ -169,7 +169,7 @@ class EngineCore:
         except WorkerDied as error:
             if run in self.scheduler.runs:
                 self.scheduler.end(run)
-            self._lose(self.runner.dead() - self.scheduler.lost, dict.fromkeys(ids, str(error)), str(error))
+            self._lose(self.pool.dead() - self.scheduler.lost, dict.fromkeys(ids, str(error)), str(error))
             return None
         except Exception as error:  # outside any one request's work: the step's requests fail
             log.error("denoising step failed: %s", error)
@@ -182,16 +182,7 @@ class EngineCore:
         report = StepReport(flight.batch, output, finished, flight.states, step_s)
         self.on_step(report)
         self.metrics.image_steps.labels(str(flight.batch.degree)).inc(len(output.request_ids))
-        self.metrics.cache_blocks.labels("reused").inc(output.reused_blocks)
-        self.metrics.cache_blocks.labels("computed").inc(output.computed_blocks)
-        self.metrics.cache_bytes.labels(str(flight.batch.devices[0])).set(output.cache_bytes)
-        for result, n in output.template_tokens.items():
-            self.metrics.template_tokens.labels(result).inc(n)
-        for result, n in output.template_lookups.items():
-            self.metrics.template_lookups.labels(result).inc(n)
-        for tier, n in output.template_bytes.items():
-            self.metrics.template_bytes.labels(str(flight.batch.devices[0]), tier).set(n)
-        self._count_adapters(output, str(flight.batch.devices[0]))
+        output.record(self.metrics, str(flight.batch.devices[0]))
         self.metrics.step_latency.observe(step_s)
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
@@ -204,34 +195,12 @@ class EngineCore:
         for tier, n in held.templates.items():
             self.metrics.template_bytes.labels(str(device), tier).set(n)
 
-    def _count_adapters(self, output: StepOutput, device: str) -> None:
-        if output.lora_mode:
-            self.metrics.lora_steps.labels(output.lora_mode).inc()
-        if output.lora_merge_s:
-            self.metrics.lora_merge.observe(output.lora_merge_s)
-        for result, n in output.lora_loads.items():
-            self.metrics.lora_loads.labels(result).inc(n)
-        for seconds in output.lora_load_s:
-            self.metrics.lora_load_time.observe(seconds)
-        for result, n in (("without", output.lora_without), ("waiting", output.lora_waiting)):
-            if n:
-                self.metrics.lora_request_steps.labels(result).inc(n)
-        self.metrics.lora_bytes.labels(device).set(output.lora_bytes)
-        for mode, n in output.controlnet_runs.items():
-            self.metrics.controlnet_runs.labels(mode).inc(n)
-        if output.controlnet_runs:
-            self.metrics.controlnet_wait.observe(output.controlnet_wait_s)
-        for result, n in output.controlnet_loads.items():
-            self.metrics.controlnet_loads.labels(result).inc(n)
-        for seconds in output.controlnet_load_s:
-            self.metrics.controlnet_load_time.observe(seconds)
-
     def _lose_idle_workers(self) -> None:
         """Lose the devices whose workers died with no step of theirs in flight, before a plan
         can use them; a device that is stepping is lost when its step fails, with its worker's
         own reason."""
         stepping = {d for f in self._flights for d in f.batch.devices}
-        dead = self.runner.dead() - self.scheduler.lost - stepping
+        dead = self.pool.dead() - self.scheduler.lost - stepping
         if dead:
             self._lose(dead, {}, "; ".join(str(WorkerDied(d)) for d in sorted(dead)))
 
@@ -242,7 +211,7 @@ class EngineCore:
         reasons = dict(failed)
         for state in self.scheduler.lose(dead):
             reasons.setdefault(state.request_id, f"its latents were on a device that died ({why})")
-        for rid in self.runner.stranded(dead):
+        for rid in self.pool.stranded(dead):
             reasons.setdefault(rid, f"its latents were on a device that died ({why})")
         self._fail(reasons)
         if not self.scheduler.can_serve():
@@ -267,14 +236,14 @@ class EngineCore:
             return bool(blamed)
         if plan.drop:
             for rid in plan.drop:
-                self.runner.release(rid)
+                self.pool.release(rid)
             self.on_drop(plan.drop)
         return bool(plan)
 
     def _fail(self, reasons: dict[str, str], invalid: dict[str, str] | None = None) -> None:
         for rid in reasons:
             self.scheduler.abort(rid)
-            self.runner.release(rid)
+            self.pool.release(rid)
         if reasons:
             self.on_failure(reasons, invalid or {})
 
@@ -292,4 +261,4 @@ class EngineCore:
             self.scheduler.add(payload)
         elif kind == "abort":
             if self.scheduler.abort(payload) is not None:
-                self.runner.release(payload)
+                self.pool.release(payload)

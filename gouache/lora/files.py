@@ -5,7 +5,7 @@ A file is a safetensors state dict in any format diffusers reads (diffusers / pe
 kohya's `lora_unet_*`, and the others its pipelines' `lora_state_dict` converts); it is
 converted with diffusers' own utilities, then every layer is checked against a table of the
 denoiser's modules taken before it serves (`Target`: module, kind, shapes), so that a wrong file
-is refused before it reaches a forward. Files are read whole, never mapped (`files`).
+is refused before it reaches a forward. Files are read whole, never mapped (`gouache.files`).
 Text-encoder layers are refused: adapters apply to the denoiser only.
 """
 

@@ -28,6 +28,7 @@ from gouache.lora.apply import Adapters, Factors, Merged, adapters_key, segmente
 from gouache.lora.files import Lora, LoraError
 from gouache.lora.store import LoraStore
 from gouache.config import LoraConfig
+from gouache.outputs import LoraReport
 
 Key = tuple[tuple[str, float, str], ...]  # an adapter set: (name, scale, file digest) each
 _EMA = 0.3  # weight of a new measurement in a running cost
@@ -39,16 +40,6 @@ class LoraUse:
 
     adapters: tuple[tuple[str, float], ...]  # (name, scale) pairs
     bound: int  # the step by which they must have joined
-
-
-@dataclass
-class LoraStep:
-    """What one step did with adapters (reported in its StepOutput)."""
-
-    mode: str = ""  # merged | segmented | split; "" when the step had no adapter to apply
-    merge_s: float = 0.0  # seconds spent merging and unmerging weights
-    waiting: int = 0  # requests left out: at their bound, adapters still loading
-    without: int = 0  # requests that ran without their adapters (still loading, before the bound)
 
 
 @dataclass
@@ -108,11 +99,18 @@ class LoraRuntime:
         if request_id not in self._loads:
             self._loads[request_id] = [self.store.load(name) for name, _ in use.adapters]
 
+    def take_report(self, report: LoraReport) -> LoraReport:
+        """`report` (what the step's forwards did) with the loads since the last call and what the
+        store holds."""
+        report.loads, report.load_s = self.store.take_counts()
+        report.held_bytes = self.store.nbytes
+        return report
+
     def release(self, request_id: str) -> None:
         self._loads.pop(request_id, None)
         self._ready.pop(request_id, None)
 
-    def arrived(self, states: list, hold: bool, failed: dict[str, str], step: LoraStep) -> dict[str, Adapters]:
+    def arrived(self, states: list, hold: bool, failed: dict[str, str], step: LoraReport) -> dict[str, Adapters]:
         """Each state's adapters this step (empty: none, or not arrived before its bound). A
         state at its bound whose adapters are still loading is left out (`step.waiting`); with
         `hold`, every load is waited for. A load that failed fails its request."""
@@ -167,7 +165,7 @@ class LoraRuntime:
             placed = self._placed[key] = lora.to(self._device)
         return placed
 
-    def run(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraStep) -> list[torch.Tensor]:
+    def run(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraReport) -> list[torch.Tensor]:
         """predict(states) with each state's adapters applied; row_maps(states): a forward's rows
         by leading size, or None where it cannot segment. Several sets share the forward unless
         it cannot segment, or the server batches per adapter set (`LoraConfig.batching`)."""
@@ -184,7 +182,7 @@ class LoraRuntime:
             return [out[i] for i in range(len(states))]
         return self._apply(states, adapters, predict, row_maps, step)
 
-    def _apply(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraStep) -> list[torch.Tensor]:
+    def _apply(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraReport) -> list[torch.Tensor]:
         """One forward: its adapters merged, or segmented (`choose`)."""
         keys = [adapters_key(a) for a in adapters]
         maps = row_maps(states)
@@ -205,7 +203,7 @@ class LoraRuntime:
         self.costs.observe("segment_s_per_row_byte", spent[0], work)
         return out
 
-    def _merge(self, adapters: Adapters, step: LoraStep) -> None:
+    def _merge(self, adapters: Adapters, step: LoraReport) -> None:
         start = time.perf_counter()
         moved = sum(lora.nbytes for lora, _ in (*adapters, *self.merged.adapters))
         if self.merged.set(adapters):

@@ -8,7 +8,7 @@ shapes), so the API can refuse a file that does not fit the model without readin
 Files are read whole, never mapped, and an adapter is its file's bytes (`Lora.digest`): a file
 rewritten while the server runs is read again at its next use (its status changed), and a
 request gets the old adapter, the new one, or a 400 (a file caught half-written), never a
-crash (`files`).
+crash (`gouache.files`).
 """
 
 from __future__ import annotations

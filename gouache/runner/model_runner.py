@@ -11,10 +11,10 @@ import torch
 
 from gouache.controlnet.runtime import ControlRuntime
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
-from gouache.lora.runtime import LoraRuntime, LoraStep
+from gouache.lora.runtime import LoraRuntime
 from gouache.block_cache.store import BlockCache, BlockCacheConfig
 from gouache.config import ControlNetConfig, LoraConfig, TemplateConfig
-from gouache.outputs import CacheBytes, StepOutput
+from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
@@ -128,9 +128,7 @@ class ModelRunner:
         Forward.check(spec, states)
         with split_step(self.pipe, states, batch.degree, group, self.family.device) as split:
             forward = Forward(replace(spec, split=split), self.family, self.loras, self.controls)
-            reused, computed = self.cache.reused, self.cache.computed
-            before = templates.counts.snapshot(templates.store) if templates is not None else None
-            lora, invalid = LoraStep(), {}
+            lora, invalid = LoraReport(), {}
             adapters = self.loras.arrived(states, not one_device, failed, lora)
             invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
             present = [rid for rid in present if rid in adapters]
@@ -145,21 +143,14 @@ class ModelRunner:
         self.cache.settle()
         output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed, invalid=invalid,
                             collective_s=split.collective_s if split is not None else 0.0,
-                            reused_blocks=self.cache.reused - reused, computed_blocks=self.cache.computed - computed,
-                            cache_bytes=self.cache.nbytes, lora_mode=lora.mode, lora_merge_s=lora.merge_s,
-                            lora_waiting=lora.waiting, lora_without=lora.without,
-                            lora_bytes=self.loras.store.nbytes, **self.controls.take_report())
-        output.lora_loads, output.lora_load_s = self.loras.store.take_counts()
+                            block_cache=self.cache.take_report(), lora=self.loras.take_report(lora),
+                            controlnet=self.controls.take_report())
         if templates is not None:
-            after = templates.counts.snapshot(templates.store)
-            change = {name: after[name] - before[name] for name in after}
-            output.template_tokens = {name: change.pop(name) for name in ("replayed", "computed", "replayed_text")}
-            output.template_lookups = change
-            output.template_bytes = templates.store.held()
+            output.templates = templates.take_report()
         return output
 
     def _predict(self, forward: Forward, ids: list[str], failures: tuple[dict[str, str], dict[str, str]],
-                 lora: tuple[dict, LoraStep]) -> list[tuple[str, torch.Tensor]]:
+                 lora: tuple[dict, LoraReport]) -> list[tuple[str, torch.Tensor]]:
         """(id, prediction) of one `forward` over `ids`, each with the adapters that arrived for
         it (`lora`: them by id, and the step's adapter report); if it raises, of each request
         alone, and the requests that fail alone go to `failures` (why, and the request field at

@@ -33,7 +33,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
 from gouache.attention import QKV, attend_each, attention_modules, project
-from gouache.block_cache.blocks import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Packing:
     groups: tuple[Group, ...]
     image_index: torch.Tensor  # [S_img] caller index of each image row
     text_index: torch.Tensor  # [S_txt] caller index of each text row
-    # Inside a block the block cache computes some image rows only (`block_reuse.Subset`):
+    # Inside a block the block cache computes some image rows only (`block_cache.blocks.Subset`):
     # blocks then get those rows, and attention takes the others' from the cache.
     subset: object = field(default=None, compare=False)
 
@@ -319,7 +319,7 @@ def packed_sd3_forward(
     encoder_hidden_states: torch.Tensor,
     pooled_projections: torch.Tensor,
     whole_batches: bool = True,
-    cache: CacheRequest | None = None,
+    cache: CachedForward | None = None,
 ) -> list[torch.Tensor]:
     """SD3 transformer over latents of mixed sizes in one forward.
 
@@ -355,7 +355,7 @@ def packed_sd3_forward(
             for part, shape in zip(packing.unpack(out), shapes)]
 
 
-def token_pass(cache: CacheRequest | None, packing: Packing):
+def token_pass(cache: CachedForward | None, packing: Packing):
     """The block cache's pass over a packing's image tokens, if any image is cached."""
     return cache and cache.begin([packing.shapes[i][0] * packing.shapes[i][1] for i in packing.order], packing.order,
                                  "token", packing.text_len)

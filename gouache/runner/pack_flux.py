@@ -13,7 +13,7 @@ from diffusers import FluxPipeline
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
-from gouache.block_cache.blocks import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.pack_dit import Packing, image_qkv, norm_swaps, swapped, text_qkv, token_pass
 
 
@@ -78,7 +78,7 @@ def packed_flux_forward(
     encoder_hidden_states: torch.Tensor,
     txt_ids: torch.Tensor,
     whole_batches: bool = True,
-    cache: CacheRequest | None = None,
+    cache: CachedForward | None = None,
 ) -> list[torch.Tensor]:
     """Flux transformer over images of mixed sizes in one forward.
 

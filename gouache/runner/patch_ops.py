@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
-from gouache.block_cache.blocks import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.layout import PatchLayout
 
 
@@ -65,7 +65,7 @@ class PatchIndex:
         self._by_device = {torch.device("cpu"): PatchTensors.build(layout)}
         # Per resolution group: (first patch, image count, patches per image).
         self.groups = [(layout.request_offsets[pos], k, per) for pos, k, per in layout.groups]
-        # Inside a block the block cache runs on some patches only (`block_reuse.Subset`): the
+        # Inside a block the block cache runs on some patches only (`block_cache.blocks.Subset`): the
         # operators then get those patches' rows and take the others' from the cache.
         self.subset = None
 
@@ -294,7 +294,7 @@ def patched_unet_forward(
     encoder_hidden_states: torch.Tensor,
     added_cond_kwargs: dict[str, torch.Tensor] | None = None,
     whole_batches: bool = True,
-    cache: CacheRequest | None = None,
+    cache: CachedForward | None = None,
 ) -> list[torch.Tensor]:
     """One UNet forward over every image of `layout`, cut into patches.
 

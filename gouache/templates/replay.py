@@ -22,7 +22,7 @@ DiTs run it through the packed forward (`pack_dit`), whose blocks and attention 
 a subset of tokens for the block cache: this module supplies a pass with the block cache's
 interface (`select`, `merge`, `end`; `kv` in place of `stale`), and edits of any mask ratio,
 recorders and plain requests share one forward. UNets run it in their transformer blocks
-(`unet_templates`), with a pass per token grid. When the recorder and the edit are the same request (same seed,
+(`templates.unet`), with a pass per token grid. When the recorder and the edit are the same request (same seed,
 prompt and mask), the template's activations are the ones the full forward would compute, so
 the edit is exact; otherwise the unmasked tokens' activations are the template's, an
 approximation measured by `gouache bench edit`.
@@ -49,6 +49,7 @@ from torch import nn
 from gouache.templates.load_plan import plan_loads
 from gouache.templates.store import TemplateStore
 from gouache.config import TemplateConfig
+from gouache.outputs import TemplateReport
 from gouache.attention import attention_modules
 from gouache.sched.costmodel import load_mask_model
 
@@ -153,9 +154,19 @@ class TemplateCache:
         self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device, owner=model)
         self.cost = load_mask_model(config.cost_model) if config.cost_model else None
         self.counts = TemplateCounts()
+        self._reported = self.counts.snapshot(self.store)  # the counters at the last report
         self._lock = threading.Lock()
         self._recording: dict[str, str] = {}  # key -> the request recording it
         self._roles: dict[str, tuple[str, str]] = {}  # request id -> (role, key), decided at its first step here
+
+    def take_report(self) -> TemplateReport:
+        """What template replay did since the last report (once per step that used it), and what
+        the store holds."""
+        now = self.counts.snapshot(self.store)
+        change = {name: n - self._reported.get(name, 0) for name, n in now.items()}
+        self._reported = now
+        tokens = {name: change.pop(name) for name in ("replayed", "computed", "replayed_text")}
+        return TemplateReport(tokens, change, self.store.held())
 
     def role(self, request_id: str, use: TemplateUse, step: int, steps: int) -> str:
         """Record, replay, or neither (an edit whose key another request records right now and
@@ -188,7 +199,7 @@ class TemplateCache:
                 self.store.drop_reads(f"{key}/")  # what it read ahead from disk and nobody will take
 
     def begin(self, model: nn.Module, states: Sequence, tokens: Sequence[int],
-              blocks: Sequence[str]) -> TemplateRequest | None:
+              blocks: Sequence[str]) -> ReplayForward | None:
         """The forward's template roles, None when no state uses a template this step;
         `tokens[i]`: image tokens of states[i]; `blocks`: the keys of the blocks that replay."""
         images, recordings, any_template = [], [], False
@@ -223,7 +234,7 @@ class TemplateCache:
                 for part in parts:
                     part.entry, part.computed, part.full_blocks = entry, local, full_blocks
                     part.text_replay = same_rows and recorded[part.row] == use.text[part.row]
-        return TemplateRequest(self, model, tuple(blocks), images, recordings) if any_template else None
+        return ReplayForward(self, model, tuple(blocks), images, recordings) if any_template else None
 
     def plan(self, blocks: Sequence[str], tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
         """The blocks an edit computing `share` of its `tokens` runs in full, by InstGenIE's load
@@ -269,7 +280,7 @@ def _record(state, parts: list[_Image]) -> tuple:
 
 
 @dataclass
-class TemplateRequest:
+class ReplayForward:
     """The images of one forward as the template cache sees them, in the caller's row order."""
 
     cache: TemplateCache
@@ -286,16 +297,16 @@ class TemplateRequest:
 
 
 class TemplatePass:
-    """One forward's template reuse, with the block cache's pass interface (`block_reuse`):
+    """One forward's template reuse, with the block cache's pass interface (`gouache.block_cache.blocks`):
     image tokens (`select`, `merge`, `kv`) and, in a packed DiT, each image's `text_len` text
     rows (`select_text`, `merge_text`, `text_kv`)."""
 
     caches_kv = True  # attentions take the template's keys and values (`kv`)
 
-    def __init__(self, request: TemplateRequest, images: list[_Image], text_len: int = 0):
-        self.request, self.images, self.text_len = request, images, text_len  # images in packed order
+    def __init__(self, replay: ReplayForward, images: list[_Image], text_len: int = 0):
+        self.replay, self.images, self.text_len = replay, images, text_len  # images in packed order
         self.skeletons: dict[str, object] = {}
-        self.names = {id(m): name for name, m in attention_modules(request.model)}
+        self.names = {id(m): name for name, m in attention_modules(replay.model)}
         self.num_units = sum(image.tokens for image in images)
         self._index: dict[tuple, tuple] = {}
         self._block = ""  # the block running now
@@ -346,14 +357,14 @@ class TemplatePass:
     def merge(self, block: str, x: torch.Tensor, computed: torch.Tensor | None,
               fresh: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:
         if computed is not None:
-            counts = self.request.cache.counts
+            counts = self.replay.cache.counts
             counts.replayed_tokens += self.num_units - len(computed)
             counts.computed_tokens += len(computed)
         return [self._fill(block, f, computed) for f in fresh]
 
     def merge_text(self, block: str, fresh: torch.Tensor, computed: torch.Tensor | None) -> torch.Tensor:
         if computed is not None:
-            self.request.cache.counts.replayed_text += self.text_len * len(self.images) - len(computed)
+            self.replay.cache.counts.replayed_text += self.text_len * len(self.images) - len(computed)
         return self._fill(f"{block}.text", fresh, computed, text=True)
 
     def kv(self, attn: nn.Module, k: torch.Tensor, v: torch.Tensor,
@@ -388,4 +399,4 @@ class TemplatePass:
         return full
 
     def end(self) -> None:
-        self.request.cache.finish(self.request.recordings, self.request.blocks)
+        self.replay.cache.finish(self.replay.recordings, self.replay.blocks)

@@ -12,7 +12,7 @@ token: the share of the UNet's work this saves is the blocks' (`gouache bench ed
 A level of the UNet has its own token grid (the latent's, halved per downsampling); an edit's
 mask there is its latent mask max-pooled to that grid, so a token is computed wherever any of
 its latent pixels is. Each level gets a `TemplatePass` of its own over the same images, entries
-and recordings (`template_reuse`).
+and recordings (`replay`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
 from gouache.attention import attend_each
-from gouache.templates.replay import TemplatePass, TemplateRequest
+from gouache.templates.replay import TemplatePass, ReplayForward
 
 
 @functools.lru_cache(maxsize=16)
@@ -45,8 +45,8 @@ def unet_template_blocks(unet: nn.Module) -> tuple[tuple[nn.Module, str, str], .
 class UNetTemplatePass:
     """One UNet forward's template reuse: a `TemplatePass` per token grid, made when first met."""
 
-    def __init__(self, request: TemplateRequest, latent_hw: tuple[int, int]):
-        self.request, self.latent_hw = request, latent_hw
+    def __init__(self, replay: ReplayForward, latent_hw: tuple[int, int]):
+        self.replay, self.latent_hw = replay, latent_hw
         self._levels: dict[int, TemplatePass] = {}
         self._masks: dict[int, tuple[torch.Tensor | None, ...]] = {}
 
@@ -55,8 +55,8 @@ class UNetTemplatePass:
         if tokens not in self._levels:
             factor = self._factor(tokens)
             images = [replace(image, tokens=tokens, computed=self._pooled(image.computed, factor))
-                      for image in self.request.images]
-            self._levels[tokens] = TemplatePass(self.request, images)
+                      for image in self.replay.images]
+            self._levels[tokens] = TemplatePass(self.replay, images)
         return self._levels[tokens]
 
     def _factor(self, tokens: int) -> int:
@@ -80,7 +80,7 @@ class UNetTemplatePass:
         return pooled.flatten().nonzero().squeeze(1)
 
     def end(self) -> None:
-        self.request.cache.finish(self.request.recordings, self.request.blocks)
+        self.replay.cache.finish(self.replay.recordings, self.replay.blocks)
 
 
 class MaskedTransformerBlock(nn.Module):
@@ -158,10 +158,10 @@ def _processors(attentions: list[nn.Module], processor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def masked_blocks(unet: nn.Module, request: TemplateRequest, latent_hw: tuple[int, int]) -> Iterator[None]:
-    """Wrap the UNet's transformer blocks for one forward of `request`; restore them after and
+def masked_blocks(unet: nn.Module, replay: ReplayForward, latent_hw: tuple[int, int]) -> Iterator[None]:
+    """Wrap the UNet's transformer blocks for one forward of `replay`; restore them after and
     store what the forward recorded."""
-    unet_pass = UNetTemplatePass(request, latent_hw)
+    unet_pass = UNetTemplatePass(replay, latent_hw)
     slots = unet_template_blocks(unet)
     originals = [getattr(parent, name) for parent, name, _ in slots]
     try:

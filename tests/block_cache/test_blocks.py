@@ -8,7 +8,7 @@ import torch
 
 from gouache.block_cache.store import BlockCache
 from gouache.config import BlockCacheConfig
-from gouache.block_cache.blocks import CacheRequest, cacheable_blocks, cached_blocks
+from gouache.block_cache.blocks import CachedForward, cacheable_blocks, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.models.zoo import load_pipeline
 from gouache.runner.patch_ops import patched_unet_forward
@@ -21,7 +21,7 @@ from tests.runner.test_patch_ops import TOL, conditioning, max_diff, per_image_f
 def test_an_unchanged_image_is_reused_and_its_batch_mate_stays_exact(unets, model, shapes):
     unet = unets[model]
     cache = BlockCache(BlockCacheConfig(max_reuse=3))
-    request = CacheRequest(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
+    request = CachedForward(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
     layout = PatchLayout.build(shapes, 4)
     cond = conditioning(unet, 2)
     first_samples = random_samples(unet, shapes, seed=1)
@@ -57,7 +57,7 @@ def test_an_unchanged_image_reuses_its_tokens_in_a_packed_forward_and_its_batch_
     reference = reference_sd3 if family == "sd3" else reference_flux
     inputs = make_inputs(family, shapes)
     cache = BlockCache(BlockCacheConfig(max_reuse=3))
-    request = CacheRequest(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
+    request = CachedForward(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
     with torch.no_grad():
         first = run_packed(family, model, {**inputs, "cache": request})
         assert max(max_diffs_of(first, model, inputs, reference)) <= TOL

@@ -38,10 +38,11 @@ def runner(pipe, control_dir, service=None, mode="sync"):
     return ModelRunner(pipe, controlnets=config)
 
 
-def total(outputs: list, field: str) -> dict[str, int]:
+def runs(outputs: list) -> dict[str, int]:
+    """ControlNet runs by mode over the steps' outputs."""
     out = {}
     for step in outputs:
-        for key, n in getattr(step, field).items():
+        for key, n in step.controlnet.runs.items():
             out[key] = out.get(key, 0) + n
     return out
 
@@ -63,8 +64,8 @@ def test_sync_service_equals_running_them_in_process(pipe, control_dir, service)
     remote = run(runner(pipe, control_dir, service), mix(), outputs=outputs)
     for rid in local:
         assert (local[rid] - remote[rid]).abs().max() <= TOL, rid
-    assert total(outputs, "controlnet_runs") == {"sync": 3 * 2}  # edges and depth, every step
-    assert sum(total(outputs, "controlnet_loads").values()) == 6
+    assert runs(outputs) == {"sync": 3 * 2}  # edges and depth, every step
+    assert sum(n for step in outputs for n in step.controlnet.loads.values()) == 6
     assert service.address.worker_of("edges") in (0, 1)
 
 
@@ -78,7 +79,7 @@ def test_several_controlnets_on_one_worker_equal_running_them_in_process(pipe, c
     local = run(runner(pipe, control_dir), mix())
     for rid in local:
         assert (local[rid] - remote[rid]).abs().max() <= TOL, rid
-    assert total(outputs, "controlnet_runs") == {"sync": 3 * 2}
+    assert runs(outputs) == {"sync": 3 * 2}
 
 
 def test_async_mode_joins_residuals_one_step_late(pipe, control_dir, service):
@@ -86,7 +87,7 @@ def test_async_mode_joins_residuals_one_step_late(pipe, control_dir, service):
     outputs = []
     late = run(runner(pipe, control_dir, service, mode="async"), mix(), outputs=outputs)
     # the first step waits; the last sends nothing for a step after it
-    assert total(outputs, "controlnet_runs") == {"sync": 2, "async": 2}
+    assert runs(outputs) == {"sync": 2, "async": 2}
     assert (late["r1"] - sync["r1"]).abs().max() <= TOL  # no ControlNet: nothing late
     for rid in ("r2", "r3"):
         difference = (late[rid] - sync[rid]).abs().max()

@@ -87,7 +87,7 @@ def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle
     pipe = pipes("tiny-sd")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
     held, inner = [], engine.core.on_step
-    engine.core.on_step = lambda report: (held.append(report.output.cache_bytes), inner(report))
+    engine.core.on_step = lambda report: (held.append(report.output.block_cache.held_bytes), inner(report))
 
     def gauge() -> float:
         return next(s.value for m in engine.metrics.registry.collect() if m.name == "gouache_block_cache_bytes"

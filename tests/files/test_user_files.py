@@ -106,7 +106,7 @@ def test_a_lora_is_checked_while_template_replay_has_wrapped_the_unet_blocks(pip
     store = LoraStore(tmp_path, pipe)
     slots = unet_template_blocks(pipe.unet)
     originals = [getattr(parent, name) for parent, name, _ in slots]
-    try:  # as `unet_templates.masked_blocks` does for a replaying forward on the engine thread
+    try:  # as `templates.unet.masked_blocks` does for a replaying forward on the engine thread
         for (parent, name, key), block in zip(slots, originals):
             setattr(parent, name, MaskedTransformerBlock(block, key, None))
         store.check("x")  # failed with "this model has no module ...transformer_blocks.0.attn1.to_k"

@@ -50,7 +50,7 @@ def run(runner: ModelRunner, requests: list[ImageRequest], patched=False):
     for _ in range(STEPS):
         out = runner.execute(Batch(ids, patched=patched))
         assert not out.failed and sorted(out.request_ids) == sorted(ids)
-        modes.append(out.lora_mode)
+        modes.append(out.lora.mode)
     latents = {rid: runner.states[rid].latents.clone() for rid in ids}
     for rid in ids:
         runner.release(rid)
@@ -109,7 +109,7 @@ def test_bounded_loading_with_bound_zero_equals_synchronous_loading(pipe, lora_d
         out = runner.execute(Batch(("late", "other")))
     finally:
         gate.set()
-    assert out.request_ids == ["other"] and out.lora_waiting == 1  # at its bound, still loading: it waits
+    assert out.request_ids == ["other"] and out.lora.waiting == 1  # at its bound, still loading: it waits
     runner.loras.store._pool.submit(lambda: None).result()  # the load has ended
     for _ in range(STEPS):
         out = runner.execute(Batch(("late",)))
@@ -128,10 +128,10 @@ def test_before_its_bound_a_request_runs_without_its_adapters_and_takes_them_on_
         first = runner.execute(Batch(("bal",)))
     finally:
         gate.set()
-    assert first.request_ids == ["bal"] and first.lora_without == 1 and runner.loras.merged.adapters == ()
+    assert first.request_ids == ["bal"] and first.lora.without == 1 and runner.loras.merged.adapters == ()
     runner.loras.store._pool.submit(lambda: None).result()
     second = runner.execute(Batch(("bal",)))
-    assert second.lora_without == 0 and second.lora_mode == "merged"
+    assert second.lora.without == 0 and second.lora.mode == "merged"
     runner.execute(Batch(("bal",)))
     late = runner.states["bal"].latents
     plain, _ = run(ModelRunner(pipe), [request("bal")])

@@ -71,8 +71,10 @@ def steps(runner: ModelRunner, load, executor=None, modes: list | None = None) -
         outs = executor.collective_rpc("execute", (Batch(ids, (0, 1), 2), incoming), timeout=120)
         assert [o.step.request_ids for o in outs] == [list(ids)] * 2 and not outs[0].step.failed
         if modes is not None:
-            modes.append(outs[0].step.lora_mode)
-        for rid in ids:  # both ranks end the step alike
+            modes.append(outs[0].step.lora.mode)
+        # the latents stay on the workers until the last step; both ranks end it alike
+        assert set(outs[0].latents) == set(outs[1].latents) == (set(ids) if k == STEPS - 1 else set())
+        for rid in outs[0].latents:
             assert (outs[0].latents[rid] - outs[1].latents[rid]).abs().max() == 0
             runner.states[rid].latents = outs[0].latents[rid]
         collectives.append(outs[0].step.collective_s)

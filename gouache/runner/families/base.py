@@ -16,10 +16,10 @@ import torch
 from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.request import ImageRequest
-from gouache.block_cache.blocks import CacheRequest, cached_blocks
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
-from gouache.templates.replay import TemplateCache, TemplateRequest
+from gouache.templates.replay import TemplateCache, ReplayForward
 
 
 class Family(ABC):
@@ -167,7 +167,7 @@ class Family(ABC):
 
     @abstractmethod
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
+                        cache: CachedForward | None = None) -> list[torch.Tensor]:
         """Per state, its rows' predictions, from one forward over all of them (patched UNet,
         packed DiT); one size runs as the model's own batch unless `whole_batches` is False.
         With a `cache`, blocks reuse cached outputs per patch / token (per image in a plain batch)."""
@@ -198,9 +198,9 @@ class Family(ABC):
         return {rows: torch.arange(rows)}
 
     @abstractmethod
-    def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
-        """Per state, its rows' predictions from one forward in which `request`'s edits compute
-        their masked tokens only (`template_reuse`)."""
+    def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
+        """Per state, its rows' predictions from one forward in which `replay`'s edits compute
+        their masked tokens only (`gouache.templates.replay`)."""
 
     @abstractmethod
     def template_blocks(self) -> list[str]:
@@ -243,7 +243,7 @@ class Family(ABC):
 
 
 
-def cache_request(states: list[DenoiseState], cache: BlockCache | None) -> CacheRequest | None:
+def cache_request(states: list[DenoiseState], cache: BlockCache | None) -> CachedForward | None:
     """The forward's rows as the block cache sees them; None when none of them is cached."""
     if cache is None:
         return None
@@ -252,7 +252,7 @@ def cache_request(states: list[DenoiseState], cache: BlockCache | None) -> Cache
         threshold = cache.threshold(s.request.request_id, s.request.block_cache)
         keys.extend((s.request.request_id, row) for row in range(s.rows))
         thresholds.extend([threshold] * s.rows)
-    return CacheRequest(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
+    return CachedForward(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
 
 
 def _by_shape(states: list[DenoiseState]) -> dict[tuple[int, ...], list[DenoiseState]]:

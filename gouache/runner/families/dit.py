@@ -7,12 +7,12 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from gouache.request import ImageRequest
-from gouache.block_cache.blocks import CacheRequest, cacheable_blocks
+from gouache.block_cache.blocks import CachedForward, cacheable_blocks
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.pack_dit import Packing, packed_sd3_forward
 from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.sampler import DenoiseState
-from gouache.templates.replay import TemplateRequest
+from gouache.templates.replay import ReplayForward
 
 
 class FlowFamily(Family):
@@ -25,8 +25,8 @@ class FlowFamily(Family):
     def token_pixels(self) -> int:
         return self.vae_scale * 2  # SD3 patches 2x2 latents into a token; Flux packs them
 
-    def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
-        return self.predict_patched(states, whole_batches=False, cache=request)  # the packed forward's token subsets
+    def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
+        return self.predict_patched(states, whole_batches=False, cache=replay)  # the packed forward's token subsets
 
     def template_blocks(self) -> list[str]:
         return [key for _, _, key in cacheable_blocks(self.pipe.transformer)]
@@ -129,7 +129,7 @@ class StableDiffusion3Family(FlowFamily):
         )[0]
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
+                        cache: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
         outputs = packed_sd3_forward(
             self.pipe.transformer, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
@@ -216,7 +216,7 @@ class FluxFamily(FlowFamily):
         )[0]
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
+                        cache: CachedForward | None = None) -> list[torch.Tensor]:
         grids = [self.token_grid(s) for s in states]
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None

@@ -8,11 +8,11 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from gouache.request import ImageRequest
-from gouache.block_cache.blocks import CacheRequest
+from gouache.block_cache.blocks import CachedForward
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState
-from gouache.templates.replay import TemplateRequest
+from gouache.templates.replay import ReplayForward
 from gouache.templates.unet import masked_blocks, unet_template_blocks
 
 
@@ -63,8 +63,8 @@ class StableDiffusionFamily(Family):
     def token_pixels(self) -> int:
         return self.vae_scale  # a latent pixel
 
-    def replay(self, states: list[DenoiseState], request: TemplateRequest) -> list[torch.Tensor]:
-        with masked_blocks(self.unet, request, tuple(states[0].latents.shape[2:])):
+    def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
+        with masked_blocks(self.unet, replay, tuple(states[0].latents.shape[2:])):
             return list(self.forward(states).split([s.rows for s in states]))
 
     def template_blocks(self) -> list[str]:
@@ -86,7 +86,7 @@ class StableDiffusionFamily(Family):
         return self.unet(sample, timesteps, **kwargs, return_dict=False)[0]
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CacheRequest | None = None) -> list[torch.Tensor]:
+                        cache: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [row for s in states for row in self._model_input(s)]
         outputs = patched_unet_forward(
             self.unet, self.layout(samples), samples, row_timesteps(states),
