@@ -58,6 +58,19 @@ class CachedForward:
     keys: tuple[ImageKey, ...]
     thresholds: tuple[float, ...]
 
+    @classmethod
+    def of(cls, states: Sequence, cache: BlockCache | None) -> CachedForward | None:
+        """The rows of a forward over denoising `states` (each with its `request` and `rows`) as
+        the cache sees them; None when none of them is cached."""
+        if cache is None:
+            return None
+        keys, thresholds = [], []
+        for s in states:
+            threshold = cache.threshold(s.request.request_id, s.request.block_cache)
+            keys.extend((s.request.request_id, row) for row in range(s.rows))
+            thresholds.extend([threshold] * s.rows)
+        return cls(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
+
     def begin(self, units: Sequence[int] | None = None, order: Sequence[int] | None = None,
               mode: str = "image", text_len: int = 0) -> CachePass | None:
         """The cache pass of a forward whose units come in image `order` (caller indices),

@@ -53,7 +53,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
                          "several devices, whose ranks load adapters before the step (synchronously)")
     info = model_info(pipe, model_id(model_config.model))
     if engine_config.executor == "uniproc":
-        return AsyncEngine(pipe, info, engine_config, sched_config, predictor=predictor)
+        return AsyncEngine(pipe, info, engine_config, policy, predictor=predictor)
     from gouache.parallel.ulysses import check_degree
 
     for degree in policy.degrees(engine_config.devices):
@@ -65,7 +65,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
         if service is not None:
             service.shutdown()
         raise
-    return AsyncEngine(pipe, info, engine_config, sched_config, predictor=predictor, executor=executor,
+    return AsyncEngine(pipe, info, engine_config, policy, predictor=predictor, executor=executor,
                        control_service=service)
 
 

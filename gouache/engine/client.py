@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gouache.config import EngineConfig, SchedulerConfig
+from gouache.config import EngineConfig
 from gouache.controlnet.model import Base
 from gouache.engine.adapters import AdapterCalls, start_control_service
 from gouache.engine.codecs import CodecPool
@@ -37,8 +37,7 @@ from gouache.request import ImageRequest, RequestStatus, preview_steps
 from gouache.executor.base import Executor
 from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.interface import StepTimePredictor
-from gouache.sched.policies import make_policy
+from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -63,10 +62,11 @@ class _Image:
 
 
 class AsyncEngine(AdapterCalls):
-    def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, sched_config: SchedulerConfig,
+    def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, policy: Policy,
                  metrics: Metrics | None = None, predictor: StepTimePredictor | None = None,
                  executor: Executor | None = None, control_service=None):
-        """`executor` runs the steps (default: `uniproc`, on `pipe` in this process); `pipe`
+        """`policy` plans the steps (`make_policy`; `predictor` is its cost model, if it plans with
+        one); `executor` runs them (default: `uniproc`, on `pipe` in this process); `pipe`
         itself prepares and decodes. A ControlNet service the config asks for and whose address
         it lacks is started here, and stopped with the engine."""
         self.control_service = control_service
@@ -82,7 +82,6 @@ class AsyncEngine(AdapterCalls):
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))
-        policy = make_policy(sched_config, predictor)
         try:
             self.scheduler = Scheduler(policy, self.pool.num_devices)
         except ValueError:

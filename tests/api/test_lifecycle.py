@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from gouache.bench.server_process import descendants
+from gouache.sched.policies import make_policy
 
 pytestmark = pytest.mark.slow
 STEP_S_AT_256 = 0.03  # about, for tiny-sdxl on this CPU: only to size requests that outlast a signal
@@ -184,7 +185,7 @@ def test_the_server_exits_1_when_the_engine_loop_dies():
     from gouache.runner.describe import model_info
 
     pipe = load_pipeline("tiny-sdxl")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(), SchedulerConfig())
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(), make_policy(SchedulerConfig()))
 
     def broken_advance(run, stepped, now, steps=1):
         raise SystemError("a bug in the loop")

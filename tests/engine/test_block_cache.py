@@ -85,7 +85,7 @@ def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle
     from tests.engine.test_async_engine import images, run as run_async
 
     pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), make_policy(SchedulerConfig(policy="orca")))
     held, inner = [], engine.core.on_step
     engine.core.on_step = lambda report: (held.append(report.output.block_cache.held_bytes), inner(report))
 

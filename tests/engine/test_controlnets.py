@@ -18,6 +18,7 @@ from gouache.config import ControlNetConfig, EngineConfig, SchedulerConfig, Serv
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.runner.describe import model_info
+from gouache.sched.policies import make_policy
 from tests.engine.test_async_engine import png, run
 from tests.engine.test_templates import samples
 
@@ -45,7 +46,7 @@ def b64(image: np.ndarray) -> str:
 def test_requests_with_controlnets_through_the_api(pipes, control_dir):
     pipe = pipes("tiny-sd")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
-                         SchedulerConfig(policy="orca"))
+                         make_policy(SchedulerConfig(policy="orca")))
     rng = np.random.default_rng(0)
     edges, depth, wide = (rng.integers(0, 255, shape, dtype=np.uint8) for shape in ((64, 64, 3),) * 2 + ((64, 96, 3),))
     body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 3, "seed": 5}
@@ -123,7 +124,7 @@ def test_controlnet_flags_without_a_directory_are_refused():
 def test_transformer_models_refuse_controlnets(pipes, control_dir):
     pipe = pipes("tiny-sd3")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd3"), EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
-                         SchedulerConfig(policy="orca"))
+                         make_policy(SchedulerConfig(policy="orca")))
 
     async def scenario():
         await engine.start()
@@ -155,7 +156,7 @@ def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
 def test_the_service_serves_sync_and_async_requests_and_stops_with_the_engine(pipes, control_dir):
     pipe = pipes("tiny-sd")
     config = EngineConfig(controlnets=ControlNetConfig(str(control_dir), workers=1, torch_threads=1))
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), config, SchedulerConfig(policy="orca"))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), config, make_policy(SchedulerConfig(policy="orca")))
     service = engine.control_service
     rng = np.random.default_rng(1)
     net = {"name": "edges", "image": b64(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))}

@@ -15,6 +15,7 @@ from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfi
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.runner.describe import model_info
+from gouache.sched.policies import make_policy
 from tests.engine.test_async_engine import png, run
 from tests.engine.test_templates import samples
 
@@ -36,7 +37,7 @@ def lora_dir(pipes, tmp_path):
 def test_requests_with_adapters_through_the_api(pipes, lora_dir):
     pipe = pipes("tiny-sd")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(loras=LoraConfig(str(lora_dir))),
-                         SchedulerConfig(policy="orca"))
+                         make_policy(SchedulerConfig(policy="orca")))
     body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 3, "seed": 5}
     bad = {"unknown": [{"name": "nope"}], "escape": [{"name": "../ink"}], "suffix": [{"name": "ink.safetensors"}],
            "broken": [{"name": "broken"}], "shapes": [{"name": "short"}], "model": [{"name": "other-model"}],
@@ -133,7 +134,7 @@ def test_an_adapter_registered_while_nothing_runs_shows_in_the_metrics(pipes, lo
 
     pipe = pipes("tiny-sd")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(loras=LoraConfig(str(lora_dir))),
-                         SchedulerConfig(policy="orca"))
+                         make_policy(SchedulerConfig(policy="orca")))
 
     async def scenario():
         await engine.start()

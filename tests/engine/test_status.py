@@ -11,13 +11,14 @@ from gouache.config import EngineConfig, SchedulerConfig, ServerConfig
 from gouache.engine.client import AsyncEngine
 from gouache.engine.status import RECENT_STEPS, WINDOW_S
 from gouache.runner.describe import model_info
+from gouache.sched.policies import make_policy
 from tests.engine.test_async_engine import run
 
 
 @contextlib.asynccontextmanager
 async def api_of(pipe):
     """An HTTP client of the API around a started engine on `pipe` (tiny-sd)."""
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), SchedulerConfig(policy="orca"))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), make_policy(SchedulerConfig(policy="orca")))
     await engine.start()
     try:
         transport = httpx.ASGITransport(create_app(engine, ServerConfig()))

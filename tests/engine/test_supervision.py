@@ -14,6 +14,7 @@ from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
 from gouache.request import ImageRequest
 from gouache.runner.describe import model_info
 from gouache.sched.costmodel import BatchCostModel
+from gouache.sched.policies import make_policy
 
 from .test_async_engine import images, png, run
 
@@ -34,7 +35,7 @@ def make_engine(pipes, policy: str, predictor=None, name: str = "tiny-sdxl") -> 
     if predictor is None and policy in ("patched-slo", "round-knapsack"):
         predictor = cost_model_of_64px()
     return AsyncEngine(pipe, model_info(pipe, name), EngineConfig(patch_size=32),
-                       SchedulerConfig(policy=policy, round_s=0.05), predictor=predictor)
+                       make_policy(SchedulerConfig(policy=policy, round_s=0.05), predictor), predictor=predictor)
 
 
 async def outcome(handle) -> str:

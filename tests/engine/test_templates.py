@@ -12,6 +12,7 @@ from gouache.config import EngineConfig, ModelConfig, SchedulerConfig, TemplateC
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.runner.describe import model_info
+from gouache.sched.policies import make_policy
 from tests.engine.test_async_engine import images, png, run
 
 
@@ -24,7 +25,7 @@ def samples(engine: AsyncEngine, name: str) -> dict[str, float]:
 def test_the_second_edit_of_an_image_replays_its_template(pipes, tmp_path):
     pipe = pipes("tiny-flux")
     config = EngineConfig(templates=TemplateConfig(directory=str(tmp_path)))
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-flux"), config, SchedulerConfig(policy="orca"))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-flux"), config, make_policy(SchedulerConfig(policy="orca")))
     assert engine.info.templates
     original = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     mask = np.full((64, 64, 4), 255, np.uint8)
@@ -65,7 +66,7 @@ def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path):
 
     pipe = pipes("tiny-flux")
     config = EngineConfig(templates=TemplateConfig(directory=str(tmp_path)))
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-flux"), config, SchedulerConfig(policy="orca"))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-flux"), config, make_policy(SchedulerConfig(policy="orca")))
     original = np.random.default_rng(2).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     mask = np.full((64, 64, 4), 255, np.uint8)
     mask[0:24, 0:24, 3] = 0
@@ -148,7 +149,7 @@ def test_a_template_cost_model_of_another_kind_or_under_sequence_parallel_steps_
 def edit_engine(pipes, directory, model: str = "tiny-flux") -> AsyncEngine:
     pipe = pipes(model)
     config = EngineConfig(templates=TemplateConfig(directory=str(directory)))
-    return AsyncEngine(pipe, model_info(pipe, model), config, SchedulerConfig(policy="orca"))
+    return AsyncEngine(pipe, model_info(pipe, model), config, make_policy(SchedulerConfig(policy="orca")))
 
 
 def pixels(event) -> np.ndarray:

@@ -105,7 +105,7 @@ class Family(ABC):
         Changes no state."""
         if templates is not None and any(s.template is not None for s in states):
             return self._predict_templates(states, patched, cache, templates)
-        reuse = cache_request(states, cache)
+        reuse = CachedForward.of(states, cache)
         if patched:
             return self.predict_patched(states, cache=reuse)
         with cached_blocks(self.denoiser, reuse and reuse.begin()):
@@ -240,19 +240,6 @@ class Family(ABC):
     @abstractmethod
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """Undo scaling (and packing) so the VAE can decode."""
-
-
-
-def cache_request(states: list[DenoiseState], cache: BlockCache | None) -> CachedForward | None:
-    """The forward's rows as the block cache sees them; None when none of them is cached."""
-    if cache is None:
-        return None
-    keys, thresholds = [], []
-    for s in states:
-        threshold = cache.threshold(s.request.request_id, s.request.block_cache)
-        keys.extend((s.request.request_id, row) for row in range(s.rows))
-        thresholds.extend([threshold] * s.rows)
-    return CachedForward(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
 
 
 def _by_shape(states: list[DenoiseState]) -> dict[tuple[int, ...], list[DenoiseState]]:
