@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each side")
-    parser.add_argument("--out", default="benchmarks/results/multiproc_step.json")
+    parser.add_argument("--out", default="benchmarks/results/multiproc_step/after.json")
     args = parser.parse_args()
     import torch
 

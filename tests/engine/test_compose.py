@@ -18,20 +18,16 @@ from safetensors.torch import save_file
 from gouache.controlnet.model import random_controlnet
 from gouache.lora.files import random_lora
 from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
-from gouache.config import ControlNetConfig, LoraConfig, SchedulerConfig
-from gouache.engine.core import EngineCore
+from gouache.config import ControlNetConfig, LoraConfig
 from gouache.errors import InvalidRequestError
-from gouache.executor.pool import DevicePool
-from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
-from gouache.sched.policies import POLICIES, make_policy
-from gouache.sched.scheduler import Scheduler
+from gouache.sched.policies import POLICIES
 from gouache.techniques import EXACT, REFUSED, TABLE, TECHNIQUES, pair
 from tests.api.fake_engine import FAKE_INFO
 from tests.api.test_protocol import CONTEXT
-from tests.engine.test_exactness import FlatCost
+from tests.engine.test_exactness import run_engine
 
 MODEL = "tiny-sd"
 STEPS = 2
@@ -81,24 +77,10 @@ def serve(pipe, directories, policy: str, arrivals: dict[int, list[tuple[ImageRe
     """Final latents of every request, `arrivals[k]` joining before step k, on a fresh runner."""
     loras, controls = directories
     runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(loras), controlnets=ControlNetConfig(controls))
-    predictor = FlatCost() if POLICIES[policy].needs_predictor else None
-    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
-    results = {}
-
-    def keep(report):
-        for state in report.finished:
-            results[state.request_id] = runner.states.pop(state.request_id).latents
-
-    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep,
-                      lambda reasons, invalid: pytest.fail(str(reasons)), pytest.fail, lambda error: pytest.fail(str(error)))
-    step = 0
-    while step <= max(arrivals) or scheduler.has_work():
-        for request, inputs in arrivals.get(step, []):
-            scheduler.add(runner.prepare(request, **inputs))
-        core.step()
-        step += 1
-    runner.close()
-    return results
+    try:
+        return run_engine(pipe, arrivals, policy, runner)
+    finally:
+        runner.close()
 
 
 class Alone:

@@ -39,9 +39,11 @@ def reference_latents(pipe, r: ImageRequest) -> torch.Tensor:
     ).images
 
 
-def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orca") -> dict[str, torch.Tensor]:
-    """Drive the engine loop step by step; `arrivals[k]` join before step k. Returns final latents."""
-    runner = ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px images: 2x2 and 3x3 patches
+def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: ModelRunner | None = None
+               ) -> dict[str, torch.Tensor]:
+    """Drive the engine loop step by step; `arrivals[k]` (requests, or (request, the inputs its
+    preparation takes) pairs) join before step k. Returns final latents."""
+    runner = runner or ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px images: 2x2 and 3x3 patches
     predictor = FlatCost() if POLICIES[policy].needs_predictor else None
     scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
     results = {}
@@ -54,8 +56,9 @@ def run_engine(pipe, arrivals: dict[int, list[ImageRequest]], policy: str = "orc
                       lambda error: pytest.fail(str(error)))
     step = 0
     while step <= max(arrivals) or scheduler.has_work():
-        for r in arrivals.get(step, []):
-            scheduler.add(runner.prepare(r))
+        for item in arrivals.get(step, []):
+            request, inputs = item if isinstance(item, tuple) else (item, {})
+            scheduler.add(runner.prepare(request, **inputs))
         core.step()
         step += 1
     return results
