@@ -6,13 +6,15 @@ import signal
 import time
 
 import pytest
+from safetensors.torch import save_file
 
-from gouache.config import SchedulerConfig
+from gouache.config import LoraConfig, SchedulerConfig
 from gouache.engine.core import EngineCore
 from gouache.executor.base import WorkerDied
 from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.pool import DevicePool
 from gouache.executor.worker import WorkerSpec
+from gouache.lora.files import random_lora
 from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
@@ -70,8 +72,16 @@ class Loop:
 
 
 @pytest.fixture(scope="module")
-def two_workers():
-    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
+def lora_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("loras")
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(load_pipeline(MODEL), seed=seed), str(directory / f"{name}.safetensors"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def two_workers(lora_dir):
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1, loras=LoraConfig(str(lora_dir))), 2)
     yield executor
     executor.shutdown()
 
@@ -302,3 +312,20 @@ def test_a_degree_the_model_cannot_run_is_refused_before_any_worker_starts(tmp_p
 def test_round_knapsack_plans_only_the_degrees_its_cost_model_prices():
     policy = make_policy(SchedulerConfig(policy="round-knapsack"), COST)
     assert policy.degrees(4) == {1, 2} and make_policy(SchedulerConfig(policy="fixed-sp-2")).degrees(4) == {2}
+
+
+def test_requests_with_different_loras_share_a_sequence_parallel_forward(two_workers, lora_dir):
+    """docs/architecture.md, "The compatibility table": lora with parallel is exact under
+    Ulysses too (a DiT's batch of degree 2; the CFG halves are in tests/parallel/test_cfg.py)."""
+    from tests.parallel.test_cfg import STEPS, steps
+
+    def load():
+        return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), {})
+                for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
+
+    config = LoraConfig(str(lora_dir))
+    alone, _ = steps(ModelRunner(load_pipeline(MODEL), loras=config), load())
+    modes = []
+    split, collectives = steps(ModelRunner(load_pipeline(MODEL), loras=config), load(), two_workers, modes)
+    assert modes == ["segmented"] * STEPS and all(seconds > 0 for seconds in collectives)
+    assert_equal_latents(split, alone)
