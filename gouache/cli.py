@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="MiB of template activations in GPU memory per device (default: %(default)s)")
     serve.add_argument("--template-disk-mb", type=int, default=TemplateConfig.disk_bytes >> 20,
                        help="MiB of template activations on disk per device (default: %(default)s)")
+    serve.add_argument("--conditioning-mb", type=int, default=EngineConfig.conditioning_bytes >> 20,
+                       help="MiB of prompts' text-encoder outputs and uploads' VAE encodings kept for requests that "
+                            "repeat them; exact (0: off; default: %(default)s)")
     serve.add_argument("--lora-dir", default=None,
                        help="directory of LoRA adapters (<name>.safetensors, diffusers/peft or kohya keys); requests "
                             "name them in `loras` (default: none: requests cannot ask for adapters)")
@@ -280,6 +283,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
+                     conditioning_bytes=args.conditioning_mb << 20,
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,

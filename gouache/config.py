@@ -180,6 +180,7 @@ class EngineConfig:
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
     worker_timeout_s: float = WORKER_TIMEOUT_S  # under multiproc / ray: a worker silent this long while it owes a reply is hung
+    conditioning_bytes: int = 256 << 20  # prompts' encodings and uploads' VAE encodings kept for repeats (0: off)
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
     loras: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
@@ -197,6 +198,7 @@ class EngineConfig:
         _check(self.executor != "uniproc" or self.devices == 1,
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
         _check(self.worker_timeout_s > 0, f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
+        _check(self.conditioning_bytes >= 0, f"conditioning_bytes must be >= 0, got {self.conditioning_bytes}")
         _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
                f"the ControlNet service's reply timeout ({self.controlnets.reply_timeout_s:g} s) must be less than "
                f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")

@@ -77,6 +77,13 @@ class Metrics:
         self.lora_bytes = Gauge("gouache_lora_host_bytes", "Adapters held in host memory, by device", ["device"],
                                 registry=r)
 
+        self.conditioning_lookups = Counter("gouache_conditioning_cache_total",
+                                            "Conditioning cache lookups at preparation: text-encoder outputs of a "
+                                            "prompt (text) or the VAE encoding of an upload (vae), found or computed",
+                                            ["kind", "result"], registry=r)
+        self.conditioning_bytes = Gauge("gouache_conditioning_cache_bytes",
+                                        "Text-encoder outputs and upload encodings the conditioning cache holds",
+                                        registry=r)
         self.controlnet_runs = Counter("gouache_controlnet_runs_total",
                                        "ControlNet runs over a forward's rows: in this process before the forward "
                                        "(local), or on the service with residuals of the same step (sync) or the "

@@ -88,6 +88,19 @@ class ControlNetReport:
 
 
 @dataclass
+class ConditioningReport:
+    """Conditioning cache lookups since the last report (`gouache.runner.conditioning`)."""
+
+    lookups: dict[tuple[str, str], int] = field(default_factory=dict)  # (text | vae, hit | miss) -> count
+    held_bytes: int = 0  # what the cache holds after them
+
+    def record(self, metrics) -> None:
+        for (kind, result), n in self.lookups.items():
+            metrics.conditioning_lookups.labels(kind, result).inc(n)
+        metrics.conditioning_bytes.set(self.held_bytes)
+
+
+@dataclass
 class StepOutput:
     """What the runner reports after executing one step plan: which requests stepped, and each
     technique's own report."""

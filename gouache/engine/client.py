@@ -78,7 +78,8 @@ class AsyncEngine(AdapterCalls):
         # reads adapters as requests arrive; workers read theirs at a request's first step there)
         self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates,
                                   engine_config.loras, prefetch_loras=executor is None,
-                                  controlnets=engine_config.controlnets)
+                                  controlnets=engine_config.controlnets,
+                                  conditioning_bytes=engine_config.conditioning_bytes)
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))
@@ -224,6 +225,7 @@ class AsyncEngine(AdapterCalls):
             self._deliver_unchanged(request, image)
             return
         state = self.runner.prepare(request, image, mask, controls)
+        self.runner.conditioning.take_report().record(self.metrics)
         with self._lock:  # under the lock, so that an abort reaches the engine's inbox after the add
             entry = self._images.get(request.request_id)
             if entry is not None:

@@ -18,6 +18,7 @@ from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
+from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.forward import Forward, StepSpec, split_step
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import (
@@ -35,9 +36,10 @@ class ModelRunner:
 
     def __init__(self, pipe, patch_pixels: int | None = None, block_cache: BlockCacheConfig | None = None,
                  templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True,
-                 controlnets: ControlNetConfig | None = None):
+                 controlnets: ControlNetConfig | None = None, conditioning_bytes: int = 0):
         self.pipe = pipe
-        self.family: Family = make_family(pipe, patch_pixels)
+        self.conditioning = ConditioningCache(conditioning_bytes)  # prompts' and uploads' encodings, for repeats
+        self.family: Family = make_family(pipe, patch_pixels, self.conditioning)
         self.states: dict[str, DenoiseState] = {}
         self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gouache.runner.families.base import Family
 from gouache.runner.families.dit import FluxFamily, StableDiffusion3Family
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
+from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import family_of
 
 FAMILIES: dict[str, type[Family]] = {
@@ -12,5 +13,5 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
-def make_family(pipe, patch_pixels: int | None) -> Family:
-    return FAMILIES[family_of(pipe)](pipe, patch_pixels)
+def make_family(pipe, patch_pixels: int | None, conditioning: ConditioningCache | None = None) -> Family:
+    return FAMILIES[family_of(pipe)](pipe, patch_pixels, conditioning)

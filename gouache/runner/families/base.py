@@ -17,6 +17,7 @@ from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cached_blocks
+from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
 from gouache.templates.replay import TemplateCache, ReplayForward
@@ -31,10 +32,12 @@ class Family(ABC):
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
 
-    def __init__(self, pipe, patch_pixels: int | None = None):
+    def __init__(self, pipe, patch_pixels: int | None = None, conditioning: ConditioningCache | None = None):
         """`patch_pixels`: the largest patch side of a patched forward (None: DEFAULT_PATCH_PIXELS);
-        families that do not cut images into patches ignore it."""
+        families that do not cut images into patches ignore it. `conditioning`: where prompts'
+        encodings and uploads' latent distributions are kept (None: nowhere)."""
         self.pipe = pipe
+        self.conditioning = conditioning or ConditioningCache()
         self.device = pipe.device
         self.dtype = pipe.dtype
         self.vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
@@ -73,6 +76,17 @@ class Family(ABC):
         if self.passes_step_kwargs:  # reads only the scheduler class's signature
             state.step_kwargs = self.pipe.prepare_extra_step_kwargs(generator, 0.0)
         return state
+
+    def encode_prompt(self, request: ImageRequest, rows: int, *args, **kwargs):
+        """The pipeline's `encode_prompt(*args, **kwargs)` for the request's prompts and guidance,
+        from the conditioning cache when an earlier request asked the same."""
+        key = (request.prompt, request.negative_prompt, rows == 2)
+        return self.conditioning.text(key, lambda: self.pipe.encode_prompt(*args, **kwargs))
+
+    def latent_dist(self, pixels: torch.Tensor):
+        """The VAE's latent distribution of `pixels`, from the conditioning cache when the same
+        pixels were encoded before; the caller samples it with its request's generator."""
+        return self.conditioning.latent_dist(pixels, lambda: self.pipe.vae.encode(pixels).latent_dist)
 
     def uses_cfg(self, request: ImageRequest) -> bool:
         return request.guidance_scale > 1.0

@@ -55,7 +55,7 @@ class FlowFamily(Family):
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config
-        latents = self.pipe.vae.encode(pixels).latent_dist.sample(generator)
+        latents = self.latent_dist(pixels).sample(generator)
         return (latents - config.shift_factor) * config.scaling_factor
 
     def renoise(self, scheduler, clean, noise, t):
@@ -81,7 +81,8 @@ class StableDiffusion3Family(FlowFamily):
         return (state.latents.shape[2] // patch) * (state.latents.shape[3] // patch)
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
-        positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+        positive, negative, pooled, negative_pooled = self.encode_prompt(
+            request, rows,
             prompt=request.prompt,
             prompt_2=None,
             prompt_3=None,
@@ -152,7 +153,8 @@ class FluxFamily(FlowFamily):
         return False
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
-        embeds, pooled, text_ids = self.pipe.encode_prompt(
+        embeds, pooled, text_ids = self.encode_prompt(
+            request, rows,
             prompt=request.prompt, prompt_2=None, device=self.device, num_images_per_prompt=1
         )
         cond = {"prompt_embeds": embeds, "pooled": pooled, "text_ids": text_ids}

@@ -20,8 +20,8 @@ class StableDiffusionFamily(Family):
     name = "sd"
     passes_step_kwargs = True
 
-    def __init__(self, pipe, patch_pixels: int | None = None):
-        super().__init__(pipe, patch_pixels)
+    def __init__(self, pipe, patch_pixels: int | None = None, conditioning=None):
+        super().__init__(pipe, patch_pixels, conditioning)
         self.unet = pipe.unet
         self.native_inpaint = self.needs_image = self.unet.config.in_channels == 9
 
@@ -33,8 +33,8 @@ class StableDiffusionFamily(Family):
         return not self.native_inpaint
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
-        positive, negative = self.pipe.encode_prompt(
-            request.prompt, self.device, 1, rows == 2, request.negative_prompt
+        positive, negative = self.encode_prompt(
+            request, rows, request.prompt, self.device, 1, rows == 2, request.negative_prompt
         )
         return {"prompt_embeds": torch.cat([negative, positive]) if rows == 2 else positive}
 
@@ -106,8 +106,7 @@ class StableDiffusionFamily(Family):
         return None
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        dist = self.pipe.vae.encode(pixels).latent_dist
-        return dist.sample(generator) * self.pipe.vae.config.scaling_factor
+        return self.latent_dist(pixels).sample(generator) * self.pipe.vae.config.scaling_factor
 
     def renoise(self, scheduler, clean, noise, t):
         return scheduler.add_noise(clean, noise, t.reshape(1))
@@ -120,7 +119,8 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
     name = "sdxl"
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
-        positive, negative, pooled, negative_pooled = self.pipe.encode_prompt(
+        positive, negative, pooled, negative_pooled = self.encode_prompt(
+            request, rows,
             prompt=request.prompt,
             device=self.device,
             num_images_per_prompt=1,
