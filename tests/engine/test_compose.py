@@ -13,10 +13,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from gouache.controlnet.model import random_controlnet
-from gouache.lora.files import random_lora
 from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
 from gouache.config import ControlNetConfig, LoraConfig
 from gouache.errors import InvalidRequestError
@@ -28,6 +26,7 @@ from gouache.techniques import EXACT, REFUSED, TABLE, TECHNIQUES, pair
 from tests.api.fake_engine import FAKE_INFO
 from tests.api.test_protocol import CONTEXT
 from tests.engine.test_exactness import run_engine
+from tests.lora.random_files import random_loras
 
 MODEL = "tiny-sd"
 STEPS = 2
@@ -40,11 +39,8 @@ TOLERANCE = 1e-4  # fp32 on the CPU: another batch layout rounds otherwise (docs
 def directories(tmp_path_factory):
     from gouache.models.zoo import load_pipeline
 
-    pipe = load_pipeline(MODEL)
-    loras, controls = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("controlnets")
-    for seed, name in enumerate(("ink", "paper")):
-        save_file(random_lora(pipe, seed=seed), str(loras / f"{name}.safetensors"))
-    random_controlnet(pipe, seed=0, std=0.2).save_pretrained(str(controls / "edges"))
+    loras, controls = random_loras(tmp_path_factory.mktemp("loras"), MODEL), tmp_path_factory.mktemp("controlnets")
+    random_controlnet(load_pipeline(MODEL), seed=0, std=0.2).save_pretrained(str(controls / "edges"))
     return str(loras), str(controls)
 
 

@@ -6,7 +6,6 @@ import signal
 import time
 
 import pytest
-from safetensors.torch import save_file
 
 from gouache.config import LoraConfig, SchedulerConfig
 from gouache.engine.core import EngineCore
@@ -14,7 +13,6 @@ from gouache.executor.base import WorkerDied
 from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.pool import DevicePool
 from gouache.executor.worker import WorkerSpec
-from gouache.lora.files import random_lora
 from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
@@ -24,6 +22,7 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
+from tests.lora.random_files import random_loras
 
 MODEL = "tiny-sd3"  # 2 heads: degrees 1 and 2
 # Two devices make a 64 px step almost twice as fast: alone, a request takes both (elastic
@@ -73,10 +72,7 @@ class Loop:
 
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("loras")
-    for seed, name in enumerate(("ink", "paper")):
-        save_file(random_lora(load_pipeline(MODEL), seed=seed), str(directory / f"{name}.safetensors"))
-    return directory
+    return random_loras(tmp_path_factory.mktemp("loras"), MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -317,15 +313,8 @@ def test_round_knapsack_plans_only_the_degrees_its_cost_model_prices():
 def test_requests_with_different_loras_share_a_sequence_parallel_forward(two_workers, lora_dir):
     """docs/architecture.md, "The compatibility table": lora with parallel is exact under
     Ulysses too (a DiT's batch of degree 2; the CFG halves are in tests/parallel/test_cfg.py)."""
-    from tests.parallel.test_cfg import STEPS, steps
+    from tests.parallel.test_cfg import STEPS, adapters_alone_and_split
 
-    def load():
-        return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), {})
-                for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
-
-    config = LoraConfig(str(lora_dir))
-    alone, _ = steps(ModelRunner(load_pipeline(MODEL), loras=config), load())
-    modes = []
-    split, collectives = steps(ModelRunner(load_pipeline(MODEL), loras=config), load(), two_workers, modes)
+    alone, split, modes, collectives = adapters_alone_and_split(MODEL, lora_dir, two_workers)
     assert modes == ["segmented"] * STEPS and all(seconds > 0 for seconds in collectives)
     assert_equal_latents(split, alone)

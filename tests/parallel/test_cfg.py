@@ -5,10 +5,7 @@ guidance in the batch runs whole on both; ControlNet residuals are cut with the 
 import numpy as np
 import pytest
 
-from safetensors.torch import save_file
-
 from gouache.controlnet.model import random_controlnet
-from gouache.lora.files import random_lora
 from gouache.config import ControlNetConfig, LoraConfig
 from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.worker import WorkerSpec
@@ -16,6 +13,7 @@ from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
+from tests.lora.random_files import random_loras
 
 MODEL = "tiny-sd"
 STEPS = 3
@@ -30,10 +28,7 @@ def control_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("loras")
-    for seed, name in enumerate(("ink", "paper")):
-        save_file(random_lora(load_pipeline(MODEL), seed=seed), str(directory / f"{name}.safetensors"))
-    return directory
+    return random_loras(tmp_path_factory.mktemp("loras"), MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +111,23 @@ def test_round_knapsack_gives_an_idle_device_to_a_unet_request_as_cfg_parallelis
     assert pooled.degrees["first"][0] == 2  # alone, it took both devices: its guidance rows apart
 
 
-def test_requests_with_different_loras_share_the_halves_of_one_forward(two_workers, lora_dir):
+def adapters_alone_and_split(model: str, lora_dir, executor) -> tuple[dict, dict, list, list]:
+    """Three requests (adapters ink, paper, none) in one batch, run on one device and at degree
+    2 on `executor`'s workers: the final latents of each run, and each split step's LoRA mode
+    and seconds in collectives."""
     def load():
         return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), {})
                 for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
 
     config = LoraConfig(str(lora_dir))
-    alone, _ = steps(ModelRunner(load_pipeline(MODEL), loras=config), load())
+    alone, _ = steps(ModelRunner(load_pipeline(model), loras=config), load())
     modes = []
-    split, _ = steps(ModelRunner(load_pipeline(MODEL), loras=config), load(), two_workers, modes)
+    split, collectives = steps(ModelRunner(load_pipeline(model), loras=config), load(), executor, modes)
+    return alone, split, modes, collectives
+
+
+def test_requests_with_different_loras_share_the_halves_of_one_forward(two_workers, lora_dir):
+    alone, split, modes, _ = adapters_alone_and_split(MODEL, lora_dir, two_workers)
     assert modes == ["segmented"] * STEPS  # each rank's hooks find the owners of its half of the rows
     for rid in alone:
         assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
