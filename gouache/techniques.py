@@ -40,6 +40,9 @@ TECHNIQUES = {t.name: t for t in (
               "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens"),
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
+    Technique("conditioning", "--conditioning-mb", True, False,
+              "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
+              "distribution, reused at preparation"),
 )}
 
 EXACT, APPROXIMATE, REFUSED = "exact", "approximate", "refused"
@@ -107,6 +110,19 @@ TABLE: dict[frozenset[str], Pair] = {
                                                         "one pass per latent shape"),
     _pair("template", "parallel"): Pair(APPROXIMATE, "a step on several devices computes the full forward; a server "
                                                      "whose every step is parallel refuses template reuse"),
+    _pair("lora", "conditioning"): Pair(EXACT, "adapters change the denoiser only (text-encoder layers are refused), "
+                                                 "so a prompt's encoding is the same with any adapters"),
+    _pair("lora_async", "conditioning"): Pair(APPROXIMATE, "the adapters join late, the encodings are exact"),
+    _pair("controlnet", "conditioning"): Pair(EXACT, "the residuals take the request's own prompt encoding, the "
+                                                     "encoder's output bit for bit"),
+    _pair("controlnet_async", "conditioning"): Pair(APPROXIMATE, "residuals a step late, the encodings are exact"),
+    _pair("template", "conditioning"): Pair(APPROXIMATE, "a template's key holds its text's digest, the same from "
+                                                         "the cache; its upload's distribution is sampled with the "
+                                                         "request's own seed"),
+    _pair("block_cache", "conditioning"): Pair(APPROXIMATE, "the block cache's reuse as measured alone, the "
+                                                            "encodings are exact"),
+    _pair("mixed_sizes", "conditioning"): Pair(EXACT, "preparation is per request, before any layout"),
+    _pair("parallel", "conditioning"): Pair(EXACT, "the driver prepares; every rank gets the same state"),
     _pair("mixed_sizes", "parallel"): Pair(REFUSED, "a mixed-size forward runs on one device: the policies plan mixed "
                                                     "sizes at degree 1 only"),
 }

@@ -31,7 +31,8 @@ from tests.lora.random_files import random_loras
 MODEL = "tiny-sd"
 STEPS = 2
 ONE_DEVICE = [name for name, cls in POLICIES.items() if cls.min_devices == 1]
-SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes")  # in one process, in this module
+SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes", "conditioning")  # in one process, here
+SERVER_CHOSEN = {"mixed_sizes", "conditioning"}  # the batch's layout; the conditioning cache of the batched runs
 TOLERANCE = 1e-4  # fp32 on the CPU: another batch layout rounds otherwise (docs/architecture.md, invariant 2)
 
 
@@ -45,7 +46,7 @@ def directories(tmp_path_factory):
 
 
 def member(rid: str, uses: tuple[str, ...], seed: int, size: int = 64, lora: str = "ink") -> tuple[ImageRequest, dict]:
-    """A request using `uses` (of SERVED but mixed_sizes, which is the batch's), and the inputs
+    """A request using `uses` (of SERVED but SERVER_CHOSEN), one prompt for all, and the inputs
     its preparation takes (the decoded upload, mask and ControlNet images)."""
     request = ImageRequest(rid, "a red fox", size, size, STEPS, 5.0, seed)
     inputs = {}
@@ -69,14 +70,20 @@ def exact(request: ImageRequest) -> bool:
     return not request.block_cache and not request.template_cache
 
 
-def serve(pipe, directories, policy: str, arrivals: dict[int, list[tuple[ImageRequest, dict]]]) -> dict[str, torch.Tensor]:
-    """Final latents of every request, `arrivals[k]` joining before step k, on a fresh runner."""
+def serve(pipe, directories, policy: str, arrivals: dict[int, list[tuple[ImageRequest, dict]]],
+          conditioning: bool = True) -> dict[str, torch.Tensor]:
+    """Final latents of every request, `arrivals[k]` joining before step k, on a fresh runner
+    (with the conditioning cache, which the runs alone go without)."""
     loras, controls = directories
-    runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(loras), controlnets=ControlNetConfig(controls))
+    runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(loras), controlnets=ControlNetConfig(controls),
+                         conditioning_bytes=(64 << 20) if conditioning else 0)
     try:
-        return run_engine(pipe, arrivals, policy, runner)
+        latents = run_engine(pipe, arrivals, policy, runner)
     finally:
         runner.close()
+    if conditioning and sum(map(len, arrivals.values())) > 1:  # one prompt for all: the encoders ran once
+        assert runner.conditioning.take_report().lookups[("text", "hit")] > 0
+    return latents
 
 
 class Alone:
@@ -89,7 +96,7 @@ class Alone:
         key = replace(request, request_id="alone", arrival_time=0.0)
         name = repr(key)
         if name not in self.done:
-            self.done[name] = serve(self.pipe, self.directories, "orca", {0: [(key, inputs)]})["alone"]
+            self.done[name] = serve(self.pipe, self.directories, "orca", {0: [(key, inputs)]}, conditioning=False)["alone"]
         return self.done[name]
 
 
@@ -118,14 +125,14 @@ def test_every_pair_composes_as_the_table_says(pipes, directories, alone, policy
     patch or pack into one forward) and two adapter sets, beside plain requests. Every request
     ends, and every exact one equals itself served alone."""
     composing = pairs({EXACT, "approximate"})
-    kinds = {(t,) for t in SERVED if t != "mixed_sizes"} | {()}
-    kinds |= {(a, b) for a, b in composing if "mixed_sizes" not in (a, b)}
+    kinds = {(t,) for t in SERVED if t not in SERVER_CHOSEN} | {()}
+    kinds |= {(a, b) for a, b in composing if not {a, b} & SERVER_CHOSEN}
     batch = [member(f"{'+'.join(uses) or 'plain'}-{size}", uses, seed=seed, size=size, lora=lora)
              for seed, uses in enumerate(sorted(kinds)) for size, lora in ((64, "ink"), (96, "paper"))]
     latents = serve(pipes(MODEL), directories, policy, {0: batch})
     assert set(latents) == {r.request_id for r, _ in batch}
     for a, b in composing:
-        own = {a, b} - {"mixed_sizes"}
+        own = {a, b} - SERVER_CHOSEN
         members = [(r, i) for r, i in batch if own <= set(r.request_id.split("-")[0].split("+"))]
         assert members, (a, b)
         for request, inputs in members:

@@ -159,8 +159,10 @@ def test_the_parallel_pairs_compose_as_the_table_says(two_workers, control_dir, 
                         inputs))
         return out
 
+    # the split run's driver prepares with the conditioning cache (conditioning with parallel), the other without
     runners = [ModelRunner(load_pipeline(MODEL), loras=LoraConfig(str(lora_dir)),
-                           controlnets=ControlNetConfig(str(control_dir))) for _ in range(2)]
+                           controlnets=ControlNetConfig(str(control_dir)), conditioning_bytes=budget)
+               for budget in (0, 64 << 20)]
     alone, _ = steps(runners[0], load())
     split, _ = steps(runners[1], load(), two_workers)
     assert set(split) == set(alone)
@@ -169,4 +171,6 @@ def test_the_parallel_pairs_compose_as_the_table_says(two_workers, control_dir, 
         for rid in split:
             if technique in rid.split("+") and all(pair(t, "parallel").verdict == EXACT for t in rid.split("+")):
                 assert (alone[rid] - split[rid]).abs().max() <= 1e-4, (technique, rid)
+    assert pair("conditioning", "parallel").verdict == EXACT
+    assert runners[1].conditioning.take_report().lookups[("text", "hit")] > 0
     assert (alone["plain"] - split["plain"]).abs().max() <= 1e-4
