@@ -153,30 +153,12 @@ class Forward:
         return self.spec.split.rows(maps)
 
 
-class _Halves:
-    """CFG halves: this rank runs every other row, from its rank."""
-
-    residuals_first = True  # the rows are cut before the UNet runs
-
-    def __init__(self, group, device, halves):
-        self.rank, self.group, self.device, self._halves = dist.get_rank(group), group, device, halves
-
-    def rows(self, maps: RowMaps) -> RowMaps:
-        return {n // 2: rows[self.rank::2] for n, rows in maps.items()}
-
-    def agree(self, ok: bool) -> bool:
-        return all_ok(ok, self.group, self.device)
-
-    @property
-    def collective_s(self) -> float:
-        return self._halves.collective_s
-
-
 class _Whole:
-    """A step every rank runs whole (a CFG batch with a request without guidance): it only
-    spends nothing in collectives; the residuals overlap the encoder as on one device."""
+    """A step every rank runs whole, rows and tokens (a CFG batch with a request without
+    guidance): residuals overlap the encoder as on one device; ranks agree on failures."""
 
     residuals_first = False
+    collective_s = 0.0
 
     def __init__(self, group, device):
         self.group, self.device = group, device
@@ -187,22 +169,30 @@ class _Whole:
     def agree(self, ok: bool) -> bool:
         return all_ok(ok, self.group, self.device)
 
-    collective_s = 0.0
 
+class _Halves(_Whole):
+    """CFG halves: this rank runs every other row, from its rank."""
 
-class _Sequence:
-    """Ulysses: every rank holds every row and a shard of each image's tokens."""
+    residuals_first = True  # the rows are cut before the UNet runs
 
-    residuals_first = False
-
-    def __init__(self, group, device, shards):
-        self.group, self.device, self._shards = group, device, shards
+    def __init__(self, group, device, halves):
+        super().__init__(group, device)
+        self.rank, self._halves = dist.get_rank(group), halves
 
     def rows(self, maps: RowMaps) -> RowMaps:
-        return maps
+        return {n // 2: rows[self.rank::2] for n, rows in maps.items()}
 
-    def agree(self, ok: bool) -> bool:
-        return all_ok(ok, self.group, self.device)
+    @property
+    def collective_s(self) -> float:
+        return self._halves.collective_s
+
+
+class _Sequence(_Whole):
+    """Ulysses: every rank holds every row and a shard of each image's tokens."""
+
+    def __init__(self, group, device, shards):
+        super().__init__(group, device)
+        self._shards = shards
 
     @property
     def collective_s(self) -> float:
