@@ -8,10 +8,10 @@ import logging
 import os
 import sys
 
-from gouache.cli_flags import Given, given, refuse_ignored, size_arg
+from gouache.cli_flags import Given, counts_arg, given, refuse_ignored, size_arg, sizes_arg
 from gouache.config import (
-    CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, ControlNetConfig, EngineConfig, LoraConfig, ModelConfig,
-    ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
+    COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, CompileConfig,
+    ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
 )
 from gouache.errors import GouacheError
 
@@ -106,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--conditioning-mb", type=int, default=EngineConfig.conditioning_bytes >> 20,
                        help="MiB of prompts' text-encoder outputs and uploads' VAE encodings kept for requests that "
                             "repeat them; exact (0: off; default: %(default)s)")
+    serve.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
+                       help="run the denoiser compiled (torch.compile) where a step's techniques allow it, padded to "
+                            "--compile-buckets rows; compiles at start before /health says ok (docs/speed.md; "
+                            "default: off)")
+    serve.add_argument("--compile-sizes", type=sizes_arg, default=(),
+                       help="WxH sizes (comma-separated) compiled at start at every bucket; a size first met later "
+                            "compiles in its step (default: the model's default size)")
+    serve.add_argument("--compile-buckets", type=counts_arg, default=COMPILE_BUCKETS,
+                       help="row counts a compiled forward is padded up to; larger forwards run eagerly (default: "
+                            f"{','.join(map(str, COMPILE_BUCKETS))})")
+    serve.add_argument("--compile-cache", default=None, metavar="DIR",
+                       help="keep compiled kernels in DIR, so a restart compiles in seconds (default: torch's own, "
+                            "per user in the temporary directory)")
+    serve.add_argument("--compile-cuda-graphs", action="store_true",
+                       help="capture the bucketed compiled forwards as CUDA graphs (GPU only; default: off)")
     serve.add_argument("--lora-dir", default=None,
                        help="directory of LoRA adapters (<name>.safetensors, diffusers/peft or kohya keys); requests "
                             "name them in `loras` (default: none: requests cannot ask for adapters)")
@@ -284,6 +299,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20,
+                     compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
+                                           args.compile_cuda_graphs),
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,

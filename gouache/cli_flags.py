@@ -43,3 +43,19 @@ def size_arg(text: str) -> tuple[int, int]:
         return parse_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def sizes_arg(text: str) -> tuple[tuple[int, int], ...]:
+    """Comma-separated WxH sizes as an argparse `type`: (h, w) each."""
+    return tuple(size_arg(part) for part in text.split(","))
+
+
+def counts_arg(text: str) -> tuple[int, ...]:
+    """Comma-separated positive counts as an argparse `type`, e.g. 1,2,4,8."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts >= 1, e.g. 1,2,4,8; got {text!r}")
+    return counts

@@ -56,6 +56,26 @@ class SchedulerConfig:
         _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
 
 
+COMPILE_BUCKETS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """Compiled denoiser forwards (`gouache.runner.compiled`)."""
+
+    enabled: bool = False
+    buckets: tuple[int, ...] = COMPILE_BUCKETS  # row counts a forward is padded up to; larger forwards run eagerly
+    sizes: tuple[tuple[int, int], ...] = ()  # (h, w) compiled at start at every bucket; (): the model's default size
+    cache_dir: str | None = None  # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
+    cuda_graphs: bool = False  # capture the bucketed graphs as CUDA graphs (GPU only)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.buckets) and all(b >= 1 for b in self.buckets),
+               f"compile buckets must be row counts >= 1, got {self.buckets}")
+        _check(self.enabled or not (self.sizes or self.cuda_graphs or self.cache_dir),
+               "compile sizes, cache and CUDA graphs apply to compiled forwards: add --compile")
+
+
 @dataclass(frozen=True)
 class BlockCacheConfig:
     """PatchedServe §5's block cache (`gouache.block_cache.store`): off unless a threshold is given."""
@@ -181,6 +201,7 @@ class EngineConfig:
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
     worker_timeout_s: float = WORKER_TIMEOUT_S  # under multiproc / ray: a worker silent this long while it owes a reply is hung
     conditioning_bytes: int = 256 << 20  # prompts' encodings and uploads' VAE encodings kept for repeats (0: off)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # compiled denoiser forwards (opt-in)
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
     loras: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
@@ -199,6 +220,9 @@ class EngineConfig:
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
         _check(self.worker_timeout_s > 0, f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
         _check(self.conditioning_bytes >= 0, f"conditioning_bytes must be >= 0, got {self.conditioning_bytes}")
+        _check(not self.compile.enabled or self.executor == "uniproc",
+               f"--compile runs the model in the server's own process (--executor uniproc); the {self.executor} "
+               "executor's workers do not compile yet")
         _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
                f"the ControlNet service's reply timeout ({self.controlnets.reply_timeout_s:g} s) must be less than "
                f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")

@@ -77,6 +77,17 @@ class Metrics:
         self.lora_bytes = Gauge("gouache_lora_host_bytes", "Adapters held in host memory, by device", ["device"],
                                 registry=r)
 
+        self.compile_steps = Counter("gouache_compile_steps_total",
+                                     "Steps under --compile: every denoiser forward compiled, or one eager, by why "
+                                     "(a technique that runs eagerly, a changed module, rows past the last bucket)",
+                                     ["path", "reason"], registry=r)
+        self.compile_graphs = Counter("gouache_compile_graphs_total", "Denoiser graphs compiled (warm-up included)",
+                                      registry=r)
+        self.compile_recompiles = Counter("gouache_compile_recompiles_total",
+                                          "Denoiser graphs compiled after the warm-up: shapes it did not foresee",
+                                          registry=r)
+        self.compile_warmup = Gauge("gouache_compile_warmup_seconds", "Seconds compiling before serving, by device",
+                                    ["device"], registry=r)
         self.conditioning_lookups = Counter("gouache_conditioning_cache_total",
                                             "Conditioning cache lookups at preparation: text-encoder outputs of a "
                                             "prompt (text) or the VAE encoding of an upload (vae), found or computed",

@@ -101,6 +101,27 @@ class ConditioningReport:
 
 
 @dataclass
+class CompileReport:
+    """What compiled forwards did since the last report (`gouache.runner.compiled`)."""
+
+    compiled: int = 0  # steps whose every denoiser forward ran compiled
+    eager: dict[str, int] = field(default_factory=dict)  # steps with an eager forward, by why (the first one)
+    graphs: int = 0  # graphs compiled
+    recompiles: int = 0  # ... of which after the warm-up
+    warmup_s: float = 0.0  # seconds compiling at start
+
+    def record(self, metrics, device: str) -> None:
+        if self.compiled:
+            metrics.compile_steps.labels("compiled", "").inc(self.compiled)
+        for why, n in self.eager.items():
+            metrics.compile_steps.labels("eager", why).inc(n)
+        metrics.compile_graphs.inc(self.graphs)
+        metrics.compile_recompiles.inc(self.recompiles)
+        if self.warmup_s:
+            metrics.compile_warmup.labels(device).set(self.warmup_s)
+
+
+@dataclass
 class StepOutput:
     """What the runner reports after executing one step plan: which requests stepped, and each
     technique's own report."""
@@ -116,10 +137,11 @@ class StepOutput:
     templates: TemplateReport = field(default_factory=TemplateReport)  # empty when no edit used a template
     lora: LoraReport = field(default_factory=LoraReport)
     controlnet: ControlNetReport = field(default_factory=ControlNetReport)
+    compile: CompileReport = field(default_factory=CompileReport)
 
     def record(self, metrics, device: str) -> None:
         """Each technique's report into /metrics (`device`: the first of the step's devices)."""
-        for report in (self.block_cache, self.templates, self.lora, self.controlnet):
+        for report in (self.block_cache, self.templates, self.lora, self.controlnet, self.compile):
             report.record(metrics, device)
 
 

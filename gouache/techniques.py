@@ -22,12 +22,17 @@ class Technique:
     exact: bool  # whether it keeps a request's image equal to diffusers' (docs/architecture.md, invariant 2)
     per_request: bool  # a request asks for it; else the server or its policy chooses it per step
     what: str
+    # a step that uses it may run its denoiser compiled under --compile (`gouache.runner.compiled`);
+    # else the step runs eagerly, counted: its hooks, wrapped blocks or split shapes are not in the graph
+    compiles: bool = False
 
 
 TECHNIQUES = {t.name: t for t in (
-    Technique("lora", "loras", True, True, "LoRA adapters on the denoiser (KATZ): merged, segmented per row or split"),
+    Technique("lora", "loras", True, True, "LoRA adapters on the denoiser (KATZ): merged, segmented per row or split",
+              compiles=True),
     Technique("lora_async", "--lora-bound", False, False,
-              "bounded asynchronous LoRA loading (KATZ): a request denoises without its adapters until they arrive"),
+              "bounded asynchronous LoRA loading (KATZ): a request denoises without its adapters until they arrive",
+              compiles=True),
     Technique("controlnet", "controlnets", True, True,
               "ControlNet residuals (KATZ), in process or from the service overlapping the UNet's encoder"),
     Technique("controlnet_async", "controlnet_mode", False, True,
@@ -42,7 +47,7 @@ TECHNIQUES = {t.name: t for t in (
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
-              "distribution, reused at preparation"),
+              "distribution, reused at preparation", compiles=True),
 )}
 
 EXACT, APPROXIMATE, REFUSED = "exact", "approximate", "refused"

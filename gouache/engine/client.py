@@ -79,7 +79,8 @@ class AsyncEngine(AdapterCalls):
         self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates,
                                   engine_config.loras, prefetch_loras=executor is None,
                                   controlnets=engine_config.controlnets,
-                                  conditioning_bytes=engine_config.conditioning_bytes)
+                                  conditioning_bytes=engine_config.conditioning_bytes, compile=engine_config.compile)
+        self.runner.warm_up(info.default_size)  # compiles before the server answers /health
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))

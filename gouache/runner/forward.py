@@ -13,6 +13,10 @@ forward is then built in one order, outermost first (docs/architecture.md, "One 
 4. **layout** (`Layout`, the family): one shape's batch, a patched UNet or packed DiT tokens;
 5. **block pass** (inside the layout): block-cache reuse or template replay.
 
+Under --compile the denoiser runs compiled where every technique of the step allows it
+(`eager_reason`, `gouache.techniques`) and eagerly otherwise, counted
+(`gouache.runner.compiled`).
+
 Each technique is reached through its Protocol here, and a technique's runtime reads nothing of
 another's: what a split changes for the layers inside it (which rows this rank runs, whether
 residuals are computed before the denoiser, how ranks agree on a failure) is the `Split` it is
@@ -32,7 +36,7 @@ import torch.distributed as dist
 from gouache.block_cache.store import BlockCache
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import TemplateCache
-from gouache.techniques import check_row
+from gouache.techniques import TECHNIQUES, check_row
 
 ORDER = ("parallel", "lora", "controlnet", "layout", "block pass")  # outermost first
 
@@ -111,14 +115,24 @@ def row_techniques(state: DenoiseState, spec: StepSpec) -> frozenset[str]:
     return frozenset(used)
 
 
+def eager_reason(spec: StepSpec, states: list[DenoiseState]) -> str | None:
+    """Why a step of `spec` over `states` runs its denoiser eagerly under --compile: the first
+    technique it uses that the compiled graph does not hold (None: it may run compiled)."""
+    used = set().union(*(row_techniques(s, spec) for s in states))
+    if spec.patched and len({s.latents.shape for s in states}) > 1:
+        used.add("mixed_sizes")
+    return next((name for name in TECHNIQUES if name in used and not TECHNIQUES[name].compiles), None)
+
+
 class Forward:
     """One step's forward over its states, composed in `ORDER`."""
 
-    def __init__(self, spec: StepSpec, layout: Layout, adapters: Adapters, residuals: Residuals):
+    def __init__(self, spec: StepSpec, layout: Layout, adapters: Adapters, residuals: Residuals, compiled=None):
         self.spec = spec
         self.layout = layout
         self.adapters = adapters
         self.residuals = residuals
+        self.compiled = compiled  # the family's `CompiledDenoiser` under --compile
 
     @staticmethod
     def check(spec: StepSpec, states: list[DenoiseState]) -> None:
@@ -130,7 +144,10 @@ class Forward:
 
     def __call__(self, states: list[DenoiseState], adapters: list, lora_step) -> list[torch.Tensor]:
         """Per state, its rows' predictions, each with `adapters[i]` applied."""
-        return self.adapters.run(states, adapters, self._residuals, self._row_maps, lora_step)
+        if self.compiled is None:
+            return self.adapters.run(states, adapters, self._residuals, self._row_maps, lora_step)
+        with self.compiled.step(eager_reason(self.spec, states)):
+            return self.adapters.run(states, adapters, self._residuals, self._row_maps, lora_step)
 
     def _residuals(self, group: list[DenoiseState]) -> list[torch.Tensor]:
         if all(s.control is None for s in group):

@@ -13,11 +13,12 @@ from gouache.controlnet.runtime import ControlRuntime
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
 from gouache.lora.runtime import LoraRuntime
 from gouache.block_cache.store import BlockCache, BlockCacheConfig
-from gouache.config import ControlNetConfig, LoraConfig, TemplateConfig
+from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
+from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.forward import Forward, StepSpec, split_step
 from gouache.runner.sampler import DenoiseState
@@ -36,10 +37,14 @@ class ModelRunner:
 
     def __init__(self, pipe, patch_pixels: int | None = None, block_cache: BlockCacheConfig | None = None,
                  templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True,
-                 controlnets: ControlNetConfig | None = None, conditioning_bytes: int = 0):
+                 controlnets: ControlNetConfig | None = None, conditioning_bytes: int = 0,
+                 compile: CompileConfig | None = None):
         self.pipe = pipe
         self.conditioning = ConditioningCache(conditioning_bytes)  # prompts' and uploads' encodings, for repeats
         self.family: Family = make_family(pipe, patch_pixels, self.conditioning)
+        self.compile_config = compile or CompileConfig()
+        if self.compile_config.enabled:
+            self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device)
         self.states: dict[str, DenoiseState] = {}
         self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()
@@ -102,6 +107,18 @@ class ModelRunner:
             deadline=deadline,
         )
 
+    def warm_up(self, default_size: int) -> None:
+        """Compile the forwards of the sizes the server expects (--compile-sizes, else the model's
+        default size) at every bucket, before serving."""
+        compiled = self.family.compiled
+        if compiled is None:
+            return
+        sizes = self.compile_config.sizes or ((default_size, default_size),)
+        states = [self.family.prepare(ImageRequest(f"warm-up-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0))
+                  for h, w in sizes]
+        examples = [self.family.forward_inputs([state]) for state in states]
+        compiled.warm_up(examples, lambda line: log.info("warm-up: %s", line))
+
     def uses_template(self, request: ImageRequest) -> bool:
         """Whether the edit reuses a template: a registration does; an edit as it says (the API
         sets `template_cache` when a request names its template), else by the server's default."""
@@ -129,7 +146,7 @@ class ModelRunner:
         spec = StepSpec(batch.patched, batch.degree, self.cache if one_device else None, templates)
         Forward.check(spec, states)
         with split_step(self.pipe, states, batch.degree, group, self.family.device) as split:
-            forward = Forward(replace(spec, split=split), self.family, self.loras, self.controls)
+            forward = Forward(replace(spec, split=split), self.family, self.loras, self.controls, self.family.compiled)
             lora, invalid = LoraReport(), {}
             adapters = self.loras.arrived(states, not one_device, failed, lora)
             invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
@@ -147,6 +164,8 @@ class ModelRunner:
                             collective_s=split.collective_s if split is not None else 0.0,
                             block_cache=self.cache.take_report(), lora=self.loras.take_report(lora),
                             controlnet=self.controls.take_report())
+        if self.family.compiled is not None:
+            output.compile = self.family.compiled.take_report()
         if templates is not None:
             output.templates = templates.take_report()
         return output
@@ -170,7 +189,8 @@ class ModelRunner:
                     failed[ids[0]], invalid[ids[0]] = str(error), fault_of(error)
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        alone = Forward(replace(forward.spec, patched=False), forward.layout, forward.adapters, forward.residuals)
+        alone = Forward(replace(forward.spec, patched=False), forward.layout, forward.adapters, forward.residuals,
+                        forward.compiled)
         return [pair for rid in ids for pair in self._predict(alone, [rid], failures, lora)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:

@@ -17,6 +17,7 @@ from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cached_blocks
+from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
@@ -47,6 +48,7 @@ class Family(ABC):
             raise ValueError(f"patch size must be a multiple of {step} pixels (the size step) for this {self.name} "
                              f"model, got {self.patch_pixels}")
         self.patch = self.patch_pixels // self.vae_scale  # the largest patch side in latent pixels
+        self.compiled: CompiledDenoiser | None = None  # the compiled forward, under --compile
 
     @property
     def patch_factor(self) -> int:
@@ -125,6 +127,14 @@ class Family(ABC):
         with cached_blocks(self.denoiser, reuse and reuse.begin()):
             return list(self.forward(states).split([s.rows for s in states]))
 
+    def denoise(self, rows: dict, shared: dict) -> torch.Tensor:
+        """The denoiser's prediction from inputs with one row per forward row (`rows`; tensors,
+        or dicts of them) and inputs shared by all (`shared`): compiled under --compile where
+        the step allows it (`gouache.runner.compiled`)."""
+        if self.compiled is not None:
+            return self.compiled(rows, shared)
+        return self.denoiser(**rows, **shared, return_dict=False)[0]
+
     @torch.no_grad()
     def advance(self, state: DenoiseState, prediction: torch.Tensor) -> None:
         """One sampler step of `state` from its rows' `prediction` (guidance applied here)."""
@@ -175,9 +185,14 @@ class Family(ABC):
     def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
         """Configure the request's scheduler as its pipeline would; return its timesteps."""
 
-    @abstractmethod
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
         """The denoiser's prediction for all rows of all states, concatenated in order."""
+        return self.denoise(*self.forward_inputs(states))
+
+    @abstractmethod
+    def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
+        """The denoiser's keyword inputs for all rows of `states`: those with one row per forward
+        row, and those shared by the whole forward (`denoise`)."""
 
     @abstractmethod
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,

@@ -120,14 +120,13 @@ class StableDiffusion3Family(FlowFamily):
             state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, noise.shape[2:])
         return noise
 
-    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
-        return self.pipe.transformer(
-            hidden_states=torch.cat([torch.cat([s.latents] * s.rows) for s in states]),
-            timestep=row_timesteps(states),
-            encoder_hidden_states=cat_cond(states, "prompt_embeds"),
-            pooled_projections=cat_cond(states, "pooled"),
-            return_dict=False,
-        )[0]
+    def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
+        return ({
+            "hidden_states": torch.cat([torch.cat([s.latents] * s.rows) for s in states]),
+            "timestep": row_timesteps(states),
+            "encoder_hidden_states": cat_cond(states, "prompt_embeds"),
+            "pooled_projections": cat_cond(states, "pooled"),
+        }, {})
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         cache: CachedForward | None = None) -> list[torch.Tensor]:
@@ -203,19 +202,16 @@ class FluxFamily(FlowFamily):
         b, c, h, w = latents.shape
         return self.pipe._pack_latents(latents, b, c, h, w)
 
-    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
+    def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
         first = states[0]  # one latent shape per forward: ids are shared by the whole group
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
-        return self.pipe.transformer(
-            hidden_states=torch.cat([s.latents for s in states]),
-            timestep=row_timesteps(states).to(self.dtype) / 1000,
-            guidance=guidance,
-            pooled_projections=cat_cond(states, "pooled"),
-            encoder_hidden_states=cat_cond(states, "prompt_embeds"),
-            txt_ids=first.cond["text_ids"],
-            img_ids=first.cond["image_ids"],
-            return_dict=False,
-        )[0]
+        return ({
+            "hidden_states": torch.cat([s.latents for s in states]),
+            "timestep": row_timesteps(states).to(self.dtype) / 1000,
+            "guidance": guidance,
+            "pooled_projections": cat_cond(states, "pooled"),
+            "encoder_hidden_states": cat_cond(states, "prompt_embeds"),
+        }, {"txt_ids": first.cond["text_ids"], "img_ids": first.cond["image_ids"]})
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         cache: CachedForward | None = None) -> list[torch.Tensor]:

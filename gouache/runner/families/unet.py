@@ -79,11 +79,15 @@ class StableDiffusionFamily(Family):
     def forward(self, states: list[DenoiseState], control=None) -> torch.Tensor:
         """The UNet over every row of `states`; `control(states, sample, timesteps, kwargs)`
         gives the ControlNet residual arguments of those rows."""
-        sample, timesteps = torch.cat([self._model_input(s) for s in states]), row_timesteps(states)
-        kwargs = {"encoder_hidden_states": cat_cond(states, "prompt_embeds"), "added_cond_kwargs": self.added_cond(states)}
+        rows, shared = self.forward_inputs(states)
         if control is not None:
-            kwargs.update(control(states, sample, timesteps, kwargs))
-        return self.unet(sample, timesteps, **kwargs, return_dict=False)[0]
+            rows.update(control(states, rows["sample"], rows["timestep"], rows))
+        return self.denoise(rows, shared)
+
+    def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
+        return {"sample": torch.cat([self._model_input(s) for s in states]), "timestep": row_timesteps(states),
+                "encoder_hidden_states": cat_cond(states, "prompt_embeds"),
+                "added_cond_kwargs": self.added_cond(states)}, {}
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         cache: CachedForward | None = None) -> list[torch.Tensor]:

@@ -1,0 +1,250 @@
+"""Compiled denoiser forwards (`--compile`): `torch.compile` of the denoiser, one graph per
+padded input shape, beside the eager module it was compiled from.
+
+- **Buckets.** Continuous batching changes the row count every step. A forward's rows are
+  padded (its last row repeated) up to the next bucket (`CompileConfig.buckets`, vLLM's capture
+  sizes are the pattern) and the padding is cut from the output, so a steady load meets a few
+  shapes only. Rows are independent in every family's denoiser, so padding changes no row's
+  output. Static shapes measured better than dynamic ones on the CPU (docs/speed.md).
+- **Never silently wrong.** Dynamo does not guard on module hooks, so a hook added after
+  compiling (a LoRA segment, a ControlNet's residual fill, a Ulysses shard) would be skipped by
+  the compiled graph. Each call first checks that the denoiser is as it was compiled: the same
+  submodules in their slots, the same attention processors, no hooks added, its forward not
+  replaced. A change runs eagerly, counted. Weights changed in place (a merged LoRA) are read
+  by the compiled graph as inputs: they need no recompile. (Inductor's `freezing`, which folds
+  weights into the graph, would keep the old ones: it is never turned on.)
+- **Warm-up.** `warm_up` compiles the shapes the server expects (its sizes at every bucket)
+  before it says it is healthy. A shape first met later is compiled in its step, which waits
+  for it (a background compile would trace the module while the step's techniques install
+  their hooks on it); such graphs are counted (`gouache_compile_recompiles_total`) and
+  logged: a steady load of the warmed sizes makes none.
+- **The step's path.** The composer says per step whether its techniques allow the compiled
+  forward (`step(reason)`: a patched layout, a block cache, a template, a ControlNet or a
+  parallel split runs eagerly, `gouache.techniques`); the step's path and reason go to
+  `/metrics` (`CompileReport`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gouache.config import CompileConfig
+from gouache.outputs import CompileReport
+
+log = logging.getLogger(__name__)
+
+Inputs = dict  # keyword arguments of the denoiser; tensors (and dicts of them) with one row per forward row
+
+
+def configure(config: CompileConfig) -> None:
+    """Process-wide settings of a compiled server: where compiled kernels are kept across
+    restarts, and room for every bucketed shape (dynamo's default would stop compiling new
+    shapes after 8 and run them eagerly, unseen)."""
+    if config.cache_dir:
+        os.makedirs(config.cache_dir, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(config.cache_dir)
+    import torch._dynamo
+
+    limit = max(torch._dynamo.config.recompile_limit, 4 * len(config.buckets) * 16)
+    torch._dynamo.config.recompile_limit = limit
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
+
+
+class CompiledDenoiser:
+    """A denoiser and its compiled forward, used where a step allows it and the shape is ready."""
+
+    def __init__(self, denoiser: nn.Module, config: CompileConfig, device: torch.device):
+        if config.cuda_graphs and device.type != "cuda":
+            raise ValueError(f"--compile-cuda-graphs needs a CUDA device; this model runs on {device.type}")
+        configure(config)
+        self.denoiser = denoiser
+        self.buckets = tuple(sorted(config.buckets))
+        mode = "reduce-overhead" if config.cuda_graphs else None
+        self._compiled = torch.compile(denoiser, dynamic=False, mode=mode)
+        self._structure = _Structure(denoiser)
+        self._ready: set[tuple] = set()  # input shapes whose graph is compiled
+        self.warm = False  # set once warm_up ended: graphs compiled after it are recompiles
+        self._report = CompileReport()
+        self._step: _Step | None = None  # the step running, if any
+
+    # -- the forward ---------------------------------------------------------------------
+
+    def __call__(self, rows: Inputs, shared: Inputs) -> torch.Tensor:
+        """The denoiser's first output for `rows` (one row per forward row) and `shared` inputs:
+        compiled where the step allows it and the padded shape is compiled, else eager."""
+        n = _rows(rows)
+        reason = self._eager_reason(n)
+        if reason is None:
+            padded = self.bucket(n)
+            inputs = _pad(rows, padded - n)
+            key = _key(inputs, shared)
+            if key not in self._ready:
+                log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
+                            "to compile it at start", _describe(inputs))
+                self._compile(key, inputs, shared)
+            self._count(None)
+            return self._compiled(**inputs, **shared, return_dict=False)[0][:n]
+        self._count(reason)
+        return self.denoiser(**rows, **shared, return_dict=False)[0]
+
+    def bucket(self, rows: int) -> int:
+        """The padded row count of a forward of `rows` rows."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def _eager_reason(self, rows: int) -> str | None:
+        if self._step is None:
+            return "outside a step"
+        if self._step.reason is not None:
+            return self._step.reason
+        if rows > self.buckets[-1]:
+            return "rows"
+        if torch.is_grad_enabled():
+            return "grad"
+        return self._structure.changed(self.denoiser)
+
+    def _count(self, reason: str | None) -> None:
+        if self._step is None:
+            return
+        if reason is None:
+            self._step.compiled += 1
+        elif self._step.why is None:
+            self._step.why = reason
+
+    @contextlib.contextmanager
+    def step(self, reason: str | None) -> Iterator[None]:
+        """One step's forwards; `reason`: why the step's techniques run eagerly (None: they may
+        run compiled). The step counts as compiled when every forward of it was."""
+        self._step = step = _Step(reason, why=reason)
+        try:
+            yield
+        finally:
+            self._step = None
+            if step.why is not None:
+                self._report.eager[step.why] = self._report.eager.get(step.why, 0) + 1
+            elif step.compiled:
+                self._report.compiled += 1
+
+    def take_report(self) -> CompileReport:
+        report, self._report = self._report, CompileReport()
+        return report
+
+    # -- compiling -----------------------------------------------------------------------
+
+    def warm_up(self, examples: list[tuple[Inputs, Inputs]], progress: Callable[[str], None] = log.info) -> None:
+        """Compile the graphs of every bucket for each of `examples` ((rows, shared) inputs of a
+        forward the server expects; its rows repeated or cut to each bucket) before serving,
+        saying how far it got."""
+        start = time.perf_counter()
+        todo = [(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets]
+        for i, (inputs, shared) in enumerate(todo, 1):
+            key = _key(inputs, shared)
+            if key not in self._ready:
+                began = time.perf_counter()
+                self._compile(key, inputs, shared)
+                progress(f"compiled forward {i}/{len(todo)} ({_describe(inputs)}) in "
+                         f"{time.perf_counter() - began:.1f} s")
+        self.warm = True
+        self._report.warmup_s += time.perf_counter() - start
+
+    def _compile(self, key: tuple, inputs: Inputs, shared: Inputs) -> None:
+        import torch._dynamo.utils
+
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            self._compiled(**inputs, **shared, return_dict=False)
+        new = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        self._ready.add(key)
+        self._report.graphs += new
+        if self.warm:
+            self._report.recompiles += new
+
+
+@dataclass
+class _Step:
+    reason: str | None  # why the step's techniques run eagerly (None: they may run compiled)
+    compiled: int = 0  # forwards that ran compiled
+    why: str | None = None  # why the first eager forward ran eagerly
+
+
+class _Structure:
+    """What a compiled graph assumes of its module: the submodule in each slot, each attention
+    processor, the hooks of each module, and the module's own forward."""
+
+    def __init__(self, model: nn.Module):
+        self.slots = [(parent, name, child) for parent in model.modules() for name, child in parent._modules.items()]
+        self.processors = [(m, m.processor) for m in model.modules() if hasattr(m, "processor")]
+        self.hooks = [(m, len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+
+    def changed(self, model: nn.Module) -> str | None:
+        """Why `model` no longer runs as it was compiled (None: it does)."""
+        if "forward" in model.__dict__:
+            return "forward replaced"
+        if any(parent._modules.get(name) is not child for parent, name, child in self.slots):
+            return "modules replaced"
+        if any(m.processor is not p for m, p in self.processors):
+            return "attention processors"
+        if any(len(m._forward_hooks) != f or len(m._forward_pre_hooks) != p for m, f, p in self.hooks):
+            return "hooks"
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return "hooks"
+        return None
+
+
+def _rows(rows: Inputs) -> int:
+    for value in rows.values():
+        if isinstance(value, torch.Tensor):
+            return value.shape[0]
+        if isinstance(value, dict):
+            return _rows(value)
+    raise ValueError("a forward's row inputs hold no tensor")
+
+
+def _pad(rows: Inputs, extra: int) -> Inputs:
+    """`rows` with `extra` copies of their last row appended (rows are independent)."""
+    if extra == 0:
+        return rows
+    out = {}
+    for name, value in rows.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = torch.cat([value, value[-1:].expand(extra, *value.shape[1:])])
+        elif isinstance(value, dict):
+            out[name] = _pad(value, extra)
+        else:
+            out[name] = value
+    return out
+
+
+def _resize(rows: Inputs, n: int) -> Inputs:
+    """`rows` padded or cut to `n` rows."""
+    have = _rows(rows)
+    if n >= have:
+        return _pad(rows, n - have)
+    return {name: value[:n] if isinstance(value, torch.Tensor) else _resize(value, n) if isinstance(value, dict)
+            else value for name, value in rows.items()}
+
+
+def _key(*parts: Inputs) -> tuple:
+    """The shapes, dtypes and devices of inputs: what a static graph is compiled for."""
+    out = []
+    for inputs in parts:
+        for name, value in sorted(inputs.items()):
+            if isinstance(value, torch.Tensor):
+                out.append((name, tuple(value.shape), value.dtype, value.device))
+            elif isinstance(value, dict):
+                out.append((name, _key(value)))
+            else:
+                out.append((name, value))
+    return tuple(out)
+
+
+def _describe(inputs: Inputs) -> str:
+    first = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
+    return "x".join(map(str, first.shape))

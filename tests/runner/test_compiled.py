@@ -1,0 +1,182 @@
+"""Compiled denoiser forwards (`gouache.runner.compiled`): a compiled step equals the eager one
+(merged LoRA weights included), a step whose module was changed by a hook or whose techniques
+the graph does not hold runs eagerly and says why, padding to a bucket changes no row, and a
+warmed load never recompiles. One compile per model (buckets 1 and 2 at 64 px; a UNet and a
+DiT): compiling is slow on 2 cores."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gouache.config import CompileConfig, EngineConfig, LoraConfig
+from gouache.lora.files import random_lora
+from gouache.models.zoo import load_pipeline
+from gouache.outputs import CompileReport
+from gouache.request import ImageRequest
+from gouache.runner.compiled import CompiledDenoiser
+from gouache.runner.forward import StepSpec, eager_reason
+from gouache.runner.model_runner import ModelRunner
+from gouache.sched.plan import Batch
+
+TOL = 1e-4
+SIZE = 64
+
+
+@pytest.fixture(scope="module", params=["tiny-sd", "tiny-flux"])
+def model(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pipe(model):
+    return load_pipeline(model)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(pipe, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("loras")
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(pipe, rank=4, seed=seed), str(directory / f"{name}.safetensors"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def runners(pipe, lora_dir):
+    """An eager runner and a compiled one of the same pipeline, the compiled one warmed up."""
+    loras = LoraConfig(str(lora_dir))
+    eager = ModelRunner(pipe, loras=loras)
+    compiled = ModelRunner(pipe, loras=loras, compile=CompileConfig(enabled=True, buckets=(1, 2)))
+    compiled.warm_up(SIZE)
+    report = compiled.family.compiled.take_report()
+    assert report.graphs >= 2 and report.recompiles == 0 and report.warmup_s > 0
+    return eager, compiled
+
+
+def steps(runner: ModelRunner, requests: list[ImageRequest], batches: list[tuple[str, ...]]):
+    """Prepare `requests`, run one step of each batch; the latents and the compile report."""
+    for name in runner.loras.store.names():
+        runner.loras.store.load(name).result()
+    for r in requests:
+        runner.prepare(r)
+    report = CompileReport()
+    for ids in batches:
+        out = runner.execute(Batch(ids))
+        assert not out.failed and sorted(out.request_ids) == sorted(ids)
+        report.compiled += out.compile.compiled
+        report.graphs += out.compile.graphs
+        report.recompiles += out.compile.recompiles
+        for why, n in out.compile.eager.items():
+            report.eager[why] = report.eager.get(why, 0) + n
+    latents = {r.request_id: runner.states[r.request_id].latents.clone() for r in requests}
+    for r in requests:
+        runner.release(r.request_id)
+    return latents, report
+
+
+def request(rid, guidance=4.0, seed=1, loras=()):
+    return ImageRequest(rid, f"a red circle {rid}", SIZE, SIZE, 4, guidance, seed=seed, loras=tuple(loras))
+
+
+def assert_equal(eager: dict, compiled: dict) -> None:
+    for rid, latents in eager.items():
+        assert (latents - compiled[rid]).abs().max() <= TOL, rid
+
+
+def test_compiled_steps_equal_eager_padded_or_not_and_never_recompile(runners):
+    eager, compiled = runners
+    requests = [request("a"), request("b", guidance=1.0, seed=2), request("c", guidance=1.0, seed=3)]
+    # rows: a alone (2 rows with CFG, 1 without), b alone (1), b and c (2), all three (past the last bucket)
+    batches = [("a",), ("b",), ("b", "c"), ("a", "b", "c")]
+    expected, _ = steps(eager, requests, batches)
+    got, report = steps(compiled, requests, batches)
+    assert_equal(expected, got)
+    rows = 2 if compiled.family.uses_cfg(requests[0]) else 1
+    past = 2 + rows > 2
+    assert report.compiled == len(batches) - past and report.eager == ({"rows": 1} if past else {})
+    assert report.graphs == 0 and report.recompiles == 0
+
+
+def test_a_merged_lora_is_read_by_the_compiled_graph_and_segments_run_eagerly(runners):
+    eager, compiled = runners
+    one = [request("ink", loras=(("ink", 1.0),), guidance=1.0)]
+    expected, _ = steps(eager, one, [("ink",)] * 2)
+    got, report = steps(compiled, one, [("ink",)] * 2)
+    assert_equal(expected, got)
+    assert report.compiled == 2 and report.recompiles == 0  # merged in place: the graph's inputs
+    two = [request("ink", loras=(("ink", 1.0),), guidance=1.0), request("paper", loras=(("paper", 1.0),), guidance=1.0)]
+    expected, _ = steps(eager, two, [("ink", "paper")])
+    got, report = steps(compiled, two, [("ink", "paper")])
+    assert_equal(expected, got)
+    assert report.eager == {"hooks": 1} and report.compiled == 0  # segments are forward hooks
+
+
+def test_a_hook_added_after_compiling_is_honoured_by_running_eagerly(runners, pipe):
+    eager, compiled = runners
+    out = eager.family.denoiser.proj_out if hasattr(eager.family.denoiser, "proj_out") else eager.family.denoiser.conv_out
+    handle = out.register_forward_hook(lambda module, args, output: output + 0.5)
+    try:
+        expected, _ = steps(eager, [request("h", guidance=1.0)], [("h",)])
+        got, report = steps(compiled, [request("h", guidance=1.0)], [("h",)])
+    finally:
+        handle.remove()
+    plain, _ = steps(eager, [request("h", guidance=1.0)], [("h",)])
+    assert (plain["h"] - expected["h"]).abs().max() > 1e-3  # the hook matters ...
+    assert_equal(expected, got)  # ... and the compiled runner kept it
+    assert report.eager == {"hooks": 1}
+    after, report = steps(compiled, [request("h", guidance=1.0)], [("h",)])
+    assert_equal(plain, after)
+    assert report.compiled == 1 and report.recompiles == 0
+
+
+def test_a_weight_changed_in_place_is_seen_without_recompiling(runners, pipe):
+    eager, compiled = runners
+    weight = next(p for p in compiled.family.denoiser.parameters() if p.dim() > 1)
+    with torch.no_grad():
+        weight.mul_(1.5)
+    try:
+        expected, _ = steps(eager, [request("w", guidance=1.0)], [("w",)])
+        got, report = steps(compiled, [request("w", guidance=1.0)], [("w",)])
+    finally:
+        with torch.no_grad():
+            weight.div_(1.5)
+    assert_equal(expected, got)
+    assert report.compiled == 1 and report.recompiles == 0
+
+
+def test_steps_whose_techniques_the_graph_does_not_hold_run_eagerly(runners):
+    eager, compiled = runners
+    cached = [ImageRequest("bc", "a red circle", SIZE, SIZE, 4, 1.0, seed=1, block_cache=0.5)]
+    _, report = steps(compiled, cached, [("bc",)])
+    assert report.eager == {"block_cache": 1}
+    sizes = [request("s64", guidance=1.0), ImageRequest("s32", "a square", 32, 32, 4, 1.0, seed=2)]
+    expected, _ = steps(eager, sizes, [])
+    for r in sizes:
+        compiled.prepare(r)
+    out = compiled.execute(Batch(("s64", "s32"), patched=True))
+    assert not out.failed and out.compile.eager == {"mixed_sizes": 1}
+    for r in sizes:
+        compiled.release(r.request_id)
+
+
+def test_eager_reason_names_the_first_technique_that_does_not_compile():
+    one = StepSpec(patched=False, degree=1, cache=None, templates=None)
+
+    class State:  # what row_techniques reads
+        def __init__(self, shape=(1, 4, 8, 8), lora=None):
+            self.lora, self.control, self.template = lora, None, None
+            self.latents = torch.zeros(shape)
+
+    assert eager_reason(one, [State(), State()]) is None
+    assert eager_reason(StepSpec(True, 1, None, None), [State(), State((1, 4, 4, 4))]) == "mixed_sizes"
+    assert eager_reason(StepSpec(True, 1, None, None), [State(), State()]) is None  # one size: a plain batch
+    assert eager_reason(StepSpec(False, 2, None, None), [State()]) == "parallel"
+
+
+def test_cuda_graphs_and_worker_processes_are_refused_with_what_to_do(pipe):
+    with pytest.raises(ValueError, match="CUDA device"):
+        CompiledDenoiser(pipe.transformer if hasattr(pipe, "transformer") else pipe.unet,
+                         CompileConfig(enabled=True, cuda_graphs=True), torch.device("cpu"))
+    with pytest.raises(ValueError, match="add --compile"):
+        CompileConfig(cache_dir="/tmp/x")
+    with pytest.raises(ValueError, match="uniproc"):
+        EngineConfig(executor="multiproc", devices=2, compile=CompileConfig(enabled=True))
