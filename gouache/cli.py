@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--conditioning-mb", type=int, default=EngineConfig.conditioning_bytes >> 20,
                        help="MiB of prompts' text-encoder outputs and uploads' VAE encodings kept for requests that "
                             "repeat them; exact (0: off; default: %(default)s)")
+    serve.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+                       help="quantize the denoiser's linear layers (torchao): int8 on CPU and GPU, fp8 on GPUs with "
+                            "float8 units; LoRA adapters then run segmented beside them; approximate (docs/speed.md; "
+                            "default: off)")
     serve.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
                        help="run the denoiser compiled (torch.compile) where a step's techniques allow it, padded to "
                             "--compile-buckets rows; compiles at start before /health says ok (docs/speed.md; "
@@ -219,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
+    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed
 
     adapters.add_arguments(bench_kinds.add_parser(
         "adapters", help="LoRA serving: loading bound, latency with uncached adapters (BAL), fidelity, mixed-adapter "
@@ -231,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
     soak.add_arguments(bench_kinds.add_parser(
         "soak", help="overload each policy for minutes: lost requests, latency, memory, fds, leaked processes"))
+    speed.add_arguments(bench_kinds.add_parser("speed", help="eager vs compiled (vs int8) steps, and the seeds' "
+                                               "savings under compile"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
     fidelity.add_arguments(bench_kinds.add_parser(
         "fidelity", help="a candidate configuration's images vs the exact ones: SSIM, PSNR, prompt alignment"))
@@ -294,7 +300,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
             ignored[flag] = "without --controlnet-dir no request can name a ControlNet"
     refuse_ignored(ignored)
     return (
-        ModelConfig(args.model, args.dtype, args.device),
+        ModelConfig(args.model, args.dtype, args.device, args.quantize),
         EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
@@ -380,10 +386,10 @@ def _make_controlnet(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak
+    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed
 
     kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
-             "fidelity": fidelity, "parallel": parallel, "edit": edit}
+             "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed}
     return kinds[args.bench].run(args)
 
 

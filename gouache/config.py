@@ -35,10 +35,14 @@ class ModelConfig:
     model: str = "shapes-unet"  # a built-in name (see `gouache models`) or a local diffusers directory
     dtype: str = "float32"  # weights and activations: float32 | float16 | bfloat16
     device: str = "cpu"  # torch device string: cpu, cuda, cuda:1
+    quantize: str | None = None  # the denoiser's linear layers: int8 | fp8 (GPU) (`gouache.runner.quantize`); None: as loaded
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model must name a built-in model or a local directory")
         _check(self.dtype in _DTYPES, f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        _check(self.quantize in (None, "int8", "fp8"), f"quantize must be int8 or fp8, got {self.quantize!r}")
+        _check(self.quantize != "fp8" or self.device.startswith("cuda"),
+               "--quantize fp8 needs a GPU with float8 units (H100 or later); on the CPU use --quantize int8")
 
 
 @dataclass

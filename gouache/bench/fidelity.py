@@ -50,12 +50,14 @@ class Setup:
     block_cache: float = 0.0  # the block cache's threshold for every image; 0: off
     block_cache_max_reuse: int = 2
     controlnet_mode: str | None = None  # every prompt placed by a layout-map ControlNet in this mode; None: none
+    quantize: str | None = None  # the denoiser's linear layers quantized (`gouache.runner.quantize`); None: as loaded
 
     def describe(self) -> str:
         steps = "default" if self.steps is None else str(self.steps)
         cache = f", block cache {self.block_cache:g}" if self.block_cache else ""
         control = f", ControlNet {self.controlnet_mode}" if self.controlnet_mode else ""
-        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}{cache}{control}"
+        quantized = f", {self.quantize} weights" if self.quantize else ""
+        return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}{cache}{control}{quantized}"
 
 
 @dataclass
@@ -84,7 +86,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
 
     controlnets = ControlNetConfig(control.directory, control.workers) if control else ControlNetConfig()
     engine = build_engine(
-        ModelConfig(model),
+        ModelConfig(model, quantize=setup.quantize),
         EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads,
                      block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse),
                      controlnets=controlnets),
@@ -126,17 +128,18 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
     from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
     from gouache.runner.describe import model_info
+    from gouache.runner.quantize import quantize
     from gouache.sched.plan import Batch
     from gouache.sched.policies import POLICIES
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
-    pipe = load_pipeline(model)
-    info = model_info(pipe, model)
+    pipes = {kind: quantize(load_pipeline(model), kind) for kind in {s.quantize for s in setups}}
+    info = model_info(pipes[setups[0].quantize], model)
     times: list[list[float]] = [[] for _ in setups]
     for _ in range(repeats):
         for setup, out in zip(setups, times):
-            runner = ModelRunner(pipe, setup.patch_size, BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse))
+            runner = ModelRunner(pipes[setup.quantize], setup.patch_size, BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse))
             batch = prompts[: setup.max_batch_size]
             ids = tuple(runner.prepare(ImageRequest(
                 f"steady-{i}", p.caption, p.width, p.height, setup.steps or info.default_steps, info.default_guidance,
@@ -287,6 +290,8 @@ def add_arguments(p) -> None:
                         "'layout'); captions then say no positions (default: none)")
     p.add_argument("--controlnet-dir", default=None, action=Given,
                    help="its directory (default: the shapes UNet's trained ones)")
+    p.add_argument("--candidate-quantize", default=None, choices=("int8", "fp8"), action=Given,
+                   help="the candidate's denoiser with quantized linear layers (fp8: GPU only) (default: as loaded)")
     p.add_argument("--candidate-controlnet-mode", default=None, choices=("sync", "async", "none"), action=Given,
                    help="the candidate's ControlNet mode; none: the same captions without it (the reference's: "
                         "sync; default: the reference's)")
@@ -308,7 +313,7 @@ def setups(args) -> tuple[Setup, Setup]:
     reference = Setup("reference", args.policy, args.steps, 8, args.patch_size, args.cost_model,
                       controlnet_mode="sync" if args.controlnet else None)
     chosen = given(args) & {"candidate_steps", "candidate_policy", "candidate_max_batch_size", "candidate_block_cache",
-                            "candidate_controlnet_mode"}
+                            "candidate_controlnet_mode", "candidate_quantize"}
     if not chosen:
         default_steps = args.steps or (TINY_DEFAULT_STEPS if args.model in BUILTIN_MODELS else None)
         if default_steps is None:
@@ -321,6 +326,7 @@ def setups(args) -> tuple[Setup, Setup]:
         max_batch_size=args.candidate_max_batch_size or reference.max_batch_size,
         block_cache=args.candidate_block_cache or 0.0, block_cache_max_reuse=args.block_cache_max_reuse,
         controlnet_mode=args.candidate_controlnet_mode or reference.controlnet_mode,
+        quantize=args.candidate_quantize,
     )
     return reference, candidate
 

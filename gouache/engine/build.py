@@ -18,6 +18,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
 
     from gouache.models.zoo import load_pipeline, model_id
     from gouache.runner.describe import family_of, model_info
+    from gouache.runner.quantize import quantize
     from gouache.runner.families import FAMILIES
     from gouache.sched.costmodel import BatchCostModel, load_mask_model
     from gouache.sched.costmodel import load as load_cost_model
@@ -36,7 +37,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     if engine_config.block_cache.threshold > 0 and not one_device:
         raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
                          "several devices, where the block cache does not apply")
-    pipe = load_pipeline(model_config.model, model_config.dtype, model_config.device)
+    pipe = quantize(load_pipeline(model_config.model, model_config.dtype, model_config.device), model_config.quantize)
     family = FAMILIES[family_of(pipe)]
     if engine_config.patch_size is not None and not family.patches:
         raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
@@ -75,7 +76,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
                       engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
-                      engine_config.loras, engine_config.controlnets)
+                      engine_config.loras, engine_config.controlnets, model_config.quantize)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 

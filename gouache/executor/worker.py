@@ -20,6 +20,7 @@ from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, Templ
 from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import preview_steps
 from gouache.runner.model_runner import ModelRunner
+from gouache.runner.quantize import quantize
 from gouache.runner.sampler import DenoiseState
 from gouache.sched.plan import Batch
 
@@ -37,6 +38,7 @@ class WorkerSpec:
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     loras: LoraConfig = field(default_factory=LoraConfig)
     controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)
+    quantize: str | None = None  # the denoiser's linear layers (`gouache.runner.quantize`)
 
     @property
     def cuda(self) -> bool:
@@ -87,7 +89,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         if rank in block:
             groups[block] = group
     templates = spec.templates.under(f"rank-{rank}")  # each device its own store: a shared one would mix their files
-    runner = ModelRunner(load_pipeline(spec.model, spec.dtype, device), spec.patch_pixels, spec.block_cache, templates,
+    runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels, spec.block_cache, templates,
                          spec.loras, controlnets=spec.controlnets)
     return Worker(rank, runner, groups)
 

@@ -142,12 +142,13 @@ def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: tor
 
 @contextlib.contextmanager
 def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Adapters,
-              row_maps: dict[int, torch.Tensor], spent: list[float] | None = None,
+              row_maps: dict[int, torch.Tensor] | None, spent: list[float] | None = None,
               factors: Factors | None = None) -> Iterator[None]:
     """Within: each forward row r gets `row_adapters[r]`'s update (relative to `merged`) on
     every module they adapt. `row_maps[n]`: [n] forward row of each index of a leading
-    dimension of size n. `spent[0]` accumulates the seconds the updates took; `factors` keeps
-    the groups' stacked pairs between forwards of the same groups."""
+    dimension of size n; None where every row has the same update (a set beside quantized
+    weights, which cannot take it merged). `spent[0]` accumulates the seconds the updates
+    took; `factors` keeps the groups' stacked pairs between forwards of the same groups."""
     merged_key = adapters_key(merged)
     groups: dict[tuple, Adapters] = {}
     row_group = []
@@ -159,6 +160,8 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
     if not groups:
         yield
         return
+    if row_maps is None and len(set(row_group)) > 1:
+        raise LoraError("this forward cannot tell its rows apart: its rows must share one adapter set")
     factors = factors or Factors()
     composition, group_list = (tuple(groups), merged_key), list(groups.values())
     tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])  # the zero group for merged rows
@@ -167,6 +170,8 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
     def owners(x: torch.Tensor) -> tuple[int, torch.Tensor]:
         """The dimension of x that holds rows (0; 1 in a packed forward's [1, S, D] views) and
         the group of each index along it."""
+        if row_maps is None:  # one set on every index
+            return 0, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
         dim = 1 if x.shape[0] not in row_maps and x.ndim > 2 and x.shape[0] == 1 else 0
         n = x.shape[dim]
         if n not in row_maps:

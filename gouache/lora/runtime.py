@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from gouache.lora.apply import Adapters, Factors, Merged, adapters_key, segmented
+from gouache.runner.quantize import quantized
 from gouache.lora.files import Lora, LoraError
 from gouache.lora.store import LoraStore
 from gouache.config import LoraConfig
@@ -188,7 +189,11 @@ class LoraRuntime:
         maps = row_maps(states)
         nbytes = {lora.name: lora.nbytes for a in (*adapters, self.merged.adapters) for lora, _ in a}
         steps_left = min(len(s.timesteps) - s.step for s in states)
-        mode = choose(keys, [s.rows for s in states], self.merged.key, nbytes, steps_left, self.costs, maps is not None)
+        if quantized(self.denoiser):  # no update merges into a quantized weight: every set runs beside it
+            mode = "segmented"
+        else:
+            mode = choose(keys, [s.rows for s in states], self.merged.key, nbytes, steps_left, self.costs,
+                          maps is not None)
         step.mode = step.mode or mode
         if mode == "merged":
             self._merge(adapters[0], step)

@@ -1,0 +1,214 @@
+"""`gouache bench speed`: the speed layer, per model, eager against compiled (and compiled int8
+where asked), and the seeds' savings measured again under it.
+
+Each model runs in a process of its own (compile settings are process-wide). Every variant
+has its own in-process runner over the same weights (int8: a copy quantized), all prepared
+with the same requests, and the variants' steps are interleaved repetition by repetition, so
+a noisy neighbour slows all of them alike; medians of `runner.execute` wall times (the
+forward, the sampler step, the composer), after a step of each untimed (and any compile it
+needs). Rows of the table:
+
+- `step b=N`: one step of N requests of the largest size (CFG rows included);
+- `patched / grouped`: mixed sizes (S, M, L: a half, three quarters and all of --size) in one
+  patched or packed forward against one forward per size, summed;
+- `merged LoRA / none`, `segmented LoRA / none`: two requests with one shared adapter
+  (merged into the weights), with two adapters (each on its own rows), against no adapters;
+- `block cache / exact`: two requests asking for block reuse at 0.1 (per image), steady
+  state, against the same without.
+
+Under compile, a step whose techniques the graph does not hold runs eagerly (docs/speed.md):
+the table says which ran how (`paths`). Prints a table, writes JSON and markdown.
+
+    gouache bench speed [--models shapes-unet,shapes-dit,tiny-sdxl,tiny-flux] [--variants eager,compiled]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+VARIANTS = ("eager", "compiled", "compiled+int8")
+DEFAULT_MODELS = "shapes-unet,shapes-dit,tiny-sdxl,tiny-flux"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated models (default: %(default)s)")
+    p.add_argument("--variants", default="eager,compiled",
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: %(default)s)")
+    p.add_argument("--size", type=int, default=128, help="the largest size L in pixels, square (default: %(default)s)")
+    p.add_argument("--batches", default="1,8", help="request counts of the step rows (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=7, help="timed steps per row and variant, median (default: %(default)s)")
+    p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="compiled kernels kept here, so a rerun compiles in seconds (default: torch's own)")
+    p.add_argument("--out", default="benchmarks/results/speed_cpu.json",
+                   help="JSON path; the table (.md) goes beside it (default: %(default)s)")
+    p.add_argument("--one", default=None, help="(internal) measure this model in this process, print JSON")
+
+
+def run(args) -> int:
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "eager" not in variants:
+        raise ValueError(f"--variants takes eager (always, the baseline) and any of {', '.join(VARIANTS[1:])}; "
+                         f"got {args.variants!r}")
+    if args.one:
+        print(json.dumps(measure(args.one, args)))
+        return 0
+    results = {}
+    for model in args.models.split(","):
+        command = [sys.executable, "-m", "gouache.cli", "bench", "speed", "--one", model, "--variants", args.variants,
+                   "--size", str(args.size), "--batches", args.batches, "--repeats", str(args.repeats),
+                   "--torch-threads", str(args.torch_threads)]
+        if args.compile_cache:
+            command += ["--compile-cache", args.compile_cache]
+        child = subprocess.run(command, capture_output=True, text=True)
+        if child.returncode:
+            raise RuntimeError(f"measuring {model} failed:\n{child.stderr[-4000:]}")
+        results[model] = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"{model}: done", file=sys.stderr)
+    table = format_table(results, variants)
+    print(table)
+    command = "gouache bench speed " + " ".join(sys.argv[3:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": command.strip(), "size": args.size, "repeats": args.repeats,
+                               "torch_threads": args.torch_threads, "variants": variants, "results": results},
+                              indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"`{command.strip()}`\n\n{table}\n")
+    print(f"wrote {out}, {out.with_suffix('.md')}")
+    return 0
+
+
+def measure(model: str, args) -> dict:
+    """Every row of one model under every variant (see the module's docstring)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gouache.config import CompileConfig, LoraConfig
+    from gouache.lora.files import random_lora
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.families import make_family
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.quantize import quantize
+    from gouache.sched.plan import Batch
+
+    torch.set_num_threads(args.torch_threads)
+    variants = args.variants.split(",")
+    large = args.size
+    sizes = {"S": large // 2, "M": large * 3 // 4, "L": large}
+    batches = [int(b) for b in args.batches.split(",")]
+    loras = tempfile.mkdtemp(prefix="gouache-speed-loras-")
+    base = load_pipeline(model)
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(base, rank=8, seed=seed), os.path.join(loras, f"{name}.safetensors"))
+    runners = {}
+    for variant in variants:
+        pipe = base if variant != "compiled+int8" else quantize(load_pipeline(model), "int8")
+        rows = 2 if make_family(pipe, None).uses_cfg(_request("probe", large, 0)) else 1
+        compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2)})),
+                                sizes=((large, large),), cache_dir=args.compile_cache) if variant != "eager" else None
+        runners[variant] = runner = ModelRunner(pipe, loras=LoraConfig(loras), compile=compile)
+        runner.warm_up(large)
+        for name in runner.loras.store.names():
+            runner.loras.store.load(name).result()
+    table: dict[str, dict] = {}
+
+    def timed(label: str, batches_of: dict, patched: bool = False, settle: int = 1) -> None:
+        """Median ms of one step of `batches_of[variant]` (one or several batches, summed), and
+        each variant's compile paths in those steps."""
+        times = {v: [] for v in variants}
+        paths = {v: {} for v in variants}
+        for rep in range(settle + args.repeats):
+            for variant in variants:
+                runner, total = runners[variant], 0.0
+                for ids in batches_of[variant]:
+                    out = runner.execute(Batch(ids, patched=patched))
+                    if out.failed:
+                        raise RuntimeError(f"{label} ({variant}): {out.failed}")
+                    total += out.forward_s
+                    if rep >= settle:
+                        for why, n in out.compile.eager.items():
+                            paths[variant][f"eager: {why}"] = paths[variant].get(f"eager: {why}", 0) + n
+                        if out.compile.compiled:
+                            paths[variant]["compiled"] = paths[variant].get("compiled", 0) + out.compile.compiled
+                if rep >= settle:
+                    times[variant].append(total)
+        table[label] = {v: {"ms": 1e3 * statistics.median(times[v]), "paths": paths[v]} for v in variants}
+
+    counter = iter(range(10**6))
+
+    def prepared(specs: list[tuple[int, dict]]) -> dict[str, tuple[str, ...]]:
+        """Requests of (size, fields) prepared in every runner, under the same ids."""
+        ids = tuple(f"r{next(counter)}" for _ in specs)
+        for variant in variants:
+            for rid, (size, fields) in zip(ids, specs):
+                runners[variant].prepare(_request(rid, size, int(rid[1:]), **fields))
+        return ids
+
+    def release(*groups) -> None:
+        for variant in variants:
+            for ids in groups:
+                for rid in ids:
+                    runners[variant].release(rid)
+
+    for b in batches:
+        ids = prepared([(large, {})] * b)
+        timed(f"step b={b}", {v: [ids] for v in variants})
+        release(ids)
+    mixed = prepared([(sizes[s], {}) for s in "SML"])
+    timed("patched", {v: [mixed] for v in variants}, patched=True)
+    timed("grouped", {v: [(rid,) for rid in mixed] for v in variants})
+    release(mixed)
+    plain = prepared([(large, {})] * 2)
+    merged = prepared([(large, {"loras": (("ink", 1.0),)})] * 2)
+    segmented = prepared([(large, {"loras": (("ink", 1.0),)}), (large, {"loras": (("paper", 1.0),)})])
+    timed("no LoRA", {v: [plain] for v in variants})
+    timed("merged LoRA", {v: [merged] for v in variants})
+    timed("segmented LoRA", {v: [segmented] for v in variants})
+    cached = prepared([(large, {"block_cache": 0.1})] * 2)
+    timed("block cache", {v: [cached] for v in variants}, settle=3)
+    timed("exact", {v: [plain] for v in variants})
+    release(plain, merged, segmented, cached)
+    ratios = {}
+    for variant in variants:
+        ms = {label: row[variant]["ms"] for label, row in table.items()}
+        ratios[variant] = {
+            "patched / grouped": ms["patched"] / ms["grouped"],
+            "merged LoRA / none": ms["merged LoRA"] / ms["no LoRA"],
+            "segmented LoRA / none": ms["segmented LoRA"] / ms["no LoRA"],
+            "block cache / exact": ms["block cache"] / ms["exact"],
+        }
+    return {"sizes": sizes, "steps": table, "ratios": ratios}
+
+
+def _request(rid: str, size: int, seed: int, **fields):
+    from gouache.request import ImageRequest
+
+    return ImageRequest(rid, f"a red circle {seed % 5}", size, size, 1000, 4.0, seed=seed, **fields)
+
+
+def format_table(results: dict, variants: list[str]) -> str:
+    lines = ["| model | row | " + " | ".join(f"{v} ms" for v in variants) + " | "
+             + " | ".join(f"{v} / eager" for v in variants[1:]) + " | paths |",
+             "| --- | --- | " + " | ".join("---" for _ in variants) + " | " + " | ".join("---" for _ in variants[1:])
+             + " | --- |"]
+    for model, result in results.items():
+        for label, row in result["steps"].items():
+            eager = row["eager"]["ms"]
+            paths = "; ".join(f"{v}: " + ", ".join(f"{k} {n}" for k, n in row[v]["paths"].items())
+                              for v in variants[1:] if row[v]["paths"])
+            lines.append(f"| {model} | {label} | " + " | ".join(f"{row[v]['ms']:.1f}" for v in variants) + " | "
+                         + " | ".join(f"{row[v]['ms'] / eager:.2f}" for v in variants[1:]) + f" | {paths} |")
+    lines += ["", "| model | ratio | " + " | ".join(variants) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in variants) + " |"]
+    for model, result in results.items():
+        for name in next(iter(result["ratios"].values())):
+            lines.append(f"| {model} | {name} | " + " | ".join(f"{result['ratios'][v][name]:.2f}" for v in variants)
+                         + " |")
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""Quantized denoiser weights (`gouache.runner.quantize`): int8 linear layers stay close to fp32,
+LoRA adapters on them run segmented (never merged into an int8 weight) with the effect they
+have on fp32, and fp8 is refused on the CPU."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gouache.config import LoraConfig, ModelConfig
+from gouache.lora.files import random_lora
+from gouache.models.zoo import load_pipeline
+from gouache.request import ImageRequest
+from gouache.runner.model_runner import ModelRunner
+from gouache.runner.quantize import quantize, quantized
+from gouache.sched.plan import Batch
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("loras")
+    pipe = load_pipeline("tiny-sd")
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(pipe, rank=4, seed=seed), str(directory / f"{name}.safetensors"))
+    return directory
+
+
+def run(pipe, lora_dir, loras_of: dict[str, tuple]) -> tuple[dict, list[str]]:
+    """STEPS steps of one batch of requests (id -> adapters); their latents and the LoRA modes."""
+    runner = ModelRunner(pipe, loras=LoraConfig(str(lora_dir)))
+    for name in runner.loras.store.names():
+        runner.loras.store.load(name).result()
+    for seed, (rid, loras) in enumerate(loras_of.items()):
+        runner.prepare(ImageRequest(rid, "a cat", 64, 64, STEPS, 4.0, seed=seed, loras=loras))
+    modes = []
+    for _ in range(STEPS):
+        out = runner.execute(Batch(tuple(loras_of)))
+        assert not out.failed
+        modes.append(out.lora.mode)
+    return {rid: runner.states[rid].latents for rid in loras_of}, modes
+
+
+def test_int8_quantizes_the_linear_layers_only_and_stays_close_to_fp32(lora_dir):
+    fp32 = load_pipeline("tiny-sd")
+    int8 = quantize(load_pipeline("tiny-sd"), "int8")
+    assert quantized(int8.unet) == "int8" and quantized(fp32.unet) is None
+    linear = next(m for m in int8.unet.modules() if isinstance(m, torch.nn.Linear))
+    conv = next(m for m in int8.unet.modules() if isinstance(m, torch.nn.Conv2d))
+    assert type(linear.weight.data) is not torch.Tensor  # a quantized tensor subclass
+    assert type(conv.weight.data) is torch.Tensor
+    exact, _ = run(fp32, lora_dir, {"a": ()})
+    approx, _ = run(int8, lora_dir, {"a": ()})
+    scale = exact["a"].abs().max()
+    assert 0 < (approx["a"] - exact["a"]).abs().max() < 0.05 * scale
+
+
+def test_lora_on_int8_weights_runs_segmented_with_its_fp32_effect(lora_dir):
+    fp32 = load_pipeline("tiny-sd")
+    int8 = quantize(load_pipeline("tiny-sd"), "int8")
+    asked = {"ink": (("ink", 1.0),), "paper": (("paper", 1.0),), "none": ()}
+    exact, exact_modes = run(fp32, lora_dir, asked)
+    approx, modes = run(int8, lora_dir, asked)
+    assert set(modes) == {"segmented"}
+    single, single_modes = run(int8, lora_dir, {"ink": (("ink", 1.0),)})
+    assert set(single_modes) == {"segmented"}  # fp32 would merge a lone set
+    plain, _ = run(int8, lora_dir, {"ink": ()})
+    for rid in ("ink", "paper"):
+        effect = (exact[rid] - exact["none"]).abs().max()
+        assert effect > 1e-2  # the adapters matter ...
+        assert (approx[rid] - exact[rid]).abs().max() < 0.25 * effect  # ... and keep their effect on int8
+    assert (single["ink"] - approx["ink"]).abs().max() < 1e-4  # alone or beside others
+    assert (single["ink"] - plain["ink"]).abs().max() > 1e-2
+
+
+def test_fp8_is_refused_on_the_cpu():
+    with pytest.raises(ValueError, match="GPU"):
+        ModelConfig("tiny-sd", quantize="fp8")
+    with pytest.raises(ValueError, match="GPU"):
+        quantize(load_pipeline("tiny-sd"), "fp8")
+    with pytest.raises(ValueError, match="int8 or fp8"):
+        ModelConfig("tiny-sd", quantize="int4")
