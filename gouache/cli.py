@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
-    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed
+    from gouache.bench import (
+        adapters, baselines, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed,
+    )
 
     adapters.add_arguments(bench_kinds.add_parser(
         "adapters", help="LoRA serving: loading bound, latency with uncached adapters (BAL), fidelity, mixed-adapter "
@@ -235,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
     soak.add_arguments(bench_kinds.add_parser(
         "soak", help="overload each policy for minutes: lost requests, latency, memory, fds, leaked processes"))
+    baselines.add_arguments(bench_kinds.add_parser("baselines", help="gouache vs a plain diffusers server, serial "
+                                                   "and with static batching, under one load"))
     speed.add_arguments(bench_kinds.add_parser("speed", help="eager vs compiled (vs int8) steps, and the seeds' "
                                                "savings under compile"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
@@ -386,10 +390,12 @@ def _make_controlnet(args) -> int:
 
 
 def _bench(args) -> int:
-    from gouache.bench import adapters, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed
+    from gouache.bench import (
+        adapters, baselines, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed,
+    )
 
     kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
-             "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed}
+             "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed, "baselines": baselines}
     return kinds[args.bench].run(args)
 
 

@@ -224,9 +224,6 @@ class EngineConfig:
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
         _check(self.worker_timeout_s > 0, f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
         _check(self.conditioning_bytes >= 0, f"conditioning_bytes must be >= 0, got {self.conditioning_bytes}")
-        _check(not self.compile.enabled or self.executor == "uniproc",
-               f"--compile runs the model in the server's own process (--executor uniproc); the {self.executor} "
-               "executor's workers do not compile yet")
         _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
                f"the ControlNet service's reply timeout ({self.controlnets.reply_timeout_s:g} s) must be less than "
                f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")

@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 
 VARIANTS = ("eager", "compiled", "compiled+int8")
+STEPS = 30  # each request's schedule (more where --repeats needs them): block reuse depends on how far apart
+# steps are, and a long schedule would make neighbouring steps nearly equal
 DEFAULT_MODELS = "shapes-unet,shapes-dit,tiny-sdxl,tiny-flux"
 
 
@@ -103,6 +105,7 @@ def measure(model: str, args) -> dict:
     large = args.size
     sizes = {"S": large // 2, "M": large * 3 // 4, "L": large}
     batches = [int(b) for b in args.batches.split(",")]
+    steps = max(STEPS, 2 * (3 + args.repeats))  # a group serves two rows of up to 3 + repeats steps
     loras = tempfile.mkdtemp(prefix="gouache-speed-loras-")
     base = load_pipeline(model)
     for seed, name in enumerate(("ink", "paper")):
@@ -148,7 +151,7 @@ def measure(model: str, args) -> dict:
         ids = tuple(f"r{next(counter)}" for _ in specs)
         for variant in variants:
             for rid, (size, fields) in zip(ids, specs):
-                runners[variant].prepare(_request(rid, size, int(rid[1:]), **fields))
+                runners[variant].prepare(_request(rid, size, int(rid[1:]), steps, **fields))
         return ids
 
     def release(*groups) -> None:
@@ -187,10 +190,10 @@ def measure(model: str, args) -> dict:
     return {"sizes": sizes, "steps": table, "ratios": ratios}
 
 
-def _request(rid: str, size: int, seed: int, **fields):
+def _request(rid: str, size: int, seed: int, steps: int = STEPS, **fields):
     from gouache.request import ImageRequest
 
-    return ImageRequest(rid, f"a red circle {seed % 5}", size, size, 1000, 4.0, seed=seed, **fields)
+    return ImageRequest(rid, f"a red circle {seed % 5}", size, size, steps, 4.0, seed=seed, **fields)
 
 
 def format_table(results: dict, variants: list[str]) -> str:

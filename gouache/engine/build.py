@@ -76,7 +76,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
                       engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
-                      engine_config.loras, engine_config.controlnets, model_config.quantize)
+                      engine_config.loras, engine_config.controlnets, model_config.quantize, engine_config.compile)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 

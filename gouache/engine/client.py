@@ -79,8 +79,9 @@ class AsyncEngine(AdapterCalls):
         self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates,
                                   engine_config.loras, prefetch_loras=executor is None,
                                   controlnets=engine_config.controlnets,
-                                  conditioning_bytes=engine_config.conditioning_bytes, compile=engine_config.compile)
-        self.runner.warm_up(info.default_size)  # compiles before the server answers /health
+                                  conditioning_bytes=engine_config.conditioning_bytes,
+                                  compile=engine_config.compile if executor is None else None)
+        self.runner.warm_up(info.default_size)  # compiles before the server answers /health (workers: before their start)
         count = self.metrics.handoffs.inc
         self.pool = (DevicePool(self.runner, executor, count) if executor is not None
                      else DevicePool.in_process(self.runner, count))
@@ -100,7 +101,7 @@ class AsyncEngine(AdapterCalls):
             self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop, self._on_death
         )
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
-        self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure)
+        self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure, batched=True)
         self.codecs = CodecPool(engine_config.image_workers)
         self.heap = HeapTrimmer()
         self.book = StatusBook()
@@ -295,18 +296,24 @@ class AsyncEngine(AdapterCalls):
 
     # -- post-processing -------------------------------------------------------------------
 
-    def _postprocess(self, kind: str, rid: str, latents) -> None:
+    def _postprocess(self, jobs: list[tuple[str, str, object]]) -> None:
+        """Decode the images of (kind, request id, latents) jobs, final or preview, together (one
+        VAE call per latent shape), and hand each to the codecs."""
         # A preview's request may still be running: only the engine thread releases its state.
         # A final's request has left the scheduler: its state is this stage's to release.
-        entry = self._images.get(rid)
-        pixels = None if entry is None else self.runner.decode(rid, latents)
-        if kind == "final":
-            self.pool.release(rid)
-            self.heap.maybe_trim()
-        if pixels is None:  # aborted meanwhile
-            return
-        future = self.codecs.submit(encode_image, pixels, entry.request.output_format, entry.request.output_compression)
-        future.add_done_callback(lambda f: self._deliver(kind, rid, f))
+        entries = [self._images.get(rid) for _, rid, _ in jobs]
+        wanted = [(rid, latents) for (_, rid, latents), entry in zip(jobs, entries) if entry is not None]
+        decoded = iter(self.runner.decode_many(wanted))
+        for (kind, rid, _), entry in zip(jobs, entries):
+            pixels = next(decoded) if entry is not None else None
+            if kind == "final":
+                self.pool.release(rid)
+                self.heap.maybe_trim()
+            if pixels is None:  # aborted meanwhile
+                continue
+            future = self.codecs.submit(encode_image, pixels, entry.request.output_format,
+                                        entry.request.output_compression)
+            future.add_done_callback(lambda f, kind=kind, rid=rid: self._deliver(kind, rid, f))
 
     def _deliver(self, kind: str, rid: str, future: Future) -> None:
         entry = self._images.get(rid)

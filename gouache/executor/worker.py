@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, TemplateConfig
+from gouache.config import BlockCacheConfig, CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import preview_steps
 from gouache.runner.model_runner import ModelRunner
@@ -39,6 +39,7 @@ class WorkerSpec:
     loras: LoraConfig = field(default_factory=LoraConfig)
     controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)
     quantize: str | None = None  # the denoiser's linear layers (`gouache.runner.quantize`)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # compiled forwards, warmed up before the worker serves
 
     @property
     def cuda(self) -> bool:
@@ -72,6 +73,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
     process group of every aligned block (the same order on every rank) and load the model:
     what each worker of `multiproc` and `ray` does first."""
     from gouache.models.zoo import load_pipeline
+    from gouache.runner.describe import model_info
 
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
@@ -90,7 +92,8 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
             groups[block] = group
     templates = spec.templates.under(f"rank-{rank}")  # each device its own store: a shared one would mix their files
     runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels, spec.block_cache, templates,
-                         spec.loras, controlnets=spec.controlnets)
+                         spec.loras, controlnets=spec.controlnets, compile=spec.compile)
+    runner.warm_up(model_info(runner.pipe, spec.model).default_size)
     return Worker(rank, runner, groups)
 
 

@@ -196,10 +196,15 @@ class ModelRunner:
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;
         None if the request was released meanwhile."""
-        state = self.states.get(request_id)
-        if state is None:
-            return None
-        return self.family.decode(state, state.latents if latents is None else latents)
+        return self.decode_many([(request_id, latents)])[0]
+
+    def decode_many(self, items: list[tuple[str, torch.Tensor | None]]) -> list[np.ndarray | None]:
+        """`decode` of each (request id, latents or None) pair, one VAE call per latent shape."""
+        states = [self.states.get(rid) for rid, _ in items]
+        present = [(state, state.latents if latents is None else latents)
+                   for state, (_, latents) in zip(states, items) if state is not None]
+        images = iter(self.family.decode_many(*zip(*present)) if present else [])
+        return [next(images) if state is not None else None for state in states]
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gouache.config import LoraConfig, SchedulerConfig
+from gouache.config import CompileConfig, LoraConfig, SchedulerConfig
 from gouache.engine.core import EngineCore
 from gouache.executor.base import WorkerDied
 from gouache.executor.multiproc import MultiprocExecutor
@@ -121,9 +121,9 @@ class Script(Policy):
         return Plan(batches=batches, admit=admit, until=now)
 
 
-def check_scripted_rounds(executor) -> None:
+def check_scripted_rounds(executor) -> Loop:
     """Two requests through `Script`'s placements on 2 devices of `executor`: the latents of one
-    device, the scripted degrees, 9 hand-offs, image steps counted by degree."""
+    device, the scripted degrees, 9 hand-offs, image steps counted by degree. Returns the loop."""
     a, b = request("a", seed=5, steps=7), request("b", seed=6, steps=5)
     pooled, alone = Loop(executor), Loop()
     pooled.scheduler = pooled.core.scheduler = Scheduler(Script(), 2)
@@ -138,6 +138,7 @@ def check_scripted_rounds(executor) -> None:
     assert pooled.pool.handoffs == 9
     steps = {k: pooled.metrics.image_steps.labels(str(k))._value.get() for k in (1, 2)}
     assert steps == {1: 8, 2: 4}  # /metrics counts image steps by degree
+    return pooled
 
 
 def check_a_dead_worker(executor) -> None:
@@ -159,6 +160,21 @@ def check_a_dead_worker(executor) -> None:
 
 def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_workers):
     check_scripted_rounds(two_workers)
+
+
+def test_compiled_workers_equal_one_eager_device_and_split_steps_run_eagerly():
+    """Workers that compile (warmed up before they serve): the scripted rounds' latents equal one
+    eager device's, each one-device step ran compiled and each step on both devices eagerly."""
+    spec = WorkerSpec(MODEL, torch_threads=1, compile=CompileConfig(enabled=True, buckets=(2,), sizes=((64, 64),)))
+    executor = MultiprocExecutor(spec, 2)
+    try:
+        pooled = check_scripted_rounds(executor)
+    finally:
+        executor.shutdown()
+    steps = {(s.labels["path"], s.labels["reason"]): s.value for s in pooled.metrics.compile_steps.collect()[0].samples
+             if s.name.endswith("_total")}
+    assert steps == {("compiled", ""): 8, ("eager", "parallel"): 4}
+    assert pooled.metrics.compile_recompiles._value.get() == 0
 
 
 def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gouache.config import CompileConfig, EngineConfig, LoraConfig
+from gouache.config import CompileConfig, LoraConfig
 from gouache.lora.files import random_lora
 from gouache.models.zoo import load_pipeline
 from gouache.outputs import CompileReport
@@ -172,11 +172,9 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
     assert eager_reason(StepSpec(False, 2, None, None), [State()]) == "parallel"
 
 
-def test_cuda_graphs_and_worker_processes_are_refused_with_what_to_do(pipe):
+def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pipe):
     with pytest.raises(ValueError, match="CUDA device"):
         CompiledDenoiser(pipe.transformer if hasattr(pipe, "transformer") else pipe.unet,
                          CompileConfig(enabled=True, cuda_graphs=True), torch.device("cpu"))
     with pytest.raises(ValueError, match="add --compile"):
         CompileConfig(cache_dir="/tmp/x")
-    with pytest.raises(ValueError, match="uniproc"):
-        EngineConfig(executor="multiproc", devices=2, compile=CompileConfig(enabled=True))

@@ -160,10 +160,28 @@ class Family(ABC):
 
     # -- post-processing (post thread) ----------------------------------------------------
 
-    @torch.no_grad()
     def decode(self, state: DenoiseState, latents: torch.Tensor) -> np.ndarray:
         """The image of `latents` as uint8 [H, W, 3]; edits keep the original's pixels."""
-        image = self.pipe.vae.decode(self.to_vae_latents(latents, state), return_dict=False)[0]
+        return self.decode_many([state], [latents])[0]
+
+    @torch.no_grad()
+    def decode_many(self, states: list[DenoiseState], latents: list[torch.Tensor]) -> list[np.ndarray]:
+        """The images of `latents[i]` (of `states[i]`), as `decode` gives each: one VAE call per
+        latent shape (the VAE's rows are independent: each image within one uint8 level of its
+        own decode, the float difference of a batched forward)."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, x in enumerate(latents):
+            by_shape.setdefault(tuple(x.shape), []).append(i)
+        out: list[np.ndarray] = [None] * len(states)
+        for group in by_shape.values():
+            inputs = torch.cat([self.to_vae_latents(latents[i], states[i]) for i in group])
+            images = self.pipe.vae.decode(inputs, return_dict=False)[0]
+            for i, image in zip(group, images):
+                out[i] = self._pixels(states[i], image[None])
+        return out
+
+    def _pixels(self, state: DenoiseState, image: torch.Tensor) -> np.ndarray:
+        """A decoded [1, 3, H, W] image in [-1, 1] as uint8 [H, W, 3], an edit's kept pixels restored."""
         image = (image.float() / 2 + 0.5).clamp(0, 1)
         if state.edit is not None:
             original = (state.edit.pixels.float() / 2 + 0.5).clamp(0, 1)

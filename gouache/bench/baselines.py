@@ -1,0 +1,137 @@
+"""`gouache bench baselines`: gouache against what users build instead, from outside, one load.
+
+Each server runs in a process of its own, one after the other, on the same trace: a plain
+diffusers pipeline one request at a time (`diffusers-serial`), the same with static batching
+of same-size requests arriving within 50 ms (`diffusers-static`, `gouache.bench.diffusers_server`),
+and `gouache serve` (any flags: `--gouache-args`). Two phases per server, after one warm-up
+request of every size:
+
+- **burst**: `--burst` requests at once over the sizes (round robin): images per second from
+  the first send to the last answer;
+- **steady**: Poisson arrivals at `--rate` for `--duration` seconds, sizes drawn uniformly:
+  latency percentiles, send to answer.
+
+Every request is non-streaming, with the same prompt, steps and guidance. Prints a table,
+writes JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from gouache.bench.serve import free_port, wait_healthy
+from gouache.stats import percentile
+
+SERVERS = ("diffusers-serial", "diffusers-static", "gouache")
+DEFAULT_SIZES = "64x64,96x96,128x128,128x64,64x128"
+PROMPT = "a red circle at the top left"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="shapes-unet", help="the model every server serves (default: %(default)s)")
+    p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of %(default)s")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="WxH sizes of the load (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps of every request (default: %(default)s)")
+    p.add_argument("--guidance", type=float, default=3.0, help="guidance scale of every request (default: %(default)s)")
+    p.add_argument("--burst", type=int, default=24, help="requests sent at once (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=1.0, help="steady arrivals per second, Poisson (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of steady arrivals (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the steady trace (default: %(default)s)")
+    p.add_argument("--gouache-args", default="", help="extra `gouache serve` flags, e.g. '--compile' (default: none)")
+    p.add_argument("--out", default="benchmarks/results/baselines_cpu.json",
+                   help="JSON path; the table (.md) goes beside it (default: %(default)s)")
+
+
+def run(args) -> int:
+    servers = args.servers.split(",")
+    unknown = sorted(set(servers) - set(SERVERS))
+    if unknown:
+        raise ValueError(f"unknown servers {unknown}; choose from {', '.join(SERVERS)}")
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    rng = random.Random(args.seed)
+    steady, t = [], rng.expovariate(args.rate)
+    while t < args.duration:
+        steady.append((t, rng.choice(sizes)))
+        t += rng.expovariate(args.rate)
+    burst = [(0.0, sizes[i % len(sizes)]) for i in range(args.burst)]
+    rows = []
+    for server in servers:
+        proc, base_url = start(server, args)
+        try:
+            asyncio.run(load(base_url, [(0.0, size) for size in sizes], args))  # one of each size, untimed
+            done, wall = asyncio.run(load(base_url, burst, args))
+            burst_ok = [s for s in done if s is not None]
+            done, _ = asyncio.run(load(base_url, steady, args))
+            latencies = [s for s in done if s is not None]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        rows.append({"server": server, "burst_images_per_s": len(burst_ok) / wall, "burst_s": wall,
+                     "burst_failed": len(burst) - len(burst_ok), "steady_requests": len(steady),
+                     "steady_failed": len(steady) - len(latencies),
+                     "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
+                     "mean_s": sum(latencies) / max(len(latencies), 1)})
+        print(f"{server}: done", file=sys.stderr)
+    table = format_table(rows)
+    print(table)
+    command = "gouache bench baselines " + " ".join(sys.argv[3:])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": command.strip(), "model": args.model, "machine": f"{os.cpu_count()} CPU cores",
+                               "sizes": args.sizes, "steps": args.steps, "burst": args.burst, "rate": args.rate,
+                               "duration_s": args.duration, "results": rows}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"`{command.strip()}` on {os.cpu_count()} CPU cores\n\n{table}\n")
+    print(f"wrote {out}, {out.with_suffix('.md')}")
+    return 0
+
+
+def start(server: str, args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    if server == "gouache":
+        command = [sys.executable, "-m", "gouache.cli", "serve", "--model", args.model, "--port", str(port),
+                   "--max-queue-len", "1000", *args.gouache_args.split()]
+    else:
+        command = [sys.executable, "-m", "gouache.bench.diffusers_server", "--model", args.model, "--port", str(port),
+                   "--mode", server.removeprefix("diffusers-")]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    if not wait_healthy(proc, base_url, timeout_s=900):
+        proc.kill()
+        raise RuntimeError(f"{server} did not become healthy: {proc.stderr.read()[-2000:]}")
+    return proc, base_url
+
+
+async def load(base_url: str, trace: list[tuple[float, tuple[int, int]]], args) -> tuple[list[float | None], float]:
+    """Send each (at seconds, (w, h)) request at its time; each one's seconds to its answer (None
+    if it failed), and the seconds from the start to the last answer."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=1200) as client:
+        start = time.perf_counter()
+
+        async def one(i: int, at: float, size: tuple[int, int]) -> float | None:
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            body = {"prompt": PROMPT, "model": args.model, "size": f"{size[0]}x{size[1]}", "seed": i,
+                    "num_inference_steps": args.steps, "guidance_scale": args.guidance}
+            sent = time.perf_counter()
+            response = await client.post("/v1/images/generations", json=body)
+            return time.perf_counter() - sent if response.status_code == 200 else None
+
+        done = await asyncio.gather(*(one(i, at, size) for i, (at, size) in enumerate(trace)))
+        return list(done), time.perf_counter() - start
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| server | burst images/s | burst s | steady p50 s | steady p95 s | steady mean s | failed |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['burst_images_per_s']:.2f} | {r['burst_s']:.1f} | {r['p50_s']:.2f} | "
+                     f"{r['p95_s']:.2f} | {r['mean_s']:.2f} | {r['burst_failed'] + r['steady_failed']} |")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""The server users build instead of gouache, for `gouache bench baselines`: a diffusers pipeline
+behind a minimal FastAPI app, called the way its documentation shows (`pipe(prompt=...)`).
+
+- `serial`: one request at a time under a lock;
+- `static`: static batching: the first waiting request opens a batch, which takes every
+  request of the same size and steps that arrives within `--window-ms` of it, up to
+  `--max-batch`, and runs as one pipeline call (a list of prompts and generators); requests of
+  other sizes wait for a later batch.
+
+It answers POST /v1/images/generations (prompt, size, num_inference_steps, seed,
+guidance_scale; non-streaming, b64 PNG) and GET /health, enough for the load the benchmark
+sends. It is a baseline, not a product: no validation beyond what the load needs.
+
+    python -m gouache.bench.diffusers_server --model shapes-unet --mode static --port 8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+MODES = ("serial", "static")
+
+
+@dataclass
+class Job:
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    arrived: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    png: bytes = b""
+    error: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        return self.width, self.height, self.steps, self.guidance
+
+
+def make_app(pipe, mode: str, window_s: float, max_batch: int):
+    import torch
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    jobs: queue.Queue = queue.Queue()
+
+    def run(batch: list[Job]) -> None:
+        first = batch[0]
+        try:
+            images = pipe(prompt=[j.prompt for j in batch], height=first.height, width=first.width,
+                          num_inference_steps=first.steps, guidance_scale=first.guidance,
+                          generator=[torch.Generator().manual_seed(j.seed) for j in batch]).images
+            for job, image in zip(batch, images):
+                buffer = io.BytesIO()
+                image.save(buffer, format="PNG")
+                job.png = buffer.getvalue()
+        except Exception as error:  # the load's requests are valid: an error here is the baseline's own
+            for job in batch:
+                job.error = f"{type(error).__name__}: {error}"
+        for job in batch:
+            job.done.set()
+
+    def worker() -> None:
+        held: list[Job] = []  # taken from the queue, of another size than the batch being filled
+        while True:
+            first = held.pop(0) if held else jobs.get()
+            batch = [first]
+            if mode == "static":
+                batch += [j for j in held if j.key == first.key][: max_batch - 1]
+                held = [j for j in held if j not in batch]
+                deadline = first.arrived + window_s
+                while len(batch) < max_batch and (left := deadline - time.monotonic()) > 0:
+                    try:
+                        job = jobs.get(timeout=left)
+                    except queue.Empty:
+                        break
+                    (batch if job.key == first.key else held).append(job)
+            run(batch)
+
+    threading.Thread(target=worker, daemon=True).start()
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/images/generations")
+    async def generate(body: dict):
+        width, height = (int(v) for v in body.get("size", "512x512").split("x"))
+        job = Job(body["prompt"], width, height, int(body.get("num_inference_steps", 20)),
+                  float(body.get("guidance_scale", 3.0)), int(body.get("seed", 0)))
+        jobs.put(job)
+        await asyncio.get_running_loop().run_in_executor(None, job.done.wait)
+        if job.error:
+            return JSONResponse({"error": {"message": job.error}}, status_code=500)
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(job.png).decode()}]}
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="shapes-unet")
+    parser.add_argument("--mode", choices=MODES, default="static")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--window-ms", type=float, default=50.0)
+    parser.add_argument("--max-batch", type=int, default=8)
+    args = parser.parse_args()
+    import uvicorn
+
+    from gouache.models.zoo import load_pipeline
+
+    pipe = load_pipeline(args.model)
+    pipe.set_progress_bar_config(disable=True)
+    uvicorn.run(make_app(pipe, args.mode, args.window_ms / 1000, args.max_batch), host="127.0.0.1", port=args.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
