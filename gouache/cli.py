@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from gouache.cli_flags import Given, counts_arg, given, refuse_ignored, size_arg, sizes_arg
+from gouache.cli_flags import Given, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg
 from gouache.config import (
     COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, CompileConfig,
     ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--policy", default="orca", choices=sorted(POLICIES),
                        help="scheduling policy (default: %(default)s)")
-    serve.add_argument("--max-batch-size", type=int, default=SchedulerConfig.max_batch_size,
-                       help="most images denoised together in one step (default: %(default)s)")
+    serve.add_argument("--max-batch-size", type=batch_size_arg, default=None, metavar="N|auto",
+                       help="most images denoised together in one step; auto: as many as pay on this device, "
+                            "measured at start (step time per image falls by 10 %% or more as the batch doubles) "
+                            "(default: auto)")
     serve.add_argument("--cost-model", default=None,
                        help="step-cost JSON from `gouache profile`; needed by, and only by, the policies that plan "
                             f"with step times: {_policies_where('needs_predictor')} (default: none)")

@@ -59,3 +59,11 @@ def counts_arg(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated counts >= 1, e.g. 1,2,4,8; got {text!r}")
     return counts
+
+
+def batch_size_arg(text: str) -> int | None:
+    """`--max-batch-size` as an argparse `type`: a count >= 1, or auto (None: measured at start)."""
+    if text == "auto":
+        return None
+    (count,) = counts_arg(text)
+    return count

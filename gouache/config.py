@@ -50,13 +50,16 @@ class SchedulerConfig:
     """How the denoising stage picks the requests of each step."""
 
     policy: str = "orca"  # a name from gouache.sched.policies.POLICIES
-    max_batch_size: int = 8  # most requests denoised together in one step
+    # most requests denoised together in one step; None: as many as pay on the device, measured
+    # at start by `build_engine` (`gouache.runner.batch_probe`), which a policy needs first
+    max_batch_size: int | None = 8
     cost_model: str | None = None  # JSON from `gouache profile`, for SLO-aware policies
     round_s: float = 0.5  # round-knapsack's round length τ in seconds (at least one step is always taken)
     run_late: bool = True  # round-knapsack gives idle devices to requests that will miss their deadline anyway
 
     def __post_init__(self) -> None:
-        _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        _check(self.max_batch_size is None or self.max_batch_size >= 1,
+               f"max_batch_size must be >= 1, got {self.max_batch_size}")
         _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
 
 

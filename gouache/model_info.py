@@ -21,6 +21,7 @@ class ModelInfo:
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
     block_cache: bool = True  # some steps run on one device, where the block cache applies
     templates: bool = False  # edits can reuse a template's activations (some steps run on one device)
+    max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)
 
 
 def unpriced_message(sizes: tuple[tuple[int, int], ...], height: int, width: int) -> str:

@@ -30,6 +30,7 @@ class ModelDefaults(BaseModel):
     default_guidance: float
     uses_cfg: bool  # a negative prompt and guidance mean something
     max_n: int
+    max_batch: int | None  # requests denoised together in one step (measured at start under --max-batch-size auto)
 
     @classmethod
     def of(cls, ctx: ApiContext) -> ModelDefaults:
@@ -38,7 +39,8 @@ class ModelDefaults(BaseModel):
         return cls(family=info.family, default_size=limits.default_size, size_step=limits.size_step,
                    min_size=limits.min_size, max_size=limits.max_size, max_pixels=limits.max_pixels, sizes=sizes,
                    default_steps=info.default_steps, max_steps=limits.max_steps,
-                   default_guidance=info.default_guidance, uses_cfg=info.uses_cfg, max_n=limits.max_n)
+                   default_guidance=info.default_guidance, uses_cfg=info.uses_cfg, max_n=limits.max_n,
+                   max_batch=info.max_batch)
 
 
 class ModelCard(BaseModel):

@@ -4,6 +4,9 @@ service started, before anything is served."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 from gouache.controlnet.model import Base
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.adapters import start_control_service
@@ -12,12 +15,16 @@ from gouache.executor.base import Executor
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.scheduler import check_devices
 
+log = logging.getLogger(__name__)
+
 
 def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
     import torch
 
     from gouache.models.zoo import load_pipeline, model_id
+    from gouache.runner.batch_probe import probe_max_batch
     from gouache.runner.describe import family_of, model_info
+    from gouache.runner.model_runner import ModelRunner
     from gouache.runner.quantize import quantize
     from gouache.runner.families import FAMILIES
     from gouache.sched.costmodel import BatchCostModel, load_mask_model
@@ -32,7 +39,8 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
                          "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
                          "(kind 'parallel')")
     check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
-    policy = make_policy(sched_config, predictor)
+    # the cap does not change what the checks below read; with --max-batch-size auto it is measured once the model loads
+    policy = make_policy(replace(sched_config, max_batch_size=sched_config.max_batch_size or 1), predictor)
     one_device = caches_blocks(policy, engine_config.devices)
     if engine_config.block_cache.threshold > 0 and not one_device:
         raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
@@ -53,6 +61,12 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
         raise ValueError(f"--lora-bound would be ignored: every step of --policy {sched_config.policy} runs on "
                          "several devices, whose ranks load adapters before the step (synchronously)")
     info = model_info(pipe, model_id(model_config.model))
+    if sched_config.max_batch_size is None:
+        probe = probe_max_batch(ModelRunner(pipe, engine_config.patch_size), (info.default_size, info.default_size),
+                                info.default_guidance)
+        log.info("%s, measured on %s at %d px", probe.describe(), model_config.device, info.default_size)
+        sched_config = replace(sched_config, max_batch_size=probe.max_batch)
+    policy = make_policy(sched_config, predictor)
     if engine_config.executor == "uniproc":
         return AsyncEngine(pipe, info, engine_config, policy, predictor=predictor)
     from gouache.parallel.ulysses import check_degree

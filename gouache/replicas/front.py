@@ -94,7 +94,7 @@ class ReplicaSet:
         self.configs = (model_config, engine_config, sched_config)
         self.count = replica_config.replicas
         self.router = make_router(replica_config.router)
-        self.max_batch = sched_config.max_batch_size
+        self.max_batch = sched_config.max_batch_size  # with auto (None), the least a replica measured, once ready
         self.max_upload_pixels = engine_config.max_upload_pixels
         self.start_timeout_s = start_timeout_s
         self.deadlines = deadlines
@@ -187,6 +187,7 @@ class ReplicaSet:
             if kind == "ready":
                 ready.add(index)
                 self.info = rest[0]
+                self.max_batch = min(self.max_batch or self.info.max_batch, self.info.max_batch)
 
     async def drain(self, grace_s: float) -> None:
         self._draining = True

@@ -203,7 +203,7 @@ class ModelRunner:
         states = [self.states.get(rid) for rid, _ in items]
         present = [(state, state.latents if latents is None else latents)
                    for state, (_, latents) in zip(states, items) if state is not None]
-        images = iter(self.family.decode_many(*zip(*present)) if present else [])
+        images = iter(self.family.decode_many(*map(list, zip(*present))) if present else [])
         return [next(images) if state is not None else None for state in states]
 
     def release(self, request_id: str) -> None:

@@ -29,6 +29,7 @@ FAKE_INFO = ModelInfo(
     uses_cfg=True,
     inpaint_channels=False,
     deadlines=True,
+    max_batch=8,
 )
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 

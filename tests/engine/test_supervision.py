@@ -144,7 +144,7 @@ def test_cancelling_a_previewing_request_mid_step_fails_no_other(pipes):
         streamed = engine.runner.states.get("stream-0")
         if streamed is not None and streamed.step == 3 and "stream" in streams:
             streams.pop("stream").abort()  # the client goes away...
-            engine._postprocess("preview", "stream-0", streamed.latents)  # ...while its preview job runs
+            engine._postprocess([("preview", "stream-0", streamed.latents)])  # ...while its preview job runs
         return out
 
     engine.runner.family.forward = forward_then_race
@@ -225,16 +225,18 @@ def test_a_dead_engine_loop_is_reported_and_fails_what_is_in_flight(pipes):
     assert run(scenario()) == ("engine_stopped", "dead", "engine_stopped")
 
 
-@pytest.mark.parametrize("stage", ["prepare", "decode"])
+@pytest.mark.parametrize("stage", ["prepare", "decode_many"])
 def test_a_stage_job_that_raises_fails_its_request_and_the_stage_goes_on(pipes, stage):
+    """A poisoned request's preparation or decode raises (a decode of several images at once then
+    runs each alone): it fails, its batch-mate is served."""
     engine = make_engine(pipes, "orca")
     original = getattr(engine.runner.family, stage)
 
-    def poisoned(state_or_request, *args):
-        request = getattr(state_or_request, "request", state_or_request)
-        if request.prompt == "poison":
+    def poisoned(states_or_request, *args):
+        states = states_or_request if isinstance(states_or_request, list) else [states_or_request]
+        if any(getattr(s, "request", s).prompt == "poison" for s in states):
             raise RuntimeError(f"{stage} breaks on this request")
-        return original(state_or_request, *args)
+        return original(states_or_request, *args)
 
     setattr(engine.runner.family, stage, poisoned)
 

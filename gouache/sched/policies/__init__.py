@@ -22,4 +22,6 @@ POLICIES: dict[str, type[Policy]] = {
 def make_policy(config: SchedulerConfig, predictor: StepTimePredictor | None = None) -> Policy:
     if config.policy not in POLICIES:
         raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
+    if config.max_batch_size is None:
+        raise ValueError("max_batch_size auto is measured on the model (`build_engine`) before a policy is made")
     return POLICIES[config.policy](config, predictor)
