@@ -80,3 +80,33 @@ def test_fp8_is_refused_on_the_cpu():
         quantize(load_pipeline("tiny-sd"), "fp8")
     with pytest.raises(ValueError, match="int8 or fp8"):
         ModelConfig("tiny-sd", quantize="int4")
+
+
+def test_templates_and_controlnets_run_on_int8_weights(tmp_path):
+    """A template store keys int8 weights apart from fp32 ones, records and replays on them, and
+    a ControlNet's residuals enter the int8 UNet."""
+    import numpy as np
+
+    from gouache.config import ControlNetConfig, TemplateConfig
+    from gouache.controlnet.model import random_controlnet
+    from gouache.templates.replay import model_digest
+
+    fp32, int8 = load_pipeline("tiny-sd"), quantize(load_pipeline("tiny-sd"), "int8")
+    assert model_digest(int8) != model_digest(fp32)
+    runner = ModelRunner(int8, templates=TemplateConfig(directory=str(tmp_path / "templates")))
+    image, mask = np.full((64, 64, 3), 100, np.uint8), np.zeros((64, 64), np.float32)
+    mask[:32] = 1
+    for rid, fields, edit_mask in (("record", {"register_template": True}, np.zeros_like(mask)),
+                                   ("replay", {"template_cache": True}, mask)):
+        runner.prepare(ImageRequest(rid, "a cat", 64, 64, STEPS, 4.0, seed=0, image=b"-", template_id="t", **fields),
+                       image, edit_mask)
+        for _ in range(STEPS):
+            out = runner.execute(Batch((rid,)))
+            assert not out.failed
+    assert out.templates.tokens["replayed"] > 0
+    random_controlnet(fp32, seed=0).save_pretrained(str(tmp_path / "controlnets" / "edges"))
+    controlled = ModelRunner(int8, controlnets=ControlNetConfig(str(tmp_path / "controlnets")))
+    controlled.prepare(ImageRequest("c", "a cat", 64, 64, STEPS, 4.0, seed=0, controlnets=(("edges", b"-", 1.0),)),
+                       controls=[np.full((64, 64, 3), 255, np.uint8)])
+    out = controlled.execute(Batch(("c",)))
+    assert not out.failed and out.controlnet.runs == {"local": 1}
