@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from gouache.lora.apply import Adapters, Factors, Merged, adapters_key, segmented
-from gouache.runner.quantize import quantized
 from gouache.lora.files import Lora, LoraError
 from gouache.lora.store import LoraStore
 from gouache.config import LoraConfig
@@ -79,8 +78,11 @@ def choose(keys: list[Key], rows: list[int], merged: Key, nbytes: dict[str, int]
 class LoraRuntime:
     """One denoiser's adapters: their loads per request, what is merged, what things cost."""
 
-    def __init__(self, config: LoraConfig, pipe, denoiser: torch.nn.Module):
+    def __init__(self, config: LoraConfig, pipe, denoiser: torch.nn.Module, merges: bool = True):
+        """`merges`: whether adapters may merge into the denoiser's weights (not quantized ones:
+        every set then runs segmented beside them)."""
         self.config = config
+        self.merges = merges
         self.store = LoraStore(config.directory, pipe, config.host_bytes)
         self.merged = Merged.of(denoiser)
         self.denoiser = denoiser
@@ -189,7 +191,7 @@ class LoraRuntime:
         maps = row_maps(states)
         nbytes = {lora.name: lora.nbytes for a in (*adapters, self.merged.adapters) for lora, _ in a}
         steps_left = min(len(s.timesteps) - s.step for s in states)
-        if quantized(self.denoiser):  # no update merges into a quantized weight: every set runs beside it
+        if not self.merges:  # no update merges into a quantized weight: every set runs beside it
             mode = "segmented"
         else:
             mode = choose(keys, [s.rows for s in states], self.merged.key, nbytes, steps_left, self.costs,

@@ -20,6 +20,7 @@ from gouache.sched.plan import Batch
 from gouache.runner.families import Family, make_family
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
+from gouache.runner.quantize import quantized
 from gouache.runner.forward import Forward, StepSpec, split_step
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import (
@@ -50,7 +51,8 @@ class ModelRunner:
         self.template_config = templates or TemplateConfig()
         self._model = model_digest(pipe) if self.template_config.directory else ""  # before a LoRA merges
         self._templates: TemplateCache | None = None  # made at the first edit that uses one, or now with a directory
-        self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser)
+        self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser,
+                                 merges=quantized(self.family.denoiser) is None)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
         self.controls = ControlRuntime(controlnets or ControlNetConfig(), pipe)
         if self.template_config.directory:  # claimed (and an earlier run's files adopted) before serving

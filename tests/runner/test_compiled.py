@@ -6,17 +6,15 @@ forward is padded to it; a UNet and a DiT): compiling is slow on 2 cores."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from gouache.config import CompileConfig, LoraConfig
-from gouache.lora.files import random_lora
-from gouache.models.zoo import load_pipeline
 from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.forward import StepSpec, eager_reason
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
+from tests.lora.random_files import random_loras
 
 TOL = 1e-4
 SIZE = 64
@@ -28,16 +26,8 @@ def model(request):
 
 
 @pytest.fixture(scope="module")
-def pipe(model):
-    return load_pipeline(model)
-
-
-@pytest.fixture(scope="module")
-def lora_dir(pipe, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("loras")
-    for seed, name in enumerate(("ink", "paper")):
-        save_file(random_lora(pipe, rank=4, seed=seed), str(directory / f"{name}.safetensors"))
-    return directory
+def lora_dir(model, tmp_path_factory):
+    return random_loras(tmp_path_factory.mktemp("loras"), model)
 
 
 @pytest.fixture(scope="module")

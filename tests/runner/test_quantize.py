@@ -4,26 +4,21 @@ have on fp32, and fp8 is refused on the CPU."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from gouache.config import LoraConfig, ModelConfig
-from gouache.lora.files import random_lora
 from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.quantize import quantize, quantized
 from gouache.sched.plan import Batch
+from tests.lora.random_files import random_loras
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def lora_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("loras")
-    pipe = load_pipeline("tiny-sd")
-    for seed, name in enumerate(("ink", "paper")):
-        save_file(random_lora(pipe, rank=4, seed=seed), str(directory / f"{name}.safetensors"))
-    return directory
+    return random_loras(tmp_path_factory.mktemp("loras"), "tiny-sd")
 
 
 def run(pipe, lora_dir, loras_of: dict[str, tuple]) -> tuple[dict, list[str]]:
