@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -72,6 +73,7 @@ def run(args) -> int:
             burst_ok = [s for s in done if s is not None]
             done, _ = asyncio.run(load(base_url, steady, args))
             latencies = [s for s in done if s is not None]
+            compiled = compile_counts(base_url) if server == "gouache" else {}
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -79,7 +81,7 @@ def run(args) -> int:
                      "burst_failed": len(burst) - len(burst_ok), "steady_requests": len(steady),
                      "steady_failed": len(steady) - len(latencies),
                      "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
-                     "mean_s": sum(latencies) / max(len(latencies), 1)})
+                     "mean_s": sum(latencies) / max(len(latencies), 1), **compiled})
         print(f"{server}: done", file=sys.stderr)
     table = format_table(rows)
     print(table)
@@ -128,10 +130,28 @@ async def load(base_url: str, trace: list[tuple[float, tuple[int, int]]], args) 
         return list(done), time.perf_counter() - start
 
 
+def compile_counts(base_url: str) -> dict:
+    """Under --compile, what /metrics says of the run: steps by path and why, graphs compiled
+    after the warm-up (a steady load of the warmed sizes makes none); {} without --compile."""
+    steps, recompiles = {}, None
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("gouache_compile_steps_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            steps[f"{labels['path']} {labels['reason']}".strip()] = float(line.split()[-1])
+        elif line.startswith("gouache_compile_recompiles_total "):
+            recompiles = float(line.split()[-1])
+    return {"compile_steps": steps, "recompiles": recompiles} if steps else {}
+
+
 def format_table(rows: list[dict]) -> str:
     lines = ["| server | burst images/s | burst s | steady p50 s | steady p95 s | steady mean s | failed |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['server']} | {r['burst_images_per_s']:.2f} | {r['burst_s']:.1f} | {r['p50_s']:.2f} | "
                      f"{r['p95_s']:.2f} | {r['mean_s']:.2f} | {r['burst_failed'] + r['steady_failed']} |")
+    compiled = [r for r in rows if r.get("compile_steps")]
+    for r in compiled:
+        paths = ", ".join(f"{path}: {n:g}" for path, n in r["compile_steps"].items())
+        lines.append(f"\n{r['server']} under --compile: steps {paths}; graphs compiled after the warm-up: "
+                     f"{r['recompiles']:g}")
     return "\n".join(lines)

@@ -53,7 +53,7 @@ def configure(config: CompileConfig) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(config.cache_dir)
     import torch._dynamo
 
-    limit = max(torch._dynamo.config.recompile_limit, 4 * len(config.buckets) * 16)
+    limit = max(torch._dynamo.config.recompile_limit, 64 * len(config.buckets))  # 64 sizes at every bucket
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
 
@@ -89,9 +89,9 @@ class CompiledDenoiser:
             if key not in self._ready:
                 log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
                             "to compile it at start", _describe(inputs))
-                self._compile(key, inputs, shared)
+                self._ready.add(key)
             self._count(None)
-            return self._compiled(**inputs, **shared, return_dict=False)[0][:n]
+            return self._run(inputs, shared)[:n]
         self._count(reason)
         return self.denoiser(**rows, **shared, return_dict=False)[0]
 
@@ -148,23 +148,26 @@ class CompiledDenoiser:
             key = _key(inputs, shared)
             if key not in self._ready:
                 began = time.perf_counter()
-                self._compile(key, inputs, shared)
+                with torch.no_grad():
+                    self._run(inputs, shared)
+                self._ready.add(key)
                 progress(f"compiled forward {i}/{len(todo)} ({_describe(inputs)}) in "
                          f"{time.perf_counter() - began:.1f} s")
         self.warm = True
         self._report.warmup_s += time.perf_counter() - start
 
-    def _compile(self, key: tuple, inputs: Inputs, shared: Inputs) -> None:
+    def _run(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
+        """The compiled forward's first output, counting the graphs dynamo compiles for it (a new
+        shape, or any guard that failed): after the warm-up, recompiles."""
         import torch._dynamo.utils
 
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        with torch.no_grad():
-            self._compiled(**inputs, **shared, return_dict=False)
+        out = self._compiled(**inputs, **shared, return_dict=False)[0]
         new = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
-        self._ready.add(key)
         self._report.graphs += new
         if self.warm:
             self._report.recompiles += new
+        return out
 
 
 @dataclass
