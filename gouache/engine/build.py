@@ -8,7 +8,7 @@ import logging
 from dataclasses import replace
 
 from gouache.controlnet.model import Base
-from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.config import COMPILE_BUCKETS, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.adapters import start_control_service
 from gouache.engine.client import AsyncEngine, caches_blocks
 from gouache.executor.base import Executor
@@ -66,6 +66,8 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
                                 info.default_guidance)
         log.info("%s, measured on %s at %d px", probe.describe(), model_config.device, info.default_size)
         sched_config = replace(sched_config, max_batch_size=probe.max_batch)
+    engine_config = replace(engine_config, compile=cover(engine_config.compile, sched_config.max_batch_size,
+                                                         2 if info.uses_cfg else 1))
     policy = make_policy(sched_config, predictor)
     if engine_config.executor == "uniproc":
         return AsyncEngine(pipe, info, engine_config, policy, predictor=predictor)
@@ -99,3 +101,15 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     from gouache.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(spec, engine_config.devices, reply_deadline_s=engine_config.worker_timeout_s)
+
+
+def cover(config: CompileConfig, max_batch: int, rows: int) -> CompileConfig:
+    """The default compile buckets, doubled on up to the rows of the server's largest batch (its
+    requests' CFG rows included), so that a full batch runs compiled; buckets the operator gave
+    are theirs."""
+    if not config.enabled or config.buckets != COMPILE_BUCKETS:
+        return config
+    buckets = list(config.buckets)
+    while buckets[-1] < max_batch * rows:
+        buckets.append(2 * buckets[-1])
+    return replace(config, buckets=tuple(buckets))

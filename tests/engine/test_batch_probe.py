@@ -40,3 +40,14 @@ def test_the_probe_runs_real_steps_and_says_what_it_measured():
     assert probe.max_batch in (1, 2, 4) and set(probe.step_s) <= {1, 2, 4} and 1 in probe.step_s
     assert not runner.states
     assert "max batch size" in probe.describe()
+
+
+def test_default_compile_buckets_grow_to_cover_the_largest_batch():
+    from gouache.config import COMPILE_BUCKETS, CompileConfig
+    from gouache.engine.build import cover
+
+    on = CompileConfig(enabled=True)
+    assert cover(on, 16, 2).buckets == (*COMPILE_BUCKETS, 32)  # 16 requests with CFG rows
+    assert cover(on, 4, 2).buckets == COMPILE_BUCKETS
+    assert cover(CompileConfig(enabled=True, buckets=(2, 4)), 16, 2).buckets == (2, 4)  # the operator's own
+    assert cover(CompileConfig(), 16, 2) == CompileConfig()  # not compiling
