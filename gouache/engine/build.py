@@ -39,6 +39,8 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
                          "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
                          "(kind 'parallel')")
     check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
+    if engine_config.compile.cuda_graphs and not model_config.device.startswith("cuda"):
+        raise ValueError(f"--compile-cuda-graphs needs a CUDA device; --device is {model_config.device}")
     # the cap does not change what the checks below read; with --max-batch-size auto it is measured once the model loads
     policy = make_policy(replace(sched_config, max_batch_size=sched_config.max_batch_size or 1), predictor)
     one_device = caches_blocks(policy, engine_config.devices)

@@ -7,7 +7,8 @@ forward is padded to it; a UNet and a DiT): compiling is slow on 2 cores."""
 import pytest
 import torch
 
-from gouache.config import CompileConfig, LoraConfig
+from gouache.config import CompileConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from gouache.engine.build import build_engine
 from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser
@@ -167,5 +168,9 @@ def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pip
     with pytest.raises(ValueError, match="CUDA device"):
         CompiledDenoiser(pipe.transformer if hasattr(pipe, "transformer") else pipe.unet,
                          CompileConfig(enabled=True, cuda_graphs=True), torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA device"):  # refused before a model loads or a worker starts
+        build_engine(ModelConfig("tiny-sd"), EngineConfig(executor="multiproc", devices=2,
+                                                          compile=CompileConfig(enabled=True, cuda_graphs=True)),
+                     SchedulerConfig(policy="round-knapsack"))
     with pytest.raises(ValueError, match="add --compile"):
         CompileConfig(cache_dir="/tmp/x")
