@@ -14,7 +14,10 @@ needs). Rows of the table:
 - `merged LoRA / none`, `segmented LoRA / none`: two requests with one shared adapter
   (merged into the weights), with two adapters (each on its own rows), against no adapters;
 - `block cache / exact`: two requests asking for block reuse at 0.1 (per image), steady
-  state, against the same without.
+  state, against the same without;
+- `template edit / full edit` (at --template-size): an edit repainting a centred fifth of the
+  image (`--mask`) replaying a template registered from the same picture, against the same
+  edit in full.
 
 Under compile, a step whose techniques the graph does not hold runs eagerly (docs/speed.md):
 the table says which ran how (`paths`). Prints a table, writes JSON and markdown.
@@ -26,11 +29,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 VARIANTS = ("eager", "compiled", "compiled+int8")
 STEPS = 30  # each request's schedule (more where --repeats needs them): block reuse depends on how far apart
@@ -43,6 +49,9 @@ def add_arguments(p) -> None:
     p.add_argument("--variants", default="eager,compiled",
                    help=f"comma-separated, of {', '.join(VARIANTS)} (default: %(default)s)")
     p.add_argument("--size", type=int, default=128, help="the largest size L in pixels, square (default: %(default)s)")
+    p.add_argument("--template-size", type=int, default=256,
+                   help="side in pixels of the template rows' edits (default: %(default)s)")
+    p.add_argument("--mask", type=float, default=0.2, help="mask ratio of the template rows (default: %(default)s)")
     p.add_argument("--batches", default="1,8", help="request counts of the step rows (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=7, help="timed steps per row and variant, median (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
@@ -65,7 +74,8 @@ def run(args) -> int:
     results = {}
     for model in args.models.split(","):
         command = [sys.executable, "-m", "gouache.cli", "bench", "speed", "--one", model, "--variants", args.variants,
-                   "--size", str(args.size), "--batches", args.batches, "--repeats", str(args.repeats),
+                   "--size", str(args.size), "--template-size", str(args.template_size), "--mask", str(args.mask),
+                   "--batches", args.batches, "--repeats", str(args.repeats),
                    "--torch-threads", str(args.torch_threads)]
         if args.compile_cache:
             command += ["--compile-cache", args.compile_cache]
@@ -79,7 +89,8 @@ def run(args) -> int:
     command = "gouache bench speed " + " ".join(sys.argv[3:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command.strip(), "size": args.size, "repeats": args.repeats,
+    out.write_text(json.dumps({"command": command.strip(), "size": args.size, "template_size": args.template_size,
+                               "mask": args.mask, "repeats": args.repeats,
                                "torch_threads": args.torch_threads, "variants": variants, "results": results},
                               indent=2) + "\n")
     out.with_suffix(".md").write_text(f"`{command.strip()}`\n\n{table}\n")
@@ -92,11 +103,14 @@ def measure(model: str, args) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from gouache.config import CompileConfig, LoraConfig
+    from gouache.bench.edit import picture
+    from gouache.config import CompileConfig, LoraConfig, TemplateConfig
+    from gouache.data.shapes import sample_scene
     from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
     from gouache.runner.families import make_family
     from gouache.runner.model_runner import ModelRunner
+    from gouache.profile.edits import centred_mask
     from gouache.runner.quantize import quantize
     from gouache.sched.plan import Batch
 
@@ -105,6 +119,7 @@ def measure(model: str, args) -> dict:
     large = args.size
     sizes = {"S": large // 2, "M": large * 3 // 4, "L": large}
     batches = [int(b) for b in args.batches.split(",")]
+    edit = args.template_size
     steps = max(STEPS, 2 * (3 + args.repeats))  # a group serves two rows of up to 3 + repeats steps
     loras = tempfile.mkdtemp(prefix="gouache-speed-loras-")
     base = load_pipeline(model)
@@ -116,7 +131,8 @@ def measure(model: str, args) -> dict:
         rows = 2 if make_family(pipe, None).uses_cfg(_request("probe", large, 0)) else 1
         compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2)})),
                                 sizes=((large, large),), cache_dir=args.compile_cache) if variant != "eager" else None
-        runners[variant] = runner = ModelRunner(pipe, loras=LoraConfig(loras), compile=compile)
+        runners[variant] = runner = ModelRunner(pipe, loras=LoraConfig(loras), templates=TemplateConfig(),
+                                                compile=compile)
         runner.warm_up(large)
         for name in runner.loras.store.names():
             runner.loras.store.load(name).result()
@@ -146,12 +162,13 @@ def measure(model: str, args) -> dict:
 
     counter = iter(range(10**6))
 
-    def prepared(specs: list[tuple[int, dict]]) -> dict[str, tuple[str, ...]]:
-        """Requests of (size, fields) prepared in every runner, under the same ids."""
+    def prepared(specs: list[tuple[int, dict]], *upload) -> tuple[str, ...]:
+        """Requests of (size, fields) prepared in every runner, under the same ids; `upload`:
+        an edit's (image, mask)."""
         ids = tuple(f"r{next(counter)}" for _ in specs)
         for variant in variants:
             for rid, (size, fields) in zip(ids, specs):
-                runners[variant].prepare(_request(rid, size, int(rid[1:]), steps, **fields))
+                runners[variant].prepare(_request(rid, size, int(rid[1:]), steps, **fields), *upload)
         return ids
 
     def release(*groups) -> None:
@@ -178,6 +195,19 @@ def measure(model: str, args) -> dict:
     timed("block cache", {v: [cached] for v in variants}, settle=3)
     timed("exact", {v: [plain] for v in variants})
     release(plain, merged, segmented, cached)
+    image = picture(sample_scene(random.Random(1)), edit, seed=1)
+    mask, _ = centred_mask(edit, runners["eager"].family.token_pixels, args.mask)
+    register = prepared([(edit, {"image": b"-", "template_id": "speed", "register_template": True})],
+                        image, np.zeros_like(mask))
+    for _ in range(steps):  # the template: every step's activations recorded
+        for variant in variants:
+            runners[variant].execute(Batch(register))
+    release(register)
+    replay = prepared([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})], image, mask)
+    full = prepared([(edit, {"image": b"-", "template_cache": False})], image, mask)
+    timed("template edit", {v: [replay] for v in variants})
+    timed("full edit", {v: [full] for v in variants})
+    release(replay, full)
     ratios = {}
     for variant in variants:
         ms = {label: row[variant]["ms"] for label, row in table.items()}
@@ -186,6 +216,7 @@ def measure(model: str, args) -> dict:
             "merged LoRA / none": ms["merged LoRA"] / ms["no LoRA"],
             "segmented LoRA / none": ms["segmented LoRA"] / ms["no LoRA"],
             "block cache / exact": ms["block cache"] / ms["exact"],
+            "template edit / full edit": ms["template edit"] / ms["full edit"],
         }
     return {"sizes": sizes, "steps": table, "ratios": ratios}
 

@@ -13,6 +13,13 @@
 A hook sees a module's input, not whose rows it holds: the caller gives, for every leading
 size the forward's tensors can have, the forward row (request row) of each index of that
 dimension (`row_maps`). A forward whose tensors take sizes outside that map raises.
+
+- **Slots** (`RowSlots`, under --compile): segments as a compiled graph holds them. A hook on
+  every Linear and Conv2d, installed before the denoiser is compiled, adds the update of the
+  per-row pairs its slot holds (none: the output as it is). The compiled forward binds each
+  slot to its rows' pairs, padded as its rows are (`gouache.runner.compiled`), so the graph
+  reads them as inputs: the same graph serves any adapters of the same ranks on the same
+  modules. Ranks are padded with zeros to a power of two, so that few graphs serve many.
 """
 
 from __future__ import annotations
@@ -140,6 +147,20 @@ def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: tor
     return F.linear(F.linear(x, down), up)
 
 
+def _groups(row_adapters: Sequence[Adapters], merged: Adapters) -> tuple[dict[tuple, Adapters], list[int]]:
+    """The adapter groups of a forward's rows (each set with the merged one taken away; the merged
+    set itself needs no group) and each row's group (-1: the merged set's)."""
+    merged_key = adapters_key(merged)
+    groups: dict[tuple, Adapters] = {}
+    row_group = []
+    for adapters in row_adapters:
+        key = adapters_key(adapters)
+        if key != merged_key:
+            groups.setdefault(key, tuple(adapters) + tuple((lora, -scale) for lora, scale in merged))
+        row_group.append(list(groups).index(key) if key != merged_key else -1)
+    return groups, row_group
+
+
 @contextlib.contextmanager
 def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Adapters,
               row_maps: dict[int, torch.Tensor] | None, spent: list[float] | None = None,
@@ -149,21 +170,14 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
     dimension of size n; None where every row has the same update (a set beside quantized
     weights, which cannot take it merged). `spent[0]` accumulates the seconds the updates
     took; `factors` keeps the groups' stacked pairs between forwards of the same groups."""
-    merged_key = adapters_key(merged)
-    groups: dict[tuple, Adapters] = {}
-    row_group = []
-    for adapters in row_adapters:
-        key = adapters_key(adapters)
-        if key != merged_key:
-            groups.setdefault(key, tuple(adapters) + tuple((lora, -scale) for lora, scale in merged))
-        row_group.append(list(groups).index(key) if key != merged_key else -1)
+    groups, row_group = _groups(row_adapters, merged)
     if not groups:
         yield
         return
     if row_maps is None and len(set(row_group)) > 1:
         raise LoraError("this forward cannot tell its rows apart: its rows must share one adapter set")
     factors = factors or Factors()
-    composition, group_list = (tuple(groups), merged_key), list(groups.values())
+    composition, group_list = (tuple(groups), adapters_key(merged)), list(groups.values())
     tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])  # the zero group for merged rows
     tags_of: dict[tuple, torch.Tensor] = {}  # (leading size, device) -> group of each index
 
@@ -211,3 +225,95 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
     finally:
         for handle in handles:
             handle.remove()
+
+
+class _Slot:
+    """One module's per-row pairs while a forward is bound (`RowSlots`)."""
+
+    def __init__(self):
+        self.downs: torch.Tensor | None = None  # [rows, R, in, ...]
+        self.ups: torch.Tensor | None = None  # [rows, out, R]
+
+    def hook(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+        if self.downs is None:
+            return None
+        return output + _rows_update(module, args[0], self.downs, self.ups).to(output.dtype)
+
+
+class RowSlots:
+    """Segmented adapters as a compiled graph holds them (see the module's docstring): `use`
+    says which rows get which adapters in a step's forward, the compiled forward `bind`s them
+    with its padded rows."""
+
+    def __init__(self, denoiser: nn.Module):
+        self.slots: dict[str, _Slot] = {}
+        self._modules: dict[str, nn.Module] = {}
+        for path, module in denoiser.named_modules():
+            if isinstance(module, nn.Linear | nn.Conv2d):
+                self.slots[path] = slot = _Slot()
+                self._modules[path] = module
+                module.register_forward_hook(slot.hook)
+        self._pending: tuple | None = None  # (group of each row, composition, groups, paths, factors)
+        self._bound: dict[tuple, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # the last rows' pairs
+        self._binds = 0
+
+    def covers(self, row_adapters: Sequence[Adapters]) -> bool:
+        """Whether every module these adapters adapt has a slot."""
+        return all(path in self.slots for adapters in row_adapters for lora, _ in adapters for path in lora.layers)
+
+    @contextlib.contextmanager
+    def use(self, row_adapters: Sequence[Adapters], merged: Adapters, factors: Factors) -> Iterator[None]:
+        """Within: forward row r of the next forwards gets `row_adapters[r]`'s update (relative
+        to `merged`). Raises if no forward bound them (a forward that bypassed the compiled
+        denoiser would have dropped them)."""
+        groups, row_group = _groups(row_adapters, merged)
+        if not groups:
+            yield
+            return
+        tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])  # the zero group for merged rows
+        paths = sorted({path for adapters in groups.values() for lora, _ in adapters for path in lora.layers})
+        self._pending, self._binds = (tags, (tuple(groups), adapters_key(merged)), list(groups.values()), paths,
+                                      factors), 0
+        try:
+            yield
+        finally:
+            self._pending = None
+        if self._binds == 0:
+            raise LoraError("no forward applied this step's adapters")
+
+    @contextlib.contextmanager
+    def bind(self, rows: int, padded: int) -> Iterator[None]:
+        """Within: each adapted module's slot holds the pairs of a forward of `rows` rows padded
+        (its last row repeated) to `padded`."""
+        if self._pending is None:
+            yield
+            return
+        tags, composition, groups, paths, factors = self._pending
+        if len(tags) != rows:
+            raise LoraError(f"a forward of {rows} rows cannot take adapters given for {len(tags)}")
+        owner = torch.cat([tags, tags[-1:].expand(padded - rows)])
+        key = (composition, tuple(owner.tolist()))
+        if key not in self._bound:
+            self._bound = {key: {path: self._rows(factors.pair(composition, groups, path, self._modules[path].weight),
+                                                  owner) for path in paths}}
+        for path, (downs, ups) in self._bound[key].items():
+            self.slots[path].downs, self.slots[path].ups = downs, ups
+        self._binds += 1
+        try:
+            yield
+        finally:
+            for path in paths:
+                self.slots[path].downs = self.slots[path].ups = None
+
+    @staticmethod
+    def _rows(pair: tuple[torch.Tensor, torch.Tensor], owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's pair, the rank padded with zeros to a power of two."""
+        downs, ups = pair
+        rank = downs.shape[1]
+        extra = (1 << (rank - 1).bit_length()) - rank
+        owner = owner.to(downs.device)
+        downs, ups = downs.index_select(0, owner), ups.index_select(0, owner)
+        if extra:
+            downs = torch.cat([downs, downs.new_zeros((downs.shape[0], extra, *downs.shape[2:]))], 1)
+            ups = torch.cat([ups, ups.new_zeros((*ups.shape[:2], extra))], 2)
+        return downs.contiguous(), ups.contiguous()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gouache.lora.apply import Adapters, Factors, Merged, adapters_key, segmented
+from gouache.lora.apply import Adapters, Factors, Merged, RowSlots, adapters_key, segmented
 from gouache.lora.files import Lora, LoraError
 from gouache.lora.store import LoraStore
 from gouache.config import LoraConfig
@@ -168,10 +168,12 @@ class LoraRuntime:
             placed = self._placed[key] = lora.to(self._device)
         return placed
 
-    def run(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraReport) -> list[torch.Tensor]:
+    def run(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraReport,
+            slots: RowSlots | None = None) -> list[torch.Tensor]:
         """predict(states) with each state's adapters applied; row_maps(states): a forward's rows
         by leading size, or None where it cannot segment. Several sets share the forward unless
-        it cannot segment, or the server batches per adapter set (`LoraConfig.batching`)."""
+        it cannot segment, or the server batches per adapter set (`LoraConfig.batching`).
+        `slots`: the compiled forward's, where a step that may compile segments (else hooks)."""
         keys = [adapters_key(a) for a in adapters]
         if not any(keys) and not self.merged.adapters:
             return predict(states)
@@ -180,12 +182,14 @@ class LoraRuntime:
             out: dict[int, torch.Tensor] = {}
             for key in dict.fromkeys(keys):
                 group = [i for i, k in enumerate(keys) if k == key]
-                parts = self._apply([states[i] for i in group], [adapters[i] for i in group], predict, row_maps, step)
+                parts = self._apply([states[i] for i in group], [adapters[i] for i in group], predict, row_maps, step,
+                                    slots)
                 out.update(zip(group, parts))
             return [out[i] for i in range(len(states))]
-        return self._apply(states, adapters, predict, row_maps, step)
+        return self._apply(states, adapters, predict, row_maps, step, slots)
 
-    def _apply(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraReport) -> list[torch.Tensor]:
+    def _apply(self, states: list, adapters: list[Adapters], predict, row_maps, step: LoraReport,
+               slots: RowSlots | None) -> list[torch.Tensor]:
         """One forward: its adapters merged, or segmented (`choose`)."""
         keys = [adapters_key(a) for a in adapters]
         maps = row_maps(states)
@@ -201,6 +205,9 @@ class LoraRuntime:
             self._merge(adapters[0], step)
             return predict(states)
         row_adapters = [a for a, s in zip(adapters, states) for _ in range(s.rows)]
+        if slots is not None and _plain(maps) and slots.covers(row_adapters):
+            with slots.use(row_adapters, self.merged.adapters, self._factors):  # in the graph: not timed apart
+                return predict(states)
         spent = [0.0]
         with segmented(self.denoiser, row_adapters, self.merged.adapters, maps, spent, self._factors):
             out = predict(states)
@@ -218,3 +225,12 @@ class LoraRuntime:
             step.merge_s += seconds
             self.costs.observe("merge_s_per_byte", seconds, moved)
 
+
+
+def _plain(maps: dict[int, torch.Tensor] | None) -> bool:
+    """Whether a forward's row maps are those of one plain batch: every layer's leading
+    dimension is the forward's rows, in order."""
+    if maps is None or len(maps) != 1:
+        return False
+    n, rows = next(iter(maps.items()))
+    return torch.equal(rows, torch.arange(n))

@@ -6,8 +6,12 @@ padded input shape, beside the eager module it was compiled from.
   sizes are the pattern) and the padding is cut from the output, so a steady load meets a few
   shapes only. Rows are independent in every family's denoiser, so padding changes no row's
   output. Static shapes measured better than dynamic ones on the CPU (docs/speed.md).
+- **Adapters in the graph.** Under a server with adapters, `RowSlots` (`gouache.lora.apply`)
+  hooks every Linear and Conv2d before compiling; a step with several adapter sets binds each
+  module's per-row pairs, padded with the rows, and the graph reads them as inputs. A new
+  set of adapted modules or ranks compiles a graph of its own in its step (counted).
 - **Never silently wrong.** Dynamo does not guard on module hooks, so a hook added after
-  compiling (a LoRA segment, a ControlNet's residual fill, a Ulysses shard) would be skipped by
+  compiling (an eager LoRA segment, a ControlNet's residual fill, a Ulysses shard) would be skipped by
   the compiled graph. Each call first checks that the denoiser is as it was compiled: the same
   submodules in their slots, the same attention processors, no hooks added, its forward not
   replaced. A change runs eagerly, counted. Weights changed in place (a merged LoRA) are read
@@ -37,6 +41,7 @@ import torch
 from torch import nn
 
 from gouache.config import CompileConfig
+from gouache.lora.apply import RowSlots
 from gouache.outputs import CompileReport
 
 log = logging.getLogger(__name__)
@@ -61,11 +66,13 @@ def configure(config: CompileConfig) -> None:
 class CompiledDenoiser:
     """A denoiser and its compiled forward, used where a step allows it and the shape is ready."""
 
-    def __init__(self, denoiser: nn.Module, config: CompileConfig, device: torch.device):
+    def __init__(self, denoiser: nn.Module, config: CompileConfig, device: torch.device, adapters: bool = False):
+        """`adapters`: whether steps may segment LoRA adapters (`slots` then holds them)."""
         if config.cuda_graphs and device.type != "cuda":
             raise ValueError(f"--compile-cuda-graphs needs a CUDA device; this model runs on {device.type}")
         configure(config)
         self.denoiser = denoiser
+        self.slots = RowSlots(denoiser) if adapters else None  # hooks in place before the structure is taken
         self.buckets = tuple(sorted(config.buckets))
         mode = "reduce-overhead" if config.cuda_graphs else None
         self._compiled = torch.compile(denoiser, dynamic=False, mode=mode)
@@ -91,9 +98,14 @@ class CompiledDenoiser:
                             "to compile it at start", _describe(inputs))
                 self._ready.add(key)
             self._count(None)
-            return self._run(inputs, shared)[:n]
+            with self._bind(n, padded):
+                return self._run(inputs, shared)[:n]
         self._count(reason)
-        return self.denoiser(**rows, **shared, return_dict=False)[0]
+        with self._bind(n, n):
+            return self.denoiser(**rows, **shared, return_dict=False)[0]
+
+    def _bind(self, rows: int, padded: int) -> contextlib.AbstractContextManager:
+        return self.slots.bind(rows, padded) if self.slots is not None else contextlib.nullcontext()
 
     def bucket(self, rows: int) -> int:
         """The padded row count of a forward of `rows` rows."""

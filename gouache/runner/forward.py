@@ -63,9 +63,10 @@ class Adapters(Protocol):
     """LoRA (`gouache.lora.runtime.LoraRuntime`)."""
 
     def run(self, states: list[DenoiseState], adapters: list, predict: Callable, row_maps: Callable,
-            step) -> list[torch.Tensor]:
+            step, slots=None) -> list[torch.Tensor]:
         """predict(states) with each state's adapters applied (row_maps(states): the forward's
-        rows, or None where they cannot be told apart)."""
+        rows, or None where they cannot be told apart); `slots`: where a compiled forward
+        takes segmented adapters (`gouache.lora.apply.RowSlots`), if the step may compile."""
 
 
 class Residuals(Protocol):
@@ -146,8 +147,10 @@ class Forward:
         """Per state, its rows' predictions, each with `adapters[i]` applied."""
         if self.compiled is None:
             return self.adapters.run(states, adapters, self._residuals, self._row_maps, lora_step)
-        with self.compiled.step(eager_reason(self.spec, states)):
-            return self.adapters.run(states, adapters, self._residuals, self._row_maps, lora_step)
+        reason = eager_reason(self.spec, states)
+        with self.compiled.step(reason):
+            return self.adapters.run(states, adapters, self._residuals, self._row_maps, lora_step,
+                                     self.compiled.slots if reason is None else None)
 
     def _residuals(self, group: list[DenoiseState]) -> list[torch.Tensor]:
         if all(s.control is None for s in group):

@@ -45,7 +45,8 @@ class ModelRunner:
         self.family: Family = make_family(pipe, patch_pixels, self.conditioning)
         self.compile_config = compile or CompileConfig()
         if self.compile_config.enabled:
-            self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device)
+            self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
+                                                    adapters=bool(loras and loras.directory))
         self.states: dict[str, DenoiseState] = {}
         self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()

@@ -1,5 +1,5 @@
 """Compiled denoiser forwards (`gouache.runner.compiled`): a compiled step equals the eager one
-(merged LoRA weights included), a step whose module was changed by a hook or whose techniques
+(merged and segmented LoRA adapters included), a step whose module was changed by a hook or whose techniques
 the graph does not hold runs eagerly and says why, padding to a bucket changes no row, and a
 warmed load never recompiles. One graph per model (one bucket of 2 rows at 64 px: a one-row
 forward is padded to it; a UNet and a DiT): compiling is slow on 2 cores."""
@@ -88,18 +88,40 @@ def test_compiled_steps_equal_eager_padded_or_not_and_never_recompile(runners):
     assert report.graphs == 0 and report.recompiles == 0
 
 
-def test_a_merged_lora_is_read_by_the_compiled_graph_and_segments_run_eagerly(runners):
+def test_a_merged_lora_is_read_by_the_compiled_graph(runners):
     eager, compiled = runners
     one = [request("ink", loras=(("ink", 1.0),), guidance=1.0)]
     expected, _ = steps(eager, one, [("ink",)] * 2)
     got, report = steps(compiled, one, [("ink",)] * 2)
     assert_equal(expected, got)
     assert report.compiled == 2 and report.recompiles == 0  # merged in place: the graph's inputs
-    two = [request("ink", loras=(("ink", 1.0),), guidance=1.0), request("paper", loras=(("paper", 1.0),), guidance=1.0)]
-    expected, _ = steps(eager, two, [("ink", "paper")])
-    got, report = steps(compiled, two, [("ink", "paper")])
+
+
+def test_segmented_adapters_run_in_a_graph_of_their_own_that_serves_any_sets_of_their_ranks(runners):
+    eager, compiled = runners
+
+    def two(first, second):
+        return [request("one", loras=((first, 1.0),), guidance=1.0, seed=4),
+                request("two", loras=((second, 1.0),), guidance=1.0, seed=5)]
+
+    plain, _ = steps(eager, [request("one", guidance=1.0, seed=4), request("two", guidance=1.0, seed=5)],
+                     [("one", "two")])
+    expected, _ = steps(eager, two("ink", "paper"), [("one", "two")])
+    assert min((plain[r] - expected[r]).abs().max() for r in plain) > 1e-3  # each row's adapter matters
+    got, report = steps(compiled, two("ink", "paper"), [("one", "two")])
     assert_equal(expected, got)
-    assert report.eager == {"hooks": 1} and report.compiled == 0  # segments are forward hooks
+    assert report.compiled == 1 and report.eager == {} and report.graphs == 1  # the slots' graph, once
+    expected, _ = steps(eager, two("paper", "ink"), [("one", "two")])
+    got, report = steps(compiled, two("paper", "ink"), [("one", "two")])
+    assert_equal(expected, got)
+    assert report.compiled == 1 and report.graphs == 0  # other rows, other adapters: the same graph
+    _, report = steps(compiled, [request("p", guidance=1.0)], [("p",)])
+    assert report.compiled == 1 and report.graphs == 0  # and the plain graph still serves plain steps
+    three = [*two("ink", "paper"), request("three", loras=(("ink", 1.0),), guidance=1.0, seed=6)]
+    expected, _ = steps(eager, three, [("one", "two", "three")])
+    got, report = steps(compiled, three, [("one", "two", "three")])
+    assert_equal(expected, got)
+    assert report.eager == {"rows": 1}  # past the last bucket: the slots apply eagerly
 
 
 def test_a_hook_added_after_compiling_is_honoured_by_running_eagerly(runners, pipe):
