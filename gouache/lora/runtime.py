@@ -226,7 +226,6 @@ class LoraRuntime:
             self.costs.observe("merge_s_per_byte", seconds, moved)
 
 
-
 def _plain(maps: dict[int, torch.Tensor] | None) -> bool:
     """Whether a forward's row maps are those of one plain batch: every layer's leading
     dimension is the forward's rows, in order."""
