@@ -147,9 +147,10 @@ def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: tor
     return F.linear(F.linear(x, down), up)
 
 
-def _groups(row_adapters: Sequence[Adapters], merged: Adapters) -> tuple[dict[tuple, Adapters], list[int]]:
+def _groups(row_adapters: Sequence[Adapters], merged: Adapters) -> tuple[dict[tuple, Adapters], torch.Tensor, list[str]]:
     """The adapter groups of a forward's rows (each set with the merged one taken away; the merged
-    set itself needs no group) and each row's group (-1: the merged set's)."""
+    set itself needs no group), each row's group (the merged set's rows: the zero group after the
+    last), and the modules the groups adapt."""
     merged_key = adapters_key(merged)
     groups: dict[tuple, Adapters] = {}
     row_group = []
@@ -158,7 +159,9 @@ def _groups(row_adapters: Sequence[Adapters], merged: Adapters) -> tuple[dict[tu
         if key != merged_key:
             groups.setdefault(key, tuple(adapters) + tuple((lora, -scale) for lora, scale in merged))
         row_group.append(list(groups).index(key) if key != merged_key else -1)
-    return groups, row_group
+    tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])
+    paths = sorted({path for adapters in groups.values() for lora, _ in adapters for path in lora.layers})
+    return groups, tags, paths
 
 
 @contextlib.contextmanager
@@ -170,15 +173,14 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
     dimension of size n; None where every row has the same update (a set beside quantized
     weights, which cannot take it merged). `spent[0]` accumulates the seconds the updates
     took; `factors` keeps the groups' stacked pairs between forwards of the same groups."""
-    groups, row_group = _groups(row_adapters, merged)
+    groups, tags, paths = _groups(row_adapters, merged)
     if not groups:
         yield
         return
-    if row_maps is None and len(set(row_group)) > 1:
+    if row_maps is None and len(set(tags.tolist())) > 1:
         raise LoraError("this forward cannot tell its rows apart: its rows must share one adapter set")
     factors = factors or Factors()
     composition, group_list = (tuple(groups), adapters_key(merged)), list(groups.values())
-    tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])  # the zero group for merged rows
     tags_of: dict[tuple, torch.Tensor] = {}  # (leading size, device) -> group of each index
 
     def owners(x: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -217,9 +219,8 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
             spent[0] += time.perf_counter() - start
         return output
 
-    paths = {path for adapters in group_list for lora, _ in adapters for path in lora.layers}
     handles = [denoiser.get_submodule(path).register_forward_hook(
-        lambda module, args, output, path=path: hook(path, module, args, output)) for path in sorted(paths)]
+        lambda module, args, output, path=path: hook(path, module, args, output)) for path in paths]
     try:
         yield
     finally:
@@ -266,12 +267,10 @@ class RowSlots:
         """Within: forward row r of the next forwards gets `row_adapters[r]`'s update (relative
         to `merged`). Raises if no forward bound them (a forward that bypassed the compiled
         denoiser would have dropped them)."""
-        groups, row_group = _groups(row_adapters, merged)
+        groups, tags, paths = _groups(row_adapters, merged)
         if not groups:
             yield
             return
-        tags = torch.tensor([len(groups) if g < 0 else g for g in row_group])  # the zero group for merged rows
-        paths = sorted({path for adapters in groups.values() for lora, _ in adapters for path in lora.layers})
         self._pending, self._binds = (tags, (tuple(groups), adapters_key(merged)), list(groups.values()), paths,
                                       factors), 0
         try:
