@@ -68,6 +68,8 @@ def run(args) -> int:
     if unknown or "eager" not in variants:
         raise ValueError(f"--variants takes eager (always, the baseline) and any of {', '.join(VARIANTS[1:])}; "
                          f"got {args.variants!r}")
+    if not 0 < args.mask <= 1:
+        raise ValueError(f"--mask is the share of the image an edit repaints, in (0, 1]; got {args.mask}")
     if args.one:
         print(json.dumps(measure(args.one, args)))
         return 0

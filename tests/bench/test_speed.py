@@ -22,3 +22,15 @@ def test_every_row_and_ratio_is_measured_and_tabled():
                            "template edit / full edit"}
     table = format_table({"tiny-sd": result}, ["eager"])
     assert all(f"| tiny-sd | {name} |" in table for name in ratios)
+
+
+def test_a_mask_outside_zero_to_one_is_refused():
+    import pytest
+
+    from gouache.bench.speed import run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for mask in ("0", "-0.2", "1.5"):
+        with pytest.raises(ValueError, match="--mask"):
+            run(parser.parse_args(["--mask", mask]))
