@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed,
+        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, serve, sim_to_real, soak, speed,
     )
 
     adapters.add_arguments(bench_kinds.add_parser(
@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "and with static batching, under one load"))
     speed.add_arguments(bench_kinds.add_parser("speed", help="eager vs compiled (vs int8) steps, and the seeds' "
                                                "savings under compile"))
+    fullsize.add_arguments(bench_kinds.add_parser(
+        "fullsize", help="the seeds' savings on the full-size architectures in bf16, against the matmul peak (MFU)"))
     batching.add_arguments(bench_kinds.add_parser("batching", help="step latency of mixed-size batches, patched vs grouped"))
     fidelity.add_arguments(bench_kinds.add_parser(
         "fidelity", help="a candidate configuration's images vs the exact ones: SSIM, PSNR, prompt alignment"))
@@ -393,11 +395,12 @@ def _make_controlnet(args) -> int:
 
 def _bench(args) -> int:
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, overhead, parallel, serve, sim_to_real, soak, speed,
+        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, serve, sim_to_real, soak, speed,
     )
 
     kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
-             "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed, "baselines": baselines}
+             "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed, "baselines": baselines,
+             "fullsize": fullsize}
     return kinds[args.bench].run(args)
 
 

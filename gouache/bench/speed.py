@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,8 +38,6 @@ from pathlib import Path
 import numpy as np
 
 VARIANTS = ("eager", "compiled", "compiled+int8")
-STEPS = 30  # each request's schedule (more where --repeats needs them): block reuse depends on how far apart
-# steps are, and a long schedule would make neighbouring steps nearly equal
 DEFAULT_MODELS = "shapes-unet,shapes-dit,tiny-sdxl,tiny-flux"
 
 
@@ -106,6 +103,7 @@ def measure(model: str, args) -> dict:
     from safetensors.torch import save_file
 
     from gouache.bench.edit import picture
+    from gouache.bench.interleaved import STEPS, Interleaved, request
     from gouache.config import CompileConfig, LoraConfig, TemplateConfig
     from gouache.data.shapes import sample_scene
     from gouache.lora.files import random_lora
@@ -122,7 +120,9 @@ def measure(model: str, args) -> dict:
     sizes = {"S": large // 2, "M": large * 3 // 4, "L": large}
     batches = [int(b) for b in args.batches.split(",")]
     edit = args.template_size
-    steps = max(STEPS, 2 * (3 + args.repeats))  # a group serves two rows of up to 3 + repeats steps
+    # a group serves two rows of up to 3 + repeats steps; no fewer than STEPS, as block reuse depends on
+    # how far apart steps are and a short schedule would make neighbouring steps far apart
+    steps = max(STEPS, 2 * (3 + args.repeats))
     loras = tempfile.mkdtemp(prefix="gouache-speed-loras-")
     base = load_pipeline(model)
     for seed, name in enumerate(("ink", "paper")):
@@ -130,7 +130,7 @@ def measure(model: str, args) -> dict:
     runners = {}
     for variant in variants:
         pipe = base if variant != "compiled+int8" else quantize(load_pipeline(model), "int8")
-        rows = 2 if make_family(pipe, None).uses_cfg(_request("probe", large, 0)) else 1
+        rows = 2 if make_family(pipe, None).uses_cfg(request("probe", large, 0)) else 1
         compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2)})),
                                 sizes=((large, large),), cache_dir=args.compile_cache) if variant != "eager" else None
         runners[variant] = runner = ModelRunner(pipe, loras=LoraConfig(loras), templates=TemplateConfig(),
@@ -138,95 +138,46 @@ def measure(model: str, args) -> dict:
         runner.warm_up(large)
         for name in runner.loras.store.names():
             runner.loras.store.load(name).result()
-    table: dict[str, dict] = {}
-
-    def timed(label: str, batches_of: dict, patched: bool = False, settle: int = 1) -> None:
-        """Median ms of one step of `batches_of[variant]` (one or several batches, summed), and
-        each variant's compile paths in those steps."""
-        times = {v: [] for v in variants}
-        paths = {v: {} for v in variants}
-        for rep in range(settle + args.repeats):
-            for variant in variants:
-                runner, total = runners[variant], 0.0
-                for ids in batches_of[variant]:
-                    out = runner.execute(Batch(ids, patched=patched))
-                    if out.failed:
-                        raise RuntimeError(f"{label} ({variant}): {out.failed}")
-                    total += out.forward_s
-                    if rep >= settle:
-                        for why, n in out.compile.eager.items():
-                            paths[variant][f"eager: {why}"] = paths[variant].get(f"eager: {why}", 0) + n
-                        if out.compile.compiled:
-                            paths[variant]["compiled"] = paths[variant].get("compiled", 0) + out.compile.compiled
-                if rep >= settle:
-                    times[variant].append(total)
-        table[label] = {v: {"ms": 1e3 * statistics.median(times[v]), "paths": paths[v]} for v in variants}
-
-    counter = iter(range(10**6))
-
-    def prepared(specs: list[tuple[int, dict]], *upload) -> tuple[str, ...]:
-        """Requests of (size, fields) prepared in every runner, under the same ids; `upload`:
-        an edit's (image, mask)."""
-        ids = tuple(f"r{next(counter)}" for _ in specs)
-        for variant in variants:
-            for rid, (size, fields) in zip(ids, specs):
-                runners[variant].prepare(_request(rid, size, int(rid[1:]), steps, **fields), *upload)
-        return ids
-
-    def release(*groups) -> None:
-        for variant in variants:
-            for ids in groups:
-                for rid in ids:
-                    runners[variant].release(rid)
-
+    bench = Interleaved(runners, args.repeats, steps)
     for b in batches:
-        ids = prepared([(large, {})] * b)
-        timed(f"step b={b}", {v: [ids] for v in variants})
-        release(ids)
-    mixed = prepared([(sizes[s], {}) for s in "SML"])
-    timed("patched", {v: [mixed] for v in variants}, patched=True)
-    timed("grouped", {v: [(rid,) for rid in mixed] for v in variants})
-    release(mixed)
-    plain = prepared([(large, {})] * 2)
-    merged = prepared([(large, {"loras": (("ink", 1.0),)})] * 2)
-    segmented = prepared([(large, {"loras": (("ink", 1.0),)}), (large, {"loras": (("paper", 1.0),)})])
-    timed("no LoRA", {v: [plain] for v in variants})
-    timed("merged LoRA", {v: [merged] for v in variants})
-    timed("segmented LoRA", {v: [segmented] for v in variants})
-    cached = prepared([(large, {"block_cache": 0.1})] * 2)
-    timed("block cache", {v: [cached] for v in variants}, settle=3)
-    timed("exact", {v: [plain] for v in variants})
-    release(plain, merged, segmented, cached)
+        ids = bench.prepare([(large, {})] * b)
+        bench.timed(f"step b={b}", [ids])
+        bench.release(ids)
+    mixed = bench.prepare([(sizes[s], {}) for s in "SML"])
+    bench.timed("patched", [mixed], patched=True)
+    bench.timed("grouped", [(rid,) for rid in mixed])
+    bench.release(mixed)
+    plain = bench.prepare([(large, {})] * 2)
+    merged = bench.prepare([(large, {"loras": (("ink", 1.0),)})] * 2)
+    segmented = bench.prepare([(large, {"loras": (("ink", 1.0),)}), (large, {"loras": (("paper", 1.0),)})])
+    bench.timed("no LoRA", [plain])
+    bench.timed("merged LoRA", [merged])
+    bench.timed("segmented LoRA", [segmented])
+    cached = bench.prepare([(large, {"block_cache": 0.1})] * 2)
+    bench.timed("block cache", [cached], settle=3)
+    bench.timed("exact", [plain])
+    bench.release(plain, merged, segmented, cached)
     image = picture(sample_scene(random.Random(1)), edit, seed=1)
     mask, _ = centred_mask(edit, runners["eager"].family.token_pixels, args.mask)
-    register = prepared([(edit, {"image": b"-", "template_id": "speed", "register_template": True})],
-                        image, np.zeros_like(mask))
+    register = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "register_template": True})],
+                             image, np.zeros_like(mask))
     for _ in range(steps):  # the template: every step's activations recorded
         for variant in variants:
             runners[variant].execute(Batch(register))
-    release(register)
-    replay = prepared([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})], image, mask)
-    full = prepared([(edit, {"image": b"-", "template_cache": False})], image, mask)
-    timed("template edit", {v: [replay] for v in variants})
-    timed("full edit", {v: [full] for v in variants})
-    release(replay, full)
-    ratios = {}
-    for variant in variants:
-        ms = {label: row[variant]["ms"] for label, row in table.items()}
-        ratios[variant] = {
-            "patched / grouped": ms["patched"] / ms["grouped"],
-            "merged LoRA / none": ms["merged LoRA"] / ms["no LoRA"],
-            "segmented LoRA / none": ms["segmented LoRA"] / ms["no LoRA"],
-            "block cache / exact": ms["block cache"] / ms["exact"],
-            "template edit / full edit": ms["template edit"] / ms["full edit"],
-        }
-    return {"sizes": sizes, "steps": table, "ratios": ratios}
-
-
-def _request(rid: str, size: int, seed: int, steps: int = STEPS, **fields):
-    from gouache.request import ImageRequest
-
-    return ImageRequest(rid, f"a red circle {seed % 5}", size, size, steps, 4.0, seed=seed, **fields)
+    bench.release(register)
+    replay = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})], image, mask)
+    full = bench.prepare([(edit, {"image": b"-", "template_cache": False})], image, mask)
+    bench.timed("template edit", [replay])
+    bench.timed("full edit", [full])
+    bench.release(replay, full)
+    ratios = {variant: {
+        "patched / grouped": bench.ratio(variant, "patched", "grouped"),
+        "merged LoRA / none": bench.ratio(variant, "merged LoRA", "no LoRA"),
+        "segmented LoRA / none": bench.ratio(variant, "segmented LoRA", "no LoRA"),
+        "block cache / exact": bench.ratio(variant, "block cache", "exact"),
+        "template edit / full edit": bench.ratio(variant, "template edit", "full edit"),
+    } for variant in variants}
+    return {"sizes": sizes, "steps": bench.steps, "ratios": ratios}
 
 
 def format_table(results: dict, variants: list[str]) -> str:

@@ -77,10 +77,12 @@ class _Store:
 
 
 class BlockCache:
-    """The cached activations of every cached image of one model runner."""
+    """The cached activations of every cached image of one model runner; `pass_type` decides
+    each forward's reuse (a benchmark's subclass of `CachePass` may fix it)."""
 
-    def __init__(self, config: BlockCacheConfig | None = None):
+    def __init__(self, config: BlockCacheConfig | None = None, pass_type: type[CachePass] | None = None):
         self.config = config or BlockCacheConfig()
+        self.pass_type = pass_type or CachePass
         self._stores: dict[Signature, _Store] = {}
         self._home: dict[ImageKey, _Store] = {}  # the store holding each cached image's rows
         self._released: set[str] = set()  # filled from other threads, applied at the next forward
@@ -114,7 +116,7 @@ class BlockCache:
             return None
         signature = (mode, tuple(keys[i] for i in cached), tuple(units[i] for i in cached))
         store = self._stores.get(signature) or self._build(signature)
-        return CachePass(self, store, units, thresholds)
+        return self.pass_type(self, store, units, thresholds)
 
     def release(self, request_id: str) -> None:
         """Forget a request's activations (any thread; applied before the next forward)."""
@@ -239,15 +241,20 @@ class CachePass:
         self._reuse[block] = None
         if entry is None or entry.inputs.shape[1:] != x.shape[1:]:
             return None
-        then = entry.inputs.flatten(1)
-        change = (self._cached(x).flatten(1) - then).abs().mean(1) / then.abs().mean(1).clamp_min(1e-12)
-        reuse = entry.valid & (change < self._thresholds.to(change.dtype)) & (entry.reused < self.cache.config.max_reuse)
+        reuse = entry.valid & self.unchanged(entry, x) & (entry.reused < self.cache.config.max_reuse)
         if not bool(reuse.any()):
             return None
         self._reuse[block] = reuse
         keep = torch.ones(self.num_units, dtype=torch.bool, device=x.device)
         keep[self._rows[reuse]] = False
         return keep.nonzero().squeeze(1)
+
+    def unchanged(self, entry: _Block, x: torch.Tensor) -> torch.Tensor:
+        """[store rows] whether each cached unit's input x barely changed since the block last
+        computed it (its relative change under its request's threshold)."""
+        then = entry.inputs.flatten(1)
+        change = (self._cached(x).flatten(1) - then).abs().mean(1) / then.abs().mean(1).clamp_min(1e-12)
+        return change < self._thresholds.to(change.dtype)
 
     def merge(self, block: Hashable, x: torch.Tensor, computed: torch.Tensor | None,
               fresh: Sequence[torch.Tensor | None] | None) -> list[torch.Tensor | None]:

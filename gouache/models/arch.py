@@ -1,5 +1,5 @@
-"""Published full-size denoisers (SDXL, SD3, Flux) with seeded random weights: for GPU
-benchmarks and memory planning, without downloading anything."""
+"""Published full-size denoisers (SDXL, SD3, Flux) with seeded random weights, bare or in a
+pipeline of their own: for benchmarks and memory planning, without downloading anything."""
 
 from __future__ import annotations
 
@@ -7,9 +7,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import (
+    DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+    SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionXLPipeline, UNet2DConditionModel,
+)
 
 from gouache.errors import UnknownModelError
+from gouache.models import zoo
 from gouache.models.zoo import SEED_DENOISER, seeded, torch_dtype
 
 # Published denoiser configs (diffusers format), with random weights: for memory and speed
@@ -49,8 +53,8 @@ ARCH_CONFIGS: dict[str, tuple[type[torch.nn.Module], dict]] = {
 def arch_description(name: str) -> str:
     """One line for `gouache models`: which published denoiser `name` is and what it is for."""
     published = {"sdxl-arch": "SDXL base 1.0", "sd3-arch": "SD3 medium", "flux-arch": "FLUX.1-dev"}
-    return (f"GPU benchmark model (`gouache bench batching` only): full-size {published[name]} "
-            f"{ARCH_CONFIGS[name][0].__name__}, random weights, no download")
+    return (f"benchmark model (`gouache bench fullsize`, `batching`): full-size {published[name]} "
+            f"{ARCH_CONFIGS[name][0].__name__}, random weights, small text encoders, no download")
 
 
 @contextlib.contextmanager
@@ -74,3 +78,42 @@ def build_arch(name: str, device: str = "meta", dtype: str = "bfloat16") -> torc
     cls, config = ARCH_CONFIGS[name]
     with torch.device(device), default_dtype(torch_dtype(dtype)):
         return seeded(SEED_DENOISER, lambda: cls(**config).eval())
+
+
+def arch_pipeline(name: str, dtype: str = "bfloat16", device: str = "cpu") -> DiffusionPipeline:
+    """The full-size denoiser `name` in its own diffusers pipeline, so every technique of the
+    runner (templates, adapters, the block cache, parallel workers) runs on it: the text
+    encoders are 2-layer ones exactly as wide as the published ones (so the denoiser sees
+    conditioning of the published shapes: SDXL's 77 tokens of 2048, SD3's 77 + 256 of 4096),
+    the VAE the tiny one of the family's latent channels. What it draws is noise; what it costs
+    per step is the published model's."""
+    denoiser = build_arch(name, device, dtype)
+    with torch.device(device), default_dtype(torch_dtype(dtype)):  # the small parts built in dtype
+        return _pipeline_around(name, denoiser)
+
+
+def _pipeline_around(name: str, denoiser: torch.nn.Module) -> DiffusionPipeline:
+    if name == "sdxl-arch":
+        text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=False, hidden=768)
+        text_encoder_2, tokenizer_2 = zoo.clip_text_encoder(zoo.SEED_TEXT_2, with_projection=True, hidden=1280)
+        return StableDiffusionXLPipeline(
+            vae=zoo.tiny_vae(4, scaling_factor=0.13025, shift_factor=None), text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, unet=denoiser,
+            scheduler=zoo.euler_scheduler(), add_watermarker=False)
+    elif name == "sd3-arch":  # no T5: the pipeline puts its 256 tokens of zeros in its place
+        text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=True, hidden=768)
+        text_encoder_2, tokenizer_2 = zoo.clip_text_encoder(zoo.SEED_TEXT_2, with_projection=True, hidden=1280)
+        return StableDiffusion3Pipeline(
+            transformer=denoiser, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+            vae=zoo.tiny_vae(16, scaling_factor=1.5305, shift_factor=0.0609), text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=None,
+            tokenizer_3=None)
+    else:
+        text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=False, hidden=768)
+        text_encoder_2, tokenizer_2 = zoo.t5_text_encoder(zoo.SEED_TEXT_2, hidden=4096)
+        return FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(
+                num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                base_image_seq_len=256, max_image_seq_len=4096),
+            vae=zoo.tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159), text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=denoiser)

@@ -95,16 +95,17 @@ def seeded(seed: int, build: Callable[[], T]) -> T:
 
 
 def clip_text_encoder(
-    seed: int, with_projection: bool
+    seed: int, with_projection: bool, hidden: int = TEXT_HIDDEN
 ) -> tuple[CLIPTextModel, PreTrainedTokenizerFast]:
-    """A 2-layer CLIP text encoder and its tokenizer, with matching special-token ids.
+    """A 2-layer CLIP text encoder (`hidden` wide, its projection too) and its tokenizer, with
+    matching special-token ids.
 
     CLIP pools at the first `eos_token_id`, so the config's ids must be the tokenizer's.
     """
     tok = build_tokenizer(CLIP_MAX_LENGTH, "clip")
     config = CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
-        projection_dim=TEXT_HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+        projection_dim=hidden, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=CLIP_MAX_LENGTH,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
@@ -112,11 +113,11 @@ def clip_text_encoder(
     return seeded(seed, lambda: cls(config).eval()), tok
 
 
-def t5_text_encoder(seed: int) -> tuple[T5EncoderModel, PreTrainedTokenizerFast]:
-    """A 2-layer T5 v1.1-style (gated-GELU) encoder and its tokenizer."""
+def t5_text_encoder(seed: int, hidden: int = T5_HIDDEN) -> tuple[T5EncoderModel, PreTrainedTokenizerFast]:
+    """A 2-layer T5 v1.1-style (gated-GELU) encoder, `hidden` wide, and its tokenizer."""
     tok = build_tokenizer(T5_MAX_LENGTH, "t5")
     config = T5Config(
-        vocab_size=len(tok), d_model=T5_HIDDEN, d_kv=16, d_ff=2 * T5_HIDDEN, num_layers=2,
+        vocab_size=len(tok), d_model=hidden, d_kv=16, d_ff=2 * hidden, num_layers=2,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
         feed_forward_proj="gated-gelu", is_encoder_decoder=False,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -327,7 +328,12 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 
 def load_pipeline(model: str, dtype: str = "float32", device: str = "cpu") -> DiffusionPipeline:
-    """A built-in tiny model by name, or a local diffusers directory (never the network)."""
+    """A built-in tiny model by name, a full-size architecture with random weights
+    (`gouache.models.arch`), or a local diffusers directory (never the network)."""
+    from gouache.models.arch import ARCH_CONFIGS, arch_pipeline  # arch builds on this module
+
+    if model in ARCH_CONFIGS:
+        return arch_pipeline(model, dtype, device)
     if model in BUILDERS:
         pipe = BUILDERS[model]()
         if dtype != "float32":  # built in fp32; a no-op cast would only log a warning

@@ -1,0 +1,504 @@
+"""`gouache bench fullsize`: every seed's saving on the published architectures (`sdxl-arch`:
+SDXL's UNet, `sd3-arch`: SD3-medium's MMDiT; random weights in pipelines of their own, see
+`gouache.models.arch.arch_pipeline`), in bf16 on this machine's cores, where a step's arithmetic
+outweighs its overhead; and the machine's matmul peak, so every step time is also an MFU.
+
+Each model runs in a process of its own; its rows are steps of in-process runners
+(`runner.execute`: the forward, the sampler step, the composer), medians of `--repeats` after a
+step untimed, variants (eager, compiled) interleaved repetition by repetition. A request's step
+runs its CFG rows (two per image). Rows:
+
+- `peak_tflops`: large square matmuls (bf16, fp32) over `--torch-threads` threads, the best;
+- `mfu`: one request's step at each size; its FLOPs counted (`torch.utils.flop_counter`,
+  attention included) over the step's seconds over the bf16 peak;
+- `patched_over_grouped`: mixes of sizes (two images each) in one patched UNet or packed DiT
+  forward, against one forward per size, summed;
+- `template_over_full`: an edit at the largest size replaying a template recorded from the same
+  picture, against the same edit in full, per mask ratio;
+- `lora`: four requests at the smallest size with four adapters of one rank (segmented), and
+  with one shared adapter (merged), each against no adapter;
+- `block_cache`: the cache reusing a fixed share of its units (`FixedShare`: every other unit,
+  alternating step by step) against exact, per image (two requests), per patch (patched UNet)
+  and per token (packed DiT) over the first mix; and the share of unit-blocks it reused;
+- `ulysses` (sd3-arch): one request at the largest size, Ulysses degree 2 over two worker
+  processes of one thread each, against degree 1 in one process of one thread and of two;
+  with the collectives' share of the degree-2 step;
+- `controlnet` (sdxl-arch): a random full-size ControlNet (`ControlNetModel.from_unet`) served
+  by one service process of one thread, sync and async, against the plain step; the base
+  runner on one thread too (the other core is the ControlNet's, as KATZ gives it a GPU).
+
+`--quick` times fewer, smaller rows (a few minutes; the test runs it on the tiny models).
+
+    gouache bench fullsize [--models sdxl-arch,sd3-arch] [--variants eager,compiled] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("eager", "compiled")
+SECTIONS = ("mfu", "patched", "template", "lora", "block_cache", "controlnet")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--models", default="sdxl-arch,sd3-arch",
+                   help="comma-separated; a UNet and a DiT (default: %(default)s)")
+    p.add_argument("--variants", default="eager", help=f"comma-separated, of {', '.join(VARIANTS)} (default: %(default)s)")
+    p.add_argument("--sizes", default=None, help="square sizes in pixels, smallest and largest first and last "
+                                                "(default: 256,512; --quick: 128,256)")
+    p.add_argument("--mixes", default=None, help="mixed batches' sizes, '+'-joined, comma-separated, two images "
+                                                "each (default: 256+512,256+384+512; --quick: 128+256)")
+    p.add_argument("--masks", default="0.1,0.2,0.5", help="template edits' mask ratios (default: %(default)s)")
+    p.add_argument("--ranks", default="16,64", help="segmented LoRA ranks (default: %(default)s)")
+    p.add_argument("--share", type=float, default=0.5,
+                   help="share of the block cache's units reused in its rows (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per row, median (default: 3; --quick: 1)")
+    p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, one repeat, one rank, one mask (default: off)")
+    p.add_argument("--skip", default=None,
+                   help=f"comma-separated sections left out, of {', '.join(SECTIONS)}, ulysses (default: none)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR", help="compiled kernels kept here")
+    p.add_argument("--out", default="benchmarks/results/fullsize_cpu.json",
+                   help="JSON path; the tables (.md) go beside it (default: %(default)s)")
+    p.add_argument("--one", default=None, help="(internal) measure this model (or 'ulysses') here, print JSON")
+
+
+def _settings(args) -> None:
+    """--quick's defaults, and the checks of every argument."""
+    args.sizes = [int(s) for s in (args.sizes or ("128,256" if args.quick else "256,512")).split(",")]
+    args.mixes = [[int(s) for s in mix.split("+")]
+                  for mix in (args.mixes or ("128+256" if args.quick else "256+512,256+384+512")).split(",")]
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.masks = [float(m) for m in args.masks.split(",")][:1 if args.quick else None]
+    args.ranks = [int(r) for r in args.ranks.split(",")][:1 if args.quick else None]
+    args.skip = [s for s in (args.skip or "").split(",") if s]
+    variants = args.variants.split(",")
+    if sorted(set(variants) - set(VARIANTS)) or "eager" not in variants:
+        raise ValueError(f"--variants takes eager (always, the baseline) and compiled; got {args.variants!r}")
+    if any(s % 128 for s in args.sizes) or any(len(mix) < 2 or any(s % 128 for s in mix) for mix in args.mixes):
+        raise ValueError(f"--sizes and --mixes take multiples of 128 px (the patch), two or more sizes per mix; "
+                         f"got {args.sizes}, {args.mixes}")
+    if not all(0 < m <= 1 for m in args.masks):
+        raise ValueError(f"--masks are shares of the image an edit repaints, in (0, 1]; got {args.masks}")
+    if not 0 < args.share < 1:
+        raise ValueError(f"--share is the share of units reused, in (0, 1); got {args.share}")
+    unknown = set(args.skip) - {*SECTIONS, "ulysses"}
+    if unknown:
+        raise ValueError(f"--skip takes {', '.join(SECTIONS)}, ulysses; got {', '.join(sorted(unknown))}")
+
+
+def run(args) -> int:
+    raw = " ".join(sys.argv[3:])
+    _settings(args)
+    if args.one:
+        result = measure_ulysses(args) if args.one == "ulysses" else measure(args.one, args)
+        print(json.dumps(result))
+        return 0
+    peak = peak_tflops(args.torch_threads, 2048 if args.quick else 8192)
+    print(f"peak: bf16 {peak['bfloat16']:.3f} TFLOP/s, fp32 {peak['float32']:.3f} TFLOP/s", file=sys.stderr)
+    models = args.models.split(",")
+    results = {model: _child(args, model) for model in models}
+    dit = next((m for m, r in results.items() if r["family"] == "dit"), None)
+    ulysses = _child(args, "ulysses", dit) if dit and "ulysses" not in args.skip else None
+    summary = summarize(results, peak, ulysses, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tables = format_tables(summary)
+    print(tables)
+    out.write_text(json.dumps({"command": f"gouache bench fullsize {raw}".strip(), **summary,
+                               "models": results, "ulysses_raw": ulysses}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"`gouache bench fullsize {raw}`\n\n{tables}\n")
+    print(f"wrote {out}, {out.with_suffix('.md')}")
+    return 0
+
+
+def _child(args, one: str, model: str | None = None) -> dict:
+    command = [sys.executable, "-m", "gouache.cli", "bench", "fullsize", "--one", one,
+               "--models", model or one, "--variants", args.variants,
+               "--sizes", ",".join(map(str, args.sizes)), "--mixes", ",".join("+".join(map(str, m)) for m in args.mixes),
+               "--masks", ",".join(map(str, args.masks)),
+               "--ranks", ",".join(map(str, args.ranks)), "--share", str(args.share),
+               "--repeats", str(args.repeats), "--torch-threads", str(args.torch_threads)]
+    command += ["--skip", ",".join(args.skip)] if args.skip else []
+    command += ["--quick"] if args.quick else []
+    command += ["--compile-cache", args.compile_cache] if args.compile_cache else []
+    start = time.perf_counter()
+    child = subprocess.run(command, capture_output=True, text=True)
+    if child.returncode:
+        raise RuntimeError(f"measuring {one} failed:\n{child.stderr[-4000:]}")
+    print(f"{one}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def peak_tflops(threads: int, n: int) -> dict[str, float]:
+    """The best of several n-by-n matmuls, in TFLOP/s, per dtype."""
+    import torch
+
+    torch.set_num_threads(threads)
+    peak = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        peak[str(dtype).removeprefix("torch.")] = 2 * n**3 / best / 1e12
+    return peak
+
+
+def flop_counter():
+    """torch's FLOP counter, also counting the CPU's fused attention (which it leaves out)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def attention(query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_flop_count(query, key, value)
+
+    return FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention})
+
+
+def step_flops(runner, ids: tuple[str, ...]) -> int:
+    """FLOPs of one step of `ids` (it runs: the requests move a step on)."""
+    from gouache.sched.plan import Batch
+
+    with flop_counter() as counter:
+        out = runner.execute(Batch(ids))
+    if out.failed:
+        raise RuntimeError(f"counting FLOPs: {out.failed}")
+    return counter.get_total_flops()
+
+
+def measure(model: str, args) -> dict:
+    """Every section of one model under every variant (see the module's docstring)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gouache.bench.interleaved import Interleaved
+    from gouache.config import CompileConfig, LoraConfig, TemplateConfig
+    from gouache.lora.files import random_lora
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.model_runner import ModelRunner
+
+    torch.set_num_threads(args.torch_threads)
+    variants = args.variants.split(",")
+    sizes, small, large = args.sizes, args.sizes[0], args.sizes[-1]
+    steps = 2 + args.repeats + 3  # the most steps one request runs: settles, repeats, and the FLOP count
+    loras = Path(tempfile.mkdtemp(prefix="gouache-fullsize-loras-"))
+    pipe = load_pipeline(model, "bfloat16")
+    unet = hasattr(pipe, "unet")
+    names = {}
+    for rank in args.ranks:
+        names[rank] = [f"r{rank}-{i}" for i in range(4)]
+        for i, name in enumerate(names[rank]):
+            save_file(random_lora(pipe, rank=rank, seed=100 * rank + i), str(loras / f"{name}.safetensors"))
+    runners = {}
+    for variant in variants:
+        compile = None
+        if variant == "compiled":
+            compile = CompileConfig(enabled=True, buckets=(2, 4, 8, 12), sizes=tuple((s, s) for s in sizes),
+                                    cache_dir=args.compile_cache)
+        runners[variant] = runner = ModelRunner(
+            pipe, loras=LoraConfig(str(loras)), templates=TemplateConfig(host_bytes=12 << 30), compile=compile)
+        runner.warm_up(large)
+        for name in runner.loras.store.names():
+            runner.loras.store.load(name).result()
+    bench = Interleaved(runners, args.repeats, steps)
+    result: dict = {"family": "unet" if unet else "dit", "sizes": sizes, "variants": variants}
+    try:
+        if "mfu" not in args.skip:
+            result["mfu"] = _mfu(bench, sizes)
+        if "patched" not in args.skip:
+            result["patched"] = _patched(bench, args.mixes)
+        if "template" not in args.skip:
+            result["template"] = _template(bench, large, args.masks, steps)
+        if "lora" not in args.skip:
+            result["lora"] = _lora(bench, small, names)
+        if "block_cache" not in args.skip:
+            result["block_cache"] = _block_cache(bench, small, args.mixes[0], args.share, unet)
+    finally:
+        shutil.rmtree(loras, ignore_errors=True)
+    if unet and "controlnet" not in args.skip:
+        result["controlnet"] = _controlnet(pipe, small, args)
+    return result
+
+
+def _mfu(bench, sizes: list[int]) -> dict:
+    rows = {}
+    for size in sizes:
+        ids = bench.prepare([(size, {})])
+        rows[str(size)] = {"ms": bench.timed(f"step {size}", [ids]), "flops": step_flops(bench.runners["eager"], ids)}
+        bench.release(ids)
+    return rows
+
+
+def _patched(bench, mixes: list[list[int]]) -> dict:
+    rows = {}
+    for mix in mixes:
+        label = "+".join(map(str, mix))
+        ids = bench.prepare([(size, {}) for size in mix for _ in range(2)])
+        bench.timed(f"mixed {label}", [ids], patched=True)
+        bench.timed(f"grouped {label}", [ids[2 * i:2 * i + 2] for i in range(len(mix))])
+        bench.release(ids)
+        rows[label] = {v: bench.ratio(v, f"mixed {label}", f"grouped {label}") for v in bench.variants}
+    return rows
+
+
+def _template(bench, size: int, masks: list[float], steps: int) -> dict:
+    import numpy as np
+
+    from gouache.bench.edit import picture
+    from gouache.data.shapes import sample_scene
+    from gouache.profile.edits import centred_mask
+    from gouache.sched.plan import Batch
+
+    image = picture(sample_scene(random.Random(1)), size, seed=1)
+    token = bench.runners["eager"].family.token_pixels
+    blank = np.zeros_like(centred_mask(size, token, masks[0])[0])
+    register = bench.prepare([(size, {"image": b"-", "template_id": "fullsize", "register_template": True})],
+                             image, blank)
+    for _ in range(steps):  # the template: every step's activations recorded
+        for runner in bench.runners.values():
+            out = runner.execute(Batch(register))
+            if out.failed:
+                raise RuntimeError(f"recording the template: {out.failed}")
+    bench.release(register)
+    rows = {}
+    for ratio in masks:
+        mask, share = centred_mask(size, token, ratio)
+        replay = bench.prepare([(size, {"image": b"-", "template_id": "fullsize", "template_cache": True})], image, mask)
+        full = bench.prepare([(size, {"image": b"-", "template_cache": False})], image, mask)
+        bench.timed(f"template edit {ratio}", [replay])
+        bench.timed(f"full edit {ratio}", [full])
+        bench.release(replay, full)
+        rows[str(ratio)] = {"tokens": share, **{v: bench.ratio(v, f"template edit {ratio}", f"full edit {ratio}")
+                                                 for v in bench.variants}}
+    return rows
+
+
+def _lora(bench, size: int, names: dict[int, list[str]]) -> dict:
+    plain = bench.prepare([(size, {})] * 4)
+    first = next(iter(names.values()))[0]
+    merged = bench.prepare([(size, {"loras": ((first, 1.0),)})] * 4)
+    bench.timed("no LoRA", [plain])
+    bench.timed("merged LoRA", [merged])
+    rows = {"merged": {v: bench.ratio(v, "merged LoRA", "no LoRA") for v in bench.variants}}
+    bench.release(merged)
+    for rank, four in names.items():
+        mixed = bench.prepare([(size, {"loras": ((name, 1.0),)}) for name in four])
+        bench.timed(f"segmented rank {rank}", [mixed])
+        bench.timed("no LoRA", [plain])  # again, beside it
+        rows[f"segmented rank {rank}"] = {v: bench.ratio(v, f"segmented rank {rank}", "no LoRA") for v in bench.variants}
+        bench.release(mixed)
+    bench.release(plain)
+    return rows
+
+
+def _block_cache(bench, size: int, mix: list[int], share: float, unet: bool) -> dict:
+    from gouache.block_cache.store import BlockCache
+    from gouache.config import BlockCacheConfig
+
+    period = round(1 / share)
+    for runner in bench.runners.values():
+        runner.cache = BlockCache(BlockCacheConfig(budget_bytes=8 << 30), fixed_share(period))
+    counts = {"reused": 0, "computed": 0}
+
+    def observe(variant: str, out) -> None:
+        counts["reused"] += out.block_cache.reused
+        counts["computed"] += out.block_cache.computed
+
+    rows = {}
+    cases = [("image", [(size, {})] * 2, False), ("patch" if unet else "token", [(s, {}) for s in mix for _ in range(2)], True)]
+    for unit, specs, patched in cases:
+        exact = bench.prepare(specs)
+        cached = bench.prepare([(s, {**fields, "block_cache": 0.5}) for s, fields in specs])
+        counts.update(reused=0, computed=0)
+        bench.timed(f"cached per {unit}", [cached], patched=patched, settle=2, observe=observe)
+        bench.timed(f"exact per {unit}", [exact], patched=patched)
+        reused = counts["reused"] / max(1, counts["reused"] + counts["computed"])
+        rows[unit] = {"reused": reused, **{v: bench.ratio(v, f"cached per {unit}", f"exact per {unit}")
+                                           for v in bench.variants}}
+        bench.release(exact, cached)
+    return rows
+
+
+def fixed_share(period: int):
+    """A `CachePass` reusing every `period`-th cached unit (of those the cache may reuse),
+    shifting by one each forward, whatever the inputs' change: a known share of reuse to time."""
+    import torch
+
+    from gouache.block_cache.store import CachePass
+
+    class FixedShare(CachePass):
+        forwards = 0
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.phase = FixedShare.forwards % period
+            FixedShare.forwards += 1
+
+        def unchanged(self, entry, x) -> torch.Tensor:
+            rows = torch.arange(len(entry.inputs), device=x.device)
+            return (rows + self.phase) % period == 0
+
+    return FixedShare
+
+
+def _controlnet(pipe, size: int, args) -> dict:
+    """Wall seconds of a step: plain, and with a full-size ControlNet served sync and async (the
+    service and the base runner on one thread each), interleaved."""
+    import numpy as np
+    import torch
+
+    from gouache.bench.interleaved import request
+    from gouache.config import ControlNetConfig
+    from gouache.controlnet.model import Base, random_controlnet
+    from gouache.controlnet.service import ControlService
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.sched.plan import Batch
+
+    torch.set_num_threads(1)
+    directory = Path(tempfile.mkdtemp(prefix="gouache-fullsize-controlnet-"))
+    service, runners = None, {}
+    times: dict[str, list[float]] = {"plain": [], "sync": [], "async": []}
+    try:
+        random_controlnet(pipe, seed=0, std=0.02).save_pretrained(str(directory / "net"))
+        service = ControlService(1, str(directory), Base.of(pipe), 16 << 30, threads=1)
+        image = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+        for mode in times:
+            config = None if mode == "plain" else ControlNetConfig(str(directory), 1, mode, service=service.address)
+            runners[mode] = runner = ModelRunner(pipe, controlnets=config)
+            fields = {} if mode == "plain" else {"controlnets": (("net", b"", 1.0),)}
+            runner.prepare(request(mode, size, 0, 3 + args.repeats, **fields),
+                           **({} if mode == "plain" else {"controls": [image]}))
+        for rep in range(2 + args.repeats):  # two steps warm the service (and load the net)
+            for mode, runner in runners.items():
+                start = time.perf_counter()
+                out = runner.execute(Batch((mode,)))
+                if out.failed:
+                    raise RuntimeError(f"ControlNet {mode}: {out.failed}")
+                if rep >= 2:
+                    times[mode].append(1e3 * (time.perf_counter() - start))
+    finally:
+        for runner in runners.values():
+            runner.controls.close()
+        if service is not None:
+            service.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)
+        torch.set_num_threads(args.torch_threads)
+    ms = {mode: statistics.median(t) for mode, t in times.items()}
+    return {"size": size, "threads": 1, "ms": ms, "sync": ms["sync"] / ms["plain"], "async": ms["async"] / ms["plain"]}
+
+
+def measure_ulysses(args) -> dict:
+    """One request at the largest size: degree 1 in this process (one thread, then two) and
+    degree 2 over two worker processes of one thread each, interleaved."""
+    import torch
+
+    from gouache.bench.interleaved import request
+    from gouache.executor.multiproc import MultiprocExecutor
+    from gouache.executor.pool import DevicePool
+    from gouache.executor.worker import WorkerSpec
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.sched.plan import Batch
+
+    model, size = args.models, args.sizes[-1]
+    pipe = load_pipeline(model, "bfloat16")
+    runner = ModelRunner(pipe)
+    local = DevicePool.in_process(runner)
+    executor = MultiprocExecutor(WorkerSpec(model, "bfloat16", torch_threads=1), 2)
+    steps = 3 * (2 + args.repeats)
+    times: dict[str, list[float]] = {"degree 1, 1 thread": [], "degree 1, 2 threads": [], "degree 2": []}
+    collective: list[float] = []
+    try:
+        pool = DevicePool(runner, executor)
+        alone, spread = request("alone", size, 0, steps), request("spread", size, 1, steps)
+        runner.prepare(alone)
+        runner.prepare(spread)
+        for rep in range(2 + args.repeats):
+            for case in times:
+                torch.set_num_threads(2 if case == "degree 1, 2 threads" else 1)
+                target, batch = (pool, Batch(("spread",), (0, 1))) if case == "degree 2" else (local, Batch(("alone",), (0,)))
+                start = time.perf_counter()
+                out = target.submit(batch).result()
+                seconds = time.perf_counter() - start
+                if out.failed:
+                    raise RuntimeError(f"ulysses {case}: {out.failed}")
+                if rep >= 2:
+                    times[case].append(seconds)
+                    if case == "degree 2":
+                        collective.append(out.collective_s)
+    finally:
+        executor.shutdown()
+        torch.set_num_threads(args.torch_threads)
+    ms = {case: 1e3 * statistics.median(t) for case, t in times.items()}
+    return {"model": model, "size": size, "ms": ms,
+            "speedup_over_one_thread": ms["degree 1, 1 thread"] / ms["degree 2"],
+            "over_two_threads": ms["degree 2"] / ms["degree 1, 2 threads"],
+            "collective_share": statistics.median(collective) / (ms["degree 2"] / 1e3)}
+
+
+def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
+    """The issue's keys, from each model's raw rows."""
+    summary: dict = {"peak_tflops": {"bf16": peak["bfloat16"], "fp32": peak["float32"]},
+                     "torch_threads": args.torch_threads, "repeats": args.repeats, "quick": args.quick}
+    for key in ("mfu", "patched_over_grouped", "template_over_full", "lora", "block_cache"):
+        summary[key] = {}
+    for model, r in results.items():
+        if "mfu" in r:
+            summary["mfu"][model] = {
+                size: {v: {"ms": row["ms"][v]["ms"], "tflops": row["flops"] / 1e12,
+                           "mfu": row["flops"] / (row["ms"][v]["ms"] / 1e3) / (peak["bfloat16"] * 1e12)}
+                       for v in r["variants"]}
+                for size, row in r["mfu"].items()}
+        for key, raw in (("patched_over_grouped", "patched"), ("template_over_full", "template"),
+                         ("lora", "lora"), ("block_cache", "block_cache")):
+            if raw in r:
+                summary[key][model] = r[raw]
+        if "controlnet" in r:
+            summary["controlnet"] = {model: r["controlnet"]}
+    if ulysses is not None:
+        summary["ulysses"] = ulysses
+    return summary
+
+
+def format_tables(summary: dict) -> str:
+    lines = [f"peak bf16 {summary['peak_tflops']['bf16']:.3f} TFLOP/s, fp32 {summary['peak_tflops']['fp32']:.3f} "
+             f"TFLOP/s ({summary['torch_threads']} threads); medians of {summary['repeats']}", ""]
+
+    def table(title: str, header: list[str], rows: list[list]) -> None:
+        lines.extend([f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)])
+        lines.extend("| " + " | ".join(c if isinstance(c, str) else f"{c:.2f}" for c in row) + " |" for row in rows)
+        lines.append("")
+
+    rows = [[model, size, v, cell["ms"], cell["tflops"], cell["mfu"]]
+            for model, by_size in summary["mfu"].items() for size, cells in by_size.items() for v, cell in cells.items()]
+    table("step (one request, CFG) and MFU", ["model", "px", "variant", "ms", "TFLOP per step", "MFU"], rows)
+    for key, title in (("patched_over_grouped", "patched or packed / grouped (two images per size)"),
+                       ("template_over_full", "template edit / full edit (tokens: share repainted)"),
+                       ("lora", "LoRA step / no adapter (four requests)"),
+                       ("block_cache", "block cache (fixed share) / exact (reused: share of unit-blocks)")):
+        cells = [(model, name, row) for model, by_name in summary[key].items() for name, row in by_name.items()]
+        columns = list(dict.fromkeys(k for _, _, row in cells for k in row))
+        table(title, ["model", "row", *columns], [[model, name, *(row.get(k, "") for k in columns)]
+                                                  for model, name, row in cells])
+    if "controlnet" in summary:
+        rows = [[model, f"{c['size']} px", c["ms"]["plain"], c["sync"], c["async"]] for model, c in summary["controlnet"].items()]
+        table("ControlNet service (one thread each) / plain step", ["model", "size", "plain ms", "sync", "async"], rows)
+    if "ulysses" in summary:
+        u = summary["ulysses"]
+        table(f"Ulysses, {u['model']} at {u['size']} px", ["case", "ms"], [[case, ms] for case, ms in u["ms"].items()])
+        lines.append(f"degree 2 over degree 1 on one thread: {u['speedup_over_one_thread']:.2f}x; over one process on two "
+                     f"threads: {u['over_two_threads']:.2f} of its time; collectives {100 * u['collective_share']:.0f} %")
+    return "\n".join(lines)

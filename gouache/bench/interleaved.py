@@ -1,0 +1,79 @@
+"""Steps of the same requests on several in-process runners (variants of one model: eager,
+compiled, quantized), interleaved repetition by repetition, so a noisy neighbour slows all of
+them alike: what `gouache bench speed` and `gouache bench fullsize` time."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable
+
+STEPS = 30  # a request's schedule, unless the bench asks for another
+
+
+def request(rid: str, size: int, seed: int, steps: int = STEPS, **fields):
+    """A square text-to-image (or, with `fields`, edit or adapter) request of `size` pixels."""
+    from gouache.request import ImageRequest
+
+    return ImageRequest(rid, f"a red circle {seed % 5}", size, size, steps, 4.0, seed=seed, **fields)
+
+
+class Interleaved:
+    """`runners` by variant; `steps[label][variant]` the median ms and compile paths of each row."""
+
+    def __init__(self, runners: dict, repeats: int, steps: int = STEPS):
+        self.runners, self.repeats, self.schedule = runners, repeats, steps
+        self.steps: dict[str, dict] = {}
+        self._ids = itertools.count()
+
+    @property
+    def variants(self) -> list[str]:
+        return list(self.runners)
+
+    def prepare(self, specs: list[tuple[int, dict]], *upload, controls: list | None = None) -> tuple[str, ...]:
+        """Requests of (size, fields) prepared in every runner under the same ids; `upload`: an
+        edit's (image, mask); `controls`: the ControlNets' conditioning images."""
+        ids = tuple(f"r{next(self._ids)}" for _ in specs)
+        extra = {} if controls is None else {"controls": controls}
+        for runner in self.runners.values():
+            for rid, (size, fields) in zip(ids, specs):
+                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), *upload, **extra)
+        return ids
+
+    def release(self, *groups: tuple[str, ...]) -> None:
+        for runner in self.runners.values():
+            for ids in groups:
+                for rid in ids:
+                    runner.release(rid)
+
+    def timed(self, label: str, batches: list[tuple[str, ...]], patched: bool = False, settle: int = 1,
+              observe: Callable[[str, object], None] | None = None) -> dict:
+        """Median ms of one step of `batches` (one or several batches of ids, summed) per variant, after `settle` untimed steps, and each variant's compile paths in those
+        steps; `observe(variant, output)` sees every timed batch's output."""
+        from gouache.sched.plan import Batch
+
+        times = {v: [] for v in self.runners}
+        paths = {v: {} for v in self.runners}
+        for rep in range(settle + self.repeats):
+            for variant, runner in self.runners.items():
+                total = 0.0
+                for ids in batches:
+                    out = runner.execute(Batch(tuple(ids), patched=patched))
+                    if out.failed:
+                        raise RuntimeError(f"{label} ({variant}): {out.failed}")
+                    total += out.forward_s
+                    if rep >= settle:
+                        for why, n in out.compile.eager.items():
+                            paths[variant][f"eager: {why}"] = paths[variant].get(f"eager: {why}", 0) + n
+                        if out.compile.compiled:
+                            paths[variant]["compiled"] = paths[variant].get("compiled", 0) + out.compile.compiled
+                        if observe is not None:
+                            observe(variant, out)
+                if rep >= settle:
+                    times[variant].append(total)
+        self.steps[label] = row = {v: {"ms": 1e3 * statistics.median(times[v]), "paths": paths[v]}
+                                   for v in self.runners}
+        return row
+
+    def ratio(self, variant: str, over: str, under: str) -> float:
+        return self.steps[over][variant]["ms"] / self.steps[under][variant]["ms"]
