@@ -102,7 +102,7 @@ def run(args) -> int:
         result = measure_ulysses(args) if args.one == "ulysses" else measure(args.one, args)
         print(json.dumps(result))
         return 0
-    peak = peak_tflops(args.torch_threads, 2048 if args.quick else 8192)
+    peak = peak_tflops(args.torch_threads, (2048,) if args.quick else (2048, 4096, 8192))
     print(f"peak: bf16 {peak['bfloat16']:.3f} TFLOP/s, fp32 {peak['float32']:.3f} TFLOP/s", file=sys.stderr)
     models = args.models.split(",")
     results = {model: _child(args, model) for model in models}
@@ -138,21 +138,22 @@ def _child(args, one: str, model: str | None = None) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def peak_tflops(threads: int, n: int) -> dict[str, float]:
-    """The best of several n-by-n matmuls, in TFLOP/s, per dtype."""
+def peak_tflops(threads: int, sides: tuple[int, ...]) -> dict[str, float]:
+    """The best of three n-by-n matmuls for each n of `sides`, in TFLOP/s, per dtype."""
     import torch
 
     torch.set_num_threads(threads)
     peak = {}
     for dtype in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
+        best = 0.0
+        for n in sides:
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             a @ b
-            best = min(best, time.perf_counter() - start)
-        peak[str(dtype).removeprefix("torch.")] = 2 * n**3 / best / 1e12
+            for _ in range(3):
+                start = time.perf_counter()
+                a @ b
+                best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e12)
+        peak[str(dtype).removeprefix("torch.")] = best
     return peak
 
 
@@ -265,8 +266,8 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
     image = picture(sample_scene(random.Random(1)), size, seed=1)
     token = bench.runners["eager"].family.token_pixels
     blank = np.zeros_like(centred_mask(size, token, masks[0])[0])
-    register = bench.prepare([(size, {"image": b"-", "template_id": "fullsize", "register_template": True})],
-                             image, blank)
+    edit = {"image": b"-", "prompt": "a red circle", "template_id": "fullsize"}  # one prompt: its text rows replay too
+    register = bench.prepare([(size, {**edit, "register_template": True})], image, blank)
     for _ in range(steps):  # the template: every step's activations recorded
         for runner in bench.runners.values():
             out = runner.execute(Batch(register))
@@ -276,8 +277,8 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
     rows = {}
     for ratio in masks:
         mask, share = centred_mask(size, token, ratio)
-        replay = bench.prepare([(size, {"image": b"-", "template_id": "fullsize", "template_cache": True})], image, mask)
-        full = bench.prepare([(size, {"image": b"-", "template_cache": False})], image, mask)
+        replay = bench.prepare([(size, {**edit, "template_cache": True})], image, mask)
+        full = bench.prepare([(size, {**edit, "template_cache": False})], image, mask)
         bench.timed(f"template edit {ratio}", [replay])
         bench.timed(f"full edit {ratio}", [full])
         bench.release(replay, full)
@@ -287,20 +288,41 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
 
 
 def _lora(bench, size: int, names: dict[int, list[str]]) -> dict:
+    """Four requests with four adapters each their own (segmented), then with one adapter all
+    (merged: the runtime merges it in its first step), each against no adapter beside it; nothing
+    merged outside the merged row. A row's `mode` is how the runtime applied its adapters."""
+    from gouache.bench.interleaved import STEPS
+
+    bench.schedule = STEPS  # a whole schedule ahead: the runtime merges a shared adapter when it pays
+    modes: dict[str, set[str]] = {}
+
+    def unmerged() -> None:
+        for runner in bench.runners.values():
+            runner.loras.merged.set(())
+
+    def timed(label: str, ids: tuple[str, ...]) -> None:
+        seen = modes.setdefault(label, set())
+        bench.timed(label, [ids], observe=lambda variant, out: seen.add(out.lora.mode or "none"))
+
     plain = bench.prepare([(size, {})] * 4)
-    first = next(iter(names.values()))[0]
-    merged = bench.prepare([(size, {"loras": ((first, 1.0),)})] * 4)
-    bench.timed("no LoRA", [plain])
-    bench.timed("merged LoRA", [merged])
-    rows = {"merged": {v: bench.ratio(v, "merged LoRA", "no LoRA") for v in bench.variants}}
-    bench.release(merged)
+    rows = {}
     for rank, four in names.items():
         mixed = bench.prepare([(size, {"loras": ((name, 1.0),)}) for name in four])
-        bench.timed(f"segmented rank {rank}", [mixed])
-        bench.timed("no LoRA", [plain])  # again, beside it
+        unmerged()
+        timed("no LoRA", plain)
+        timed(f"segmented rank {rank}", mixed)
         rows[f"segmented rank {rank}"] = {v: bench.ratio(v, f"segmented rank {rank}", "no LoRA") for v in bench.variants}
         bench.release(mixed)
-    bench.release(plain)
+    first = next(iter(names.values()))[0]
+    merged = bench.prepare([(size, {"loras": ((first, 1.0),)})] * 4)
+    unmerged()
+    timed("no LoRA", plain)
+    timed("merged", merged)
+    rows["merged"] = {v: bench.ratio(v, "merged", "no LoRA") for v in bench.variants}
+    for label, row in rows.items():
+        row["mode"] = ",".join(sorted(modes[label]))
+    unmerged()
+    bench.release(plain, merged)
     return rows
 
 

@@ -11,11 +11,12 @@ from collections.abc import Callable
 STEPS = 30  # a request's schedule, unless the bench asks for another
 
 
-def request(rid: str, size: int, seed: int, steps: int = STEPS, **fields):
-    """A square text-to-image (or, with `fields`, edit or adapter) request of `size` pixels."""
+def request(rid: str, size: int, seed: int, steps: int = STEPS, prompt: str | None = None, **fields):
+    """A square text-to-image (or, with `fields`, edit or adapter) request of `size` pixels; its
+    prompt one of five by its seed unless given."""
     from gouache.request import ImageRequest
 
-    return ImageRequest(rid, f"a red circle {seed % 5}", size, size, steps, 4.0, seed=seed, **fields)
+    return ImageRequest(rid, prompt or f"a red circle {seed % 5}", size, size, steps, 4.0, seed=seed, **fields)
 
 
 class Interleaved:

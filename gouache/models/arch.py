@@ -88,23 +88,31 @@ def arch_pipeline(name: str, dtype: str = "bfloat16", device: str = "cpu") -> Di
     the VAE the tiny one of the family's latent channels. What it draws is noise; what it costs
     per step is the published model's."""
     denoiser = build_arch(name, device, dtype)
-    with torch.device(device), default_dtype(torch_dtype(dtype)):  # the small parts built in dtype
-        return _pipeline_around(name, denoiser)
+    if name == "sdxl-arch":
+        scheduler = zoo.euler_scheduler()
+    elif name == "sd3-arch":
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096)
+    with torch.device(device), default_dtype(torch_dtype(dtype)):  # the small parts built in dtype, there
+        return _pipeline_around(name, denoiser, scheduler)
 
 
-def _pipeline_around(name: str, denoiser: torch.nn.Module) -> DiffusionPipeline:
+def _pipeline_around(name: str, denoiser: torch.nn.Module, scheduler) -> DiffusionPipeline:
     if name == "sdxl-arch":
         text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=False, hidden=768)
         text_encoder_2, tokenizer_2 = zoo.clip_text_encoder(zoo.SEED_TEXT_2, with_projection=True, hidden=1280)
         return StableDiffusionXLPipeline(
             vae=zoo.tiny_vae(4, scaling_factor=0.13025, shift_factor=None), text_encoder=text_encoder,
             tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, unet=denoiser,
-            scheduler=zoo.euler_scheduler(), add_watermarker=False)
+            scheduler=scheduler, add_watermarker=False)
     elif name == "sd3-arch":  # no T5: the pipeline puts its 256 tokens of zeros in its place
         text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=True, hidden=768)
         text_encoder_2, tokenizer_2 = zoo.clip_text_encoder(zoo.SEED_TEXT_2, with_projection=True, hidden=1280)
         return StableDiffusion3Pipeline(
-            transformer=denoiser, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+            transformer=denoiser, scheduler=scheduler,
             vae=zoo.tiny_vae(16, scaling_factor=1.5305, shift_factor=0.0609), text_encoder=text_encoder,
             tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=None,
             tokenizer_3=None)
@@ -112,8 +120,5 @@ def _pipeline_around(name: str, denoiser: torch.nn.Module) -> DiffusionPipeline:
         text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=False, hidden=768)
         text_encoder_2, tokenizer_2 = zoo.t5_text_encoder(zoo.SEED_TEXT_2, hidden=4096)
         return FluxPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler(
-                num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                base_image_seq_len=256, max_image_seq_len=4096),
-            vae=zoo.tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159), text_encoder=text_encoder,
+            scheduler=scheduler, vae=zoo.tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159), text_encoder=text_encoder,
             tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=denoiser)

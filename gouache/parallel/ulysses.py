@@ -8,19 +8,20 @@ and a second all-to-all trades back. The model runs unchanged: a forward hook cu
 image tokens, the attention processors do the exchanges, a hook on `proj_out` gathers the output.
 
 Where this departs from the paper, and why:
-- Only the image tokens are sharded. The text tokens (a few hundred) stay whole on every rank:
-  each rank slices its heads out of the text's q/k/v, and the text's attention output is
-  all-gathered over heads, so every rank runs the identical whole text stream into the next
-  block. The text length then need not divide by k (diffusers' own context-parallel plan
-  shards the text too).
+- Both streams of a joint block are sharded: each rank holds its shard of the image tokens and
+  its contiguous shard of the text tokens (sizes differing by at most one: the text length need
+  not divide by k), and one all-to-all per direction carries both (`all_to_all_single` with
+  uneven splits). Keeping the text whole on every rank instead (as this module first did) runs
+  the text stream k times: SD3's 333 text tokens are a quarter of a 512 px step's sequence, which
+  capped degree 2 at 1.6x before any collective (docs/fullsize.md).
 - The degree is not fixed at load time: `ulysses(transformer, group)` installs everything for
   one forward (or one step) and removes it on exit. Every rank ends each forward with the full,
   identical output, which is all the next step needs, so a request's degree can change between
   denoising steps (TetriServe's step-level parallelism).
 
-Collectives per attention call: one all-to-all of the shard's stacked q/k/v, one all-to-all of
-the attention output back, one all-gather of the text's attention output (skipped where the
-model drops it: SD3's last block). Per forward: one all-gather of the output tokens. Only
+Collectives per attention call: one all-to-all of the shard's stacked q/k/v (image and text
+tokens), one all-to-all of the attention output back (the text's skipped where the model drops
+it: SD3's last block). Per forward: one all-gather of the output tokens. Only
 `all_to_all_single` and `all_gather_single` are used; gloo and NCCL implement both. Inference
 only: the collectives carry no gradients.
 """
@@ -58,6 +59,7 @@ class SequenceShards:
         if self.rank < 0:
             raise ValueError("this process is not in the Ulysses group; enter ulysses() on the group's ranks only")
         self.tokens = 0  # image tokens in this rank's shard, set by `split` at the start of each forward
+        self.text_sizes: list[int] = []  # text tokens in each rank's shard, set by `split_text`
         self.collective_s = 0.0  # wall time spent in this group's collectives so far
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,48 +81,56 @@ class SequenceShards:
         self.collective_s += time.perf_counter() - start
         return out.unflatten(0, (self.degree, -1)).movedim(0, dim).flatten(dim, dim + 1)
 
-    def swap(self, x: torch.Tensor, split_dim: int, cat_dim: int) -> torch.Tensor:
-        """All-to-all: cut x into k pieces along `split_dim`, send piece j to rank j, and
-        concatenate the pieces received along `cat_dim` in rank order."""
-        send = x.unflatten(split_dim, (self.degree, -1)).movedim(split_dim, 0).contiguous()
-        received = torch.empty_like(send)
-        start = time.perf_counter()
-        dist.all_to_all_single(received, send, group=self.group)
-        self.collective_s += time.perf_counter() - start
-        return received.movedim(0, cat_dim).flatten(cat_dim, cat_dim + 1)
+    def split_text(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, L, ...] text tokens -> this rank's contiguous shard; the first L % k ranks hold one more."""
+        length = x.shape[1]
+        self.text_sizes = [length // self.degree + (j < length % self.degree) for j in range(self.degree)]
+        return x.narrow(1, sum(self.text_sizes[:self.rank]), self.text_sizes[self.rank])
 
-    def own_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., H, d] -> [..., H/k, d]: the heads this rank attends for."""
-        per_rank = x.shape[-2] // self.degree
-        return x.narrow(-2, self.rank * per_rank, per_rank)
+    def exchange(self, pieces: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, ...]:
+        """All-to-all along dim 0: send pieces[j] to rank j; the pieces received, sizes[j] rows
+        from rank j."""
+        send = torch.cat(pieces).contiguous()
+        received = send.new_empty(sum(sizes), *send.shape[1:])
+        start = time.perf_counter()
+        dist.all_to_all_single(received, send, output_split_sizes=sizes,
+                               input_split_sizes=[len(piece) for piece in pieces], group=self.group)
+        self.collective_s += time.perf_counter() - start
+        return received.split(sizes)
 
     def attend(
         self, image: QKV, text: QKV | None, text_first: bool, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         keep_text: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Joint attention of the whole image sequence and the text, this rank's shard out.
+        """Joint attention of the whole image sequence and the whole text, this rank's shards out.
 
-        image: q, k, v of this rank's shard [B, N/k, H, d]; text: the whole text's q, k, v
-        [B, L, H, d], or None for image-only attention (projected in all heads and sliced here,
-        not by slicing projection weights: a LoRA or quantised layer is a module, not one
-        weight); rope: Flux's (cos, sin) [L + N, d] of the joint sequence. Returns the image
-        output [B, N/k, H*d] and the text output [B, L, H*d] (None without text or unless
-        `keep_text`), both in all heads.
+        image: q, k, v of this rank's image shard [B, N/k, H, d]; text: of its text shard
+        [B, L_rank, H, d], or None for image-only attention (projected in all heads: a LoRA or
+        quantised layer is a module, not one weight); rope: Flux's (cos, sin) [L + N, d] of the
+        joint sequence. Returns the image output [B, N/k, H*d] and the text output
+        [B, L_rank, H*d] (None without text or unless `keep_text`), both in all heads.
         """
-        qkv = list(self.swap(torch.stack(image), split_dim=3, cat_dim=2))  # 3 x [B, N, H/k, d]
-        text_len = 0
-        if text is not None:  # in the model's own token order: Flux puts text first, SD3 last
-            text_len = text[0].shape[1]
-            qkv = [torch.cat([t, x] if text_first else [x, t], dim=1) for t, x in zip(map(self.own_heads, text), qkv)]
+        n = image[0].shape[1]
+        texts = self.text_sizes if text is not None else [0] * self.degree
+        tokens = torch.stack(image) if text is None else torch.cat([torch.stack(image), torch.stack(text)], dim=2)
+        by_heads = tokens.permute(2, 0, 1, 3, 4).chunk(self.degree, dim=3)  # k x [n + L_rank, 3, B, H/k, d]
+        received = self.exchange(list(by_heads), [n + length for length in texts])
+        images, words = [piece[:n] for piece in received], [piece[n:] for piece in received]
+        joint = torch.cat(words + images if text_first else images + words)  # [L + N, 3, B, H/k, d]
+        qkv = list(joint.permute(1, 2, 0, 3, 4))  # 3 x [B, L + N, H/k, d], in the model's token order
         if rope is not None:  # the whole sequence is here, so the model's RoPE applies as it is
             qkv[:2] = [apply_rotary_emb(x, rope, sequence_dim=1) for x in qkv[:2]]
-        out = dispatch_attention_fn(*qkv)  # [B, L + N, H/k, d]
-        sizes = [text_len, out.shape[1] - text_len]
-        text_part, image_part = out.split(sizes, 1) if text_first else out.split(sizes[::-1], 1)[::-1]
-        image_out = self.swap(image_part, split_dim=1, cat_dim=2).flatten(2)
-        if text is None or not keep_text:
-            return image_out, None
-        return image_out, self.gather(text_part, dim=2).flatten(2)
+        out = dispatch_attention_fn(*qkv).transpose(0, 1)  # [L + N, B, H/k, d]
+        text_len = sum(texts)
+        text_part, image_part = (out[:text_len], out[text_len:]) if text_first else (out[n * self.degree:], out[:n * self.degree])
+        back = keep_text and text is not None
+        starts = [sum(texts[:j]) for j in range(self.degree)]
+        pieces = [torch.cat([image_part[j * n:(j + 1) * n], text_part[starts[j]:starts[j] + texts[j]]]) if back
+                  else image_part[j * n:(j + 1) * n] for j in range(self.degree)]
+        mine = n + (texts[self.rank] if back else 0)
+        heads = self.exchange(pieces, [mine] * self.degree)  # k x [mine, B, H/k, d], heads in rank order
+        out = torch.cat(heads, dim=2).transpose(0, 1).flatten(2)  # [B, mine, H*d]
+        return out[:, :n], (out[:, n:] if back else None)
 
     def split_residuals(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of the transformer: ControlNet residuals cut like the image stream."""
@@ -171,7 +181,7 @@ class UlyssesFluxAttnProcessor:
         refuse_mask(attention_mask)
         own, norms = (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
         single = encoder_hidden_states is None
-        if single:  # single-stream block: it passes [whole text; image shard] as one sequence
+        if single:  # single-stream block: it passes [text shard; image shard] as one sequence
             text_len = hidden_states.shape[1] - self.shards.tokens
             text = project(hidden_states[:, :text_len], attn.heads, own, norms)
             hidden_states = hidden_states[:, text_len:]
@@ -250,6 +260,7 @@ def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator
         hooks = (
             transformer.register_forward_pre_hook(shards.split_residuals, with_kwargs=True),
             getattr(transformer, embedder).register_forward_hook(lambda module, args, tokens: shards.split(tokens)),
+            transformer.context_embedder.register_forward_hook(lambda module, args, tokens: shards.split_text(tokens)),
             transformer.proj_out.register_forward_hook(lambda module, args, tokens: shards.gather(tokens, dim=1)),
         )
         for hook in hooks:

@@ -26,7 +26,7 @@ from gouache.parallel.ulysses import ulysses
 TOL = 1e-4
 TIMEOUT_S = 120  # per spawn
 BATCH = 2  # rows differ in noise, timestep and text, as CFG rows do
-TEXT_LEN = 7  # divides by no degree: the text is never sharded
+TEXT_LEN = 7  # divides by no degree: the text shards unevenly
 GRIDS = [(4, 4), (2, 8)]  # image tokens per side (SD3: latent / patch size): square and not
 ODD_GRID = (3, 3)  # 9 image tokens: no degree divides them
 
