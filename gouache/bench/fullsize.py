@@ -183,55 +183,64 @@ def step_flops(runner, ids: tuple[str, ...]) -> int:
 def measure(model: str, args) -> dict:
     """Every section of one model under every variant (see the module's docstring)."""
     import torch
+
+    from gouache.models.zoo import load_pipeline
+
+    torch.set_num_threads(args.torch_threads)
+    pipe = load_pipeline(model, "bfloat16")
+    unet = hasattr(pipe, "unet")
+    result = {"family": "unet" if unet else "dit", "sizes": args.sizes, "variants": args.variants.split(","),
+              **_denoiser_sections(pipe, unet, args)}  # its runners (and their templates) freed on return
+    if unet and "controlnet" not in args.skip:
+        result["controlnet"] = _controlnet(pipe, args.sizes[0], args)
+    return result
+
+
+def _denoiser_sections(pipe, unet: bool, args) -> dict:
     from safetensors.torch import save_file
 
     from gouache.bench.interleaved import Interleaved
     from gouache.config import CompileConfig, LoraConfig, TemplateConfig
     from gouache.lora.files import random_lora
-    from gouache.models.zoo import load_pipeline
     from gouache.runner.model_runner import ModelRunner
 
-    torch.set_num_threads(args.torch_threads)
-    variants = args.variants.split(",")
     sizes, small, large = args.sizes, args.sizes[0], args.sizes[-1]
     steps = 2 + args.repeats + 3  # the most steps one request runs: settles, repeats, and the FLOP count
     loras = Path(tempfile.mkdtemp(prefix="gouache-fullsize-loras-"))
-    pipe = load_pipeline(model, "bfloat16")
-    unet = hasattr(pipe, "unet")
-    names = {}
-    for rank in args.ranks:
-        names[rank] = [f"r{rank}-{i}" for i in range(4)]
-        for i, name in enumerate(names[rank]):
-            save_file(random_lora(pipe, rank=rank, seed=100 * rank + i), str(loras / f"{name}.safetensors"))
-    runners = {}
-    for variant in variants:
-        compile = None
-        if variant == "compiled":
-            compile = CompileConfig(enabled=True, buckets=(2, 4, 8, 12), sizes=tuple((s, s) for s in sizes),
-                                    cache_dir=args.compile_cache)
-        runners[variant] = runner = ModelRunner(
-            pipe, loras=LoraConfig(str(loras)), templates=TemplateConfig(host_bytes=12 << 30), compile=compile)
-        runner.warm_up(large)
-        for name in runner.loras.store.names():
-            runner.loras.store.load(name).result()
-    bench = Interleaved(runners, args.repeats, steps)
-    result: dict = {"family": "unet" if unet else "dit", "sizes": sizes, "variants": variants}
     try:
+        names = {}
+        for rank in args.ranks:
+            names[rank] = [f"r{rank}-{i}" for i in range(4)]
+            for i, name in enumerate(names[rank]):
+                save_file(random_lora(pipe, rank=rank, seed=100 * rank + i), str(loras / f"{name}.safetensors"))
+        runners = {}
+        for variant in args.variants.split(","):
+            compile = None
+            if variant == "compiled":  # what a plain step of the mfu and LoRA rows needs, the largest
+                # size at one request compiled in its first (untimed) step
+                compile = CompileConfig(enabled=True, buckets=(2, 8), sizes=((small, small),),
+                                        cache_dir=args.compile_cache)
+            runners[variant] = runner = ModelRunner(
+                pipe, loras=LoraConfig(str(loras)), templates=TemplateConfig(host_bytes=8 << 30), compile=compile)
+            runner.warm_up(small)
+            for name in runner.loras.store.names():
+                runner.loras.store.load(name).result()
+        bench = Interleaved(runners, args.repeats, steps)
+        result: dict = {}
         if "mfu" not in args.skip:
             result["mfu"] = _mfu(bench, sizes)
         if "patched" not in args.skip:
             result["patched"] = _patched(bench, args.mixes)
         if "template" not in args.skip:
             result["template"] = _template(bench, large, args.masks, steps)
+            result["template_bytes"] = bench.runners["eager"].held().templates  # per tier, the recorded steps
         if "lora" not in args.skip:
             result["lora"] = _lora(bench, small, names)
         if "block_cache" not in args.skip:
             result["block_cache"] = _block_cache(bench, small, args.mixes[0], args.share, unet)
+        return result
     finally:
         shutil.rmtree(loras, ignore_errors=True)
-    if unet and "controlnet" not in args.skip:
-        result["controlnet"] = _controlnet(pipe, small, args)
-    return result
 
 
 def _mfu(bench, sizes: list[int]) -> dict:
@@ -488,6 +497,8 @@ def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
                          ("lora", "lora"), ("block_cache", "block_cache")):
             if raw in r:
                 summary[key][model] = r[raw]
+        if "template_bytes" in r:
+            summary.setdefault("template_bytes", {})[model] = r["template_bytes"]
         if "controlnet" in r:
             summary["controlnet"] = {model: r["controlnet"]}
     if ulysses is not None:

@@ -60,10 +60,14 @@ def check_config(config: dict, unet_config: dict, name: str) -> None:
 def random_controlnet(pipe, seed: int = 0, std: float = 0.02):
     """A ControlNet of `pipe`'s UNet (its encoder's weights, as training starts from) whose
     zero-initialised convolutions are random instead, so its residuals are not zero: for tests
-    and benchmarks."""
+    and benchmarks; in the UNet's dtype (built in it: a full-size one in fp32 first would take
+    twice the memory)."""
     from diffusers import ControlNetModel
 
-    model = ControlNetModel.from_unet(pipe.unet, conditioning_channels=CONDITIONING_CHANNELS)
+    from gouache.models.arch import default_dtype
+
+    with default_dtype(pipe.unet.dtype):
+        model = ControlNetModel.from_unet(pipe.unet, conditioning_channels=CONDITIONING_CHANNELS)
     generator = torch.Generator().manual_seed(seed)
     zero = [*model.controlnet_down_blocks, model.controlnet_mid_block, model.controlnet_cond_embedding.conv_out]
     with torch.no_grad():
