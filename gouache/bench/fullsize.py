@@ -120,7 +120,9 @@ def run(args) -> int:
     return 0
 
 
-def _child(args, one: str, model: str | None = None) -> dict:
+def _child(args, one: str, model: str | None = None, tries: int = 2) -> dict:
+    """`one`'s rows, measured in a process of its own; tried again once if it dies (a worker
+    process aborting at shutdown took a whole run's rows with it once)."""
     command = [sys.executable, "-m", "gouache.cli", "bench", "fullsize", "--one", one,
                "--models", model or one, "--variants", args.variants,
                "--sizes", ",".join(map(str, args.sizes)), "--mixes", ",".join("+".join(map(str, m)) for m in args.mixes),
@@ -130,12 +132,15 @@ def _child(args, one: str, model: str | None = None) -> dict:
     command += ["--skip", ",".join(args.skip)] if args.skip else []
     command += ["--quick"] if args.quick else []
     command += ["--compile-cache", args.compile_cache] if args.compile_cache else []
-    start = time.perf_counter()
-    child = subprocess.run(command, capture_output=True, text=True)
-    if child.returncode:
-        raise RuntimeError(f"measuring {one} failed:\n{child.stderr[-4000:]}")
-    print(f"{one}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    for attempt in range(tries):
+        start = time.perf_counter()
+        child = subprocess.run(command, capture_output=True, text=True)
+        if not child.returncode:
+            print(f"{one}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            return json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"{one}: failed (exit {child.returncode}) in {time.perf_counter() - start:.0f} s"
+              + ("; again" if attempt + 1 < tries else ""), file=sys.stderr)
+    raise RuntimeError(f"measuring {one} failed:\n{child.stderr[-4000:]}")
 
 
 def peak_tflops(threads: int, sides: tuple[int, ...]) -> dict[str, float]:
@@ -216,10 +221,10 @@ def _denoiser_sections(pipe, unet: bool, args) -> dict:
         runners = {}
         for variant in args.variants.split(","):
             compile = None
-            if variant == "compiled":  # what a plain step of the mfu and LoRA rows needs, the largest
-                # size at one request compiled in its first (untimed) step
-                compile = CompileConfig(enabled=True, buckets=(2, 8), sizes=((small, small),),
-                                        cache_dir=args.compile_cache)
+            if variant == "compiled":  # what a plain step of the mfu (2 rows) and LoRA rows (8) needs; the
+                # largest size at one request compiles in its first (untimed) step
+                compile = CompileConfig(enabled=True, buckets=(2, 8) if "lora" not in args.skip else (2,),
+                                        sizes=((small, small),), cache_dir=args.compile_cache)
             runners[variant] = runner = ModelRunner(
                 pipe, loras=LoraConfig(str(loras)), templates=TemplateConfig(host_bytes=8 << 30), compile=compile)
             runner.warm_up(small)
