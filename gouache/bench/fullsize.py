@@ -528,6 +528,8 @@ def format_tables(summary: dict) -> str:
                        ("lora", "LoRA step / no adapter (four requests)"),
                        ("block_cache", "block cache (fixed share) / exact (reused: share of unit-blocks)")):
         cells = [(model, name, row) for model, by_name in summary[key].items() for name, row in by_name.items()]
+        if not cells:  # a section left out (--skip)
+            continue
         columns = list(dict.fromkeys(k for _, _, row in cells for k in row))
         table(title, ["model", "row", *columns], [[model, name, *(row.get(k, "") for k in columns)]
                                                   for model, name, row in cells])
