@@ -1,6 +1,6 @@
 """`gouache bench fullsize`: every seed's saving on the published architectures (`sdxl-arch`:
 SDXL's UNet, `sd3-arch`: SD3-medium's MMDiT; random weights in pipelines of their own, see
-`gouache.models.arch.arch_pipeline`), in bf16 on this machine's cores, where a step's arithmetic
+`gouache.models.zoo.arch_pipeline`), in bf16 on this machine's cores, where a step's arithmetic
 outweighs its overhead; and the machine's matmul peak, so every step time is also an MFU.
 
 Each model runs in a process of its own; its rows are steps of in-process runners

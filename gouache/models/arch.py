@@ -1,5 +1,5 @@
-"""Published full-size denoisers (SDXL, SD3, Flux) with seeded random weights, bare or in a
-pipeline of their own: for benchmarks and memory planning, without downloading anything."""
+"""Published full-size denoisers (SDXL, SD3, Flux) with seeded random weights: for benchmarks
+and memory planning, without downloading anything (`zoo.arch_pipeline` puts one in a pipeline)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from diffusers import (
-    DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-    SD3Transformer2DModel, StableDiffusion3Pipeline, StableDiffusionXLPipeline, UNet2DConditionModel,
-)
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
 from gouache.errors import UnknownModelError
-from gouache.models import zoo
-from gouache.models.zoo import SEED_DENOISER, seeded, torch_dtype
+from gouache.models.seeds import SEED_DENOISER, seeded, torch_dtype
 
 # Published denoiser configs (diffusers format), with random weights: for memory and speed
 # planning without downloading anything.
@@ -78,47 +74,3 @@ def build_arch(name: str, device: str = "meta", dtype: str = "bfloat16") -> torc
     cls, config = ARCH_CONFIGS[name]
     with torch.device(device), default_dtype(torch_dtype(dtype)):
         return seeded(SEED_DENOISER, lambda: cls(**config).eval())
-
-
-def arch_pipeline(name: str, dtype: str = "bfloat16", device: str = "cpu") -> DiffusionPipeline:
-    """The full-size denoiser `name` in its own diffusers pipeline, so every technique of the
-    runner (templates, adapters, the block cache, parallel workers) runs on it: the text
-    encoders are 2-layer ones exactly as wide as the published ones (so the denoiser sees
-    conditioning of the published shapes: SDXL's 77 tokens of 2048, SD3's 77 + 256 of 4096),
-    the VAE the tiny one of the family's latent channels. What it draws is noise; what it costs
-    per step is the published model's."""
-    denoiser = build_arch(name, device, dtype)
-    if name == "sdxl-arch":
-        scheduler = zoo.euler_scheduler()
-    elif name == "sd3-arch":
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-            base_image_seq_len=256, max_image_seq_len=4096)
-    with torch.device(device), default_dtype(torch_dtype(dtype)):  # the small parts built in dtype, there
-        return _pipeline_around(name, denoiser, scheduler)
-
-
-def _pipeline_around(name: str, denoiser: torch.nn.Module, scheduler) -> DiffusionPipeline:
-    if name == "sdxl-arch":
-        text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=False, hidden=768)
-        text_encoder_2, tokenizer_2 = zoo.clip_text_encoder(zoo.SEED_TEXT_2, with_projection=True, hidden=1280)
-        return StableDiffusionXLPipeline(
-            vae=zoo.tiny_vae(4, scaling_factor=0.13025, shift_factor=None), text_encoder=text_encoder,
-            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, unet=denoiser,
-            scheduler=scheduler, add_watermarker=False)
-    elif name == "sd3-arch":  # no T5: the pipeline puts its 256 tokens of zeros in its place
-        text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=True, hidden=768)
-        text_encoder_2, tokenizer_2 = zoo.clip_text_encoder(zoo.SEED_TEXT_2, with_projection=True, hidden=1280)
-        return StableDiffusion3Pipeline(
-            transformer=denoiser, scheduler=scheduler,
-            vae=zoo.tiny_vae(16, scaling_factor=1.5305, shift_factor=0.0609), text_encoder=text_encoder,
-            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=None,
-            tokenizer_3=None)
-    else:
-        text_encoder, tokenizer = zoo.clip_text_encoder(zoo.SEED_TEXT, with_projection=False, hidden=768)
-        text_encoder_2, tokenizer_2 = zoo.t5_text_encoder(zoo.SEED_TEXT_2, hidden=4096)
-        return FluxPipeline(
-            scheduler=scheduler, vae=zoo.tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159), text_encoder=text_encoder,
-            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=denoiser)

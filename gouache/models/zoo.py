@@ -13,7 +13,6 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from diffusers import (
@@ -29,20 +28,17 @@ from transformers import (
 
 from gouache.errors import UnknownModelError
 from gouache.models import trained
+from gouache.models.arch import ARCH_CONFIGS, build_arch, default_dtype
+from gouache.models.seeds import (
+    SEED_DENOISER, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3, SEED_VAE, seeded, torch_dtype,
+)
 from gouache.models.tokenizer import build_tokenizer
-
-T = TypeVar("T")
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt to
 T5_MAX_LENGTH = 77  # tokenizer limit; pipelines pad T5 prompts to their `max_sequence_length`
 TEXT_HIDDEN = 32  # hidden size of every tiny CLIP text encoder (and its projection)
 T5_HIDDEN = 64  # d_model of the tiny T5: SD3 pads the two CLIPs' concatenated states to it
 
-# Per-component seeds: a component's weights depend only on its own seed, never on what was
-# built before it in the same process.
-SEED_DENOISER, SEED_VAE, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3 = 0, 1, 2, 3, 4
 
 
 TINY_DEFAULT_SIZE = 256  # pixels per side: small enough for CPU tests at full pipeline speed
@@ -85,13 +81,6 @@ DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5}
 
 
 # ---------------------------------------------------------------------------- seeded building
-
-
-def seeded(seed: int, build: Callable[[], T]) -> T:
-    """Run `build` with the global RNG seeded to `seed`, leaving the caller's CPU RNG as it was."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
 
 
 def clip_text_encoder(
@@ -318,20 +307,59 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
 }
 
 
+# ----------------------------------------------------------- full-size architectures' pipelines
+
+
+def arch_pipeline(name: str, dtype: str = "bfloat16", device: str = "cpu") -> DiffusionPipeline:
+    """The full-size denoiser `name` in its own diffusers pipeline, so every technique of the
+    runner (templates, adapters, the block cache, parallel workers) runs on it: the text
+    encoders are 2-layer ones exactly as wide as the published ones (so the denoiser sees
+    conditioning of the published shapes: SDXL's 77 tokens of 2048, SD3's 77 + 256 of 4096),
+    the VAE the tiny one of the family's latent channels. What it draws is noise; what it costs
+    per step is the published model's."""
+    denoiser = build_arch(name, device, dtype)
+    if name == "sdxl-arch":
+        scheduler = euler_scheduler()
+    elif name == "sd3-arch":
+        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    else:
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096)
+    with torch.device(device), default_dtype(torch_dtype(dtype)):  # the small parts built in dtype, there
+        return _pipeline_around(name, denoiser, scheduler)
+
+
+def _pipeline_around(name: str, denoiser: torch.nn.Module, scheduler) -> DiffusionPipeline:
+    if name == "sdxl-arch":
+        text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False, hidden=768)
+        text_encoder_2, tokenizer_2 = clip_text_encoder(SEED_TEXT_2, with_projection=True, hidden=1280)
+        return StableDiffusionXLPipeline(
+            vae=tiny_vae(4, scaling_factor=0.13025, shift_factor=None), text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, unet=denoiser,
+            scheduler=scheduler, add_watermarker=False)
+    elif name == "sd3-arch":  # no T5: the pipeline puts its 256 tokens of zeros in its place
+        text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=True, hidden=768)
+        text_encoder_2, tokenizer_2 = clip_text_encoder(SEED_TEXT_2, with_projection=True, hidden=1280)
+        return StableDiffusion3Pipeline(
+            transformer=denoiser, scheduler=scheduler,
+            vae=tiny_vae(16, scaling_factor=1.5305, shift_factor=0.0609), text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=None,
+            tokenizer_3=None)
+    else:
+        text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False, hidden=768)
+        text_encoder_2, tokenizer_2 = t5_text_encoder(SEED_TEXT_2, hidden=4096)
+        return FluxPipeline(
+            scheduler=scheduler, vae=tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159), text_encoder=text_encoder,
+            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=denoiser)
+
+
 # ------------------------------------------------------------------------ loading and export
-
-
-def torch_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def load_pipeline(model: str, dtype: str = "float32", device: str = "cpu") -> DiffusionPipeline:
     """A built-in tiny model by name, a full-size architecture with random weights
     (`gouache.models.arch`), or a local diffusers directory (never the network)."""
-    from gouache.models.arch import ARCH_CONFIGS, arch_pipeline  # arch builds on this module
-
     if model in ARCH_CONFIGS:
         return arch_pipeline(model, dtype, device)
     if model in BUILDERS:

@@ -49,7 +49,7 @@ def test_flops_count_the_fused_attention():
 
 @pytest.mark.parametrize("name", ["sdxl-arch", "sd3-arch"])
 def test_full_size_pipelines_condition_at_the_published_widths(name):
-    from gouache.models.arch import arch_pipeline
+    from gouache.models.zoo import arch_pipeline
 
     pipe = arch_pipeline(name, "bfloat16", "meta")  # shapes only: nothing allocated
     widths = pipe.text_encoder.config.hidden_size + pipe.text_encoder_2.config.hidden_size
