@@ -59,7 +59,7 @@ def add_arguments(p) -> None:
     p.add_argument("--masks", default="0.1,0.2,0.5", help="template edits' mask ratios (default: %(default)s)")
     p.add_argument("--ranks", default="16,64", help="segmented LoRA ranks (default: %(default)s)")
     p.add_argument("--share", type=float, default=0.5,
-                   help="share of the block cache's units reused in its rows (default: %(default)s)")
+                   help="share of the block cache's units reused in its rows, one in n (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per row, median (default: 3; --quick: 1)")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, one repeat, one rank, one mask (default: off)")
@@ -88,8 +88,10 @@ def _settings(args) -> None:
                          f"got {args.sizes}, {args.mixes}")
     if not all(0 < m <= 1 for m in args.masks):
         raise ValueError(f"--masks are shares of the image an edit repaints, in (0, 1]; got {args.masks}")
-    if not 0 < args.share < 1:
-        raise ValueError(f"--share is the share of units reused, in (0, 1); got {args.share}")
+    if not 0 < args.share <= 0.5 or abs(1 / round(1 / args.share) - args.share) > 0.01:
+        raise ValueError(f"--share is the share of units reused, one in n (0.5, 0.33, 0.25, ...); got {args.share}")
+    if args.compile_cache and "compiled" not in variants:
+        raise ValueError("--compile-cache keeps compiled kernels: it needs --variants eager,compiled")
     unknown = set(args.skip) - {*SECTIONS, "ulysses"}
     if unknown:
         raise ValueError(f"--skip takes {', '.join(SECTIONS)}, ulysses; got {', '.join(sorted(unknown))}")

@@ -31,14 +31,13 @@ class Interleaved:
     def variants(self) -> list[str]:
         return list(self.runners)
 
-    def prepare(self, specs: list[tuple[int, dict]], *upload, controls: list | None = None) -> tuple[str, ...]:
+    def prepare(self, specs: list[tuple[int, dict]], *upload) -> tuple[str, ...]:
         """Requests of (size, fields) prepared in every runner under the same ids; `upload`: an
-        edit's (image, mask); `controls`: the ControlNets' conditioning images."""
+        edit's (image, mask)."""
         ids = tuple(f"r{next(self._ids)}" for _ in specs)
-        extra = {} if controls is None else {"controls": controls}
         for runner in self.runners.values():
             for rid, (size, fields) in zip(ids, specs):
-                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), *upload, **extra)
+                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), *upload)
         return ids
 
     def release(self, *groups: tuple[str, ...]) -> None:

@@ -67,7 +67,8 @@ def test_full_size_pipelines_condition_at_the_published_widths(name):
 
 def test_arguments_out_of_range_are_refused(capsys):
     for argv, what in ((["--sizes", "200,512"], "--sizes"), (["--mixes", "256"], "--mixes"), (["--masks", "0"], "--masks"),
-                       (["--share", "1"], "--share"), (["--skip", "nothing"], "--skip"),
+                       (["--share", "1"], "--share"), (["--share", "0.4"], "--share"), (["--skip", "nothing"], "--skip"),
+                       (["--compile-cache", "/tmp/x"], "--compile-cache"),
                        (["--variants", "compiled"], "--variants")):
         assert main(["bench", "fullsize", *argv]) == 2
         err = capsys.readouterr().err
