@@ -14,6 +14,7 @@ from gouache.config import (
     ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
 )
 from gouache.errors import GouacheError
+from gouache.heap import keep_freed_memory
 
 
 def _policies_where(attribute: str, value=True) -> str:
@@ -256,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        keep_freed_memory()
         return _COMMANDS[args.command](args)
     except (ValueError, OSError, GouacheError) as error:  # configuration mistakes: say what to fix
         print(f"gouache: error: {error}", file=sys.stderr)

@@ -7,8 +7,11 @@ The model runs unchanged on a batch whose rows are tokens: image tokens as `[S_i
 (linears, norms, FFNs, gating) is then right as it is. Three things see more than one row, and
 are put right from the outside for the duration of the forward:
 
-- conditioning: every AdaLN norm computes its modulation once per image from the image's
-  `temb` (`ExpandRows` in place of its `linear`) and hands each row its image's;
+- conditioning: every AdaLN modulation and gate is computed once per image from the image's
+  `temb` and applied per run of rows (`Packing.runs`: the images of one size are one run, viewed
+  as their own batch), so no per-row copy of a modulation is made and every elementwise op reads
+  what it reads in the model's own batch (SD3: `PackedJointBlock`, `PackedContinuousNorm`; Flux,
+  whose blocks are still the model's: `ExpandRows` hands each row its image's modulation);
 - position: SD3's patch embedding adds each token's slice of its image's cropped sincos
   embedding; Flux's RoPE is made per size from each image's own ids;
 - joint attention: each image attends over [its text + its image tokens] (same-size images
@@ -23,6 +26,7 @@ Images all of one size need no packing: they run as the model's own batch (unles
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +54,28 @@ class Group:
         return self.shape[0] * self.shape[1]
 
 
+@dataclass(frozen=True)
+class Run:
+    """Rows of images with as many rows each, adjacent: `images` are their packed positions."""
+
+    rows: slice
+    images: slice
+
+
+def per_image(x: torch.Tensor, runs: Sequence[Run], factor: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, 1, D] rows times their image's `factor` (plus its `shift`), both [num_images, D] in
+    packed order: an AdaLN modulation or gate, each run's rows viewed as a batch of its images
+    (the same elementwise ops, in the same order, as on the model's own batch)."""
+    out = torch.empty_like(x)
+    for run in runs:
+        count = run.images.stop - run.images.start
+        rows = out[run.rows].view(count, -1, x.shape[-1])
+        torch.mul(x[run.rows].reshape(count, -1, x.shape[-1]), factor[run.images, None], out=rows)
+        if shift is not None:
+            rows.add_(shift[run.images, None])
+    return out
+
+
 @dataclass
 class Packing:
     """Where each image's tokens and text go among the rows. `order` lists caller indices in
@@ -61,6 +87,7 @@ class Packing:
     groups: tuple[Group, ...]
     image_index: torch.Tensor  # [S_img] caller index of each image row
     text_index: torch.Tensor  # [S_txt] caller index of each text row
+    positions: torch.Tensor  # [num_images] caller index of each packed position (`order`)
     # Inside a block the block cache computes some image rows only (`block_cache.blocks.Subset`):
     # blocks then get those rows, and attention takes the others' from the cache.
     subset: object = field(default=None, compare=False)
@@ -78,11 +105,28 @@ class Packing:
         caller = torch.tensor(order, device=device)
         tokens = torch.tensor([shapes[i][0] * shapes[i][1] for i in order], device=device)
         return cls(tuple(shapes), text_len, order, tuple(groups), caller.repeat_interleave(tokens),
-                   caller.repeat_interleave(text_len))
+                   caller.repeat_interleave(text_len), caller)
 
     @property
     def image_rows(self) -> int:
         return len(self.image_index)
+
+    def runs(self, text: bool = False) -> list[Run]:
+        """The runs of the rows a block gets, image rows or text rows: one per size, or under a
+        subset one per image with any row computed."""
+        chosen = None if self.subset is None else (self.subset.text if text else self.subset.computed)
+        if chosen is None:
+            if text:
+                return [Run(slice(0, len(self.text_index)), slice(0, len(self.order)))]
+            firsts = list(itertools.accumulate((g.count for g in self.groups), initial=0))
+            return [Run(g.image_rows, slice(a, a + g.count)) for g, a in zip(self.groups, firsts)]
+        if text:
+            bounds = [j * self.text_len for j in range(len(self.order) + 1)]
+        else:
+            bounds = [g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)]
+            bounds.append(self.image_rows)
+        cuts = _cuts(chosen, bounds)
+        return [Run(slice(a, b), slice(j, j + 1)) for j, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
 
     def pack(self, per_image: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per caller index [tokens, ...] -> [S_img, ...] in packed order."""
@@ -293,6 +337,68 @@ class PackedPosEmbed(nn.Module):
         return (x + self.pos).to(x.dtype)
 
 
+def _modulations(norm: nn.Module, temb: torch.Tensor, packing: Packing, chunks: int, dtype=None) -> tuple[torch.Tensor, ...]:
+    """An AdaLN norm's modulations per image [num_images, D] each, in packed order."""
+    emb = norm.silu(temb)
+    emb = norm.linear(emb if dtype is None else emb.to(dtype))
+    return emb.index_select(0, packing.positions).chunk(chunks, dim=1)
+
+
+class PackedContinuousNorm(nn.Module):
+    """Stands in for an AdaLayerNormContinuous (SD3's `norm_out`) over packed image rows."""
+
+    def __init__(self, norm: nn.Module, packing: Packing):
+        super().__init__()
+        self.norm, self.packing = norm, packing
+
+    def forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+        return continuous(self.norm, x, conditioning_embedding, self.packing, self.packing.runs())
+
+
+def continuous(norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, packing: Packing, runs: list[Run]) -> torch.Tensor:
+    scale, shift = _modulations(norm, temb, packing, 2, x.dtype)
+    return per_image(norm.norm(x), runs, 1 + scale, shift)
+
+
+class PackedJointBlock(nn.Module):
+    """Stands in for an SD3 JointTransformerBlock over packed rows: its own layers, in its order,
+    with every modulation and gate applied per run (`per_image`)."""
+
+    def __init__(self, block: nn.Module, packing: Packing):
+        super().__init__()
+        if block._chunk_size is not None:
+            raise ValueError("packed inference does not chunk feed-forwards; unset the block's chunk size")
+        self.block, self.packing = block, packing
+        self.context_pre_only = block.context_pre_only  # the model reads it (ControlNet residuals)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
+        block, packing, kwargs = self.block, self.packing, joint_attention_kwargs or {}
+        image, text = packing.runs(), packing.runs(text=True)
+        mod = _modulations(block.norm1, temb, packing, 9 if block.use_dual_attention else 6)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:6]
+        normed = block.norm1.norm(hidden_states)
+        norm_image = per_image(normed, image, 1 + scale_msa, shift_msa)
+        if block.context_pre_only:
+            norm_text = continuous(block.norm1_context, encoder_hidden_states, temb, packing, text)
+        else:
+            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _modulations(
+                block.norm1_context, temb, packing, 6)
+            norm_text = per_image(block.norm1_context.norm(encoder_hidden_states), text, 1 + c_scale_msa, c_shift_msa)
+        attn_image, attn_text = block.attn(hidden_states=norm_image, encoder_hidden_states=norm_text, **kwargs)
+        hidden_states = hidden_states + per_image(attn_image, image, gate_msa)
+        if block.use_dual_attention:
+            shift_msa2, scale_msa2, gate_msa2 = mod[6:]
+            attn2 = block.attn2(hidden_states=per_image(normed, image, 1 + scale_msa2, shift_msa2), **kwargs)
+            hidden_states = hidden_states + per_image(attn2, image, gate_msa2)
+        ff = block.ff(per_image(block.norm2(hidden_states), image, 1 + scale_mlp, shift_mlp))
+        hidden_states = hidden_states + per_image(ff, image, gate_mlp)
+        if block.context_pre_only:
+            return None, hidden_states
+        encoder_hidden_states = encoder_hidden_states + per_image(attn_text, text, c_gate_msa)
+        ff = block.ff_context(per_image(block.norm2_context(encoder_hidden_states), text, 1 + c_scale_mlp, c_shift_mlp))
+        return encoder_hidden_states + per_image(ff, text, c_gate_mlp), hidden_states
+
+
 class PackedJointAttnProcessor:
     """JointAttnProcessor2_0 over packed rows (also serves SD3.5's image-only `attn2`)."""
 
@@ -337,11 +443,10 @@ def packed_sd3_forward(
     packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
     # [C, h, w] -> [h/p * w/p, C, p, p]: one DiT patch per row, raster order
     rows = [x.unflatten(1, (-1, p)).unflatten(3, (-1, p)).permute(1, 3, 0, 2, 4).flatten(0, 1) for x in samples]
+    blocks = transformer.transformer_blocks
     swaps = [(transformer, "pos_embed", PackedPosEmbed(transformer.pos_embed, packing)),
-             norm_swaps(transformer.norm_out, packing.image_index)]
-    for block in transformer.transformer_blocks:
-        swaps += [norm_swaps(block.norm1, packing.image_index, packing),
-                  norm_swaps(block.norm1_context, packing.text_index, packing, len(packing.text_index))]
+             (transformer, "norm_out", PackedContinuousNorm(transformer.norm_out, packing)),
+             *((blocks, str(i), PackedJointBlock(block, packing)) for i, block in enumerate(blocks))]
     with (swapped(transformer, PackedJointAttnProcessor(packing), JointAttnProcessor2_0, swaps),
           cached_blocks(transformer, token_pass(cache, packing), "token", packing)):
         out = transformer(
