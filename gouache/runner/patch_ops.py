@@ -159,40 +159,36 @@ class PatchGroupNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, g = self.index.tensors(x.device), self.norm.num_groups
         subset = self.index.subset
+        full = x if subset is None else subset.full(self.norm, x)  # the cache's rows where not computed
+        mean, rstd = self._statistics(full, idx, g)  # [num_images, G]
         image = idx.image if subset is None else subset.rows(idx.image)  # [n] each row's image
-        if subset is None:
-            mean, rstd, dev = self._statistics(x, idx, g)
-        else:  # statistics over the whole images, with the cache's rows where not computed
-            mean, rstd, _ = self._statistics(subset.full(self.norm, x), idx, g)
-            dev = self._promote(x, g) - mean.index_select(0, image).unsqueeze(-1)
-        # y = dev * scale (+ bias) per (patch, channel), the affine folded into the scale, in
-        # place on dev, which is ours (torch.addcmul's broadcast is ~2x slower on CPU).
-        scale = rstd.index_select(0, image).repeat_interleave(x.shape[1] // g, dim=1)  # [n, C]
+        # y = x * scale + shift per (row, channel), the affine folded in, in fp32 at least (as
+        # torch's own kernel computes) and cast back once.
+        per_channel = x.shape[1] // g
+        scale = rstd.index_select(0, image).repeat_interleave(per_channel, dim=1)  # [n, C]
+        shift = -mean.index_select(0, image).repeat_interleave(per_channel, dim=1) * scale
+        if self.norm.affine:
+            scale, shift = scale * self.norm.weight, shift * self.norm.weight + self.norm.bias
         shape = x.shape[:2] + (1,) * (x.ndim - 2)
-        if not self.norm.affine:
-            return dev.reshape(x.shape).mul_(scale.reshape(shape)).to(x.dtype)
-        y = dev.reshape(x.shape).mul_((scale * self.norm.weight).reshape(shape))
-        return y.add_(self.norm.bias.reshape(shape[1:])).to(x.dtype)
+        y = x.to(torch.promote_types(x.dtype, torch.float32), copy=True)
+        return y.mul_(scale.reshape(shape)).add_(shift.reshape(shape)).to(x.dtype)
 
-    @staticmethod
-    def _promote(x: torch.Tensor, groups: int) -> torch.Tensor:
-        """[n, G, -1] in fp32 at least, as torch's own kernels accumulate half inputs."""
-        return x.reshape(x.shape[0], groups, -1).to(torch.promote_types(x.dtype, torch.float32))
-
-    def _statistics(self, x: torch.Tensor, idx: PatchTensors, groups: int):
-        """Per image and group: mean and 1/std [num_images, G]; and x's deviations from its mean."""
-        image, per_image = idx.image, idx.per_image.unsqueeze(1)  # [n], [num_images, 1]
-        xg = self._promote(x, groups)
-        # Two passes: the image mean, then the mean of squared deviations from it. A one-pass
-        # E[x^2] - E[x]^2 cancels badly when |mean| >> std. (torch.var_mean would do a stable
-        # pass per patch, but its CPU kernel is ~20x slower than these reductions.)
-        count = per_image * xg.shape[-1]
-        mean = _segment_sum(xg.sum(-1), image, count.shape[0]) / count  # [num_images, G]
-        dev = xg - mean.index_select(0, image).unsqueeze(-1)
-        # vector_norm reduces without a dev-sized temporary (vecdot makes one).
-        squares = torch.linalg.vector_norm(dev, dim=-1).square()
-        var = _segment_sum(squares, image, count.shape[0]) / count
-        return mean, torch.rsqrt(var + self.norm.eps), dev
+    def _statistics(self, x: torch.Tensor, idx: PatchTensors, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per image and group: mean and 1/std [num_images, G], from each patch's own (torch's
+        fused GroupNorm kernel, fp32) combined as Chan et al.'s parallel variance does: the
+        image's variance is the patches' mean variance plus the variance of their means, with
+        no E[x^2] - E[x]^2 to cancel when |mean| >> std. Every patch has as many pixels."""
+        n, c = x.shape[:2]
+        # fp32 weight and bias make the kernel keep fp32 statistics of a half input (else half)
+        unit = torch.ones(c, device=x.device), torch.zeros(c, device=x.device)
+        _, mean, rstd = torch.ops.aten.native_group_norm(x, *unit, n, c, x[0, 0].numel(), groups, self.norm.eps)
+        var = rstd.reshape(n, groups).double().pow(-2) - self.norm.eps  # each patch's own, to fp64
+        mean = mean.reshape(n, groups).double()
+        image, count = idx.image, idx.per_image.unsqueeze(1)  # [n], [num_images, 1]
+        image_mean = _segment_sum(mean, image, len(count)) / count
+        spread = (mean - image_mean.index_select(0, image)).square() + var
+        image_var = _segment_sum(spread, image, len(count)) / count
+        return image_mean.float(), torch.rsqrt(image_var + self.norm.eps).float()
 
 
 def _segment_sum(values: torch.Tensor, segment: torch.Tensor, count: int) -> torch.Tensor:
