@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from gouache.stats import median_s
 from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.config import DEFAULT_PATCH_PIXELS
 
 
 def add_arguments(p) -> None:
@@ -45,7 +46,7 @@ def add_arguments(p) -> None:
                    help="weights and activations (default: %(default)s)")
     p.add_argument("--sizes", default="256,384,512",
                    help="comma-separated square sizes in pixels the server will see (default: %(default)s)")
-    p.add_argument("--patch-size", type=int, default=128, action=Given,
+    p.add_argument("--patch-size", type=int, default=DEFAULT_PATCH_PIXELS, action=Given,
                    help="patch side in pixels, as `gouache serve --patch-size` will run (default: %(default)s)")
     p.add_argument("--samples", type=int, default=60, action=Given,
                    help="compositions to time (every one, if there are no more than this) (default: %(default)s)")

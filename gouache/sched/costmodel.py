@@ -53,7 +53,7 @@ class BatchCostModel:
     def __init__(
         self,
         resolutions: Sequence[int | Sequence[int]],
-        patch_px: int = 128,
+        patch_px: int = 256,
         predictor: SvrPredictor | None = None,
     ):
         self.resolutions = [as_resolution(r) for r in resolutions]  # feature order; fixed once fitted
