@@ -264,8 +264,8 @@ def _patched(bench, mixes: list[list[int]]) -> dict:
     for mix in mixes:
         label = "+".join(map(str, mix))
         ids = bench.prepare([(size, {}) for size in mix for _ in range(2)])
-        bench.timed(f"mixed {label}", [ids], patched=True)
-        bench.timed(f"grouped {label}", [ids[2 * i:2 * i + 2] for i in range(len(mix))])
+        bench.together({f"mixed {label}": ([ids], True),
+                        f"grouped {label}": ([ids[2 * i:2 * i + 2] for i in range(len(mix))], False)})
         bench.release(ids)
         rows[label] = {v: bench.ratio(v, f"mixed {label}", f"grouped {label}") for v in bench.variants}
     return rows
@@ -295,8 +295,7 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
         mask, share = centred_mask(size, token, ratio)
         replay = bench.prepare([(size, {**edit, "template_cache": True})], image, mask)
         full = bench.prepare([(size, {**edit, "template_cache": False})], image, mask)
-        bench.timed(f"template edit {ratio}", [replay])
-        bench.timed(f"full edit {ratio}", [full])
+        bench.together({f"template edit {ratio}": ([replay], False), f"full edit {ratio}": ([full], False)})
         bench.release(replay, full)
         rows[str(ratio)] = {"tokens": share, **{v: bench.ratio(v, f"template edit {ratio}", f"full edit {ratio}")
                                                  for v in bench.variants}}
@@ -361,8 +360,8 @@ def _block_cache(bench, size: int, mix: list[int], share: float, unet: bool) -> 
         exact = bench.prepare(specs)
         cached = bench.prepare([(s, {**fields, "block_cache": 0.5}) for s, fields in specs])
         counts.update(reused=0, computed=0)
-        bench.timed(f"cached per {unit}", [cached], patched=patched, settle=2, observe=observe)
-        bench.timed(f"exact per {unit}", [exact], patched=patched)
+        bench.together({f"cached per {unit}": ([cached], patched), f"exact per {unit}": ([exact], patched)},
+                       settle=2, observe=observe)
         reused = counts["reused"] / max(1, counts["reused"] + counts["computed"])
         rows[unit] = {"reused": reused, **{v: bench.ratio(v, f"cached per {unit}", f"exact per {unit}")
                                            for v in bench.variants}}

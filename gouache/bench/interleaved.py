@@ -1,6 +1,7 @@
 """Steps of the same requests on several in-process runners (variants of one model: eager,
-compiled, quantized), interleaved repetition by repetition, so a noisy neighbour slows all of
-them alike: what `gouache bench speed` and `gouache bench fullsize` time."""
+compiled, quantized), interleaved repetition by repetition, and of the rows a ratio compares
+(`together`), so a noisy neighbour slows all of them alike: what `gouache bench speed` and
+`gouache bench fullsize` time."""
 
 from __future__ import annotations
 
@@ -48,32 +49,42 @@ class Interleaved:
 
     def timed(self, label: str, batches: list[tuple[str, ...]], patched: bool = False, settle: int = 1,
               observe: Callable[[str, object], None] | None = None) -> dict:
-        """Median ms of one step of `batches` (one or several batches of ids, summed) per variant, after `settle` untimed steps, and each variant's compile paths in those
-        steps; `observe(variant, output)` sees every timed batch's output."""
+        """Median ms of one step of `batches` (one or several batches of ids, summed) per
+        variant, after `settle` untimed steps, and each variant's compile paths in those steps;
+        `observe(variant, output)` sees every timed batch's output."""
+        return self.together({label: (batches, patched)}, settle, observe)[label]
+
+    def together(self, rows: dict[str, tuple[list[tuple[str, ...]], bool]], settle: int = 1,
+                 observe: Callable[[str, object], None] | None = None) -> dict:
+        """`timed` for several rows (label: (batches, patched)) at once, one repetition of each
+        after the other, so that drift between them does not enter their ratio."""
         from gouache.sched.plan import Batch
 
-        times = {v: [] for v in self.runners}
-        paths = {v: {} for v in self.runners}
+        times = {label: {v: [] for v in self.runners} for label in rows}
+        paths = {label: {v: {} for v in self.runners} for label in rows}
         for rep in range(settle + self.repeats):
-            for variant, runner in self.runners.items():
-                total = 0.0
-                for ids in batches:
-                    out = runner.execute(Batch(tuple(ids), patched=patched))
-                    if out.failed:
-                        raise RuntimeError(f"{label} ({variant}): {out.failed}")
-                    total += out.forward_s
+            for label, (batches, patched) in rows.items():
+                for variant, runner in self.runners.items():
+                    total = 0.0
+                    for ids in batches:
+                        out = runner.execute(Batch(tuple(ids), patched=patched))
+                        if out.failed:
+                            raise RuntimeError(f"{label} ({variant}): {out.failed}")
+                        total += out.forward_s
+                        if rep >= settle:
+                            seen = paths[label][variant]
+                            for why, n in out.compile.eager.items():
+                                seen[f"eager: {why}"] = seen.get(f"eager: {why}", 0) + n
+                            if out.compile.compiled:
+                                seen["compiled"] = seen.get("compiled", 0) + out.compile.compiled
+                            if observe is not None:
+                                observe(variant, out)
                     if rep >= settle:
-                        for why, n in out.compile.eager.items():
-                            paths[variant][f"eager: {why}"] = paths[variant].get(f"eager: {why}", 0) + n
-                        if out.compile.compiled:
-                            paths[variant]["compiled"] = paths[variant].get("compiled", 0) + out.compile.compiled
-                        if observe is not None:
-                            observe(variant, out)
-                if rep >= settle:
-                    times[variant].append(total)
-        self.steps[label] = row = {v: {"ms": 1e3 * statistics.median(times[v]), "paths": paths[v]}
-                                   for v in self.runners}
-        return row
+                        times[label][variant].append(total)
+        for label in rows:
+            self.steps[label] = {v: {"ms": 1e3 * statistics.median(times[label][v]), "paths": paths[label][v]}
+                                 for v in self.runners}
+        return {label: self.steps[label] for label in rows}
 
     def ratio(self, variant: str, over: str, under: str) -> float:
         return self.steps[over][variant]["ms"] / self.steps[under][variant]["ms"]
