@@ -139,6 +139,18 @@ def _rows_update(module: nn.Module, x: torch.Tensor, downs: torch.Tensor, ups: t
     return torch.matmul(hidden, ups.transpose(1, 2)).view(*x.shape[:-1], ups.shape[1])
 
 
+def _add_rows_update(module: nn.Module, x: torch.Tensor, downs: torch.Tensor, ups: torch.Tensor,
+                     output: torch.Tensor) -> None:
+    """`output += _rows_update(...)`, a Linear's up-projection and sum in one batched GEMM
+    (`baddbmm_`): no update tensor is written and read back."""
+    if isinstance(module, nn.Conv2d) or output.dtype != x.dtype or not output.is_contiguous():
+        output += _rows_update(module, x, downs, ups).to(output.dtype)
+        return
+    n = x.shape[0]
+    hidden = torch.matmul(x.reshape(n, -1, x.shape[-1]), downs.transpose(1, 2))
+    output.view(n, -1, output.shape[-1]).baddbmm_(hidden, ups.transpose(1, 2))
+
+
 def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """x through one pair."""
     if isinstance(module, nn.Conv2d):
@@ -209,7 +221,7 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
         dim, owner = owners(x)
         downs, ups = factors.pair(composition, group_list, path, x)
         if dim == 0:
-            output += _rows_update(module, x, downs.index_select(0, owner), ups.index_select(0, owner)).to(output.dtype)
+            _add_rows_update(module, x, downs.index_select(0, owner), ups.index_select(0, owner), output)
         else:  # packed tokens of many images: a gather per group rather than a pair per token
             for g, index in enumerate(members(owner)):
                 if len(index):
