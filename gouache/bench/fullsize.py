@@ -18,7 +18,8 @@ runs its CFG rows (two per image). Rows:
 - `lora`: four requests at the smallest size with four adapters of one rank (segmented), and
   with one shared adapter (merged), each against no adapter;
 - `block_cache`: the cache reusing a fixed share of its units (`FixedShare`: every other unit,
-  alternating step by step) against exact, per image (two requests), per patch (patched UNet)
+  alternating step by step) against exact, per image (two requests at the largest size: at
+  256 px half a batch runs its kernels below their efficiency), per patch (patched UNet)
   and per token (packed DiT) over the first mix; and the share of unit-blocks it reused;
 - `ulysses` (sd3-arch): one request at the largest size, Ulysses degree 2 over two worker
   processes of one thread each, against degree 1 in one process of one thread and of two;
@@ -244,7 +245,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> dict:
         if "lora" not in args.skip:
             result["lora"] = _lora(bench, small, names)
         if "block_cache" not in args.skip:
-            result["block_cache"] = _block_cache(bench, small, args.mixes[0], args.share, unet)
+            result["block_cache"] = _block_cache(bench, large, args.mixes[0], args.share, unet)
         return result
     finally:
         shutil.rmtree(loras, ignore_errors=True)

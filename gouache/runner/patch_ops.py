@@ -21,6 +21,7 @@ level of the UNet; only the patch side `s` changes, and it is read off each inpu
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
@@ -221,10 +222,26 @@ class PatchAttnProcessor:
                 caller = subset.rows(self.index.tensors(hidden_states.device).caller)
                 return self.inner(attn, hidden_states, encoder_hidden_states.index_select(0, caller), None, temb,
                                   *args, **kwargs)
-            return subset.rows(self._attend(attn, subset.full(attn, hidden_states), None, temb, *args, **kwargs))
+            return self._attend_computed(attn, hidden_states, subset.full(attn, hidden_states), subset.computed, temb,
+                                         *args, **kwargs)
         if subset is not None and encoder_hidden_states is None:
             subset.full(attn, hidden_states)  # the cache records what later steps' reused patches show
         return self._attend(attn, hidden_states, encoder_hidden_states, temb, *args, **kwargs)
+
+    def _attend_computed(self, attn: Attention, rows: torch.Tensor, full: torch.Tensor, computed: torch.Tensor, temb,
+                         *args, **kwargs) -> torch.Tensor:
+        """Self-attention of the computed patches' tokens (`rows`, in `computed` order) over
+        every token of their image (`full`, stale where not computed): per image, its computed
+        queries with all of its keys and values, so reused patches' queries cost nothing."""
+        t, offsets = rows.shape[1], self.index.layout.request_offsets
+        cuts = torch.searchsorted(computed, torch.tensor(offsets, device=computed.device)).tolist()
+        outs = []
+        for image, (a, b) in enumerate(itertools.pairwise(cuts)):
+            if b > a:
+                keys = full[offsets[image]:offsets[image + 1]].reshape(1, -1, full.shape[-1])
+                y = self.inner(attn, rows[a:b].reshape(1, -1, rows.shape[-1]), keys, None, temb, *args, **kwargs)
+                outs.append(y.reshape(b - a, t, -1))
+        return torch.cat(outs)
 
     def _attend(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states, temb, *args, **kwargs):
         if encoder_hidden_states is not None:  # caller order -> layout order, once per call
