@@ -7,10 +7,9 @@ of times, so every one of them faults in each of its pages afresh, zeroed by the
 2-core machine a GELU writing 60 MiB of bf16 takes 44 ms that way and 33 ms from a kept heap, and
 sd3-arch's denoiser on two 256 px and two 512 px images 7.18 s against 6.66 s; one 512 px request
 (blocks of 32 MiB at most, which glibc's raised threshold already keeps) 4.81 s against 4.79 s
-(`docs/fullsize.md`). With both
-thresholds at their limit, freed blocks stay in the heap for the next step, as a GPU caching
-allocator keeps its blocks: the process's resident memory stays at its peak instead of shrinking
-between steps.
+(`docs/fullsize.md`). With both thresholds at their limit, freed blocks stay in the heap for the
+next step, as a GPU caching allocator keeps its blocks: the process's resident memory stays at
+its peak instead of shrinking between steps.
 
 Every gouache process does this first (the CLI and each process it starts: `children`);
 `GOUACHE_MALLOC=system` leaves the C library's defaults. Elsewhere than glibc it does nothing.

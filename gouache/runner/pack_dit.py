@@ -120,13 +120,15 @@ class Packing:
                 return [Run(slice(0, len(self.text_index)), slice(0, len(self.order)))]
             firsts = list(itertools.accumulate((g.count for g in self.groups), initial=0))
             return [Run(g.image_rows, slice(a, a + g.count)) for g, a in zip(self.groups, firsts)]
-        if text:
-            bounds = [j * self.text_len for j in range(len(self.order) + 1)]
-        else:
-            bounds = [g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)]
-            bounds.append(self.image_rows)
-        cuts = _cuts(chosen, bounds)
+        cuts = _cuts(chosen, self._bounds(text))
         return [Run(slice(a, b), slice(j, j + 1)) for j, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
+
+    def _bounds(self, text: bool) -> list[int]:
+        """Where each image's text or image rows start among all of them, in packed order, and
+        where the last ones end."""
+        if text:
+            return [j * self.text_len for j in range(len(self.order) + 1)]
+        return [*(g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)), self.image_rows]
 
     def pack(self, per_image: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per caller index [tokens, ...] -> [S_img, ...] in packed order."""
@@ -173,12 +175,12 @@ class Packing:
         template reuse those of the images that compute their text) over every key, per image:
         each has its own number of queries (InstGenIE §3.1); images of equal shapes share a call."""
         q, k, v = image
-        starts = [g.image_rows.start + n * g.tokens for g in self.groups for n in range(g.count)]
-        cuts = _cuts(computed, [*starts, self.image_rows])
+        bounds = self._bounds(text=False)
+        starts, cuts = bounds[:-1], _cuts(computed, bounds)
         text_computed = self.subset.text
         text_cuts = None
         if text is not None and text_computed is not None:
-            text_cuts = _cuts(text_computed, [j * self.text_len for j in range(len(starts) + 1)])
+            text_cuts = _cuts(text_computed, self._bounds(text=True))
         calls, queried_text, j = [], [], 0
         for g, group in enumerate(self.groups):
             for n in range(group.count):
