@@ -164,9 +164,9 @@ class ControlService:
 
     def __init__(self, workers: int, directory: str | None, base: Base, budget: int, threads: int | None = None,
                  start_timeout_s: float = 120.0):
-        import multiprocessing
+        from gouache.children import processes
 
-        self._context = multiprocessing.get_context("spawn")
+        self._context = processes()
         self._dir = tempfile.mkdtemp(prefix="gouache-controlnets-")
         self.address = ServiceAddress(tuple(os.path.join(self._dir, f"worker-{i}.sock") for i in range(workers)),
                                       secrets.token_bytes(16))

@@ -47,8 +47,10 @@ class CodecPool:
         pool.shutdown(wait=True, cancel_futures=True)
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("spawn")  # never fork a process holding the model
-        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=become_child)
+        # Spawned, not forked from `children.processes`' server: a codec worker needs PIL and numpy,
+        # not the torch and diffusers that server imports first (7 s of a 2-core CPU).
+        context = multiprocessing.get_context("spawn")
+        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=become_child, initargs=("gouache-codec",))
 
     def _run(self, result: Future, fn: Callable[..., Any], args: tuple, retries: int) -> None:
         with self._lock:

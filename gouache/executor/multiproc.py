@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import torch.multiprocessing as mp
 
-from gouache.children import become_child
+from gouache.children import become_child, processes
 from gouache.config import WORKER_TIMEOUT_S
 from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port
 from gouache.executor.worker import WorkerSpec, join_world
@@ -37,7 +36,7 @@ class MultiprocExecutor(Executor):
             raise ValueError(f"num_devices must be >= 1, got {num_devices}")
         self.num_devices = num_devices
         self._watch = ReplyWatch(num_devices, reply_deadline_s, collective_timeout_s, self._hung)
-        context = mp.get_context("spawn")
+        context = processes()
         port = free_port()
         self._procs, self._conns, self._send_locks = [], [], []
         for rank in range(num_devices):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from gouache.children import processes
 from gouache.engine.adapters import start_control_service
 from gouache.engine.handle import RequestHandle
 from gouache.engine.imaging import repaint_ratio
@@ -167,8 +167,7 @@ class ReplicaSet:
             from gouache.replicas.ray_replicas import RayReplica
 
             return RayReplica(index, commands, messages, self.configs)
-        spawn = multiprocessing.get_context("spawn")
-        return spawn.Process(target=replica_main, name=f"gouache-replica-{index}",
+        return processes().Process(target=replica_main, name=f"gouache-replica-{index}",
                              args=(index, commands, messages, self.configs))
 
     async def _await_ready(self) -> None:

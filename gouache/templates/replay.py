@@ -51,7 +51,6 @@ from gouache.templates.store import TemplateStore
 from gouache.config import TemplateConfig
 from gouache.outputs import TemplateReport
 from gouache.attention import attention_modules
-from gouache.sched.costmodel import load_mask_model
 
 MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
 TEXT = "text_digest"  # [rows, 16] uint8 in each step entry: the recorder's `text_digest` per row
@@ -154,7 +153,11 @@ class TemplateCache:
         self.device = torch.device(device)
         self._scratch = None if config.directory else tempfile.TemporaryDirectory(prefix="gouache-templates-")
         self.store = TemplateStore(config.directory or self._scratch.name, config.budgets(), device, owner=model)
-        self.cost = load_mask_model(config.cost_model) if config.cost_model else None
+        self.cost = None
+        if config.cost_model:  # imported here: scikit-learn takes a second to import, in every worker
+            from gouache.sched.costmodel import load_mask_model
+
+            self.cost = load_mask_model(config.cost_model)
         self.counts = TemplateCounts()
         self._reported = self.counts.snapshot(self.store)  # the counters at the last report
         self._lock = threading.Lock()

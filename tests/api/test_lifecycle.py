@@ -75,7 +75,7 @@ def _running(pid: int) -> bool:
 
 
 def codec_worker(server: Server) -> int:
-    workers = [pid for pid in server.children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    workers = [pid for pid in server.children if Path(f"/proc/{pid}/comm").read_text().strip() == "gouache-codec"]
     assert len(workers) == 1, workers
     return workers[0]
 

@@ -5,6 +5,7 @@ back, while requests without ControlNets go on."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -107,7 +108,7 @@ def test_one_step_async_is_sync(pipe, control_dir, service):
         assert (late[rid] - sync[rid]).abs().max() <= TOL, rid
 
 
-def test_a_dead_worker_fails_its_requests_and_comes_back(pipe, control_dir, service):
+def test_a_dead_worker_fails_its_requests_and_comes_back(pipe, control_dir, service, monkeypatch):
     r = runner(pipe, control_dir, service)
     requests = mix()
     for req, spec in requests:
@@ -115,8 +116,12 @@ def test_a_dead_worker_fails_its_requests_and_comes_back(pipe, control_dir, serv
     ids = tuple(req.request_id for req, _ in requests)
     r.execute(Batch(ids))  # connected to both workers
     victim = service.address.worker_of("edges")
+    back = threading.Event()  # the restart waits until the step below has run without the worker
+    spawn = service._spawn
+    monkeypatch.setattr(service, "_spawn", lambda i: back.wait(60) and spawn(i))
     service.kill(victim)
     out = r.execute(Batch(ids))
+    back.set()
     assert out.request_ids == ["r1"]  # the request without ControlNets goes on
     assert set(out.failed) == {"r2", "r3"} and "it is being restarted" in out.failed["r2"]
     deadline = time.monotonic() + 60
