@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="block-cache threshold every request runs with unless it sends its own `block_cache`: a "
                             "block's output is reused for a patch (an image, unpatched) whose input changed less than "
                             "this, relatively; approximate (docs/block_cache.md); 0 keeps images exact (default: %(default)s)")
+    serve.add_argument("--block-cache-predictor", default=None, metavar="FILE",
+                       help="`gouache profile --reuse` JSON of this model: its random forest decides each unit's reuse "
+                            "instead of the threshold; a request's `block_cache` (or --block-cache) value v then reuses "
+                            "where the forest's P(reusable) > 1 - v (default: the threshold)")
     serve.add_argument("--block-cache-max-reuse", type=int, default=BlockCacheConfig.max_reuse,
                        help="most steps in a row one block's output is reused (default: %(default)s)")
     serve.add_argument("--block-cache-mb", type=int, default=BlockCacheConfig.budget_bytes >> 20,
@@ -317,7 +321,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      conditioning_bytes=args.conditioning_mb << 20,
                      compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
                                            args.compile_cuda_graphs),
-                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20),
+                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20,
+                                                  args.block_cache_predictor),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,
                                               cost_model=args.template_cost_model),

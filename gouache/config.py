@@ -94,6 +94,7 @@ class BlockCacheConfig:
     threshold: float = 0.0  # the server's default relative-change threshold; 0 keeps requests exact
     max_reuse: int = 2  # most steps in a row a unit may reuse one block's output
     budget_bytes: int = 2 << 30  # cached activations held at most (after each forward)
+    predictor: str | None = None  # `gouache profile --reuse` file: a learned decision instead of the threshold
 
     def __post_init__(self) -> None:
         _check(0 <= self.threshold <= MAX_BLOCK_CACHE_THRESHOLD,

@@ -51,6 +51,9 @@ class Metrics:
                                     ["result"], registry=r)
         self.cache_bytes = Gauge("gouache_block_cache_bytes", "Activations the block cache holds, by device",
                                  ["device"], registry=r)
+        self.cache_decide = Counter("gouache_block_cache_decide_seconds_total",
+                                    "Time the block cache's reuse predictor took to decide (--block-cache-predictor)",
+                                    registry=r)
         self.template_tokens = Counter("gouache_template_tokens_total",
                                        "Token-blocks (a token in one block) of template edits: image tokens replayed "
                                        "from the template or computed, text rows replayed (replayed_text)",

@@ -16,11 +16,13 @@ class BlockCacheReport:
     reused: int = 0  # unit-blocks reused (units: patches, tokens or images)
     computed: int = 0  # ... and computed, of the images it caches
     held_bytes: int = 0  # activations held after it
+    decide_s: float = 0.0  # seconds the reuse predictor took to decide (0 under the fixed threshold)
 
     def record(self, metrics, device: str) -> None:
         metrics.cache_blocks.labels("reused").inc(self.reused)
         metrics.cache_blocks.labels("computed").inc(self.computed)
         metrics.cache_bytes.labels(device).set(self.held_bytes)
+        metrics.cache_decide.inc(self.decide_s)
 
 
 @dataclass

@@ -385,7 +385,7 @@ def fixed_share(period: int):
             self.phase = FixedShare.forwards % period
             FixedShare.forwards += 1
 
-        def unchanged(self, entry, x) -> torch.Tensor:
+        def unchanged(self, block, entry, x) -> torch.Tensor:
             rows = torch.arange(len(entry.inputs), device=x.device)
             return (rows + self.phase) % period == 0
 

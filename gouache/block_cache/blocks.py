@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ class CachedForward:
     cache: BlockCache
     keys: tuple[ImageKey, ...]
     thresholds: tuple[float, ...]
+    context: tuple[tuple[float, float], ...] = ()  # per row: (steps done / steps, log2 of its image's pixels)
 
     @classmethod
     def of(cls, states: Sequence, cache: BlockCache | None) -> CachedForward | None:
@@ -64,12 +66,13 @@ class CachedForward:
         the cache sees them; None when none of them is cached."""
         if cache is None:
             return None
-        keys, thresholds = [], []
+        keys, thresholds, context = [], [], []
         for s in states:
             threshold = cache.threshold(s.request.request_id, s.request.block_cache)
             keys.extend((s.request.request_id, row) for row in range(s.rows))
             thresholds.extend([threshold] * s.rows)
-        return cls(cache, tuple(keys), tuple(thresholds)) if any(thresholds) else None
+            context.extend([(s.step / len(s.timesteps), math.log2(s.request.width * s.request.height))] * s.rows)
+        return cls(cache, tuple(keys), tuple(thresholds), tuple(context)) if any(thresholds) else None
 
     def begin(self, units: Sequence[int] | None = None, order: Sequence[int] | None = None,
               mode: str = "image", text_len: int = 0) -> CachePass | None:
@@ -78,7 +81,8 @@ class CachedForward:
         rows (`text_len` per image) are always computed here."""
         order = range(len(self.keys)) if order is None else order
         units = [1] * len(self.keys) if units is None else units
-        return self.cache.begin([self.keys[i] for i in order], units, [self.thresholds[i] for i in order], mode)
+        return self.cache.begin([self.keys[i] for i in order], units, [self.thresholds[i] for i in order], mode,
+                                [self.context[i] for i in order] if self.context else None)
 
 
 def cacheable_blocks(model: nn.Module) -> list[tuple[nn.Module, str, str]]:

@@ -93,13 +93,14 @@ class BlockCache:
         self.computed = 0  # unit-blocks of cached images computed
         self.evictions = 0  # requests evicted for the budget
         self.nbytes = 0  # held after the last forward
-        self._reported = (0, 0)  # reused, computed at the last report
+        self.decide_s = 0.0  # seconds a pass spent deciding beyond the threshold's comparison (a predictor's)
+        self._reported = (0, 0, 0.0)  # reused, computed, decide_s at the last report
 
     def take_report(self) -> BlockCacheReport:
         """What the cache did since the last report (once per step), and what it holds."""
-        reused, computed = self._reported
-        self._reported = (self.reused, self.computed)
-        return BlockCacheReport(self.reused - reused, self.computed - computed, self.nbytes)
+        reused, computed, decide_s = self._reported
+        self._reported = (self.reused, self.computed, self.decide_s)
+        return BlockCacheReport(self.reused - reused, self.computed - computed, self.nbytes, self.decide_s - decide_s)
 
     def threshold(self, request_id: str, asked: float | None) -> float:
         """The threshold a request runs with: its own, else the server's; 0 once it was evicted."""
@@ -107,16 +108,18 @@ class BlockCache:
             return 0.0
         return self.config.threshold if asked is None else asked
 
-    def begin(self, keys: Sequence[ImageKey], units: Sequence[int], thresholds: Sequence[float], mode: str) -> CachePass | None:
+    def begin(self, keys: Sequence[ImageKey], units: Sequence[int], thresholds: Sequence[float], mode: str,
+              context: Sequence[tuple[float, float]] | None = None) -> CachePass | None:
         """A forward over images `keys` (in unit order) with `units[i]` units each; None when no
-        image of it is cached (the forward then runs as without a cache)."""
+        image of it is cached (the forward then runs as without a cache). `context`: per image,
+        (steps done / steps, log2 of its pixels), for passes that decide on more than the input."""
         self._purge()
         cached = [i for i, t in enumerate(thresholds) if t > 0]
         if not cached:
             return None
         signature = (mode, tuple(keys[i] for i in cached), tuple(units[i] for i in cached))
         store = self._stores.get(signature) or self._build(signature)
-        return self.pass_type(self, store, units, thresholds)
+        return self.pass_type(self, store, units, thresholds, context or [(0.0, 0.0)] * len(keys))
 
     def release(self, request_id: str) -> None:
         """Forget a request's activations (any thread; applied before the next forward)."""
@@ -197,15 +200,17 @@ class CachePass:
 
     caches_kv = False  # operators read their inputs from `stale`
 
-    def __init__(self, cache: BlockCache, store: _Store, units: Sequence[int], thresholds: Sequence[float]):
+    def __init__(self, cache: BlockCache, store: _Store, units: Sequence[int], thresholds: Sequence[float],
+                 context: Sequence[tuple[float, float]]):
         self.cache, self.store = cache, store
         self.num_units = sum(units)
         bounds, start = [], 0
-        for n, t in zip(units, thresholds):
+        for n, t, c in zip(units, thresholds, context):
             if t > 0:
-                bounds.append((start, n, t))
+                bounds.append((start, n, t, c))
             start += n
-        self._bounds = bounds  # (first unit, units, threshold) of each cached image
+        self._bounds = bounds  # (first unit, units, threshold, context) of each cached image
+        self._depth: dict[Hashable, int] = {}  # each block's position in the forward, as met
         self.all_cached = len(bounds) == len(units)
         self._reuse: dict[Hashable, torch.Tensor | None] = {}  # this pass's decisions per block
         self._rows: torch.Tensor | None = None  # [store rows] the forward's unit of each
@@ -225,8 +230,14 @@ class CachePass:
     def _setup(self, device: torch.device) -> None:
         """Index tensors on the device of the activations, made at the first block."""
         if self._rows is None or self._rows.device != device:
-            self._rows = torch.cat([torch.arange(a, a + n, device=device) for a, n, _ in self._bounds])
-            self._thresholds = torch.cat([torch.full((n,), t, device=device) for _, n, t in self._bounds])
+            self._rows = torch.cat([torch.arange(a, a + n, device=device) for a, n, _, _ in self._bounds])
+            self._thresholds = torch.cat([torch.full((n,), t, device=device) for _, n, t, _ in self._bounds])
+
+    def context(self, device: torch.device) -> torch.Tensor:
+        """[store rows, 3] (steps done / steps, log2 pixels, part) of each cached unit; part is 0
+        for whole images, 1 for patches and tokens."""
+        part = float(self.store.signature[0] != "image")
+        return torch.tensor([(*c, part) for _, n, _, c in self._bounds for _ in range(n)], device=device)
 
     def _cached(self, x: torch.Tensor) -> torch.Tensor:
         """x's rows of the cached units."""
@@ -239,9 +250,10 @@ class CachePass:
         self._setup(x.device)
         entry = self.store.blocks.get(block)
         self._reuse[block] = None
+        self._depth.setdefault(block, len(self._depth))
         if entry is None or entry.inputs.shape[1:] != x.shape[1:]:
             return None
-        reuse = entry.valid & self.unchanged(entry, x) & (entry.reused < self.cache.config.max_reuse)
+        reuse = entry.valid & self.unchanged(block, entry, x) & (entry.reused < self.cache.config.max_reuse)
         if not bool(reuse.any()):
             return None
         self._reuse[block] = reuse
@@ -249,7 +261,7 @@ class CachePass:
         keep[self._rows[reuse]] = False
         return keep.nonzero().squeeze(1)
 
-    def unchanged(self, entry: _Block, x: torch.Tensor) -> torch.Tensor:
+    def unchanged(self, block: Hashable, entry: _Block, x: torch.Tensor) -> torch.Tensor:
         """[store rows] whether each cached unit's input x barely changed since the block last
         computed it (its relative change under its request's threshold)."""
         then = entry.inputs.flatten(1)

@@ -68,9 +68,22 @@ def add_arguments(p) -> None:
                         "--template-cost-model`): replayed vs full steps over --ratios, cache loads (default: off)")
     p.add_argument("--ratios", default="0.1,0.2,0.4,0.6,0.8,1.0", action=Given,
                    help="mask ratios profiled with --edits (default: %(default)s)")
+    p.add_argument("--reuse", action="store_true",
+                   help="train the block cache's reuse predictor instead (`gouache serve --block-cache-predictor`): "
+                        "exact runs of --requests captions over --sizes, a random forest on every unit and block "
+                        "(docs/block_cache.md) (default: off)")
+    p.add_argument("--requests", type=int, default=32, action=Given,
+                   help="captions run with --reuse, each once (default: %(default)s)")
+    p.add_argument("--reuse-steps", type=int, default=20, action=Given,
+                   help="denoising steps of each --reuse request (default: %(default)s)")
+    p.add_argument("--bound", type=float, default=0.05, action=Given,
+                   help="--reuse labels a unit reusable where reusing its block's previous output changes the "
+                        "output by less than this, relatively (default: %(default)s)")
+    p.add_argument("--trees", type=int, default=32, action=Given, help="--reuse forest's trees (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=8, action=Given, help="--reuse trees' depth (default: %(default)s)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/costmodel_<model>.json, "
                                                "parallel_<model>.json with --devices, costmodel_mask_<model>.json "
-                                               "with --edits)")
+                                               "with --edits, reuse_<model>.json with --reuse)")
 
 
 def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[dict[int, int]]:
@@ -94,6 +107,16 @@ def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[di
 def run(args) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
+    reuse_only = ("requests", "reuse_steps", "bound", "trees", "depth")
+    if args.reuse:
+        from gouache.profile import reuse as profile_reuse
+
+        refuse_ignored({dest: "--reuse runs whole requests; it times no batches"
+                        for dest in ("samples", "max_batch") if dest in given(args)}
+                       | ({"devices": "--reuse profiles one device"} if args.devices > 1 else {})
+                       | ({"edits": "--reuse and --edits are two profiles: run them apart"} if args.edits else {}))
+        return profile_reuse.run(args)
+    refuse_ignored({dest: "only --reuse takes it" for dest in reuse_only if dest in given(args)})
     if args.edits:
         from gouache.profile import edits as profile_edits
 

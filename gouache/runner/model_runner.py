@@ -12,6 +12,7 @@ import torch
 from gouache.controlnet.runtime import ControlRuntime
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
 from gouache.lora.runtime import LoraRuntime
+from gouache.block_cache.predictor import reuse_pass
 from gouache.block_cache.store import BlockCache, BlockCacheConfig
 from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, LoraReport, StepOutput
@@ -48,7 +49,7 @@ class ModelRunner:
             self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
                                                     adapters=bool(loras and loras.directory))
         self.states: dict[str, DenoiseState] = {}
-        self.cache = BlockCache(block_cache)  # holds nothing until a request asks for reuse
+        self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()
         self._model = model_digest(pipe) if self.template_config.directory else ""  # before a LoRA merges
         self._templates: TemplateCache | None = None  # made at the first edit that uses one, or now with a directory

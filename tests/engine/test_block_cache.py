@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gouache.block_cache.store import BlockCache
-from gouache.config import SchedulerConfig
+from gouache.config import BlockCacheConfig, SchedulerConfig
 from gouache.engine.core import EngineCore
 from gouache.executor.pool import DevicePool
 from gouache.metrics import Metrics
@@ -34,9 +34,9 @@ def test_whole_image_reuse_keeps_the_unchanged_image_and_computes_the_other(pipe
     assert (again[1] - exact[1]).abs().max() <= 1e-5
 
 
-def run(pipe, requests, policy="patched") -> tuple[dict[str, torch.Tensor], Metrics]:
+def run(pipe, requests, policy="patched", config=None) -> tuple[dict[str, torch.Tensor], Metrics]:
     """Every request from step 0 to its end; final latents by id, and the engine's metrics."""
-    runner, metrics = ModelRunner(pipe, patch_pixels=32), Metrics()
+    runner, metrics = ModelRunner(pipe, patch_pixels=32, block_cache=config), Metrics()
     scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy)))
     results = {}
 
@@ -105,3 +105,41 @@ def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle
 
     assert run_async(scenario()) == 0 and max(held) > 0  # it kept the last step's bytes before
     assert engine.runner.cache.nbytes == 0
+
+
+def reuse_everywhere(pipe, path) -> str:
+    """A predictor file of `pipe`'s model whose forest says every unit may reuse."""
+    from gouache.templates.replay import model_digest
+    from tests.block_cache.test_predictor import split_on_change
+
+    split_on_change(1e30, model=model_digest(pipe)).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(("name", "policy"), [("tiny-sd", "patched"), ("tiny-sd3", "orca"), ("tiny-sd3", "patched")])
+def test_an_exact_request_is_unchanged_beside_predictor_driven_ones(pipes, name, policy, tmp_path):
+    pipe = pipes(name)
+    config = BlockCacheConfig(predictor=reuse_everywhere(pipe, tmp_path / "reuse.json"))
+    exact = request("exact", seed=7, steps=6)
+    cached = [dataclasses.replace(request(f"cached-{i}", seed=i, steps=6, width=w), block_cache=0.5)
+              for i, w in enumerate((64, 96))]
+    alone, _ = run(pipe, [exact], policy)
+    together, metrics = run(pipe, [exact, *cached], policy, config)
+    assert (together["exact"] - alone["exact"]).abs().max() <= 1e-4
+    counts = {s.labels["result"]: s.value for m in metrics.registry.collect() if m.name == "gouache_block_cache_blocks"
+              for s in m.samples if s.name.endswith("_total")}
+    decide = [s.value for m in metrics.registry.collect() if m.name == "gouache_block_cache_decide_seconds"
+              for s in m.samples if s.name.endswith("_total")]
+    assert counts["reused"] > 0 and decide[0] > 0
+
+
+def test_a_predictor_of_another_model_or_not_a_predictor_is_refused_with_the_reason(tmp_path, pipes):
+    import json
+
+    reuse_everywhere(pipes("tiny-sdxl"), tmp_path / "other.json")
+    (tmp_path / "cost.json").write_text(json.dumps({"kind": "mask"}))
+    (tmp_path / "broken.json").write_text("{")
+    for name, reason in (("other.json", "trained on another model"), ("cost.json", "not a reuse predictor"),
+                         ("broken.json", "cannot read it"), ("missing.json", "cannot read it")):
+        with pytest.raises(ValueError, match=reason):
+            ModelRunner(pipes("tiny-sd"), block_cache=BlockCacheConfig(predictor=str(tmp_path / name)))

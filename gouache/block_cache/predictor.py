@@ -1,0 +1,251 @@
+"""PatchedServe §7's cache reuse predictor: instead of one fixed threshold on the input's change,
+a random forest trained offline on exact runs says, per unit and block, whether the block's
+cached output may stand in for the one it would compute.
+
+Features of a unit at a block (`FEATURES`, one row per unit, computed in one batched call):
+
+- `change`: mean |x - x_then| / mean |x_then|, the fixed threshold's own measure, where x_then
+  is the unit's input when the block last computed it;
+- `change_mse`: mean (x - x_then)^2 / mean x_then^2, the paper's MSE similarity, relative;
+- `progress`: denoising steps done / steps of its request;
+- `block`: the block's position in the forward (0 for the first cached block);
+- `pixels`: log2 of its image's pixels;
+- `part`: 0 when the unit is a whole image, 1 a patch or a token group of one.
+
+Labels come from exact runs (`gouache profile --reuse`): there every unit is computed at every
+step, and the error reusing would have caused is the relative change of the block's output,
+mean |y - y_then| / mean |y|; a unit may reuse when that is under the predictor's `bound`.
+
+Serving evaluates the forest with torch on the activations' device (a few gathers per level,
+every tree and unit at once), never with scikit-learn: one call costs far less than a block.
+The file is JSON (the trees' arrays), names the model it was trained on (`model_digest`), and
+is refused for any other.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gouache.block_cache.store import CachePass
+from gouache.config import BlockCacheConfig
+
+FEATURES = ("change", "change_mse", "progress", "block", "pixels", "part")
+KIND = "block-cache-reuse-forest"
+
+
+def unit_features(then: torch.Tensor, x: torch.Tensor, context: torch.Tensor, block: int) -> torch.Tensor:
+    """[rows, len(FEATURES)] float32: each row of x [rows, ...] against its input then;
+    `context` [rows, 3] holds (progress, pixels, part) per row."""
+    then, x = then.flatten(1).float(), x.flatten(1).float()
+    diff = x - then
+    change = diff.abs().mean(1) / then.abs().mean(1).clamp_min(1e-12)
+    change_mse = diff.square().mean(1) / then.square().mean(1).clamp_min(1e-24)
+    depth = torch.full_like(change, float(block))
+    return torch.stack([change, change_mse, context[:, 0], depth, context[:, 1], context[:, 2]], 1)
+
+
+def output_error(then: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[rows] the relative change of a block's outputs (all of them, per row): what reusing
+    `then` in place of `now` would have cost."""
+    diff = sum((n.flatten(1).float() - t.flatten(1).float()).abs().sum(1) for t, n in zip(then, now))
+    size = sum(n.flatten(1).float().abs().sum(1) for n in now)
+    return diff / size.clamp_min(1e-12)
+
+
+@dataclass
+class ReusePredictor:
+    """A trained forest as arrays [trees, nodes] (a leaf's children are itself), and what it was
+    trained on."""
+
+    model: str  # `model_digest` of the pipeline whose runs it learned
+    model_name: str
+    bound: float  # a unit was labelled reusable when its output error was under this
+    feature: torch.Tensor  # [T, N] long: feature tested at each node (0 at leaves)
+    threshold: torch.Tensor  # [T, N] float64: go left when feature <= threshold
+    left: torch.Tensor  # [T, N] long
+    right: torch.Tensor  # [T, N] long
+    reusable: torch.Tensor  # [T, N] float32: P(reusable) at each leaf
+    depth: int
+    report: dict[str, Any] = field(default_factory=dict)  # how it scored on held-out samples
+    _on: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+
+    def probability(self, features: torch.Tensor) -> torch.Tensor:
+        """[units] P(reusable) for features [units, len(FEATURES)]: the mean over trees of each
+        tree's leaf, as scikit-learn's predict_proba."""
+        feature, threshold, left, right, reusable = self._tensors(features.device)
+        x = features.to(torch.float32).to(torch.float64)  # compared as scikit-learn does: float32 inputs
+        trees = torch.arange(len(feature), device=x.device).unsqueeze(1)
+        units = torch.arange(len(x), device=x.device).unsqueeze(0)
+        node = torch.zeros(len(feature), len(x), dtype=torch.long, device=x.device)  # [T, U]
+        for _ in range(self.depth):
+            go_left = x[units, feature[trees, node]] <= threshold[trees, node]
+            node = torch.where(go_left, left[trees, node], right[trees, node])
+        return reusable[trees, node].mean(0)
+
+    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in (self.feature, self.threshold, self.left, self.right,
+                                                             self.reusable))
+        return self._on[device]
+
+    @classmethod
+    def from_forest(cls, forest, model: str, model_name: str, bound: float, report: dict | None = None) -> ReusePredictor:
+        """From a fitted scikit-learn RandomForestClassifier over `FEATURES`, labels True = reusable."""
+        trees = [estimator.tree_ for estimator in forest.estimators_]
+        width = max(t.node_count for t in trees)
+        shape = (len(trees), width)
+        feature, left, right = (np.zeros(shape, np.int64) for _ in range(3))
+        threshold, reusable = np.zeros(shape), np.zeros(shape, np.float32)
+        classes = list(forest.classes_)
+        for i, t in enumerate(trees):
+            n = t.node_count
+            leaf = t.children_left[:n] < 0
+            own = np.arange(n)
+            feature[i, :n] = np.where(leaf, 0, t.feature[:n])
+            threshold[i, :n] = np.where(leaf, 0.0, t.threshold[:n])
+            left[i, :n] = np.where(leaf, own, t.children_left[:n])
+            right[i, :n] = np.where(leaf, own, t.children_right[:n])
+            value = t.value[:n, 0, :]
+            fraction = value / value.sum(1, keepdims=True)
+            reusable[i, :n] = fraction[:, classes.index(True)] if True in classes else 0.0
+        depth = max(e.get_depth() for e in forest.estimators_)
+        return cls(model, model_name, bound, *(torch.from_numpy(a) for a in (feature, threshold, left, right, reusable)),
+                   depth, report or {})
+
+    def save(self, path: str | Path) -> None:
+        data = {"kind": KIND, "model": self.model, "model_name": self.model_name, "bound": self.bound,
+                "features": list(FEATURES), "depth": self.depth, "report": self.report,
+                **{name: getattr(self, name).tolist() for name in ("feature", "threshold", "left", "right", "reusable")}}
+        Path(path).write_text(json.dumps(data) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, model: str | None = None) -> ReusePredictor:
+        """The predictor at `path`; a ValueError saying why when it is not one, or was trained
+        on features other than these, or (`model` given) on another model."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"block-cache predictor {path}: cannot read it ({error})") from None
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            raise ValueError(f"block-cache predictor {path}: not a reuse predictor (kind {KIND!r}); "
+                             "`gouache profile --reuse` writes one")
+        if data.get("features") != list(FEATURES):
+            raise ValueError(f"block-cache predictor {path}: trained on features {data.get('features')}, "
+                             f"this version computes {list(FEATURES)}; train it again")
+        if model is not None and data["model"] != model:
+            raise ValueError(f"block-cache predictor {path} was trained on another model ({data['model_name']}); "
+                             "its decisions do not carry over: train one on this model with `gouache profile --reuse`")
+        arrays = [torch.tensor(data[name], dtype=dtype) for name, dtype in
+                  (("feature", torch.long), ("threshold", torch.float64), ("left", torch.long),
+                   ("right", torch.long), ("reusable", torch.float32))]
+        return cls(data["model"], data["model_name"], float(data["bound"]), *arrays, int(data["depth"]),
+                   data.get("report", {}))
+
+
+def reuse_pass(config: BlockCacheConfig | None, pipe) -> type[CachePass] | None:
+    """The pass that decides reuse under `config`: its predictor's, loaded for `pipe`'s model
+    (refused for another), or None for the fixed threshold."""
+    if config is None or config.predictor is None:
+        return None
+    from gouache.templates.replay import model_digest
+
+    return predicted(ReusePredictor.load(config.predictor, model_digest(pipe)))
+
+
+def predicted(predictor: ReusePredictor) -> type[CachePass]:
+    """A `CachePass` that reuses a unit where the predictor's P(reusable) is above 1 - its
+    request's `block_cache` value (0.5: the forest's majority; nearer 1: more reuse)."""
+
+    class PredictedPass(CachePass):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self._context = None
+
+        def unchanged(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
+            start = time.perf_counter()
+            if self._context is None:
+                self._context = self.context(x.device)
+            features = unit_features(entry.inputs, self._cached(x), self._context, self._depth[block])
+            reusable = predictor.probability(features) > 1 - self._thresholds
+            self.cache.decide_s += time.perf_counter() - start
+            return reusable
+
+    return PredictedPass
+
+
+class Recorder:
+    """Samples of exact forwards for training: per cached unit and block, its features and the
+    output error reusing the block's previous output would have caused. Every unit is computed."""
+
+    def __init__(self) -> None:
+        self.features: list[torch.Tensor] = []
+        self.errors: list[torch.Tensor] = []
+
+    def pass_type(self) -> type[CachePass]:
+        recorder = self
+
+        class RecordingPass(CachePass):
+            def __init__(self, *args):
+                super().__init__(*args)
+                self._context = None
+                self._pending: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+
+            def unchanged(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
+                if self._context is None:
+                    self._context = self.context(x.device)
+                features = unit_features(entry.inputs, self._cached(x), self._context, self._depth[block])
+                self._pending[block] = features, entry.valid.clone()
+                return torch.zeros(len(entry.inputs), dtype=torch.bool, device=x.device)
+
+            def merge(self, block: Hashable, x, computed, fresh):
+                pending = self._pending.pop(block, None)
+                entry = self.store.blocks.get(block)
+                if pending is not None and fresh is not None and entry is not None:
+                    pairs = [(then, self._cached(now)) for then, now in zip(entry.outputs, fresh)
+                             if then is not None and now is not None]
+                    error = output_error([t for t, _ in pairs], [n for _, n in pairs])
+                    features, valid = pending
+                    recorder.features.append(features[valid].cpu())
+                    recorder.errors.append(error[valid].cpu())
+                return super().merge(block, x, computed, fresh)
+
+        return RecordingPass
+
+    def samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """(features [n, len(FEATURES)], output errors [n])."""
+        if not self.features:
+            return np.zeros((0, len(FEATURES)), np.float32), np.zeros(0, np.float32)
+        return torch.cat(self.features).numpy(), torch.cat(self.errors).numpy()
+
+
+def train(features: np.ndarray, errors: np.ndarray, bound: float, model: str, model_name: str,
+          trees: int = 32, depth: int = 8, holdout: float = 0.2, seed: int = 0) -> ReusePredictor:
+    """A forest over `features` labelled reusable where the error is under `bound`, scored on a
+    seeded held-out share: accuracy, and among the held-out units it would reuse (at the 0.5
+    cut-off) the share truly under the bound and their mean error."""
+    from sklearn.ensemble import RandomForestClassifier  # training only; serving never imports it
+
+    if len(errors) < 10:
+        raise ValueError(f"{len(errors)} samples: too few to train a reuse predictor (run more requests or steps)")
+    labels = errors < bound
+    order = np.random.default_rng(seed).permutation(len(errors))
+    cut = int(len(order) * (1 - holdout))
+    fit, test = order[:cut], order[cut:]
+    forest = RandomForestClassifier(trees, max_depth=depth, random_state=seed, n_jobs=1)
+    forest.fit(features[fit], labels[fit])
+    report = {"samples": len(errors), "reusable_share": float(labels.mean()), "trees": trees, "depth": depth}
+    predictor = ReusePredictor.from_forest(forest, model, model_name, bound, report)
+    if len(test):
+        chosen = predictor.probability(torch.from_numpy(features[test])).numpy() > 0.5
+        report.update(holdout_accuracy=float((chosen == labels[test]).mean()), holdout_reused=float(chosen.mean()),
+                      holdout_precision=float(labels[test][chosen].mean()) if chosen.any() else None,
+                      holdout_reused_error=float(errors[test][chosen].mean()) if chosen.any() else None)
+    return predictor

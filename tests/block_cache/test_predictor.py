@@ -1,0 +1,67 @@
+"""The reuse predictor (PatchedServe §7): the forest evaluated by torch equals scikit-learn's,
+the recorder's samples are the changes it should see, decisions follow the forest and the
+request's cut-off, and a predictor of another model is refused."""
+
+import numpy as np
+import pytest
+import torch
+
+from gouache.block_cache.predictor import FEATURES, Recorder, ReusePredictor, predicted
+from gouache.block_cache.store import BlockCache
+from gouache.config import BlockCacheConfig
+from tests.block_cache.test_store import run_block, units
+
+
+def split_on_change(at: float, reusable: float = 1.0, model: str = "model") -> ReusePredictor:
+    """One tree: P(reusable) = `reusable` when the input's relative change is <= `at`, else 0."""
+    tree = dict(feature=[[0, 0, 0]], threshold=[[at, 0.0, 0.0]], left=[[1, 1, 2]], right=[[2, 1, 2]])
+    arrays = [torch.tensor(v, dtype=d) for v, d in ((tree["feature"], torch.long), (tree["threshold"], torch.float64),
+                                                    (tree["left"], torch.long), (tree["right"], torch.long),
+                                                    ([[0.5, reusable, 0.0]], torch.float32))]
+    return ReusePredictor(model, "test", 0.05, *arrays, depth=1)
+
+
+def test_the_forest_on_torch_equals_scikit_learns_predict_proba_and_survives_its_file(tmp_path):
+    from sklearn.ensemble import RandomForestClassifier
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(600, len(FEATURES))).astype(np.float32)
+    y = (X[:, 0] + 0.5 * X[:, 2] * X[:, 3] + 0.3 * rng.normal(size=600)) < 0.2
+    forest = RandomForestClassifier(16, max_depth=6, random_state=0).fit(X[:400], y[:400])
+    predictor = ReusePredictor.from_forest(forest, "model", "test", 0.05)
+    ours = predictor.probability(torch.from_numpy(X[400:]))
+    theirs = forest.predict_proba(X[400:])[:, list(forest.classes_).index(True)]
+    np.testing.assert_allclose(ours.numpy(), theirs, atol=1e-6)
+    assert 0 < theirs.mean() < 1  # the held-out rows are not all one class
+    predictor.save(tmp_path / "p.json")
+    loaded = ReusePredictor.load(tmp_path / "p.json", "model")
+    assert torch.equal(loaded.probability(torch.from_numpy(X[400:])), ours)
+
+
+def test_the_recorder_sees_each_units_input_change_and_the_error_reuse_would_have_made():
+    recorder = Recorder()
+    cache = BlockCache(BlockCacheConfig(), recorder.pass_type())
+    context = [(0.25, 12.0), (0.5, 13.0)]
+    for x in (units(1.0, 10.0), units(1.05, 20.0)):
+        cache_pass = cache.begin([("a", 0), ("b", 0)], [1, 1], [0.5, 0.5], "patch", context)
+        assert torch.equal(run_block(cache_pass, x), 2 * x + 1)  # every unit computed
+        cache_pass.end()
+    features, errors = recorder.samples()
+    change = np.array([0.05, 1.0])
+    np.testing.assert_allclose(features[:, 0], change, rtol=1e-6)
+    np.testing.assert_allclose(features[:, 1], np.array([0.05 ** 2, 1.0]), rtol=1e-5)  # relative MSE
+    np.testing.assert_allclose(features[:, 2:], [[0.25, 0, 12, 1], [0.5, 0, 13, 1]])  # progress, block, pixels, part
+    np.testing.assert_allclose(errors, [(3.1 - 3.0) / 3.1, (41 - 21) / 41], rtol=1e-6)  # outputs 2x + 1
+
+
+def test_a_unit_reuses_where_the_forest_says_so_at_its_requests_cut_off():
+    cache = BlockCache(BlockCacheConfig(), predicted(split_on_change(0.1, reusable=0.7)))
+    calls = []
+    for x, value in ((units(1.0, 10.0), 0.5), (units(1.05, 12.0), 0.5), (units(1.05, 15.0), 0.2)):
+        cache_pass = cache.begin([("a", 0), ("b", 0)], [1, 1], [value, value], "image")
+        run_block(cache_pass, x, calls=calls)
+        cache_pass.end()
+    # first: nothing cached; then a (change 0.05: P = 0.7 > 1 - 0.5) is reused and b (0.2: P = 0)
+    # computed; at a value of 0.2 a needs P > 0.8, and both are computed
+    assert calls == [None, [1], None]
+    assert cache.take_report().decide_s > 0
