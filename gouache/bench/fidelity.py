@@ -49,12 +49,14 @@ class Setup:
     cost_model: str | None = None  # for policies that plan with step times
     block_cache: float = 0.0  # the block cache's threshold for every image; 0: off
     block_cache_max_reuse: int = 2
+    block_cache_predictor: str | None = None  # `gouache profile --reuse` file deciding reuse; None: the threshold
     controlnet_mode: str | None = None  # every prompt placed by a layout-map ControlNet in this mode; None: none
     quantize: str | None = None  # the denoiser's linear layers quantized (`gouache.runner.quantize`); None: as loaded
 
     def describe(self) -> str:
         steps = "default" if self.steps is None else str(self.steps)
         cache = f", block cache {self.block_cache:g}" if self.block_cache else ""
+        cache += f" by the predictor {Path(self.block_cache_predictor).name}" if self.block_cache_predictor else ""
         control = f", ControlNet {self.controlnet_mode}" if self.controlnet_mode else ""
         quantized = f", {self.quantize} weights" if self.quantize else ""
         return f"{self.policy}, {steps} steps, batch <= {self.max_batch_size}{cache}{control}{quantized}"
@@ -69,6 +71,7 @@ class Result:
     seconds: float = 0.0
     denoise_seconds: float = 0.0  # of which in denoising steps (the engine's step latencies, summed)
     reused_fraction: float = 0.0  # block cache: unit-blocks reused / all of them
+    decide_share: float = 0.0  # block cache: the predictor's decisions' time / the denoising steps'
 
 
 def generate(model: str, setup: Setup, prompts: list[Prompt], torch_threads: int | None = None,
@@ -88,7 +91,8 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     engine = build_engine(
         ModelConfig(model, quantize=setup.quantize),
         EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads,
-                     block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse),
+                     block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse,
+                                                  predictor=setup.block_cache_predictor),
                      controlnets=controlnets),
         SchedulerConfig(policy=setup.policy, max_batch_size=setup.max_batch_size, cost_model=setup.cost_model),
     )
@@ -112,8 +116,10 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     step_s = sum(s.value for s in samples if s.name == "gouache_step_latency_seconds_sum")
     blocks = {s.labels["result"]: s.value for s in samples if s.name == "gouache_block_cache_blocks_total"}
     total = sum(blocks.values())
+    decide_s = sum(s.value for s in samples if s.name == "gouache_block_cache_decide_seconds_total")
     return Result(setup, images, time.perf_counter() - start, denoise_seconds=step_s,
-                  reused_fraction=blocks.get("reused", 0.0) / total if total else 0.0)
+                  reused_fraction=blocks.get("reused", 0.0) / total if total else 0.0,
+                  decide_share=decide_s / step_s if step_s else 0.0)
 
 
 def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], repeats: int,
@@ -139,7 +145,8 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
     times: list[list[float]] = [[] for _ in setups]
     for _ in range(repeats):
         for setup, out in zip(setups, times):
-            runner = ModelRunner(pipes[setup.quantize], setup.patch_size, BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse))
+            runner = ModelRunner(pipes[setup.quantize], setup.patch_size, BlockCacheConfig(
+                setup.block_cache, setup.block_cache_max_reuse, predictor=setup.block_cache_predictor))
             batch = prompts[: setup.max_batch_size]
             ids = tuple(runner.prepare(ImageRequest(
                 f"steady-{i}", p.caption, p.width, p.height, setup.steps or info.default_steps, info.default_guidance,
@@ -281,6 +288,9 @@ def add_arguments(p) -> None:
     p.add_argument("--block-cache-max-reuse", type=int, default=2, action=Given,
                    help="with --candidate-block-cache: most steps in a row a block's output is reused "
                         "(default: %(default)s)")
+    p.add_argument("--candidate-block-cache-predictor", default=None, action=Given, metavar="FILE",
+                   help="with --candidate-block-cache: the `gouache profile --reuse` forest decides reuse, the value "
+                        "its cut-off (reuse where P(reusable) > 1 - value) (default: the threshold)")
     p.add_argument("--patch-size", type=int, default=None, action=Given,
                    help="the largest patch side in pixels under patched policies, UNet models (default: the server's)")
     p.add_argument("--cost-model", default=None,
@@ -325,6 +335,7 @@ def setups(args) -> tuple[Setup, Setup]:
         policy=args.candidate_policy or reference.policy,
         max_batch_size=args.candidate_max_batch_size or reference.max_batch_size,
         block_cache=args.candidate_block_cache or 0.0, block_cache_max_reuse=args.block_cache_max_reuse,
+        block_cache_predictor=args.candidate_block_cache_predictor,
         controlnet_mode=args.candidate_controlnet_mode or reference.controlnet_mode,
         quantize=args.candidate_quantize,
     )
@@ -355,8 +366,9 @@ def _check_flags(args, *policies: str) -> None:
     for flag in ("candidate_controlnet_mode", "controlnet_dir", "controlnet_workers"):
         if flag in given(args) and not args.controlnet:
             ignored[flag] = "without --controlnet no prompt has a ControlNet"
-    if "block_cache_max_reuse" in given(args) and not args.candidate_block_cache:
-        ignored["block_cache_max_reuse"] = "no --candidate-block-cache above 0 reuses anything"
+    for flag in ("block_cache_max_reuse", "candidate_block_cache_predictor"):
+        if flag in given(args) and not args.candidate_block_cache:
+            ignored[flag] = "no --candidate-block-cache above 0 reuses anything"
     refuse_ignored(ignored)
     if args.candidate_block_cache is not None:
         BlockCacheConfig(args.candidate_block_cache)  # in range, or the config's message
@@ -387,7 +399,8 @@ def run(args) -> int:
         "command": shlex.join(["gouache", "bench", "fidelity", *options]),
         "model": args.model, "prompts": args.prompts, "seeds": args.seeds, "sizes": args.sizes, "images": len(prompts),
         **{r.setup.label: {**asdict(r.setup), "seconds": r.seconds, "denoise_seconds": r.denoise_seconds,
-                           "reused_fraction": r.reused_fraction, "steady_step_s": t, "steady_step_samples_s": samples}
+                           "reused_fraction": r.reused_fraction, "decide_share": r.decide_share, "steady_step_s": t,
+                           "steady_step_samples_s": samples}
            for r, t, samples in zip((reference, candidate), step_s, steady)},
         "denoise_ratio": candidate.denoise_seconds / reference.denoise_seconds if reference.denoise_seconds else None,
         "steady_step_ratio": step_s[1] / step_s[0] if control is None else None,

@@ -128,3 +128,24 @@ def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
     for flag in ("--candidate-steps", "--sheet-rows", "--prompts", "--step-repeats"):
         assert main(["bench", "fidelity", flag, "0", "--out", out]) == 2
         assert f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+def test_a_block_cache_predictor_candidate_reports_its_reuse_and_its_decisions_time(tmp_path):
+    from gouache.models.zoo import load_pipeline
+    from gouache.templates.replay import model_digest
+    from tests.block_cache.test_predictor import split_on_change
+
+    path = tmp_path / "split.json"
+    split_on_change(0.2, model=model_digest(load_pipeline("shapes-unet"))).save(path)
+    report = run_fidelity(tmp_path, "--prompts", "3", "--steps", "8", "--candidate-block-cache", "0.5",
+                          "--candidate-block-cache-predictor", str(path), "--step-repeats", "1")
+    candidate = report["candidate"]
+    assert candidate["block_cache_predictor"] == str(path) and candidate["reused_fraction"] > 0.1
+    assert candidate["decide_share"] > 0 and report["reference"]["decide_share"] == 0
+
+
+def test_a_predictor_without_a_candidate_block_cache_is_refused(tmp_path, capsys):
+    from gouache.cli import main
+
+    assert main(["bench", "fidelity", "--candidate-block-cache-predictor", "x.json", "--out", str(tmp_path / "f.json")]) == 2
+    assert "--candidate-block-cache-predictor would be ignored" in capsys.readouterr().err

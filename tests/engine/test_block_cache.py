@@ -143,3 +143,22 @@ def test_a_predictor_of_another_model_or_not_a_predictor_is_refused_with_the_rea
                          ("broken.json", "cannot read it"), ("missing.json", "cannot read it")):
         with pytest.raises(ValueError, match=reason):
             ModelRunner(pipes("tiny-sd"), block_cache=BlockCacheConfig(predictor=str(tmp_path / name)))
+
+
+def test_a_forest_that_splits_on_the_change_at_the_threshold_decides_as_the_threshold_does(pipes, tmp_path):
+    from gouache.templates.replay import model_digest
+    from tests.block_cache.test_predictor import split_on_change
+
+    pipe = pipes("tiny-sd")
+    split_on_change(0.3, model=model_digest(pipe)).save(tmp_path / "split.json")
+    requests = [request(f"cached-{i}", seed=i, steps=8, width=w) for i, w in enumerate((64, 96))]
+    by_threshold, counted = run(pipe, [dataclasses.replace(r, block_cache=0.3) for r in requests], "patched",
+                                BlockCacheConfig(threshold=0.3))
+    # P(reusable) is 1 where the change is <= 0.3, else 0: above the cut-off 1 - 0.5 exactly there
+    by_forest, _ = run(pipe, [dataclasses.replace(r, block_cache=0.5) for r in requests], "patched",
+                       BlockCacheConfig(predictor=str(tmp_path / "split.json")))
+    reused = [s.value for m in counted.registry.collect() if m.name == "gouache_block_cache_blocks"
+              for s in m.samples if s.labels.get("result") == "reused" and s.name.endswith("_total")]
+    assert reused[0] > 0
+    for rid in by_threshold:
+        assert torch.equal(by_forest[rid], by_threshold[rid]), rid
