@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, serve, sim_to_real, soak, speed,
+        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, reuse_compare, serve, sim_to_real,
+        soak, speed,
     )
 
     adapters.add_arguments(bench_kinds.add_parser(
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fidelity", help="a candidate configuration's images vs the exact ones: SSIM, PSNR, prompt alignment"))
     edit.add_arguments(bench_kinds.add_parser(
         "edit", help="mask-aware template edits: latency vs mask ratio, fidelity, throughput vs fcfs-static"))
+    reuse_compare.add_arguments(bench_kinds.add_parser(
+        "reuse-compare", help="the block cache's reuse predictor vs the threshold at equal SSIM, from fidelity runs"))
     return parser
 
 
@@ -402,12 +405,13 @@ def _make_controlnet(args) -> int:
 
 def _bench(args) -> int:
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, serve, sim_to_real, soak, speed,
+        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, reuse_compare, serve, sim_to_real,
+        soak, speed,
     )
 
     kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
              "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed, "baselines": baselines,
-             "fullsize": fullsize}
+             "fullsize": fullsize, "reuse-compare": reuse_compare}
     return kinds[args.bench].run(args)
 
 
