@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.api.test_lifecycle import _running
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PARENT = """
@@ -32,13 +34,6 @@ def child(ready) -> None:
     time.sleep(600)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-
-
 def test_a_child_starts_with_torch_imported_and_exits_when_its_starter_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -50,9 +45,9 @@ def test_a_child_starts_with_torch_imported_and_exits_when_its_starter_is_killed
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(pid)
+        assert not _running(pid)
     finally:
         parent.kill()
         parent.wait()
