@@ -4,8 +4,9 @@ cached output may stand in for the one it would compute.
 
 Features of a unit at a block (`FEATURES`, one row per unit, computed in one batched call):
 
-- `change`: mean |x - x_then| / mean |x_then|, the fixed threshold's own measure, where x_then
-  is the unit's input when the block last computed it;
+- `change`: mean |x - x_then| / mean |x_then|, the fixed threshold's own measure (over a
+  sample of the unit's elements, `sample`), where x_then is the unit's input when the block
+  last computed it;
 - `change_mse`: mean (x - x_then)^2 / mean x_then^2, the paper's MSE similarity, relative;
 - `progress`: denoising steps done / steps of its request;
 - `block`: the block's position in the forward (0 for the first cached block);
@@ -16,8 +17,8 @@ Labels come from exact runs (`gouache profile --reuse`): there every unit is com
 step, and the error reusing would have caused is the relative change of the block's output,
 mean |y - y_then| / mean |y|; a unit may reuse when that is under the predictor's `bound`.
 
-Serving evaluates the forest with torch on the activations' device (a few gathers per level,
-every tree and unit at once), never with scikit-learn: one call costs far less than a block.
+Serving evaluates the forest's arrays with numpy (a gather per level, every tree and unit at
+once), never with scikit-learn, whose per-call cost is milliseconds.
 The file is JSON (the trees' arrays), names the model it was trained on (`model_digest`), and
 is refused for any other.
 """
@@ -41,13 +42,30 @@ FEATURES = ("change", "change_mse", "progress", "block", "pixels", "part")
 KIND = "block-cache-reuse-forest"
 
 
+SAMPLE = 4096  # elements per unit the change features read at most, in runs of RUN contiguous ones
+RUN = 64
+
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """[rows, n] every k-th run of RUN contiguous elements of each row of t, k chosen so that at
+    most about SAMPLE are read: a change's mean over a unit's elements, estimated at a fraction of
+    the memory traffic (a block's input is as large as its output)."""
+    flat = t.flatten(1)
+    n = flat.shape[1]
+    if n <= 2 * SAMPLE:
+        return flat
+    runs = flat[:, : n // RUN * RUN].unflatten(1, (n // RUN, RUN))
+    return runs[:, :: -(-n // SAMPLE)].flatten(1)
+
+
 def unit_features(then: torch.Tensor, x: torch.Tensor, context: torch.Tensor, block: int) -> torch.Tensor:
-    """[rows, len(FEATURES)] float32: each row of x [rows, ...] against its input then;
-    `context` [rows, 3] holds (progress, pixels, part) per row."""
-    then, x = then.flatten(1).float(), x.flatten(1).float()
+    """[rows, len(FEATURES)] float32: each row of x [rows, ...] against its input then (over a
+    sample of its elements); `context` [rows, 3] holds (progress, pixels, part) per row."""
+    then, x = sample(then).float(), sample(x).float()
     diff = x - then
-    change = diff.abs().mean(1) / then.abs().mean(1).clamp_min(1e-12)
-    change_mse = diff.square().mean(1) / then.square().mean(1).clamp_min(1e-24)
+    norm = torch.linalg.vector_norm
+    change = norm(diff, 1, dim=1) / norm(then, 1, dim=1).clamp_min(1e-12)
+    change_mse = (norm(diff, 2, dim=1) / norm(then, 2, dim=1).clamp_min(1e-12)).square()
     depth = torch.full_like(change, float(block))
     return torch.stack([change, change_mse, context[:, 0], depth, context[:, 1], context[:, 2]], 1)
 
@@ -75,26 +93,25 @@ class ReusePredictor:
     reusable: torch.Tensor  # [T, N] float32: P(reusable) at each leaf
     depth: int
     report: dict[str, Any] = field(default_factory=dict)  # how it scored on held-out samples
-    _on: dict[torch.device, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False)
+    _flat: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
 
     def probability(self, features: torch.Tensor) -> torch.Tensor:
         """[units] P(reusable) for features [units, len(FEATURES)]: the mean over trees of each
-        tree's leaf, as scikit-learn's predict_proba."""
-        feature, threshold, left, right, reusable = self._tensors(features.device)
-        x = features.to(torch.float32).to(torch.float64)  # compared as scikit-learn does: float32 inputs
-        trees = torch.arange(len(feature), device=x.device).unsqueeze(1)
-        units = torch.arange(len(x), device=x.device).unsqueeze(0)
-        node = torch.zeros(len(feature), len(x), dtype=torch.long, device=x.device)  # [T, U]
+        tree's leaf, as scikit-learn's predict_proba. Evaluated with numpy on the host: a few
+        dozen units a call, where torch's per-operation cost would dominate."""
+        if self._flat is None:
+            trees, width = self.feature.shape
+            offset = np.arange(trees)[:, None] * width
+            self._flat = (self.feature.numpy().ravel(), self.threshold.numpy().ravel(),
+                          (self.left.numpy() + offset).ravel(), (self.right.numpy() + offset).ravel(),
+                          self.reusable.numpy().ravel(), offset)
+        feature, threshold, left, right, reusable, offset = self._flat
+        x = features.detach().cpu().numpy().astype(np.float32).astype(np.float64)  # as scikit-learn compares
+        units = np.arange(len(x))[None, :]
+        node = np.repeat(offset, len(x), 1)  # [trees, units], indices into the flattened arrays
         for _ in range(self.depth):
-            go_left = x[units, feature[trees, node]] <= threshold[trees, node]
-            node = torch.where(go_left, left[trees, node], right[trees, node])
-        return reusable[trees, node].mean(0)
-
-    def _tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        if device not in self._on:
-            self._on[device] = tuple(t.to(device) for t in (self.feature, self.threshold, self.left, self.right,
-                                                             self.reusable))
-        return self._on[device]
+            node = np.where(x[units, feature[node]] <= threshold[node], left[node], right[node])
+        return torch.from_numpy(reusable[node].mean(0)).to(features.device)
 
     @classmethod
     def from_forest(cls, forest, model: str, model_name: str, bound: float, report: dict | None = None) -> ReusePredictor:

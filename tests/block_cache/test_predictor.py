@@ -1,4 +1,4 @@
-"""The reuse predictor (PatchedServe §7): the forest evaluated by torch equals scikit-learn's,
+"""The reuse predictor (PatchedServe §7): the forest evaluated from its arrays equals scikit-learn's,
 the recorder's samples are the changes it should see, decisions follow the forest and the
 request's cut-off, and a predictor of another model is refused."""
 
@@ -21,7 +21,7 @@ def split_on_change(at: float, reusable: float = 1.0, model: str = "model") -> R
     return ReusePredictor(model, "test", 0.05, *arrays, depth=1)
 
 
-def test_the_forest_on_torch_equals_scikit_learns_predict_proba_and_survives_its_file(tmp_path):
+def test_the_forest_as_arrays_equals_scikit_learns_predict_proba_and_survives_its_file(tmp_path):
     from sklearn.ensemble import RandomForestClassifier
 
     rng = np.random.default_rng(0)
@@ -65,3 +65,15 @@ def test_a_unit_reuses_where_the_forest_says_so_at_its_requests_cut_off():
     # computed; at a value of 0.2 a needs P > 0.8, and both are computed
     assert calls == [None, [1], None]
     assert cache.take_report().decide_s > 0
+
+
+def test_the_features_of_a_large_unit_read_a_sample_that_estimates_its_change():
+    from gouache.block_cache.predictor import SAMPLE, sample, unit_features
+
+    generator = torch.Generator().manual_seed(0)
+    then = torch.randn(3, 320, 32, 32, generator=generator)
+    x = then + torch.tensor([0.01, 0.1, 1.0]).reshape(3, 1, 1, 1) * torch.randn(then.shape, generator=generator)
+    assert SAMPLE <= sample(x).shape[1] <= 2 * SAMPLE and torch.equal(sample(x[:, :1, :4, :4]), x[:, :1, :4, :4].flatten(1))
+    features = unit_features(then, x, torch.zeros(3, 3), 0)
+    full = (x - then).flatten(1).abs().mean(1) / then.flatten(1).abs().mean(1)
+    torch.testing.assert_close(features[:, 0], full, rtol=0.05, atol=0)

@@ -155,6 +155,7 @@ def test_a_forest_that_splits_on_the_change_at_the_threshold_decides_as_the_thre
     by_threshold, counted = run(pipe, [dataclasses.replace(r, block_cache=0.3) for r in requests], "patched",
                                 BlockCacheConfig(threshold=0.3))
     # P(reusable) is 1 where the change is <= 0.3, else 0: above the cut-off 1 - 0.5 exactly there
+    # (the tiny model's units are under the features' sample size: their change is the threshold's)
     by_forest, _ = run(pipe, [dataclasses.replace(r, block_cache=0.5) for r in requests], "patched",
                        BlockCacheConfig(predictor=str(tmp_path / "split.json")))
     reused = [s.value for m in counted.registry.collect() if m.name == "gouache_block_cache_blocks"
