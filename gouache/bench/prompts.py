@@ -23,7 +23,7 @@ class Prompt:
         return caption(self.scene)
 
 
-def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int | str = 0) -> list[Prompt]:
+def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
     """n scenes (deterministic from `seed`), sizes ((h, w) each) taken in turn, each with seeds 0..seeds-1."""
     rng = random.Random(f"fidelity:{seed}")
     scenes = [sample_scene(rng) for _ in range(n)]

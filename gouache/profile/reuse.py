@@ -13,6 +13,7 @@ previous output would have caused; a unit is labelled reusable when that error i
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -23,10 +24,10 @@ import numpy as np
 def run(args) -> int:
     import torch
 
-    from gouache.bench.prompts import make_prompts
     from gouache.block_cache.predictor import Recorder, train
     from gouache.block_cache.store import BlockCache
     from gouache.config import BlockCacheConfig
+    from gouache.data.shapes import caption, sample_scene
     from gouache.models.zoo import load_pipeline
     from gouache.request import ImageRequest
     from gouache.runner.describe import model_info
@@ -48,21 +49,23 @@ def run(args) -> int:
     recorder = Recorder()
     runner = ModelRunner(pipe, args.patch_size)
     runner.cache = BlockCache(BlockCacheConfig(budget_bytes=1 << 40), recorder.pass_type())
-    # Scenes of their own seed: `gouache bench fidelity` judges the predictor on make_prompts' own.
-    prompts = make_prompts(args.requests, 1, [(s, s) for s in sizes], f"reuse-{args.seed}")
+    # Scenes of their own seed: `gouache bench fidelity` judges the predictor on other ones.
+    rng = random.Random(f"reuse:{args.seed}")
+    captions = [caption(sample_scene(rng)) for _ in range(args.requests)]
     start = time.perf_counter()
     for patched in (False, True):
         # Batches of one size each (whole-image units), or one of every size (patches, tokens).
+        prompts = [(text, sizes[i % len(sizes)]) for i, text in enumerate(captions)]
         if patched:
             batches = [prompts[i:i + len(sizes)] for i in range(0, len(prompts), len(sizes))]
         else:
-            batches = [[p for p in prompts if p.width == s] for s in sizes]
+            batches = [[p for p in prompts if p[1] == size] for size in sizes]
         for b, group in enumerate(batches):
             ids = []
-            for i, prompt in enumerate(group):
+            for i, (text, size) in enumerate(group):
                 rid = f"{'p' if patched else 'i'}{b}-{i}"
-                runner.prepare(ImageRequest(rid, prompt.caption, prompt.width, prompt.height, args.reuse_steps,
-                                            info.default_guidance, prompt.seed, block_cache=1.0))
+                runner.prepare(ImageRequest(rid, text, size, size, args.reuse_steps, info.default_guidance, args.seed,
+                                            block_cache=1.0))
                 ids.append(rid)
             for _ in range(args.reuse_steps):
                 out = runner.execute(Batch(tuple(ids), patched=patched and len(group) > 1))
