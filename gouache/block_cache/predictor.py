@@ -157,14 +157,18 @@ class ReusePredictor:
         if data.get("features") != list(FEATURES):
             raise ValueError(f"block-cache predictor {path}: trained on features {data.get('features')}, "
                              f"this version computes {list(FEATURES)}; train it again")
-        if model is not None and data["model"] != model:
-            raise ValueError(f"block-cache predictor {path} was trained on another model ({data['model_name']}); "
+        if model is not None and data.get("model") != model:
+            raise ValueError(f"block-cache predictor {path} was trained on another model ({data.get('model_name')}); "
                              "its decisions do not carry over: train one on this model with `gouache profile --reuse`")
-        arrays = [torch.tensor(data[name], dtype=dtype) for name, dtype in
-                  (("feature", torch.long), ("threshold", torch.float64), ("left", torch.long),
-                   ("right", torch.long), ("reusable", torch.float32))]
-        return cls(data["model"], data["model_name"], float(data["bound"]), *arrays, int(data["depth"]),
-                   data.get("report", {}))
+        try:
+            arrays = [torch.tensor(data[name], dtype=dtype) for name, dtype in
+                      (("feature", torch.long), ("threshold", torch.float64), ("left", torch.long),
+                       ("right", torch.long), ("reusable", torch.float32))]
+            return cls(data["model"], data["model_name"], float(data["bound"]), *arrays, int(data["depth"]),
+                       data.get("report", {}))
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"block-cache predictor {path}: malformed ({type(error).__name__}: {error}); "
+                             "write it again with `gouache profile --reuse`") from None
 
 
 def reuse_pass(config: BlockCacheConfig | None, pipe) -> type[CachePass] | None:

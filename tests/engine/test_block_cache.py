@@ -139,10 +139,15 @@ def test_a_predictor_of_another_model_or_not_a_predictor_is_refused_with_the_rea
     reuse_everywhere(pipes("tiny-sdxl"), tmp_path / "other.json")
     (tmp_path / "cost.json").write_text(json.dumps({"kind": "mask"}))
     (tmp_path / "broken.json").write_text("{")
+    truncated = json.loads((tmp_path / "other.json").read_text())
+    del truncated["left"]
+    (tmp_path / "truncated.json").write_text(json.dumps(truncated))
     for name, reason in (("other.json", "trained on another model"), ("cost.json", "not a reuse predictor"),
                          ("broken.json", "cannot read it"), ("missing.json", "cannot read it")):
         with pytest.raises(ValueError, match=reason):
             ModelRunner(pipes("tiny-sd"), block_cache=BlockCacheConfig(predictor=str(tmp_path / name)))
+    with pytest.raises(ValueError, match="malformed"):
+        ModelRunner(pipes("tiny-sdxl"), block_cache=BlockCacheConfig(predictor=str(tmp_path / "truncated.json")))
 
 
 def test_a_forest_that_splits_on_the_change_at_the_threshold_decides_as_the_threshold_does(pipes, tmp_path):
