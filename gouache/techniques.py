@@ -40,7 +40,8 @@ TECHNIQUES = {t.name: t for t in (
     Technique("template", "template_cache", False, True,
               "template replay of an edit's unmasked tokens (InstGenIE)"),
     Technique("block_cache", "block_cache", False, True,
-              "block-output reuse across steps (PatchedServe), per image, patch or token"),
+              "block-output reuse across steps (PatchedServe), per image, patch or token; decided by a "
+              "threshold or by the reuse predictor (--block-cache-predictor)"),
     Technique("mixed_sizes", "--policy", True, False,
               "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens"),
     Technique("parallel", "--devices", True, False,

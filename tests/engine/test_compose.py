@@ -16,7 +16,7 @@ import torch
 
 from gouache.controlnet.model import random_controlnet
 from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
-from gouache.config import ControlNetConfig, LoraConfig
+from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig
 from gouache.errors import InvalidRequestError
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
@@ -71,12 +71,12 @@ def exact(request: ImageRequest) -> bool:
 
 
 def serve(pipe, directories, policy: str, arrivals: dict[int, list[tuple[ImageRequest, dict]]],
-          conditioning: bool = True) -> dict[str, torch.Tensor]:
+          conditioning: bool = True, block_cache=None) -> dict[str, torch.Tensor]:
     """Final latents of every request, `arrivals[k]` joining before step k, on a fresh runner
     (with the conditioning cache, which the runs alone go without)."""
     loras, controls = directories
     runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(loras), controlnets=ControlNetConfig(controls),
-                         conditioning_bytes=(64 << 20) if conditioning else 0)
+                         conditioning_bytes=(64 << 20) if conditioning else 0, block_cache=block_cache)
     try:
         latents = run_engine(pipe, arrivals, policy, runner)
     finally:
@@ -118,18 +118,25 @@ def test_the_table_has_one_entry_per_pair_of_techniques():
     assert all(TECHNIQUES[a].exact and TECHNIQUES[b].exact for a, b in map(tuple, TABLE) if pair(a, b).verdict == EXACT)
 
 
+@pytest.mark.parametrize("decider", ["threshold", "predictor"])
 @pytest.mark.parametrize("policy", ONE_DEVICE)
-def test_every_pair_composes_as_the_table_says(pipes, directories, alone, policy):
+def test_every_pair_composes_as_the_table_says(pipes, directories, alone, policy, decider, tmp_path):
     """One batch walks every pair served in one process that composes: a request of each
     technique and of both (where both are a request's), in two sizes (which mixing policies
     patch or pack into one forward) and two adapter sets, beside plain requests. Every request
-    ends, and every exact one equals itself served alone."""
+    ends, and every exact one equals itself served alone. The block cache decides by its
+    threshold, or by a reuse predictor that lets every unit reuse."""
+    from tests.engine.test_block_cache import reuse_everywhere
+
+    config = None
+    if decider == "predictor":
+        config = BlockCacheConfig(predictor=reuse_everywhere(pipes(MODEL), tmp_path / "reuse.json"))
     composing = pairs({EXACT, "approximate"})
     kinds = {(t,) for t in SERVED if t not in SERVER_CHOSEN} | {()}
     kinds |= {(a, b) for a, b in composing if not {a, b} & SERVER_CHOSEN}
     batch = [member(f"{'+'.join(uses) or 'plain'}-{size}", uses, seed=seed, size=size, lora=lora)
              for seed, uses in enumerate(sorted(kinds)) for size, lora in ((64, "ink"), (96, "paper"))]
-    latents = serve(pipes(MODEL), directories, policy, {0: batch})
+    latents = serve(pipes(MODEL), directories, policy, {0: batch}, block_cache=config)
     assert set(latents) == {r.request_id for r, _ in batch}
     for a, b in composing:
         own = {a, b} - SERVER_CHOSEN
@@ -197,8 +204,6 @@ def test_a_refused_pair_never_reaches_a_forward(pipes, directories):
 
 def test_a_server_default_applies_only_where_it_composes(pipes, directories):
     """--block-cache's threshold does not apply to a ControlNet request (it would be refused)."""
-    from gouache.config import BlockCacheConfig
-
     runner = ModelRunner(pipes(MODEL), block_cache=BlockCacheConfig(threshold=0.5),
                          controlnets=ControlNetConfig(directories[1]))
     request, inputs = member("c", ("controlnet",), seed=0)
