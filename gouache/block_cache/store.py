@@ -237,7 +237,8 @@ class CachePass:
         """[store rows, 3] (steps done / steps, log2 pixels, part) of each cached unit; part is 0
         for whole images, 1 for patches and tokens."""
         part = float(self.store.signature[0] != "image")
-        return torch.tensor([(*c, part) for _, n, _, c in self._bounds for _ in range(n)], device=device)
+        per_image = torch.tensor([(*c, part) for _, _, _, c in self._bounds], device=device)
+        return per_image.repeat_interleave(torch.tensor([n for _, n, _, _ in self._bounds], device=device), dim=0)
 
     def _cached(self, x: torch.Tensor) -> torch.Tensor:
         """x's rows of the cached units."""
