@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
     import torch
 
+    from gouache.block_cache.predictor import reuse_pass
     from gouache.models.zoo import load_pipeline, model_id
     from gouache.runner.batch_probe import probe_max_batch
     from gouache.runner.describe import family_of, model_info
@@ -44,14 +45,18 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     # the cap does not change what the checks below read; with --max-batch-size auto it is measured once the model loads
     policy = make_policy(replace(sched_config, max_batch_size=sched_config.max_batch_size or 1), predictor)
     one_device = caches_blocks(policy, engine_config.devices)
-    if engine_config.block_cache.threshold > 0 and not one_device:
-        raise ValueError(f"--block-cache would be ignored: every step of --policy {sched_config.policy} runs on "
-                         "several devices, where the block cache does not apply")
+    for flag, value in (("--block-cache", engine_config.block_cache.threshold > 0),
+                        ("--block-cache-predictor", engine_config.block_cache.predictor)):
+        if value and not one_device:
+            raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs on "
+                             "several devices, where the block cache does not apply")
     pipe = quantize(load_pipeline(model_config.model, model_config.dtype, model_config.device), model_config.quantize)
     family = FAMILIES[family_of(pipe)]
     if engine_config.patch_size is not None and not family.patches:
         raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
                          "tokens into one sequence; patches are for UNet models")
+    if engine_config.block_cache.predictor:  # a wrong file is refused now, not in each worker
+        reuse_pass(engine_config.block_cache, pipe)
     templates = engine_config.templates
     if templates.cost_model:
         load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit

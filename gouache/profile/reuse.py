@@ -26,6 +26,7 @@ def run(args) -> int:
 
     from gouache.block_cache.predictor import Recorder, train
     from gouache.block_cache.store import BlockCache
+    from gouache.cli_flags import given, refuse_ignored
     from gouache.config import BlockCacheConfig
     from gouache.data.shapes import caption, sample_scene
     from gouache.models.zoo import load_pipeline
@@ -48,6 +49,8 @@ def run(args) -> int:
     info = model_info(pipe, args.model)
     recorder = Recorder()
     runner = ModelRunner(pipe, args.patch_size)
+    if "patch_size" in given(args) and not runner.family.patches:
+        refuse_ignored({"patch_size": f"{runner.family.name} models pack mixed sizes' tokens; patches are for UNets"})
     runner.cache = BlockCache(BlockCacheConfig(budget_bytes=1 << 40), recorder.pass_type())
     # Scenes of their own seed: `gouache bench fidelity` judges the predictor on other ones.
     rng = random.Random(f"reuse:{args.seed}")

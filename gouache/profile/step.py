@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     p.add_argument("--samples", type=int, default=60, action=Given,
                    help="compositions to time (every one, if there are no more than this) (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=6, action=Given, help="most images in a profiled batch (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=2,
+    p.add_argument("--repeats", type=int, default=2, action=Given,
                    help="timed rounds over all batches, after a warm-up round; medians kept (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, action=Given,
                    help="seed of the random mixes, drawn when there are more compositions than --samples "
@@ -112,7 +112,8 @@ def run(args) -> int:
         from gouache.profile import reuse as profile_reuse
 
         refuse_ignored({dest: "--reuse runs whole requests; it times no batches"
-                        for dest in ("samples", "max_batch") if dest in given(args)}
+                        for dest in ("samples", "max_batch", "repeats") if dest in given(args)}
+                       | ({"ratios": "only --edits profiles mask ratios"} if "ratios" in given(args) else {})
                        | ({"devices": "--reuse profiles one device"} if args.devices > 1 else {})
                        | ({"edits": "--reuse and --edits are two profiles: run them apart"} if args.edits else {}))
         return profile_reuse.run(args)

@@ -168,3 +168,16 @@ def test_a_forest_that_splits_on_the_change_at_the_threshold_decides_as_the_thre
     assert reused[0] > 0
     for rid in by_threshold:
         assert torch.equal(by_forest[rid], by_threshold[rid]), rid
+
+
+def test_a_predictor_is_refused_where_every_step_is_sequence_parallel_and_a_wrong_one_before_workers(tmp_path):
+    from gouache.config import EngineConfig, ModelConfig
+    from gouache.engine.build import build_engine
+
+    (tmp_path / "broken.json").write_text("{")
+    config = EngineConfig(executor="multiproc", devices=2, block_cache=BlockCacheConfig(predictor=str(tmp_path / "x.json")))
+    with pytest.raises(ValueError, match="--block-cache-predictor would be ignored: every step of --policy fixed-sp-2"):
+        build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
+    config = EngineConfig(executor="multiproc", devices=1, block_cache=BlockCacheConfig(predictor=str(tmp_path / "broken.json")))
+    with pytest.raises(ValueError, match="cannot read it"):
+        build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="orca"))

@@ -38,6 +38,9 @@ def test_profile_reuse_records_images_and_patches_and_writes_a_predictor_a_runne
     (["--bound", "0.1"], "--bound would be ignored: only --reuse"),
     (["--reuse", "--bound", "2"], "--bound is a relative output error"),
     (["--reuse", "--requests", "1"], "--requests and --reuse-steps must be >= 2"),
+    (["--reuse", "--repeats", "3"], "--repeats would be ignored"),
+    (["--reuse", "--ratios", "0.5"], "--ratios would be ignored"),
+    (["--reuse", "--model", "tiny-sd3", "--patch-size", "32", "--requests", "2"], "--patch-size would be ignored"),
 ])
 def test_bad_reuse_arguments_are_refused(argv, message, capsys):
     assert main(["profile", "--model", "tiny-sd", *argv]) == 2
