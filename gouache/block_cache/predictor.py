@@ -181,21 +181,27 @@ def reuse_pass(config: BlockCacheConfig | None, pipe) -> type[CachePass] | None:
     return predicted(ReusePredictor.load(config.predictor, model_digest(pipe)))
 
 
+class FeaturePass(CachePass):
+    """A pass that sees each cached unit's `FEATURES` at every block (its context made once)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._context: torch.Tensor | None = None
+
+    def features(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
+        if self._context is None:
+            self._context = self.context(x.device)
+        return unit_features(entry.inputs, self._cached(x), self._context, self._depth[block])
+
+
 def predicted(predictor: ReusePredictor) -> type[CachePass]:
     """A `CachePass` that reuses a unit where the predictor's P(reusable) is above 1 - its
     request's `block_cache` value (0.5: the forest's majority; nearer 1: more reuse)."""
 
-    class PredictedPass(CachePass):
-        def __init__(self, *args):
-            super().__init__(*args)
-            self._context = None
-
+    class PredictedPass(FeaturePass):
         def unchanged(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
             start = time.perf_counter()
-            if self._context is None:
-                self._context = self.context(x.device)
-            features = unit_features(entry.inputs, self._cached(x), self._context, self._depth[block])
-            reusable = predictor.probability(features) > 1 - self._thresholds
+            reusable = predictor.probability(self.features(block, entry, x)) > 1 - self._thresholds
             self.cache.decide_s += time.perf_counter() - start
             return reusable
 
@@ -213,17 +219,13 @@ class Recorder:
     def pass_type(self) -> type[CachePass]:
         recorder = self
 
-        class RecordingPass(CachePass):
+        class RecordingPass(FeaturePass):
             def __init__(self, *args):
                 super().__init__(*args)
-                self._context = None
                 self._pending: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
 
             def unchanged(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
-                if self._context is None:
-                    self._context = self.context(x.device)
-                features = unit_features(entry.inputs, self._cached(x), self._context, self._depth[block])
-                self._pending[block] = features, entry.valid.clone()
+                self._pending[block] = self.features(block, entry, x), entry.valid.clone()
                 return torch.zeros(len(entry.inputs), dtype=torch.bool, device=x.device)
 
             def merge(self, block: Hashable, x, computed, fresh):
