@@ -1,7 +1,7 @@
 """`gouache profile --reuse`: train the block cache's reuse predictor (PatchedServe §7) on this
 model (`gouache serve --block-cache-predictor PATH`).
 
-Runs `--requests` captions of the model's caption distribution exactly, each at `--steps`
+Runs `--requests` captions of the shapes caption distribution exactly, each at `--reuse-steps`
 steps, twice: in batches of one size (the cache's units are whole images) and in mixed-size
 patched / packed batches (patches or token groups). At every block of every step it records
 each unit's features (`block_cache.predictor.FEATURES`) and the error reusing the block's
