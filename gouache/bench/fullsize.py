@@ -1,12 +1,13 @@
 """`gouache bench fullsize`: every seed's saving on the published architectures (`sdxl-arch`:
 SDXL's UNet, `sd3-arch`: SD3-medium's MMDiT; random weights in pipelines of their own, see
-`gouache.models.zoo.arch_pipeline`), in bf16 on this machine's cores, where a step's arithmetic
-outweighs its overhead; and the machine's matmul peak, so every step time is also an MFU.
+`gouache.models.zoo.arch_pipeline`), in bf16 on this machine's cores (or on a GPU, `--device
+cuda`), where a step's arithmetic outweighs its overhead; and the device's matmul peak, so every
+step time is also an MFU.
 
 Each model runs in a process of its own; its rows are steps of in-process runners
 (`runner.execute`: the forward, the sampler step, the composer), medians of `--repeats` after a
-step untimed, variants (eager, compiled) interleaved repetition by repetition. A request's step
-runs its CFG rows (two per image). Rows:
+step untimed, variants (eager, compiled) interleaved repetition by repetition; on a GPU a step's
+time ends when its queue is drained. A request's step runs its CFG rows (two per image). Rows:
 
 - `peak_tflops`: large square matmuls (bf16, fp32) over `--torch-threads` threads, the best;
 - `mfu`: one request's step at each size; its FLOPs counted (`torch.utils.flop_counter`,
@@ -21,16 +22,20 @@ runs its CFG rows (two per image). Rows:
   alternating step by step) against exact, per image (two requests at the largest size: at
   256 px half a batch runs its kernels below their efficiency), per patch (patched UNet)
   and per token (packed DiT) over the first mix; and the share of unit-blocks it reused;
-- `ulysses` (sd3-arch): one request at the largest size, Ulysses degree 2 over two worker
-  processes of one thread each, against degree 1 in one process of one thread and of two;
+- `ulysses` (sd3-arch, CPU only): one request at the largest size, Ulysses degree 2 over two
+  worker processes of one thread each, against degree 1 in one process of one thread and of two;
   with the collectives' share of the degree-2 step;
 - `controlnet` (sdxl-arch): a random full-size ControlNet (`ControlNetModel.from_unet`) served
   by one service process of one thread, sync and async, against the plain step; the base
-  runner on one thread too (the other core is the ControlNet's, as KATZ gives it a GPU).
+  runner on one thread too (the other core is the ControlNet's, as KATZ gives it a GPU). On a
+  GPU the service shares the one GPU with the base.
 
-`--quick` times fewer, smaller rows (a few minutes; the test runs it on the tiny models).
+On a GPU, the compiled variant captures CUDA graphs. `--out` with `{section}` in it writes each
+section to its own file (`mfu`, `batching`, `edit`, `lora`, `block_cache`, `controlnet`,
+`ulysses`), as `benchmarks/gpu.sh` names them. `--quick` times fewer, smaller rows (a few
+minutes; the test runs it on the tiny models).
 
-    gouache bench fullsize [--models sdxl-arch,sd3-arch] [--variants eager,compiled] [--quick]
+    gouache bench fullsize [--models sdxl-arch,sd3-arch] [--variants eager,compiled] [--device cuda] [--quick]
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ import tempfile
 import time
 from pathlib import Path
 
+STARTED = time.perf_counter()  # a child's log says when each section ended
 VARIANTS = ("eager", "compiled")
 SECTIONS = ("mfu", "patched", "template", "lora", "block_cache", "controlnet")
+FILES = {"mfu": "mfu", "patched_over_grouped": "batching", "template_over_full": "edit", "lora": "lora",
+         "block_cache": "block_cache", "controlnet": "controlnet", "ulysses": "ulysses"}  # summary key: --out's {section}
 
 
 def add_arguments(p) -> None:
@@ -64,12 +72,15 @@ def add_arguments(p) -> None:
                    help="share of the block cache's units reused in its rows, one in n (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per row, median (default: 3; --quick: 1)")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: one GPU, without the ulysses rows "
+                                                  "(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, one repeat, one rank, one mask (default: off)")
     p.add_argument("--skip", default=None,
                    help=f"comma-separated sections left out, of {', '.join(SECTIONS)}, ulysses (default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="compiled kernels kept here")
     p.add_argument("--out", default="benchmarks/results/fullsize_cpu.json",
-                   help="JSON path; the tables (.md) go beside it (default: %(default)s)")
+                   help="JSON path; the tables (.md) go beside it; with {section} in it, a file per section "
+                        "(default: %(default)s)")
     p.add_argument("--one", default=None, help="(internal) measure this model (or 'ulysses') here, print JSON")
 
 
@@ -97,79 +108,139 @@ def _settings(args) -> None:
     unknown = set(args.skip) - {*SECTIONS, "ulysses"}
     if unknown:
         raise ValueError(f"--skip takes {', '.join(SECTIONS)}, ulysses; got {', '.join(sorted(unknown))}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise ValueError(f"--device takes cpu or cuda[:N]; got {args.device!r}")
+    if args.device != "cpu" and "ulysses" not in args.skip:
+        args.skip.append("ulysses")  # its degree 2 needs two devices; one GPU is measured
 
 
 def run(args) -> int:
     raw = " ".join(sys.argv[3:])
     _settings(args)
     if args.one:
-        result = measure_ulysses(args) if args.one == "ulysses" else measure(args.one, args)
-        print(json.dumps(result), flush=True)
         if args.one == "ulysses":
+            emit(measure_ulysses(args))
             # Its rows are written: leave without the interpreter's teardown, where this child has
             # aborted ("terminate called without an active exception", a C++ thread destroyed while
             # joinable; cause not found) in some runs, and so lost the rows.
             sys.stderr.flush()
             os._exit(0)
+        measure(args.one, args)
         return 0
-    peak = peak_tflops(args.torch_threads, (2048,) if args.quick else (2048, 4096, 8192))
+    peak = peak_tflops(args.torch_threads, (2048,) if args.quick else (2048, 4096, 8192), args.device)
     print(f"peak: bf16 {peak['bfloat16']:.3f} TFLOP/s, fp32 {peak['float32']:.3f} TFLOP/s", file=sys.stderr)
-    models = args.models.split(",")
-    results = {model: _child(args, model) for model in models}
+    command, results, ulysses = f"gouache bench fullsize {raw}".strip(), {}, None
+
+    def written() -> list[Path]:  # after every section a child measures: a run cut short keeps what it had
+        summary = summarize(results, peak, ulysses, args)
+        return write_results(args.out, command, summary, {"models": results, "ulysses_raw": ulysses})
+
+    for model in args.models.split(","):
+        results[model] = {}
+        _child(args, model, results[model], written)
     dit = next((m for m, r in results.items() if r["family"] == "dit"), None)
-    ulysses = _child(args, "ulysses", dit) if dit and "ulysses" not in args.skip else None
-    summary = summarize(results, peak, ulysses, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tables = format_tables(summary)
-    print(tables)
-    out.write_text(json.dumps({"command": f"gouache bench fullsize {raw}".strip(), **summary,
-                               "models": results, "ulysses_raw": ulysses}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(f"`gouache bench fullsize {raw}`\n\n{tables}\n")
-    print(f"wrote {out}, {out.with_suffix('.md')}")
+    if dit and "ulysses" not in args.skip:
+        ulysses = {}
+        _child(args, "ulysses", ulysses, written, dit)
+    files = written()
+    print(format_tables(summarize(results, peak, ulysses, args)))
+    print("wrote " + ", ".join(f"{path}, {path.with_suffix('.md')}" for path in files))
     return 0
 
 
-def _child(args, one: str, model: str | None = None, tries: int = 2) -> dict:
-    """`one`'s rows, measured in a process of its own; tried again once if it dies (a worker
-    process aborting at shutdown took a whole run's rows with it once)."""
+def emit(rows: dict) -> None:
+    """(In a child) rows just measured, a JSON line on stdout for the parent, and the time so far."""
+    print(json.dumps(rows), flush=True)
+    print(f"{', '.join(rows)}: measured at {time.perf_counter() - STARTED:.0f} s", file=sys.stderr, flush=True)
+
+
+def write_results(out: str, command: str, summary: dict, raw: dict) -> list[Path]:
+    """JSON and markdown at `out`, with the raw rows; or, where `out` holds `{section}`, a pair
+    per section measured (`FILES`' names), each with what every section shares. The JSON paths."""
+    if "{section}" not in out:
+        return [_write(Path(out), command, {**summary, **raw})]
+    common = {k: v for k, v in summary.items() if k not in FILES}
+    return [_write(Path(out.replace("{section}", name)), command, {**common, key: summary[key]})
+            for key, name in FILES.items() if summary.get(key)]
+
+
+def _write(out: Path, command: str, summary: dict) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": command, **summary}, indent=2) + "\n")
+    out.with_suffix(".md").write_text(f"`{command}` on {summary['device']}\n\n{format_tables(summary)}\n")
+    return out
+
+
+def _child(args, one: str, rows: dict, progress, model: str | None = None) -> None:
+    """`one`'s rows, measured in a process of its own, into `rows` as each section ends (then
+    `progress()`); its log passes through. Tried again once if a signal killed it (a worker
+    process aborting at shutdown took a whole run's rows with it once); an error is final."""
     command = [sys.executable, "-m", "gouache.cli", "bench", "fullsize", "--one", one,
                "--models", model or one, "--variants", args.variants,
                "--sizes", ",".join(map(str, args.sizes)), "--mixes", ",".join("+".join(map(str, m)) for m in args.mixes),
                "--masks", ",".join(map(str, args.masks)),
                "--ranks", ",".join(map(str, args.ranks)), "--share", str(args.share),
-               "--repeats", str(args.repeats), "--torch-threads", str(args.torch_threads)]
+               "--repeats", str(args.repeats), "--torch-threads", str(args.torch_threads), "--device", args.device]
     command += ["--skip", ",".join(args.skip)] if args.skip else []
     command += ["--quick"] if args.quick else []
     command += ["--compile-cache", args.compile_cache] if args.compile_cache else []
-    for attempt in range(tries):
+    for attempt in range(2):
         start = time.perf_counter()
-        child = subprocess.run(command, capture_output=True, text=True)
+        rows.clear()
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
+            for line in child.stdout:
+                if line.startswith("{"):  # a section's rows (anything else a library printed is not)
+                    rows.update(json.loads(line))
+                    progress()
+        seconds = time.perf_counter() - start
         if not child.returncode:
-            print(f"{one}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-            return json.loads(child.stdout.strip().splitlines()[-1])
-        print(f"{one}: failed (exit {child.returncode}) in {time.perf_counter() - start:.0f} s"
-              + ("; again" if attempt + 1 < tries else ""), file=sys.stderr)
-    raise RuntimeError(f"measuring {one} failed:\n{child.stderr[-4000:]}")
+            print(f"{one}: done in {seconds:.0f} s", file=sys.stderr)
+            return
+        if child.returncode > 0 or attempt:
+            raise RuntimeError(f"measuring {one} failed (exit {child.returncode}) in {seconds:.0f} s, after "
+                               f"{', '.join(rows) or 'no section'}; its error is logged above")
+        print(f"{one}: killed by signal {-child.returncode} in {seconds:.0f} s; again", file=sys.stderr)
 
 
-def peak_tflops(threads: int, sides: tuple[int, ...]) -> dict[str, float]:
-    """The best of three n-by-n matmuls for each n of `sides`, in TFLOP/s, per dtype."""
+def peak_tflops(threads: int, sides: tuple[int, ...], device: str = "cpu") -> dict[str, float]:
+    """The best of three n-by-n matmuls for each n of `sides`, in TFLOP/s, per dtype (on a GPU,
+    each the mean of ten in a row, its queue drained)."""
     import torch
 
     torch.set_num_threads(threads)
+    sync, times = device_sync(device), 1 if device == "cpu" else 10
     peak = {}
     for dtype in (torch.bfloat16, torch.float32):
         best = 0.0
         for n in sides:
-            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
             a @ b
+            sync()
             for _ in range(3):
                 start = time.perf_counter()
-                a @ b
-                best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e12)
+                for _ in range(times):
+                    a @ b
+                sync()
+                best = max(best, 2 * n**3 * times / (time.perf_counter() - start) / 1e12)
         peak[str(dtype).removeprefix("torch.")] = best
     return peak
+
+
+def device_sync(device: str):
+    """What waits for `device`'s queued work: nothing on the CPU."""
+    import torch
+
+    return (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
+
+
+def device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
 def flop_counter():
@@ -195,23 +266,23 @@ def step_flops(runner, ids: tuple[str, ...]) -> int:
     return counter.get_total_flops()
 
 
-def measure(model: str, args) -> dict:
-    """Every section of one model under every variant (see the module's docstring)."""
+def measure(model: str, args) -> None:
+    """Every section of one model under every variant (see the module's docstring), each
+    emitted as it ends."""
     import torch
 
     from gouache.models.zoo import load_pipeline
 
     torch.set_num_threads(args.torch_threads)
-    pipe = load_pipeline(model, "bfloat16")
+    pipe = load_pipeline(model, "bfloat16", args.device)
     unet = hasattr(pipe, "unet")
-    result = {"family": "unet" if unet else "dit", "sizes": args.sizes, "variants": args.variants.split(","),
-              **_denoiser_sections(pipe, unet, args)}  # its runners (and their templates) freed on return
+    emit({"family": "unet" if unet else "dit", "sizes": args.sizes, "variants": args.variants.split(",")})  # loaded
+    _denoiser_sections(pipe, unet, args)  # its runners (and their templates) freed on return
     if unet and "controlnet" not in args.skip:
-        result["controlnet"] = _controlnet(pipe, args.sizes[0], args)
-    return result
+        emit({"controlnet": _controlnet(pipe, args.sizes[0], args)})
 
 
-def _denoiser_sections(pipe, unet: bool, args) -> dict:
+def _denoiser_sections(pipe, unet: bool, args) -> None:
     from safetensors.torch import save_file
 
     from gouache.bench.interleaved import Interleaved
@@ -220,7 +291,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> dict:
     from gouache.runner.model_runner import ModelRunner
 
     sizes, small, large = args.sizes, args.sizes[0], args.sizes[-1]
-    steps = 2 + args.repeats + 3  # the most steps one request runs: settles, repeats, and the FLOP count
+    steps = 2 * (2 + args.repeats)  # the most steps one request runs: two rows of a settle and the repeats each
     loras = Path(tempfile.mkdtemp(prefix="gouache-fullsize-loras-"))
     try:
         names = {}
@@ -234,26 +305,26 @@ def _denoiser_sections(pipe, unet: bool, args) -> dict:
             if variant == "compiled":  # what a plain step of the mfu (2 rows) and LoRA rows (8) needs; the
                 # largest size at one request compiles in its first (untimed) step
                 compile = CompileConfig(enabled=True, buckets=(2, 8) if "lora" not in args.skip else (2,),
-                                        sizes=((small, small),), cache_dir=args.compile_cache)
+                                        sizes=((small, small),), cache_dir=args.compile_cache,
+                                        cuda_graphs=args.device.startswith("cuda"))
             runners[variant] = runner = ModelRunner(
                 pipe, loras=LoraConfig(str(loras)), templates=TemplateConfig(host_bytes=8 << 30), compile=compile)
             runner.warm_up(small)
             for name in runner.loras.store.names():
                 runner.loras.store.load(name).result()
-        bench = Interleaved(runners, args.repeats, steps)
-        result: dict = {}
+        bench = Interleaved(runners, args.repeats, steps, device_sync(args.device))
+        print(f"runners and adapters ready at {time.perf_counter() - STARTED:.0f} s", file=sys.stderr, flush=True)
         if "mfu" not in args.skip:
-            result["mfu"] = _mfu(bench, sizes)
+            emit({"mfu": _mfu(bench, sizes)})
         if "patched" not in args.skip:
-            result["patched"] = _patched(bench, args.mixes)
+            emit({"patched": _patched(bench, args.mixes)})
         if "template" not in args.skip:
-            result["template"] = _template(bench, large, args.masks, steps)
-            result["template_bytes"] = bench.runners["eager"].held().templates  # per tier, the recorded steps
+            template = _template(bench, large, args.masks, steps)
+            emit({"template": template, "template_bytes": bench.runners["eager"].held().templates})  # per tier
         if "lora" not in args.skip:
-            result["lora"] = _lora(bench, small, names)
+            emit({"lora": _lora(bench, small, names)})
         if "block_cache" not in args.skip:
-            result["block_cache"] = _block_cache(bench, large, args.mixes[0], args.share, unet)
-        return result
+            emit({"block_cache": _block_cache(bench, large, args.mixes[0], args.share, unet)})
     finally:
         shutil.rmtree(loras, ignore_errors=True)
 
@@ -413,6 +484,7 @@ def _controlnet(pipe, size: int, args) -> dict:
     from gouache.sched.plan import Batch
 
     torch.set_num_threads(1)
+    sync = device_sync(args.device)
     directory = Path(tempfile.mkdtemp(prefix="gouache-fullsize-controlnet-"))
     service, runners = None, {}
     times: dict[str, list[float]] = {"plain": [], "sync": [], "async": []}
@@ -430,6 +502,7 @@ def _controlnet(pipe, size: int, args) -> dict:
             for mode, runner in runners.items():
                 start = time.perf_counter()
                 out = runner.execute(Batch((mode,)))
+                sync()
                 if out.failed:
                     raise RuntimeError(f"ControlNet {mode}: {out.failed}")
                 if rep >= 2:
@@ -496,7 +569,7 @@ def measure_ulysses(args) -> dict:
 
 def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
     """The issue's keys, from each model's raw rows."""
-    summary: dict = {"peak_tflops": {"bf16": peak["bfloat16"], "fp32": peak["float32"]},
+    summary: dict = {"device": device_name(args.device), "peak_tflops": {"bf16": peak["bfloat16"], "fp32": peak["float32"]},
                      "torch_threads": args.torch_threads, "repeats": args.repeats, "quick": args.quick}
     for key in ("mfu", "patched_over_grouped", "template_over_full", "lora", "block_cache"):
         summary[key] = {}
@@ -521,8 +594,9 @@ def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
 
 
 def format_tables(summary: dict) -> str:
-    lines = [f"peak bf16 {summary['peak_tflops']['bf16']:.3f} TFLOP/s, fp32 {summary['peak_tflops']['fp32']:.3f} "
-             f"TFLOP/s ({summary['torch_threads']} threads); medians of {summary['repeats']}", ""]
+    lines = [f"{summary['device']}: peak bf16 {summary['peak_tflops']['bf16']:.3f} TFLOP/s, fp32 "
+             f"{summary['peak_tflops']['fp32']:.3f} TFLOP/s ({summary['torch_threads']} threads); medians of "
+             f"{summary['repeats']}", ""]
 
     def table(title: str, header: list[str], rows: list[list]) -> None:
         lines.extend([f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)])
@@ -530,13 +604,15 @@ def format_tables(summary: dict) -> str:
         lines.append("")
 
     rows = [[model, size, v, cell["ms"], cell["tflops"], cell["mfu"]]
-            for model, by_size in summary["mfu"].items() for size, cells in by_size.items() for v, cell in cells.items()]
-    table("step (one request, CFG) and MFU", ["model", "px", "variant", "ms", "TFLOP per step", "MFU"], rows)
+            for model, by_size in summary.get("mfu", {}).items() for size, cells in by_size.items()
+            for v, cell in cells.items()]
+    if rows:
+        table("step (one request, CFG) and MFU", ["model", "px", "variant", "ms", "TFLOP per step", "MFU"], rows)
     for key, title in (("patched_over_grouped", "patched or packed / grouped (two images per size)"),
                        ("template_over_full", "template edit / full edit (tokens: share repainted)"),
                        ("lora", "LoRA step / no adapter (four requests)"),
                        ("block_cache", "block cache (fixed share) / exact (reused: share of unit-blocks)")):
-        cells = [(model, name, row) for model, by_name in summary[key].items() for name, row in by_name.items()]
+        cells = [(model, name, row) for model, by_name in summary.get(key, {}).items() for name, row in by_name.items()]
         if not cells:  # a section left out (--skip)
             continue
         columns = list(dict.fromkeys(k for _, _, row in cells for k in row))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import time
 from collections.abc import Callable
 
 STEPS = 30  # a request's schedule, unless the bench asks for another
@@ -21,10 +22,12 @@ def request(rid: str, size: int, seed: int, steps: int = STEPS, prompt: str | No
 
 
 class Interleaved:
-    """`runners` by variant; `steps[label][variant]` the median ms and compile paths of each row."""
+    """`runners` by variant; `steps[label][variant]` the median ms and compile paths of each row.
+    A step's time is the wall time of `runner.execute` and of `sync` after it (a GPU's queue
+    drained: `torch.cuda.synchronize`), so work queued by one step is not charged to the next."""
 
-    def __init__(self, runners: dict, repeats: int, steps: int = STEPS):
-        self.runners, self.repeats, self.schedule = runners, repeats, steps
+    def __init__(self, runners: dict, repeats: int, steps: int = STEPS, sync: Callable[[], None] = lambda: None):
+        self.runners, self.repeats, self.schedule, self.sync = runners, repeats, steps, sync
         self.steps: dict[str, dict] = {}
         self._ids = itertools.count()
 
@@ -67,10 +70,12 @@ class Interleaved:
                 for variant, runner in self.runners.items():
                     total = 0.0
                     for ids in batches:
+                        start = time.perf_counter()
                         out = runner.execute(Batch(tuple(ids), patched=patched))
+                        self.sync()
+                        total += time.perf_counter() - start
                         if out.failed:
                             raise RuntimeError(f"{label} ({variant}): {out.failed}")
-                        total += out.forward_s
                         if rep >= settle:
                             seen = paths[label][variant]
                             for why, n in out.compile.eager.items():

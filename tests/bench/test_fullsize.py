@@ -69,7 +69,22 @@ def test_arguments_out_of_range_are_refused(capsys):
     for argv, what in ((["--sizes", "200,512"], "--sizes"), (["--mixes", "256"], "--mixes"), (["--masks", "0"], "--masks"),
                        (["--share", "1"], "--share"), (["--share", "0.4"], "--share"), (["--skip", "nothing"], "--skip"),
                        (["--compile-cache", "/tmp/x"], "--compile-cache"),
-                       (["--variants", "compiled"], "--variants")):
+                       (["--variants", "compiled"], "--variants"), (["--device", "tpu"], "--device")):
         assert main(["bench", "fullsize", *argv]) == 2
         err = capsys.readouterr().err
         assert "gouache: error:" in err and what in err
+
+
+def test_a_section_pattern_writes_a_file_per_section_measured(tmp_path):
+    from gouache.bench.fullsize import write_results
+
+    summary = {"device": "NVIDIA H200", "peak_tflops": {"bf16": 790.0, "fp32": 51.0}, "torch_threads": 2, "repeats": 5,
+               "quick": False, "mfu": {"sdxl-arch": {"512": {"eager": {"ms": 30.0, "tflops": 11.0, "mfu": 0.46}}}},
+               "patched_over_grouped": {}, "lora": {"sdxl-arch": {"merged": {"eager": 1.01, "mode": "merged"}}}}
+    write_results(str(tmp_path / "{section}_sdxl-arch_h200.json"), "gouache bench fullsize --device cuda", summary, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "lora_sdxl-arch_h200.json", "lora_sdxl-arch_h200.md", "mfu_sdxl-arch_h200.json", "mfu_sdxl-arch_h200.md"]
+    mfu = json.loads((tmp_path / "mfu_sdxl-arch_h200.json").read_text())
+    assert "lora" not in mfu and mfu["mfu"] == summary["mfu"] and mfu["peak_tflops"]["bf16"] == 790.0
+    table = (tmp_path / "lora_sdxl-arch_h200.md").read_text()
+    assert "on NVIDIA H200" in table and "| sdxl-arch | merged | 1.01 | merged |" in table and "MFU" not in table

@@ -13,7 +13,12 @@ from gouache.runner.model_runner import ModelRunner
 from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import POLICIES, make_policy
 
+from tests.engine.conftest import DTYPE
+
 FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"]
+# Largest latent difference from the pipeline's: fp32 differs in summation order only (a batch's
+# kernels are not one image's); bf16 rounds each of those orders to 8 bits of mantissa.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}  # bf16 on this CPU: up to 0.19 patched, 0.016 orca
 TRAINED = ["shapes-unet", "shapes-dit"]
 # Random-weight built-ins under the two batching modes; the trained models under every policy.
 CASES = [(name, policy) for name in FAMILIES for policy in ("orca", "patched")] + [
@@ -65,8 +70,9 @@ def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: Mo
 
 
 @pytest.mark.parametrize(("name", "policy"), CASES)
-def test_engine_matches_pipeline_alone_and_in_a_changing_batch(pipes, name, policy):
+def test_engine_matches_pipeline_alone_and_in_a_changing_batch(pipes, name, policy, record_property):
     pipe = pipes(name)
+    tolerance = TOLERANCE[DTYPE]
     alone = request("alone", seed=7, steps=4)
     main = request("main", seed=7, steps=4)
     # batch-mates: one already running, one joining mid-way, two of other (non-square) sizes,
@@ -80,7 +86,8 @@ def test_engine_matches_pipeline_alone_and_in_a_changing_batch(pipes, name, poli
     batched = run_engine(pipe, others, policy)
     expected = reference_latents(pipe, alone)
     assert expected.abs().mean() > 0.1  # non-trivial latents
-    assert (solo - expected).abs().max() <= 1e-4
-    assert (batched["main"] - expected).abs().max() <= 1e-4
+    errors = {"alone": (solo - expected).abs().max().item(), "main": (batched["main"] - expected).abs().max().item()}
     for r in [r for group in others.values() for r in group if r.request_id != "main"]:
-        assert (batched[r.request_id] - reference_latents(pipe, r)).abs().max() <= 1e-4, r.request_id
+        errors[r.request_id] = (batched[r.request_id] - reference_latents(pipe, r)).abs().max().item()
+    record_property("max_error", max(errors.values()))  # --junitxml keeps it: gpu.sh reports them
+    assert max(errors.values()) <= tolerance, errors
