@@ -18,7 +18,11 @@ step, and the error reusing would have caused is the relative change of the bloc
 mean |y - y_then| / mean |y|; a unit may reuse when that is under the predictor's `bound`.
 
 Serving evaluates the forest's arrays with numpy (a gather per level, every tree and unit at
-once), never with scikit-learn, whose per-call cost is milliseconds.
+once), never with scikit-learn, whose per-call cost is milliseconds. A decision runs before
+every cached block, so it is a few dozen small operations: four torch reductions for the
+features, one copy of their results to the host (on a GPU, its only wait), and a forest packed
+for numpy's gathers (pointer-sized indices, float32 thresholds, children side by side: four
+operations a level).
 The file is JSON (the trees' arrays), names the model it was trained on (`model_digest`), and
 is refused for any other.
 """
@@ -58,16 +62,26 @@ def sample(t: torch.Tensor) -> torch.Tensor:
     return runs[:, :: -(-n // SAMPLE)].flatten(1)
 
 
-def unit_features(then: torch.Tensor, x: torch.Tensor, context: torch.Tensor, block: int) -> torch.Tensor:
-    """[rows, len(FEATURES)] float32: each row of x [rows, ...] against its input then (over a
-    sample of its elements); `context` [rows, 3] holds (progress, pixels, part) per row."""
-    then, x = sample(then).float(), sample(x).float()
+def unit_features(then: torch.Tensor, x: torch.Tensor, context: np.ndarray, block: int) -> np.ndarray:
+    """[rows, len(FEATURES)] float32 on the host: each row of x [rows, ...] against its input
+    then (over a sample of its elements); `context` [rows, 3] holds (progress, pixels, part).
+    Four reductions where the activations are, one copy of their results to the host (a GPU's
+    only wait), the rest numpy."""
+    then, x = sample(then), sample(x)
+    if then.dtype != torch.float32:
+        then, x = then.float(), x.float()
     diff = x - then
     norm = torch.linalg.vector_norm
-    change = norm(diff, 1, dim=1) / norm(then, 1, dim=1).clamp_min(1e-12)
-    change_mse = (norm(diff, 2, dim=1) / norm(then, 2, dim=1).clamp_min(1e-12)).square()
-    depth = torch.full_like(change, float(block))
-    return torch.stack([change, change_mse, context[:, 0], depth, context[:, 1], context[:, 2]], 1)
+    l1, l1_then, l2, l2_then = torch.stack([norm(diff, 1, dim=1), norm(then, 1, dim=1), norm(diff, 2, dim=1),
+                                            norm(then, 2, dim=1)]).cpu().numpy()
+    tiny = np.float32(1e-12)
+    out = np.empty((len(l1), len(FEATURES)), np.float32)
+    out[:, 0] = l1 / np.maximum(l1_then, tiny)
+    out[:, 1] = np.square(l2 / np.maximum(l2_then, tiny))
+    out[:, 2] = context[:, 0]
+    out[:, 3] = block
+    out[:, 4:] = context[:, 1:]
+    return out
 
 
 def output_error(then: Sequence[torch.Tensor], now: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -93,25 +107,39 @@ class ReusePredictor:
     reusable: torch.Tensor  # [T, N] float32: P(reusable) at each leaf
     depth: int
     report: dict[str, Any] = field(default_factory=dict)  # how it scored on held-out samples
-    _flat: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
+    _packed: tuple[np.ndarray, ...] | None = field(default=None, repr=False)
+    _starts: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
 
-    def probability(self, features: torch.Tensor) -> torch.Tensor:
-        """[units] P(reusable) for features [units, len(FEATURES)]: the mean over trees of each
-        tree's leaf, as scikit-learn's predict_proba. Evaluated with numpy on the host: a few
-        dozen units a call, where torch's per-operation cost would dominate."""
-        if self._flat is None:
-            trees, width = self.feature.shape
-            offset = np.arange(trees)[:, None] * width
-            self._flat = (self.feature.numpy().ravel(), self.threshold.numpy().ravel(),
-                          (self.left.numpy() + offset).ravel(), (self.right.numpy() + offset).ravel(),
-                          self.reusable.numpy().ravel(), offset)
-        feature, threshold, left, right, reusable, offset = self._flat
-        x = features.detach().cpu().numpy().astype(np.float32).astype(np.float64)  # as scikit-learn compares
-        units = np.arange(len(x))[None, :]
-        node = np.repeat(offset, len(x), 1)  # [trees, units], indices into the flattened arrays
+    def _pack(self) -> tuple[np.ndarray, ...]:
+        """The trees flattened into one node array: feature, threshold as float32 (the
+        largest float32 <= the float64 one, so that a float32 feature x <= it exactly when
+        x <= the original, as scikit-learn compares), children side by side (int32: node i goes
+        to children[2 i] when x <= threshold, else children[2 i + 1]), leaves' P(reusable)."""
+        trees, width = self.feature.shape
+        offset = np.arange(trees, dtype=np.intp)[:, None] * width
+        threshold = self.threshold.numpy()
+        rounded = threshold.astype(np.float32)
+        rounded = np.where(rounded.astype(np.float64) > threshold, np.nextafter(rounded, np.float32(-np.inf)), rounded)
+        children = np.stack([self.left.numpy() + offset, self.right.numpy() + offset], -1).astype(np.intp)
+        return (self.feature.numpy().astype(np.intp).ravel(), rounded.ravel(), children.ravel(),
+                self.reusable.numpy().ravel(), offset.ravel())
+
+    def probability(self, features: np.ndarray) -> np.ndarray:
+        """[units] P(reusable) for float32 features [units, len(FEATURES)]: the mean over trees of
+        each tree's leaf, as scikit-learn's predict_proba. Evaluated with numpy on the host: a
+        few dozen units a call, where torch's per-operation cost would dominate."""
+        if self._packed is None:
+            self._packed = self._pack()
+        feature, threshold, children, reusable, offset = self._packed
+        x = np.ascontiguousarray(features, np.float32).ravel()
+        units = len(features)
+        if units not in self._starts:  # [trees * units]: each unit's first feature, each tree's root
+            self._starts[units] = (np.tile(np.arange(units, dtype=np.intp) * len(FEATURES), len(offset)),
+                                   np.repeat(offset, units))
+        base, node = self._starts[units]
         for _ in range(self.depth):
-            node = np.where(x[units, feature[node]] <= threshold[node], left[node], right[node])
-        return torch.from_numpy(reusable[node].mean(0)).to(features.device)
+            node = children[2 * node + (x[base + feature[node]] > threshold[node])]
+        return reusable[node].reshape(len(offset), units).mean(0)
 
     @classmethod
     def from_forest(cls, forest, model: str, model_name: str, bound: float, report: dict | None = None) -> ReusePredictor:
@@ -186,11 +214,11 @@ class FeaturePass(CachePass):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self._context: torch.Tensor | None = None
+        self._context: np.ndarray | None = None
 
-    def features(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
+    def features(self, block: Hashable, entry, x: torch.Tensor) -> np.ndarray:
         if self._context is None:
-            self._context = self.context(x.device)
+            self._context = self.context(torch.device("cpu")).numpy()
         return unit_features(entry.inputs, self._cached(x), self._context, self._depth[block])
 
 
@@ -199,11 +227,17 @@ def predicted(predictor: ReusePredictor) -> type[CachePass]:
     request's `block_cache` value (0.5: the forest's majority; nearer 1: more reuse)."""
 
     class PredictedPass(FeaturePass):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self._cut_offs: np.ndarray | None = None  # [store rows] 1 - each unit's request's value
+
         def unchanged(self, block: Hashable, entry, x: torch.Tensor) -> torch.Tensor:
             start = time.perf_counter()
-            reusable = predictor.probability(self.features(block, entry, x)) > 1 - self._thresholds
+            if self._cut_offs is None:
+                self._cut_offs = 1 - self._thresholds.cpu().numpy()
+            reusable = torch.from_numpy(predictor.probability(self.features(block, entry, x)) > self._cut_offs)
             self.cache.decide_s += time.perf_counter() - start
-            return reusable
+            return reusable.to(x.device)
 
     return PredictedPass
 
@@ -213,8 +247,8 @@ class Recorder:
     output error reusing the block's previous output would have caused. Every unit is computed."""
 
     def __init__(self) -> None:
-        self.features: list[torch.Tensor] = []
-        self.errors: list[torch.Tensor] = []
+        self.features: list[np.ndarray] = []
+        self.errors: list[np.ndarray] = []
 
     def pass_type(self) -> type[CachePass]:
         recorder = self
@@ -236,8 +270,8 @@ class Recorder:
                              if then is not None and now is not None]
                     error = output_error([t for t, _ in pairs], [n for _, n in pairs])
                     features, valid = pending
-                    recorder.features.append(features[valid].cpu())
-                    recorder.errors.append(error[valid].cpu())
+                    recorder.features.append(features[valid.cpu().numpy()])
+                    recorder.errors.append(error[valid].cpu().numpy())
                 return super().merge(block, x, computed, fresh)
 
         return RecordingPass
@@ -246,7 +280,7 @@ class Recorder:
         """(features [n, len(FEATURES)], output errors [n])."""
         if not self.features:
             return np.zeros((0, len(FEATURES)), np.float32), np.zeros(0, np.float32)
-        return torch.cat(self.features).numpy(), torch.cat(self.errors).numpy()
+        return np.concatenate(self.features), np.concatenate(self.errors)
 
 
 def train(features: np.ndarray, errors: np.ndarray, bound: float, model: str, model_name: str,
@@ -267,7 +301,7 @@ def train(features: np.ndarray, errors: np.ndarray, bound: float, model: str, mo
     report = {"samples": len(errors), "reusable_share": float(labels.mean()), "trees": trees, "depth": depth}
     predictor = ReusePredictor.from_forest(forest, model, model_name, bound, report)
     if len(test):
-        chosen = predictor.probability(torch.from_numpy(features[test])).numpy() > 0.5
+        chosen = predictor.probability(features[test]) > 0.5
         report.update(holdout_accuracy=float((chosen == labels[test]).mean()), holdout_reused=float(chosen.mean()),
                       holdout_precision=float(labels[test][chosen].mean()) if chosen.any() else None,
                       holdout_reused_error=float(errors[test][chosen].mean()) if chosen.any() else None)

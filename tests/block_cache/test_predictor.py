@@ -29,13 +29,21 @@ def test_the_forest_as_arrays_equals_scikit_learns_predict_proba_and_survives_it
     y = (X[:, 0] + 0.5 * X[:, 2] * X[:, 3] + 0.3 * rng.normal(size=600)) < 0.2
     forest = RandomForestClassifier(16, max_depth=6, random_state=0).fit(X[:400], y[:400])
     predictor = ReusePredictor.from_forest(forest, "model", "test", 0.05)
-    ours = predictor.probability(torch.from_numpy(X[400:]))
+    ours = predictor.probability(X[400:])
     theirs = forest.predict_proba(X[400:])[:, list(forest.classes_).index(True)]
-    np.testing.assert_allclose(ours.numpy(), theirs, atol=1e-6)
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
     assert 0 < theirs.mean() < 1  # the held-out rows are not all one class
+    # on a threshold itself (a float64 that no float32 equals), each side's choice is scikit-learn's
+    on = np.repeat(X[400:401], len(FEATURES) * 8, 0)
+    tree = forest.estimators_[0].tree_
+    for i, (f, t) in enumerate(zip(tree.feature[:8], tree.threshold[:8])):
+        if f >= 0:
+            on[i, f], on[8 + i, f] = np.float32(t), np.nextafter(np.float32(t), np.float32(np.inf))
+    np.testing.assert_allclose(predictor.probability(on), forest.predict_proba(on)[:, list(forest.classes_).index(True)],
+                               atol=1e-6)
     predictor.save(tmp_path / "p.json")
     loaded = ReusePredictor.load(tmp_path / "p.json", "model")
-    assert torch.equal(loaded.probability(torch.from_numpy(X[400:])), ours)
+    assert np.array_equal(loaded.probability(X[400:]), ours)
 
 
 def test_the_recorder_sees_each_units_input_change_and_the_error_reuse_would_have_made():
@@ -74,6 +82,6 @@ def test_the_features_of_a_large_unit_read_a_sample_that_estimates_its_change():
     then = torch.randn(3, 320, 32, 32, generator=generator)
     x = then + torch.tensor([0.01, 0.1, 1.0]).reshape(3, 1, 1, 1) * torch.randn(then.shape, generator=generator)
     assert SAMPLE <= sample(x).shape[1] <= 2 * SAMPLE and torch.equal(sample(x[:, :1, :4, :4]), x[:, :1, :4, :4].flatten(1))
-    features = unit_features(then, x, torch.zeros(3, 3), 0)
+    features = unit_features(then, x, np.zeros((3, 3), np.float32), 0)
     full = (x - then).flatten(1).abs().mean(1) / then.flatten(1).abs().mean(1)
-    torch.testing.assert_close(features[:, 0], full, rtol=0.05, atol=0)
+    np.testing.assert_allclose(features[:, 0], full.numpy(), rtol=0.05, atol=0)
