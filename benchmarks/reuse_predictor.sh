@@ -6,10 +6,10 @@
 # same policy made in the same run. `gouache bench reuse-compare` reads the runs back and puts
 # reuse and step time side by side at equal SSIM. Run nothing else meanwhile: the step ratios are
 # of wall times.
-#   bash benchmarks/reuse_predictor.sh [OUT_DIR] [PROMPTS]   (defaults: benchmarks/results/reuse, 32)
+#   bash benchmarks/reuse_predictor.sh [OUT_DIR] [PROMPTS]   (defaults: benchmarks/results/reuse, 48; about an hour)
 set -euo pipefail
 out=${1:-benchmarks/results/reuse}
-prompts=${2:-32}
+prompts=${2:-48}
 mixed=128x128,128x64,64x128,96x96
 mkdir -p "$out"
 gouache profile --reuse --model shapes-unet --requests 64 --sizes 64,96,128 --patch-size 32 \
@@ -24,11 +24,11 @@ for model in shapes-unet shapes-dit; do
     else
       setup=(--policy patched --sizes "$mixed")
     fi
-    for t in 0.02 0.05 0.1 0.2; do
+    for t in 0.02 0.03 0.05 0.1 0.2 0.3; do
       gouache bench fidelity --model "$model" --prompts "$prompts" "${setup[@]}" --step-repeats 2 \
         --candidate-block-cache "$t" --out "$out/${model}_${units}_threshold_$t.json"
     done
-    for v in 0.1 0.3 0.5 0.7 0.9; do
+    for v in 0.3 0.5 0.7 0.9 0.97; do
       gouache bench fidelity --model "$model" --prompts "$prompts" "${setup[@]}" --step-repeats 2 \
         --candidate-block-cache "$v" --candidate-block-cache-predictor "$out/reuse_$model.json" \
         --out "$out/${model}_${units}_predictor_$v.json"

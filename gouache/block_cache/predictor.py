@@ -304,5 +304,25 @@ def train(features: np.ndarray, errors: np.ndarray, bound: float, model: str, mo
         chosen = predictor.probability(features[test]) > 0.5
         report.update(holdout_accuracy=float((chosen == labels[test]).mean()), holdout_reused=float(chosen.mean()),
                       holdout_precision=float(labels[test][chosen].mean()) if chosen.any() else None,
-                      holdout_reused_error=float(errors[test][chosen].mean()) if chosen.any() else None)
+                      holdout_reused_error=float(errors[test][chosen].mean()) if chosen.any() else None,
+                      holdout_auc=ranking_auc(features[test], labels[test], predictor))
     return predictor
+
+
+def ranking_auc(features: np.ndarray, labels: np.ndarray, predictor: ReusePredictor) -> dict[str, dict | None]:
+    """Per unit kind (whole images, parts), how well each decider ranks the reusable units first
+    (ROC AUC, 1 = perfectly, 0.5 = by chance): the forest's probability, and the fixed
+    threshold's measure, the input's change (less change first). Where the two are close the
+    threshold is already as good a decision; None where the kind's labels are all one class."""
+    from sklearn.metrics import roc_auc_score
+
+    scores = {}
+    for kind, part in (("image", 0.0), ("part", 1.0)):
+        rows = features[:, FEATURES.index("part")] == part
+        if len(np.unique(labels[rows])) < 2:
+            scores[kind] = None
+            continue
+        scores[kind] = {"units": int(rows.sum()),
+                        "forest": float(roc_auc_score(labels[rows], predictor.probability(features[rows]))),
+                        "threshold": float(roc_auc_score(labels[rows], -features[rows, FEATURES.index("change")]))}
+    return scores

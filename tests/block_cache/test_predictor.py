@@ -1,12 +1,12 @@
 """The reuse predictor (PatchedServe §7): the forest evaluated from its arrays equals scikit-learn's,
 the recorder's samples are the changes it should see, decisions follow the forest and the
-request's cut-off, and a predictor of another model is refused."""
+request's cut-off, and training scores how well the forest and the threshold rank the units
+(refusing another model's predictor: tests/engine/test_block_cache.py)."""
 
 import numpy as np
-import pytest
 import torch
 
-from gouache.block_cache.predictor import FEATURES, Recorder, ReusePredictor, predicted
+from gouache.block_cache.predictor import FEATURES, Recorder, ReusePredictor, predicted, train
 from gouache.block_cache.store import BlockCache
 from gouache.config import BlockCacheConfig
 from tests.block_cache.test_store import run_block, units
@@ -85,3 +85,18 @@ def test_the_features_of_a_large_unit_read_a_sample_that_estimates_its_change():
     features = unit_features(then, x, np.zeros((3, 3), np.float32), 0)
     full = (x - then).flatten(1).abs().mean(1) / then.flatten(1).abs().mean(1)
     np.testing.assert_allclose(features[:, 0], full.numpy(), rtol=0.05, atol=0)
+
+
+def test_training_scores_how_well_the_forest_and_the_threshold_rank_reusable_units_per_kind():
+    rng = np.random.default_rng(0)
+    features = rng.uniform(size=(4000, len(FEATURES))).astype(np.float32)
+    features[:, FEATURES.index("part")] = np.arange(4000) % 2
+    change, progress = FEATURES.index("change"), FEATURES.index("progress")
+    # whole images: reuse is safe late in a request whatever the change; parts: where the change is small
+    errors = np.where(features[:, FEATURES.index("part")] == 0, 1 - features[:, progress], features[:, change])
+    auc = train(features, errors.astype(np.float32), 0.5, "model", "test", trees=8, depth=4).report["holdout_auc"]
+    assert auc["image"]["units"] + auc["part"]["units"] == 800  # the 20 % held out
+    assert auc["image"]["forest"] > 0.95 and abs(auc["image"]["threshold"] - 0.5) < 0.1
+    assert auc["part"]["forest"] > 0.95 and auc["part"]["threshold"] == 1.0
+    only_images = features[features[:, FEATURES.index("part")] == 0]
+    assert train(only_images, errors[::2].astype(np.float32), 0.5, "m", "t", 4, 3).report["holdout_auc"]["part"] is None
