@@ -22,6 +22,22 @@ class ModelInfo:
     block_cache: bool = True  # some steps run on one device, where the block cache applies
     templates: bool = False  # edits can reuse a template's activations (some steps run on one device)
     max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)
+    instruction_edit: bool = False  # an edit without a mask is redrawn as its prompt says (instruction-edit models)
+    max_input_images: int = 1  # image[] uploads an edit takes
+
+    @property
+    def img2img(self) -> bool:
+        """Edits without a mask take `strength` (a 9-channel inpainting UNet takes a mask only)."""
+        return not self.inpaint_channels
+
+
+def img2img_start(family: str, steps: int, strength: float) -> int:
+    """The step of a `steps`-step schedule where an img2img request of `strength` starts (it
+    runs the steps after it), as the family's diffusers Img2Img pipeline counts: UNets run
+    int(steps * strength) steps, flow models skip int(steps - steps * strength)."""
+    if family in ("sd", "sdxl"):
+        return steps - min(int(steps * strength), steps)
+    return int(max(steps - steps * strength, 0))
 
 
 def unpriced_message(sizes: tuple[tuple[int, int], ...], height: int, width: int) -> str:

@@ -38,7 +38,7 @@ _FILE_FIELDS = ("image", "image[]", "mask")
 _MAX_FORM_FIELDS = 64  # far more than the API has; stops field floods before validation
 # edit fields a template registration would ignore (it returns no image and uses no block cache)
 _NOT_FOR_TEMPLATES = ("mask", "n", "stream", "partial_images", "template_cache", "response_format", "output_format",
-                      "output_compression", "block_cache")
+                      "output_compression", "block_cache", "strength")
 
 
 @router.post("/v1/images/generations")

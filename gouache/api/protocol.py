@@ -12,6 +12,7 @@ import base64
 import binascii
 import hashlib
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 from gouache.adapter_names import NAME as LORA_NAME
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
-from gouache.model_info import unpriced_message
+from gouache.model_info import img2img_start, unpriced_message
 from gouache.request import ImageRequest
 from gouache.techniques import refused_pair
 
@@ -324,7 +325,7 @@ class ImageParams(BaseModel):
                 loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),
                 controlnet_mode=self.controlnet_mode,
-                **self._edit_fields(info, image),
+                **self._edit_fields(info, image, mask),
                 image=image,
                 mask=mask,
                 arrival_time=arrival,
@@ -345,7 +346,7 @@ class ImageParams(BaseModel):
             asked["block_cache"] = "block_cache"
         return asked
 
-    def _edit_fields(self, info: ModelInfo, image: bytes | None) -> dict[str, Any]:
+    def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
         """ImageRequest fields only edits have."""
         return {}
 
@@ -371,8 +372,13 @@ class ImageEditRequest(ImageParams):
     # a hash of the image's pixels) and implies template_cache.
     template_cache: bool | None = None
     template_id: str | None = Field(None, pattern=TEMPLATE_ID)
+    # img2img (docs/edits.md): without a mask, the upload noised to this share of the schedule and
+    # denoised from there, as the family's diffusers Img2Img pipeline; None: repainted from noise
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
 
-    def _edit_fields(self, info: ModelInfo, image: bytes | None) -> dict[str, Any]:
+    def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
+        if self.strength is not None:
+            self._check_strength(info, mask)
         if self.template_id is not None and self.template_cache is False:
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
@@ -385,7 +391,25 @@ class ImageEditRequest(ImageParams):
         template_id = self.template_id
         if template_id is None and info.templates and image is not None:  # the same upload is the same template
             template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()
-        return {"template_cache": True if asked else self.template_cache, "template_id": template_id}
+        return {"template_cache": True if asked else self.template_cache, "template_id": template_id,
+                "strength": self.strength}
+
+    def _check_strength(self, info: ModelInfo, mask: bytes | None) -> None:
+        def refuse(why: str) -> None:
+            raise InvalidRequestError(f"Invalid value for 'strength': {why}.", "strength")
+
+        if mask is not None:
+            refuse("it makes an edit without a mask an img2img (the whole picture redrawn from the upload), "
+                   "while a mask repaints its region from noise; send the mask or the strength, not both")
+        if not info.img2img:
+            refuse(f"'{info.name}' is a 9-channel inpainting model: it takes a mask, and no strength")
+        if self.template_cache or self.template_id is not None:
+            refuse("a template replays the tokens a mask keeps, and img2img keeps none; leave out "
+                   "template_cache and template_id")
+        steps = self.num_inference_steps or info.default_steps
+        if img2img_start(info.family, steps, self.strength) >= steps:
+            refuse(f"{self.strength:g} of {steps} steps runs none of them ({info.family} models run "
+                   f"int(steps x strength)); send a strength of at least {math.ceil(1000 / steps) / 1000:g} or more steps")
 
     @classmethod
     def _auto_size(cls, limits: Limits) -> str:

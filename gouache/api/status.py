@@ -11,8 +11,23 @@ from pydantic import BaseModel
 
 from gouache.api.context import ApiContext, get_context
 from gouache.errors import UnknownModelError
+from gouache.model_info import ModelInfo
 
 router = APIRouter()
+
+
+class RequestKinds(BaseModel):
+    """What a model takes (docs/edits.md): generations, and which edits."""
+
+    generation: bool = True
+    masked_edit: bool = True  # /v1/images/edits with a mask repaints its region
+    instruction_edit: bool  # an edit without a mask is redrawn as its prompt says
+    max_input_images: int  # image[] uploads one edit takes
+    img2img: bool  # an edit without a mask takes `strength`
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> RequestKinds:
+        return cls(instruction_edit=info.instruction_edit, max_input_images=info.max_input_images, img2img=info.img2img)
 
 
 class ModelDefaults(BaseModel):
@@ -31,6 +46,7 @@ class ModelDefaults(BaseModel):
     uses_cfg: bool  # a negative prompt and guidance mean something
     max_n: int
     max_batch: int | None  # requests denoised together in one step (measured at start under --max-batch-size auto)
+    kinds: RequestKinds
 
     @classmethod
     def of(cls, ctx: ApiContext) -> ModelDefaults:
@@ -40,7 +56,7 @@ class ModelDefaults(BaseModel):
                    min_size=limits.min_size, max_size=limits.max_size, max_pixels=limits.max_pixels, sizes=sizes,
                    default_steps=info.default_steps, max_steps=limits.max_steps,
                    default_guidance=info.default_guidance, uses_cfg=info.uses_cfg, max_n=limits.max_n,
-                   max_batch=info.max_batch)
+                   max_batch=info.max_batch, kinds=RequestKinds.of(info))
 
 
 class ModelCard(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -163,6 +164,28 @@ async def test_edit_multipart(client: httpx.AsyncClient, engine: FakeEngine):
     first = engine.submitted[0]
     assert first.image == image and first.mask == mask and first.is_edit
     assert (first.seed, first.guidance_scale, len(engine.submitted)) == (7, 3.5, 2)
+
+
+async def test_an_edit_without_a_mask_takes_a_strength_img2img(client: httpx.AsyncClient, engine: FakeEngine):
+    files = [("image", ("in.png", png(64, 64), "image/png"))]
+    response = await client.post(EDITS, data={"prompt": "paint it blue", "strength": "0.5"}, files=files)
+    assert response.status_code == 200, response.text
+    [request] = engine.submitted
+    assert request.strength == 0.5 and request.mask is None and request.is_edit
+
+
+@pytest.mark.parametrize(("fields", "info", "message"), [
+    ({"strength": "0.2", "num_inference_steps": "3"}, {}, "0.2 of 3 steps runs none of them (sd models run "
+                                                          "int(steps x strength)); send a strength of at least 0.334"),
+    ({"strength": "0.5"}, {"inpaint_channels": True}, "'fake-sd' is a 9-channel inpainting model"),
+])
+async def test_a_strength_that_cannot_run_is_refused_with_what_to_send(client: httpx.AsyncClient, engine: FakeEngine,
+                                                                       fields, info, message):
+    engine.info = replace(engine.info, **info)
+    files = [("image", ("in.png", png(64, 64), "image/png"))]
+    response = await client.post(EDITS, data={"prompt": "blue", **fields}, files=files)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "strength"
+    assert message in response.json()["error"]["message"] and not engine.submitted
 
 
 @pytest.mark.parametrize("size", [None, "auto"])

@@ -49,7 +49,9 @@ async def test_model_cards_carry_the_defaults_a_request_form_needs(client):
     assert card["gouache"] == {"family": "sd", "default_size": 256, "size_step": 8, "min_size": 64, "max_size": 2048,
                                "max_pixels": 2048 * 2048, "sizes": None, "default_steps": 4, "max_steps": 200,
                                "default_guidance": 7.5, "uses_cfg": True, "max_n": 10,
-                               "max_batch": 8}
+                               "max_batch": 8, "kinds": {"generation": True, "masked_edit": True,
+                                                         "instruction_edit": False, "max_input_images": 1,
+                                                         "img2img": True}}
     assert (await client.get("/v1/models/fake-sd")).json()["gouache"] == card["gouache"]
 
 

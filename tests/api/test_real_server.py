@@ -105,6 +105,22 @@ def test_openai_client_edit_keeps_pixels_outside_the_mask(server_url):
     assert np.array_equal(out[keep], original[keep]) and not np.array_equal(out[~keep], original[~keep])
 
 
+def test_openai_client_edit_without_a_mask_takes_a_strength(server_url):
+    """img2img: the strength picks where in the schedule the upload starts (0.5: the last 2 of 4
+    steps), so each strength, and none (repainted from noise), gives its own picture."""
+    original = np.random.default_rng(3).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    pictures = {strength: client(server_url).images.edit(
+        image=rgba_png(original), prompt="a cat", size="64x64",
+        extra_body={"num_inference_steps": 4, "seed": 2, **({} if strength is None else {"strength": strength})},
+    ).data[0].b64_json for strength in (None, 0.5, 1.0)}
+    assert len(set(pictures.values())) == 3
+    card = httpx.get(f"{server_url}/v1/models/tiny-sdxl").json()["gouache"]["kinds"]
+    assert card["img2img"] and card["masked_edit"] and not card["instruction_edit"]
+    with pytest.raises(openai.BadRequestError, match="send the mask or the strength, not both"):
+        client(server_url).images.edit(image=rgba_png(original), mask=rgba_png(np.zeros((64, 64, 4), np.uint8)),
+                                       prompt="a cat", extra_body={"strength": 0.5})
+
+
 def test_curl_style_request_returns_a_png_of_that_size(server_url):
     body = b'{"prompt":"a red fox","size":"512x512","num_inference_steps":2}'
     curl_headers = {"content-type": "application/x-www-form-urlencoded"}  # what `curl -d` sends

@@ -1,5 +1,6 @@
 """Edits work with every family: blending for 4/16-channel denoisers, natively for 9-channel
-UNets; the unmasked region comes back with the original pixels."""
+UNets; the unmasked region comes back with the original pixels. Edits without a mask and with
+a strength are img2img, equal to the family's Img2Img pipeline."""
 
 import numpy as np
 import pytest
@@ -60,4 +61,74 @@ def test_an_edit_equals_diffusers_inpaint_pipeline_seed_for_seed(pipes, name):
         generator=torch.Generator().manual_seed(1), output_type="latent",
     ).images
     assert expected.abs().mean() > 0.1
+    assert (runner.states["e"].latents - expected).abs().max() <= 1e-4
+
+
+IMG2IMG_PIPELINES = {"tiny-sd": "StableDiffusionImg2ImgPipeline", "tiny-sdxl": "StableDiffusionXLImg2ImgPipeline",
+                     "tiny-sd3": "StableDiffusion3Img2ImgPipeline", "tiny-flux": "FluxImg2ImgPipeline"}
+
+
+def img2img_reference(pipe, cls_name: str, request: ImageRequest, original: np.ndarray):
+    import diffusers
+    import torch
+    from PIL import Image
+
+    cls = getattr(diffusers, cls_name)
+    img2img = cls(**{k: v for k, v in pipe.components.items() if k in cls._get_signature_keys(cls)[0]})
+    img2img.set_progress_bar_config(disable=True)
+    return img2img(
+        request.prompt, image=Image.fromarray(original), height=request.height, width=request.width,
+        num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale,
+        strength=request.strength, generator=torch.Generator().manual_seed(request.seed), output_type="latent",
+    ).images
+
+
+@pytest.mark.parametrize("policy", ["orca", "patched"])
+@pytest.mark.parametrize("name", IMG2IMG_PIPELINES)
+def test_img2img_equals_diffusers_img2img_pipeline_seed_for_seed_in_a_batch_of_other_strengths(pipes, name, policy):
+    """Strengths 0.5, 0.8 and 1 run 2, 3 (UNets) or 4 (flow models: their pipelines round the
+    other way) and 4 of 4 steps, batched with each other, a generation and a masked edit."""
+    from tests.engine.test_exactness import run_engine
+
+    pipe = pipes(name)
+    rng = np.random.default_rng(0)
+    original = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
+    mask = np.zeros((64, 96), np.float32)
+    mask[16:48, 32:80] = 1.0
+    img2img = [ImageRequest(f"s{strength}", "a cat", 96, 64, 4, 4.0, seed=1, image=b"-", strength=strength)
+               for strength in (0.5, 0.8, 1.0)]
+    arrivals = {0: [(img2img[0], {"image": original}), ImageRequest("generation", "a dog", 64, 64, 3, 4.0, seed=2)],
+                1: [(img2img[1], {"image": original}), (img2img[2], {"image": original}),
+                    (ImageRequest("masked", "a cat", 96, 64, 3, 4.0, seed=3, image=b"-"),
+                     {"image": original, "mask": mask})]}
+    latents = run_engine(pipe, arrivals, policy)
+    steps = {r.request_id: len(ModelRunner(pipe).family.prepare(r, original).timesteps) for r in img2img}
+    assert steps == ({"s0.5": 2, "s0.8": 3, "s1.0": 4} if name in ("tiny-sd", "tiny-sdxl")
+                     else {"s0.5": 2, "s0.8": 4, "s1.0": 4})
+    for request in img2img:
+        expected = img2img_reference(pipe, IMG2IMG_PIPELINES[name], request, original)
+        assert expected.abs().mean() > 0.1
+        assert (latents[request.request_id] - expected).abs().max() <= 1e-4, request.request_id
+
+
+def test_sdxl_img2img_normalises_by_the_vaes_latent_statistics_as_its_pipeline_does():
+    """SDXL's Img2Img pipeline encodes with the VAE's latents_mean / latents_std where its config
+    has them (its inpaint pipeline does not; the decode always does)."""
+    from gouache.models.zoo import load_pipeline
+
+    pipe = load_pipeline("tiny-sdxl")
+    pipe.set_progress_bar_config(disable=True)
+    channels = pipe.vae.config.latent_channels
+    pipe.vae.register_to_config(latents_mean=[0.1 * c for c in range(channels)],
+                                latents_std=[0.5 + 0.25 * c for c in range(channels)])
+    original = np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    request = ImageRequest("e", "a cat", 64, 64, 4, 4.0, seed=5, image=b"-", strength=0.5)
+    runner = ModelRunner(pipe)
+    state = runner.prepare(request, original)
+    plain = ModelRunner(load_pipeline("tiny-sdxl"))
+    plain.prepare(request, original)
+    assert (plain.states["e"].latents - runner.states["e"].latents).abs().max() > 0.1  # the statistics matter
+    for _ in range(state.num_steps):
+        runner.execute(Batch(("e",)))
+    expected = img2img_reference(pipe, IMG2IMG_PIPELINES["tiny-sdxl"], request, original)
     assert (runner.states["e"].latents - expected).abs().max() <= 1e-4

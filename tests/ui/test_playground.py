@@ -168,6 +168,15 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
          and [f["state"] for f in figures(browser)] == ["done"])
     whole = pixels(figures(browser)[0]["src"])
     assert (whole != upload).any(axis=-1).mean() > 0.2 and not np.array_equal(whole, result)
+
+    fill(form, strength=0.3)  # nothing painted and a strength: img2img, the upload redrawn from 30 % noise
+    form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: len(browser.find_elements("css selector", "#tab-edit .request")) == 3
+         and [f["state"] for f in figures(browser)] == ["done"])
+    screenshot("img2img")
+    redrawn = pixels(figures(browser)[0]["src"])
+    distance = {name: np.abs(image.astype(int) - upload).mean() for name, image in (("img2img", redrawn), ("whole", whole))}
+    assert distance["img2img"] < 0.5 * distance["whole"], distance  # the picture shows through
     assert console_errors(browser) == []
 
 

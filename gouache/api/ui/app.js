@@ -102,6 +102,8 @@ editFields.elements.image.addEventListener("change", async () => {
 });
 imageTab(editTab, async () => {
   const params = await readParams(editFields);
+  const strength = editFields.elements.strength.value.trim();
+  if (strength) params.strength = Number.isNaN(Number(strength)) ? strength : Number(strength);
   return ["/v1/images/edits", await editForm(painter, params), params];
 }, askForKey);
 

@@ -78,13 +78,19 @@ export class MaskPainter {
     ctx.stroke();
   }
 
+  // Whether any pixel is painted (at least half covered).
+  painted() {
+    const { width, height } = this.mask;
+    return this.mask.getContext("2d").getImageData(0, 0, width, height).data.some((value, i) => i % 4 === 3 && value >= 128);
+  }
+
   // The mask PNG to send. A pixel is repainted where the paint covers at least half of it; with
   // nothing painted, every pixel is.
   async maskBlob() {
     const { width, height } = this.mask;
     const paint = this.mask.getContext("2d").getImageData(0, 0, width, height).data;
     const mask = new ImageData(width, height); // transparent black
-    const painted = paint.some((value, i) => i % 4 === 3 && value >= 128);
+    const painted = this.painted();
     for (let i = 3; painted && i < paint.length; i += 4) mask.data[i] = paint[i] >= 128 ? 0 : 255;
     const canvas = document.createElement("canvas");
     canvas.width = width;
@@ -95,12 +101,13 @@ export class MaskPainter {
 }
 
 // The multipart body of an edit: the upload as it was chosen, the mask, the shared fields (the
-// adapter lists as JSON text).
+// adapter lists as JSON text). With a strength and nothing painted it is img2img, sent without a
+// mask; a strength with paint goes with the mask, for the API to say which to drop.
 export async function editForm(painter, params) {
   const form = new FormData();
   if (painter.file) {
     form.append("image", painter.file, painter.file.name);
-    form.append("mask", await painter.maskBlob(), "mask.png");
+    if (params.strength === undefined || painter.painted()) form.append("mask", await painter.maskBlob(), "mask.png");
   }
   for (const [name, value] of Object.entries(params)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   return form;

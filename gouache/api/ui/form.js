@@ -52,6 +52,10 @@ export function applyModels(form, models) {
   form.elements.guidance_scale.placeholder = `${defaults.default_guidance}`;
   form.elements.n.max = defaults.max_n;
   form.elements.negative_prompt.placeholder = defaults.uses_cfg ? "" : "this model does not use guidance";
+  if (form.elements.strength) { // the edit tab: img2img where the model takes it
+    form.elements.strength.disabled = !defaults.kinds.img2img;
+    form.elements.strength.placeholder = defaults.kinds.img2img ? "off" : "this model takes a mask only";
+  }
 }
 
 // The LoRAs of --lora-dir and ControlNets of --controlnet-dir (GET /v1/loras, /v1/controlnets):

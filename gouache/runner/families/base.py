@@ -15,6 +15,7 @@ import torch
 
 from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
+from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.compiled import CompiledDenoiser
@@ -74,10 +75,26 @@ class Family(ABC):
         if image is not None:
             pixels, pixel_mask = self._edit_tensors(image, mask)
         state.timesteps = self.set_timesteps(state)  # before the noise: init_noise_sigma depends on it
+        if request.strength is not None:
+            self._start_img2img(state)
         state.latents = self.initial_latents(state, pixels, pixel_mask)
+        if request.strength is not None:  # the original, noised to where its schedule starts
+            state.latents = self.renoise(scheduler, state.edit.image_latents, state.edit.noise, state.timesteps[0])
         if self.passes_step_kwargs:  # reads only the scheduler class's signature
             state.step_kwargs = self.pipe.prepare_extra_step_kwargs(generator, 0.0)
         return state
+
+    def _start_img2img(self, state: DenoiseState) -> None:
+        """Drop the steps an img2img request skips, as the family's Img2Img pipeline does."""
+        order = state.scheduler.order
+        start = img2img_start(self.name, state.request.num_inference_steps, state.request.strength) * order
+        state.timesteps = state.timesteps[start:]
+        if hasattr(state.scheduler, "set_begin_index"):
+            state.scheduler.set_begin_index(start)
+
+    def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:
+        """The edit's original as clean latents (`encode_pixels`), sampled with the request's generator."""
+        return self.encode_pixels(pixels, state.generator)
 
     def encode_prompt(self, request: ImageRequest, rows: int, *args, **kwargs):
         """The pipeline's `encode_prompt(*args, **kwargs)` for the request's prompts and guidance,
@@ -143,7 +160,7 @@ class Family(ABC):
             prediction = uncond + state.request.guidance_scale * (cond - uncond)
         state.latents = state.scheduler.step(prediction, state.t, state.latents, **state.step_kwargs, return_dict=False)[0]
         state.step += 1
-        if state.edit is not None and self.blends_edits:
+        if state.edit is not None and self.blends_edits and state.request.strength is None:  # img2img keeps nothing
             self._blend(state)
 
     @property

@@ -113,7 +113,7 @@ class StableDiffusion3Family(FlowFamily):
     def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
         r = state.request
         if pixels is not None:
-            image_latents = self.encode_pixels(pixels, state.generator)
+            image_latents = self.encode_original(state, pixels)
         channels = self.pipe.transformer.config.in_channels
         noise = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
         if pixels is not None:
@@ -181,7 +181,7 @@ class FluxFamily(FlowFamily):
     def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
         r = state.request
         if pixels is not None:
-            image_latents = self.pack(self.encode_pixels(pixels, state.generator))
+            image_latents = self.pack(self.encode_original(state, pixels))
         channels = self.pipe.transformer.config.in_channels // 4
         noise, image_ids = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
         state.cond["image_ids"] = image_ids

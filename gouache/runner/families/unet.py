@@ -50,7 +50,7 @@ class StableDiffusionFamily(Family):
         # pipeline draws the noise first, then encodes the image with the hole.
         image_latents = None
         if pixels is not None and not self.native_inpaint:
-            image_latents = self.encode_pixels(pixels, state.generator)
+            image_latents = self.encode_original(state, pixels)
         noise = randn_tensor(shape, generator=state.generator, device=self.device, dtype=self.dtype)
         if pixels is not None:
             state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, shape[2:])
@@ -151,15 +151,28 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
             ids = negative = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection_dim)
         return ids.to(self.device), negative.to(self.device)
 
+    def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:
+        """SDXL's Img2Img pipeline normalises by the VAE's latents_mean / latents_std where its
+        config has them (its inpaint pipeline scales only)."""
+        mean, std = self._latents_stats(pixels)
+        if state.request.strength is None or mean is None:
+            return super().encode_original(state, pixels)
+        sample = self.latent_dist(pixels).sample(state.generator)
+        return (sample - mean) * self.pipe.vae.config.scaling_factor / std
+
+    def _latents_stats(self, like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        config = self.pipe.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is None or std is None:
+            return None, None
+        return torch.tensor(mean).view(1, -1, 1, 1).to(like), torch.tensor(std).view(1, -1, 1, 1).to(like)
+
     def added_cond(self, states: list[DenoiseState]) -> dict:
         return {"text_embeds": cat_cond(states, "text_embeds"), "time_ids": cat_cond(states, "time_ids")}
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
-        config = self.pipe.vae.config
-        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-        if mean is None or std is None:
-            return latents / config.scaling_factor
-        mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents)
-        std = torch.tensor(std).view(1, -1, 1, 1).to(latents)
-        return latents * std / config.scaling_factor + mean
+        mean, std = self._latents_stats(latents)
+        if mean is None:
+            return latents / self.pipe.vae.config.scaling_factor
+        return latents * std / self.pipe.vae.config.scaling_factor + mean
 
