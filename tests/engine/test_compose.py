@@ -58,6 +58,9 @@ def member(rid: str, uses: tuple[str, ...], seed: int, size: int = 64, lora: str
         inputs["controls"] = [rng.integers(0, 255, (size, size, 3), dtype=np.uint8)]
     if "block_cache" in uses:
         request = replace(request, block_cache=0.5)
+    if "img2img" in uses:
+        request = replace(request, image=b"-", strength=0.7)
+        inputs["image"] = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
     if "template" in uses:
         request = replace(request, image=b"-", template_cache=True, template_id=f"shirt-{size}")
         mask = np.zeros((size, size), np.float32)
@@ -212,14 +215,14 @@ def test_a_server_default_applies_only_where_it_composes(pipes, directories):
     assert not runner.execute(Batch(("c",))).failed
 
 
-KINDS = [(), ("lora",), ("controlnet",), ("block_cache",), ("template",), ("lora", "controlnet"),
-         ("lora", "block_cache"), ("lora", "template")]
+KINDS = [(), ("lora",), ("controlnet",), ("block_cache",), ("template",), ("img2img",), ("lora", "controlnet"),
+         ("lora", "block_cache"), ("lora", "template"), ("lora", "img2img"), ("controlnet", "img2img")]
 
 
 @pytest.mark.parametrize("policy", ONE_DEVICE)
 def test_an_exact_request_is_the_same_in_any_random_mix(pipes, directories, alone, policy):
-    """Seeded random mixes of sizes, adapters, ControlNets, cached and templated neighbours,
-    joining at random steps: every exact request equals itself served alone."""
+    """Seeded random mixes of sizes, adapters, ControlNets, img2img, cached and templated
+    neighbours, joining at random steps: every exact request equals itself served alone."""
     pipe = pipes(MODEL)
     draw = random.Random(f"mix-{policy}")
     for mix in range(2):
