@@ -116,9 +116,10 @@ TABLE: dict[frozenset[str], Pair] = {
                                                         "one pass per latent shape"),
     _pair("template", "parallel"): Pair(APPROXIMATE, "a step on several devices computes the full forward; a server "
                                                      "whose every step is parallel refuses template reuse"),
-    _pair("lora", "conditioning"): Pair(EXACT, "adapters change the denoiser only (text-encoder layers are refused), "
-                                                 "so a prompt's encoding is the same with any adapters"),
-    _pair("lora_async", "conditioning"): Pair(APPROXIMATE, "the adapters join late, the encodings are exact"),
+    _pair("lora", "conditioning"): Pair(EXACT, "text-encoder layers (SD, SDXL) apply while the request's prompt is "
+                                                 "encoded, and the cache keys each encoding by them"),
+    _pair("lora_async", "conditioning"): Pair(APPROXIMATE, "the denoiser's layers join late; text-encoder layers are "
+                                                           "read before the prompt is encoded, the encodings exact"),
     _pair("controlnet", "conditioning"): Pair(EXACT, "the residuals take the request's own prompt encoding, the "
                                                      "encoder's output bit for bit"),
     _pair("controlnet_async", "conditioning"): Pair(APPROXIMATE, "residuals a step late, the encodings are exact"),

@@ -6,14 +6,19 @@ kohya's `lora_unet_*`, and the others its pipelines' `lora_state_dict` converts)
 converted with diffusers' own utilities, then every layer is checked against a table of the
 denoiser's modules taken before it serves (`Target`: module, kind, shapes), so that a wrong file
 is refused before it reaches a forward. Files are read whole, never mapped (`gouache.files`).
-Text-encoder layers are refused: adapters apply to the denoiser only.
+
+Layers of an SD or SDXL pipeline's text encoders (kohya `lora_te*`, diffusers `text_encoder.*`)
+are kept apart (`Lora.text_layers`), with the ranks and alphas diffusers' own config gives
+them, and apply while the request's prompt is encoded (`gouache.lora.text`). Other families'
+text-encoder layers, DoRA magnitudes, LoKr and LoHa files are refused, naming the format.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +28,7 @@ from gouache.adapter_names import LoraError
 from gouache.files import Header, header_of, read_file
 
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' key of a file's peft settings (r, lora_alpha, patterns)
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # SD / SDXL pipelines' text encoders, as LoRA keys name them
 
 
 @dataclass(frozen=True)
@@ -45,21 +51,25 @@ class LoraLayer:
 
 @dataclass(frozen=True)
 class Lora:
-    """An adapter: its layers by module path in the denoiser."""
+    """An adapter: its layers by module path in the denoiser, and in each text encoder."""
 
     name: str
-    layers: dict[str, LoraLayer]
+    layers: dict[str, LoraLayer]  # the denoiser's, by module path
     digest: str = ""  # of its file's bytes: a rewritten file is another adapter, an unchanged one the same
+    # the text encoders' ("text_encoder", "text_encoder_2"), by module path in each
+    text_layers: dict[str, dict[str, LoraLayer]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers.values())
+        every = [*self.layers.values(), *(layer for layers in self.text_layers.values() for layer in layers.values())]
+        return sum(layer.nbytes for layer in every)
 
     def to(self, device: torch.device) -> Lora:
-        """A copy whose layers sit on `device` (still float32: merges compute in it)."""
+        """A copy whose denoiser layers sit on `device` (still float32: merges compute in it);
+        the text encoders' stay where preparation reads them."""
         layers = {path: LoraLayer(layer.down.to(device), layer.up.to(device), layer.scale)
                   for path, layer in self.layers.items()}
-        return Lora(self.name, layers, self.digest)
+        return Lora(self.name, layers, self.digest, self.text_layers)
 
 
 @dataclass(frozen=True)
@@ -83,12 +93,20 @@ class Target:
     pipeline: type
     prefix: str  # "unet" | "transformer"
     layers: dict[str, Layer]
+    encoders: dict[str, dict[str, Layer]] = field(default_factory=dict)  # SD / SDXL: each text encoder's modules
 
     @classmethod
     def of(cls, pipe) -> Target:
         prefix = denoiser_prefix(pipe)
         denoiser = pipe.unet if prefix == "unet" else pipe.transformer
-        return cls(type(pipe), prefix, {name: _layer(module) for name, module in denoiser.named_modules() if name})
+        encoders = {}
+        if prefix == "unet":  # the families whose text-encoder adapters are served (tested against diffusers)
+            for encoder in TEXT_ENCODERS:
+                module = getattr(pipe, encoder, None)
+                if module is not None:
+                    encoders[encoder] = {name: _layer(m) for name, m in module.named_modules() if name}
+        return cls(type(pipe), prefix, {name: _layer(module) for name, module in denoiser.named_modules() if name},
+                   encoders)
 
 
 def _layer(module: nn.Module) -> Layer:
@@ -158,34 +176,98 @@ def parse_lora(raw: dict[str, torch.Tensor], metadata: dict[str, str], target: T
     from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
 
     prefix = target.prefix
+    kinds = {kind for key in raw for marker, kind in (("lokr_", "LoKr"), ("hada_", "LoHa")) if marker in key}
+    if kinds:
+        raise LoraError(f"LoRA {name!r} is a {' and '.join(sorted(kinds))} file, not a LoRA; gouache (like diffusers' "
+                        "SD and SDXL pipelines) applies plain LoRA only")
     try:
         converted = target.pipeline.lora_state_dict(dict(raw))
     except Exception as error:  # diffusers' converters raise anything on a foreign layout
         raise LoraError(f"LoRA {name!r}: diffusers cannot read its keys ({type(error).__name__}: {error})") from None
     state, alphas = converted if isinstance(converted, tuple) else (converted, None)
-    foreign = sorted({key.split(".")[0] for key in state if not key.startswith(prefix + ".")})
+    foreign = sorted({key.split(".")[0] for key in state} - {prefix, *target.encoders})
     if foreign:
-        raise LoraError(f"LoRA {name!r} has layers for {', '.join(foreign)}; gouache applies LoRAs to the {prefix} only")
-    state = convert_unet_state_dict_to_peft({key[len(prefix) + 1:]: value for key, value in state.items()})
+        served = " and ".join([prefix, *target.encoders])
+        raise LoraError(f"LoRA {name!r} has layers for {', '.join(foreign)}; gouache applies LoRAs to the {served} of "
+                        "this model")
+    text_layers = {encoder: _text_layers(state, alphas, metadata, encoder, target.encoders[encoder], name)
+                   for encoder in target.encoders if any(key.startswith(encoder + ".") for key in state)}
+    state = convert_unet_state_dict_to_peft({key[len(prefix) + 1:]: value for key, value in state.items()
+                                             if key.startswith(prefix + ".")})
+    parts = _pairs(state, name)
+    alpha_of = _alphas({key: value for key, value in (alphas or {}).items() if key.split(".")[0] not in target.encoders},
+                       prefix, convert_unet_state_dict_to_peft)
+    settings = _settings(metadata, prefix, name)
+    layers = {}
+    for module_name, pair in parts.items():
+        down, up = pair["lora_A"], pair["lora_B"]
+        _check_layer(target.layers, module_name, down, up, name)
+        rank = down.shape[0]
+        alpha = alpha_of.get(module_name, settings.alpha(module_name, rank))
+        layers[module_name] = LoraLayer(down.float().contiguous(), up.float().contiguous(), float(alpha) / rank)
+    if not layers and not text_layers:
+        raise LoraError(f"LoRA {name!r} holds no layers")
+    return Lora(name, layers, digest, text_layers)
+
+
+def _pairs(state: dict[str, torch.Tensor], name: str) -> dict[str, dict[str, torch.Tensor]]:
+    """peft-keyed weights as module path -> {"lora_A": down, "lora_B": up}."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
+        if key.endswith("lora_magnitude_vector"):
+            raise LoraError(f"LoRA {name!r} is a DoRA (lora_magnitude_vector keys); only plain LoRA is supported")
         match = re.fullmatch(r"(.+)\.(lora_A|lora_B)\.weight", key)
         if match is None:
             raise LoraError(f"LoRA {name!r}: key {key!r} is not a LoRA down or up weight (DoRA, biases and full "
                             "weight differences are not supported)")
         parts.setdefault(match[1], {})[match[2]] = value
-    alpha_of = _alphas(alphas or {}, prefix, convert_unet_state_dict_to_peft)
-    settings = _settings(metadata, prefix, name)
-    layers = {}
     for module_name, pair in parts.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise LoraError(f"LoRA {name!r}: {module_name} has {' and '.join(pair)} only")
+    return parts
+
+
+def _text_layers(state: dict[str, torch.Tensor], alphas: dict | None, metadata: dict[str, str], encoder: str,
+                 table: dict[str, Layer], name: str) -> dict[str, LoraLayer]:
+    """One text encoder's layers of a converted state dict, each with the scale diffusers gives
+    it when it loads the file: its keys converted by diffusers' utilities, its ranks and alphas
+    read by diffusers' own config (whose choices, e.g. one alpha for all modules but a pattern's,
+    are the file's meaning there), r and alpha per module as peft picks them."""
+    from diffusers.utils.peft_utils import _create_lora_config
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+    from peft.utils.other import get_pattern_key
+
+    own = {key[len(encoder) + 1:]: value for key, value in state.items() if key.startswith(encoder + ".")}
+    try:
+        own = convert_state_dict_to_peft(convert_state_dict_to_diffusers(own))
+    except ValueError as error:
+        raise LoraError(f"LoRA {name!r}: diffusers cannot read its {encoder} layers ({error})") from None
+    if "text_model" not in table:  # transformers' flattened CLIPTextModel; files name text_model.* still
+        own = {key.removeprefix("text_model."): value for key, value in own.items()}
+    pairs = _pairs(own, name)
+    ranks = {f"{module}.lora_B.weight": pairs[module]["lora_B"].shape[1] for module in table
+             if module.endswith((".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")) and module in pairs}
+    own_alphas = {key[len(encoder) + 1:]: value for key, value in (alphas or {}).items()
+                  if key.split(".")[0] == encoder} if alphas else None
+    settings = None
+    if METADATA_KEY in metadata:
+        try:
+            config = json.loads(metadata[METADATA_KEY])
+        except json.JSONDecodeError:
+            raise LoraError(f"LoRA {name!r}: its {METADATA_KEY} metadata is not JSON") from None
+        settings = {key[len(encoder) + 1:]: value for key, value in config.items() if key.startswith(encoder + ".")}
+    config = _create_lora_config(own, own_alphas or None, settings, ranks, is_unet=False)
+    if config.use_dora:
+        raise LoraError(f"LoRA {name!r}: its {encoder} layers are a DoRA; only plain LoRA is supported")
+    layers = {}
+    for module_name, pair in pairs.items():
         down, up = pair["lora_A"], pair["lora_B"]
-        _check_layer(target, module_name, down, up, name)
-        rank = down.shape[0]
-        alpha = alpha_of.get(module_name, settings.alpha(module_name, rank))
-        layers[module_name] = LoraLayer(down.float().contiguous(), up.float().contiguous(), float(alpha) / rank)
-    return Lora(name, layers, digest)
+        _check_layer(table, module_name, down, up, name)
+        rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module_name), config.r)
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module_name), config.lora_alpha)
+        scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+        layers[module_name] = LoraLayer(down.float().contiguous(), up.float().contiguous(), float(scale))
+    return layers
 
 
 def _alphas(alphas: dict, prefix: str, convert) -> dict[str, float]:
@@ -228,8 +310,8 @@ def _settings(metadata: dict[str, str], prefix: str, name: str) -> _Settings:
     return _Settings(None if alpha is None else float(alpha), pattern)
 
 
-def _check_layer(target: Target, module_name: str, down: torch.Tensor, up: torch.Tensor, name: str) -> None:
-    layer = target.layers.get(module_name)
+def _check_layer(table: dict[str, Layer], module_name: str, down: torch.Tensor, up: torch.Tensor, name: str) -> None:
+    layer = table.get(module_name)
     if layer is None:
         raise LoraError(f"LoRA {name!r}: this model has no module {module_name!r}")
     if layer.kind == "linear":

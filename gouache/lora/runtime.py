@@ -97,6 +97,11 @@ class LoraRuntime:
     def use(self, adapters: tuple[tuple[str, float], ...], synchronous: bool = False) -> LoraUse | None:
         return LoraUse(tuple(adapters), 0 if synchronous else self.config.bound) if adapters else None
 
+    def text_adapters(self, adapters: tuple[tuple[str, float], ...]) -> list[tuple[Lora, float]]:
+        """The request's adapters that have text-encoder layers, read now: its prompt is encoded
+        while it is prepared (the others load while it waits and runs)."""
+        return [(self.store.load(name).result(), scale) for name, scale in adapters if self.store.check(name)]
+
     def start(self, request_id: str, use: LoraUse) -> None:
         """Begin reading a request's adapters (unknown names raise here)."""
         if request_id not in self._loads:

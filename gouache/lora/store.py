@@ -52,7 +52,8 @@ class LoraStore:
         self.counts = LoraCounts()
         self._memory: OrderedDict[str, tuple[Signature, Lora]] = OrderedDict()  # with its file's status when read
         self._loading: dict[str, Future] = {}
-        self._checked: dict[str, Signature] = {}  # name -> status of the file `check` passed
+        # name -> (status of the file `check` passed, the text encoders it adapts)
+        self._checked: dict[str, tuple[Signature, tuple[str, ...]]] = {}
         self._digests: dict[str, tuple[Signature, str]] = {}  # name -> (file status, digest) read by `digest`
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gouache-lora")
@@ -63,14 +64,16 @@ class LoraStore:
     def names(self) -> list[str]:
         return lora_names(self.directory)
 
-    def check(self, name: str) -> None:
+    def check(self, name: str) -> tuple[str, ...]:
         """Raise LoraError unless adapter `name` exists and fits the model, from its file's
-        header: keys and shapes (tensors on the meta device; scalars such as alphas read)."""
+        header: keys and shapes (tensors on the meta device; scalars such as alphas read).
+        Returns the text encoders it has layers for."""
         path = self.path(name)
         status = self._status(name, path)
         with self._lock:
-            if self._checked.get(name) == status:
-                return
+            checked = self._checked.get(name)
+            if checked is not None and checked[0] == status:
+                return checked[1]
         try:
             header = read_header(path)
         except (OSError, ValueError) as error:
@@ -78,9 +81,10 @@ class LoraStore:
         raw = header_tensors(header, name)
         if not raw:
             raise LoraError(f"LoRA {name!r} holds no tensors")
-        parse_lora(raw, header.metadata, self.target, name)
+        encoders = tuple(parse_lora(raw, header.metadata, self.target, name).text_layers)
         with self._lock:
-            self._checked[name] = header.signature
+            self._checked[name] = (header.signature, encoders)
+        return encoders
 
     def digest(self, name: str) -> str:
         """What identifies the adapter's file now (read whole when it changed since last asked)."""
@@ -107,8 +111,9 @@ class LoraStore:
         lora = held[1] if held is not None and held[0] == status else None
         out = {"id": name, "object": "lora", "file_bytes": status[1], "loaded": lora is not None}
         if lora is not None:
-            out.update(layers=len(lora.layers), bytes=lora.nbytes,
-                       rank=max(layer.down.shape[0] for layer in lora.layers.values()))
+            every = [*lora.layers.values(), *(layer for layers in lora.text_layers.values() for layer in layers.values())]
+            out.update(layers=len(every), bytes=lora.nbytes, rank=max(layer.down.shape[0] for layer in every),
+                       text_encoders=sorted(lora.text_layers))
         return out
 
     @property

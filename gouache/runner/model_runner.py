@@ -83,7 +83,7 @@ class ModelRunner:
                 controls: list[np.ndarray] = ()) -> RequestState:
         """Text encoding and initial latents; returns the scheduler's view of the request.
         `controls`: the decoded conditioning image of each of its ControlNets."""
-        state = self.family.prepare(request, image, mask)
+        state = self.family.prepare(request, image, mask, self.loras.text_adapters(request.loras))
         state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets), list(controls),
                                           request.controlnet_mode, self.family.device, self.family.dtype)
         # a ControlNet's residuals change every block after the first: no template replays them;

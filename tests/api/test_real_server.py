@@ -16,6 +16,7 @@ from PIL import Image
 from gouache.config import ServerConfig
 from tests.api.corpus import EDITS, malformed_requests
 from tests.api.helpers import open_image, running_server
+from tests.engine.test_text_loras import text_lora
 
 SIZE_STEP = 16  # tiny-sdxl
 
@@ -30,6 +31,7 @@ def server_url(tmp_path_factory):
 
     loras, controlnets = tmp_path_factory.mktemp("loras"), tmp_path_factory.mktemp("controlnets")
     save_file(random_lora(load_pipeline("tiny-sdxl"), rank=8), str(loras / "ink.safetensors"))
+    save_file(text_lora(load_pipeline("tiny-sdxl"), seed=3), str(loras / "wording.safetensors"))  # text encoders only
     random_controlnet(load_pipeline("tiny-sdxl"), std=0.2).save_pretrained(str(controlnets / "edges"))
     with running_server("--model", "tiny-sdxl", "--lora-dir", str(loras), "--controlnet-dir", str(controlnets),
                         "--controlnet-workers", "1") as url:
@@ -72,7 +74,12 @@ def test_openai_client_asks_for_a_lora(server_url):
     plain, ink = (client(server_url).images.generate(prompt="a red fox", size="64x64", extra_body={**fields, **extra})
                   for extra in ({}, {"loras": [{"name": "ink", "scale": 1.5}]}))
     assert plain.data[0].b64_json != ink.data[0].b64_json
-    assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/loras").json()["data"]] == ["ink"]
+    assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/loras").json()["data"]] == ["ink", "wording"]
+    wording = client(server_url).images.generate(prompt="a red fox", size="64x64",
+                                                 extra_body={**fields, "loras": [{"name": "wording"}]})
+    assert wording.data[0].b64_json not in (plain.data[0].b64_json, ink.data[0].b64_json)  # the prompt's encoding changed
+    registered = httpx.post(f"{server_url}/v1/loras", json={"name": "wording"}).json()
+    assert registered["text_encoders"] == ["text_encoder", "text_encoder_2"]
     with pytest.raises(openai.BadRequestError, match="unknown LoRA 'nope'"):
         client(server_url).images.generate(prompt="a red fox", extra_body={"loras": [{"name": "nope"}]})
 

@@ -50,12 +50,18 @@ def test_metadata_alpha_and_patterns(pipe):
 
 @pytest.mark.parametrize("raw, why", [
     ({"text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 8),
-      "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2)}, "unet only"),
+      "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2)},
+     r"do not fit encoder.layers.0.self_attn.q_proj \(linear 32 -> 32\)"),
+    ({"text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32),
+      "text_encoder_2.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 2)},
+     "has layers for text_encoder_2; gouache applies LoRAs to the unet and text_encoder of this model"),
+    ({"lora_unet_down_blocks_1_attentions_0_proj_in.lokr_w1": torch.zeros(2, 2)}, "is a LoKr file, not a LoRA"),
+    ({"lora_te_text_model_encoder_layers_0_mlp_fc1.hada_w1_a": torch.zeros(2, 2)}, "is a LoHa file, not a LoRA"),
     ({f"unet.{Q}.lora_A.weight": torch.zeros(2, 3), f"unet.{Q}.lora_B.weight": torch.zeros(3, 2)}, "do not fit"),
     ({f"unet.{Q}.lora_A.weight": torch.zeros(2, 32)}, "lora_A only"),
     ({"unet.no.such.module.lora_A.weight": torch.zeros(2, 8), "unet.no.such.module.lora_B.weight": torch.zeros(8, 2)},
      "no module"),
-    ({f"unet.{Q}.lora_magnitude_vector": torch.zeros(32)}, "not a LoRA down or up weight"),
+    ({f"unet.{Q}.lora_magnitude_vector": torch.zeros(32)}, r"is a DoRA \(lora_magnitude_vector keys\)"),
     ({"unet.down_blocks.1.attentions.0.norm.lora_A.weight": torch.zeros(2, 32),
       "unet.down_blocks.1.attentions.0.norm.lora_B.weight": torch.zeros(32, 2)}, "not a linear or conv"),
 ])
@@ -110,3 +116,12 @@ def test_choose_merges_a_shared_set_unless_segmenting_its_steps_left_is_cheaper(
     assert choose([ink], [2], paper, sizes, 10, costs, False) == "merged"  # cannot segment: switch
     costs.observe("merge_s_per_byte", 0.0, 1000)
     assert costs.merge_s_per_byte == pytest.approx(0.7e-6)  # a running average
+
+
+def test_text_encoder_layers_of_a_transformer_family_are_refused_naming_what_applies():
+    """Text-encoder adapters are served for SD and SDXL (tested against diffusers), not SD3 / Flux."""
+    pipe = load_pipeline("tiny-sd3")
+    raw = {"text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32),
+           "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 2)}
+    with pytest.raises(LoraError, match="has layers for text_encoder; gouache applies LoRAs to the transformer of this"):
+        parse_lora(raw, {}, Target.of(pipe), "clip")

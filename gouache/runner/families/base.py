@@ -15,6 +15,7 @@ import torch
 
 from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
+from gouache.lora.text import TextAdapters, text_adapters, text_key
 from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cached_blocks
@@ -50,6 +51,7 @@ class Family(ABC):
                              f"model, got {self.patch_pixels}")
         self.patch = self.patch_pixels // self.vae_scale  # the largest patch side in latent pixels
         self.compiled: CompiledDenoiser | None = None  # the compiled forward, under --compile
+        self._text_key: tuple = ()  # the text-encoder adapters of the prompt being encoded (`text_key`)
 
     @property
     def patch_factor(self) -> int:
@@ -59,8 +61,10 @@ class Family(ABC):
     # -- preparation (prep thread) --------------------------------------------------------
 
     @torch.no_grad()
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None) -> DenoiseState:
-        """Text encoding, sampler, initial noise and (for edits) the original's latents."""
+    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
+                text: TextAdapters = ()) -> DenoiseState:
+        """Text encoding (with `text`, the request's text-encoder adapters), sampler, initial
+        noise and (for edits) the original's latents."""
         scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
         rows = 2 if self.uses_cfg(request) else 1
@@ -68,7 +72,10 @@ class Family(ABC):
             request=request, scheduler=scheduler, timesteps=torch.empty(0), latents=torch.empty(0),
             generator=generator, rows=rows,
         )
-        state.cond = self.encode_text(request, rows)
+        with text_adapters(self.pipe, text):
+            self._text_key = text_key(text)
+            state.cond = self.encode_text(request, rows)
+        self._text_key = ()
         if image is None and self.needs_image:  # a generation repaints all of a blank image
             image = np.zeros((request.height, request.width, 3), np.uint8)
         pixels = pixel_mask = None
@@ -98,8 +105,9 @@ class Family(ABC):
 
     def encode_prompt(self, request: ImageRequest, rows: int, *args, **kwargs):
         """The pipeline's `encode_prompt(*args, **kwargs)` for the request's prompts and guidance,
-        from the conditioning cache when an earlier request asked the same."""
-        key = (request.prompt, request.negative_prompt, rows == 2)
+        from the conditioning cache when an earlier request asked the same with the same
+        text-encoder adapters."""
+        key = (request.prompt, request.negative_prompt, rows == 2, self._text_key)
         return self.conditioning.text(key, lambda: self.pipe.encode_prompt(*args, **kwargs))
 
     def latent_dist(self, pixels: torch.Tensor):
