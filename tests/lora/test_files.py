@@ -125,3 +125,12 @@ def test_text_encoder_layers_of_a_transformer_family_are_refused_naming_what_app
            "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 2)}
     with pytest.raises(LoraError, match="has layers for text_encoder; gouache applies LoRAs to the transformer of this"):
         parse_lora(raw, {}, Target.of(pipe), "clip")
+
+
+def test_a_kohya_dora_file_loads_as_plain_lora_as_diffusers_loads_it(pipe):
+    """diffusers' SD / SDXL lora_state_dict drops kohya's `dora_scale` keys (with a warning)."""
+    down, up = layer_pair(pipe)
+    key = "lora_unet_" + Q.replace(".", "_")
+    lora = parse_lora({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(2.0),
+                       f"{key}.dora_scale": torch.ones(1, down.shape[1])}, {}, Target.of(pipe), "dora")
+    assert list(lora.layers) == [Q] and lora.layers[Q].scale == 1.0 and torch.equal(lora.layers[Q].down, down)
