@@ -24,11 +24,13 @@ class ModelInfo:
     max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)
     instruction_edit: bool = False  # an edit without a mask is redrawn as its prompt says (instruction-edit models)
     max_input_images: int = 1  # image[] uploads an edit takes
+    parallel: bool = False  # the server's policy may plan steps on several devices
 
     @property
     def img2img(self) -> bool:
-        """Edits without a mask take `strength` (a 9-channel inpainting UNet takes a mask only)."""
-        return not self.inpaint_channels
+        """Edits without a mask take `strength` (a 9-channel inpainting UNet takes a mask only; an
+        instruction-edit model's edit without a mask follows its prompt)."""
+        return not self.inpaint_channels and not self.instruction_edit
 
 
 def img2img_start(family: str, steps: int, strength: float) -> int:

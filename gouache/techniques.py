@@ -46,6 +46,9 @@ TECHNIQUES = {t.name: t for t in (
               "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens"),
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
+    Technique("reference", "image", True, True,
+              "an instruction edit's reference tokens (FLUX.1 Kontext): the upload's latents after the image's own, "
+              "asked by an edit without a mask on an instruction-edit model"),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
               "distribution, reused at preparation", compiles=True),
@@ -132,6 +135,21 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("parallel", "conditioning"): Pair(EXACT, "the driver prepares; every rank gets the same state"),
     _pair("mixed_sizes", "parallel"): Pair(REFUSED, "a mixed-size forward runs on one device: the policies plan mixed "
                                                     "sizes at degree 1 only"),
+    _pair("reference", "lora"): Pair(EXACT, "the adapters apply to the reference tokens too, as in diffusers; a step "
+                                            "that splits its forwards applies each set per forward"),
+    _pair("reference", "lora_async"): Pair(APPROXIMATE, "the adapters join late, the reference is exact"),
+    _pair("reference", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are FLUX.1 Kontext's"),
+    _pair("reference", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are FLUX.1 "
+                                                          "Kontext's"),
+    _pair("reference", "template"): Pair(REFUSED, "a template replays the tokens a mask keeps; an instruction edit "
+                                                  "keeps none"),
+    _pair("reference", "block_cache"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
+                                                     "and reference, outside the block cache"),
+    _pair("reference", "mixed_sizes"): Pair(EXACT, "a step that holds a reference runs one forward per latent shape "
+                                                   "and reference"),
+    _pair("reference", "parallel"): Pair(REFUSED, "Ulysses shards are not tested with reference tokens: a server whose "
+                                                  "policy may plan steps on several devices refuses instruction edits"),
+    _pair("reference", "conditioning"): Pair(EXACT, "the upload's latents are the VAE's mode, cached by its pixels"),
 }
 
 

@@ -25,7 +25,7 @@ from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import img2img_start, unpriced_message
 from gouache.request import ImageRequest
-from gouache.techniques import refused_pair
+from gouache.techniques import TECHNIQUES, refused_pair
 
 if TYPE_CHECKING:
     from gouache.config import ServerConfig
@@ -379,6 +379,8 @@ class ImageEditRequest(ImageParams):
     def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
         if self.strength is not None:
             self._check_strength(info, mask)
+        if info.instruction_edit and image is not None and mask is None:
+            self._check_instruction_edit(info)
         if self.template_id is not None and self.template_cache is False:
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
@@ -394,6 +396,20 @@ class ImageEditRequest(ImageParams):
         return {"template_cache": True if asked else self.template_cache, "template_id": template_id,
                 "strength": self.strength}
 
+    def _check_instruction_edit(self, info: ModelInfo) -> None:
+        """An edit without a mask on an instruction-edit model uses `reference` (gouache.techniques)."""
+        asked = self._asked()
+        used = {"reference", *asked, *(["parallel"] if info.parallel else [])}
+        refused = refused_pair(used)
+        if refused is None:
+            return
+        a, b, why = refused
+        other = b if a == "reference" else a
+        field = asked.get(other, "image")
+        raise InvalidRequestError(f"Invalid value for '{field}': an instruction edit (an edit without a mask on "
+                                  f"'{info.name}') and {asked.get(other, TECHNIQUES[other].field)} do not compose "
+                                  f"({why}).", field)
+
     def _check_strength(self, info: ModelInfo, mask: bytes | None) -> None:
         def refuse(why: str) -> None:
             raise InvalidRequestError(f"Invalid value for 'strength': {why}.", "strength")
@@ -401,6 +417,9 @@ class ImageEditRequest(ImageParams):
         if mask is not None:
             refuse("it makes an edit without a mask an img2img (the whole picture redrawn from the upload), "
                    "while a mask repaints its region from noise; send the mask or the strength, not both")
+        if info.instruction_edit:
+            refuse(f"'{info.name}' is an instruction-edit model: an edit without a mask follows its prompt, with "
+                   "the upload as a reference; leave strength out")
         if not info.img2img:
             refuse(f"'{info.name}' is a 9-channel inpainting model: it takes a mask, and no strength")
         if self.template_cache or self.template_id is not None:

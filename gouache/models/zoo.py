@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import (
     AutoencoderKL, DiffusionPipeline, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
-    FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
+    FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
     StableDiffusionInpaintPipeline, StableDiffusionPipeline, StableDiffusionXLInpaintPipeline,
     StableDiffusionXLPipeline, UNet2DConditionModel,
 )
@@ -60,6 +60,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-sdxl": BuiltinSpec("sdxl", "SDXL-style UNet with text_time conditioning, two CLIPs"),
     "tiny-sd3": BuiltinSpec("sd3", "SD3 MMDiT, two CLIPs + T5, flow matching (shift 3.0)"),
     "tiny-flux": BuiltinSpec("flux", "FLUX.1-dev-style transformer, guidance-distilled, CLIP + T5"),
+    "tiny-flux-kontext": BuiltinSpec("flux", "tiny-flux in FLUX.1 Kontext's pipeline: edits without a mask follow "
+                                             "the prompt (instruction edits)"),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
@@ -229,7 +231,9 @@ def build_tiny_sd3() -> DiffusionPipeline:
     )
 
 
-def build_tiny_flux() -> DiffusionPipeline:
+def build_tiny_flux(kontext: bool = False) -> DiffusionPipeline:
+    """FLUX.1-dev's architecture at toy size; with `kontext`, in FLUX.1 Kontext's pipeline (the
+    same transformer, which then also reads reference tokens: instruction edits)."""
     text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False)
     text_encoder_2, tokenizer_2 = t5_text_encoder(SEED_TEXT_2)
     transformer = seeded(
@@ -248,7 +252,7 @@ def build_tiny_flux() -> DiffusionPipeline:
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
         base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
     )
-    return FluxPipeline(
+    return (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=scheduler, vae=tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159),
         text_encoder=text_encoder, tokenizer=tokenizer,
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
@@ -299,6 +303,7 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-sdxl": build_tiny_sdxl,
     "tiny-sd3": build_tiny_sd3,
     "tiny-flux": build_tiny_flux,
+    "tiny-flux-kontext": lambda: build_tiny_flux(kontext=True),
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
     "shapes-unet": build_shapes_unet,

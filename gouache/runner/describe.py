@@ -5,7 +5,7 @@ runner turns pixels into latents."""
 from __future__ import annotations
 
 import torch
-from diffusers import DiffusionPipeline, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import DiffusionPipeline, FluxKontextPipeline, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
 from gouache.errors import UnknownModelError
 from gouache.model_info import ModelInfo
@@ -27,6 +27,11 @@ def family_of(pipe: DiffusionPipeline) -> str:
     if isinstance(net, UNet2DConditionModel):
         return "sdxl" if net.config.addition_embed_type == "text_time" else "sd"
     raise UnknownModelError(f"unsupported denoiser {type(net).__name__}", param="model")
+
+
+def instruction_edits(pipe: DiffusionPipeline) -> bool:
+    """Whether an edit without a mask follows its prompt with the upload as a reference (FLUX.1 Kontext)."""
+    return isinstance(pipe, FluxKontextPipeline)
 
 
 def size_step(pipe: DiffusionPipeline, family: str) -> int:
@@ -62,4 +67,5 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         default_guidance=builtin.default_guidance if builtin and builtin.default_guidance is not None else DEFAULT_GUIDANCE[family],
         uses_cfg=family != "flux",  # FLUX.1-dev is guidance-distilled: guidance is an input
         inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,
+        instruction_edit=instruction_edits(pipe),
     )

@@ -113,6 +113,8 @@ def row_techniques(state: DenoiseState, spec: StepSpec) -> frozenset[str]:
         used.add("template")
     if spec.degree > 1:
         used.add("parallel")
+    if "reference" in state.cond:  # an instruction edit (FluxKontextFamily)
+        used.add("reference")
     return frozenset(used)
 
 

@@ -90,7 +90,7 @@ class ModelRunner:
         # img2img repaints every token, from a later step than a template's
         uses_template = (self.uses_template(request) and state.edit is not None and state.control is None
                          and request.strength is None)
-        if request.block_cache is None and (state.control is not None or uses_template):
+        if request.block_cache is None and (state.control is not None or uses_template or "reference" in state.cond):
             # the server's default threshold applies only where it composes (`gouache.techniques`)
             state.request = replace(request, block_cache=0.0)
         state.lora = self.loras.use(request.loras, synchronous=uses_template)  # a template records or replays with them

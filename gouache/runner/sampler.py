@@ -39,7 +39,8 @@ class DenoiseState:
     latents: torch.Tensor  # [1, C, h, w]; Flux: packed [1, h*w/4, 4C]
     generator: torch.Generator  # seeded with request.seed; the only source of randomness
     rows: int  # forward rows: 2 with classifier-free guidance ([uncond, cond]), else 1
-    cond: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific inputs, each [rows, ...]
+    # family-specific inputs, each [rows, ...]; "reference": an instruction edit's reference tokens
+    cond: dict[str, torch.Tensor] = field(default_factory=dict)
     step_kwargs: dict = field(default_factory=dict)  # extra kwargs of scheduler.step (generator, eta)
     edit: EditInputs | None = None
     template: TemplateUse | None = None  # an edit that reuses a template's activations

@@ -188,6 +188,27 @@ async def test_a_strength_that_cannot_run_is_refused_with_what_to_send(client: h
     assert message in response.json()["error"]["message"] and not engine.submitted
 
 
+@pytest.mark.parametrize(("fields", "info", "param", "message"), [
+    ({}, {}, None, None),  # taken: the upload is the reference
+    ({"strength": "0.5"}, {}, "strength", "'fake-sd' is an instruction-edit model"),
+    ({"block_cache": "0.2"}, {}, "block_cache", "an instruction edit (an edit without a mask on 'fake-sd') and "
+                                                "block_cache do not compose"),
+    ({"template_cache": "true"}, {"templates": True}, "template_cache", "template_cache do not compose"),
+    ({}, {"parallel": True}, "image", "and --devices do not compose (Ulysses shards are not tested"),
+])
+async def test_an_instruction_edit_is_an_edit_without_a_mask_on_an_instruction_edit_model(
+        client: httpx.AsyncClient, engine: FakeEngine, fields, info, param, message):
+    engine.info = replace(engine.info, instruction_edit=True, **info)
+    files = [("image", ("in.png", png(64, 64), "image/png"))]
+    response = await client.post(EDITS, data={"prompt": "make it blue", **fields}, files=files)
+    if param is None:
+        assert response.status_code == 200, response.text
+        assert engine.submitted[0].mask is None and engine.submitted[0].is_edit
+        return
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert message in response.json()["error"]["message"] and not engine.submitted
+
+
 @pytest.mark.parametrize("size", [None, "auto"])
 async def test_edit_without_size_keeps_the_upload_size(client: httpx.AsyncClient, engine: FakeEngine, size: str | None):
     data = {"prompt": "blue"} if size is None else {"prompt": "blue", "size": size}

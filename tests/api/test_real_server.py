@@ -156,3 +156,26 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server_url):
         ok = http.post("/v1/images/generations", json={"prompt": "still alive", "size": "64x64", "num_inference_steps": 2})
         assert ok.status_code == 200 and len(ok.json()["data"]) == 1
         assert http.get("/health").json()["status"] == "ok"
+
+
+def test_an_instruction_edit_model_through_the_openai_client():
+    """tiny-flux-kontext: an edit without a mask follows the prompt (the upload a reference),
+    one with a mask keeps the pixels outside it; its card says so, and a strength is refused."""
+    original = np.random.default_rng(4).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[16:48, 16:48, 3] = 0
+    with running_server("--model", "tiny-flux-kontext") as url:
+        kinds = httpx.get(f"{url}/v1/models/tiny-flux-kontext").json()["gouache"]["kinds"]
+        steps = {"num_inference_steps": 2, "seed": 1}
+        instructed = client(url).images.edit(image=rgba_png(original), prompt="make it blue", extra_body=steps)
+        generated = client(url).images.generate(prompt="make it blue", size="64x64", extra_body=steps)
+        masked = client(url).images.edit(image=rgba_png(original), mask=rgba_png(mask), prompt="make it blue",
+                                         extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="is an instruction-edit model"):
+            client(url).images.edit(image=rgba_png(original), prompt="make it blue", extra_body={"strength": 0.5})
+    assert kinds["instruction_edit"] and not kinds["img2img"] and kinds["masked_edit"]
+    assert open_image(instructed.data[0].b64_json).size == (64, 64)
+    assert instructed.data[0].b64_json != generated.data[0].b64_json  # the upload counts
+    out = np.asarray(open_image(masked.data[0].b64_json).convert("RGB"))
+    keep = mask[..., 3] == 255
+    assert np.array_equal(out[keep], original[keep])

@@ -172,17 +172,24 @@ ASKED = {"controlnet_async": "controlnets"}  # the field named for it: controlne
 def test_refused_pairs_are_refused_at_admission_naming_both_fields():
     refused = [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items() if entry.verdict == REFUSED]
     per_request = [(a, b) for a, b in refused if TECHNIQUES[a].per_request and TECHNIQUES[b].per_request]
-    assert len(per_request) == 5
+    assert len(per_request) == 9
     for a, b in per_request:
-        params = ImageEditRequest.model_validate(edit_body({**FIELDS[a], **FIELDS[b]}), context=CONTEXT)
+        # "reference" is asked by an upload without a mask to an instruction-edit model
+        info = replace(FAKE_INFO, templates=True, instruction_edit="reference" in (a, b))
+        image = b"upload" if "reference" in (a, b) else None
+        params = ImageEditRequest.model_validate(edit_body({**FIELDS.get(a, {}), **FIELDS.get(b, {})}), context=CONTEXT)
         with pytest.raises(InvalidRequestError) as error:
-            params.to_requests("x", replace(FAKE_INFO, templates=True), 0.0)
+            params.to_requests("x", info, 0.0, image)
         message, fields = error.value.message, (ASKED.get(a, TECHNIQUES[a].field), ASKED.get(b, TECHNIQUES[b].field))
-        assert f"{fields[0]} and {fields[1]} do not compose" in message, (a, b, message)
+        if "reference" in (a, b):
+            other = fields[0] if b == "reference" else fields[1]
+            assert f"an instruction edit (an edit without a mask on 'fake-sd') and {other} do not compose" in message
+        else:
+            assert f"{fields[0]} and {fields[1]} do not compose" in message, (a, b, message)
         assert error.value.param in fields
         for one in (a, b):  # each alone is taken
-            alone_params = ImageEditRequest.model_validate(edit_body(FIELDS[one]), context=CONTEXT)
-            assert alone_params.to_requests("x", replace(FAKE_INFO, templates=True), 0.0)
+            alone_params = ImageEditRequest.model_validate(edit_body(FIELDS.get(one, {})), context=CONTEXT)
+            assert alone_params.to_requests("x", info, 0.0, image if one == "reference" else None)
     generation = ImageGenerationRequest.model_validate(edit_body({**FIELDS["controlnet"], **FIELDS["block_cache"]}),
                                                        context=CONTEXT)
     with pytest.raises(InvalidRequestError, match="controlnets and block_cache do not compose"):

@@ -21,16 +21,19 @@ SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux
 
 
 def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
-    """Two-step latent generation; inpainting pipelines get a grey image and a full mask."""
+    """Two-step latent generation; inpainting pipelines get a grey image and a full mask, Kontext
+    keeps the size (it would scale it to a megapixel)."""
     extra = {}
     if "Inpaint" in type(pipe).__name__:
         extra = dict(
             image=Image.new("RGB", (SIZE, SIZE), (128, 64, 32)),
             mask_image=Image.new("L", (SIZE, SIZE), 255),
         )
+    if "Kontext" in type(pipe).__name__:
+        extra = dict(max_area=SIZE * SIZE)
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
-        prompt,
+        prompt=prompt,
         height=SIZE,
         width=SIZE,
         num_inference_steps=2,
@@ -136,8 +139,9 @@ def test_model_info_of_builtins(pipes):
     assert {i.size_step for i in info.values()} == {16}
     assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
-    assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5}
-    assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux"]
+    assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5}
+    assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux", "tiny-flux-kontext"]
+    assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext"]
     inpainting = [n for n, i in info.items() if i.inpaint_channels]
     assert inpainting == ["tiny-sd-inpaint", "tiny-sdxl-inpaint"]
 

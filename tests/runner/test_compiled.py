@@ -176,14 +176,16 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
     one = StepSpec(patched=False, degree=1, cache=None, templates=None)
 
     class State:  # what row_techniques reads
-        def __init__(self, shape=(1, 4, 8, 8), lora=None):
+        def __init__(self, shape=(1, 4, 8, 8), lora=None, cond=None):
             self.lora, self.control, self.template = lora, None, None
             self.latents = torch.zeros(shape)
+            self.cond = cond or {}
 
     assert eager_reason(one, [State(), State()]) is None
     assert eager_reason(StepSpec(True, 1, None, None), [State(), State((1, 4, 4, 4))]) == "mixed_sizes"
     assert eager_reason(StepSpec(True, 1, None, None), [State(), State()]) is None  # one size: a plain batch
     assert eager_reason(StepSpec(False, 2, None, None), [State()]) == "parallel"
+    assert eager_reason(one, [State(), State(cond={"reference": torch.zeros(1, 4, 8)})]) == "reference"
 
 
 def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pipe):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gouache.runner.families.base import Family
-from gouache.runner.families.dit import FluxFamily, StableDiffusion3Family
+from gouache.runner.families.dit import FluxFamily, FluxKontextFamily, StableDiffusion3Family
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
 from gouache.runner.conditioning import ConditioningCache
-from gouache.runner.describe import family_of
+from gouache.runner.describe import family_of, instruction_edits
 
 FAMILIES: dict[str, type[Family]] = {
     f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily)
@@ -14,4 +14,5 @@ FAMILIES: dict[str, type[Family]] = {
 
 
 def make_family(pipe, patch_pixels: int | None, conditioning: ConditioningCache | None = None) -> Family:
-    return FAMILIES[family_of(pipe)](pipe, patch_pixels, conditioning)
+    cls = FluxKontextFamily if instruction_edits(pipe) else FAMILIES[family_of(pipe)]
+    return cls(pipe, patch_pixels, conditioning)

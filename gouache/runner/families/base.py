@@ -34,6 +34,8 @@ class Family(ABC):
     patches = True
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
+    # an edit without a mask is redrawn as its prompt says, the upload a reference (FLUX.1 Kontext)
+    instruction_edit = False
 
     def __init__(self, pipe, patch_pixels: int | None = None, conditioning: ConditioningCache | None = None):
         """`patch_pixels`: the largest patch side of a patched forward (None: DEFAULT_PATCH_PIXELS);

@@ -183,7 +183,7 @@ class FluxFamily(FlowFamily):
         if pixels is not None:
             image_latents = self.pack(self.encode_original(state, pixels))
         channels = self.pipe.transformer.config.in_channels // 4
-        noise, image_ids = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
+        noise, image_ids = self.noise(state, channels)
         state.cond["image_ids"] = image_ids
         if pixels is not None:
             h, w = self.latent_hw(r)
@@ -191,6 +191,11 @@ class FluxFamily(FlowFamily):
             mask = state.edit.latent_mask.expand(-1, channels, -1, -1)
             state.edit.latent_mask = self.pack(mask)
         return noise
+
+    def noise(self, state: DenoiseState, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's packed initial noise and its tokens' ids, as the pipeline draws them."""
+        r = state.request
+        return self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
 
     def token_mask(self, state: DenoiseState) -> torch.Tensor:
         return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
@@ -232,3 +237,73 @@ class FluxFamily(FlowFamily):
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         r = state.request
         return self.unscale(self.pipe._unpack_latents(latents, r.height, r.width, self.vae_scale))
+
+
+class FluxKontextFamily(FluxFamily):
+    """FLUX.1 Kontext (`FluxKontextPipeline`): a generation is FLUX.1's; an edit without a mask is
+    an instruction edit, the upload's latents (the VAE's mode, drawing nothing from the
+    generator) entering after the image's own tokens as reference tokens whose ids start with 1.
+    The reference keeps the request's size (the pipeline with `_auto_resize=False`: the API has
+    resized the upload to it). A forward's requests must agree on their tokens, so a step runs
+    one forward per latent shape and reference (block cache and templates sit out a step that
+    holds a reference; LoRA sets then apply per forward)."""
+
+    instruction_edit = True
+
+    @torch.no_grad()
+    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
+                text=()) -> DenoiseState:
+        if image is None or mask is not None or request.strength is not None:
+            return super().prepare(request, image, mask, text)
+        state = super().prepare(request, None, None, text)  # a generation's noise and ids: the encoding draws nothing
+        pixels, _ = self._edit_tensors(image, None)
+        config = self.pipe.vae.config
+        reference = (self.latent_dist(pixels).mode() - config.shift_factor) * config.scaling_factor
+        h, w = reference.shape[2:]
+        ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
+        ids[..., 0] = 1
+        state.cond["reference"] = self.pack(reference)
+        state.cond["image_ids"] = torch.cat([state.cond["image_ids"], ids])
+        return state
+
+    def noise(self, state: DenoiseState, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = state.request
+        noise, _, ids, _ = self.pipe.prepare_latents(None, 1, channels, r.height, r.width, self.dtype, self.device,
+                                                     state.generator)
+        return noise, ids
+
+    def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
+                ) -> list[torch.Tensor]:
+        if any("reference" in s.cond for s in states):
+            return list(self.forward(states).split([s.rows for s in states]))
+        return super().predict(states, patched, cache, templates)
+
+    def forward(self, states: list[DenoiseState]) -> torch.Tensor:
+        """One forward per latent shape and reference; each prediction's own tokens only."""
+        groups: dict[tuple, list[DenoiseState]] = {}
+        for state in states:
+            groups.setdefault(_tokens(state), []).append(state)
+        out: dict[int, torch.Tensor] = {}
+        for group in groups.values():
+            prediction = self.denoise(*self.forward_inputs(group))[:, : group[0].latents.shape[1]]
+            out.update(zip(map(id, group), prediction.split([s.rows for s in group])))
+        return torch.cat([out[id(s)] for s in states])
+
+    def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
+        rows, shared = super().forward_inputs(states)
+        if "reference" in states[0].cond:
+            rows["hidden_states"] = torch.cat([torch.cat([s.latents, s.cond["reference"]], dim=1) for s in states])
+        return rows, shared
+
+    def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
+        if any("reference" in s.cond for s in states):
+            if len({_tokens(s) for s in states}) > 1:
+                return None  # several forwards: adapters apply per forward
+            return {sum(s.rows for s in states): torch.arange(sum(s.rows for s in states))}
+        return super().row_maps(states, patched)
+
+
+def _tokens(state: DenoiseState) -> tuple:
+    """What a Kontext forward's requests must share: the latent shape and the reference's."""
+    reference = state.cond.get("reference")
+    return tuple(state.latents.shape), None if reference is None else tuple(reference.shape)
