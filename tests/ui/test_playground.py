@@ -180,6 +180,33 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
     assert console_errors(browser) == []
 
 
+def test_on_an_instruction_edit_model_an_unpainted_edit_goes_without_a_mask(browser, screenshot, tmp_path):
+    """tiny-flux-kontext: with nothing painted the page sends no mask (the prompt edits the
+    picture, the upload a reference): the image it shows is the API's answer to the same
+    request without a mask."""
+    from tests.api.helpers import running_server
+
+    Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 64, 3), dtype=np.uint8)).convert("RGBA") \
+        .save(tmp_path / "upload.png")
+    with running_server("--model", "tiny-flux-kontext") as url:
+        open_page(browser, url, "edit")
+        wait(browser, lambda: css(browser, "#server-line").text == "serving tiny-flux-kontext")
+        form = css(browser, "#edit-form")
+        form.find_element("name", "image").send_keys(str(tmp_path / "upload.png"))
+        wait(browser, lambda: form.find_element("name", "width").get_attribute("value") == "64")
+        fill(form, prompt="make it blue", seed=3, num_inference_steps=2, partial_images=0)
+        form.find_element("css selector", "button[type=submit]").click()
+        wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
+        screenshot("instruction-edit")
+        shown = pixels(figures(browser)[0]["src"])
+        data = {"prompt": "make it blue", "seed": "3", "num_inference_steps": "2", "size": "64x64"}
+        files = [("image", ("upload.png", (tmp_path / "upload.png").read_bytes(), "image/png"))]
+        answer = httpx.post(f"{url}/v1/images/edits", data=data, files=files, timeout=120).json()
+        assert form.find_element("name", "strength").get_attribute("disabled") == "true"
+    assert np.array_equal(shown, np.asarray(open_image(answer["data"][0]["b64_json"]).convert("RGB")))
+    assert console_errors(browser) == []
+
+
 def test_a_lora_and_a_controlnet_chosen_on_the_page_shape_the_image(browser, server, screenshot, tmp_path):
     scene = sample_scene(random.Random(4))
     Image.fromarray(layout_map(scene, 128, 128)).save(tmp_path / "layout.png")

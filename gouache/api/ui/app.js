@@ -104,7 +104,8 @@ imageTab(editTab, async () => {
   const params = await readParams(editFields);
   const strength = editFields.elements.strength.value.trim();
   if (strength) params.strength = Number.isNaN(Number(strength)) ? strength : Number(strength);
-  return ["/v1/images/edits", await editForm(painter, params), params];
+  const card = models?.find((model) => model.id === params.model);
+  return ["/v1/images/edits", await editForm(painter, params, Boolean(card?.gouache.kinds.instruction_edit)), params];
 }, askForKey);
 
 for (const button of document.querySelectorAll("[data-tab]")) button.addEventListener("click", () => select(button.dataset.tab));

@@ -101,13 +101,15 @@ export class MaskPainter {
 }
 
 // The multipart body of an edit: the upload as it was chosen, the mask, the shared fields (the
-// adapter lists as JSON text). With a strength and nothing painted it is img2img, sent without a
-// mask; a strength with paint goes with the mask, for the API to say which to drop.
-export async function editForm(painter, params) {
+// adapter lists as JSON text). With nothing painted, an instruction-edit model's edit (it follows
+// the prompt) and an edit with a strength (img2img) go without a mask; a strength with paint goes
+// with the mask, for the API to say which to drop.
+export async function editForm(painter, params, instructionEdit) {
   const form = new FormData();
   if (painter.file) {
     form.append("image", painter.file, painter.file.name);
-    if (params.strength === undefined || painter.painted()) form.append("mask", await painter.maskBlob(), "mask.png");
+    const maskless = (instructionEdit || params.strength !== undefined) && !painter.painted();
+    if (!maskless) form.append("mask", await painter.maskBlob(), "mask.png");
   }
   for (const [name, value] of Object.entries(params)) form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
   return form;
