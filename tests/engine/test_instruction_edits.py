@@ -42,3 +42,39 @@ def test_an_instruction_edit_equals_diffusers_kontext_pipeline_in_a_mixed_batch(
         assert (latents[rid] - reference).abs().max() <= 1e-4, rid
     assert (latents["edit"] - latents["generation"]).abs().max() > 1e-3  # the reference tokens count
     assert torch.isfinite(latents["masked"]).all()
+
+
+def test_instruction_edits_with_adapters_equal_themselves_alone_in_a_batch_of_other_sets(pipes, tmp_path):
+    """`reference` + `lora` (exact): a step that splits into one forward per shape and reference
+    applies each adapter set per forward; every request equals itself served alone."""
+    from safetensors.torch import save_file
+
+    from gouache.config import LoraConfig
+    from gouache.lora.files import random_lora
+    from gouache.runner.model_runner import ModelRunner
+
+    pipe = pipes(MODEL)
+    for seed, name in enumerate(("ink", "paper")):
+        save_file(random_lora(pipe, rank=4, seed=seed), str(tmp_path / f"{name}.safetensors"))
+    image = np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+
+    def item(rid: str, lora: str | None, edit: bool):
+        request = ImageRequest(rid, "make it blue", 64, 64, 2, 2.5, seed=2, image=b"-" if edit else None,
+                               loras=((lora, 1.0),) if lora else ())
+        return request, ({"image": image} if edit else {})
+
+    batch = [item("edit-ink", "ink", True), item("edit-paper", "paper", True), item("gen-ink", "ink", False),
+             item("edit-plain", None, True)]
+
+    def runner() -> ModelRunner:
+        return ModelRunner(pipe, loras=LoraConfig(str(tmp_path)))
+
+    alone = {request.request_id: run_engine(pipe, {0: [(request, inputs)]}, "orca", runner())[request.request_id]
+             for request, inputs in batch}
+    # with a generation beside them the step splits (adapter sets per forward); edits alone, one
+    # forward whose rows carry their own sets (segmented)
+    for members in (batch, [b for b in batch if b[0].request_id.startswith("edit")]):
+        together = run_engine(pipe, {0: members}, "orca", runner())
+        for request, _ in members:
+            assert (together[request.request_id] - alone[request.request_id]).abs().max() <= 1e-4, request.request_id
+    assert (alone["edit-ink"] - alone["edit-plain"]).abs().max() > 1e-3  # the adapter counts
