@@ -99,8 +99,17 @@ class LoraRuntime:
 
     def text_adapters(self, adapters: tuple[tuple[str, float], ...]) -> list[tuple[Lora, float]]:
         """The request's adapters that have text-encoder layers, read now: its prompt is encoded
-        while it is prepared (the others load while it waits and runs)."""
-        return [(self.store.load(name).result(), scale) for name, scale in adapters if self.store.check(name)]
+        while it is prepared (the others load while it waits and runs). A file that cannot be
+        read now is left out here: its load fails the request at its first step, as the
+        request's own input (`arrived`)."""
+        out = []
+        for name, scale in adapters:
+            try:
+                if self.store.check(name):
+                    out.append((self.store.load(name).result(), scale))
+            except LoraError:
+                continue
+        return out
 
     def start(self, request_id: str, use: LoraUse) -> None:
         """Begin reading a request's adapters (unknown names raise here)."""
