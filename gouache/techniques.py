@@ -47,8 +47,8 @@ TECHNIQUES = {t.name: t for t in (
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
     Technique("reference", "image", True, True,
-              "an instruction edit's reference tokens (FLUX.1 Kontext): the upload's latents after the image's own, "
-              "asked by an edit without a mask on an instruction-edit model"),
+              "an edit's reference tokens (FLUX.1 Kontext): the upload's latents after the image's own, asked by any "
+              "edit on an instruction-edit model"),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
               "distribution, reused at preparation", compiles=True),
@@ -141,8 +141,8 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("reference", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are FLUX.1 Kontext's"),
     _pair("reference", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are FLUX.1 "
                                                           "Kontext's"),
-    _pair("reference", "template"): Pair(REFUSED, "a template replays the tokens a mask keeps; an instruction edit "
-                                                  "keeps none"),
+    _pair("reference", "template"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
+                                                  "and reference, outside templates"),
     _pair("reference", "block_cache"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
                                                      "and reference, outside the block cache"),
     _pair("reference", "mixed_sizes"): Pair(EXACT, "a step that holds a reference runs one forward per latent shape "

@@ -379,8 +379,8 @@ class ImageEditRequest(ImageParams):
     def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
         if self.strength is not None:
             self._check_strength(info, mask)
-        if info.instruction_edit and image is not None and mask is None:
-            self._check_instruction_edit(info)
+        if info.instruction_edit and image is not None:
+            self._check_reference(info)
         if self.template_id is not None and self.template_cache is False:
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
@@ -396,8 +396,9 @@ class ImageEditRequest(ImageParams):
         return {"template_cache": True if asked else self.template_cache, "template_id": template_id,
                 "strength": self.strength}
 
-    def _check_instruction_edit(self, info: ModelInfo) -> None:
-        """An edit without a mask on an instruction-edit model uses `reference` (gouache.techniques)."""
+    def _check_reference(self, info: ModelInfo) -> None:
+        """An edit on an instruction-edit model (with a mask or without) uses `reference`
+        (gouache.techniques): its upload enters as reference tokens."""
         asked = self._asked()
         used = {"reference", *asked, *(["parallel"] if info.parallel else [])}
         refused = refused_pair(used)
@@ -406,8 +407,8 @@ class ImageEditRequest(ImageParams):
         a, b, why = refused
         other = b if a == "reference" else a
         field = asked.get(other, "image")
-        raise InvalidRequestError(f"Invalid value for '{field}': an instruction edit (an edit without a mask on "
-                                  f"'{info.name}') and {asked.get(other, TECHNIQUES[other].field)} do not compose "
+        raise InvalidRequestError(f"Invalid value for '{field}': an edit on '{info.name}' (its upload enters as "
+                                  f"reference tokens) and {asked.get(other, TECHNIQUES[other].field)} do not compose "
                                   f"({why}).", field)
 
     def _check_strength(self, info: ModelInfo, mask: bytes | None) -> None:

@@ -191,7 +191,7 @@ async def test_a_strength_that_cannot_run_is_refused_with_what_to_send(client: h
 @pytest.mark.parametrize(("fields", "info", "param", "message"), [
     ({}, {}, None, None),  # taken: the upload is the reference
     ({"strength": "0.5"}, {}, "strength", "'fake-sd' is an instruction-edit model"),
-    ({"block_cache": "0.2"}, {}, "block_cache", "an instruction edit (an edit without a mask on 'fake-sd') and "
+    ({"block_cache": "0.2"}, {}, "block_cache", "an edit on 'fake-sd' (its upload enters as reference tokens) and "
                                                 "block_cache do not compose"),
     ({"template_cache": "true"}, {"templates": True}, "template_cache", "template_cache do not compose"),
     ({}, {"parallel": True}, "image", "and --devices do not compose (Ulysses shards are not tested"),

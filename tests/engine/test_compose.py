@@ -183,7 +183,7 @@ def test_refused_pairs_are_refused_at_admission_naming_both_fields():
         message, fields = error.value.message, (ASKED.get(a, TECHNIQUES[a].field), ASKED.get(b, TECHNIQUES[b].field))
         if "reference" in (a, b):
             other = fields[0] if b == "reference" else fields[1]
-            assert f"an instruction edit (an edit without a mask on 'fake-sd') and {other} do not compose" in message
+            assert f"an edit on 'fake-sd' (its upload enters as reference tokens) and {other} do not compose" in message
         else:
             assert f"{fields[0]} and {fields[1]} do not compose" in message, (a, b, message)
         assert error.value.param in fields

@@ -253,18 +253,25 @@ class FluxKontextFamily(FluxFamily):
     @torch.no_grad()
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
                 text=()) -> DenoiseState:
-        if image is None or mask is not None or request.strength is not None:
+        """A masked edit is `FluxKontextInpaintPipeline`'s: FLUX.1's blending, the original its
+        own reference."""
+        if image is None or request.strength is not None:
             return super().prepare(request, image, mask, text)
-        state = super().prepare(request, None, None, text)  # a generation's noise and ids: the encoding draws nothing
+        # the encoding draws nothing: the noise is a generation's
+        state = super().prepare(request, None if mask is None else image, mask, text)
         pixels, _ = self._edit_tensors(image, None)
-        config = self.pipe.vae.config
-        reference = (self.latent_dist(pixels).mode() - config.shift_factor) * config.scaling_factor
+        reference = self.encode_original(state, pixels)
         h, w = reference.shape[2:]
         ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
         ids[..., 0] = 1
         state.cond["reference"] = self.pack(reference)
         state.cond["image_ids"] = torch.cat([state.cond["image_ids"], ids])
         return state
+
+    def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:
+        """The VAE's mode, as Kontext's pipelines encode (no draw from the generator)."""
+        config = self.pipe.vae.config
+        return (self.latent_dist(pixels).mode() - config.shift_factor) * config.scaling_factor
 
     def noise(self, state: DenoiseState, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = state.request
