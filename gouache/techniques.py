@@ -49,6 +49,9 @@ TECHNIQUES = {t.name: t for t in (
     Technique("reference", "image", True, True,
               "an edit's reference tokens (FLUX.1 Kontext): the upload's latents after the image's own, asked by any "
               "edit on an instruction-edit model"),
+    Technique("img2img", "strength", True, True,
+              "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
+              "the steps after", compiles=True),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
               "distribution, reused at preparation", compiles=True),
@@ -150,6 +153,21 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("reference", "parallel"): Pair(REFUSED, "Ulysses shards are not tested with reference tokens: a server whose "
                                                   "policy may plan steps on several devices refuses instruction edits"),
     _pair("reference", "conditioning"): Pair(EXACT, "the upload's latents are the VAE's mode, cached by its pixels"),
+    _pair("img2img", "lora"): Pair(EXACT, "the adapters change the denoiser, img2img the starting latents and steps"),
+    _pair("img2img", "lora_async"): Pair(APPROXIMATE, "the adapters join late, the starting latents are exact"),
+    _pair("img2img", "controlnet"): Pair(EXACT, "the residuals take the request's own timesteps"),
+    _pair("img2img", "controlnet_async"): Pair(APPROXIMATE, "the residuals a step late, the starting latents exact"),
+    _pair("img2img", "template"): Pair(REFUSED, "a template replays the tokens a mask keeps; img2img keeps none"),
+    _pair("img2img", "block_cache"): Pair(APPROXIMATE, "the block cache's reuse as measured alone, from the request's "
+                                                       "own first step"),
+    _pair("img2img", "mixed_sizes"): Pair(EXACT, "a request runs only its own steps: any mix of sizes and strengths "
+                                                 "shares a forward"),
+    _pair("img2img", "parallel"): Pair(EXACT, "the driver prepares the starting latents; every rank gets the same "
+                                              "state"),
+    _pair("img2img", "reference"): Pair(REFUSED, "an instruction-edit model's edit without a mask follows its prompt "
+                                                 "and takes no strength"),
+    _pair("img2img", "conditioning"): Pair(EXACT, "the upload's VAE distribution is cached by its pixels and sampled "
+                                                  "with the request's own generator"),
 }
 
 

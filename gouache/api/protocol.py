@@ -377,10 +377,10 @@ class ImageEditRequest(ImageParams):
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
 
     def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
-        if self.strength is not None:
-            self._check_strength(info, mask)
         if info.instruction_edit and image is not None:
             self._check_reference(info)
+        if self.strength is not None:
+            self._check_strength(info, mask)
         if self.template_id is not None and self.template_cache is False:
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
@@ -418,14 +418,8 @@ class ImageEditRequest(ImageParams):
         if mask is not None:
             refuse("it makes an edit without a mask an img2img (the whole picture redrawn from the upload), "
                    "while a mask repaints its region from noise; send the mask or the strength, not both")
-        if info.instruction_edit:
-            refuse(f"'{info.name}' is an instruction-edit model: an edit without a mask follows its prompt, with "
-                   "the upload as a reference; leave strength out")
         if not info.img2img:
             refuse(f"'{info.name}' is a 9-channel inpainting model: it takes a mask, and no strength")
-        if self.template_cache or self.template_id is not None:
-            refuse("a template replays the tokens a mask keeps, and img2img keeps none; leave out "
-                   "template_cache and template_id")
         steps = self.num_inference_steps or info.default_steps
         if img2img_start(info.family, steps, self.strength) >= steps:
             refuse(f"{self.strength:g} of {steps} steps runs none of them ({info.family} models run "
@@ -441,6 +435,8 @@ class ImageEditRequest(ImageParams):
             asked["template"] = "template_id"
         elif self.template_cache:
             asked["template"] = "template_cache"
+        if self.strength is not None:
+            asked["img2img"] = "strength"
         return asked
 
     def at_upload_size(self, width: int, height: int, limits: Limits) -> ImageEditRequest:

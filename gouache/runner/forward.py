@@ -115,6 +115,8 @@ def row_techniques(state: DenoiseState, spec: StepSpec) -> frozenset[str]:
         used.add("parallel")
     if "reference" in state.cond:  # an instruction edit (FluxKontextFamily)
         used.add("reference")
+    if state.request.strength is not None:
+        used.add("img2img")
     return frozenset(used)
 
 

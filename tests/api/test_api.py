@@ -190,7 +190,8 @@ async def test_a_strength_that_cannot_run_is_refused_with_what_to_send(client: h
 
 @pytest.mark.parametrize(("fields", "info", "param", "message"), [
     ({}, {}, None, None),  # taken: the upload is the reference
-    ({"strength": "0.5"}, {}, "strength", "'fake-sd' is an instruction-edit model"),
+    ({"strength": "0.5"}, {}, "strength", "an edit on 'fake-sd' (its upload enters as reference tokens) and strength "
+                                          "do not compose"),
     ({"block_cache": "0.2"}, {}, "block_cache", "an edit on 'fake-sd' (its upload enters as reference tokens) and "
                                                 "block_cache do not compose"),
     ({"template_cache": "true"}, {"templates": True}, "template_cache", "template_cache do not compose"),

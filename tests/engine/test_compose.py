@@ -31,7 +31,7 @@ from tests.lora.random_files import random_loras
 MODEL = "tiny-sd"
 STEPS = 2
 ONE_DEVICE = [name for name, cls in POLICIES.items() if cls.min_devices == 1]
-SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes", "conditioning")  # in one process, here
+SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes", "img2img", "conditioning")  # in one process, here
 SERVER_CHOSEN = {"mixed_sizes", "conditioning"}  # the batch's layout; the conditioning cache of the batched runs
 TOLERANCE = 1e-4  # fp32 on the CPU: another batch layout rounds otherwise (docs/architecture.md, invariant 2)
 
@@ -163,6 +163,7 @@ FIELDS = {  # the request fields that ask for each technique a request can ask f
                          "controlnet_mode": "async"},
     "block_cache": {"block_cache": 0.1},
     "template": {"template_cache": True},
+    "img2img": {"strength": 0.5},
 }
 
 
@@ -172,7 +173,7 @@ ASKED = {"controlnet_async": "controlnets"}  # the field named for it: controlne
 def test_refused_pairs_are_refused_at_admission_naming_both_fields():
     refused = [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items() if entry.verdict == REFUSED]
     per_request = [(a, b) for a, b in refused if TECHNIQUES[a].per_request and TECHNIQUES[b].per_request]
-    assert len(per_request) == 9
+    assert len(per_request) == 11
     for a, b in per_request:
         # "reference" is asked by an upload without a mask to an instruction-edit model
         info = replace(FAKE_INFO, templates=True, instruction_edit="reference" in (a, b))
@@ -189,7 +190,8 @@ def test_refused_pairs_are_refused_at_admission_naming_both_fields():
         assert error.value.param in fields
         for one in (a, b):  # each alone is taken
             alone_params = ImageEditRequest.model_validate(edit_body(FIELDS.get(one, {})), context=CONTEXT)
-            assert alone_params.to_requests("x", info, 0.0, image if one == "reference" else None)
+            alone_info = replace(FAKE_INFO, templates=True, instruction_edit=one == "reference")
+            assert alone_params.to_requests("x", alone_info, 0.0, image if one == "reference" else None)
     generation = ImageGenerationRequest.model_validate(edit_body({**FIELDS["controlnet"], **FIELDS["block_cache"]}),
                                                        context=CONTEXT)
     with pytest.raises(InvalidRequestError, match="controlnets and block_cache do not compose"):

@@ -4,6 +4,8 @@ the graph does not hold runs eagerly and says why, padding to a bucket changes n
 warmed load never recompiles. One graph per model (one bucket of 2 rows at 64 px: a one-row
 forward is padded to it; a UNet and a DiT): compiling is slow on 2 cores."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -176,16 +178,18 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
     one = StepSpec(patched=False, degree=1, cache=None, templates=None)
 
     class State:  # what row_techniques reads
-        def __init__(self, shape=(1, 4, 8, 8), lora=None, cond=None):
+        def __init__(self, shape=(1, 4, 8, 8), lora=None, cond=None, strength=None):
             self.lora, self.control, self.template = lora, None, None
             self.latents = torch.zeros(shape)
             self.cond = cond or {}
+            self.request = SimpleNamespace(strength=strength)
 
     assert eager_reason(one, [State(), State()]) is None
     assert eager_reason(StepSpec(True, 1, None, None), [State(), State((1, 4, 4, 4))]) == "mixed_sizes"
     assert eager_reason(StepSpec(True, 1, None, None), [State(), State()]) is None  # one size: a plain batch
     assert eager_reason(StepSpec(False, 2, None, None), [State()]) == "parallel"
     assert eager_reason(one, [State(), State(cond={"reference": torch.zeros(1, 4, 8)})]) == "reference"
+    assert eager_reason(one, [State(), State(strength=0.5)]) is None  # img2img changes no forward
 
 
 def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pipe):
