@@ -34,8 +34,6 @@ class Family(ABC):
     patches = True
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
-    # an edit without a mask is redrawn as its prompt says, the upload a reference (FLUX.1 Kontext)
-    instruction_edit = False
 
     def __init__(self, pipe, patch_pixels: int | None = None, conditioning: ConditioningCache | None = None):
         """`patch_pixels`: the largest patch side of a patched forward (None: DEFAULT_PATCH_PIXELS);
@@ -76,8 +74,10 @@ class Family(ABC):
         )
         with text_adapters(self.pipe, text):
             self._text_key = text_key(text)
-            state.cond = self.encode_text(request, rows)
-        self._text_key = ()
+            try:
+                state.cond = self.encode_text(request, rows)
+            finally:
+                self._text_key = ()
         if image is None and self.needs_image:  # a generation repaints all of a blank image
             image = np.zeros((request.height, request.width, 3), np.uint8)
         pixels = pixel_mask = None

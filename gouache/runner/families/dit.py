@@ -248,8 +248,6 @@ class FluxKontextFamily(FluxFamily):
     one forward per latent shape and reference (block cache and templates sit out a step that
     holds a reference; LoRA sets then apply per forward)."""
 
-    instruction_edit = True
-
     @torch.no_grad()
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
                 text=()) -> DenoiseState:
@@ -259,12 +257,14 @@ class FluxKontextFamily(FluxFamily):
             return super().prepare(request, image, mask, text)
         # the encoding draws nothing: the noise is a generation's
         state = super().prepare(request, None if mask is None else image, mask, text)
-        pixels, _ = self._edit_tensors(image, None)
-        reference = self.encode_original(state, pixels)
-        h, w = reference.shape[2:]
+        if state.edit is not None:  # a masked edit encoded its original already
+            reference = state.edit.image_latents
+        else:
+            reference = self.pack(self.encode_original(state, self._edit_tensors(image, None)[0]))
+        h, w = self.latent_hw(request)
         ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
         ids[..., 0] = 1
-        state.cond["reference"] = self.pack(reference)
+        state.cond["reference"] = reference
         state.cond["image_ids"] = torch.cat([state.cond["image_ids"], ids])
         return state
 
