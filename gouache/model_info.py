@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ModelInfo:
     name: str  # the name clients pass as `model` (built-in name or directory name)
-    family: str  # sd | sdxl | sd3 | flux
+    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage
     size_step: int  # width and height must be multiples of this many pixels
     default_size: int  # pixels per side when the request names no size
     default_steps: int  # num_inference_steps when the request names none
@@ -25,12 +25,23 @@ class ModelInfo:
     instruction_edit: bool = False  # an edit without a mask is redrawn as its prompt says (instruction-edit models)
     max_input_images: int = 1  # image[] uploads an edit takes
     parallel: bool = False  # the server's policy may plan steps on several devices
+    # techniques (`gouache.techniques`) the model's family does not serve, each with why
+    unserved: tuple[tuple[str, str], ...] = ()
+    cfg_from: float = 1.0  # classifier-free guidance runs for guidance_scale above this (Z-Image: 0)
 
     @property
     def img2img(self) -> bool:
         """Edits without a mask take `strength` (a 9-channel inpainting UNet takes a mask only; an
         instruction-edit model's edit without a mask follows its prompt)."""
         return not self.inpaint_channels and not self.instruction_edit
+
+
+    def cfg_rows(self, guidance: float) -> int:
+        """Forward rows of a request of `guidance`: 2 with classifier-free guidance."""
+        return 2 if self.uses_cfg and guidance > self.cfg_from else 1
+
+    def serves(self, technique: str) -> bool:
+        return technique not in dict(self.unserved)
 
 
 def img2img_start(family: str, steps: int, strength: float) -> int:

@@ -52,8 +52,8 @@ def run_offline(args) -> None:
     runner = ModelRunner(pipe)
     if request.negative_prompt and not runner.family.uses_cfg(request):
         refuse_ignored({"negative_prompt": f"{args.model} at guidance {request.guidance_scale} runs without "
-                                           "classifier-free guidance (FLUX is guidance-distilled; the others "
-                                           "need --guidance > 1)"})
+                                           "classifier-free guidance (FLUX is guidance-distilled; Z-Image needs "
+                                           "--guidance > 0, the others --guidance > 1)"})
     state = runner.prepare(request, image, mask)
     for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
         failed = runner.execute(Batch((request.request_id,))).failed

@@ -292,6 +292,11 @@ class ImageParams(BaseModel):
             raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
                                       "deadline and would ignore it (deadline-aware: --policy patched-slo or "
                                       "round-knapsack).", "slo_ms")
+        for technique, field in self._asked().items():
+            if not info.serves(technique):
+                raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' (a {info.family} model) does "
+                                          f"not serve {technique}: {dict(info.unserved)[technique]}; leave it out.",
+                                          field)
         if self.block_cache and not info.block_cache:
             raise InvalidRequestError("Invalid value for 'block_cache': every step of this server's scheduling "
                                       "policy runs on several devices, where the block cache does not apply; send "
@@ -302,9 +307,10 @@ class ImageParams(BaseModel):
             first, field = self._asked()[a], self._asked()[b]
             raise InvalidRequestError(f"Invalid value for '{field}': {first} and {field} do not compose ({why}); "
                                       "send one of them.", field)
-        if self.negative_prompt is not None and not (info.uses_cfg and guidance > 1.0):
+        if self.negative_prompt is not None and info.cfg_rows(guidance) == 1:
             why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
-                   else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above 1")
+                   else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above "
+                        f"{info.cfg_from:g}")
             raise InvalidRequestError(f"Invalid value for 'negative_prompt': it would be ignored: {why}.",
                                       "negative_prompt")
         return [

@@ -33,7 +33,7 @@ class RequestKinds(BaseModel):
 class ModelDefaults(BaseModel):
     """gouache's extension of a model card: the defaults and bounds a request form needs."""
 
-    family: str  # sd | sdxl | sd3 | flux
+    family: str  # sd | sdxl | sd3 | flux | qwenimage
     default_size: int  # pixels per side when a request names no size
     size_step: int  # width and height must be multiples of this
     min_size: int
@@ -47,6 +47,7 @@ class ModelDefaults(BaseModel):
     max_n: int
     max_batch: int | None  # requests denoised together in one step (measured at start under --max-batch-size auto)
     kinds: RequestKinds
+    unserved: dict[str, str]  # techniques (request fields' names in docs/architecture.md) the model does not serve, and why
 
     @classmethod
     def of(cls, ctx: ApiContext) -> ModelDefaults:
@@ -56,7 +57,7 @@ class ModelDefaults(BaseModel):
                    min_size=limits.min_size, max_size=limits.max_size, max_pixels=limits.max_pixels, sizes=sizes,
                    default_steps=info.default_steps, max_steps=limits.max_steps,
                    default_guidance=info.default_guidance, uses_cfg=info.uses_cfg, max_n=limits.max_n,
-                   max_batch=info.max_batch, kinds=RequestKinds.of(info))
+                   max_batch=info.max_batch, kinds=RequestKinds.of(info), unserved=dict(info.unserved))
 
 
 class ModelCard(BaseModel):

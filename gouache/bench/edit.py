@@ -189,7 +189,7 @@ class Bench:
                                                     template_id=template_id), image, mask)[1:]
                     for k in range(repeats + 1)][1:]  # the first is a warm-up
             timings[label] = [statistics.median(r[i] for r in runs) for i in (0, 1)]
-        rows = 2 if self.info.uses_cfg and self.info.default_guidance > 1 else 1
+        rows = self.info.cfg_rows(self.info.default_guidance)
         return {
             "ratio": ratio, "token_ratio": token_ratio,
             "full_step_ms": 1e3 * timings["full"][0], "replay_step_ms": 1e3 * timings["replay"][0],

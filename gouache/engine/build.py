@@ -24,10 +24,10 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     from gouache.block_cache.predictor import reuse_pass
     from gouache.models.zoo import load_pipeline, model_id
     from gouache.runner.batch_probe import probe_max_batch
-    from gouache.runner.describe import family_of, model_info
+    from gouache.runner.describe import UNCOMPILED, UNSERVED, model_info
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.quantize import quantize
-    from gouache.runner.families import FAMILIES
+    from gouache.runner.families import family_class
     from gouache.sched.costmodel import BatchCostModel, load_mask_model
     from gouache.sched.costmodel import load as load_cost_model
     from gouache.sched.parallel_costmodel import ParallelCostModel
@@ -51,13 +51,22 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
             raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs on "
                              "several devices, where the block cache does not apply")
     pipe = quantize(load_pipeline(model_config.model, model_config.dtype, model_config.device), model_config.quantize)
-    family = FAMILIES[family_of(pipe)]
+    family = family_class(pipe)
+    templates, unserved = engine_config.templates, UNSERVED.get(family.name, {})
+    for flag, technique, value in (("--block-cache", "block_cache", engine_config.block_cache.threshold > 0),
+                                   ("--block-cache-predictor", "block_cache", engine_config.block_cache.predictor),
+                                   ("--template-cache", "template", templates.default),
+                                   ("--template-cost-model", "template", templates.cost_model)):
+        if value and technique in unserved:
+            raise ValueError(f"{flag} would be ignored: {family.name} models serve no {technique} "
+                             f"({unserved[technique]})")
+    if engine_config.compile.enabled and family.name in UNCOMPILED:
+        raise ValueError(f"--compile is not served for {family.name} models: {UNCOMPILED[family.name]}")
     if engine_config.patch_size is not None and not family.patches:
         raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
                          "tokens into one sequence; patches are for UNet models")
     if engine_config.block_cache.predictor:  # a wrong file is refused now, not in each worker
         reuse_pass(engine_config.block_cache, pipe)
-    templates = engine_config.templates
     if templates.cost_model:
         load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
     if (templates.default or templates.cost_model) and not one_device:

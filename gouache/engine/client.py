@@ -91,8 +91,8 @@ class AsyncEngine(AdapterCalls):
             self.pool.shutdown()
             raise
         one_device = caches_blocks(policy, self.pool.num_devices)
-        info = replace(info, deadlines=policy.uses_deadlines, block_cache=one_device,
-                       templates=one_device, max_batch=policy.config.max_batch_size,
+        info = replace(info, deadlines=policy.uses_deadlines, block_cache=one_device and info.serves("block_cache"),
+                       templates=one_device and info.serves("template"), max_batch=policy.config.max_batch_size,
                        parallel=any(degree > 1 for degree in policy.degrees(self.pool.num_devices)))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw

@@ -327,7 +327,7 @@ def _check_layer(table: dict[str, Layer], module_name: str, down: torch.Tensor, 
                         f"{module_name} ({shape})")
 
 
-ATTENTION = r".*attn\d?\.(to_q|to_k|to_v|to_out\.0)"  # the attention projections of every family
+ATTENTION = r".*(attn\d?|attention)\.(to_q|to_k|to_v|to_out\.0)"  # the attention projections of every family
 
 
 def random_lora(pipe, rank: int = 4, seed: int = 0, targets: str = ATTENTION) -> dict[str, torch.Tensor]:

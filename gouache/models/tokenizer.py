@@ -29,21 +29,29 @@ MERGES: list[tuple[str, str]] = [
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """The special tokens of one tokenizer kind; `bos` is None where the model has none."""
+    """The special tokens of one tokenizer kind; `bos` is None where the model has none.
+    `wraps`: encoding adds bos/eos around the text; `extra`: further special tokens (chat and
+    vision markers) that the text itself spells."""
 
     bos: str | None
     eos: str
     pad: str
     unk: str
+    wraps: bool = True
+    extra: tuple[str, ...] = ()
 
     def in_order(self) -> list[str]:
-        return [t for t in (self.bos, self.eos, self.pad, self.unk) if t is not None]
+        return [t for t in (self.bos, self.eos, self.pad, self.unk, *self.extra) if t is not None]
 
 
-# CLIP wraps a prompt as <bos> ... <eos> and pools at the eos; T5 only appends </s>.
+# CLIP wraps a prompt as <bos> ... <eos> and pools at the eos; T5 only appends </s>; Qwen's
+# chat-template text spells its own markers, and encoding adds nothing.
 KINDS: dict[str, SpecialTokens] = {
     "clip": SpecialTokens(bos="<|startoftext|>", eos="<|endoftext|>", pad="<|pad|>", unk="<|unk|>"),
     "t5": SpecialTokens(bos=None, eos="</s>", pad="<pad>", unk="<unk>"),
+    "qwen": SpecialTokens(bos=None, eos="<|im_end|>", pad="<|endoftext|>", unk="<|unk|>", wraps=False,
+                          extra=("<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                 "<|video_pad|>")),
 }
 
 
@@ -108,12 +116,14 @@ def build_backend(kind: str, words: tuple[str, ...] = ()) -> Tokenizer:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(special.in_order())
-    backend.post_processor = _post_processor(special, vocab)
+    if special.wraps:
+        backend.post_processor = _post_processor(special, vocab)
     return backend
 
 
 def build_tokenizer(max_length: int, kind: str = "clip", words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
-    """A drop-in tokenizer for a diffusers pipeline's CLIP (`kind="clip"`) or T5 (`"t5"`) slot.
+    """A drop-in tokenizer for a diffusers pipeline's CLIP (`kind="clip"`), T5 (`"t5"`) or Qwen
+    (`"qwen"`) slot.
 
     `max_length` becomes `model_max_length`, which the pipelines pad and truncate prompts to;
     each of `words` is one token (any other text still tokenizes, byte by byte at worst).
@@ -125,6 +135,7 @@ def build_tokenizer(max_length: int, kind: str = "clip", words: tuple[str, ...] 
         tokenizer_object=build_backend(kind, words),
         bos_token=special.bos,
         eos_token=special.eos,
+        additional_special_tokens=list(special.extra),
         pad_token=special.pad,
         unk_token=special.unk,
         model_max_length=max_length,

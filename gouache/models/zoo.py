@@ -1,8 +1,8 @@
 """The model zoo: tiny built-in pipelines, local diffusers directories, full-size architectures.
 
-The tiny built-ins are real diffusers pipelines (SD1.5, SDXL, SD3, Flux and two inpainting
-variants) with the published architectures shrunk to a few thousand parameters per layer and
-seeded random weights. They need no network, build in a fraction of a second, run a 512x512
+The tiny built-ins are real diffusers pipelines (SD1.5, SDXL, SD3, Flux, FLUX.1 Kontext,
+Qwen-Image, Z-Image and two inpainting variants) with the published architectures shrunk to a few
+thousand parameters per layer and seeded random weights. They need no network, build in a fraction of a second, run a 512x512
 CFG denoiser step on two CPU cores in about 0.2 s, and are bit-identical in every process, which
 is what tests, the simulator and multi-process runners rely on.
 """
@@ -29,6 +29,8 @@ from transformers import (
 from gouache.errors import UnknownModelError
 from gouache.models import trained
 from gouache.models.arch import ARCH_CONFIGS, build_arch, default_dtype
+from gouache.models.qwen import build_tiny_qwen_image
+from gouache.models.zimage import build_tiny_zimage
 from gouache.models.seeds import (
     SEED_DENOISER, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3, SEED_VAE, seeded, torch_dtype,
 )
@@ -49,7 +51,7 @@ TINY_DEFAULT_STEPS = 20  # every built-in's default step count
 class BuiltinSpec:
     """What `gouache models` lists about a built-in model."""
 
-    family: str  # sd | sdxl | sd3 | flux
+    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage
     description: str  # one line for humans
     default_size: int = TINY_DEFAULT_SIZE  # pixels per side of a request without `size`
     default_guidance: float | None = None  # a request's guidance scale when it gives none; None: the family's
@@ -62,6 +64,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-flux": BuiltinSpec("flux", "FLUX.1-dev-style transformer, guidance-distilled, CLIP + T5"),
     "tiny-flux-kontext": BuiltinSpec("flux", "tiny-flux in FLUX.1 Kontext's pipeline: edits without a mask follow "
                                              "the prompt (instruction edits)"),
+    "tiny-qwen-image": BuiltinSpec("qwenimage", "Qwen-Image-style MMDiT, Qwen2.5-VL text encoder, 3D VAE, true CFG"),
+    "tiny-zimage": BuiltinSpec("zimage", "Z-Image-style single-stream DiT over a list of sizes, Qwen3 text encoder"),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
@@ -78,8 +82,9 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     ),
 }
 
-DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28}
-DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5}
+DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28, "qwenimage": 50, "zimage": 50}
+# the pipelines' defaults (Qwen-Image's is its true_cfg_scale)
+DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5, "qwenimage": 4.0, "zimage": 5.0}
 
 
 # ---------------------------------------------------------------------------- seeded building
@@ -304,6 +309,8 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-sd3": build_tiny_sd3,
     "tiny-flux": build_tiny_flux,
     "tiny-flux-kontext": lambda: build_tiny_flux(kontext=True),
+    "tiny-qwen-image": build_tiny_qwen_image,
+    "tiny-zimage": lambda: build_tiny_zimage(tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159)),
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
     "shapes-unet": build_shapes_unet,

@@ -83,7 +83,7 @@ class Edits:
         self.token = runner.family.token_pixels
         self.tokens = (size // self.token) ** 2
         self.image = render(sample_scene(random.Random(size)), size, size, seed=size)
-        self.rows = 2 if info.uses_cfg and info.default_guidance > 1 else 1
+        self.rows = info.cfg_rows(info.default_guidance)
         self._ids = 0
         probe = runner.family.prepare(self._request("probe"))
         self.text_rows = probe.cond["prompt_embeds"].shape[1]

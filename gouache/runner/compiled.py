@@ -46,7 +46,7 @@ from gouache.outputs import CompileReport
 
 log = logging.getLogger(__name__)
 
-Inputs = dict  # keyword arguments of the denoiser; tensors (and dicts of them) with one row per forward row
+Inputs = dict  # keyword arguments of the denoiser; tensors (and dicts of them, lists) with one row per forward row
 
 
 def configure(config: CompileConfig) -> None:
@@ -232,6 +232,8 @@ def _pad(rows: Inputs, extra: int) -> Inputs:
             out[name] = torch.cat([value, value[-1:].expand(extra, *value.shape[1:])])
         elif isinstance(value, dict):
             out[name] = _pad(value, extra)
+        elif isinstance(value, list):  # one item per row (Qwen-Image's img_shapes)
+            out[name] = value + value[-1:] * extra
         else:
             out[name] = value
     return out
@@ -242,8 +244,8 @@ def _resize(rows: Inputs, n: int) -> Inputs:
     have = _rows(rows)
     if n >= have:
         return _pad(rows, n - have)
-    return {name: value[:n] if isinstance(value, torch.Tensor) else _resize(value, n) if isinstance(value, dict)
-            else value for name, value in rows.items()}
+    return {name: value[:n] if isinstance(value, torch.Tensor | list) else _resize(value, n)
+            if isinstance(value, dict) else value for name, value in rows.items()}
 
 
 def _key(*parts: Inputs) -> tuple:
@@ -256,8 +258,16 @@ def _key(*parts: Inputs) -> tuple:
             elif isinstance(value, dict):
                 out.append((name, _key(value)))
             else:
-                out.append((name, value))
+                out.append((name, _frozen(value)))
     return tuple(out)
+
+
+def _frozen(value):
+    """A plain input as a key: lists (Qwen-Image's `img_shapes`, Z-Image's images) as tuples all
+    the way down, tensors in them as what a graph is compiled for."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype, value.device
+    return tuple(map(_frozen, value)) if isinstance(value, list | tuple) else value
 
 
 def _describe(inputs: Inputs) -> str:

@@ -5,11 +5,27 @@ runner turns pixels into latents."""
 from __future__ import annotations
 
 import torch
-from diffusers import DiffusionPipeline, FluxKontextPipeline, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import (
+    DiffusionPipeline, FluxKontextPipeline, FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel,
+    UNet2DConditionModel, ZImageTransformer2DModel,
+)
 
 from gouache.errors import UnknownModelError
 from gouache.model_info import ModelInfo
 from gouache.models.zoo import BUILTIN_MODELS, DEFAULT_GUIDANCE, DEFAULT_STEPS, TINY_DEFAULT_STEPS
+
+
+# Techniques (`gouache.techniques`) a family does not serve, each with why: admission refuses a
+# request that asks for one, the server a flag that would apply one (docs/architecture.md)
+UNSERVED: dict[str, dict[str, str]] = {
+    family: {"block_cache": "its transformer takes no cached block outputs yet",
+             "template": "no template replay is built for its transformer yet"}
+    for family in ("qwenimage", "zimage")
+}
+CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
+# Families whose forward --compile refuses, and why
+UNCOMPILED = {"zimage": "its forward takes each prompt at its own length, which places the image's tokens, so a "
+                        "static graph would be compiled anew for most prompts"}
 
 
 def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
@@ -18,10 +34,14 @@ def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
 
 
 def family_of(pipe: DiffusionPipeline) -> str:
-    """sd | sdxl | sd3 | flux, read off the denoiser (so img2img/inpaint variants agree)."""
+    """sd | sdxl | sd3 | flux | qwenimage | zimage, read off the denoiser (so img2img/inpaint variants agree)."""
     net = denoiser(pipe)
     if isinstance(net, FluxTransformer2DModel):
         return "flux"
+    if isinstance(net, QwenImageTransformer2DModel):
+        return "qwenimage"
+    if isinstance(net, ZImageTransformer2DModel):
+        return "zimage"
     if isinstance(net, SD3Transformer2DModel):
         return "sd3"
     if isinstance(net, UNet2DConditionModel):
@@ -43,11 +63,11 @@ def size_step(pipe: DiffusionPipeline, family: str) -> int:
         return vae_scale * 2 ** (len(config.down_block_types) - 1)
     if family == "sd3":
         return vae_scale * config.patch_size
-    return vae_scale * 2  # Flux packs 2x2 latent patches into one token
+    return vae_scale * 2  # Flux, Qwen-Image and Z-Image make one token of 2x2 latent pixels
 
 
 def default_size(pipe: DiffusionPipeline) -> int:
-    """The pipeline's own default: the denoiser's sample size in pixels (Flux: 128 latents)."""
+    """The pipeline's own default: the denoiser's sample size in pixels (Flux, Qwen-Image: 128 latents)."""
     sample_size = getattr(denoiser(pipe).config, "sample_size", None)
     if sample_size is None:
         sample_size = getattr(pipe, "default_sample_size", 128)
@@ -68,4 +88,6 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         uses_cfg=family != "flux",  # FLUX.1-dev is guidance-distilled: guidance is an input
         inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,
         instruction_edit=instruction_edits(pipe),
+        unserved=tuple(UNSERVED.get(family, {}).items()),
+        cfg_from=CFG_FROM.get(family, 1.0),
     )

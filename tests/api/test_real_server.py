@@ -179,3 +179,37 @@ def test_an_instruction_edit_model_through_the_openai_client():
     out = np.asarray(open_image(masked.data[0].b64_json).convert("RGB"))
     keep = mask[..., 3] == 255
     assert np.array_equal(out[keep], original[keep])
+
+
+
+@pytest.mark.parametrize(("model", "family", "no_cfg"), [("tiny-qwen-image", "qwenimage", 1.0), ("tiny-zimage", "zimage", 0.0)])
+def test_a_newer_family_through_the_openai_client(model, family, no_cfg):
+    """Qwen-Image and Z-Image: generations of two sizes, a masked edit keeping the pixels outside
+    its mask, an img2img; a negative prompt where guidance runs no CFG is a 400 naming the bound;
+    the card names what the model does not serve, and asking for it is a 400."""
+    original = np.random.default_rng(5).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[16:48, 16:48, 3] = 0
+    steps = {"num_inference_steps": 2, "seed": 1}
+    with running_server("--model", model) as url:
+        card = httpx.get(f"{url}/v1/models/{model}").json()["gouache"]
+        wide = client(url).images.generate(prompt="a red fox", size="96x64", extra_body=steps)
+        square = client(url).images.generate(prompt="a red fox", size="64x64", n=2,
+                                             extra_body={**steps, "negative_prompt": "blurry"})
+        masked = client(url).images.edit(image=rgba_png(original), mask=rgba_png(mask), prompt="a cat",
+                                         extra_body=steps)
+        img2img = client(url).images.edit(image=rgba_png(original), prompt="a cat",
+                                          extra_body={**steps, "strength": 0.5})
+        with pytest.raises(openai.BadRequestError, match=f"'{model}' .a {family} model. does not serve block_cache"):
+            client(url).images.generate(prompt="a red fox", size="64x64", extra_body={"block_cache": 0.1})
+        with pytest.raises(openai.BadRequestError, match=f"turns classifier-free guidance off; send one above {no_cfg:g}"):
+            client(url).images.generate(prompt="a red fox", size="64x64",
+                                        extra_body={"negative_prompt": "blurry", "guidance_scale": no_cfg})
+    assert card["family"] == family and set(card["unserved"]) == {"block_cache", "template"}
+    assert card["kinds"]["img2img"] and not card["kinds"]["instruction_edit"]
+    assert open_image(wide.data[0].b64_json).size == (96, 64)
+    assert len({d.b64_json for d in square.data}) == 2
+    out = np.asarray(open_image(masked.data[0].b64_json).convert("RGB"))
+    keep = mask[..., 3] == 255
+    assert np.array_equal(out[keep], original[keep]) and not np.array_equal(out[~keep], original[~keep])
+    assert open_image(img2img.data[0].b64_json).size == (64, 64)

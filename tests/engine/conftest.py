@@ -31,3 +31,16 @@ def pipes():
         return cache[name]
 
     return get
+
+
+def guidance_kwargs(pipe, guidance: float, negative_prompt: str | None = None) -> dict:
+    """A diffusers pipeline call's guidance arguments for a request's: Qwen-Image's true CFG takes
+    `true_cfg_scale` and runs only with a negative prompt (the engine's default one, " ")."""
+    from gouache.runner.describe import family_of
+    from gouache.runner.families.qwen import DEFAULT_NEGATIVE
+
+    if family_of(pipe) != "qwenimage":
+        return {"guidance_scale": guidance, **({"negative_prompt": negative_prompt} if negative_prompt else {})}
+    if guidance <= 1.0:
+        return {"true_cfg_scale": guidance}
+    return {"true_cfg_scale": guidance, "negative_prompt": negative_prompt or DEFAULT_NEGATIVE}

@@ -9,8 +9,11 @@ from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 
+from tests.engine.conftest import guidance_kwargs
 
-@pytest.mark.parametrize("name", ["tiny-sd", "tiny-sd-inpaint", "tiny-sdxl-inpaint", "tiny-sd3", "tiny-flux"])
+
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-sd-inpaint", "tiny-sdxl-inpaint", "tiny-sd3", "tiny-flux",
+                                  "tiny-qwen-image", "tiny-zimage"])
 def test_edit_repaints_only_the_mask(pipes, name):
     rng = np.random.default_rng(0)
     original = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
@@ -30,7 +33,8 @@ def test_edit_repaints_only_the_mask(pipes, name):
 INPAINT_PIPELINES = {"tiny-sd": "StableDiffusionInpaintPipeline", "tiny-sd-inpaint": "StableDiffusionInpaintPipeline",
                      "tiny-sdxl": "StableDiffusionXLInpaintPipeline",
                      "tiny-sdxl-inpaint": "StableDiffusionXLInpaintPipeline",
-                     "tiny-sd3": "StableDiffusion3InpaintPipeline", "tiny-flux": "FluxInpaintPipeline"}
+                     "tiny-sd3": "StableDiffusion3InpaintPipeline", "tiny-flux": "FluxInpaintPipeline",
+                     "tiny-qwen-image": "QwenImageInpaintPipeline", "tiny-zimage": "ZImageInpaintPipeline"}
 
 
 @pytest.mark.parametrize("name", INPAINT_PIPELINES)
@@ -57,7 +61,7 @@ def test_an_edit_equals_diffusers_inpaint_pipeline_seed_for_seed(pipes, name):
     inpaint.set_progress_bar_config(disable=True)
     expected = inpaint(
         "a cat", image=Image.fromarray(original), mask_image=Image.fromarray((mask * 255).astype(np.uint8)),
-        height=64, width=96, num_inference_steps=3, guidance_scale=4.0, strength=1.0,
+        height=64, width=96, num_inference_steps=3, **guidance_kwargs(pipe, 4.0), strength=1.0,
         generator=torch.Generator().manual_seed(1), output_type="latent",
     ).images
     assert expected.abs().mean() > 0.1
@@ -65,7 +69,8 @@ def test_an_edit_equals_diffusers_inpaint_pipeline_seed_for_seed(pipes, name):
 
 
 IMG2IMG_PIPELINES = {"tiny-sd": "StableDiffusionImg2ImgPipeline", "tiny-sdxl": "StableDiffusionXLImg2ImgPipeline",
-                     "tiny-sd3": "StableDiffusion3Img2ImgPipeline", "tiny-flux": "FluxImg2ImgPipeline"}
+                     "tiny-sd3": "StableDiffusion3Img2ImgPipeline", "tiny-flux": "FluxImg2ImgPipeline",
+                     "tiny-qwen-image": "QwenImageImg2ImgPipeline", "tiny-zimage": "ZImageImg2ImgPipeline"}
 
 
 def img2img_reference(pipe, cls_name: str, request: ImageRequest, original: np.ndarray):
@@ -78,7 +83,7 @@ def img2img_reference(pipe, cls_name: str, request: ImageRequest, original: np.n
     img2img.set_progress_bar_config(disable=True)
     return img2img(
         request.prompt, image=Image.fromarray(original), height=request.height, width=request.width,
-        num_inference_steps=request.num_inference_steps, guidance_scale=request.guidance_scale,
+        num_inference_steps=request.num_inference_steps, **guidance_kwargs(pipe, request.guidance_scale),
         strength=request.strength, generator=torch.Generator().manual_seed(request.seed), output_type="latent",
     ).images
 

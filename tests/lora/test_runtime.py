@@ -16,10 +16,11 @@ from gouache.sched.plan import Batch
 
 TOL = 1e-4
 STEPS = 3
-GRAIN = r".*(resnets\.\d+\.conv\d|pos_embed\.proj|ff\.net\.(0\.proj|2))"
+GRAIN = r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ff|img_mlp|txt_mlp)\.net\.(0\.proj|2)|feed_forward\.w\d|x_embedder.*)"
 
 
-@pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
+@pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image",
+                                                  "tiny-zimage"])
 def model(request):
     return request.param
 
@@ -91,8 +92,9 @@ def test_mixed_sizes_and_adapters_in_one_packed_or_patched_forward(pipe, lora_di
     mix = [request("small", [("ink", 1.0)], size=(64, 64)), request("wide", [("paper", 1.0)], size=(64, 128)),
            request("plain", size=(64, 128), seed=4), request("grain", [("grain", 1.0)], size=(128, 64), seed=5)]
     together, modes = run(runner, mix, patched=True)
-    # a packed DiT tells every row apart; patches of a UNet do not, so it runs a forward per set
-    assert modes == ["split" if runner.family.patches else "segmented"] * STEPS
+    # a packed DiT tells every row apart; patches of a UNet do not, so it runs a forward per set, as
+    # does a family that runs a forward per size
+    assert modes == ["split" if runner.family.patches or not runner.family.mixes_sizes else "segmented"] * STEPS
     for r in mix:
         alone, _ = run(runner, [request(r.request_id, r.loras, size=(r.height, r.width), seed=r.seed)])
         assert (together[r.request_id] - alone[r.request_id]).abs().max() <= TOL, r.request_id

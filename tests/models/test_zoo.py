@@ -116,13 +116,17 @@ def test_another_process_builds_the_same_weights(pipes):
     assert out.stdout.strip().splitlines()[-1] == state_digest(pipes["tiny-flux"])
 
 
-@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux", "shapes-unet", "shapes-dit"])
+@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-zimage", "shapes-unet",
+                                  "shapes-dit"])
 def test_export_then_load_gives_identical_latents(pipes, name, tmp_path):
     export_model(name, str(tmp_path / name))
     loaded = load_pipeline(str(tmp_path / name))
     assert type(loaded) is type(pipes[name])
     assert state_digest(loaded) == state_digest(pipes[name])
-    assert torch.equal(generate(loaded), generate(pipes[name]))
+    # equal weights; a loaded weight may sit at another memory alignment, where the CPU's matmul
+    # kernels sum in another order: tiny-qwen-image's timestep embedder (a [256, 1] view at 40
+    # bytes past a 64-byte boundary, against 0 built) differs in the last bit, 5e-7 in 2 steps
+    assert (generate(loaded) - generate(pipes[name])).abs().max() <= 1e-5
 
 
 def test_unknown_model_names_the_builtins(tmp_path):
@@ -139,9 +143,12 @@ def test_model_info_of_builtins(pipes):
     assert {i.size_step for i in info.values()} == {16}
     assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
-    assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5}
+    assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,
+                        "tiny-qwen-image": 4.0, "tiny-zimage": 5.0}
     assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux", "tiny-flux-kontext"]
     assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext"]
+    assert [n for n, i in info.items() if not i.serves("block_cache")] == ["tiny-qwen-image", "tiny-zimage"]
+    assert [n for n, i in info.items() if i.cfg_from != 1.0] == ["tiny-zimage"]
     inpainting = [n for n, i in info.items() if i.inpaint_channels]
     assert inpainting == ["tiny-sd-inpaint", "tiny-sdxl-inpaint"]
 

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from gouache.runner.families.base import Family
 from gouache.runner.families.dit import FluxFamily, FluxKontextFamily, StableDiffusion3Family
+from gouache.runner.families.qwen import QwenImageFamily
+from gouache.runner.families.zimage import ZImageFamily
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import family_of, instruction_edits
 
 FAMILIES: dict[str, type[Family]] = {
-    f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily)
+    f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily,
+                   QwenImageFamily, ZImageFamily)
 }
 
 
+def family_class(pipe) -> type[Family]:
+    return FluxKontextFamily if instruction_edits(pipe) else FAMILIES[family_of(pipe)]
+
+
 def make_family(pipe, patch_pixels: int | None, conditioning: ConditioningCache | None = None) -> Family:
-    cls = FluxKontextFamily if instruction_edits(pipe) else FAMILIES[family_of(pipe)]
-    return cls(pipe, patch_pixels, conditioning)
+    return family_class(pipe)(pipe, patch_pixels, conditioning)

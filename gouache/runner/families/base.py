@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
+from gouache.runner.describe import CFG_FROM, UNSERVED
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
 from gouache.templates.replay import TemplateCache, ReplayForward
@@ -34,6 +36,8 @@ class Family(ABC):
     patches = True
     # the denoiser takes an image as input (9-channel inpainting), so generations need one too
     needs_image = False
+    # a patched step's mixed sizes share one forward (patched UNet, packed DiT); else one forward per size
+    mixes_sizes = True
 
     def __init__(self, pipe, patch_pixels: int | None = None, conditioning: ConditioningCache | None = None):
         """`patch_pixels`: the largest patch side of a patched forward (None: DEFAULT_PATCH_PIXELS);
@@ -43,7 +47,7 @@ class Family(ABC):
         self.conditioning = conditioning or ConditioningCache()
         self.device = pipe.device
         self.dtype = pipe.dtype
-        self.vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        self.vae_scale = pipe.vae_scale_factor  # pixels per latent pixel
         self.patch_pixels = DEFAULT_PATCH_PIXELS if patch_pixels is None else patch_pixels
         step = self.vae_scale * self.patch_factor
         if self.patches and self.patch_pixels % step:
@@ -109,8 +113,13 @@ class Family(ABC):
         """The pipeline's `encode_prompt(*args, **kwargs)` for the request's prompts and guidance,
         from the conditioning cache when an earlier request asked the same with the same
         text-encoder adapters."""
+        return self.cached_text(request, rows, lambda: self.pipe.encode_prompt(*args, **kwargs))
+
+    def cached_text(self, request: ImageRequest, rows: int, encode):
+        """`encode()` of the request's prompts and guidance, or what it gave an earlier request
+        that asked the same with the same text-encoder adapters (the conditioning cache)."""
         key = (request.prompt, request.negative_prompt, rows == 2, self._text_key)
-        return self.conditioning.text(key, lambda: self.pipe.encode_prompt(*args, **kwargs))
+        return self.conditioning.text(key, encode)
 
     def latent_dist(self, pixels: torch.Tensor):
         """The VAE's latent distribution of `pixels`, from the conditioning cache when the same
@@ -118,7 +127,7 @@ class Family(ABC):
         return self.conditioning.latent_dist(pixels, lambda: self.pipe.vae.encode(pixels).latent_dist)
 
     def uses_cfg(self, request: ImageRequest) -> bool:
-        return request.guidance_scale > 1.0
+        return request.guidance_scale > CFG_FROM.get(self.name, 1.0)
 
     def _edit_tensors(self, image: np.ndarray, mask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         pixels = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].to(self.device, torch.float32) / 127.5 - 1.0
@@ -166,12 +175,15 @@ class Family(ABC):
     def advance(self, state: DenoiseState, prediction: torch.Tensor) -> None:
         """One sampler step of `state` from its rows' `prediction` (guidance applied here)."""
         if state.rows == 2:
-            uncond, cond = prediction.chunk(2)
-            prediction = uncond + state.request.guidance_scale * (cond - uncond)
+            prediction = self.guide(state, *prediction.chunk(2))
         state.latents = state.scheduler.step(prediction, state.t, state.latents, **state.step_kwargs, return_dict=False)[0]
         state.step += 1
         if state.edit is not None and self.blends_edits and state.request.strength is None:  # img2img keeps nothing
             self._blend(state)
+
+    def guide(self, state: DenoiseState, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance of a request's two rows' predictions."""
+        return uncond + state.request.guidance_scale * (cond - uncond)
 
     @property
     def blends_edits(self) -> bool:
@@ -196,16 +208,20 @@ class Family(ABC):
         """The images of `latents[i]` (of `states[i]`), as `decode` gives each: one VAE call per
         latent shape (the VAE's rows are independent: each image within one uint8 level of its
         own decode, the float difference of a batched forward)."""
-        by_shape: dict[tuple[int, ...], list[int]] = {}
+        shapes: dict[tuple[int, ...], list[int]] = {}
         for i, x in enumerate(latents):
-            by_shape.setdefault(tuple(x.shape), []).append(i)
+            shapes.setdefault(tuple(x.shape), []).append(i)
         out: list[np.ndarray] = [None] * len(states)
-        for group in by_shape.values():
+        for group in shapes.values():
             inputs = torch.cat([self.to_vae_latents(latents[i], states[i]) for i in group])
-            images = self.pipe.vae.decode(inputs, return_dict=False)[0]
+            images = self.vae_decode(inputs)
             for i, image in zip(group, images):
                 out[i] = self._pixels(states[i], image[None])
         return out
+
+    def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] in [-1, 1] of VAE latents (`to_vae_latents`)."""
+        return self.pipe.vae.decode(latents, return_dict=False)[0]
 
     def _pixels(self, state: DenoiseState, image: torch.Tensor) -> np.ndarray:
         """A decoded [1, 3, H, W] image in [-1, 1] as uint8 [H, W, 3], an edit's kept pixels restored."""
@@ -250,7 +266,7 @@ class Family(ABC):
                            templates: TemplateCache) -> list[torch.Tensor]:
         """`predict` where edits replay templates: a packed forward takes any mix of sizes, a
         UNet's one forward per latent shape; a group that replays nothing runs as usual."""
-        groups = [states] if not self.patches else list(_by_shape(states).values())
+        groups = [states] if not self.patches else list(by_shape(states).values())
         out: dict[int, torch.Tensor] = {}
         for group in groups:
             replay = templates.begin(self.denoiser, group, [self.token_count(s) for s in group], self.template_blocks())
@@ -267,14 +283,15 @@ class Family(ABC):
         where those cannot be told apart (patches of mixed sizes). Adapters of several sets
         apply to their own rows by it (`gouache.lora.apply.segmented`)."""
         rows = sum(s.rows for s in states)
-        if patched and len(_by_shape(states)) > 1:
+        if patched and len(by_shape(states)) > 1:
             return None
         return {rows: torch.arange(rows)}
 
-    @abstractmethod
     def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
         """Per state, its rows' predictions from one forward in which `replay`'s edits compute
-        their masked tokens only (`gouache.templates.replay`)."""
+        their masked tokens only (`gouache.templates.replay`); a family that serves no templates
+        (`describe.UNSERVED`: admission keeps their edits away) raises."""
+        raise ValueError(f"{self.name} models serve no templates: {UNSERVED[self.name]['template']}")
 
     @abstractmethod
     def template_blocks(self) -> list[str]:
@@ -316,11 +333,28 @@ class Family(ABC):
         """Undo scaling (and packing) so the VAE can decode."""
 
 
-def _by_shape(states: list[DenoiseState]) -> dict[tuple[int, ...], list[DenoiseState]]:
+def by_shape(states: list[DenoiseState]) -> dict[tuple[int, ...], list[DenoiseState]]:
     groups: dict[tuple[int, ...], list[DenoiseState]] = {}
     for state in states:
         groups.setdefault(tuple(state.latents.shape), []).append(state)
     return groups
+
+
+def per_group(states: list[DenoiseState], key: Callable[[DenoiseState], Hashable],
+              forward: Callable[[list[DenoiseState]], torch.Tensor]) -> list[torch.Tensor]:
+    """Per state, its rows of `forward(group)`: one forward per group of states of one `key`."""
+    groups: dict[Hashable, list[DenoiseState]] = {}
+    for state in states:
+        groups.setdefault(key(state), []).append(state)
+    out: dict[int, torch.Tensor] = {}
+    for group in groups.values():
+        out.update(zip(map(id, group), forward(group).split([s.rows for s in group])))
+    return [out[id(s)] for s in states]
+
+
+def pad_cat(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[L_i, D] rows zero-padded to [len(rows), length, D]."""
+    return torch.stack([torch.cat([r, r.new_zeros(length - len(r), r.shape[-1])]) for r in rows])
 
 
 def by_state(outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cacheable_blocks
-from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
+from gouache.runner.describe import UNSERVED
+from gouache.runner.families.base import Family, by_state, cat_cond, per_group, row_timesteps
 from gouache.runner.pack_dit import Packing, packed_sd3_forward
 from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.sampler import DenoiseState
@@ -26,6 +27,8 @@ class FlowFamily(Family):
         return self.vae_scale * 2  # SD3 patches 2x2 latents into a token; Flux packs them
 
     def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
+        if "template" in UNSERVED.get(self.name, {}):
+            return super().replay(states, replay)
         return self.predict_patched(states, whole_batches=False, cache=replay)  # the packed forward's token subsets
 
     def template_blocks(self) -> list[str]:
@@ -245,7 +248,7 @@ class FluxKontextFamily(FluxFamily):
     generator) entering after the image's own tokens as reference tokens whose ids start with 1.
     The reference keeps the request's size (the pipeline with `_auto_resize=False`: the API has
     resized the upload to it). A forward's requests must agree on their tokens, so a step runs
-    one forward per latent shape and reference (block cache and templates sit out a step that
+    one forward per image size and reference (block cache and templates sit out a step that
     holds a reference; LoRA sets then apply per forward)."""
 
     @torch.no_grad()
@@ -279,22 +282,16 @@ class FluxKontextFamily(FluxFamily):
                                                      state.generator)
         return noise, ids
 
+    @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
                 ) -> list[torch.Tensor]:
-        if any("reference" in s.cond for s in states):
-            return list(self.forward(states).split([s.rows for s in states]))
+        if any("reference" in s.cond for s in states):  # one forward per image size and reference
+            return per_group(states, _tokens, self.forward)
         return super().predict(states, patched, cache, templates)
 
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
-        """One forward per latent shape and reference; each prediction's own tokens only."""
-        groups: dict[tuple, list[DenoiseState]] = {}
-        for state in states:
-            groups.setdefault(_tokens(state), []).append(state)
-        out: dict[int, torch.Tensor] = {}
-        for group in groups.values():
-            prediction = self.denoise(*self.forward_inputs(group))[:, : group[0].latents.shape[1]]
-            out.update(zip(map(id, group), prediction.split([s.rows for s in group])))
-        return torch.cat([out[id(s)] for s in states])
+        """The forward of states of one image size and reference: each prediction's own tokens only."""
+        return self.denoise(*self.forward_inputs(states))[:, : states[0].latents.shape[1]]
 
     def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
         rows, shared = super().forward_inputs(states)
@@ -311,6 +308,6 @@ class FluxKontextFamily(FluxFamily):
 
 
 def _tokens(state: DenoiseState) -> tuple:
-    """What a Kontext forward's requests must share: the latent shape and the reference's."""
-    reference = state.cond.get("reference")
-    return tuple(state.latents.shape), None if reference is None else tuple(reference.shape)
+    """What a Kontext forward's requests must share: the image's size (packed latents of 96x64 and
+    64x96 have one shape, not one grid) and whether a reference follows it (of that size)."""
+    return state.request.height, state.request.width, "reference" in state.cond

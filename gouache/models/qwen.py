@@ -1,0 +1,77 @@
+"""The tiny Qwen-Image built-in: Qwen-Image's pipeline (MMDiT over packed 2x2 latents, a
+Qwen2.5-VL text encoder, the 3D causal VAE of one frame) shrunk to toy size, seeded random
+weights, tokenizer built in code."""
+
+from __future__ import annotations
+
+from diffusers import (
+    AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
+)
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from gouache.models.seeds import SEED_DENOISER, SEED_TEXT, SEED_VAE, seeded
+from gouache.models.tokenizer import build_tokenizer
+
+QWEN_HIDDEN = 32  # the tiny Qwen2.5-VL's text width: the transformer's joint_attention_dim
+# The pipelines drop the hidden states of their prompt template's prefix (34 tokens of Qwen's own
+# tokenizer: QwenImagePipeline.prompt_template_encode_start_idx). With these words one token each,
+# the built tokenizer splits that prefix into the same 34 tokens, so only the prompt's remain.
+TEMPLATE_WORDS = ("system", "Describe", "the", "image", "by", "detailing", "color", "shape", "size", "texture",
+                  "quantity", "text", "spatial", "relationships", "of", "objects", "and", "background", "user",
+                  "assistant")
+MAX_TEMPLATE_TOKENS = 1024 + 64  # the pipelines truncate prompts at 1024 tokens after the prefix
+
+
+def qwen_text_encoder(seed: int, hidden: int = QWEN_HIDDEN
+                      ) -> tuple[Qwen2_5_VLForConditionalGeneration, PreTrainedTokenizerFast]:
+    """A 2-layer Qwen2.5-VL (a 1-block vision tower, for the edit pipelines' image prompts) and
+    its tokenizer, with matching special-token ids."""
+    tok = build_tokenizer(MAX_TEMPLATE_TOKENS, "qwen", TEMPLATE_WORDS)
+    ids = tok.convert_tokens_to_ids
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},  # halves of head_dim 8: t, h, w
+            bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0], window_size=56,
+        ),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )
+    return seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config).eval()), tok
+
+
+def tiny_qwen_vae() -> AutoencoderKLQwenImage:
+    """Qwen-Image's VAE layout (16 latent channels, an eighth of the image a side, the published
+    per-channel latent mean and std) at a base width of 8."""
+    return seeded(SEED_VAE, lambda: AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True, True],
+    ).eval())
+
+
+def qwen_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Qwen-Image's published schedule: exponential shift growing with the image's tokens, stretched
+    to end at 0.02."""
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+
+
+def tiny_qwen_transformer() -> QwenImageTransformer2DModel:
+    return seeded(SEED_DENOISER, lambda: QwenImageTransformer2DModel(
+        patch_size=2, in_channels=64, out_channels=16,  # 16 latent channels packed 2x2
+        num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=QWEN_HIDDEN,
+        axes_dims_rope=(8, 12, 12),  # must sum to attention_head_dim
+    ).eval())
+
+
+def build_tiny_qwen_image() -> QwenImagePipeline:
+    text_encoder, tokenizer = qwen_text_encoder(SEED_TEXT)
+    return QwenImagePipeline(scheduler=qwen_scheduler(), vae=tiny_qwen_vae(), text_encoder=text_encoder,
+                             tokenizer=tokenizer, transformer=tiny_qwen_transformer())
