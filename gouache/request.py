@@ -36,6 +36,7 @@ class ImageRequest:
     controlnet_mode: str | None = None  # sync | async; None: the server's default
     image: bytes | None = None  # edit: the uploaded image, still encoded
     mask: bytes | None = None  # edit: the uploaded mask, still encoded (transparent = repaint)
+    references: tuple[bytes, ...] = ()  # edit: the uploads after `image` (models that take several), still encoded
     # edit without a mask: img2img, the upload noised to this share of the schedule and denoised
     # from there (1: all of it); None: the whole picture repainted from noise
     strength: float | None = None

@@ -57,14 +57,17 @@ async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) 
     arrival, api_id = _start(request)
     _require_content_type(request, "multipart/form-data")
     form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
-    image = await _read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
+    images = [await _read_upload(value, "image") for name in ("image", "image[]") for value in form.getlist(name)]
+    if not images:
+        raise InvalidRequestError("Missing required parameter: 'image'.", "image")
+    image, references = images[0], images[1:]  # models that take several images read the others as references
     mask_field = _only_upload(form, ("mask",), "mask")
     mask = None if mask_field is None else await _read_upload(mask_field, "mask")
     params = ImageEditRequest.model_validate(_text_fields(form), context=ctx.validation_context)
     _log_ignored(params)
     if params.size == "auto":
         params = params.at_upload_size(*_upload_size(image), ctx.limits)
-    return await _serve(request, ctx, params, api_id, arrival, "image_edit", image, mask)
+    return await _serve(request, ctx, params, api_id, arrival, "image_edit", image, mask, tuple(references))
 
 
 @router.post("/v1/templates")
@@ -127,9 +130,10 @@ async def _serve(
     kind: str,
     image: bytes | None = None,
     mask: bytes | None = None,
+    references: tuple[bytes, ...] = (),
 ) -> Response:
     _check_model(ctx, params)
-    handle = await ctx.engine.submit(params.to_requests(api_id, ctx.engine.info, arrival, image, mask))
+    handle = await ctx.engine.submit(params.to_requests(api_id, ctx.engine.info, arrival, image, mask, references))
     ctx.inflight.add(api_id, handle)
     headers = {"x-request-id": api_id}
     if params.stream:
@@ -186,11 +190,8 @@ def _images_response(
 
 
 def _only_upload(form: FormData, names: tuple[str, ...], param: str) -> UploadFile | str | None:
-    """The one value sent under any of `names` (OpenAI clients send `image` or `image[]`), if any.
-
-    OpenAI's gpt-image models take several images as references; gouache edits one image, so
-    more than one is refused rather than all but the first dropped.
-    """
+    """The one value sent under any of `names`, if any: more than one is refused rather than all
+    but the first dropped (an edit's several images are read apart, by `edit_images`)."""
     values = [value for name in names for value in form.getlist(name)]
     if len(values) > 1:
         raise InvalidRequestError(f"Invalid value for '{param}': {len(values)} files were sent; an edit takes one {param}.", param)

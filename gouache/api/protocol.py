@@ -278,7 +278,8 @@ class ImageParams(BaseModel):
         return int(width), int(height)
 
     def to_requests(
-        self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None
+        self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None,
+        references: tuple[bytes, ...] = (),
     ) -> list[ImageRequest]:
         """The n ImageRequests of this API request, with the model's defaults filled in.
 
@@ -331,9 +332,10 @@ class ImageParams(BaseModel):
                 loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),
                 controlnet_mode=self.controlnet_mode,
-                **self._edit_fields(info, image, mask),
+                **self._edit_fields(info, image, mask, references),
                 image=image,
                 mask=mask,
+                references=references,
                 arrival_time=arrival,
             )
             for i in range(self.n)
@@ -352,7 +354,8 @@ class ImageParams(BaseModel):
             asked["block_cache"] = "block_cache"
         return asked
 
-    def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
+    def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None,
+                     references: tuple[bytes, ...] = ()) -> dict[str, Any]:
         """ImageRequest fields only edits have."""
         return {}
 
@@ -382,7 +385,12 @@ class ImageEditRequest(ImageParams):
     # denoised from there, as the family's diffusers Img2Img pipeline; None: repainted from noise
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
 
-    def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None) -> dict[str, Any]:
+    def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None,
+                     references: tuple[bytes, ...] = ()) -> dict[str, Any]:
+        if 1 + len(references) > info.max_input_images:
+            takes = "one image" if info.max_input_images == 1 else f"at most {info.max_input_images} images"
+            raise InvalidRequestError(f"Invalid value for 'image': {1 + len(references)} files were sent; an edit on "
+                                      f"'{info.name}' takes {takes}.", "image")
         if info.instruction_edit and image is not None:
             self._check_reference(info)
         if self.strength is not None:

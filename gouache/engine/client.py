@@ -212,7 +212,8 @@ class AsyncEngine(AdapterCalls):
 
     async def _decode_edit(self, request: ImageRequest) -> DecodedEdit:
         result = await asyncio.wrap_future(self.codecs.submit(
-            decode_edit, request.image, request.mask, request.width, request.height, self.config.max_upload_pixels
+            decode_edit, request.image, request.mask, request.width, request.height, self.config.max_upload_pixels,
+            request.references, self.info.size_step,
         ))
         if isinstance(result, DecodeError):
             raise InvalidRequestError(result.message, param=result.param)
@@ -221,13 +222,13 @@ class AsyncEngine(AdapterCalls):
     def _prepare(self, request: ImageRequest, decoded: DecodedEdit | None, controls: list[np.ndarray]) -> None:
         if request.request_id not in self._images:  # aborted before preparation
             return
-        image, mask = (decoded.image, decoded.mask) if decoded else (None, None)
+        image, mask, references = (decoded.image, decoded.mask, decoded.references) if decoded else (None, None, ())
         if request.register_template:  # the template's own activations: every token kept, none repainted
             mask = np.zeros_like(mask)
         elif mask is not None and not mask.any():  # nothing to repaint: the answer is the original, no model run
             self._deliver_unchanged(request, image)
             return
-        state = self.runner.prepare(request, image, mask, controls)
+        state = self.runner.prepare(request, image, mask, controls, references)
         self.runner.conditioning.take_report().record(self.metrics)
         with self._lock:  # under the lock, so that an abort reaches the engine's inbox after the add
             entry = self._images.get(request.request_id)

@@ -23,6 +23,7 @@ _TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 class DecodedEdit:
     image: np.ndarray  # uint8 [H, W, 3] at the requested size
     mask: np.ndarray  # float32 [H, W] at the requested size; 1 = repaint
+    references: tuple[np.ndarray, ...] = ()  # uint8 [h, w, 3] each, the further uploads at their own sizes
 
 
 @dataclass
@@ -87,8 +88,19 @@ def _repaint_region(image: Image.Image, mask: Image.Image | None) -> np.ndarray:
     return (np.asarray(mask.convert("L")) >= 128).astype(np.float32)
 
 
-def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height: int, max_pixels: int) -> DecodedEdit | DecodeError:
-    """Decode, validate and resize an edit's image and mask to width x height."""
+def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height: int, max_pixels: int,
+                references: tuple[bytes, ...] = (), min_side: int = 1) -> DecodedEdit | DecodeError:
+    """Decode, validate and resize an edit's image and mask to width x height; its further uploads
+    (`references`) keep their sizes, each at least `min_side` pixels a side."""
+    decoded = []
+    for k, data in enumerate(references, 2):
+        reference = _open(data, "image", max_pixels)
+        if isinstance(reference, DecodeError):
+            return DecodeError(f"image {k}: {reference.message}", "image")
+        if min(reference.size) < min_side:
+            return DecodeError(f"image {k} is {reference.width}x{reference.height}; each side must be at least "
+                               f"{min_side} pixels", "image")
+        decoded.append(np.asarray(reference.convert("RGB"), dtype=np.uint8))
     image = _open(image_bytes, "image", max_pixels)
     if isinstance(image, DecodeError):
         return image
@@ -104,7 +116,7 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
     if rgb.size != (width, height):
         rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
         mask = np.asarray(Image.fromarray((mask * 255).astype(np.uint8)).resize((width, height), Image.Resampling.NEAREST)) / 255.0
-    return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32))
+    return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32), tuple(decoded))
 
 
 def decode_controls(images: list[bytes], width: int, height: int, max_pixels: int) -> list[np.ndarray] | DecodeError:

@@ -1,13 +1,15 @@
-"""The tiny Qwen-Image built-in: Qwen-Image's pipeline (MMDiT over packed 2x2 latents, a
-Qwen2.5-VL text encoder, the 3D causal VAE of one frame) shrunk to toy size, seeded random
-weights, tokenizer built in code."""
+"""Qwen text encoders at toy size (Qwen2.5-VL, Qwen3), tokenizers and chat template built in code,
+and the tiny Qwen-Image built-in: Qwen-Image's pipeline (MMDiT over packed 2x2 latents, the 3D
+causal VAE of one frame) shrunk to toy size, seeded random weights."""
 
 from __future__ import annotations
 
 from diffusers import (
     AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
 )
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    PreTrainedModel, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3Config,
+)
 
 from gouache.models.seeds import SEED_DENOISER, SEED_TEXT, SEED_VAE, seeded
 from gouache.models.tokenizer import build_tokenizer
@@ -43,6 +45,33 @@ def qwen_text_encoder(seed: int, hidden: int = QWEN_HIDDEN
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
     )
     return seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config).eval()), tok
+
+
+QWEN3_HIDDEN = 32  # the tiny Qwen3's width (Z-Image's cap_feat_dim; FLUX.2 stacks three of its layers)
+QWEN3_LAYERS = 27  # FLUX.2 [klein] reads hidden states 9, 18 and 27
+MAX_TEXT = 512  # Z-Image and FLUX.2 pad prompts to max_sequence_length (512)
+# Qwen3's chat template as the pipelines apply it: one user turn and the assistant's opened;
+# with thinking off (FLUX.2) an empty thinking block follows, as Qwen3's own template writes it
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                 "{% endif %}")
+
+
+def qwen3_text_encoder(seed: int, cls: type[PreTrainedModel], hidden: int = QWEN3_HIDDEN
+                       ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A Qwen3 (`cls`: Qwen3Model, Qwen3ForCausalLM) of QWEN3_LAYERS layers `hidden` wide and its
+    tokenizer (Qwen's special tokens, the chat template), ids matching."""
+    tok = build_tokenizer(MAX_TEXT, "qwen", ("user", "assistant"))
+    tok.chat_template = CHAT_TEMPLATE
+    ids = tok.convert_tokens_to_ids
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=QWEN3_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+        bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+        tie_word_embeddings=True,
+    )
+    return seeded(seed, lambda: cls(config).eval()), tok
 
 
 def tiny_qwen_vae() -> AutoencoderKLQwenImage:

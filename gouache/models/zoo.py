@@ -1,7 +1,7 @@
 """The model zoo: tiny built-in pipelines, local diffusers directories, full-size architectures.
 
 The tiny built-ins are real diffusers pipelines (SD1.5, SDXL, SD3, Flux, FLUX.1 Kontext,
-Qwen-Image, Z-Image and two inpainting variants) with the published architectures shrunk to a few
+Qwen-Image, Z-Image, FLUX.2 [klein] and two inpainting variants) with the published architectures shrunk to a few
 thousand parameters per layer and seeded random weights. They need no network, build in a fraction of a second, run a 512x512
 CFG denoiser step on two CPU cores in about 0.2 s, and are bit-identical in every process, which
 is what tests, the simulator and multi-process runners rely on.
@@ -29,6 +29,7 @@ from transformers import (
 from gouache.errors import UnknownModelError
 from gouache.models import trained
 from gouache.models.arch import ARCH_CONFIGS, build_arch, default_dtype
+from gouache.models.flux2 import build_tiny_flux2_klein
 from gouache.models.qwen import build_tiny_qwen_image
 from gouache.models.zimage import build_tiny_zimage
 from gouache.models.seeds import (
@@ -51,7 +52,7 @@ TINY_DEFAULT_STEPS = 20  # every built-in's default step count
 class BuiltinSpec:
     """What `gouache models` lists about a built-in model."""
 
-    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage
+    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage | flux2
     description: str  # one line for humans
     default_size: int = TINY_DEFAULT_SIZE  # pixels per side of a request without `size`
     default_guidance: float | None = None  # a request's guidance scale when it gives none; None: the family's
@@ -66,6 +67,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
                                              "the prompt (instruction edits)"),
     "tiny-qwen-image": BuiltinSpec("qwenimage", "Qwen-Image-style MMDiT, Qwen2.5-VL text encoder, 3D VAE, true CFG"),
     "tiny-zimage": BuiltinSpec("zimage", "Z-Image-style single-stream DiT over a list of sizes, Qwen3 text encoder"),
+    "tiny-flux2-klein": BuiltinSpec("flux2", "FLUX.2 [klein]-style MMDiT, Qwen3 text encoder; edits take up to "
+                                             "4 images as references (instruction edits)"),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
@@ -82,9 +85,9 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     ),
 }
 
-DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28, "qwenimage": 50, "zimage": 50}
+DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28, "qwenimage": 50, "zimage": 50, "flux2": 50}
 # the pipelines' defaults (Qwen-Image's is its true_cfg_scale)
-DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5, "qwenimage": 4.0, "zimage": 5.0}
+DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5, "qwenimage": 4.0, "zimage": 5.0, "flux2": 4.0}
 
 
 # ---------------------------------------------------------------------------- seeded building
@@ -310,6 +313,7 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-flux": build_tiny_flux,
     "tiny-flux-kontext": lambda: build_tiny_flux(kontext=True),
     "tiny-qwen-image": build_tiny_qwen_image,
+    "tiny-flux2-klein": build_tiny_flux2_klein,
     "tiny-zimage": lambda: build_tiny_zimage(tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159)),
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),

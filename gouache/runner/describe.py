@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 from diffusers import (
-    DiffusionPipeline, FluxKontextPipeline, FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel,
-    UNet2DConditionModel, ZImageTransformer2DModel,
+    DiffusionPipeline, Flux2Transformer2DModel, FluxKontextPipeline, FluxTransformer2DModel, QwenImageTransformer2DModel,
+    SD3Transformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel,
 )
 
 from gouache.errors import UnknownModelError
@@ -20,7 +20,7 @@ from gouache.models.zoo import BUILTIN_MODELS, DEFAULT_GUIDANCE, DEFAULT_STEPS, 
 UNSERVED: dict[str, dict[str, str]] = {
     family: {"block_cache": "its transformer takes no cached block outputs yet",
              "template": "no template replay is built for its transformer yet"}
-    for family in ("qwenimage", "zimage")
+    for family in ("qwenimage", "zimage", "flux2")
 }
 CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
 # Families whose forward --compile refuses, and why
@@ -34,7 +34,8 @@ def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
 
 
 def family_of(pipe: DiffusionPipeline) -> str:
-    """sd | sdxl | sd3 | flux | qwenimage | zimage, read off the denoiser (so img2img/inpaint variants agree)."""
+    """sd | sdxl | sd3 | flux | qwenimage | zimage | flux2, read off the denoiser (so img2img/inpaint
+    variants agree)."""
     net = denoiser(pipe)
     if isinstance(net, FluxTransformer2DModel):
         return "flux"
@@ -42,6 +43,8 @@ def family_of(pipe: DiffusionPipeline) -> str:
         return "qwenimage"
     if isinstance(net, ZImageTransformer2DModel):
         return "zimage"
+    if isinstance(net, Flux2Transformer2DModel):
+        return "flux2"
     if isinstance(net, SD3Transformer2DModel):
         return "sd3"
     if isinstance(net, UNet2DConditionModel):
@@ -50,8 +53,12 @@ def family_of(pipe: DiffusionPipeline) -> str:
 
 
 def instruction_edits(pipe: DiffusionPipeline) -> bool:
-    """Whether an edit without a mask follows its prompt with the upload as a reference (FLUX.1 Kontext)."""
-    return isinstance(pipe, FluxKontextPipeline)
+    """Whether an edit without a mask follows its prompt with the upload as a reference (FLUX.1
+    Kontext, FLUX.2)."""
+    return isinstance(pipe, FluxKontextPipeline) or isinstance(denoiser(pipe), Flux2Transformer2DModel)
+
+
+MAX_INPUT_IMAGES = {"flux2": 4}  # uploads one edit takes, where more than one (gouache's bound for FLUX.2)
 
 
 def size_step(pipe: DiffusionPipeline, family: str) -> int:
@@ -85,9 +92,11 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         default_size=builtin.default_size if builtin else default_size(pipe),
         default_steps=TINY_DEFAULT_STEPS if builtin else DEFAULT_STEPS[family],
         default_guidance=builtin.default_guidance if builtin and builtin.default_guidance is not None else DEFAULT_GUIDANCE[family],
-        uses_cfg=family != "flux",  # FLUX.1-dev is guidance-distilled: guidance is an input
+        # FLUX.1-dev is guidance-distilled (guidance is an input); a step-distilled FLUX.2 runs no CFG
+        uses_cfg=family != "flux" and not getattr(pipe.config, "is_distilled", False),
         inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,
         instruction_edit=instruction_edits(pipe),
         unserved=tuple(UNSERVED.get(family, {}).items()),
         cfg_from=CFG_FROM.get(family, 1.0),
+        max_input_images=MAX_INPUT_IMAGES.get(family, 1),
     )

@@ -80,10 +80,11 @@ class ModelRunner:
             self._templates.store.close()
 
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                controls: list[np.ndarray] = ()) -> RequestState:
+                controls: list[np.ndarray] = (), references: tuple[np.ndarray, ...] = ()) -> RequestState:
         """Text encoding and initial latents; returns the scheduler's view of the request.
-        `controls`: the decoded conditioning image of each of its ControlNets."""
-        state = self.family.prepare(request, image, mask, self.loras.text_adapters(request.loras))
+        `controls`: the decoded conditioning image of each of its ControlNets; `references`: an
+        edit's further uploads (families that take several images)."""
+        state = self.family.prepare(request, image, mask, self.loras.text_adapters(request.loras), references)
         state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets), list(controls),
                                           request.controlnet_mode, self.family.device, self.family.dtype)
         # a ControlNet's residuals change every block after the first: no template replays them;

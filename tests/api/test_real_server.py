@@ -213,3 +213,31 @@ def test_a_newer_family_through_the_openai_client(model, family, no_cfg):
     keep = mask[..., 3] == 255
     assert np.array_equal(out[keep], original[keep]) and not np.array_equal(out[~keep], original[~keep])
     assert open_image(img2img.data[0].b64_json).size == (64, 64)
+
+
+def test_a_flux2_model_edits_several_images_through_the_openai_client():
+    """tiny-flux2-klein: an edit of one image, of two (the second of another size), with a mask
+    (pixels outside it kept); five images or a reference below the size step are a 400 naming
+    `image`."""
+    rng = np.random.default_rng(6)
+    first, second = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), rng.integers(0, 255, (80, 64, 3), dtype=np.uint8)
+    mask = np.full((64, 64, 4), 255, np.uint8)
+    mask[16:48, 16:48, 3] = 0
+    steps = {"num_inference_steps": 2, "seed": 1}
+    with running_server("--model", "tiny-flux2-klein") as url:
+        kinds = httpx.get(f"{url}/v1/models/tiny-flux2-klein").json()["gouache"]["kinds"]
+        one = client(url).images.edit(image=rgba_png(first), prompt="make it blue", extra_body=steps)
+        two = client(url).images.edit(image=[rgba_png(first), rgba_png(second)], prompt="make it blue",
+                                      extra_body=steps)
+        masked = client(url).images.edit(image=[rgba_png(first), rgba_png(second)], mask=rgba_png(mask),
+                                         prompt="make it blue", extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="5 files were sent; an edit on 'tiny-flux2-klein' takes at "
+                                                         "most 4 images"):
+            client(url).images.edit(image=[rgba_png(first)] * 5, prompt="x", extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="image 2 is 8x8; each side must be at least 16 pixels"):
+            client(url).images.edit(image=[rgba_png(first), rgba_png(first[:8, :8])], prompt="x", extra_body=steps)
+    assert kinds["instruction_edit"] and kinds["max_input_images"] == 4 and not kinds["img2img"]
+    assert one.data[0].b64_json != two.data[0].b64_json  # the second image counts
+    out = np.asarray(open_image(masked.data[0].b64_json).convert("RGB"))
+    keep = mask[..., 3] == 255
+    assert np.array_equal(out[keep], first[keep]) and not np.array_equal(out[~keep], first[~keep])

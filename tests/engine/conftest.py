@@ -44,3 +44,16 @@ def guidance_kwargs(pipe, guidance: float, negative_prompt: str | None = None) -
     if guidance <= 1.0:
         return {"true_cfg_scale": guidance}
     return {"true_cfg_scale": guidance, "negative_prompt": negative_prompt or DEFAULT_NEGATIVE}
+
+
+def as_state_latents(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """A pipeline's `output_type="latent"` result in the layout the engine's states hold: FLUX.2's
+    pipeline returns its latents de-normalised and unpatchified, the others as they denoise them."""
+    from gouache.runner.describe import family_of
+
+    if family_of(pipe) != "flux2":
+        return latents
+    vae = pipe.vae
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return pipe._pack_latents((pipe._patchify_latents(latents) - mean) / std)

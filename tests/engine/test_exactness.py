@@ -13,9 +13,9 @@ from gouache.runner.model_runner import ModelRunner
 from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import POLICIES, make_policy
 
-from tests.engine.conftest import DTYPE, guidance_kwargs
+from tests.engine.conftest import DTYPE, as_state_latents, guidance_kwargs
 
-FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-zimage"]
+FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-zimage", "tiny-flux2-klein"]
 # Largest latent difference from the pipeline's: fp32 differs in summation order only (a batch's
 # kernels are not one image's); bf16 rounds each of those orders to 8 bits of mantissa.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}  # bf16 on this CPU: up to 0.19 patched, 0.016 orca
@@ -38,11 +38,11 @@ def request(rid: str, seed: int, steps: int, width: int = 64, height: int = 64, 
 
 
 def reference_latents(pipe, r: ImageRequest) -> torch.Tensor:
-    return pipe(
+    return as_state_latents(pipe, pipe(
         prompt=r.prompt, height=r.height, width=r.width, num_inference_steps=r.num_inference_steps,
         generator=torch.Generator().manual_seed(r.seed), output_type="latent",
         **guidance_kwargs(pipe, r.guidance_scale, r.negative_prompt),
-    ).images
+    ).images)
 
 
 def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: ModelRunner | None = None

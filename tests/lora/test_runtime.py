@@ -20,7 +20,7 @@ GRAIN = r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ff|img_mlp|txt_mlp)\.net\.(0\
 
 
 @pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image",
-                                                  "tiny-zimage"])
+                                                  "tiny-zimage", "tiny-flux2-klein"])
 def model(request):
     return request.param
 

@@ -116,8 +116,8 @@ def test_another_process_builds_the_same_weights(pipes):
     assert out.stdout.strip().splitlines()[-1] == state_digest(pipes["tiny-flux"])
 
 
-@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-zimage", "shapes-unet",
-                                  "shapes-dit"])
+@pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-zimage", "tiny-flux2-klein",
+                                  "shapes-unet", "shapes-dit"])
 def test_export_then_load_gives_identical_latents(pipes, name, tmp_path):
     export_model(name, str(tmp_path / name))
     loaded = load_pipeline(str(tmp_path / name))
@@ -144,10 +144,12 @@ def test_model_info_of_builtins(pipes):
     assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
     assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,
-                        "tiny-qwen-image": 4.0, "tiny-zimage": 5.0}
+                        "tiny-qwen-image": 4.0, "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0}
     assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux", "tiny-flux-kontext"]
-    assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext"]
-    assert [n for n, i in info.items() if not i.serves("block_cache")] == ["tiny-qwen-image", "tiny-zimage"]
+    assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext", "tiny-flux2-klein"]
+    assert [n for n, i in info.items() if i.max_input_images > 1] == ["tiny-flux2-klein"]
+    assert [n for n, i in info.items() if not i.serves("block_cache")] == ["tiny-qwen-image", "tiny-flux2-klein",
+                                                                         "tiny-zimage"]
     assert [n for n, i in info.items() if i.cfg_from != 1.0] == ["tiny-zimage"]
     inpainting = [n for n, i in info.items() if i.inpaint_channels]
     assert inpainting == ["tiny-sd-inpaint", "tiny-sdxl-inpaint"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gouache.runner.families.base import Family
 from gouache.runner.families.dit import FluxFamily, FluxKontextFamily, StableDiffusion3Family
+from gouache.runner.families.flux2 import Flux2Family
 from gouache.runner.families.qwen import QwenImageFamily
 from gouache.runner.families.zimage import ZImageFamily
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
@@ -12,12 +13,13 @@ from gouache.runner.describe import family_of, instruction_edits
 
 FAMILIES: dict[str, type[Family]] = {
     f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily,
-                   QwenImageFamily, ZImageFamily)
+                   QwenImageFamily, ZImageFamily, Flux2Family)
 }
 
 
 def family_class(pipe) -> type[Family]:
-    return FluxKontextFamily if instruction_edits(pipe) else FAMILIES[family_of(pipe)]
+    family = family_of(pipe)
+    return FluxKontextFamily if family == "flux" and instruction_edits(pipe) else FAMILIES[family]
 
 
 def make_family(pipe, patch_pixels: int | None, conditioning: ConditioningCache | None = None) -> Family:

@@ -66,9 +66,10 @@ class Family(ABC):
 
     @torch.no_grad()
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                text: TextAdapters = ()) -> DenoiseState:
+                text: TextAdapters = (), references: tuple[np.ndarray, ...] = ()) -> DenoiseState:
         """Text encoding (with `text`, the request's text-encoder adapters), sampler, initial
-        noise and (for edits) the original's latents."""
+        noise and (for edits) the original's latents. `references`: an edit's further uploads,
+        which only families that take several images read (admission keeps them from others)."""
         scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
         rows = 2 if self.uses_cfg(request) else 1
@@ -208,13 +209,13 @@ class Family(ABC):
         """The images of `latents[i]` (of `states[i]`), as `decode` gives each: one VAE call per
         latent shape (the VAE's rows are independent: each image within one uint8 level of its
         own decode, the float difference of a batched forward)."""
-        shapes: dict[tuple[int, ...], list[int]] = {}
-        for i, x in enumerate(latents):
+        unpacked = [self.to_vae_latents(x, state) for x, state in zip(latents, states)]
+        shapes: dict[tuple[int, ...], list[int]] = {}  # by the VAE's shape: 96x64 and 64x96 pack to one
+        for i, x in enumerate(unpacked):
             shapes.setdefault(tuple(x.shape), []).append(i)
         out: list[np.ndarray] = [None] * len(states)
         for group in shapes.values():
-            inputs = torch.cat([self.to_vae_latents(latents[i], states[i]) for i in group])
-            images = self.vae_decode(inputs)
+            images = self.vae_decode(torch.cat([unpacked[i] for i in group]))
             for i, image in zip(group, images):
                 out[i] = self._pixels(states[i], image[None])
         return out

@@ -253,7 +253,7 @@ class FluxKontextFamily(FluxFamily):
 
     @torch.no_grad()
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                text=()) -> DenoiseState:
+                text=(), references=()) -> DenoiseState:
         """A masked edit is `FluxKontextInpaintPipeline`'s: FLUX.1's blending, the original its
         own reference."""
         if image is None or request.strength is not None:
