@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 from diffusers import (
-    DiffusionPipeline, Flux2Transformer2DModel, FluxKontextPipeline, FluxTransformer2DModel, QwenImageTransformer2DModel,
-    SD3Transformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel,
+    DiffusionPipeline, Flux2KleinPipeline, Flux2Transformer2DModel, FluxKontextPipeline, FluxTransformer2DModel,
+    QwenImageTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel,
 )
 
 from gouache.errors import UnknownModelError
@@ -44,6 +44,9 @@ def family_of(pipe: DiffusionPipeline) -> str:
     if isinstance(net, ZImageTransformer2DModel):
         return "zimage"
     if isinstance(net, Flux2Transformer2DModel):
+        if not isinstance(pipe, Flux2KleinPipeline):
+            raise UnknownModelError(f"{type(pipe).__name__} is not served: of FLUX.2, gouache serves [klein] "
+                                    "(Flux2KleinPipeline, a Qwen3 text encoder)", param="model")
         return "flux2"
     if isinstance(net, SD3Transformer2DModel):
         return "sd3"

@@ -236,6 +236,8 @@ def test_a_flux2_model_edits_several_images_through_the_openai_client():
             client(url).images.edit(image=[rgba_png(first)] * 5, prompt="x", extra_body=steps)
         with pytest.raises(openai.BadRequestError, match="image 2 is 8x8; each side must be at least 16 pixels"):
             client(url).images.edit(image=[rgba_png(first), rgba_png(first[:8, :8])], prompt="x", extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="image 2: image is not a readable PNG"):
+            client(url).images.edit(image=[rgba_png(first), b"hello"], prompt="x", extra_body=steps)
     assert kinds["instruction_edit"] and kinds["max_input_images"] == 4 and not kinds["img2img"]
     assert one.data[0].b64_json != two.data[0].b64_json  # the second image counts
     out = np.asarray(open_image(masked.data[0].b64_json).convert("RGB"))

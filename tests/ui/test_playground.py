@@ -180,6 +180,26 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
     assert console_errors(browser) == []
 
 
+def unpainted_edit(browser, url: str, model: str, uploads: list, prompt: str, name: str, screenshot):
+    """Edit `uploads` (paths: the image, then further images) on the page of the server at `url`
+    with nothing painted; the image shown, the API's answer to the same request, and the form."""
+    open_page(browser, url, "edit")
+    wait(browser, lambda: css(browser, "#server-line").text == f"serving {model}")
+    form = css(browser, "#edit-form")
+    form.find_element("name", "image").send_keys(str(uploads[0]))
+    for path in uploads[1:]:
+        form.find_element("name", "references").send_keys(str(path))
+    wait(browser, lambda: form.find_element("name", "width").get_attribute("value") == "64")
+    fill(form, prompt=prompt, seed=3, num_inference_steps=2, partial_images=0)
+    form.find_element("css selector", "button[type=submit]").click()
+    wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
+    screenshot(name)
+    data = {"prompt": prompt, "seed": "3", "num_inference_steps": "2", "size": "64x64"}
+    files = [("image" if i == 0 else "image[]", (path.name, path.read_bytes(), "image/png")) for i, path in enumerate(uploads)]
+    answer = httpx.post(f"{url}/v1/images/edits", data=data, files=files, timeout=120).json()
+    return pixels(figures(browser)[0]["src"]), open_image(answer["data"][0]["b64_json"]).convert("RGB"), form
+
+
 def test_on_an_instruction_edit_model_an_unpainted_edit_goes_without_a_mask(browser, screenshot, tmp_path):
     """tiny-flux-kontext: with nothing painted the page sends no mask (the prompt edits the
     picture, the upload a reference): the image it shows is the API's answer to the same
@@ -189,21 +209,31 @@ def test_on_an_instruction_edit_model_an_unpainted_edit_goes_without_a_mask(brow
     Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 64, 3), dtype=np.uint8)).convert("RGBA") \
         .save(tmp_path / "upload.png")
     with running_server("--model", "tiny-flux-kontext") as url:
-        open_page(browser, url, "edit")
-        wait(browser, lambda: css(browser, "#server-line").text == "serving tiny-flux-kontext")
-        form = css(browser, "#edit-form")
-        form.find_element("name", "image").send_keys(str(tmp_path / "upload.png"))
-        wait(browser, lambda: form.find_element("name", "width").get_attribute("value") == "64")
-        fill(form, prompt="make it blue", seed=3, num_inference_steps=2, partial_images=0)
-        form.find_element("css selector", "button[type=submit]").click()
-        wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
-        screenshot("instruction-edit")
-        shown = pixels(figures(browser)[0]["src"])
-        data = {"prompt": "make it blue", "seed": "3", "num_inference_steps": "2", "size": "64x64"}
-        files = [("image", ("upload.png", (tmp_path / "upload.png").read_bytes(), "image/png"))]
-        answer = httpx.post(f"{url}/v1/images/edits", data=data, files=files, timeout=120).json()
+        shown, answer, form = unpainted_edit(browser, url, "tiny-flux-kontext", [tmp_path / "upload.png"],
+                                             "make it blue", "instruction-edit", screenshot)
         assert form.find_element("name", "strength").get_attribute("disabled") == "true"
-    assert np.array_equal(shown, np.asarray(open_image(answer["data"][0]["b64_json"]).convert("RGB")))
+        assert not form.find_element("css selector", ".references").is_displayed()  # Kontext edits one image
+    assert np.array_equal(shown, np.asarray(answer))
+    assert console_errors(browser) == []
+
+
+def test_a_model_that_edits_several_images_gets_each_chosen_image(browser, screenshot, tmp_path):
+    """tiny-flux2-klein: the page offers further images (hidden for one-image models) and sends
+    them as `image[]`: the image it shows is the API's answer to the same two uploads, not the
+    first's alone."""
+    from tests.api.helpers import running_server
+
+    rng = np.random.default_rng(6)
+    for name, shape in (("first", (64, 64, 3)), ("second", (80, 64, 3))):
+        Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8)).save(tmp_path / f"{name}.png")
+    uploads = [tmp_path / "first.png", tmp_path / "second.png"]
+    with running_server("--model", "tiny-flux2-klein") as url:
+        _, alone, _ = unpainted_edit(browser, url, "tiny-flux2-klein", uploads[:1], "put the second in the first",
+                                     "several-images", screenshot)
+        shown, answer, _ = unpainted_edit(browser, url, "tiny-flux2-klein", uploads, "put the second in the first",
+                                          "several-images", screenshot)  # the screenshot kept: both images
+    assert np.array_equal(shown, np.asarray(answer))
+    assert not np.array_equal(np.asarray(answer), np.asarray(alone))
     assert console_errors(browser) == []
 
 

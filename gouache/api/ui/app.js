@@ -105,7 +105,10 @@ imageTab(editTab, async () => {
   const strength = editFields.elements.strength.value.trim();
   if (strength) params.strength = Number.isNaN(Number(strength)) ? strength : Number(strength);
   const card = models?.find((model) => model.id === params.model);
-  return ["/v1/images/edits", await editForm(painter, params, Boolean(card?.gouache.kinds.instruction_edit)), params];
+  const takesSeveral = (card?.gouache.kinds.max_input_images ?? 1) > 1;
+  const references = takesSeveral ? [...editFields.elements.references.files] : [];
+  return ["/v1/images/edits", await editForm(painter, params, Boolean(card?.gouache.kinds.instruction_edit), references),
+    params];
 }, askForKey);
 
 for (const button of document.querySelectorAll("[data-tab]")) button.addEventListener("click", () => select(button.dataset.tab));

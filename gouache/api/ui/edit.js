@@ -100,14 +100,16 @@ export class MaskPainter {
   }
 }
 
-// The multipart body of an edit: the upload as it was chosen, the mask, the shared fields (the
-// adapter lists as JSON text). With nothing painted, an instruction-edit model's edit (it follows
-// the prompt) and an edit with a strength (img2img) go without a mask; a strength with paint goes
-// with the mask, for the API to say which to drop.
-export async function editForm(painter, params, instructionEdit) {
+// The multipart body of an edit: the upload as it was chosen, any further images (`image[]`, for
+// models that edit several), the mask, the shared fields (the adapter lists as JSON text). With
+// nothing painted, an instruction-edit model's edit (it follows the prompt) and an edit with a
+// strength (img2img) go without a mask; a strength with paint goes with the mask, for the API to
+// say which to drop.
+export async function editForm(painter, params, instructionEdit, references = []) {
   const form = new FormData();
   if (painter.file) {
     form.append("image", painter.file, painter.file.name);
+    for (const file of references) form.append("image[]", file, file.name);
     const maskless = (instructionEdit || params.strength !== undefined) && !painter.painted();
     if (!maskless) form.append("mask", await painter.maskBlob(), "mask.png");
   }

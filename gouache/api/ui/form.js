@@ -56,6 +56,11 @@ export function applyModels(form, models) {
     form.elements.strength.disabled = !defaults.kinds.img2img;
     form.elements.strength.placeholder = defaults.kinds.img2img ? "off" : "this model takes a mask only";
   }
+  if (form.elements.references) { // the edit tab: further images where the model takes several
+    const more = defaults.kinds.max_input_images - 1;
+    form.querySelector(".references").hidden = more < 1;
+    form.elements.references.title = `up to ${more} more`;
+  }
 }
 
 // The LoRAs of --lora-dir and ControlNets of --controlnet-dir (GET /v1/loras, /v1/controlnets):
