@@ -24,6 +24,8 @@ class ModelInfo:
     max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)
     instruction_edit: bool = False  # an edit without a mask is redrawn as its prompt says (instruction-edit models)
     max_input_images: int = 1  # image[] uploads an edit takes
+    generation: bool = True  # makes images from text alone (Qwen-Image-Edit's pipelines need an image)
+    min_steps: int = 1  # num_inference_steps the schedule needs at least (Qwen-Image: 2)
     parallel: bool = False  # the server's policy may plan steps on several devices
     # techniques (`gouache.techniques`) the model's family does not serve, each with why
     unserved: tuple[tuple[str, str], ...] = ()

@@ -47,8 +47,8 @@ TECHNIQUES = {t.name: t for t in (
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
     Technique("reference", "image", True, True,
-              "an edit's reference tokens (FLUX.1 Kontext, FLUX.2): the uploads' latents after the image's own, asked "
-              "by any edit on an instruction-edit model"),
+              "an edit's reference tokens (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): the uploads' latents after the "
+              "image's own, asked by any edit on an instruction-edit model"),
     Technique("img2img", "strength", True, True,
               "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
               "the steps after", compiles=True),
@@ -141,10 +141,10 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("reference", "lora"): Pair(EXACT, "the adapters apply to the reference tokens too, as in diffusers; a step "
                                             "that splits its forwards applies each set per forward"),
     _pair("reference", "lora_async"): Pair(APPROXIMATE, "the adapters join late, the reference is exact"),
-    _pair("reference", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are FLUX's "
-                                                    "(Kontext, FLUX.2)"),
-    _pair("reference", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are FLUX's "
-                                                          "(Kontext, FLUX.2)"),
+    _pair("reference", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are DiTs' (FLUX.1 "
+                                                    "Kontext, FLUX.2, Qwen-Image-Edit)"),
+    _pair("reference", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are DiTs' "
+                                                          "(FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit)"),
     _pair("reference", "template"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
                                                   "and reference, outside templates"),
     _pair("reference", "block_cache"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "

@@ -286,6 +286,12 @@ class ImageParams(BaseModel):
         Image i gets seed (seed + i) mod 2**32, so every seed in the response is one the API
         takes back, and sent back with n=1 it makes that image again.
         """
+        if image is None and not info.generation:
+            raise InvalidRequestError(f"'{info.name}' edits images and makes none from text alone: send the request "
+                                      "to /v1/images/edits with an image.")
+        if (self.num_inference_steps or info.default_steps) < info.min_steps:
+            raise InvalidRequestError(f"Invalid value for 'num_inference_steps': '{info.name}' (a {info.family} model) "
+                                      f"takes at least {info.min_steps} steps.", "num_inference_steps")
         seed = secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
         width, height = self.width_height
         guidance = info.default_guidance if self.guidance_scale is None else self.guidance_scale

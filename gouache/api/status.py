@@ -19,7 +19,7 @@ router = APIRouter()
 class RequestKinds(BaseModel):
     """What a model takes (docs/edits.md): generations, and which edits."""
 
-    generation: bool = True
+    generation: bool = True  # /v1/images/generations (Qwen-Image-Edit's pipelines edit only)
     masked_edit: bool = True  # /v1/images/edits with a mask repaints its region
     instruction_edit: bool  # an edit without a mask is redrawn as its prompt says
     max_input_images: int  # image[] uploads one edit takes
@@ -27,7 +27,8 @@ class RequestKinds(BaseModel):
 
     @classmethod
     def of(cls, info: ModelInfo) -> RequestKinds:
-        return cls(instruction_edit=info.instruction_edit, max_input_images=info.max_input_images, img2img=info.img2img)
+        return cls(generation=info.generation, instruction_edit=info.instruction_edit,
+                   max_input_images=info.max_input_images, img2img=info.img2img)
 
 
 class ModelDefaults(BaseModel):

@@ -1,27 +1,50 @@
-"""Qwen text encoders at toy size (Qwen2.5-VL, Qwen3), tokenizers and chat template built in code,
-and the tiny Qwen-Image built-in: Qwen-Image's pipeline (MMDiT over packed 2x2 latents, the 3D
-causal VAE of one frame) shrunk to toy size, seeded random weights."""
+"""Qwen text encoders at toy size (Qwen2.5-VL with its image processor, Qwen3), tokenizers and chat
+template built in code, and the tiny Qwen-Image built-ins: Qwen-Image's pipelines (MMDiT over
+packed 2x2 latents, the 3D causal VAE of one frame; Edit and Edit-Plus) shrunk to toy size,
+seeded random weights."""
 
 from __future__ import annotations
 
 from diffusers import (
-    AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
+    AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline,
+    QwenImagePipeline, QwenImageTransformer2DModel,
 )
 from transformers import (
-    PreTrainedModel, PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3Config,
+    PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLProcessor, Qwen3Config,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from gouache.models.seeds import SEED_DENOISER, SEED_TEXT, SEED_VAE, seeded
 from gouache.models.tokenizer import build_tokenizer
 
 QWEN_HIDDEN = 32  # the tiny Qwen2.5-VL's text width: the transformer's joint_attention_dim
 # The pipelines drop the hidden states of their prompt template's prefix (34 tokens of Qwen's own
-# tokenizer: QwenImagePipeline.prompt_template_encode_start_idx). With these words one token each,
-# the built tokenizer splits that prefix into the same 34 tokens, so only the prompt's remain.
+# tokenizer: QwenImagePipeline.prompt_template_encode_start_idx; 64 for the edit pipelines). With
+# these words one token each, the built tokenizer splits each prefix into as many tokens, so only
+# the prompt's (and the uploads') remain.
 TEMPLATE_WORDS = ("system", "Describe", "the", "image", "by", "detailing", "color", "shape", "size", "texture",
                   "quantity", "text", "spatial", "relationships", "of", "objects", "and", "background", "user",
-                  "assistant")
+                  "assistant",
+                  # the edit pipelines' prefix (64 tokens of Qwen's tokenizer)
+                  "key", "features", "input", "then", "explain", "how", "instruction", "should", "alter", "or", "modify",
+                  "Generate", "a", "new", "that", "meets", "requirements", "while", "maintaining", "consistency", "with",
+                  "original", "where", "appropriate", "'s", "(", "),")
 MAX_TEMPLATE_TOKENS = 1024 + 64  # the pipelines truncate prompts at 1024 tokens after the prefix
+
+
+class QwenVLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor of image prompts (each `<|image_pad|>` expanded to the image's merged
+    patches) without its video processor, which transformers builds only with torchvision (not
+    installable beside this project's CPU build of torch); the Qwen-Image-Edit pipelines send
+    images only. Saved and loaded as a pipeline component like any processor."""
+
+    # diffusers loads a component of a library it does not know with the loader of a base class it
+    # knows, looked up by name in the component's module: this module's `ProcessorMixin`
+    loader_base = ProcessorMixin
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
 def qwen_text_encoder(seed: int, hidden: int = QWEN_HIDDEN
@@ -98,6 +121,20 @@ def tiny_qwen_transformer() -> QwenImageTransformer2DModel:
         num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=QWEN_HIDDEN,
         axes_dims_rope=(8, 12, 12),  # must sum to attention_head_dim
     ).eval())
+
+
+def tiny_qwen_processor(tokenizer: PreTrainedTokenizerFast) -> QwenVLProcessor:
+    """The VL encoder's image inputs at 56-112 px a side (4-16 merged tokens): toy size."""
+    return QwenVLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112),
+                           tokenizer=tokenizer)
+
+
+def build_tiny_qwen_image_edit(plus: bool = False) -> QwenImageEditPipeline | QwenImageEditPlusPipeline:
+    """tiny-qwen-image's components in Qwen-Image-Edit's pipeline (with `plus`, Edit-Plus's)."""
+    text_encoder, tokenizer = qwen_text_encoder(SEED_TEXT)
+    return (QwenImageEditPlusPipeline if plus else QwenImageEditPipeline)(
+        scheduler=qwen_scheduler(), vae=tiny_qwen_vae(), text_encoder=text_encoder, tokenizer=tokenizer,
+        processor=tiny_qwen_processor(tokenizer), transformer=tiny_qwen_transformer())
 
 
 def build_tiny_qwen_image() -> QwenImagePipeline:

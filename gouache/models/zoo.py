@@ -1,7 +1,7 @@
 """The model zoo: tiny built-in pipelines, local diffusers directories, full-size architectures.
 
 The tiny built-ins are real diffusers pipelines (SD1.5, SDXL, SD3, Flux, FLUX.1 Kontext,
-Qwen-Image, Z-Image, FLUX.2 [klein] and two inpainting variants) with the published architectures shrunk to a few
+Qwen-Image and its Edit and Edit-Plus, Z-Image, FLUX.2 [klein] and two inpainting variants) with the published architectures shrunk to a few
 thousand parameters per layer and seeded random weights. They need no network, build in a fraction of a second, run a 512x512
 CFG denoiser step on two CPU cores in about 0.2 s, and are bit-identical in every process, which
 is what tests, the simulator and multi-process runners rely on.
@@ -30,7 +30,7 @@ from gouache.errors import UnknownModelError
 from gouache.models import trained
 from gouache.models.arch import ARCH_CONFIGS, build_arch, default_dtype
 from gouache.models.flux2 import build_tiny_flux2_klein
-from gouache.models.qwen import build_tiny_qwen_image
+from gouache.models.qwen import QwenVLProcessor, build_tiny_qwen_image, build_tiny_qwen_image_edit
 from gouache.models.zimage import build_tiny_zimage
 from gouache.models.seeds import (
     SEED_DENOISER, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3, SEED_VAE, seeded, torch_dtype,
@@ -44,6 +44,7 @@ T5_HIDDEN = 64  # d_model of the tiny T5: SD3 pads the two CLIPs' concatenated s
 
 
 
+VL_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")  # the processors Qwen-Image-Edit directories name
 TINY_DEFAULT_SIZE = 256  # pixels per side: small enough for CPU tests at full pipeline speed
 TINY_DEFAULT_STEPS = 20  # every built-in's default step count
 
@@ -66,6 +67,11 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-flux-kontext": BuiltinSpec("flux", "tiny-flux in FLUX.1 Kontext's pipeline: edits without a mask follow "
                                              "the prompt (instruction edits)"),
     "tiny-qwen-image": BuiltinSpec("qwenimage", "Qwen-Image-style MMDiT, Qwen2.5-VL text encoder, 3D VAE, true CFG"),
+    "tiny-qwen-image-edit": BuiltinSpec("qwenimage", "tiny-qwen-image in Qwen-Image-Edit's pipeline: edits follow "
+                                                      "the prompt, the upload read by the VL encoder and as reference "
+                                                      "tokens; no generations"),
+    "tiny-qwen-image-edit-plus": BuiltinSpec("qwenimage", "tiny-qwen-image in Qwen-Image-Edit-Plus's pipeline: "
+                                                           "instruction edits of up to 3 images; no generations"),
     "tiny-zimage": BuiltinSpec("zimage", "Z-Image-style single-stream DiT over a list of sizes, Qwen3 text encoder"),
     "tiny-flux2-klein": BuiltinSpec("flux2", "FLUX.2 [klein]-style MMDiT, Qwen3 text encoder; edits take up to "
                                              "4 images as references (instruction edits)"),
@@ -313,6 +319,8 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-flux": build_tiny_flux,
     "tiny-flux-kontext": lambda: build_tiny_flux(kontext=True),
     "tiny-qwen-image": build_tiny_qwen_image,
+    "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
+    "tiny-qwen-image-edit-plus": lambda: build_tiny_qwen_image_edit(plus=True),
     "tiny-flux2-klein": build_tiny_flux2_klein,
     "tiny-zimage": lambda: build_tiny_zimage(tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159)),
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
@@ -385,12 +393,15 @@ def load_pipeline(model: str, dtype: str = "float32", device: str = "cpu") -> Di
         return pipe.to(device)
     index = os.path.join(model, "model_index.json")
     if os.path.isfile(index):
-        with open(index) as file:  # a component saved as absent ([null, null]), e.g. SD3 without T5,
-            absent = {k: None for k, v in json.load(file).items() if v == [None, None]}  # loads as absent
+        with open(index) as file:
+            components = json.load(file)
+        # a component saved as absent ([null, null]), e.g. SD3 without T5, loads as absent
+        given = {k: None for k, v in components.items() if v == [None, None]}
+        if components.get("processor") in (["transformers", name] for name in VL_PROCESSORS):
+            # transformers builds Qwen2-VL's processor only with torchvision: gouache's stands in
+            given["processor"] = QwenVLProcessor.from_pretrained(os.path.join(model, "processor"))
         # `dtype=` is diffusers' current spelling of `torch_dtype=` (deprecated in 0.42)
-        pipe = DiffusionPipeline.from_pretrained(
-            model, local_files_only=True, dtype=torch_dtype(dtype), **absent
-        )
+        pipe = DiffusionPipeline.from_pretrained(model, local_files_only=True, dtype=torch_dtype(dtype), **given)
         return pipe.to(device)
     raise UnknownModelError(
         f"unknown model {model!r}: expected a built-in ({', '.join(BUILTIN_MODELS)}) or a path"

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from diffusers import (
     DiffusionPipeline, Flux2KleinPipeline, Flux2Transformer2DModel, FluxKontextPipeline, FluxTransformer2DModel,
-    QwenImageTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, ZImageTransformer2DModel,
+    QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
+    UNet2DConditionModel, ZImageTransformer2DModel,
 )
 
 from gouache.errors import UnknownModelError
@@ -23,6 +24,9 @@ UNSERVED: dict[str, dict[str, str]] = {
     for family in ("qwenimage", "zimage", "flux2")
 }
 CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
+# Least steps a family's schedule takes, where more than 1: Qwen-Image's stretches its sigmas to end
+# at its shift_terminal, which one step divides by zero (its pipelines give NaN)
+MIN_STEPS = {"qwenimage": 2}
 # Families whose forward --compile refuses, and why
 UNCOMPILED = {"zimage": "its forward takes each prompt at its own length, which places the image's tokens, so a "
                         "static graph would be compiled anew for most prompts"}
@@ -57,11 +61,21 @@ def family_of(pipe: DiffusionPipeline) -> str:
 
 def instruction_edits(pipe: DiffusionPipeline) -> bool:
     """Whether an edit without a mask follows its prompt with the upload as a reference (FLUX.1
-    Kontext, FLUX.2)."""
-    return isinstance(pipe, FluxKontextPipeline) or isinstance(denoiser(pipe), Flux2Transformer2DModel)
+    Kontext, FLUX.2, Qwen-Image-Edit)."""
+    return isinstance(pipe, FluxKontextPipeline | QwenImageEditPipeline | QwenImageEditPlusPipeline) or \
+        isinstance(denoiser(pipe), Flux2Transformer2DModel)
 
 
-MAX_INPUT_IMAGES = {"flux2": 4}  # uploads one edit takes, where more than one (gouache's bound for FLUX.2)
+def max_input_images(pipe: DiffusionPipeline) -> int:
+    """Uploads one edit takes: FLUX.2 up to 4 (gouache's bound), Qwen-Image-Edit-Plus 3 (the model's)."""
+    if isinstance(denoiser(pipe), Flux2Transformer2DModel):
+        return 4
+    return 3 if isinstance(pipe, QwenImageEditPlusPipeline) else 1
+
+
+def generations(pipe: DiffusionPipeline) -> bool:
+    """Whether the model makes images from text alone (Qwen-Image-Edit's pipelines need an image)."""
+    return not isinstance(pipe, QwenImageEditPipeline | QwenImageEditPlusPipeline)
 
 
 def size_step(pipe: DiffusionPipeline, family: str) -> int:
@@ -101,5 +115,7 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         instruction_edit=instruction_edits(pipe),
         unserved=tuple(UNSERVED.get(family, {}).items()),
         cfg_from=CFG_FROM.get(family, 1.0),
-        max_input_images=MAX_INPUT_IMAGES.get(family, 1),
+        max_input_images=max_input_images(pipe),
+        generation=generations(pipe),
+        min_steps=MIN_STEPS.get(family, 1),
     )

@@ -215,31 +215,58 @@ def test_a_newer_family_through_the_openai_client(model, family, no_cfg):
     assert open_image(img2img.data[0].b64_json).size == (64, 64)
 
 
-def test_a_flux2_model_edits_several_images_through_the_openai_client():
-    """tiny-flux2-klein: an edit of one image, of two (the second of another size), with a mask
-    (pixels outside it kept); five images or a reference below the size step are a 400 naming
-    `image`."""
-    rng = np.random.default_rng(6)
+def edits_of_several_images(url: str, model: str, seed: int, masked_uploads: int) -> dict:
+    """On the server of `model` at `url`: an edit of one image, of two (the second of another
+    size), and a masked edit of the first `masked_uploads`; checks that the second image counts
+    and that the masked edit keeps the pixels outside its mask. Returns the model's card kinds."""
+    rng = np.random.default_rng(seed)
     first, second = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), rng.integers(0, 255, (80, 64, 3), dtype=np.uint8)
+    uploads = [rgba_png(first), rgba_png(second)]
     mask = np.full((64, 64, 4), 255, np.uint8)
     mask[16:48, 16:48, 3] = 0
     steps = {"num_inference_steps": 2, "seed": 1}
-    with running_server("--model", "tiny-flux2-klein") as url:
-        kinds = httpx.get(f"{url}/v1/models/tiny-flux2-klein").json()["gouache"]["kinds"]
-        one = client(url).images.edit(image=rgba_png(first), prompt="make it blue", extra_body=steps)
-        two = client(url).images.edit(image=[rgba_png(first), rgba_png(second)], prompt="make it blue",
-                                      extra_body=steps)
-        masked = client(url).images.edit(image=[rgba_png(first), rgba_png(second)], mask=rgba_png(mask),
-                                         prompt="make it blue", extra_body=steps)
-        with pytest.raises(openai.BadRequestError, match="5 files were sent; an edit on 'tiny-flux2-klein' takes at "
-                                                         "most 4 images"):
-            client(url).images.edit(image=[rgba_png(first)] * 5, prompt="x", extra_body=steps)
-        with pytest.raises(openai.BadRequestError, match="image 2 is 8x8; each side must be at least 16 pixels"):
-            client(url).images.edit(image=[rgba_png(first), rgba_png(first[:8, :8])], prompt="x", extra_body=steps)
-        with pytest.raises(openai.BadRequestError, match="image 2: image is not a readable PNG"):
-            client(url).images.edit(image=[rgba_png(first), b"hello"], prompt="x", extra_body=steps)
-    assert kinds["instruction_edit"] and kinds["max_input_images"] == 4 and not kinds["img2img"]
+    kinds = httpx.get(f"{url}/v1/models/{model}").json()["gouache"]["kinds"]
+    one = client(url).images.edit(image=uploads[0], prompt="make it blue", extra_body=steps)
+    two = client(url).images.edit(image=uploads, prompt="make it blue", extra_body=steps)
+    masked = client(url).images.edit(image=uploads[:masked_uploads], mask=rgba_png(mask), prompt="make it blue",
+                                     extra_body=steps)
     assert one.data[0].b64_json != two.data[0].b64_json  # the second image counts
     out = np.asarray(open_image(masked.data[0].b64_json).convert("RGB"))
     keep = mask[..., 3] == 255
     assert np.array_equal(out[keep], first[keep]) and not np.array_equal(out[~keep], first[~keep])
+    return kinds
+
+
+def test_a_flux2_model_edits_several_images_through_the_openai_client():
+    """tiny-flux2-klein: edits of one and of two images, a masked one of two; five images, a
+    reference below the size step or one that is no image are a 400 naming `image`."""
+    image, steps = rgba_png(np.zeros((64, 64, 3), np.uint8)), {"num_inference_steps": 2}
+    with running_server("--model", "tiny-flux2-klein") as url:
+        kinds = edits_of_several_images(url, "tiny-flux2-klein", 6, masked_uploads=2)
+        with pytest.raises(openai.BadRequestError, match="5 files were sent; an edit on 'tiny-flux2-klein' takes at "
+                                                         "most 4 images"):
+            client(url).images.edit(image=[image] * 5, prompt="x", extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="image 2 is 8x8; each side must be at least 16 pixels"):
+            client(url).images.edit(image=[image, rgba_png(np.zeros((8, 8, 3), np.uint8))], prompt="x",
+                                    extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="image 2: image is not a readable PNG"):
+            client(url).images.edit(image=[image, b"hello"], prompt="x", extra_body=steps)
+    assert kinds["instruction_edit"] and kinds["max_input_images"] == 4 and not kinds["img2img"]
+
+
+def test_a_qwen_image_edit_plus_model_through_the_openai_client():
+    """tiny-qwen-image-edit-plus: edits of one and of two images (the VL encoder reads them, and
+    they enter as reference tokens), a masked one; a generation, four images or one step are a
+    400 that says what to fix."""
+    image, steps = rgba_png(np.zeros((64, 64, 3), np.uint8)), {"num_inference_steps": 2}
+    with running_server("--model", "tiny-qwen-image-edit-plus") as url:
+        kinds = edits_of_several_images(url, "tiny-qwen-image-edit-plus", 7, masked_uploads=1)
+        with pytest.raises(openai.BadRequestError, match="edits images and makes none from text alone"):
+            client(url).images.generate(prompt="a red fox", size="64x64", extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="4 files were sent; an edit on 'tiny-qwen-image-edit-plus' "
+                                                         "takes at most 3 images"):
+            client(url).images.edit(image=[image] * 4, prompt="x", extra_body=steps)
+        with pytest.raises(openai.BadRequestError, match="takes at least 2 steps"):
+            client(url).images.edit(image=image, prompt="x", extra_body={"num_inference_steps": 1})
+    assert kinds == {"generation": False, "masked_edit": True, "instruction_edit": True, "max_input_images": 3,
+                     "img2img": False}

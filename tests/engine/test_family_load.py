@@ -16,8 +16,8 @@ from gouache.request import ImageRequest
 from gouache.runner.describe import model_info
 from gouache.sched.policies import make_policy
 
-MODELS = ["tiny-sd", "tiny-sdxl-inpaint", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-qwen-image", "tiny-zimage",
-          "tiny-flux2-klein"]
+MODELS = ["tiny-sd", "tiny-sdxl-inpaint", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-qwen-image",
+          "tiny-qwen-image-edit-plus", "tiny-zimage", "tiny-flux2-klein"]
 
 
 def png(array: np.ndarray) -> bytes:
@@ -38,7 +38,9 @@ def kinds(info) -> list[ImageRequest]:
         return ImageRequest(f"{kind}-0", f"a {kind}", width, 64, 2, info.default_guidance, seed=len(kind),
                             arrival_time=now, **fields)
 
-    out = [request("square"), request("wide", 96), request("masked", image=upload, mask=png(mask))]
+    out = [request("masked", image=upload, mask=png(mask))]
+    if info.generation:
+        out += [request("square"), request("wide", 96)]
     if info.img2img:
         out.append(request("img2img", image=upload, strength=0.5))
     if info.instruction_edit:

@@ -1,11 +1,16 @@
 """Qwen-Image (`gouache.runner.families.qwen`): what the family adds beside the exactness, edit,
-LoRA and export tests that walk every family. Its tokenizer splits the prompt template's prefix
-into the tokens the pipeline drops; prompts of other lengths and sizes of one packed shape share
+LoRA and export tests that walk every family. Its tokenizer splits the prompt templates' prefixes
+into the tokens the pipelines drop; prompts of other lengths and sizes of one packed shape share
 a step, each equal to itself alone; a compiled step equals the eager one on the graph warmed at
-start whatever the prompt's length; what it does not serve is refused at start."""
+start whatever the prompt's length; what it does not serve is refused at start. Qwen-Image-Edit
+and Edit-Plus: instruction edits of one image and of several equal their pipelines, a masked
+edit QwenImageEditInpaintPipeline."""
 
+import diffusers
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from gouache.config import BlockCacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig, TemplateConfig
 from gouache.engine.build import build_engine
@@ -23,6 +28,9 @@ def test_the_template_prefix_is_the_tokens_the_pipeline_drops(pipes):
     embeds, mask = pipe.encode_prompt("a red fox", device="cpu")
     suffix = pipe.prompt_template_encode.split("{}")[1]
     assert mask is None and embeds.shape[1] == len(pipe.tokenizer("a red fox" + suffix)["input_ids"])
+    edit = pipes("tiny-qwen-image-edit")
+    prefix = edit.prompt_template_encode.split("<|vision_start|>")[0]
+    assert len(edit.tokenizer(prefix)["input_ids"]) == edit.prompt_template_encode_start_idx == 64
 
 
 def run(runner: ModelRunner, requests: list[ImageRequest], steps: int = 2, reports: list | None = None
@@ -82,3 +90,63 @@ def test_sequence_parallelism_is_refused_at_start():
     with pytest.raises(ValueError, match="Ulysses supports .* not QwenImageTransformer2DModel"):
         build_engine(ModelConfig(MODEL), EngineConfig(devices=2, executor="multiproc"),
                      SchedulerConfig(policy="fixed-sp-2", max_batch_size=2))
+
+
+def uploads() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"wide": rng.integers(0, 255, (64, 96, 3), dtype=np.uint8),
+            "other": rng.integers(0, 255, (80, 64, 3), dtype=np.uint8)}
+
+
+def edit_reference(pipe, request: ImageRequest, images: list[np.ndarray]) -> torch.Tensor:
+    pictures = [Image.fromarray(i) for i in images]
+    return pipe(image=pictures if len(pictures) > 1 else pictures[0], prompt=request.prompt, negative_prompt=" ",
+                true_cfg_scale=request.guidance_scale, height=request.height, width=request.width,
+                num_inference_steps=request.num_inference_steps, generator=torch.Generator().manual_seed(request.seed),
+                output_type="latent").images
+
+
+def test_instruction_edits_of_other_sizes_equal_qwen_image_edit_in_one_step(pipes):
+    """Each upload is read by the VL encoder and enters as reference tokens at a megapixel: edits
+    of two sizes share a patched step, each equal to QwenImageEditPipeline."""
+    from tests.engine.test_exactness import run_engine
+
+    pipe, images = pipes("tiny-qwen-image-edit"), uploads()
+    wide = ImageRequest("wide", "make it blue", 96, 64, 2, 4.0, seed=1, image=b"-")
+    tall = ImageRequest("tall", "make it red", 64, 80, 2, 4.0, seed=2, image=b"-")
+    latents = run_engine(pipe, {0: [(wide, {"image": images["wide"]}), (tall, {"image": images["other"]})]}, "patched")
+    for request, image in ((wide, images["wide"]), (tall, images["other"])):
+        assert (latents[request.request_id] - edit_reference(pipe, request, [image])).abs().max() <= 1e-4
+
+
+def test_an_edit_of_two_images_equals_qwen_image_edit_plus(pipes):
+    from tests.engine.test_exactness import run_engine
+
+    pipe, images = pipes("tiny-qwen-image-edit-plus"), uploads()
+    two = ImageRequest("two", "put the second in the first", 96, 64, 2, 4.0, seed=1, image=b"-")
+    one = ImageRequest("one", "put the second in the first", 96, 64, 2, 4.0, seed=1, image=b"-")
+    latents = run_engine(pipe, {0: [(two, {"image": images["wide"], "references": (images["other"],)}),
+                                    (one, {"image": images["wide"]})]})
+    expected = edit_reference(pipe, two, [images["wide"], images["other"]])
+    assert (latents["two"] - expected).abs().max() <= 1e-4
+    assert (latents["two"] - latents["one"]).abs().max() > 1e-3  # the second image counts
+
+
+def test_a_masked_edit_equals_qwen_image_edit_inpaint_at_its_megapixel(pipes):
+    """The inpaint pipeline edits at its reference's megapixel size: there the engine's masked
+    edit (the sampled original its reference) is that pipeline's."""
+    from tests.engine.test_exactness import run_engine
+
+    pipe = pipes("tiny-qwen-image-edit")
+    image = np.random.default_rng(1).integers(0, 255, (1024, 1024, 3), dtype=np.uint8)
+    mask = np.zeros((1024, 1024), np.float32)
+    mask[256:768, 256:768] = 1.0
+    request = ImageRequest("masked", "a cat", 1024, 1024, 2, 4.0, seed=3, image=b"-")
+    latents = run_engine(pipe, {0: [(request, {"image": image, "mask": mask})]})
+    cls = diffusers.QwenImageEditInpaintPipeline
+    inpaint = cls(**{k: v for k, v in pipe.components.items() if k in cls._get_signature_keys(cls)[0]})
+    inpaint.set_progress_bar_config(disable=True)
+    expected = inpaint(prompt="a cat", image=Image.fromarray(image), mask_image=Image.fromarray((mask * 255).astype(np.uint8)),
+                       negative_prompt=" ", true_cfg_scale=4.0, height=1024, width=1024, num_inference_steps=2,
+                       strength=1.0, generator=torch.Generator().manual_seed(3), output_type="latent").images
+    assert (latents["masked"] - expected).abs().max() <= 1e-4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux
 
 def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
     """Two-step latent generation; inpainting pipelines get a grey image and a full mask, Kontext
-    keeps the size (it would scale it to a megapixel)."""
+    keeps the size (it would scale it to a megapixel), Qwen-Image-Edit's edit a grey image."""
     extra = {}
+    if "QwenImageEdit" in type(pipe).__name__:
+        extra = dict(image=Image.new("RGB", (SIZE, SIZE), (128, 64, 32)))
     if "Inpaint" in type(pipe).__name__:
         extra = dict(
             image=Image.new("RGB", (SIZE, SIZE), (128, 64, 32)),
@@ -129,6 +132,22 @@ def test_export_then_load_gives_identical_latents(pipes, name, tmp_path):
     assert (generate(loaded) - generate(pipes[name])).abs().max() <= 1e-5
 
 
+def test_a_qwen_image_edit_directory_naming_transformers_processor_loads_with_gouaches(pipes, tmp_path):
+    """Real Qwen-Image-Edit directories name transformers' Qwen2VLProcessor, which transformers
+    builds only with torchvision: gouache's QwenVLProcessor loads in its place, its settings kept."""
+    export_model("tiny-qwen-image-edit", str(tmp_path / "edit"))
+    for path, key, value in ((tmp_path / "edit" / "model_index.json", "processor", ["transformers", "Qwen2VLProcessor"]),
+                             (tmp_path / "edit" / "processor" / "processor_config.json", "processor_class",
+                              "Qwen2VLProcessor")):
+        config = json.loads(path.read_text())
+        config[key] = value
+        path.write_text(json.dumps(config))
+    loaded = load_pipeline(str(tmp_path / "edit"))
+    assert type(loaded.processor).__name__ == "QwenVLProcessor"
+    assert loaded.processor.image_processor.size == pipes["tiny-qwen-image-edit"].processor.image_processor.size
+    assert state_digest(loaded) == state_digest(pipes["tiny-qwen-image-edit"])
+
+
 def test_unknown_model_names_the_builtins(tmp_path):
     for bad in ("sdxl-turbo", str(tmp_path)):  # tmp_path exists but has no model_index.json
         with pytest.raises(UnknownModelError) as err:
@@ -144,12 +163,16 @@ def test_model_info_of_builtins(pipes):
     assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
     assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,
-                        "tiny-qwen-image": 4.0, "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0}
+                        "tiny-qwen-image": 4.0, "tiny-qwen-image-edit": 4.0, "tiny-qwen-image-edit-plus": 4.0,
+                        "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0}
     assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux", "tiny-flux-kontext"]
-    assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext", "tiny-flux2-klein"]
-    assert [n for n, i in info.items() if i.max_input_images > 1] == ["tiny-flux2-klein"]
-    assert [n for n, i in info.items() if not i.serves("block_cache")] == ["tiny-qwen-image", "tiny-flux2-klein",
-                                                                         "tiny-zimage"]
+    edits = ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus"]
+    assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext", *edits, "tiny-flux2-klein"]
+    assert {n: i.max_input_images for n, i in info.items() if i.max_input_images > 1} == {
+        "tiny-qwen-image-edit-plus": 3, "tiny-flux2-klein": 4}
+    assert [n for n, i in info.items() if not i.generation] == edits
+    assert [n for n, i in info.items() if not i.serves("block_cache")] == ["tiny-qwen-image", *edits,
+                                                                         "tiny-flux2-klein", "tiny-zimage"]
     assert [n for n, i in info.items() if i.cfg_from != 1.0] == ["tiny-zimage"]
     inpainting = [n for n, i in info.items() if i.inpaint_channels]
     assert inpainting == ["tiny-sd-inpaint", "tiny-sdxl-inpaint"]

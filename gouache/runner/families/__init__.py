@@ -5,7 +5,7 @@ from __future__ import annotations
 from gouache.runner.families.base import Family
 from gouache.runner.families.dit import FluxFamily, FluxKontextFamily, StableDiffusion3Family
 from gouache.runner.families.flux2 import Flux2Family
-from gouache.runner.families.qwen import QwenImageFamily
+from gouache.runner.families.qwen import QwenImageEditFamily, QwenImageFamily
 from gouache.runner.families.zimage import ZImageFamily
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
 from gouache.runner.conditioning import ConditioningCache
@@ -17,9 +17,12 @@ FAMILIES: dict[str, type[Family]] = {
 }
 
 
+INSTRUCTION_EDITS = {"flux": FluxKontextFamily, "qwenimage": QwenImageEditFamily}  # FLUX.2's family edits as it is
+
+
 def family_class(pipe) -> type[Family]:
     family = family_of(pipe)
-    return FluxKontextFamily if family == "flux" and instruction_edits(pipe) else FAMILIES[family]
+    return INSTRUCTION_EDITS[family] if family in INSTRUCTION_EDITS and instruction_edits(pipe) else FAMILIES[family]
 
 
 def make_family(pipe, patch_pixels: int | None, conditioning: ConditioningCache | None = None) -> Family:
