@@ -41,10 +41,8 @@ CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt 
 T5_MAX_LENGTH = 77  # tokenizer limit; pipelines pad T5 prompts to their `max_sequence_length`
 TEXT_HIDDEN = 32  # hidden size of every tiny CLIP text encoder (and its projection)
 T5_HIDDEN = 64  # d_model of the tiny T5: SD3 pads the two CLIPs' concatenated states to it
-
-
-
 VL_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")  # the processors Qwen-Image-Edit directories name
+
 TINY_DEFAULT_SIZE = 256  # pixels per side: small enough for CPU tests at full pipeline speed
 TINY_DEFAULT_STEPS = 20  # every built-in's default step count
 

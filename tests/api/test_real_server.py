@@ -191,7 +191,7 @@ def test_a_newer_family_through_the_openai_client(model, family, no_cfg):
     mask = np.full((64, 64, 4), 255, np.uint8)
     mask[16:48, 16:48, 3] = 0
     steps = {"num_inference_steps": 2, "seed": 1}
-    with running_server("--model", model) as url:
+    with running_server("--model", model, "--max-batch-size", "4") as url:
         card = httpx.get(f"{url}/v1/models/{model}").json()["gouache"]
         wide = client(url).images.generate(prompt="a red fox", size="96x64", extra_body=steps)
         square = client(url).images.generate(prompt="a red fox", size="64x64", n=2,
@@ -241,7 +241,7 @@ def test_a_flux2_model_edits_several_images_through_the_openai_client():
     """tiny-flux2-klein: edits of one and of two images, a masked one of two; five images, a
     reference below the size step or one that is no image are a 400 naming `image`."""
     image, steps = rgba_png(np.zeros((64, 64, 3), np.uint8)), {"num_inference_steps": 2}
-    with running_server("--model", "tiny-flux2-klein") as url:
+    with running_server("--model", "tiny-flux2-klein", "--max-batch-size", "4") as url:
         kinds = edits_of_several_images(url, "tiny-flux2-klein", 6, masked_uploads=2)
         with pytest.raises(openai.BadRequestError, match="5 files were sent; an edit on 'tiny-flux2-klein' takes at "
                                                          "most 4 images"):
@@ -259,7 +259,7 @@ def test_a_qwen_image_edit_plus_model_through_the_openai_client():
     they enter as reference tokens), a masked one; a generation, four images or one step are a
     400 that says what to fix."""
     image, steps = rgba_png(np.zeros((64, 64, 3), np.uint8)), {"num_inference_steps": 2}
-    with running_server("--model", "tiny-qwen-image-edit-plus") as url:
+    with running_server("--model", "tiny-qwen-image-edit-plus", "--max-batch-size", "4") as url:
         kinds = edits_of_several_images(url, "tiny-qwen-image-edit-plus", 7, masked_uploads=1)
         with pytest.raises(openai.BadRequestError, match="edits images and makes none from text alone"):
             client(url).images.generate(prompt="a red fox", size="64x64", extra_body=steps)

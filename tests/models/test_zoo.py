@@ -23,10 +23,8 @@ SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux
 
 def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
     """Two-step latent generation; inpainting pipelines get a grey image and a full mask, Kontext
-    keeps the size (it would scale it to a megapixel), Qwen-Image-Edit's edit a grey image."""
+    keeps the size (it would scale it to a megapixel)."""
     extra = {}
-    if "QwenImageEdit" in type(pipe).__name__:
-        extra = dict(image=Image.new("RGB", (SIZE, SIZE), (128, 64, 32)))
     if "Inpaint" in type(pipe).__name__:
         extra = dict(
             image=Image.new("RGB", (SIZE, SIZE), (128, 64, 32)),
@@ -63,7 +61,9 @@ def pipes() -> dict:
     return {name: build() for name, build in BUILDERS.items()}
 
 
-@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+# the Qwen-Image-Edit built-ins are tiny-qwen-image's denoiser and encoders in another pipeline
+# (whose every call encodes its reference at a megapixel): tiny-qwen-image stands for them here
+@pytest.mark.parametrize("name", [name for name in BUILTIN_MODELS if not name.startswith("tiny-qwen-image-edit")])
 def test_tiny_model_generates_and_listens_to_the_prompt(pipes, name):
     pipe = pipes[name]
     fox, cat = generate(pipe, "a red fox"), generate(pipe, "a cat")

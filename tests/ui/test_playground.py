@@ -227,7 +227,7 @@ def test_a_model_that_edits_several_images_gets_each_chosen_image(browser, scree
     for name, shape in (("first", (64, 64, 3)), ("second", (80, 64, 3))):
         Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8)).save(tmp_path / f"{name}.png")
     uploads = [tmp_path / "first.png", tmp_path / "second.png"]
-    with running_server("--model", "tiny-flux2-klein") as url:
+    with running_server("--model", "tiny-flux2-klein", "--max-batch-size", "4") as url:
         _, alone, _ = unpainted_edit(browser, url, "tiny-flux2-klein", uploads[:1], "put the second in the first",
                                      "several-images", screenshot)
         shown, answer, _ = unpainted_edit(browser, url, "tiny-flux2-klein", uploads, "put the second in the first",

@@ -169,8 +169,6 @@ class QwenImageFamily(FlowFamily):
         return self.predict(states)
 
 
-
-
 class QwenImageEditFamily(QwenImageFamily):
     """Qwen-Image-Edit (`QwenImageEditPipeline`) and Edit-Plus (`QwenImageEditPlusPipeline`, up to
     3 images): instruction edits. The Qwen2.5-VL encoder reads the prompt with the uploads (each at

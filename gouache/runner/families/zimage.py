@@ -114,6 +114,5 @@ class ZImageFamily(FlowFamily):
         return self.predict(states)
 
 
-
 def _padded(length: int) -> int:
     return length + (-length) % SEQ_MULTIPLE
