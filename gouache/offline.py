@@ -31,6 +31,10 @@ def run_offline(args) -> None:
     height, width = args.size or _upload_size(image_bytes) or (info.default_size, info.default_size)
     if width % info.size_step or height % info.size_step:
         raise ValueError(f"size must be a multiple of {info.size_step} pixels per side, got {width}x{height}")
+    if image_bytes is None and not info.generation:
+        raise ValueError(f"{args.model} edits images and makes none from text alone: use `gouache edit` with --image")
+    if (args.steps or info.default_steps) < info.min_steps:
+        raise ValueError(f"{args.model} (a {info.family} model) takes at least {info.min_steps} steps, got {args.steps}")
     request = ImageRequest(
         request_id="offline-0",
         prompt=args.prompt,

@@ -56,6 +56,10 @@ def test_configuration_mistakes_are_clear_errors(tmp_path, capsys):
     assert "multiple of 32" in capsys.readouterr().err
     assert main(["generate", "fox", "--model", "no-such-model", "-o", str(tmp_path / "x.png")]) == 2
     assert "shapes-unet" in capsys.readouterr().err
+    assert main(["generate", "fox", "--model", "tiny-qwen-image-edit", "-o", str(tmp_path / "x.png")]) == 2
+    assert "edits images and makes none from text alone: use `gouache edit`" in capsys.readouterr().err
+    assert main(["generate", "fox", "--model", "tiny-qwen-image", "--steps", "1", "-o", str(tmp_path / "x.png")]) == 2
+    assert "takes at least 2 steps" in capsys.readouterr().err
 
 
 def test_simulate_runs_policies_on_the_same_workload_and_writes_json(tmp_path, capsys):
