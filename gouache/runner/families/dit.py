@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
@@ -144,7 +146,58 @@ class StableDiffusion3Family(FlowFamily):
         return self.unscale(latents)
 
 
-class FluxFamily(FlowFamily):
+class PackedFamily(FlowFamily):
+    """What the families of packed latents share (FLUX.1, Qwen-Image, FLUX.2: [1, tokens, C], each
+    token 2x2 latent pixels): the schedule shifted by the image's token count, the initial noise
+    after an edit's original (the inpaint pipelines' order), an edit's mask packed like its
+    latents."""
+
+    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
+        steps, config = state.request.num_inference_steps, self.pipe.scheduler.config
+        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
+        timesteps, _ = retrieve_timesteps(state.scheduler, steps, self.device, sigmas=sigmas, mu=self.shift(state))
+        state.scheduler.set_begin_index(0)
+        return timesteps
+
+    def shift(self, state: DenoiseState) -> float:
+        """The schedule's shift (mu) for the state's image, from its token count."""
+        config = self.pipe.scheduler.config
+        h, w = self.token_shape(state)
+        return calculate_shift(h * w, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                               config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+
+    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+        if pixels is not None:
+            image_latents = self.pack(self.encode_original(state, pixels))
+        channels = self.pipe.transformer.config.in_channels // 4
+        noise = self.noise(state, channels)
+        if pixels is not None:
+            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, self.latent_hw(state.request))
+            state.edit.latent_mask = self.pack_mask(state.edit.latent_mask.expand(-1, channels, -1, -1))
+        return noise
+
+    @abstractmethod
+    def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
+        """The request's packed initial noise as the pipeline draws it (its tokens' ids, where the
+        model takes them, to `state.cond["image_ids"]`)."""
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """[1, C, h, w] latents as the pipeline packs them into tokens."""
+        b, c, h, w = latents.shape
+        return self.pipe._pack_latents(latents, b, c, h, w)
+
+    def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A [1, C, h, w] latent mask packed as the latents are."""
+        return self.pack(mask)
+
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
+
+    def token_count(self, state: DenoiseState) -> int:
+        return state.latents.shape[1]
+
+
+class FluxFamily(PackedFamily):
     """Guidance-distilled: guidance_scale feeds the guidance embedding; no CFG rows."""
 
     name = "flux"
@@ -164,51 +217,11 @@ class FluxFamily(FlowFamily):
             cond["guidance"] = torch.full([1], request.guidance_scale, device=self.device, dtype=torch.float32)
         return cond
 
-    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
-        steps, config = state.request.num_inference_steps, self.pipe.scheduler.config
-        sigmas = np.linspace(1.0, 1 / steps, steps)
-        if getattr(config, "use_flow_sigmas", False):
-            sigmas = None
-        h, w = self.latent_hw(state.request)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(state.scheduler, steps, self.device, sigmas=sigmas, mu=mu)
-        state.scheduler.set_begin_index(0)
-        return timesteps
-
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+    def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
         r = state.request
-        if pixels is not None:
-            image_latents = self.pack(self.encode_original(state, pixels))
-        channels = self.pipe.transformer.config.in_channels // 4
-        noise, image_ids = self.noise(state, channels)
-        state.cond["image_ids"] = image_ids
-        if pixels is not None:
-            h, w = self.latent_hw(r)
-            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, (h, w))
-            mask = state.edit.latent_mask.expand(-1, channels, -1, -1)
-            state.edit.latent_mask = self.pack(mask)
+        noise, state.cond["image_ids"] = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype,
+                                                                   self.device, state.generator)
         return noise
-
-    def noise(self, state: DenoiseState, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The request's packed initial noise and its tokens' ids, as the pipeline draws them."""
-        r = state.request
-        return self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
-
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
-
-    def token_count(self, state: DenoiseState) -> int:
-        return state.latents.shape[1]
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = latents.shape
-        return self.pipe._pack_latents(latents, b, c, h, w)
 
     def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
         first = states[0]  # one latent shape per forward: ids are shared by the whole group
@@ -276,11 +289,11 @@ class FluxKontextFamily(FluxFamily):
         config = self.pipe.vae.config
         return (self.latent_dist(pixels).mode() - config.shift_factor) * config.scaling_factor
 
-    def noise(self, state: DenoiseState, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
         r = state.request
-        noise, _, ids, _ = self.pipe.prepare_latents(None, 1, channels, r.height, r.width, self.dtype, self.device,
-                                                     state.generator)
-        return noise, ids
+        noise, _, state.cond["image_ids"], _ = self.pipe.prepare_latents(None, 1, channels, r.height, r.width,
+                                                                         self.dtype, self.device, state.generator)
+        return noise
 
     @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from PIL import Image
 
 from gouache.request import ImageRequest
 from gouache.runner.families.base import per_group, row_timesteps
-from gouache.runner.families.dit import FlowFamily
+from gouache.runner.families.dit import PackedFamily
 from gouache.runner.sampler import DenoiseState
 
 REFERENCE_AREA = 1024 * 1024  # a larger reference is scaled down to this many pixels, as the pipeline does
 
 
-class Flux2Family(FlowFamily):
+class Flux2Family(PackedFamily):
     name = "flux2"
     mixes_sizes = False
 
@@ -66,41 +66,25 @@ class Flux2Family(FlowFamily):
         return {"prompt_embeds": torch.cat(embeds),
                 "text_ids": self.pipe._prepare_text_ids(embeds[0]).to(self.device)}
 
-    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
-        steps, config = state.request.num_inference_steps, self.pipe.scheduler.config
-        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / steps, steps)
+    def shift(self, state: DenoiseState) -> float:
         h, w = self.token_shape(state)
-        timesteps, _ = retrieve_timesteps(state.scheduler, steps, self.device, sigmas=sigmas,
-                                          mu=compute_empirical_mu(image_seq_len=h * w, num_steps=steps))
-        state.scheduler.set_begin_index(0)
-        return timesteps
+        return compute_empirical_mu(image_seq_len=h * w, num_steps=state.request.num_inference_steps)
 
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
-        """Packed noise and its ids; a masked edit's original first (the VAE's mode, no draw)."""
+    def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
         r = state.request
-        if pixels is not None:
-            image_latents = self.pack(self.pipe._encode_vae_image(pixels, state.generator))
-        channels = self.pipe.transformer.config.in_channels // 4
-        noise, ids = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
-        state.cond["image_ids"] = ids
-        if pixels is not None:
-            h, w = self.token_shape(state)
-            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, (2 * h, 2 * w))
-            patched = self.pipe._patchify_latents(state.edit.latent_mask.expand(-1, channels, -1, -1))
-            state.edit.latent_mask = self.pack(patched)
+        noise, state.cond["image_ids"] = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype,
+                                                                   self.device, state.generator)
         return noise
 
     def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:
+        """The VAE's mode, patchified and normalised (no draw from the generator)."""
         return self.pipe._encode_vae_image(pixels, state.generator)
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe._pack_latents(latents)
 
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
-
-    def token_count(self, state: DenoiseState) -> int:
-        return state.latents.shape[1]
+    def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        return self.pack(self.pipe._patchify_latents(mask))
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """The pipeline's latent output: unpacked by the ids, de-normalised, unpatchified."""

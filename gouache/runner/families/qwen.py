@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers import QwenImageEditPlusPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
 
@@ -23,7 +22,7 @@ from gouache.block_cache.blocks import CachedForward
 from gouache.request import ImageRequest
 from gouache.runner.conditioning import pixels_digest
 from gouache.runner.families.base import pad_cat, per_group, row_timesteps
-from gouache.runner.families.dit import FlowFamily
+from gouache.runner.families.dit import PackedFamily
 from gouache.runner.sampler import DenoiseState
 
 # What the pipeline's true CFG needs and a request may leave out: its examples' negative prompt
@@ -35,7 +34,7 @@ REFERENCE_AREA = 1024 * 1024  # the edit pipelines' reference images, and Edit's
 EDIT_PLUS_VISION_AREA = 384 * 384  # Edit-Plus's vision input, in pixels
 
 
-class QwenImageFamily(FlowFamily):
+class QwenImageFamily(PackedFamily):
     name = "qwenimage"
     mixes_sizes = False
 
@@ -56,30 +55,7 @@ class QwenImageFamily(FlowFamily):
         combined = super().guide(state, uncond, cond)
         return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
-    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
-        steps, config = state.request.num_inference_steps, self.pipe.scheduler.config
-        h, w = self.token_shape(state)
-        mu = calculate_shift(h * w, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        timesteps, _ = retrieve_timesteps(state.scheduler, steps, self.device,
-                                          sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-        state.scheduler.set_begin_index(0)
-        return timesteps
-
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
-        """The noise after the original's sample, as QwenImageInpaintPipeline draws them."""
-        r = state.request
-        if pixels is not None:
-            image_latents = self.pack(self.encode_original(state, pixels))
-        channels = self.pipe.transformer.config.in_channels // 4
-        noise = self.noise(state, channels)
-        if pixels is not None:
-            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, self.latent_hw(r))
-            state.edit.latent_mask = self.pack(state.edit.latent_mask.expand(-1, channels, -1, -1))
-        return noise
-
     def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
-        """The request's packed initial noise, as the pipeline draws it."""
         r = state.request
         return self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
 
@@ -105,16 +81,6 @@ class QwenImageFamily(FlowFamily):
         inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device,
                                                                                                 latents.dtype)
         return mean, inverse_std
-
-    def pack(self, latents: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = latents.shape
-        return self.pipe._pack_latents(latents, b, c, h, w)
-
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
-
-    def token_count(self, state: DenoiseState) -> int:
-        return state.latents.shape[1]
 
     # -- the forward ------------------------------------------------------------------------
 
