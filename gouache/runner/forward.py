@@ -113,7 +113,7 @@ def row_techniques(state: DenoiseState, spec: StepSpec) -> frozenset[str]:
         used.add("template")
     if spec.degree > 1:
         used.add("parallel")
-    if "reference" in state.cond:  # an instruction edit (FluxKontextFamily)
+    if "reference" in state.cond:  # an instruction edit (Kontext, FLUX.2, Qwen-Image-Edit)
         used.add("reference")
     if state.request.strength is not None:
         used.add("img2img")

@@ -44,6 +44,8 @@ class Flux2Family(PackedFamily):
             ids = self.pipe._prepare_image_ids(latents).to(self.device)
             state.cond["reference"] = torch.cat([self.pipe._pack_latents(x) for x in latents], dim=1)
             state.cond["image_ids"] = torch.cat([state.cond["image_ids"], ids], dim=1)
+            # the references' token grids, in order (what their ids follow), on the host: each step's layout reads it
+            state.cond["reference_shapes"] = torch.tensor([tuple(x.shape[-2:]) for x in latents])
         return state
 
     def _condition(self, picture: np.ndarray) -> torch.Tensor:
@@ -131,7 +133,7 @@ class Flux2Family(PackedFamily):
 
 
 def _tokens(state: DenoiseState) -> tuple:
-    """What a forward's requests must share: the image's size and its tokens' ids (the references'
-    sizes and order)."""
-    ids = state.cond["image_ids"]
-    return state.request.height, state.request.width, ids.shape[1], hash(ids.cpu().numpy().tobytes())
+    """What a forward's requests must share: the image's size and its references' grids, in order
+    (their tokens' ids)."""
+    shapes = state.cond.get("reference_shapes")
+    return state.request.height, state.request.width, None if shapes is None else tuple(map(tuple, shapes.tolist()))

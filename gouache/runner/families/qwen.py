@@ -44,7 +44,7 @@ class QwenImageFamily(PackedFamily):
         embeds = self.cached_text(request, rows, lambda: tuple(self.encode_one(p) for p in prompts))
         lengths = [e.shape[1] for e in embeds]
         return {"prompt_embeds": pad_cat([e[0] for e in embeds], max(lengths)),
-                "text_lengths": torch.tensor(lengths, device=self.device)}
+                "text_lengths": torch.tensor(lengths)}  # on the host: each step's layout reads it
 
     def encode_one(self, prompt: str) -> torch.Tensor:
         """One prompt's states [1, L, D], as the pipeline's `encode_prompt` gives them."""
@@ -115,7 +115,7 @@ class QwenImageFamily(PackedFamily):
         text = pad_cat([e for s in states for e in s.cond["prompt_embeds"]], longest)
         mask = None
         if bool((lengths < longest).any()):
-            mask = torch.arange(longest, device=lengths.device)[None] < lengths[:, None]
+            mask = torch.arange(longest, device=self.device)[None] < lengths.to(self.device)[:, None]
         return ({
             "hidden_states": torch.cat([torch.cat([self.tokens(s)] * s.rows) for s in states]),
             "timestep": row_timesteps(states).to(self.dtype) / 1000,
@@ -174,7 +174,7 @@ class QwenImageEditFamily(QwenImageFamily):
             latents.append(self.pack(encoded[:, :, 0]))  # the mode: no draw
             shapes.append((height // self.token_pixels, width // self.token_pixels))
         state.cond["reference"] = torch.cat(latents, dim=1)
-        state.cond["reference_shapes"] = torch.tensor(shapes, device=self.device)
+        state.cond["reference_shapes"] = torch.tensor(shapes)  # on the host: each step's layout reads it
         return state
 
     def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ class ZImageFamily(FlowFamily):
         )
         embeds = [positive[0]] if rows == 1 else [negative[0], positive[0]]
         lengths = [len(e) for e in embeds]
-        return {"prompt_embeds": pad_cat(embeds, max(lengths)), "text_lengths": torch.tensor(lengths, device=self.device)}
+        return {"prompt_embeds": pad_cat(embeds, max(lengths)),
+                "text_lengths": torch.tensor(lengths)}  # on the host: each step's forward reads it
 
     def guide(self, state: DenoiseState, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         cond, uncond = cond.float(), uncond.float()
