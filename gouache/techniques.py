@@ -145,12 +145,14 @@ TABLE: dict[frozenset[str], Pair] = {
                                                     "Kontext, FLUX.2, Qwen-Image-Edit)"),
     _pair("reference", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; instruction edits are DiTs' "
                                                           "(FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit)"),
-    _pair("reference", "template"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
-                                                  "and reference, outside templates"),
+    _pair("reference", "template"): Pair(APPROXIMATE, "FLUX.1 Kontext: the packed forward carries each reference, "
+                                                      "whose tokens replay from the template as its unmasked ones do "
+                                                      "(the template is the edit's original, its reference)"),
     _pair("reference", "block_cache"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
                                                      "and reference, outside the block cache"),
-    _pair("reference", "mixed_sizes"): Pair(EXACT, "a step that holds a reference runs one forward per latent shape "
-                                                   "and reference"),
+    _pair("reference", "mixed_sizes"): Pair(EXACT, "FLUX.1 Kontext: one packed forward, each reference after its "
+                                                   "image's tokens; FLUX.2 and Qwen-Image-Edit: one forward per size "
+                                                   "and reference layout"),
     _pair("reference", "parallel"): Pair(REFUSED, "Ulysses shards are not tested with reference tokens: a server whose "
                                                   "policy may plan steps on several devices refuses instruction edits"),
     _pair("reference", "conditioning"): Pair(EXACT, "the upload's latents are the VAE's mode, cached by its pixels"),

@@ -86,7 +86,7 @@ def run(args) -> int:
     sweep = [bench.latency(ratio, args.repeats) for ratio in ratios]
     result = {"command": "gouache bench edit " + " ".join(sys.argv[3:]), "model": args.model,
               "device": "cpu", "size": size, "steps": steps, "torch_threads": torch.get_num_threads(),
-              "text_rows": bench.text_rows, "image_tokens": bench.tokens,
+              "text_rows": bench.text_rows, "image_tokens": bench.tokens, "reference_tokens": bench.reference_tokens,
               "transformer_share": bench.transformer_share, "latency": sweep}
     if args.edits:
         result["fidelity"] = bench.fidelity(args.edits)
@@ -112,8 +112,12 @@ class Bench:
         self.grid = size // self.token
         self.tokens = self.grid**2
         self._ids = 0  # request ids: each edit its own
-        probe = self.runner.family.prepare(self._request("probe", "a red circle"))
+        blank = np.zeros((size, size, 3), np.uint8)
+        probe = self.runner.family.prepare(self._request("probe", "a red circle"), blank,
+                                           np.ones((size, size), np.float32))
         self.text_rows = probe.cond["prompt_embeds"].shape[1] if not self.runner.family.patches else 0
+        # an edit's reference tokens (FLUX.1 Kontext) run beside its own, and replay from the template
+        self.reference_tokens = self.runner.family.token_count(probe) - self.tokens
         self.transformer_share = self._transformer_share() if self.runner.family.patches else 1.0
 
     def _runner(self, disk_only: bool):
@@ -206,10 +210,11 @@ class Bench:
     def _bound(self, token_ratio: float, rows: int) -> float:
         """The least share of a full step that an edit with a prompt of its own can reach: its
         masked tokens and one row's text rows computed (with CFG the unconditional row's text
-        replays); a UNet's resnets and convolutions stay."""
+        replays, a reference's tokens replay); a UNet's resnets and convolutions stay."""
         text, tokens = self.text_rows, self.tokens
         computed = rows * token_ratio * tokens + text
-        return 1 - self.transformer_share + self.transformer_share * computed / (rows * (text + tokens))
+        every = rows * (text + tokens + self.reference_tokens)
+        return 1 - self.transformer_share + self.transformer_share * computed / every
 
     def fidelity(self, n: int) -> dict:
         """Recolour edits, exact and replayed from a template registered with the edit's own seed
@@ -324,9 +329,15 @@ def _png(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def _references(result: dict) -> str:
+    tokens = result.get("reference_tokens", 0)
+    return f" (and {tokens} of the edit's reference)" if tokens else ""
+
+
 def report(result: dict) -> str:
     lines = [f"{result['model']} at {result['size']}x{result['size']}, {result['steps']} steps: "
-             f"{result['image_tokens']} image tokens, {result['text_rows']} text rows per image, transformer "
+             f"{result['image_tokens']} image tokens{_references(result)}, {result['text_rows']} text rows per image, "
+             "transformer "
              f"blocks {100 * result['transformer_share']:.0f} % of a full step",
              "", "| mask | tokens | full step ms | template step ms | ratio | bound | request ratio "
              "| disk step ms | disk / memory | same prompt ms | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]

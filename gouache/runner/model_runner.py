@@ -88,10 +88,9 @@ class ModelRunner:
         state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets), list(controls),
                                           request.controlnet_mode, self.family.device, self.family.dtype)
         # a ControlNet's residuals change every block after the first: no template replays them;
-        # img2img repaints every token, from a later step than a template's; a reference's step
-        # runs outside templates (gouache.techniques)
+        # img2img repaints every token, from a later step than a template's (gouache.techniques)
         uses_template = (self.uses_template(request) and state.edit is not None and state.control is None
-                         and request.strength is None and "reference" not in state.cond)
+                         and request.strength is None)
         if request.block_cache is None and (state.control is not None or uses_template or "reference" in state.cond):
             # the server's default threshold applies only where it composes (`gouache.techniques`)
             state.request = replace(request, block_cache=0.0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -42,16 +43,16 @@ from gouache.block_cache.blocks import CachedForward, cached_blocks
 
 @dataclass(frozen=True)
 class Group:
-    """Images of one token-grid size, adjacent in the packing."""
+    """Images of one token layout, adjacent in the packing."""
 
-    shape: tuple[int, int]  # token grid (h, w)
+    shape: tuple[int, ...]  # token layout (`Packing.shapes`)
     count: int
     image_rows: slice
     text_rows: slice
 
     @property
     def tokens(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ class Packing:
     """Where each image's tokens and text go among the rows. `order` lists caller indices in
     packed order (by size, then caller order)."""
 
-    shapes: tuple[tuple[int, int], ...]  # token grid per caller index
+    # token layout per caller index: a grid (h, w) in raster order, or (n, h, w): n grids of one
+    # size in turn (FLUX.1 Kontext: the image's own tokens, then its reference's)
+    shapes: tuple[tuple[int, ...], ...]
     text_len: int
     order: tuple[int, ...]
     groups: tuple[Group, ...]
@@ -93,17 +96,17 @@ class Packing:
     subset: object = field(default=None, compare=False)
 
     @classmethod
-    def build(cls, shapes: Sequence[tuple[int, int]], text_len: int, device: torch.device) -> Packing:
+    def build(cls, shapes: Sequence[tuple[int, ...]], text_len: int, device: torch.device) -> Packing:
         order = tuple(sorted(range(len(shapes)), key=lambda i: (shapes[i], i)))
         groups, image_row, text_row = [], 0, 0
         for shape in dict.fromkeys(shapes[i] for i in order):
             count = sum(1 for s in shapes if s == shape)
-            tokens = shape[0] * shape[1]
+            tokens = math.prod(shape)
             groups.append(Group(shape, count, slice(image_row, image_row + count * tokens),
                                 slice(text_row, text_row + count * text_len)))
             image_row, text_row = image_row + count * tokens, text_row + count * text_len
         caller = torch.tensor(order, device=device)
-        tokens = torch.tensor([shapes[i][0] * shapes[i][1] for i in order], device=device)
+        tokens = torch.tensor([math.prod(shapes[i]) for i in order], device=device)
         return cls(tuple(shapes), text_len, order, tuple(groups), caller.repeat_interleave(tokens),
                    caller.repeat_interleave(text_len), caller)
 
@@ -136,7 +139,7 @@ class Packing:
 
     def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """[S_img, ...] -> per caller index [tokens, ...]."""
-        sizes = [self.shapes[i][0] * self.shapes[i][1] for i in self.order]
+        sizes = [math.prod(self.shapes[i]) for i in self.order]
         out: list[torch.Tensor | None] = [None] * len(self.shapes)
         for i, part in zip(self.order, rows.split(sizes)):
             out[i] = part
@@ -464,5 +467,5 @@ def packed_sd3_forward(
 
 def token_pass(cache: CachedForward | None, packing: Packing):
     """The block cache's pass over a packing's image tokens, if any image is cached."""
-    return cache and cache.begin([packing.shapes[i][0] * packing.shapes[i][1] for i in packing.order], packing.order,
+    return cache and cache.begin([math.prod(packing.shapes[i]) for i in packing.order], packing.order,
                                  "token", packing.text_len)

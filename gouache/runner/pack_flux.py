@@ -3,7 +3,9 @@ ONE forward, every token computed once.
 
 Flux's RoPE is made per size from each image's own ids; its single-stream blocks concatenate
 text and image along the sequence, so they get all rows as one stream (text rows, then image
-rows) and an empty text stream (`RowsSingleBlock`).
+rows) and an empty text stream (`RowsSingleBlock`). An image may carry a reference of its own
+size after its tokens (FLUX.1 Kontext): its sample is then [C, 2, h, w], the reference's ids'
+first coordinate 1, as `FluxKontextPipeline` makes them.
 """
 
 from __future__ import annotations
@@ -28,8 +30,19 @@ class PackedRotary(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         txt_ids = ids[: self.packing.text_len]
-        return [self.rope(torch.cat([txt_ids, FluxPipeline._prepare_latent_image_ids(1, *g.shape, ids.device, ids.dtype)]))
-                for g in self.packing.groups]
+        return [self.rope(torch.cat([txt_ids, layout_ids(g.shape, ids)])) for g in self.packing.groups]
+
+
+def layout_ids(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """The ids of a token layout's tokens (`Packing.shapes`), of `like`'s device and dtype: a
+    grid's (0, row, column), then each further grid's with its number first."""
+    *stacked, h, w = shape
+    ids = FluxPipeline._prepare_latent_image_ids(1, h, w, like.device, like.dtype)
+    if not stacked:
+        return ids
+    grids = ids.repeat(stacked[0], 1)
+    grids[:, 0] = torch.arange(stacked[0], device=like.device, dtype=like.dtype).repeat_interleave(h * w)
+    return grids
 
 
 class PackedFluxAttnProcessor:
@@ -82,23 +95,23 @@ def packed_flux_forward(
 ) -> list[torch.Tensor]:
     """Flux transformer over images of mixed sizes in one forward.
 
-    samples: [C_packed, h_tok, w_tok] token grids (caller order); timestep [num_images] (already
-    /1000); guidance [num_images] or None; pooled_projections [num_images, D'];
-    encoder_hidden_states [num_images, L, D]; txt_ids [L, 3]. Returns [C_packed, h_tok, w_tok]
-    per image, equal to each image's own forward. With a `cache`, blocks reuse cached outputs
-    per token.
+    samples: [C_packed, h_tok, w_tok] token grids (caller order), or [C_packed, 2, h_tok, w_tok]:
+    the image's grid and its reference's; timestep [num_images] (already /1000); guidance
+    [num_images] or None; pooled_projections [num_images, D']; encoder_hidden_states
+    [num_images, L, D]; txt_ids [L, 3]. Returns [C_packed, h_tok, w_tok] per image (its own
+    tokens), equal to each image's own forward. With a `cache`, blocks reuse cached outputs per
+    token.
     """
     if transformer.config.patch_size != 1:
         raise ValueError("packed Flux expects packed latents (transformer patch_size 1)")
     shapes = [tuple(x.shape[1:]) for x in samples]
     if whole_batches and len(set(shapes)) == 1:
-        img_ids = FluxPipeline._prepare_latent_image_ids(1, *shapes[0], txt_ids.device, txt_ids.dtype)
         with cached_blocks(transformer, cache and cache.begin()):
             out = transformer(hidden_states=torch.stack([x.flatten(1).T for x in samples]), timestep=timestep,
                               guidance=guidance, pooled_projections=pooled_projections,
-                              encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
-                              return_dict=False)[0]
-        return [x.T.reshape(-1, *shapes[0]) for x in out]
+                              encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids,
+                              img_ids=layout_ids(shapes[0], txt_ids), return_dict=False)[0]
+        return [_own(x, shapes[0]) for x in out]
     packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
     all_rows = torch.cat([packing.text_index, packing.image_index])
     swaps = [(transformer, "pos_embed", PackedRotary(transformer.pos_embed, packing)),
@@ -122,4 +135,10 @@ def packed_flux_forward(
             img_ids=txt_ids.new_zeros(1, 3),  # PackedRotary makes every image's own ids
             return_dict=False,
         )[0]  # [S_img, 1, C]
-    return [part[:, 0].T.reshape(-1, *shape) for part, shape in zip(packing.unpack(out), shapes)]
+    return [_own(part[:, 0], shape) for part, shape in zip(packing.unpack(out), shapes)]
+
+
+def _own(tokens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An image's output [tokens, C] of a layout as its own grid [C, h, w] (a reference's dropped)."""
+    h, w = shape[-2:]
+    return tokens[: h * w].T.reshape(-1, h, w)

@@ -58,9 +58,11 @@ def test_an_instruction_edit_equals_diffusers_kontext_pipeline_in_a_mixed_batch(
     assert (latents["edit"] - latents["generation"]).abs().max() > 1e-3  # the reference tokens count
 
 
-def test_instruction_edits_with_adapters_equal_themselves_alone_in_a_batch_of_other_sets(pipes, tmp_path):
+@pytest.mark.parametrize("policy", ["orca", "patched"])
+def test_instruction_edits_with_adapters_equal_themselves_alone_in_a_batch_of_other_sets(pipes, tmp_path, policy):
     """`reference` + `lora` (exact): a step that splits into one forward per shape and reference
-    applies each adapter set per forward; every request equals itself served alone."""
+    (orca) applies each adapter set per forward, the packed forward (patched) per row; every
+    request equals itself served alone."""
     from safetensors.torch import save_file
 
     from gouache.config import LoraConfig
@@ -88,15 +90,15 @@ def test_instruction_edits_with_adapters_equal_themselves_alone_in_a_batch_of_ot
     # with a generation beside them the step splits (adapter sets per forward); edits alone, one
     # forward whose rows carry their own sets (segmented)
     for members in (batch, [b for b in batch if b[0].request_id.startswith("edit")]):
-        together = run_engine(pipe, {0: members}, "orca", runner())
+        together = run_engine(pipe, {0: members}, policy, runner())
         for request, _ in members:
             assert (together[request.request_id] - alone[request.request_id]).abs().max() <= 1e-4, request.request_id
     assert (alone["edit-ink"] - alone["edit-plain"]).abs().max() > 1e-3  # the adapter counts
 
 
 def test_edits_of_transposed_sizes_in_one_patched_step_equal_each_alone(pipes):
-    """96x64 and 64x96 pack to one latent shape but not one token grid: each gets its own forward
-    (one forward of both gave the tall edit the wide one's ids: 0.019 off)."""
+    """96x64 and 64x96 pack to one latent shape but not one token grid: each keeps its own ids in
+    the packed forward (a plain forward of both gave the tall edit the wide one's: 0.019 off)."""
     pipe = pipes(MODEL)
     wide = np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)
     uploads = {"wide": (ImageRequest("wide", "a", 96, 64, 2, 2.5, seed=1, image=b"-"), wide),

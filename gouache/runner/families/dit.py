@@ -41,9 +41,9 @@ class FlowFamily(Family):
     def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
         """A packed forward's rows: images (conditioning), image tokens, text rows (and both
         joined, for single-stream blocks), each by its image's forward row."""
-        if not patched or len({self.token_shape(s) for s in states}) == 1:
+        if not patched or len({self.token_layout(s) for s in states}) == 1:
             return super().row_maps(states, False)
-        shapes = [self.token_shape(s) for s in states for _ in range(s.rows)]
+        shapes = [self.token_layout(s) for s in states for _ in range(s.rows)]
         packing = Packing.build(shapes, states[0].cond["prompt_embeds"].shape[1], torch.device("cpu"))
         indices = [torch.arange(len(shapes)), packing.image_index, packing.text_index]
         if self.single_stream:
@@ -57,6 +57,10 @@ class FlowFamily(Family):
     def token_shape(self, state: DenoiseState) -> tuple[int, int]:
         """The token grid of the state's images."""
         return state.request.height // self.token_pixels, state.request.width // self.token_pixels
+
+    def token_layout(self, state: DenoiseState) -> tuple[int, ...]:
+        """The state's tokens in a packed forward (`Packing.shapes`)."""
+        return self.token_shape(state)
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -261,8 +265,10 @@ class FluxKontextFamily(FluxFamily):
     generator) entering after the image's own tokens as reference tokens whose ids start with 1.
     The reference keeps the request's size (the pipeline with `_auto_resize=False`: the API has
     resized the upload to it). A forward's requests must agree on their tokens, so a step runs
-    one forward per image size and reference (block cache and templates sit out a step that
-    holds a reference; LoRA sets then apply per forward)."""
+    one forward per image size and reference (the block cache sits out a step that holds a
+    reference; LoRA sets then apply per forward) under a policy that does not mix sizes; else the
+    packed forward carries each image's reference after its tokens (`pack_flux`), and edits that
+    replay a template replay it as the template's unmasked tokens."""
 
     @torch.no_grad()
     def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
@@ -289,6 +295,26 @@ class FluxKontextFamily(FluxFamily):
         config = self.pipe.vae.config
         return (self.latent_dist(pixels).mode() - config.shift_factor) * config.scaling_factor
 
+    def token_grid(self, state: DenoiseState) -> torch.Tensor:
+        """[C, h, w], or [C, 2, h, w] with the reference's grid after the image's own."""
+        grid = super().token_grid(state)
+        if "reference" not in state.cond:
+            return grid
+        return torch.stack([grid, state.cond["reference"][0].T.reshape(grid.shape)], dim=1)
+
+    def token_layout(self, state: DenoiseState) -> tuple[int, ...]:
+        shape = self.token_shape(state)
+        return (2, *shape) if "reference" in state.cond else shape
+
+    def token_count(self, state: DenoiseState) -> int:
+        return state.latents.shape[1] * (2 if "reference" in state.cond else 1)
+
+    def token_mask(self, state: DenoiseState) -> torch.Tensor:
+        """The image's tokens the mask repaints, then its reference's, none repainted: a template
+        replays them (its original is the reference)."""
+        mask = super().token_mask(state)
+        return torch.cat([mask, torch.zeros_like(mask)]) if "reference" in state.cond else mask
+
     def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
         r = state.request
         noise, _, state.cond["image_ids"], _ = self.pipe.prepare_latents(None, 1, channels, r.height, r.width,
@@ -298,8 +324,9 @@ class FluxKontextFamily(FluxFamily):
     @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
                 ) -> list[torch.Tensor]:
-        if any("reference" in s.cond for s in states):  # one forward per image size and reference
-            return per_group(states, _tokens, self.forward)
+        replays = templates is not None and any(s.template is not None for s in states)
+        if not (patched or replays) and any("reference" in s.cond for s in states):
+            return per_group(states, _tokens, self.forward)  # one forward per image size and reference
         return super().predict(states, patched, cache, templates)
 
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
@@ -313,7 +340,7 @@ class FluxKontextFamily(FluxFamily):
         return rows, shared
 
     def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
-        if any("reference" in s.cond for s in states):
+        if not patched and any("reference" in s.cond for s in states):
             if len({_tokens(s) for s in states}) > 1:
                 return None  # several forwards: adapters apply per forward
             return {sum(s.rows for s in states): torch.arange(sum(s.rows for s in states))}
