@@ -8,7 +8,9 @@ import logging
 import os
 import sys
 
-from gouache.cli_flags import Given, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg
+from gouache.cli_flags import (
+    Given, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_slo_arg,
+)
 from gouache.config import (
     COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, CompileConfig,
     ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
@@ -74,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="round length in seconds; only with --policy round-knapsack (default: %(default)s)")
     serve.add_argument("--max-queue-len", type=int, default=EngineConfig.max_queue_len,
                        help="images waiting or running before new requests get 429 (default: %(default)s)")
+    serve.add_argument("--flex-queue-share", type=float, default=EngineConfig.flex_queue_share,
+                       help="share of --max-queue-len in flight past which service_tier=flex requests get 429 "
+                            "first (default: %(default)s)")
+    serve.add_argument("--tier-slo-ms", type=tier_slo_arg, default=(), action=Given, metavar="TIER=MS,...",
+                       help="the deadline of each service tier's requests that send no slo_ms, e.g. "
+                            "priority=2000,default=10000; only with a deadline policy (default: none)")
     serve.add_argument("--request-timeout", type=float, default=EngineConfig.request_timeout_s,
                        help="seconds before an unfinished request fails with 504 (default: %(default)s)")
     serve.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
@@ -302,6 +310,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if args.cost_model and not policy.needs_predictor:
         ignored["cost_model"] = (f"--policy {args.policy} plans without step times; only "
                                  f"{_policies_where('needs_predictor')} read it")
+    if "tier_slo_ms" in given(args) and not policy.uses_deadlines:
+        ignored["tier_slo_ms"] = (f"--policy {args.policy} does not plan by deadline; only "
+                                  f"{_policies_where('uses_deadlines')} do")
     if "round_s" in given(args) and not policy.rounds:
         ignored["round_s"] = f"--policy {args.policy} does not plan in rounds; only {_policies_where('rounds')} does"
     if "patch_size" in given(args) and not policy.mixes_resolutions:
@@ -318,7 +329,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     refuse_ignored(ignored)
     return (
         ModelConfig(args.model, args.dtype, args.device, args.quantize),
-        EngineConfig(max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
+        EngineConfig(max_queue_len=args.max_queue_len, flex_queue_share=args.flex_queue_share, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20,
@@ -334,7 +345,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                                                   args.controlnet_mb << 20, args.torch_threads,
                                                   reply_timeout_s=0.8 * args.worker_timeout)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
-                        round_s=args.round_s),
+                        round_s=args.round_s, tier_slo_ms=args.tier_slo_ms),
     )
 
 

@@ -67,3 +67,21 @@ def batch_size_arg(text: str) -> int | None:
         return None
     (count,) = counts_arg(text)
     return count
+
+
+def tier_slo_arg(text: str) -> tuple[tuple[str, float], ...]:
+    """`--tier-slo-ms` as an argparse `type`: comma-separated TIER=MS, e.g. priority=2000,default=10000."""
+    from gouache.sched.tiers import TIERS
+
+    pairs = []
+    for part in text.split(","):
+        tier, _, ms = part.partition("=")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = 0.0
+        if tier.strip() not in TIERS or not value > 0:
+            raise argparse.ArgumentTypeError(f"expected TIER=MS pairs with tiers from {', '.join(TIERS)} and MS > 0, "
+                                             f"e.g. priority=2000,default=10000; got {text!r}")
+        pairs.append((tier.strip(), value))
+    return tuple(pairs)

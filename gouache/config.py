@@ -7,6 +7,8 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
+from gouache.sched.tiers import TIERS
+
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
 
@@ -60,11 +62,16 @@ class SchedulerConfig:
     cost_model: str | None = None  # JSON from `gouache profile`, for SLO-aware policies
     round_s: float = 0.5  # round-knapsack's round length τ in seconds (at least one step is always taken)
     run_late: bool = True  # round-knapsack gives idle devices to requests that will miss their deadline anyway
+    # (tier, ms): the deadline of a request of that service tier that sends no slo_ms (deadline policies)
+    tier_slo_ms: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size is None or self.max_batch_size >= 1,
                f"max_batch_size must be >= 1, got {self.max_batch_size}")
         _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
+        for tier, ms in self.tier_slo_ms:
+            _check(tier in TIERS, f"tier_slo_ms names tier {tier!r}; the tiers are {', '.join(TIERS)}")
+            _check(ms > 0, f"tier_slo_ms of {tier} must be positive, got {ms}")
 
 
 COMPILE_BUCKETS = (1, 2, 4, 8, 16)
@@ -201,6 +208,7 @@ class EngineConfig:
     """Limits and worker counts of one engine (one replica)."""
 
     max_queue_len: int = 64  # requests waiting or running before new ones get 429
+    flex_queue_share: float = 0.5  # flex requests get 429 once this share of max_queue_len is in flight
     request_timeout_s: float = 600.0  # a request still unfinished after this ends with a timeout error
     image_workers: int = 1  # processes that decode uploads and encode PNG/JPEG/WebP
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
@@ -221,6 +229,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        _check(0 < self.flex_queue_share <= 1, f"flex_queue_share must be in (0, 1], got {self.flex_queue_share}")
         _check(self.request_timeout_s > 0, "request_timeout_s must be positive")
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")

@@ -46,6 +46,9 @@ class Metrics:
         self.handoffs = Counter("gouache_handoffs_total",
                                 "Denoising states moved from one device block to another", registry=r)
         self.errors = Counter("gouache_errors_total", "Requests that ended with an error", ["kind"], registry=r)
+        self.pauses = Counter("gouache_pauses_total",
+                              "Images paused at a step boundary for a higher service tier's request, by their tier",
+                              ["tier"], registry=r)
         self.cache_blocks = Counter("gouache_block_cache_blocks_total",
                                     "Blocks of block-cached images (per patch when patched): reused or computed",
                                     ["result"], registry=r)

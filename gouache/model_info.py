@@ -19,6 +19,7 @@ class ModelInfo:
     # that prices only the sizes it was profiled at; None: any size the rules above allow
     sizes: tuple[tuple[int, int], ...] | None = None
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
+    tier_slo_ms: tuple[tuple[str, float], ...] = ()  # (service tier, ms): its requests' slo_ms when they send none
     block_cache: bool = True  # some steps run on one device, where the block cache applies
     templates: bool = False  # edits can reuse a template's activations (some steps run on one device)
     max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)

@@ -166,6 +166,16 @@ class ProgressEvent:
 
 
 @dataclass
+class PausedEvent:
+    """A higher tier's request took the image's slot at a step boundary: it waits with its
+    progress kept, and resumes where it stopped (the next `ProgressEvent`)."""
+
+    index: int
+    step: int  # steps done so far
+    total_steps: int
+
+
+@dataclass
 class PartialImageEvent:
     """A decoded preview of an image that is still being denoised."""
 
@@ -192,14 +202,14 @@ class ErrorEvent:
     status: int  # HTTP status the API answers with
 
 
-Event = ProgressEvent | PartialImageEvent | ImageEvent | ErrorEvent
+Event = ProgressEvent | PausedEvent | PartialImageEvent | ImageEvent | ErrorEvent
 
 
 @dataclass
 class EngineStats:
     """A snapshot for /health and /metrics."""
 
-    waiting: int  # requests accepted but not yet denoising (preparing or queued)
+    waiting: int  # requests accepted but not denoising (preparing, queued, or paused for a higher tier)
     running: int  # requests in the denoising batch
     finished: int  # images returned since start
     failed: int  # images that ended with an error since start

@@ -40,6 +40,8 @@ class ImageRequest:
     # edit without a mask: img2img, the upload noised to this share of the schedule and denoised
     # from there (1: all of it); None: the whole picture repainted from noise
     strength: float | None = None
+    service_tier: str = "default"  # priority | default | flex (`gouache.sched.tiers`)
+    tenant: str = ""  # the API key's name ("" without tenants)
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it
 
     @property
@@ -56,6 +58,7 @@ class RequestStatus(enum.Enum):
     PREPARING = "preparing"  # decoding, text encoding, initial latents
     WAITING = "waiting"  # ready to denoise, not admitted yet
     RUNNING = "running"  # admitted; denoised step by step
+    PAUSED = "paused"  # gave its slot to a higher tier's request at a step boundary; resumes where it stopped
     POSTPROCESSING = "postprocessing"  # VAE decode and encode
 
 
@@ -72,6 +75,11 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     first_step_time: float | None = None  # when its first step started (queueing time ends)
     devices: tuple[int, ...] = ()  # its devices in the last plan that could place it; () if it had none
+    tier: int = 1  # its service tier's rank (`gouache.sched.tiers.TIERS`): lower ranks are served first
+    tenant: str = ""  # who sent it, for fair queuing within a tier
+    weight: float = 1.0  # its tenant's share within the tier
+    fair_tag: float = 0.0  # its start tag in its tier's fair queue (set by the scheduler on arrival)
+    pauses: int = 0  # times a higher tier's request took its slot at a step boundary
 
     @property
     def remaining_steps(self) -> int:

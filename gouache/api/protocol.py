@@ -25,6 +25,7 @@ from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import img2img_start, unpriced_message
 from gouache.request import ImageRequest
+from gouache.sched.tiers import DEFAULT_TIER
 from gouache.techniques import TECHNIQUES, refused_pair
 
 if TYPE_CHECKING:
@@ -158,6 +159,8 @@ class ImageParams(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random seed
     slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)  # deadline after arrival
+    # OpenAI's service tier (`gouache.sched.tiers`); auto or absent: default
+    service_tier: Literal["auto", "priority", "default", "flex"] | None = None
     # block-cache threshold (docs/block_cache.md); 0: exact; None: the server's --block-cache
     block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
     # LoRA adapters (docs/lora.md); a multipart edit sends the list as JSON text
@@ -299,6 +302,8 @@ class ImageParams(BaseModel):
             raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
                                       "deadline and would ignore it (deadline-aware: --policy patched-slo or "
                                       "round-knapsack).", "slo_ms")
+        tier = DEFAULT_TIER if self.service_tier in (None, "auto") else self.service_tier
+        slo_ms = self.slo_ms if self.slo_ms is not None else dict(info.tier_slo_ms).get(tier)
         for technique, field in self._asked().items():
             if not info.serves(technique):
                 raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' (a {info.family} model) does "
@@ -333,7 +338,8 @@ class ImageParams(BaseModel):
                 output_format=self.output_format,
                 output_compression=self.output_compression,
                 partial_images=self.partial_images,
-                slo_ms=self.slo_ms,
+                slo_ms=slo_ms,
+                service_tier=tier,
                 block_cache=self.block_cache,
                 loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),

@@ -2,6 +2,8 @@
 
 Events, for each of the n images (told apart by the gouache field `index`):
   gouache.progress                                 {"step", "total_steps", "index"} per step
+  gouache.paused                                   {"step", "total_steps", "index"}: a higher service
+                                                   tier took its slot; it resumes where it stopped
   image_generation.partial_image / image_edit...   {"b64_json", "partial_image_index", "index"}
   image_generation.completed / image_edit...       {"b64_json", "index", "seed"}
 and `error` {"error": {message, type, param, code}} if the request fails.
@@ -22,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from gouache.api.errors import error_body
 from gouache.errors import CancelledError
-from gouache.outputs import ErrorEvent, Event, ImageEvent, PartialImageEvent, ProgressEvent
+from gouache.outputs import ErrorEvent, Event, ImageEvent, PartialImageEvent, PausedEvent, ProgressEvent
 
 if TYPE_CHECKING:
     from gouache.engine.handle import RequestHandle
@@ -46,9 +48,9 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 def encode_event(event: Event, shape: StreamShape) -> bytes:
-    if isinstance(event, ProgressEvent):
-        data = {"step": event.step, "total_steps": event.total_steps, "index": event.index}
-        return sse("gouache.progress", {"type": "gouache.progress", **data})
+    if isinstance(event, ProgressEvent | PausedEvent):
+        name = "gouache.progress" if isinstance(event, ProgressEvent) else "gouache.paused"
+        return sse(name, {"type": name, "step": event.step, "total_steps": event.total_steps, "index": event.index})
     if isinstance(event, ErrorEvent):
         return sse("error", {"type": "error", **error_body(event.message, event.status, event.kind)})
     common = {"created_at": int(time.time()), "size": shape.size, "output_format": shape.output_format}

@@ -32,12 +32,13 @@ from gouache.errors import (
 )
 from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo, unpriced_message
-from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
+from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, PausedEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus, preview_steps
 from gouache.executor.base import Executor
 from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import Policy, StepTimePredictor
+from gouache.sched.plan import Plan
 from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -91,15 +92,15 @@ class AsyncEngine(AdapterCalls):
             self.pool.shutdown()
             raise
         one_device = caches_blocks(policy, self.pool.num_devices)
-        info = replace(info, deadlines=policy.uses_deadlines, block_cache=one_device and info.serves("block_cache"),
-                       templates=one_device and info.serves("template"), max_batch=policy.config.max_batch_size,
+        info = replace(info, deadlines=policy.uses_deadlines, tier_slo_ms=policy.config.tier_slo_ms,
+                       block_cache=one_device and info.serves("block_cache"), templates=one_device and info.serves("template"), max_batch=policy.config.max_batch_size,
                        parallel=any(degree > 1 for degree in policy.degrees(self.pool.num_devices)))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw
             info = replace(info, sizes=tuple(sorted(priced)))
         self.info = info
         self.core = EngineCore(
-            self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_drop, self._on_death
+            self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_plan, self._on_death
         )
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure, batched=True)
@@ -157,7 +158,7 @@ class AsyncEngine(AdapterCalls):
             raise EngineStoppedError("the engine is not running")
         for request in requests:
             self._check_size(request)
-        self._check_capacity(len(requests))
+        self._check_capacity(requests)
         controls = await self.check_adapters(requests[0])
         decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
         api_id = requests[0].request_id.rsplit("-", 1)[0]
@@ -165,7 +166,7 @@ class AsyncEngine(AdapterCalls):
         with self._lock:
             if self._dead:  # it died during the awaits above: `_on_death` would not see these
                 raise EngineStoppedError("the engine is not running")
-            self._check_capacity(len(requests))  # again: others may have got in during the decode
+            self._check_capacity(requests)  # again: others may have got in during the decode
             for index, request in enumerate(requests):
                 self._images[request.request_id] = _Image(request, handle, index)
         for request in requests:
@@ -180,7 +181,7 @@ class AsyncEngine(AdapterCalls):
     def stats(self) -> EngineStats:
         with self._lock:
             statuses = [image.status for image in self._images.values()]
-        waiting = sum(s in (RequestStatus.PREPARING, RequestStatus.WAITING) for s in statuses)
+        waiting = sum(s in (RequestStatus.PREPARING, RequestStatus.WAITING, RequestStatus.PAUSED) for s in statuses)
         running = sum(s == RequestStatus.RUNNING for s in statuses)
         status = "dead" if self._dead else "draining" if self._draining else "ok"
         return EngineStats(waiting, running, self._counts["finished"], self._counts["failed"], status)
@@ -190,7 +191,8 @@ class AsyncEngine(AdapterCalls):
         stats = self.stats()
         with self._lock:
             requests = [{"id": rid, "size": f"{e.request.width}x{e.request.height}", "status": e.status.value,
-                         "step": e.step, "steps": e.request.num_inference_steps} for rid, e in self._images.items()]
+                         "step": e.step, "steps": e.request.num_inference_steps, "service_tier": e.request.service_tier}
+                        for rid, e in self._images.items()]
         return {"status": stats.status, "model": self.info.name, "waiting": stats.waiting, "running": stats.running,
                 "finished": stats.finished, "failed": stats.failed, "requests": requests, **self.book.snapshot()}
 
@@ -199,10 +201,16 @@ class AsyncEngine(AdapterCalls):
 
     # -- preparation -----------------------------------------------------------------------
 
-    def _check_capacity(self, n: int) -> None:
-        if len(self._images) + n > self.config.max_queue_len:
+    def _check_capacity(self, requests: list[ImageRequest]) -> None:
+        """429 past the queue's limit; flex requests (capacity nobody else needs) past its
+        `flex_queue_share`, first."""
+        limit, tier = self.config.max_queue_len, requests[0].service_tier
+        if tier == "flex":
+            limit = max(1, int(limit * self.config.flex_queue_share))
+        if len(self._images) + len(requests) > limit:
+            which = "flex requests' limit" if tier == "flex" else "limit"
             raise QueueFullError(
-                f"the server is busy ({len(self._images)} images in flight, limit {self.config.max_queue_len}); retry shortly",
+                f"the server is busy ({len(self._images)} images in flight, {which} {limit}); retry shortly",
                 retry_after_s=max(1, len(self._images) // 4),
             )
 
@@ -259,8 +267,8 @@ class AsyncEngine(AdapterCalls):
                     self.pool.release(rid)
                 continue
             if entry.status is RequestStatus.WAITING:
-                entry.status = RequestStatus.RUNNING
                 self.metrics.queueing_time.observe(now - entry.request.arrival_time)
+            entry.status = RequestStatus.RUNNING  # also a paused one that resumed
             entry.step = state.steps_done
             entry.handle.push(ProgressEvent(entry.index, state.steps_done, state.num_steps))
             if rid in finished:
@@ -271,13 +279,20 @@ class AsyncEngine(AdapterCalls):
         self.metrics.running_batch.set(len(self.scheduler.running))
         self.book.step(report.batch.devices, report.output.request_ids, report.step_s, report.output.forward_s)
 
-    def _on_drop(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
+    def _on_plan(self, plan: Plan) -> None:
+        """Requests a plan dropped (deadline unattainable) fail; those it paused say so."""
+        for rid in plan.drop:
             entry = self._images.get(rid)
             if entry is not None:
                 slo = entry.request.slo_ms
                 message = f"the request cannot finish within its slo_ms={slo:g} even if started now; it was dropped"
                 self._fail(entry.handle.request_id, DeadlineUnattainableError(message))
+        for rid in plan.pause:
+            entry, state = self._images.get(rid), self.scheduler.waiting.get(rid)
+            if entry is not None and state is not None:
+                entry.status = RequestStatus.PAUSED
+                entry.handle.push(PausedEvent(entry.index, state.steps_done, state.num_steps))
+                self.metrics.pauses.labels(entry.request.service_tier).inc()
 
     def _on_step_failure(self, reasons: dict[str, str], invalid: dict[str, str]) -> None:
         """Requests whose step failed: a 400 naming the field where their own input failed them

@@ -30,7 +30,7 @@ from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import RequestState
 from gouache.executor.base import WorkerDied
 from gouache.executor.pool import DevicePool
-from gouache.sched.plan import Batch
+from gouache.sched.plan import Batch, Plan
 from gouache.sched.scheduler import Run, Scheduler
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class EngineCore:
 
     def __init__(self, pool: DevicePool, scheduler: Scheduler, metrics: Metrics,
                  on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str], dict[str, str]], None],
-                 on_drop: Callable[[list[str]], None], on_death: Callable[[BaseException], None]):
+                 on_plan: Callable[[Plan], None], on_death: Callable[[BaseException], None]):
         self.pool = pool
         self.scheduler = scheduler
         self.metrics = metrics
@@ -76,7 +76,7 @@ class EngineCore:
         # called with {request id: why} of requests that failed and were forgotten, and {request id:
         # the request field at fault} of those whose own input failed them (StepOutput.invalid)
         self.on_failure = on_failure
-        self.on_drop = on_drop  # called with the ids the policy dropped (deadline unattainable)
+        self.on_plan = on_plan  # called with a plan that drops (deadline unattainable) or pauses requests
         self.on_death = on_death  # called in the loop thread if the loop itself raises
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._flights: list[_Flight] = []
@@ -234,10 +234,10 @@ class EngineCore:
                 blamed = {rid: f"{type(error).__name__}: {error}" for rid in self.scheduler.request_ids()}
             self._fail({rid: f"the scheduler could not plan it: {why}" for rid, why in blamed.items()})
             return bool(blamed)
-        if plan.drop:
-            for rid in plan.drop:
-                self.pool.release(rid)
-            self.on_drop(plan.drop)
+        for rid in plan.drop:
+            self.pool.release(rid)
+        if plan.drop or plan.pause:
+            self.on_plan(plan)
         return bool(plan)
 
     def _fail(self, reasons: dict[str, str], invalid: dict[str, str] | None = None) -> None:

@@ -18,6 +18,7 @@ from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, Template
 from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
+from gouache.sched.tiers import tier_rank
 from gouache.runner.families import Family, make_family
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
@@ -112,6 +113,8 @@ class ModelRunner:
             num_steps=len(state.timesteps),
             arrival_time=request.arrival_time,
             deadline=deadline,
+            tier=tier_rank(request.service_tier),
+            tenant=request.tenant,
         )
 
     def warm_up(self, default_size: int) -> None:

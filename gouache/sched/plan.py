@@ -51,6 +51,8 @@ class Plan:
     batches: list[Batch] = field(default_factory=list)
     admit: list[str] = field(default_factory=list)  # waiting ids that start running with this plan
     drop: list[str] = field(default_factory=list)  # waiting ids dropped as unattainable
+    # running ids that give their slot to a higher tier: back to waiting, their latents kept
+    pause: list[str] = field(default_factory=list)
     until: float | None = None  # a round's end on the caller's clock; None: each batch runs all its steps
 
     @property
@@ -58,9 +60,11 @@ class Plan:
         return [rid for batch in self.batches for rid in batch.request_ids]
 
     def __bool__(self) -> bool:
-        return bool(self.batches or self.drop)
+        return bool(self.batches or self.drop or self.pause)
 
 
-def one_step(groups: list[list[str]], admit: list[str], patched: bool = False, drop: list[str] | None = None) -> Plan:
+def one_step(groups: list[list[str]], admit: list[str], patched: bool = False, drop: list[str] | None = None,
+             pause: list[str] | None = None) -> Plan:
     """A step policy's plan: each group one forward on device 0, run once, in order."""
-    return Plan(batches=[Batch(tuple(g), steps=1, patched=patched) for g in groups if g], admit=admit, drop=drop or [])
+    return Plan(batches=[Batch(tuple(g), steps=1, patched=patched) for g in groups if g], admit=admit, drop=drop or [],
+                pause=pause or [])

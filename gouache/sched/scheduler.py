@@ -13,6 +13,11 @@ policy:
   stop at their first step boundary past `Plan.until`, and the next round is planned when the
   last one has stopped (or all are done).
 
+Policies see the waiting requests in `tiers.queue_order` (tier, then fair share among
+tenants, then arrival) and the running ones by tier; a plan may pause running requests (step
+policies, for a higher tier's waiting request: `tiers.make_room`), which go back to waiting with
+their progress and latents kept.
+
 A request remembers its devices in the last plan it was offered to (`RequestState.devices`,
 () if that plan left it out), for placement preservation (TetriServe keeps last round's
 devices); the scheduler also remembers where its latents are, however long ago it ran, so a
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from gouache.request import RequestState, RequestStatus
 from gouache.sched.interface import Devices, Policy
 from gouache.sched.plan import Batch, Plan
+from gouache.sched.tiers import FairQueue, queue_order
 
 _UNTIL_SLACK = 1e-9  # a step that ends exactly at a round's end counts as ending it
 
@@ -76,9 +82,11 @@ class Scheduler:
         self.until: float | None = None  # the current round's end, while its batches run
         self.lost: set[int] = set()  # devices whose workers died: never free again
         self.latents_on: dict[str, tuple[int, ...]] = {}  # started request -> devices holding its latents
+        self.fair = FairQueue()  # each tier's share among its tenants
 
     def add(self, state: RequestState) -> None:
         state.status = RequestStatus.WAITING
+        self.fair.tag(state)
         self.waiting[state.request_id] = state
 
     def abort(self, request_id: str) -> RequestState | None:
@@ -145,16 +153,23 @@ class Scheduler:
         if not free or (self.runs and self.policy.rounds):
             return Plan()
         in_runs = {rid for run in self.runs for rid in run.batch.request_ids}
-        running = [s for rid, s in self.running.items() if rid not in in_runs]
+        running = sorted((s for rid, s in self.running.items() if rid not in in_runs), key=lambda s: s.tier)
         if not (self.waiting or running):
             return Plan()
-        plan = self.policy.plan(list(self.waiting.values()), running, now, Devices(self.num_devices, free))
+        waiting = sorted(self.waiting.values(), key=queue_order)
+        plan = self.policy.plan(waiting, running, now, Devices(self.num_devices, free))
         self._check(plan, free, {s.request_id for s in running})
         for rid in plan.drop:
             del self.waiting[rid]
+        for rid in plan.pause:
+            state = self.running.pop(rid)
+            state.status = RequestStatus.WAITING
+            state.pauses += 1
+            self.waiting[rid] = state
         for rid in plan.admit:
             state = self.waiting.pop(rid)
             state.status = RequestStatus.RUNNING
+            self.fair.admitted(state)
             self.running[rid] = state
         for state in running:
             state.devices = ()  # unless the plan places it again
@@ -223,6 +238,8 @@ class Scheduler:
                 raise ValueError(f"{name} admitted or dropped {rid}, which is not waiting")
         if not set(plan.admit) <= set(ids) or set(plan.drop) & set(ids):
             raise ValueError(f"{name} admitted a request it runs in no batch, or ran one it dropped")
+        if not set(plan.pause) <= running or set(plan.pause) & set(ids):
+            raise ValueError(f"{name} paused a request that is not running, or ran one it paused")
         if not all(d in free for batch in plan.batches for d in batch.devices):
             raise ValueError(f"{name} planned devices outside the free ones {free}")
         if plan.until is not None and not self.policy.rounds:

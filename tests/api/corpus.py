@@ -105,6 +105,8 @@ def _generation_cases(config: ServerConfig, size_step: int) -> list[Malformed]:
         _gen("seed too big", "seed", seed=2**70),
         _gen("seed string", "seed", seed="abc"),
         _gen("slo 0", "slo_ms", slo_ms=0),
+        _gen("service_tier unknown", "service_tier", service_tier="gold"),
+        _gen("service_tier number", "service_tier", service_tier=1),
         _gen("block_cache -0.1", "block_cache", block_cache=-0.1),
         _gen("block_cache 1.5", "block_cache", block_cache=1.5),
         _gen("loras not a list", "loras", loras="ink"),

@@ -92,6 +92,19 @@ def test_slo_ms_is_refused_where_the_policy_ignores_deadlines():
     assert params.to_requests("a", FAKE_INFO, 0.0)[0].slo_ms == 500
 
 
+def test_a_service_tier_reaches_the_image_requests_with_its_deadline():
+    """auto (or absent) is default; a tier's --tier-slo-ms is the deadline of its requests that
+    send no slo_ms of their own."""
+    info = dataclasses.replace(FAKE_INFO, tier_slo_ms=(("priority", 2000.0),))
+    for body, tier, slo in (({}, "default", None), ({"service_tier": "auto"}, "default", None),
+                            ({"service_tier": "priority"}, "priority", 2000.0),
+                            ({"service_tier": "priority", "slo_ms": 500}, "priority", 500.0),
+                            ({"service_tier": "flex"}, "flex", None)):
+        params = ImageGenerationRequest.model_validate({"prompt": "p", **body}, context=CONTEXT)
+        [request] = params.to_requests("a", info, 0.0)
+        assert (request.service_tier, request.slo_ms) == (tier, slo), body
+
+
 def test_block_cache_is_refused_where_every_step_runs_sequence_parallel():
     params = ImageGenerationRequest.model_validate({"prompt": "p", "block_cache": 0.1}, context=CONTEXT)
     with pytest.raises(InvalidRequestError) as refused:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from gouache.api.streaming import StreamShape, encode_event
-from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
+from gouache.outputs import ErrorEvent, ImageEvent, PausedEvent, ProgressEvent
 from tests.api.corpus import GENERATIONS
 
 SHAPE = StreamShape("image_generation", "256x256", "png")
@@ -17,6 +17,8 @@ SHAPE = StreamShape("image_generation", "256x256", "png")
 def test_progress_event_on_the_wire():
     wire = encode_event(ProgressEvent(index=1, step=2, total_steps=4), SHAPE)
     assert wire == b'event: gouache.progress\ndata: {"type":"gouache.progress","step":2,"total_steps":4,"index":1}\n\n'
+    paused = encode_event(PausedEvent(index=0, step=2, total_steps=4), SHAPE)
+    assert paused == b'event: gouache.paused\ndata: {"type":"gouache.paused","step":2,"total_steps":4,"index":0}\n\n'
 
 
 def test_completed_and_error_events_on_the_wire():

@@ -45,21 +45,25 @@ def reference_latents(pipe, r: ImageRequest) -> torch.Tensor:
     ).images)
 
 
-def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: ModelRunner | None = None
-               ) -> dict[str, torch.Tensor]:
+def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: ModelRunner | None = None,
+               scheduler: Scheduler | None = None) -> dict[str, torch.Tensor]:
     """Drive the engine loop step by step; `arrivals[k]` (requests, or (request, the inputs its
     preparation takes) pairs) join before step k. Returns final latents."""
     runner = runner or ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px images: 2x2 and 3x3 patches
     predictor = FlatCost() if POLICIES[policy].needs_predictor else None
-    scheduler = Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
+    scheduler = scheduler or Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
     results = {}
 
     def keep_finished(report):
         for state in report.finished:
             results[state.request_id] = runner.states.pop(state.request_id).latents
 
-    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep_finished, lambda reasons, invalid: pytest.fail(str(reasons)), pytest.fail,
-                      lambda error: pytest.fail(str(error)))
+    def no_drops(plan):  # pauses (service tiers) are fine
+        if plan.drop:
+            pytest.fail(f"dropped {plan.drop}")
+
+    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep_finished,
+                      lambda reasons, invalid: pytest.fail(str(reasons)), no_drops, lambda error: pytest.fail(str(error)))
     step = 0
     while step <= max(arrivals) or scheduler.has_work():
         for item in arrivals.get(step, []):

@@ -38,7 +38,7 @@ class FixedSpPolicy(Policy):
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
         blocks = aligned_blocks(devices, self.degree)
-        queue = [*running, *sorted(waiting, key=lambda s: s.arrival_time)]
+        queue = [*running, *waiting]  # waiting by tier, fair share, then arrival (`tiers.queue_order`)
         batches = [Batch((s.request_id,), block, s.remaining_steps) for s, block in zip(queue, blocks)]
         waiting_ids = {s.request_id for s in waiting}
         return Plan(batches=batches, admit=[b.request_ids[0] for b in batches if b.request_ids[0] in waiting_ids])

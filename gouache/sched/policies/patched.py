@@ -1,5 +1,6 @@
 """`patched`: every running request, whatever its size, in ONE forward per step (PatchedServe's
-"PatchedCache" admission: FCFS up to capacity, no SLO awareness).
+"PatchedCache" admission: FCFS up to capacity, no SLO awareness), by tier first
+(`tiers.make_room`: a lower tier's running request gives its slot to a higher tier's).
 
 The runner cuts each latent into patches of one size and restores the cross-patch context
 that convolutions, GroupNorm and self-attention need, so mixed sizes batch without waiting
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from gouache.request import RequestState
 from gouache.sched.interface import Devices, Policy
 from gouache.sched.plan import Plan, one_step
+from gouache.sched.tiers import make_room
 
 
 class PatchedPolicy(Policy):
@@ -21,7 +23,6 @@ class PatchedPolicy(Policy):
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
-        free = max(self.config.max_batch_size - len(running), 0)
-        admitted = list(waiting[:free])
-        batch = [s.request_id for s in (*running, *admitted)]
-        return one_step([batch], [s.request_id for s in admitted], patched=True)
+        kept, admitted, paused = make_room(waiting, running, self.config.max_batch_size)
+        batch = [s.request_id for s in (*kept, *admitted)]
+        return one_step([batch], [s.request_id for s in admitted], patched=True, pause=paused)

@@ -4,8 +4,9 @@ Each step, waiting requests are taken in order of least slack,
 
     slack_i = (deadline_i - now - predicted_remaining_i) / standalone_i,
 
-(requests without an SLO have infinite slack and come last, FCFS; ties keep arrival order).
-For the most urgent candidate the predictor gives the step time of the batch with it:
+(requests without an SLO have infinite slack and come last, FCFS; ties keep arrival order),
+a higher service tier first (`gouache.sched.tiers`). For the most urgent candidate the
+predictor gives the step time of the batch with it:
 
 - if the candidate cannot meet its deadline even alone, started now, it is dropped (the
   client gets "deadline unattainable");
@@ -13,6 +14,11 @@ For the most urgent candidate the predictor gives the step time of the batch wit
   would otherwise meet, admission stops (the schedulability test);
 - if batching it in beats running it beside the batch by the benefit threshold, it is
   admitted and the next candidate is tried; otherwise admission stops.
+
+Tiers: a batch member of a lower tier than the candidate neither blocks it (its deadline does
+not count in the schedulability test, and the benefit test is skipped) nor keeps its slot in a
+full batch: the lowest-tier, latest-admitted running member is paused instead (a priority
+request's deadline outranks a default one's).
 
 Two readings of the paper are ours. The drop test uses the candidate's standalone step time:
 the paper's line 6 tests with the batched time, which would discard requests that could still
@@ -45,30 +51,42 @@ class PatchedSloPolicy(Policy):
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
-        batch, admit, drop = list(running), [], []
+        batch, admit, drop, pause = list(running), [], [], []
         alone = StepAlone(self.predictor)
         batch_step = self._step(batch) if batch else 0.0  # T(batch); after an admission, its T(batch + {c})
         for candidate in self.by_slack(waiting, now, alone):
-            if len(batch) >= self.config.max_batch_size:
+            full = len(batch) >= self.config.max_batch_size
+            lower = [s for s in batch if s.tier > candidate.tier and s.request_id not in admit] if full else []
+            if full and not lower:
                 break
             if self._misses(candidate, alone[candidate.resolution], now):
                 drop.append(candidate.request_id)
                 continue
-            with_candidate = self._step([*batch, candidate])
-            if any(self._misses(s, with_candidate, now) and not self._misses(s, batch_step, now) for s in batch):
+            kept, kept_step, victim = batch, batch_step, None
+            if full:
+                victim = max(reversed(lower), key=lambda s: s.tier)  # the lowest tier, admitted last
+                kept = [s for s in batch if s is not victim]
+                kept_step = self._step(kept) if kept else 0.0
+            peers = [s for s in kept if s.tier <= candidate.tier]  # whose deadlines may stop it
+            with_candidate = self._step([*kept, candidate])
+            if any(self._misses(s, with_candidate, now) and not self._misses(s, kept_step, now) for s in peers):
                 break  # schedulability test: it would push a batch member past its deadline
-            if batch and self.benefit(batch_step, alone[candidate.resolution], with_candidate) < BENEFIT_THRESHOLD:
+            if len(peers) == len(kept) and kept and \
+                    self.benefit(kept_step, alone[candidate.resolution], with_candidate) < BENEFIT_THRESHOLD:
                 break
-            batch.append(candidate)
+            if victim is not None:
+                pause.append(victim.request_id)
+            batch = [*kept, candidate]
             admit.append(candidate.request_id)
             batch_step = with_candidate
-        return one_step([[s.request_id for s in batch]], admit, patched=True, drop=drop)
+        return one_step([[s.request_id for s in batch]], admit, patched=True, drop=drop, pause=pause)
 
     def by_slack(
         self, waiting: Sequence[RequestState], now: float, alone: StepAlone | None = None
     ) -> list[RequestState]:
-        """`waiting` sorted by slack; the sort is stable, so ties keep their order."""
-        return sorted(waiting, key=self.slack_key(now, StepAlone(self.predictor) if alone is None else alone))
+        """`waiting` sorted by tier, then slack; the sort is stable, so ties keep their order."""
+        slack = self.slack_key(now, StepAlone(self.predictor) if alone is None else alone)
+        return sorted(waiting, key=lambda s: (s.tier, slack(s)))
 
     def slack(self, state: RequestState, now: float) -> float:
         """slack_i at `now` (inf without an SLO)."""

@@ -1,0 +1,84 @@
+"""Service tiers and tenants as the scheduler sees them: who goes first when the pool is full.
+
+A request's tier is OpenAI's `service_tier` (`priority`, `default`, `flex`), kept on its
+`RequestState` as a rank (0 is served first). Every policy is given the waiting requests in
+`queue_order`: by tier, then by start-time fair queuing among the tenants of that tier
+(`FairQueue`: each tenant gets its weight's share of the tier's work), then by arrival. It is
+given the running ones by tier, then admission. A step policy fills its batch with
+`make_room`. A running request of a lower tier then gives up its slot at a step boundary to a
+waiting one of a higher tier. It is paused, its latents kept where they are, and it resumes
+with the same result: a request's sampler and generator are its own, so the steps it runs do
+not depend on when they run.
+
+Plain values only: the simulator drives the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gouache.request import RequestState
+
+TIERS = ("priority", "default", "flex")  # a tier's rank is its index: lower ranks are served first
+DEFAULT_TIER = "default"
+
+
+def tier_rank(name: str) -> int:
+    """The rank of a tier's name (ValueError naming the tiers for any other)."""
+    if name not in TIERS:
+        raise ValueError(f"unknown service tier {name!r}; the tiers are {', '.join(TIERS)}")
+    return TIERS.index(name)
+
+
+def tier_name(rank: int) -> str:
+    return TIERS[rank]
+
+
+def work(state: RequestState) -> float:
+    """What a request costs its tenant's share: its steps times its megapixels."""
+    height, width = state.resolution
+    return state.num_steps * height * width / 1e6
+
+
+@dataclass
+class FairQueue:
+    """Start-time fair queuing (Goyal et al., SFQ) among tenants, one virtual clock per tier.
+
+    At arrival a request gets a start tag: the later of its tier's virtual time and where its
+    tenant's previous request of that tier ends; it ends at start + work / weight. The tier's
+    virtual time is the start tag of the request admitted last. Served in start-tag order, two
+    tenants that both keep requests waiting get the tier's work in proportion to their weights,
+    and a tenant that was idle starts at the present, with no credit saved up."""
+
+    clock: dict[int, float] = field(default_factory=dict)  # tier -> virtual time
+    ends: dict[tuple[int, str], float] = field(default_factory=dict)  # (tier, tenant) -> last finish tag
+
+    def tag(self, state: RequestState) -> None:
+        """Set the state's start tag (`fair_tag`) on its arrival."""
+        key = (state.tier, state.tenant)
+        start = max(self.clock.get(state.tier, 0.0), self.ends.get(key, 0.0))
+        state.fair_tag = start
+        self.ends[key] = start + work(state) / state.weight
+
+    def admitted(self, state: RequestState) -> None:
+        """A request of the tier starts (or resumes): the tier's virtual time moves to its tag."""
+        self.clock[state.tier] = max(self.clock.get(state.tier, 0.0), state.fair_tag)
+
+
+def queue_order(state: RequestState) -> tuple[int, float, float]:
+    """The sort key of the waiting requests every policy is given."""
+    return state.tier, state.fair_tag, state.arrival_time
+
+
+def make_room(waiting: Sequence[RequestState], running: Sequence[RequestState],
+              capacity: int) -> tuple[list[RequestState], list[RequestState], list[str]]:
+    """(running kept, waiting admitted, running paused): the `capacity` first requests by tier,
+    a running one before a waiting one of the same tier. So a request is paused only for a
+    waiting request of a higher tier, and a full batch of one tier never churns. `waiting`
+    comes in `queue_order`, `running` by tier."""
+    ranked = sorted([*((s.tier, 0, i, s) for i, s in enumerate(running)),
+                     *((s.tier, 1, i, s) for i, s in enumerate(waiting))], key=lambda entry: entry[:3])
+    chosen = {id(entry[3]) for entry in ranked[:capacity]}
+    return ([s for s in running if id(s) in chosen], [s for s in waiting if id(s) in chosen],
+            [s.request_id for s in running if id(s) not in chosen])

@@ -1,0 +1,106 @@
+"""Preemption at step boundaries (`gouache.sched.tiers`): a running flex request that a priority
+request's arrival pauses resumes later and ends with the latents it would have had unpaused,
+in every family, under each policy that pauses."""
+
+import pytest
+
+from gouache.config import SchedulerConfig
+from gouache.request import ImageRequest
+from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
+from tests.engine.test_exactness import FAMILIES, FlatCost, run_engine
+
+CASES = [(name, "orca") for name in FAMILIES] + [(name, policy) for name in ("tiny-sdxl", "tiny-flux")
+                                                 for policy in ("patched", "patched-slo")]
+
+
+def request(rid: str, tier: str, seed: int, steps: int = 4, width: int = 64) -> ImageRequest:
+    return ImageRequest(rid, "a red fox", width, 64, steps, 5.0, seed, service_tier=tier)
+
+
+@pytest.mark.parametrize(("name", "policy"), CASES)
+def test_a_paused_and_resumed_request_equals_itself_unpaused(pipes, name, policy):
+    pipe = pipes(name)
+    predictor = FlatCost() if policy == "patched-slo" else None
+    one_slot = Scheduler(make_policy(SchedulerConfig(policy=policy, max_batch_size=1), predictor))
+    alone = run_engine(pipe, {0: [request("flex", "flex", seed=3)]}, policy)["flex"]
+    paused = {}
+    original_add = one_slot.add
+
+    def add(state):  # the flex request's state, to read its pauses once it is done
+        paused.setdefault(state.request_id, state)
+        original_add(state)
+
+    one_slot.add = add
+    latents = run_engine(pipe, {0: [request("flex", "flex", seed=3)],
+                                2: [request("priority", "priority", seed=4, steps=2, width=96)]},
+                         policy, scheduler=one_slot)
+    assert paused["flex"].pauses == 1 and paused["priority"].pauses == 0
+    assert (latents["flex"] - alone).abs().max() <= 1e-4
+
+
+def test_a_served_flex_request_is_paused_for_a_priority_one_and_says_so(pipes):
+    """Through the engine: the flex stream gets `PausedEvent` at the step it stopped, resumes,
+    and both images come back; /v1/status shows each image's tier; the pause is counted."""
+    import asyncio
+
+    from gouache.config import EngineConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.outputs import ImageEvent, PausedEvent, ProgressEvent
+    from gouache.runner.describe import model_info
+    from tests.engine.test_async_engine import images
+
+    pipe = pipes("tiny-sd")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(),
+                         make_policy(SchedulerConfig(policy="orca", max_batch_size=1)))
+
+    async def scenario():
+        await engine.start()
+        flex = await engine.submit(images("flex", steps=40, service_tier="flex"))
+        events, statuses = [], []
+        async for event in flex:
+            events.append(event)
+            if isinstance(event, ProgressEvent) and event.step == 1:
+                priority = await engine.submit(images("priority", steps=2, service_tier="priority"))
+            if isinstance(event, PausedEvent):
+                statuses.append(await engine.status())
+        await priority.images()
+        await engine.aclose()
+        return events, statuses
+
+    events, statuses = asyncio.run(scenario())
+    [pause] = [e for e in events if isinstance(e, PausedEvent)]
+    steps = [e.step for e in events if isinstance(e, ProgressEvent)]
+    assert steps == list(range(1, 41)) and pause.step in steps and pause.total_steps == 40
+    assert isinstance(events[-1], ImageEvent)
+    [flex] = [r for r in statuses[0]["requests"] if r["id"] == "flex-0"]
+    assert flex["service_tier"] == "flex" and flex["status"] in ("paused", "running")
+    samples = {s.labels["tier"]: s.value for m in engine.metrics.registry.collect() if m.name == "gouache_pauses"
+               for s in m.samples if s.name.endswith("_total")}
+    assert samples == {"flex": 1.0}
+
+
+def test_flex_requests_get_429_first_under_load(pipes):
+    import asyncio
+
+    from gouache.config import EngineConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.errors import QueueFullError
+    from gouache.runner.describe import model_info
+    from tests.engine.test_async_engine import images
+
+    pipe = pipes("tiny-sd")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(max_queue_len=4, flex_queue_share=0.5),
+                         make_policy(SchedulerConfig(policy="orca")))
+
+    async def scenario():
+        await engine.start()
+        first = await engine.submit(images("default", n=2, steps=20))
+        with pytest.raises(QueueFullError, match="flex requests' limit 2"):
+            await engine.submit(images("flex", service_tier="flex"))
+        second = await engine.submit(images("more", n=2, steps=2))  # the default tier's limit is 4
+        await first.images()
+        await second.images()
+        await engine.aclose()
+
+    asyncio.run(scenario())

@@ -1,0 +1,148 @@
+"""Service tiers and tenants in the scheduler: every policy sees a higher tier first, a step
+policy pauses a lower tier's running request for a waiting higher tier's (never within a
+tier), a paused request resumes with its steps kept, and tenants of a tier share it by weight."""
+
+import pytest
+
+from gouache.config import SchedulerConfig
+from gouache.request import RequestStatus
+from gouache.sched.plan import Plan
+from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
+from gouache.sched.tiers import FairQueue, make_room, queue_order, tier_rank
+
+from .factories import groups, make_state, run_step
+from .test_patched_slo import Linear
+
+PRIORITY, DEFAULT, FLEX = (tier_rank(name) for name in ("priority", "default", "flex"))
+
+
+def tiered(rid, tier, arrival=0.0, steps=4, tenant="", weight=1.0, resolution=(256, 256)):
+    state = make_state(rid, resolution=resolution, steps=steps, arrival=arrival)
+    state.tier, state.tenant, state.weight = tier, tenant, weight
+    return state
+
+
+def test_tier_names_rank_in_order_and_an_unknown_one_names_the_tiers():
+    assert (PRIORITY, DEFAULT, FLEX) == (0, 1, 2)
+    with pytest.raises(ValueError, match="the tiers are priority, default, flex"):
+        tier_rank("gold")
+
+
+def test_make_room_pauses_only_for_a_higher_tier():
+    running = [tiered("d", DEFAULT), tiered("f", FLEX)]
+    # a priority request takes the flex request's slot; the default one keeps its own
+    kept, admitted, paused = make_room([tiered("p", PRIORITY)], running, 2)
+    assert ([s.request_id for s in kept], [s.request_id for s in admitted], paused) == (["d"], ["p"], ["f"])
+    # a waiting request of the same tier never takes a running one's slot
+    kept, admitted, paused = make_room([tiered("f2", FLEX)], running, 2)
+    assert ([s.request_id for s in kept], admitted, paused) == (["d", "f"], [], [])
+    # with room, nobody is paused
+    kept, admitted, paused = make_room([tiered("p", PRIORITY)], running, 3)
+    assert (len(kept), [s.request_id for s in admitted], paused) == (2, ["p"], [])
+
+
+@pytest.mark.parametrize("policy", ["orca", "patched", "fcfs-static"])
+def test_every_step_policy_admits_a_higher_tier_first(policy):
+    s = Scheduler(make_policy(SchedulerConfig(policy=policy, max_batch_size=1)))
+    s.add(tiered("flex", FLEX, arrival=0.0))
+    s.add(tiered("default", DEFAULT, arrival=1.0))
+    s.add(tiered("priority", PRIORITY, arrival=2.0))
+    assert s.schedule(3.0).admit == ["priority"]
+
+
+def test_a_paused_request_keeps_its_steps_and_resumes_after_the_higher_tier():
+    s = Scheduler(make_policy(SchedulerConfig(policy="orca", max_batch_size=1)))
+    s.add(tiered("flex", FLEX, steps=4))
+    run_step(s)
+    run_step(s)
+    assert s.running["flex"].steps_done == 2
+    s.add(tiered("priority", PRIORITY, steps=2, arrival=1.0))
+    plan, _ = run_step(s, 1.0)
+    assert plan.pause == ["flex"] and plan.admit == ["priority"] and groups(plan) == [["priority"]]
+    paused = s.waiting["flex"]
+    assert (paused.status, paused.steps_done, paused.pauses) == (RequestStatus.WAITING, 2, 1)
+    _, finished = run_step(s, 1.5)
+    assert finished == ["priority"]
+    plan, _ = run_step(s, 2.0)  # the slot is free again: the flex request resumes where it stopped
+    assert plan.admit == ["flex"] and s.running["flex"].steps_done == 3
+
+
+def test_a_plan_that_pauses_what_it_runs_is_refused():
+    class Bad:
+        name, rounds = "bad", False
+        min_devices, max_devices = 1, 1
+
+        def plan(self, waiting, running, now, devices):
+            rid = running[0].request_id
+            return Plan(batches=make_policy(SchedulerConfig()).plan([], running, now, devices).batches, pause=[rid])
+
+    s = Scheduler(make_policy(SchedulerConfig(policy="orca")))
+    s.add(tiered("a", DEFAULT))
+    run_step(s)
+    s.policy = Bad()
+    with pytest.raises(ValueError, match="paused a request that is not running, or ran one it paused"):
+        s.schedule(1.0)
+
+
+def test_patched_slo_pauses_a_lower_tier_and_ignores_its_deadline_for_a_higher_one():
+    s = Scheduler(make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=1), Linear()))
+    default = tiered("default", DEFAULT, steps=10)
+    default.deadline = 100.0
+    s.add(default)
+    run_step(s)
+    priority = tiered("priority", PRIORITY, steps=10, arrival=0.1)
+    priority.deadline = 5.0
+    s.add(priority)
+    plan, _ = run_step(s, 0.2)
+    assert plan.pause == ["default"] and plan.admit == ["priority"]
+    # with room for both, the default request's deadline (which the pair would miss) does not
+    # stop the priority request; the same request of the default tier is stopped by it
+    for tier, admitted in ((PRIORITY, ["late"]), (DEFAULT, [])):
+        s = Scheduler(make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=2), Linear()))
+        tight = tiered("tight", DEFAULT, steps=10)
+        tight.deadline = 1.55  # alone: 10 steps x 0.15 s = 1.5 s; with another, 10 x 0.2 s = 2 s
+        s.add(tight)
+        run_step(s)
+        late = tiered("late", tier, steps=10, arrival=0.01)
+        late.deadline = 50.0
+        s.add(late)
+        plan, _ = run_step(s, 0.0)
+        assert plan.admit == admitted and plan.pause == []
+
+
+def test_tenants_of_a_tier_share_it_by_weight():
+    """SFQ start tags: tenant a (weight 2) and b (weight 1), both with requests waiting, are
+    served 2:1; c, idle until late, starts at the present with no credit saved up."""
+    fair = FairQueue()
+    states = [tiered(f"{tenant}{i}", DEFAULT, arrival=i, tenant=tenant, weight=weight)
+              for tenant, weight in (("a", 2.0), ("b", 1.0)) for i in range(12)]
+    for state in states:
+        fair.tag(state)
+    served = []
+    waiting = sorted(states, key=queue_order)
+    for _ in range(9):
+        first = waiting.pop(0)
+        fair.admitted(first)
+        served.append(first.request_id[0])
+    assert served.count("a") == 6 and served.count("b") == 3
+    late = tiered("c0", DEFAULT, arrival=100.0, tenant="c")
+    fair.tag(late)
+    assert late.fair_tag == fair.clock[DEFAULT]  # the tier's present: ahead of a's and b's later requests
+    assert sorted([*waiting, late], key=queue_order)[0] is late
+
+
+def test_fair_order_never_crosses_tiers():
+    fair = FairQueue()
+    busy = [tiered(f"b{i}", PRIORITY, tenant="busy") for i in range(5)]
+    other = tiered("o", DEFAULT, tenant="other")
+    for state in [*busy, other]:
+        fair.tag(state)
+    assert sorted([other, *busy], key=queue_order)[-1] is other
+
+
+def test_fixed_sp_takes_the_waiting_in_tier_order():
+    s = Scheduler(make_policy(SchedulerConfig(policy="fixed-sp-1")), num_devices=1)
+    s.add(tiered("default", DEFAULT))
+    s.add(tiered("priority", PRIORITY, arrival=1.0))
+    assert s.schedule(2.0).admit == ["priority"]
