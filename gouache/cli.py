@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("GOUACHE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health and the playground "
                             "(default: $GOUACHE_API_KEY, else no key)")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help="tenants: a JSON file of API keys, each with a name, service tiers, rate, concurrency "
+                            "limit and weight (docs/tiers.md); reloaded on SIGHUP (default: none)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model ids clients may use; the first is listed first "
                             "(default: the built-in's name, or a directory's folder name)")
@@ -285,8 +288,12 @@ def _serve(args) -> int:
 
     _log_to_stderr()
 
-    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, api_keys_file=args.api_keys,
                           served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s)
+    if args.api_keys:  # a wrong keys file is refused before the model loads
+        from gouache.api.tenants import TenantBook
+
+        TenantBook.of(None, args.api_keys)
     configs, replicas = _engine_configs(args), ReplicaConfig(args.replicas, args.router)
     if replicas.replicas > 1:
         from gouache.replicas.front import ReplicaSet

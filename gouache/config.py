@@ -276,6 +276,7 @@ class ServerConfig:
     max_steps: int = 200  # most num_inference_steps per request
     file_ttl_s: float = 3600.0  # how long `response_format=url` images stay downloadable
     api_key: str | None = None  # set: `Authorization: Bearer <key>` on all routes but /health and the playground
+    api_keys_file: str | None = None  # tenants' keys, tiers and limits (`gouache.api.tenants`); reloaded on SIGHUP
     served_model_names: tuple[str, ...] = ()  # ids clients may pass as `model`; () = the model's own id
     shutdown_grace_s: float = 30.0  # on SIGTERM / SIGINT, how long running requests may still finish
 
@@ -287,5 +288,7 @@ class ServerConfig:
         _check(self.max_steps >= 1, "max_steps must be >= 1")
         _check(self.max_body_bytes > 0 and self.file_ttl_s > 0, "max_body_bytes and file_ttl_s must be positive")
         _check(self.api_key is None or bool(self.api_key.strip()), "api_key must not be empty")
+        _check(self.api_key is None or self.api_keys_file is None,
+               "give either one API key (--api-key, $GOUACHE_API_KEY) or a keys file (--api-keys), not both")
         _check(all(name.strip() for name in self.served_model_names), "served model names must not be empty")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")

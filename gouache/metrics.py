@@ -46,6 +46,10 @@ class Metrics:
         self.handoffs = Counter("gouache_handoffs_total",
                                 "Denoising states moved from one device block to another", registry=r)
         self.errors = Counter("gouache_errors_total", "Requests that ended with an error", ["kind"], registry=r)
+        self.tenant_requests = Counter("gouache_tenant_requests_total",
+                                       "API requests by tenant (API key name) and service tier: accepted, or "
+                                       "limited (429: over the tenant's rate or concurrency)",
+                                       ["tenant", "tier", "result"], registry=r)
         self.pauses = Counter("gouache_pauses_total",
                               "Images paused at a step boundary for a higher service tier's request, by their tier",
                               ["tier"], registry=r)

@@ -42,6 +42,7 @@ class ImageRequest:
     strength: float | None = None
     service_tier: str = "default"  # priority | default | flex (`gouache.sched.tiers`)
     tenant: str = ""  # the API key's name ("" without tenants)
+    tenant_weight: float = 1.0  # its tenant's share of the tier among the tenants waiting in it
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it
 
     @property

@@ -1,5 +1,6 @@
 """ASGI middleware requiring `Authorization: Bearer <key>` on every route but /health and the
-playground's files.
+playground's files: the key of one of the server's tenants (`gouache.api.tenants`), which the
+routes find as `request.state.tenant`.
 
 /health stays open so that load balancers and process managers can probe without the key; the
 playground (`/` and `/ui/...`, static files holding no data) so that a browser can load it and
@@ -9,7 +10,6 @@ Keys are compared in constant time; a missing or wrong key gets 401 in OpenAI's 
 
 from __future__ import annotations
 
-import hmac
 from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -18,6 +18,7 @@ from gouache.api.errors import error_response
 from gouache.errors import GouacheError
 
 if TYPE_CHECKING:
+    from gouache.api.tenants import TenantBook
     from gouache.metrics import Metrics
 
 OPEN_PATHS = frozenset({"/health", "/"})
@@ -30,16 +31,18 @@ class AuthenticationError(GouacheError):
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, metrics: Metrics):
+    def __init__(self, app: ASGIApp, tenants: TenantBook, metrics: Metrics):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.tenants = tenants
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["path"].startswith(OPEN_PREFIX):
             return await self.app(scope, receive, send)
         sent = dict(scope.get("headers", ())).get(b"authorization")
-        if sent is not None and hmac.compare_digest(sent, self.expected):
+        tenant = self.tenants.authenticate(sent)
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
             return await self.app(scope, receive, send)
         message = ("Missing API key: send the header 'Authorization: Bearer YOUR_KEY'." if sent is None
                    else "Incorrect API key provided.")

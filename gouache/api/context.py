@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import Request
+
+from gouache.api.tenants import TenantBook
 
 if TYPE_CHECKING:
     from gouache.api.engine import Engine
@@ -21,15 +24,22 @@ class InflightRequests:
 
     def __init__(self) -> None:
         self._handles: dict[str, RequestHandle] = {}
+        self._ends: dict[str, Callable[[], None]] = {}
 
-    def add(self, api_id: str, handle: RequestHandle) -> None:
+    def add(self, api_id: str, handle: RequestHandle, on_end: Callable[[], None] | None = None) -> None:
+        """`on_end` runs once the request is answered (its tenant's slot is freed)."""
         self._handles[api_id] = handle
+        if on_end is not None:
+            self._ends[api_id] = on_end
 
     def finish(self, api_id: str) -> None:
         """Forget the request; abort it unless it already ended (abort is then a no-op)."""
         handle = self._handles.pop(api_id, None)
         if handle is not None:
             handle.abort()
+        on_end = self._ends.pop(api_id, None)
+        if on_end is not None:
+            on_end()
 
     def abort(self, api_id: str) -> bool:
         """Abort a request still in flight; False if there is none with this id."""
@@ -49,6 +59,7 @@ class ApiContext:
     limits: Limits  # validation bounds from config and the served model
     files: FileStore  # images of response_format=url responses
     model_ids: tuple[str, ...]  # names clients may pass as `model`; the first is the main one
+    tenants: TenantBook = field(default_factory=TenantBook)  # API keys, their tiers and limits
     inflight: InflightRequests = field(default_factory=InflightRequests)
     started: int = field(default_factory=lambda: int(time.time()))  # unix seconds, for /v1/models
 

@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,9 +27,14 @@ from gouache.api.protocol import (
     IGNORED_FIELDS, MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
 )
 from gouache.api.streaming import ImageEventStream, StreamShape
+from gouache.api.tenants import ANONYMOUS, Tenant, TenantLimitError
 from gouache.engine.imaging import DecodeError, read_size
 from gouache.errors import CancelledError, InvalidRequestError, UnknownModelError
 from gouache.outputs import ImageEvent
+
+if TYPE_CHECKING:
+    from gouache.engine.handle import RequestHandle
+    from gouache.request import ImageRequest
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -89,10 +94,11 @@ async def register_template(request: Request, ctx: ApiContext = Depends(get_cont
     if params.size == "auto":
         params = params.at_upload_size(*_upload_size(image), ctx.limits)
     _check_model(ctx, params)
-    [job] = params.to_requests(api_id, ctx.engine.info, arrival, image)
+    tenant = _tenant(request)
+    [job] = params.to_requests(api_id, ctx.engine.info, arrival, image, tenant=tenant)
     job.register_template = True
-    handle = await ctx.engine.submit([job])
-    ctx.inflight.add(api_id, handle)
+    handle = await _submit(ctx, tenant, [job])
+    ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     try:
         await _images_unless_disconnected(request, handle.images())
     finally:
@@ -133,8 +139,10 @@ async def _serve(
     references: tuple[bytes, ...] = (),
 ) -> Response:
     _check_model(ctx, params)
-    handle = await ctx.engine.submit(params.to_requests(api_id, ctx.engine.info, arrival, image, mask, references))
-    ctx.inflight.add(api_id, handle)
+    tenant = _tenant(request)
+    handle = await _submit(ctx, tenant, params.to_requests(api_id, ctx.engine.info, arrival, image, mask, references,
+                                                           tenant))
+    ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     headers = {"x-request-id": api_id}
     if params.stream:
         shape = StreamShape(kind, params.size, params.output_format)
@@ -147,6 +155,30 @@ async def _serve(
     ctx.engine.metrics.request_latency.observe(time.monotonic() - arrival)
     body = _images_response(request, ctx, params, events).model_dump(exclude_none=True)
     return JSONResponse(body, headers=headers)
+
+
+def _tenant(request: Request) -> Tenant:
+    """Whose key sent the request (`ApiKeyMiddleware`); the anonymous tenant on an open server."""
+    return getattr(request.state, "tenant", ANONYMOUS)
+
+
+async def _submit(ctx: ApiContext, tenant: Tenant, jobs: list[ImageRequest]) -> RequestHandle:
+    """Submit a request within its tenant's limits (429 past them, the others unaffected); the
+    caller frees its slot when it is answered. Counted by tenant, tier and result."""
+    count = ctx.engine.metrics.tenant_requests.labels
+    tier = jobs[0].service_tier
+    try:
+        ctx.tenants.acquire(tenant)
+    except TenantLimitError:
+        count(tenant.name, tier, "limited").inc()
+        raise
+    try:
+        handle = await ctx.engine.submit(jobs)
+    except BaseException:
+        ctx.tenants.release(tenant)
+        raise
+    count(tenant.name, tier, "accepted").inc()
+    return handle
 
 
 def _check_model(ctx: ApiContext, params: ImageParams) -> None:

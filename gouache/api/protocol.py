@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from gouache.adapter_names import NAME as LORA_NAME
+from gouache.api.tenants import ANONYMOUS, Tenant
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import img2img_start, unpriced_message
 from gouache.request import ImageRequest
-from gouache.sched.tiers import DEFAULT_TIER
 from gouache.techniques import TECHNIQUES, refused_pair
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class ImageParams(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, le=MAX_GUIDANCE, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random seed
     slo_ms: float | None = Field(None, gt=0, allow_inf_nan=False)  # deadline after arrival
-    # OpenAI's service tier (`gouache.sched.tiers`); auto or absent: default
+    # OpenAI's service tier (`gouache.sched.tiers`); auto or absent: the API key's default
     service_tier: Literal["auto", "priority", "default", "flex"] | None = None
     # block-cache threshold (docs/block_cache.md); 0: exact; None: the server's --block-cache
     block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
@@ -282,9 +282,10 @@ class ImageParams(BaseModel):
 
     def to_requests(
         self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None,
-        references: tuple[bytes, ...] = (),
+        references: tuple[bytes, ...] = (), tenant: Tenant = ANONYMOUS,
     ) -> list[ImageRequest]:
-        """The n ImageRequests of this API request, with the model's defaults filled in.
+        """The n ImageRequests of this API request, with the model's defaults filled in, in the
+        service tier `tenant` asked for (403 if its key may not use it).
 
         Image i gets seed (seed + i) mod 2**32, so every seed in the response is one the API
         takes back, and sent back with n=1 it makes that image again.
@@ -302,7 +303,7 @@ class ImageParams(BaseModel):
             raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
                                       "deadline and would ignore it (deadline-aware: --policy patched-slo or "
                                       "round-knapsack).", "slo_ms")
-        tier = DEFAULT_TIER if self.service_tier in (None, "auto") else self.service_tier
+        tier = tenant.tier(self.service_tier)
         slo_ms = self.slo_ms if self.slo_ms is not None else dict(info.tier_slo_ms).get(tier)
         for technique, field in self._asked().items():
             if not info.serves(technique):
@@ -340,6 +341,8 @@ class ImageParams(BaseModel):
                 partial_images=self.partial_images,
                 slo_ms=slo_ms,
                 service_tier=tier,
+                tenant=tenant.name,
+                tenant_weight=tenant.weight,
                 block_cache=self.block_cache,
                 loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),

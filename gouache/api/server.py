@@ -27,6 +27,7 @@ from gouache.api.context import ApiContext
 from gouache.api.errors import install_error_handlers
 from gouache.api.file_store import FileStore
 from gouache.api.protocol import Limits
+from gouache.api.tenants import TenantBook
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -44,12 +45,13 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="gouache", version=__version__)
     limits = Limits.of(config, engine.info)
     model_ids = config.served_model_names or (engine.info.name,)
+    tenants = TenantBook.of(config.api_key, config.api_keys_file)
     app.state.gouache = ApiContext(engine=engine, config=config, limits=limits, files=FileStore(config.file_ttl_s),
-                                   model_ids=model_ids)
+                                   model_ids=model_ids, tenants=tenants)
     install_error_handlers(app, engine.metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=engine.metrics)
-    if config.api_key is not None:  # outermost: an unauthenticated request is refused before anything else
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, metrics=engine.metrics)
+    if not tenants.open:  # outermost: an unauthenticated request is refused before anything else
+        app.add_middleware(ApiKeyMiddleware, tenants=tenants, metrics=engine.metrics)
     for module in (images, files, adapters, status, page):
         app.include_router(module.router)
     app.mount("/ui", page.static_files(), name="ui")
@@ -100,7 +102,10 @@ async def serve(engine: Engine, config: ServerConfig) -> int:
     Returns the process's exit status."""
     await engine.start()
     try:
-        uvicorn_config = uvicorn.Config(create_app(engine, config), host=config.host, port=config.port)
+        app = create_app(engine, config)
+        if config.api_keys_file is not None:  # `kill -HUP` reloads the tenants' keys and limits
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, app.state.gouache.tenants.reload)
+        uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port)
         server = GracefulServer(uvicorn_config, engine, config.shutdown_grace_s)
         watchdog = asyncio.create_task(server.exit_when_engine_dies())
         host = f"[{config.host}]" if ":" in config.host else config.host

@@ -191,7 +191,8 @@ class AsyncEngine(AdapterCalls):
         stats = self.stats()
         with self._lock:
             requests = [{"id": rid, "size": f"{e.request.width}x{e.request.height}", "status": e.status.value,
-                         "step": e.step, "steps": e.request.num_inference_steps, "service_tier": e.request.service_tier}
+                         "step": e.step, "steps": e.request.num_inference_steps, "service_tier": e.request.service_tier,
+                         "tenant": e.request.tenant}
                         for rid, e in self._images.items()]
         return {"status": stats.status, "model": self.info.name, "waiting": stats.waiting, "running": stats.running,
                 "finished": stats.finished, "failed": stats.failed, "requests": requests, **self.book.snapshot()}

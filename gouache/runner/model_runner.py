@@ -115,6 +115,7 @@ class ModelRunner:
             deadline=deadline,
             tier=tier_rank(request.service_tier),
             tenant=request.tenant,
+            weight=request.tenant_weight,
         )
 
     def warm_up(self, default_size: int) -> None:

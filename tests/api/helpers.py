@@ -35,8 +35,16 @@ def open_image(data: bytes | str) -> Image.Image:
 
 @contextlib.contextmanager
 def running_server(*flags: str):
-    """`gouache serve FLAGS` on a free port; yields its URL once /health says ok. Its log goes to
-    a file (a pipe nobody reads would fill and stop the server) and is shown if it dies."""
+    """`gouache serve FLAGS` on a free port; yields its URL once /health says ok."""
+    with running_server_process(*flags) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def running_server_process(*flags: str):
+    """`gouache serve FLAGS` on a free port; yields (its URL, its process) once /health says ok.
+    Its log goes to a file (a pipe nobody reads would fill and stop the server) and is shown if
+    it dies."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -56,7 +64,7 @@ def running_server(*flags: str):
             except httpx.HTTPError:
                 time.sleep(0.3)
         try:
-            yield url
+            yield url, proc
         finally:
             proc.terminate()
             proc.wait(timeout=30)

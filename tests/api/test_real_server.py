@@ -270,3 +270,31 @@ def test_a_qwen_image_edit_plus_model_through_the_openai_client():
             client(url).images.edit(image=image, prompt="x", extra_body={"num_inference_steps": 1})
     assert kinds == {"generation": False, "masked_edit": True, "instruction_edit": True, "max_input_images": 3,
                      "img2img": False}
+
+
+def test_tenants_keys_reload_on_sighup(tmp_path):
+    """`--api-keys FILE`: each key is its tenant; `kill -HUP` takes the file's new keys without a restart."""
+    import json
+    import signal
+    import time
+
+    from tests.api.helpers import running_server_process
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-alpha", "name": "alpha", "tiers": ["default"]}]}))
+    body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 2}
+    with running_server_process("--model", "tiny-sd", "--api-keys", str(keys)) as (url, proc):
+        def post(key: str, **extra) -> httpx.Response:
+            return httpx.post(f"{url}/v1/images/generations", json={**body, **extra},
+                              headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+        before = [post("sk-alpha").status_code, post("sk-alpha", service_tier="priority").status_code,
+                  post("sk-beta").status_code]
+        keys.write_text(json.dumps({"keys": [{"key": "sk-beta", "name": "beta"}]}))
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while post("sk-beta").status_code != 200:
+            assert time.monotonic() < deadline, "the keys were not reloaded"
+            time.sleep(0.2)
+        after = [post("sk-alpha").status_code, post("sk-beta", service_tier="priority").status_code]
+    assert before == [200, 403, 401] and after == [401, 200]

@@ -1,0 +1,127 @@
+"""Tenants (`--api-keys FILE`): each key's name, tiers, rate, concurrency and weight reach the
+requests it sends; a tier it may not use is a 403, its limits a 429 with Retry-After that no
+other tenant sees; the file is checked whole and reloaded on SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import httpx
+import pytest
+
+from gouache.api.server import create_app
+from gouache.api.tenants import ANONYMOUS, Tenant, TenantBook, TenantLimitError, TierForbiddenError, parse_tenants
+from gouache.config import ServerConfig
+from tests.api.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.anyio
+KEYS = {"keys": [
+    {"key": "sk-alpha", "name": "alpha", "tiers": ["priority", "default", "flex"], "weight": 2},
+    {"key": "sk-beta", "name": "beta", "tiers": ["flex", "default"], "max_concurrent": 1},
+    {"key": "sk-gamma", "name": "gamma", "tiers": ["flex"], "rate_per_s": 1},
+]}
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("data, why", [
+    ({"keys": []}, "with at least one key"),
+    ([{"key": "k", "name": "n"}], "with at least one key"),
+    ({"keys": [{"key": "k"}]}, "keys[0].name must be a non-empty string"),
+    ({"keys": [{"key": "k", "name": "n", "tiers": ["gold"]}]}, "keys[0].tiers must be a non-empty list"),
+    ({"keys": [{"key": "k", "name": "n", "rate_per_s": 0}]}, "keys[0].rate_per_s must be a number > 0"),
+    ({"keys": [{"key": "k", "name": "n", "max_concurrent": 0}]}, "keys[0].max_concurrent must be an integer >= 1"),
+    ({"keys": [{"key": "k", "name": "n", "weight": -1}]}, "keys[0].weight must be a number > 0"),
+    ({"keys": [{"key": "k", "name": "n", "limit": 3}]}, "keys[0] has unknown fields limit"),
+    ({"keys": [{"key": "k", "name": "n"}, {"key": "k2", "name": "n"}]}, "each name must be unique; repeated: n"),
+    ({"keys": [{"key": "k", "name": "a"}, {"key": "k", "name": "b"}]}, "each key must be unique"),
+])
+def test_a_keys_file_is_checked_whole_and_says_what_to_fix(data, why):
+    with pytest.raises(ValueError, match="keys file") as error:
+        parse_tenants(json.dumps(data), "the keys file")
+    assert why in str(error.value)
+
+
+def test_the_book_authenticates_limits_and_frees_per_tenant():
+    alpha, beta, gamma = parse_tenants(json.dumps(KEYS))
+    book = TenantBook((alpha, beta, gamma))
+    assert book.authenticate(b"Bearer sk-beta") is beta and book.authenticate(b"Bearer sk-x") is None
+    assert book.authenticate(None) is None and TenantBook().authenticate(None) is ANONYMOUS
+    assert (alpha.weight, beta.default_tier, gamma.default_tier) == (2.0, "default", "flex")
+    with pytest.raises(TierForbiddenError, match="'beta' may not use the 'priority' tier; it may use flex, default"):
+        beta.tier("priority")
+    book.acquire(beta)
+    with pytest.raises(TenantLimitError, match="'beta' has 1 requests in flight"):
+        book.acquire(beta)
+    book.acquire(alpha)  # another tenant does not notice
+    book.release(beta)
+    book.acquire(beta)
+    book.acquire(gamma, now=100.0)
+    with pytest.raises(TenantLimitError) as limited:
+        book.acquire(gamma, now=100.25)
+    assert limited.value.retry_after_s == 1 and "over its rate (1 requests/s)" in limited.value.message
+    book.acquire(gamma, now=101.3)  # a second later its token is back
+
+
+def client_of(engine: FakeEngine, config: ServerConfig) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(create_app(engine, config), raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_each_key_is_its_tenant_with_its_tiers_and_limits(engine: FakeEngine, config: ServerConfig, tmp_path):
+    config = dataclasses.replace(config, api_keys_file=write(tmp_path, KEYS))
+    body = {"prompt": "a fox", "size": "64x64"}
+    async with client_of(engine, config) as client:
+        alpha = await client.post("/v1/images/generations", headers=auth("sk-alpha"),
+                                  json={**body, "service_tier": "priority"})
+        beta = await client.post("/v1/images/generations", headers=auth("sk-beta"), json={**body, "service_tier": "auto"})
+        forbidden = await client.post("/v1/images/generations", headers=auth("sk-beta"),
+                                      json={**body, "service_tier": "priority"})
+        unknown = await client.post("/v1/images/generations", headers=auth("sk-delta"), json=body)
+        engine.hold = True  # beta's next request stays in flight: its second is over its concurrency
+        held = asyncio.ensure_future(client.post("/v1/images/generations", headers=auth("sk-beta"), json=body))
+        while engine.running == 0:
+            await asyncio.sleep(0.005)
+        over = await client.post("/v1/images/generations", headers=auth("sk-beta"), json=body)
+        other = asyncio.ensure_future(client.post("/v1/images/generations", headers=auth("sk-alpha"), json=body))
+        while engine.running < 2:
+            await asyncio.sleep(0.005)
+        engine.hold = False
+        await held, await other
+        metrics = (await client.get("/metrics", headers=auth("sk-alpha"))).text
+    assert alpha.status_code == beta.status_code == 200
+    assert [(r.tenant, r.service_tier, r.tenant_weight) for r in engine.submitted[:2]] == [
+        ("alpha", "priority", 2.0), ("beta", "default", 1.0)]
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["param"] == "service_tier"
+    assert unknown.status_code == 401
+    assert over.status_code == 429 and over.headers["retry-after"] == "1" and "max_concurrent 1" in over.text
+    assert (await held).status_code == 200 and (await other).status_code == 200  # alpha never noticed
+    assert 'gouache_tenant_requests_total{result="limited",tenant="beta",tier="default"} 1.0' in metrics
+    assert 'gouache_tenant_requests_total{result="accepted",tenant="alpha",tier="priority"} 1.0' in metrics
+
+
+def test_sighup_reload_takes_a_new_file_and_keeps_the_old_on_an_error(tmp_path):
+    path = write(tmp_path, KEYS)
+    book = TenantBook.of(None, path)
+    assert book.names == ("alpha", "beta", "gamma")
+    write(tmp_path, {"keys": [{"key": "sk-new", "name": "new"}]})
+    assert book.reload() and book.authenticate(b"Bearer sk-new").name == "new"
+    assert book.authenticate(b"Bearer sk-alpha") is None
+    (tmp_path / "keys.json").write_text("{not json")
+    assert not book.reload() and book.names == ("new",)
+
+
+def test_one_key_or_a_keys_file_not_both():
+    with pytest.raises(ValueError, match="not both"):
+        ServerConfig(api_key="k", api_keys_file="keys.json")
+    assert TenantBook.of("k", None).authenticate(b"Bearer k") == Tenant("k", "default")
