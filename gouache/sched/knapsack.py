@@ -144,23 +144,26 @@ def round_options(
     return options
 
 
-def group_knapsack(groups: Sequence[Sequence[RoundOption]], capacity: int) -> list[int]:
+def group_knapsack(groups: Sequence[Sequence[RoundOption]], capacity: int,
+                   weights: Sequence[int] | None = None) -> list[int]:
     """Algorithm 1, lines 13-22: the index of the option chosen in each group.
 
     Exactly one option per group is chosen (give each a width-0 "none" to allow skipping), the
-    widths sum to at most `capacity`, and the number of surviving options is maximal; among
-    maximal choices the total width is least (c* is the first argmax). dp[c] is the best count
-    with exactly c devices used (-1: unreachable); back[i][c] the option group i took to reach
-    c. O(R x N x |O|) time, O(R x N) for the back-pointers.
+    widths sum to at most `capacity`, and the number of surviving options is maximal (each
+    counted `weights[i]` times, where given: service tiers); among maximal choices the total
+    width is least (c* is the first argmax). dp[c] is the best count with exactly c devices
+    used (-1: unreachable); back[i][c] the option group i took to reach c. O(R x N x |O|)
+    time, O(R x N) for the back-pointers.
     """
     dp = [0] + [-1] * capacity
     back: list[list[int]] = []
-    for options in groups:
+    for i, options in enumerate(groups):
         if not options:
             raise ValueError("every group needs at least one option (e.g. a width-0 'none')")
         nxt, pick = [-1] * (capacity + 1), [-1] * (capacity + 1)
+        weight = 1 if weights is None else weights[i]
         for j, o in enumerate(options):  # each capacity sees the options in order: the first best is kept
-            w, v = o.width, o.value
+            w, v = o.width, o.value * weight
             for c in range(w, capacity + 1):
                 count = dp[c - w]
                 if count >= 0 and count + v > nxt[c]:
@@ -191,7 +194,9 @@ def plan_round(
 ) -> RoundDecision:
     """Decide one round: which requests run, on which devices, for how many steps.
 
-    Requests are taken earliest deadline first, so every tie below favours the earlier one.
+    Requests are taken by service tier, then earliest deadline first, so every tie below
+    favours a higher tier, then the earlier deadline; the DP counts a survivor of a higher tier
+    above any number of a lower tier's (`tier_weights`).
     The DP runs on the urgent requests only: those that survive without running ("none" has
     sv = 1) or cannot survive whatever they get take "none" in some optimal choice, and
     leaving them out gives the same optimum (the paper: "to decide which requests must be
@@ -205,7 +210,7 @@ def plan_round(
     """
     by_id = _index(requests, num_devices, tau, max_batch)
     cost = cached(step_time)
-    ordered = sorted(requests, key=attrgetter("deadline"))
+    ordered = sorted(requests, key=attrgetter("tier", "deadline"))
     chosen, degree, unsure = _knapsack_choice(ordered, cost, num_devices, tau, now)
     if sum(degree.values()) < num_devices:  # else scale-up has nothing to hand out
         degree = elastic_scale_up(degree, [r for r, o in zip(ordered, chosen) if o.survives], cost, tau, num_devices)
@@ -298,11 +303,22 @@ def _knapsack_choice(
             groups.append(options)
         chosen[i] = options[0]
     running = {}
-    for i, options, j in zip(urgent, groups, group_knapsack(groups, num_devices)):
+    weights = tier_weights([ordered[i].tier for i in urgent])
+    for i, options, j in zip(urgent, groups, group_knapsack(groups, num_devices, weights)):
         chosen[i] = options[j]
         if options[j].degree:
             running[ordered[i].request_id] = options[j].degree
     return chosen, running, unsure
+
+
+def tier_weights(tiers: Sequence[int]) -> list[int] | None:
+    """What one survivor of each request's tier counts in the DP: (n + 1)^(tiers below it) for
+    n requests, so one survivor of a tier outranks all of the tiers below; None (all count 1)
+    when all share a tier."""
+    if len(set(tiers)) <= 1:
+        return None
+    lowest, base = max(tiers), len(tiers) + 1
+    return [base ** (lowest - tier) for tier in tiers]
 
 
 _WAITS = RoundOption(0, 0, True)  # "none", and the request survives it

@@ -146,3 +146,21 @@ def test_fixed_sp_takes_the_waiting_in_tier_order():
     s.add(tiered("default", DEFAULT))
     s.add(tiered("priority", PRIORITY, arrival=1.0))
     assert s.schedule(2.0).admit == ["priority"]
+
+
+def test_round_knapsack_keeps_a_priority_deadline_over_an_earlier_default_one():
+    """One device, two requests that each survive the round only if they run in it: by deadline
+    the default one would run; a priority request's deadline outranks it."""
+    from gouache.sched.knapsack import plan_round, tier_weights
+    from gouache.sched.rounds import RoundRequest
+
+    def step_time(resolution, degree):
+        return 1.0 if degree == 1 else float("inf")
+
+    for priority_tier, runs in ((DEFAULT, "early"), (PRIORITY, "late")):
+        requests = [RoundRequest("early", (256, 256), 2, 2.5, DEFAULT), RoundRequest("late", (256, 256), 2, 2.6,
+                                                                                      priority_tier)]
+        decision = plan_round(requests, step_time, 1, 1.0, 0.0, run_late=False)
+        assert list(decision.allocations) == [runs]
+    # a survivor of a tier outranks every survivor of the tiers below it
+    assert tier_weights([PRIORITY, DEFAULT, FLEX, FLEX]) == [25, 5, 1, 1] and tier_weights([DEFAULT, DEFAULT]) is None

@@ -101,7 +101,7 @@ class RoundKnapsackPolicy(Policy):
             r = made.get(s.request_id)
             if r is None or r.remaining_steps != s.remaining_steps:
                 r = made[s.request_id] = RoundRequest(s.request_id, s.resolution, s.remaining_steps,
-                                                      math.inf if s.deadline is None else s.deadline)
+                                                      math.inf if s.deadline is None else s.deadline, s.tier)
             out.append(r)
         if len(made) > 2 * len(out):
             self._made = {r.request_id: r for r in out}
