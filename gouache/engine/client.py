@@ -39,6 +39,7 @@ from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
+from gouache.sched.tiers import queue_limit, tier_rank
 from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -203,16 +204,19 @@ class AsyncEngine(AdapterCalls):
     # -- preparation -----------------------------------------------------------------------
 
     def _check_capacity(self, requests: list[ImageRequest]) -> None:
-        """429 past the queue's limit; flex requests (capacity nobody else needs) past its
-        `flex_queue_share`, first."""
-        limit, tier = self.config.max_queue_len, requests[0].service_tier
-        if tier == "flex":
-            limit = max(1, int(limit * self.config.flex_queue_share))
-        if len(self._images) + len(requests) > limit:
+        """429 past the queue's limit, counting the images of the request's service tier and
+        the higher ones (`tiers.queue_limit`: flex, capacity nobody else needs, is refused
+        first; a lower tier's queue never keeps a higher tier out)."""
+        tier = requests[0].service_tier
+        limit = queue_limit(tier, self.config.max_queue_len, self.config.flex_queue_share)
+        rank = tier_rank(tier)
+        ahead = sum(tier_rank(image.request.service_tier) <= rank for image in self._images.values())
+        if ahead + len(requests) > limit:
             which = "flex requests' limit" if tier == "flex" else "limit"
             raise QueueFullError(
-                f"the server is busy ({len(self._images)} images in flight, {which} {limit}); retry shortly",
-                retry_after_s=max(1, len(self._images) // 4),
+                f"the server is busy ({ahead} images of tier {tier} or higher in flight, {which} {limit}); "
+                "retry shortly",
+                retry_after_s=max(1, ahead // 4),
             )
 
     def _check_size(self, request: ImageRequest) -> None:

@@ -37,6 +37,7 @@ from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, ProgressEvent
 from gouache.replicas.calls import Calls, Deadlines, ReplicaLostError, tell
 from gouache.replicas.process import decode, replica_main
 from gouache.sched.router import ROUTERS, ReplicaLoad, RouteRequest, Router
+from gouache.sched.tiers import tier_rank
 from gouache.sim.costs import linear_step_cost
 
 if TYPE_CHECKING:
@@ -243,10 +244,11 @@ class ReplicaSet:
         ratio = 1.0
         if first.is_edit and self.router.reads_masks:
             ratio = await asyncio.to_thread(repaint_ratio, first.image, first.mask, self.max_upload_pixels)
-        views = {i: RouteRequest(r.request_id, r.width * r.height, r.num_inference_steps, ratio)
+        tier = tier_rank(first.service_tier)
+        views = {i: RouteRequest(r.request_id, r.width * r.height, r.num_inference_steps, ratio, tier)
                  for i, r in enumerate(requests)}
         api_id = first.request_id.rsplit("-", 1)[0]
-        whole = RouteRequest(api_id, sum(v.pixels for v in views.values()), first.num_inference_steps, ratio)
+        whole = RouteRequest(api_id, sum(v.pixels for v in views.values()), first.num_inference_steps, ratio, tier)
         chosen = alive[self.router.route(whole, [r.load(self.max_batch) for r in alive])]
         # a full replica passes the request on to the others, least loaded first, and so does one
         # lost (or not answering) before it took the request: the request did not need that one

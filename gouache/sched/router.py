@@ -21,6 +21,7 @@ class RouteRequest:
     pixels: int  # width x height of the image
     steps: int  # denoising steps still to run
     mask_ratio: float = 1.0  # fraction of tokens an edit recomputes; 1.0 for generation
+    tier: int = 1  # its service tier's rank (`gouache.sched.tiers`): it waits only behind the ranks up to its own
 
 
 @dataclass
@@ -34,6 +35,11 @@ class ReplicaLoad:
     @property
     def requests(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    def ahead_of(self, tier: int) -> int:
+        """Requests of its tier or a higher one: those a request of `tier` shares the replica with
+        (the lower tiers give way to it)."""
+        return sum(r.tier <= tier for r in (*self.running, *self.waiting))
 
     @property
     def masked_pixels(self) -> float:
@@ -62,10 +68,13 @@ class RoundRobinRouter(Router):
 
 
 class LeastRequestsRouter(Router):
+    """The replica with the fewest requests a new one would share it with: those of its service
+    tier or a higher one (the lower tiers give way to it), then the fewest in all."""
+
     name = "least-requests"
 
     def route(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
-        return min(range(len(replicas)), key=lambda i: (replicas[i].requests, i))
+        return min(range(len(replicas)), key=lambda i: (replicas[i].ahead_of(request.tier), replicas[i].requests, i))
 
 
 class LeastTokensRouter(Router):

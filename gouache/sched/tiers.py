@@ -66,6 +66,13 @@ class FairQueue:
         self.clock[state.tier] = max(self.clock.get(state.tier, 0.0), state.fair_tag)
 
 
+def queue_limit(tier: str, max_in_flight: int, flex_share: float) -> int:
+    """How many requests of `tier` or a higher one a server holds before it refuses (429) one
+    more of `tier`: its queue limit, a share of it for flex (refused first). A lower tier's
+    requests never keep a higher tier out."""
+    return max(1, int(max_in_flight * flex_share)) if tier == "flex" else max_in_flight
+
+
 def queue_order(state: RequestState) -> tuple[int, float, float]:
     """The sort key of the waiting requests every policy is given."""
     return state.tier, state.fair_tag, state.arrival_time

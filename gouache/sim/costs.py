@@ -14,6 +14,7 @@ from gouache.request import RequestState
 from gouache.sched.interface import Resolution, StepTimePredictor
 from gouache.sched.plan import Batch
 from gouache.sched.router import RouteRequest
+from gouache.sched.tiers import tier_rank
 from gouache.sim.workloads import SimRequest
 
 # seconds of one step of a batch (its members now) on its devices
@@ -126,4 +127,7 @@ def state_of(request: SimRequest) -> RequestState:
         num_steps=request.steps,
         arrival_time=request.arrival,
         deadline=request.deadline,
+        tier=tier_rank(request.tier),
+        tenant=request.tenant,
+        weight=request.weight,
     )

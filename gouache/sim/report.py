@@ -26,7 +26,8 @@ def result_to_dict(result: SimResult, per_request: bool = True) -> dict:
     if per_request:
         data["requests"] = [
             {**asdict(r.request), "first_step": r.first_step, "finish": r.finish,
-             "dropped_at": r.dropped_at, "met_slo": r.met_slo, "replica": r.replica}
+             "dropped_at": r.dropped_at, "refused_at": r.refused_at, "pauses": r.pauses, "met_slo": r.met_slo,
+             "replica": r.replica}
             for r in result.records
         ]
     return data

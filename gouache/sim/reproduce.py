@@ -1,4 +1,5 @@
-"""`gouache reproduce`: the three papers' headline experiments, side by side, in one run.
+"""`gouache reproduce`: the three papers' headline experiments, side by side, in one run, and
+the service tiers' experiment (issue 38).
 
 Each writes JSON, a markdown table and PNG plots under `--out/<name>/`. They run on the
 simulator with documented cost models (see docs/costmodels.md), not on GPUs.
@@ -30,10 +31,17 @@ def _instgenie(out: Path, args) -> dict:
     return instgenie_experiment(out)
 
 
+def _tiers(out: Path, args) -> dict:
+    from gouache.sim.exp_tiers import tiers_experiment
+
+    return tiers_experiment(out)
+
+
 EXPERIMENTS: dict[str, Callable[[Path, object], dict]] = {
     "patchedserve": _patchedserve,  # SLO satisfaction vs QPS: fcfs-static, orca, patched, patched-slo
     "tetriserve": _tetriserve,  # SLO attainment vs SLO scale on 8 devices: fixed-sp-1/2/4/8, round-knapsack
     "instgenie": _instgenie,  # P95 latency vs rate over 8 replicas: least-requests, least-tokens, mask-aware
+    "tiers": _tiers,  # service tiers at 2x load on 64 devices: with tiers, tier-blind, priority alone
 }
 
 

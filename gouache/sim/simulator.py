@@ -16,9 +16,12 @@ Conventions (they fix the exact times the tests compute by hand):
   exactly when a step ends can join the next step.
 - A request finishes when the step that does its last denoising step ends (post-processing,
   VAE decode, is not simulated).
-- Nothing is lost: a request is finished, dropped by its policy, or left unfinished (the
-  policy stopped planning with work left and no event came to wake it). Dropped and
-  unfinished requests count as SLO misses. Late requests keep running and count as misses.
+- Nothing is lost: a request is finished, dropped by its policy, refused at arrival (an
+  `Admission` limit: the engine's 429), or left unfinished (the policy stopped planning with
+  work left and no event came to wake it). Dropped, refused and unfinished requests count as
+  SLO misses. Late requests keep running and count as misses.
+- Service tiers and tenants (`SimRequest.tier`, `tenant`, `weight`) reach the scheduler as they
+  do live: the same tier order, fair queuing and pauses (`gouache.sched.tiers`).
 - Stage work (optional `stage_cost`): a request's preparation (text encoding, initial latents)
   and post-processing (VAE decode, image encoding) share the devices with the steps. Each adds
   its seconds to the replica's backlog when the request arrives or finishes; while no run
@@ -53,6 +56,7 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
+from gouache.sched.tiers import queue_limit, tier_rank
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile
@@ -68,6 +72,8 @@ class RequestRecord:
     first_step: float | None = None  # when its first denoising step began (queueing ends)
     finish: float | None = None  # when its last denoising step ended
     dropped_at: float | None = None  # when its policy dropped it
+    refused_at: float | None = None  # when admission refused it (the engine's 429)
+    pauses: int = 0  # times a higher tier's request took its slot
     replica: int | None = None  # index of the replica it was routed to
 
     @property
@@ -94,6 +100,7 @@ class SimMetrics:
     num_requests: int
     finished: int
     dropped: int  # removed by the policy (e.g. hopeless under an SLO policy)
+    refused: int  # refused at arrival by the admission limit (429)
     unfinished: int  # still waiting or running when no event was left
     slo_attainment: float | None  # met / requests with an SLO; None if none has one
     latency_mean_s: float | None
@@ -122,20 +129,23 @@ class SimResult:
     device_s: dict[str, float] = field(default_factory=dict)  # request id -> device-seconds it used
     plans: list[tuple[float, Plan]] = field(default_factory=list)  # (time, plan), if record_plans
 
-    def metrics(self) -> SimMetrics:
-        latencies = np.array([r.latency for r in self.records if r.finish is not None])
-        queueing = [r.queueing for r in self.records if r.first_step is not None]
-        slo = [r.met_slo for r in self.records if r.met_slo is not None]
+    def metrics(self, tier: str | None = None) -> SimMetrics:
+        """The run's numbers, or those of the requests of one service tier (utilization stays the run's)."""
+        records = self.records if tier is None else [r for r in self.records if r.request.tier == tier]
+        latencies = np.array([r.latency for r in records if r.finish is not None])
+        queueing = [r.queueing for r in records if r.first_step is not None]
+        slo = [r.met_slo for r in records if r.met_slo is not None]
         makespan = self.end - self.start
 
         def pct(q: float) -> float | None:
             return percentile(latencies.tolist(), q) if latencies.size else None
 
         return SimMetrics(
-            num_requests=len(self.records),
+            num_requests=len(records),
             finished=int(latencies.size),
-            dropped=sum(r.dropped_at is not None for r in self.records),
-            unfinished=sum(r.finish is None and r.dropped_at is None for r in self.records),
+            dropped=sum(r.dropped_at is not None for r in records),
+            refused=sum(r.refused_at is not None for r in records),
+            unfinished=sum(r.finish is None and r.dropped_at is None and r.refused_at is None for r in records),
             slo_attainment=sum(slo) / len(slo) if slo else None,
             latency_mean_s=float(latencies.mean()) if latencies.size else None,
             latency_p50_s=pct(50), latency_p95_s=pct(95), latency_p99_s=pct(99),
@@ -145,6 +155,21 @@ class SimResult:
             throughput_rps=latencies.size / makespan if makespan > 0 else 0.0,
             num_steps=self.num_steps,
         )
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The engine's queue limit per replica (`EngineConfig.max_queue_len`, `flex_queue_share`):
+    an arrival that would put more than `max_in_flight` requests of its tier or a higher one in
+    its replica (waiting or running), or a flex one more than `flex_share` of it, is refused
+    (429): a lower tier's queue never keeps a higher tier out."""
+
+    max_in_flight: int
+    flex_share: float = 0.5
+
+    def admits(self, request: SimRequest, in_flight: int) -> bool:
+        """`in_flight`: the replica's requests of the request's tier or a higher one."""
+        return in_flight + 1 <= queue_limit(request.tier, self.max_in_flight, self.flex_share)
 
 
 @dataclass
@@ -179,6 +204,11 @@ class Replica:
     @property
     def idle(self) -> bool:
         return not self.segments
+
+    def ahead_of(self, tier: str) -> int:
+        """Its requests (waiting or running) of `tier` or a higher one."""
+        rank = tier_rank(tier)
+        return sum(s.tier <= rank for s in (*self.scheduler.waiting.values(), *self.scheduler.running.values()))
 
     def add(self, state: RequestState, now: float) -> None:
         self.scheduler.add(state)
@@ -266,6 +296,7 @@ class Replica:
         record = self.records[state.request_id]
         record.first_step = state.first_step_time  # the Scheduler stamps it when the first step starts
         record.finish = finish
+        record.pauses = state.pauses
 
     def load(self) -> ReplicaLoad:
         """What a router sees of this replica: its batch and its queue, as plain values."""
@@ -293,7 +324,7 @@ class Simulator:
 
     def __init__(self, policy: Policy | Sequence[Policy], step_cost: StepCost, router: Router | None = None,
                  stage_cost: StageCost | None = None, num_devices: int = 1, handoff: HandoffCost | None = None,
-                 record_plans: bool = False):
+                 record_plans: bool = False, admission: Admission | None = None):
         self.policies = [policy] if isinstance(policy, Policy) else list(policy)
         if not self.policies:
             raise ValueError("a simulation needs at least one replica: pass a policy")
@@ -310,6 +341,7 @@ class Simulator:
         self.num_devices = num_devices  # per replica
         self.handoff = handoff  # seconds to move a started request between device groups; None = free
         self.record_plans = record_plans  # keep every plan in the result, for tests and traces
+        self.admission = admission  # each replica's queue limit; None: every arrival is admitted
         self.replicas: list[Replica] = []  # those of the current (or last) run
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
@@ -332,7 +364,12 @@ class Simulator:
                     replica, segment = payload
                     started = [(replica, s) for s in replica.segment_done(segment, now)]
                 else:
-                    self._route(payload, records[payload.request_id]).add(state_of(payload), now)
+                    record = records[payload.request_id]
+                    replica = self._route(payload, record)
+                    if self.admission is None or self.admission.admits(payload, replica.ahead_of(payload.tier)):
+                        replica.add(state_of(payload), now)
+                    else:
+                        record.refused_at = now
                     started = []
                 for item in started:
                     heapq.heappush(events, (item[1].end, _SEGMENT_DONE, seq, item))
@@ -364,16 +401,19 @@ class Simulator:
 
 
 def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest:
-    """The router's view of a request: pixels, steps still to run, mask ratio (1 = generation)."""
+    """The router's view of a request: pixels, steps still to run, mask ratio (1 = generation), tier."""
     return RouteRequest(
         request_id=request.request_id,
         pixels=request.width * request.height,
         steps=request.steps if steps is None else steps,
         mask_ratio=1.0 if request.mask_ratio is None else request.mask_ratio,
+        tier=tier_rank(request.tier),
     )
 
 
 def simulate(requests: Sequence[SimRequest], policy: Policy | Sequence[Policy], step_cost: StepCost,
              router: Router | None = None, stage_cost: StageCost | None = None, num_devices: int = 1,
-             handoff: HandoffCost | None = None, record_plans: bool = False) -> SimResult:
-    return Simulator(policy, step_cost, router, stage_cost, num_devices, handoff, record_plans).run(requests)
+             handoff: HandoffCost | None = None, record_plans: bool = False,
+             admission: Admission | None = None) -> SimResult:
+    return Simulator(policy, step_cost, router, stage_cost, num_devices, handoff, record_plans,
+                     admission).run(requests)

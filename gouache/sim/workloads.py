@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.sched.tiers import TIERS
+
 # standalone latency of one request alone on the device: (width, height, steps) -> seconds
 LatencyFn = Callable[[int, int, int], float]
 
@@ -49,6 +51,9 @@ class SimRequest:
     steps: int  # denoising steps
     slo_s: float | None = None  # deadline relative to arrival; None = no SLO
     mask_ratio: float | None = None  # edit: repainted fraction of the image; None = generation
+    tier: str = "default"  # service tier (`gouache.sched.tiers.TIERS`)
+    tenant: str = ""  # who sent it (fair share within its tier)
+    weight: float = 1.0  # its tenant's weight
 
     def __post_init__(self) -> None:
         _check(self.arrival >= 0, f"{self.request_id}: arrival must be >= 0, got {self.arrival}")
@@ -57,6 +62,8 @@ class SimRequest:
         _check(self.slo_s is None or self.slo_s > 0, f"{self.request_id}: slo_s must be positive, got {self.slo_s}")
         _check(self.mask_ratio is None or 0 <= self.mask_ratio <= 1,
                f"{self.request_id}: mask_ratio must be in [0, 1], got {self.mask_ratio}")
+        _check(self.tier in TIERS, f"{self.request_id}: tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
+        _check(self.weight > 0, f"{self.request_id}: weight must be positive, got {self.weight}")
 
     @property
     def deadline(self) -> float | None:
@@ -170,7 +177,7 @@ def inter_arrival_cv(requests: Sequence[SimRequest]) -> float:
 
 # -- trace files ---------------------------------------------------------------------------
 
-COLUMNS = tuple(f.name for f in fields(SimRequest))  # request_id, arrival, width, height, steps, slo_s, mask_ratio
+COLUMNS = tuple(f.name for f in fields(SimRequest))  # request_id, arrival, ..., mask_ratio, tier, tenant, weight
 
 
 def write_trace(path: str | Path, requests: Iterable[SimRequest]) -> None:
@@ -196,7 +203,8 @@ def _csv_cell(value) -> str:
 
 
 def read_trace(path: str | Path) -> list[SimRequest]:
-    """Read a trace written by `write_trace` (or by hand: request_id, slo_s, mask_ratio optional)."""
+    """Read a trace written by `write_trace` (or by hand: request_id, slo_s, mask_ratio, tier,
+    tenant and weight optional)."""
     path = Path(path)
     if path.suffix == ".csv":
         with path.open(newline="") as f:
@@ -221,4 +229,6 @@ def _from_row(index: int, row: dict, path: Path) -> SimRequest:
         request_id=str(row.get("request_id") or f"r{index}"),
         arrival=float(row["arrival"]), width=int(row["width"]), height=int(row["height"]),
         steps=int(row["steps"]), slo_s=optional("slo_s"), mask_ratio=optional("mask_ratio"),
+        tier=str(row.get("tier") or "default"), tenant=str(row.get("tenant") or ""),
+        weight=optional("weight") or 1.0,
     )

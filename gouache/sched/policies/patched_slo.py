@@ -17,8 +17,10 @@ predictor gives the step time of the batch with it:
 
 Tiers: a batch member of a lower tier than the candidate neither blocks it (its deadline does
 not count in the schedulability test, and the benefit test is skipped) nor keeps its slot in a
-full batch: the lowest-tier, latest-admitted running member is paused instead (a priority
-request's deadline outranks a default one's).
+full batch: the lowest-tier, latest-admitted running member is paused instead. And once the
+batch is chosen, a member that would miss its deadline beside lower tiers' members has them
+paused (the lowest tier and latest first) until it meets it, or, late whatever they do, until
+none is left: a priority request's deadline outranks a default one's.
 
 Two readings of the paper are ours. The drop test uses the candidate's standalone step time:
 the paper's line 6 tests with the batched time, which would discard requests that could still
@@ -79,7 +81,26 @@ class PatchedSloPolicy(Policy):
             batch = [*kept, candidate]
             admit.append(candidate.request_id)
             batch_step = with_candidate
+        if len({s.tier for s in batch}) > 1:
+            batch = self._protect(batch, now, admit, pause)
         return one_step([[s.request_id for s in batch]], admit, patched=True, drop=drop, pause=pause)
+
+    def _protect(self, batch: list[RequestState], now: float, admit: list[str], pause: list[str]) -> list[RequestState]:
+        """Higher tiers first, each member that would miss its deadline in `batch` has the
+        lower tiers' members taken out, the lowest tier and latest first, until it meets it or
+        none is left (a late one then finishes as early as its own tier allows): a running one
+        is paused, one admitted now stays waiting."""
+        for member in sorted(batch, key=lambda s: s.tier):
+            if member.deadline is None or member not in batch:
+                continue
+            while self._misses(member, self._step(batch), now):
+                lower = [s for s in batch if s.tier > member.tier]
+                if not lower:
+                    break
+                victim = max(reversed(lower), key=lambda s: s.tier)
+                batch = [s for s in batch if s is not victim]
+                (admit.remove if victim.request_id in admit else pause.append)(victim.request_id)
+        return batch
 
     def by_slack(
         self, waiting: Sequence[RequestState], now: float, alone: StepAlone | None = None
