@@ -9,7 +9,7 @@ import os
 import sys
 
 from gouache.cli_flags import (
-    Given, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_slo_arg,
+    Given, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_share_arg, tier_slo_arg,
 )
 from gouache.config import (
     COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, CompileConfig,
@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="round length in seconds; only with --policy round-knapsack (default: %(default)s)")
     serve.add_argument("--max-queue-len", type=int, default=EngineConfig.max_queue_len,
                        help="images waiting or running before new requests get 429 (default: %(default)s)")
-    serve.add_argument("--flex-queue-share", type=float, default=EngineConfig.flex_queue_share,
-                       help="share of --max-queue-len in flight past which service_tier=flex requests get 429 "
-                            "first (default: %(default)s)")
+    serve.add_argument("--tier-queue-share", type=tier_share_arg, default=EngineConfig.tier_queue_share,
+                       metavar="TIER=SHARE,...",
+                       help="each tier's share of --max-queue-len: its requests get 429 once those of its tier and "
+                            "the higher ones fill it (default: flex=0.5: flex is refused first)")
     serve.add_argument("--tier-slo-ms", type=tier_slo_arg, default=(), action=Given, metavar="TIER=MS,...",
                        help="the deadline of each service tier's requests that send no slo_ms, e.g. "
                             "priority=2000,default=10000; only with a deadline policy (default: none)")
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     from gouache.bench import (
         adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, reuse_compare, serve, sim_to_real,
-        soak, speed,
+        soak, speed, tiers,
     )
 
     adapters.add_arguments(bench_kinds.add_parser(
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_arguments(bench_kinds.add_parser("parallel", help="worker processes on this machine: executor "
                                                                   "overhead, collectives per step, hand-offs"))
     sim_to_real.add_arguments(bench_kinds.add_parser("sim-to-real", help="live engine vs simulator on one workload"))
+    tiers.add_arguments(bench_kinds.add_parser("tiers", help="service tiers, preemption and tenants under overload, "
+                                                             "live and simulated"))
     overhead.add_arguments(bench_kinds.add_parser("overhead", help="scheduling decision time vs queue length"))
     serve.add_arguments(bench_kinds.add_parser("serve", help="load-test servers under several policies"))
     soak.add_arguments(bench_kinds.add_parser(
@@ -336,7 +339,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     refuse_ignored(ignored)
     return (
         ModelConfig(args.model, args.dtype, args.device, args.quantize),
-        EngineConfig(max_queue_len=args.max_queue_len, flex_queue_share=args.flex_queue_share, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
+        EngineConfig(max_queue_len=args.max_queue_len, tier_queue_share=args.tier_queue_share, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20,
@@ -424,12 +427,12 @@ def _make_controlnet(args) -> int:
 def _bench(args) -> int:
     from gouache.bench import (
         adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, reuse_compare, serve, sim_to_real,
-        soak, speed,
+        soak, speed, tiers,
     )
 
     kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
              "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed, "baselines": baselines,
-             "fullsize": fullsize, "reuse-compare": reuse_compare}
+             "fullsize": fullsize, "reuse-compare": reuse_compare, "tiers": tiers}
     return kinds[args.bench].run(args)
 
 

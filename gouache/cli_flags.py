@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 
 class Given(argparse.Action):
@@ -71,17 +72,26 @@ def batch_size_arg(text: str) -> int | None:
 
 def tier_slo_arg(text: str) -> tuple[tuple[str, float], ...]:
     """`--tier-slo-ms` as an argparse `type`: comma-separated TIER=MS, e.g. priority=2000,default=10000."""
+    return _tier_pairs(text, "MS", "MS > 0", lambda ms: ms > 0, "priority=2000,default=10000")
+
+
+def tier_share_arg(text: str) -> tuple[tuple[str, float], ...]:
+    """`--tier-queue-share` as an argparse `type`: comma-separated TIER=SHARE, e.g. flex=0.5,default=0.9."""
+    return _tier_pairs(text, "SHARE", "SHARE in (0, 1]", lambda share: 0 < share <= 1, "flex=0.5,default=0.9")
+
+
+def _tier_pairs(text: str, unit: str, rule: str, valid, example: str) -> tuple[tuple[str, float], ...]:
     from gouache.sched.tiers import TIERS
 
     pairs = []
     for part in text.split(","):
-        tier, _, ms = part.partition("=")
+        tier, _, number = part.partition("=")
         try:
-            value = float(ms)
+            value = float(number)
         except ValueError:
-            value = 0.0
-        if tier.strip() not in TIERS or not value > 0:
-            raise argparse.ArgumentTypeError(f"expected TIER=MS pairs with tiers from {', '.join(TIERS)} and MS > 0, "
-                                             f"e.g. priority=2000,default=10000; got {text!r}")
+            value = math.nan
+        if tier.strip() not in TIERS or not valid(value):
+            raise argparse.ArgumentTypeError(f"expected TIER={unit} pairs with tiers from {', '.join(TIERS)} and "
+                                             f"{rule}, e.g. {example}; got {text!r}")
         pairs.append((tier.strip(), value))
     return tuple(pairs)

@@ -7,7 +7,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from gouache.sched.tiers import TIERS
+from gouache.sched.tiers import DEFAULT_QUEUE_SHARES, TIERS
 
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
@@ -208,7 +208,9 @@ class EngineConfig:
     """Limits and worker counts of one engine (one replica)."""
 
     max_queue_len: int = 64  # requests waiting or running before new ones get 429
-    flex_queue_share: float = 0.5  # flex requests get 429 once this share of max_queue_len is in flight
+    # (tier, share): a tier's requests get 429 once their tier and the higher ones hold this share
+    # of max_queue_len (`sched.tiers.queue_limit`); absent tiers: all of it
+    tier_queue_share: tuple[tuple[str, float], ...] = DEFAULT_QUEUE_SHARES
     request_timeout_s: float = 600.0  # a request still unfinished after this ends with a timeout error
     image_workers: int = 1  # processes that decode uploads and encode PNG/JPEG/WebP
     torch_threads: int | None = None  # intra-op threads of torch; None keeps torch's default
@@ -229,7 +231,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
-        _check(0 < self.flex_queue_share <= 1, f"flex_queue_share must be in (0, 1], got {self.flex_queue_share}")
+        for tier, share in self.tier_queue_share:
+            _check(tier in TIERS, f"tier_queue_share names tier {tier!r}; the tiers are {', '.join(TIERS)}")
+            _check(0 < share <= 1, f"tier_queue_share of {tier} must be in (0, 1], got {share}")
         _check(self.request_timeout_s > 0, "request_timeout_s must be positive")
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")

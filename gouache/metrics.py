@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from gouache.outputs import EngineStats
 
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-API_FAMILIES = ("gouache_request_latency_seconds", "gouache_errors")  # recorded by the API server, not by engines
+# recorded by the API server, not by engines
+API_FAMILIES = ("gouache_request_latency_seconds", "gouache_tier_latency_seconds", "gouache_errors",
+                "gouache_tenant_requests")
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -35,6 +37,10 @@ class Metrics:
         )
         self.request_latency = Histogram(
             "gouache_request_latency_seconds", "Acceptance to last image of a request", buckets=_REQUEST_BUCKETS, registry=r
+        )
+        self.tier_latency = Histogram(
+            "gouache_tier_latency_seconds", "Acceptance to last image of a request, by its service tier", ["tier"],
+            buckets=_REQUEST_BUCKETS, registry=r
         )
         self.queueing_time = Histogram(
             "gouache_queueing_seconds", "Acceptance to first denoising step of an image", buckets=_REQUEST_BUCKETS, registry=r

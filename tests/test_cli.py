@@ -150,6 +150,8 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
         assert _refused(capsys, [*base, "--round-s", "0.5"], "--round-s")
     if not cls.mixes_resolutions:
         assert _refused(capsys, [*base, "--patch-size", "128"], "--patch-size")
+    if not cls.uses_deadlines:
+        assert _refused(capsys, [*base, "--tier-slo-ms", "priority=2000"], "--tier-slo-ms")
 
 
 def test_serve_passes_the_flags_its_policy_reads(built_configs):
@@ -165,6 +167,20 @@ def test_serve_passes_the_flags_its_policy_reads(built_configs):
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "patched", "--patch-size", "64"])
     assert built_configs["engine"].patch_size == 64
+    assert built_configs["engine"].tier_queue_share == (("flex", 0.5),)
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", "--tier-slo-ms", "priority=2000,default=9000",
+              "--tier-queue-share", "flex=0.25,default=0.75"])
+    assert built_configs["scheduler"].tier_slo_ms == (("priority", 2000.0), ("default", 9000.0))
+    assert built_configs["engine"].tier_queue_share == (("flex", 0.25), ("default", 0.75))
+
+
+@pytest.mark.parametrize("flag, value", [("--tier-slo-ms", "gold=100"), ("--tier-slo-ms", "priority=-1"),
+                                         ("--tier-queue-share", "flex=1.5"), ("--tier-queue-share", "flex")])
+def test_serve_refuses_a_malformed_tier_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", flag, value])
+    assert exit_.value.code == 2 and "expected TIER=" in capsys.readouterr().err
 
 
 def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):

@@ -140,21 +140,29 @@ async def _serve(
 ) -> Response:
     _check_model(ctx, params)
     tenant = _tenant(request)
-    handle = await _submit(ctx, tenant, params.to_requests(api_id, ctx.engine.info, arrival, image, mask, references,
-                                                           tenant))
+    jobs = params.to_requests(api_id, ctx.engine.info, arrival, image, mask, references, tenant)
+    handle = await _submit(ctx, tenant, jobs)
     ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     headers = {"x-request-id": api_id}
+    answered = functools.partial(_observe_latency, ctx, jobs[0].service_tier, arrival)
     if params.stream:
         shape = StreamShape(kind, params.size, params.output_format)
         on_close = lambda: ctx.inflight.finish(api_id)  # noqa: E731
-        return ImageEventStream(handle, shape, ctx.engine.metrics, arrival, on_close, headers)
+        return ImageEventStream(handle, shape, ctx.engine.metrics, answered, on_close, headers)
     try:
         events = await _images_unless_disconnected(request, handle.images())
     finally:
         ctx.inflight.finish(api_id)
-    ctx.engine.metrics.request_latency.observe(time.monotonic() - arrival)
+    answered()
     body = _images_response(request, ctx, params, events).model_dump(exclude_none=True)
     return JSONResponse(body, headers=headers)
+
+
+def _observe_latency(ctx: ApiContext, tier: str, arrival: float) -> None:
+    """A request's images were all sent: its latency, in all and by its service tier."""
+    latency = time.monotonic() - arrival
+    ctx.engine.metrics.request_latency.observe(latency)
+    ctx.engine.metrics.tier_latency.labels(tier).observe(latency)
 
 
 def _tenant(request: Request) -> Tenant:

@@ -72,11 +72,12 @@ class ImageEventStream(EventSourceResponse):
         handle: RequestHandle,
         shape: StreamShape,
         metrics: Metrics,
-        arrival: float,
+        on_answered: Callable[[], None],
         on_close: Callable[[], None],
         headers: dict[str, str],
     ):
-        self._metrics, self._arrival, self._on_close = metrics, arrival, on_close
+        """`on_answered` runs once every image was sent (it records the latency)."""
+        self._metrics, self._on_answered, self._on_close = metrics, on_answered, on_close
         self._ended = False  # the request's own last event was sent
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers}
         super().__init__(self._events(handle, shape), headers=headers)
@@ -101,7 +102,7 @@ class ImageEventStream(EventSourceResponse):
                 self._ended = isinstance(event, ErrorEvent) or images == handle.n
                 yield encode_event(event, shape)
             if images == handle.n:
-                self._metrics.request_latency.observe(time.monotonic() - self._arrival)
+                self._on_answered()
         except Exception:
             logger.exception("image stream %s failed", handle.request_id)
             self._metrics.errors.labels("server_error").inc()

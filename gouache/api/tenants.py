@@ -33,6 +33,9 @@ from gouache.sched.tiers import DEFAULT_TIER, TIERS
 log = logging.getLogger(__name__)
 
 _FIELDS = {"key", "name", "tiers", "rate_per_s", "max_concurrent", "weight"}
+# a rate limit's token bucket holds a second of its rate, at least this many requests: a client
+# that keeps to its rate on average (Poisson arrivals) is not refused for bunching a little
+MIN_BURST = 4.0
 
 
 class TierForbiddenError(InvalidRequestError):
@@ -58,7 +61,7 @@ class Tenant:
     key: str
     name: str
     tiers: tuple[str, ...] = TIERS
-    rate_per_s: float | None = None  # API requests per second (a burst of one second's worth)
+    rate_per_s: float | None = None  # API requests per second (a burst of a second's worth, at least MIN_BURST)
     max_concurrent: int | None = None  # API requests in flight at once
     weight: float = 1.0
 
@@ -160,6 +163,9 @@ class TenantBook:
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self._tenants)
 
+    def named(self, name: str) -> Tenant | None:
+        return next((t for t in self._tenants if t.name == name), None)
+
     def reload(self) -> bool:
         """Read the keys file again (SIGHUP); on an error keep the tenants it had."""
         if self.path is None:
@@ -193,7 +199,7 @@ class TenantBook:
                 raise TenantLimitError(f"'{tenant.name}' has {usage.inflight} requests in flight, its limit "
                                        f"(max_concurrent {tenant.max_concurrent}); retry when one ends")
             if tenant.rate_per_s is not None:
-                burst = max(1.0, tenant.rate_per_s)
+                burst = max(MIN_BURST, tenant.rate_per_s)
                 usage.tokens = min(burst, usage.tokens + (now - usage.at) * tenant.rate_per_s)
                 usage.at = now
                 if usage.tokens < 1:

@@ -208,11 +208,11 @@ class AsyncEngine(AdapterCalls):
         the higher ones (`tiers.queue_limit`: flex, capacity nobody else needs, is refused
         first; a lower tier's queue never keeps a higher tier out)."""
         tier = requests[0].service_tier
-        limit = queue_limit(tier, self.config.max_queue_len, self.config.flex_queue_share)
+        limit = queue_limit(tier, self.config.max_queue_len, self.config.tier_queue_share)
         rank = tier_rank(tier)
         ahead = sum(tier_rank(image.request.service_tier) <= rank for image in self._images.values())
         if ahead + len(requests) > limit:
-            which = "flex requests' limit" if tier == "flex" else "limit"
+            which = f"{tier} requests' limit" if limit < self.config.max_queue_len else "limit"
             raise QueueFullError(
                 f"the server is busy ({ahead} images of tier {tier} or higher in flight, {which} {limit}); "
                 "retry shortly",

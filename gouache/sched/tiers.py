@@ -66,11 +66,14 @@ class FairQueue:
         self.clock[state.tier] = max(self.clock.get(state.tier, 0.0), state.fair_tag)
 
 
-def queue_limit(tier: str, max_in_flight: int, flex_share: float) -> int:
+DEFAULT_QUEUE_SHARES = (("flex", 0.5),)  # (tier, share of the queue limit); absent tiers: all of it
+
+
+def queue_limit(tier: str, max_in_flight: int, shares: tuple[tuple[str, float], ...] = DEFAULT_QUEUE_SHARES) -> int:
     """How many requests of `tier` or a higher one a server holds before it refuses (429) one
-    more of `tier`: its queue limit, a share of it for flex (refused first). A lower tier's
-    requests never keep a higher tier out."""
-    return max(1, int(max_in_flight * flex_share)) if tier == "flex" else max_in_flight
+    more of `tier`: the tier's share of its queue limit (flex: half, by default, so it is
+    refused first). A lower tier's requests never keep a higher tier out."""
+    return max(1, int(max_in_flight * dict(shares).get(tier, 1.0)))
 
 
 def queue_order(state: RequestState) -> tuple[int, float, float]:

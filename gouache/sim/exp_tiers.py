@@ -55,7 +55,6 @@ class TiersSetup:
     tier_slo_s: tuple[float | None, float | None, float | None] = (8.0, 60.0, None)  # per tier, as --tier-slo-ms
     max_batch: int = 8
     max_in_flight: int = 16  # per replica (the engine's max_queue_len)
-    flex_share: float = 0.5
     policy: str = "patched-slo"
     seed: int = 0
 
@@ -100,7 +99,7 @@ def run(setup: TiersSetup, requests: list[SimRequest]) -> SimResult:
     policies = [make_policy(SchedulerConfig(policy=setup.policy, max_batch_size=setup.max_batch), COST)
                 for _ in range(setup.devices)]
     router = LeastRequestsRouter() if setup.devices > 1 else None
-    return simulate(requests, policies, COST, router, admission=Admission(setup.max_in_flight, setup.flex_share))
+    return simulate(requests, policies, COST, router, admission=Admission(setup.max_in_flight))
 
 
 def tiers_experiment(out_dir: str | Path, setup: TiersSetup | None = None) -> dict:

@@ -56,7 +56,7 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.sched.tiers import queue_limit, tier_rank
+from gouache.sched.tiers import DEFAULT_QUEUE_SHARES, queue_limit, tier_rank
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile
@@ -159,17 +159,17 @@ class SimResult:
 
 @dataclass(frozen=True)
 class Admission:
-    """The engine's queue limit per replica (`EngineConfig.max_queue_len`, `flex_queue_share`):
-    an arrival that would put more than `max_in_flight` requests of its tier or a higher one in
-    its replica (waiting or running), or a flex one more than `flex_share` of it, is refused
-    (429): a lower tier's queue never keeps a higher tier out."""
+    """The engine's queue limit per replica (`EngineConfig.max_queue_len`, `tier_queue_share`):
+    an arrival that would put more than its tier's share of `max_in_flight` requests of its tier
+    or a higher one in its replica (waiting or running) is refused (429): flex first, and a
+    lower tier's queue never keeps a higher tier out."""
 
     max_in_flight: int
-    flex_share: float = 0.5
+    shares: tuple[tuple[str, float], ...] = DEFAULT_QUEUE_SHARES
 
     def admits(self, request: SimRequest, in_flight: int) -> bool:
         """`in_flight`: the replica's requests of the request's tier or a higher one."""
-        return in_flight + 1 <= queue_limit(request.tier, self.max_in_flight, self.flex_share)
+        return in_flight + 1 <= queue_limit(request.tier, self.max_in_flight, self.shares)
 
 
 @dataclass

@@ -62,11 +62,14 @@ def test_the_book_authenticates_limits_and_frees_per_tenant():
     book.acquire(alpha)  # another tenant does not notice
     book.release(beta)
     book.acquire(beta)
-    book.acquire(gamma, now=100.0)
+    for _ in range(4):  # a burst of 4 (MIN_BURST) at once
+        book.acquire(gamma, now=100.0)
     with pytest.raises(TenantLimitError) as limited:
         book.acquire(gamma, now=100.25)
     assert limited.value.retry_after_s == 1 and "over its rate (1 requests/s)" in limited.value.message
-    book.acquire(gamma, now=101.3)  # a second later its token is back
+    book.acquire(gamma, now=101.3)  # a second later a token is back
+    with pytest.raises(TenantLimitError):
+        book.acquire(gamma, now=101.4)
 
 
 def client_of(engine: FakeEngine, config: ServerConfig) -> httpx.AsyncClient:
@@ -108,6 +111,8 @@ async def test_each_key_is_its_tenant_with_its_tiers_and_limits(engine: FakeEngi
     assert (await held).status_code == 200 and (await other).status_code == 200  # alpha never noticed
     assert 'gouache_tenant_requests_total{result="limited",tenant="beta",tier="default"} 1.0' in metrics
     assert 'gouache_tenant_requests_total{result="accepted",tenant="alpha",tier="priority"} 1.0' in metrics
+    assert 'gouache_tier_latency_seconds_count{tier="priority"} 1.0' in metrics
+    assert 'gouache_tier_latency_seconds_count{tier="default"} 3.0' in metrics  # beta's two, alpha's other
 
 
 def test_sighup_reload_takes_a_new_file_and_keeps_the_old_on_an_error(tmp_path):

@@ -41,7 +41,7 @@ def test_tenants_of_a_tier_finish_by_weight():
 
 
 def test_admission_refuses_flex_first_and_never_a_higher_tier_for_a_lower_ones_queue():
-    admission = Admission(max_in_flight=4, flex_share=0.5)
+    admission = Admission(max_in_flight=4, shares=(("flex", 0.5),))
     policy = make_policy(SchedulerConfig(policy="orca", max_batch_size=1))
     trace = [request(f"f{i}", 0.0, "flex", steps=10) for i in range(3)]
     trace += [request(f"d{i}", 0.0, "default", steps=10) for i in range(5)]

@@ -1,7 +1,8 @@
 """The playground at GET / in a real browser: it loads without console errors, a generation
 shows progress and previews and then images of the requested size, an edit with a painted mask
 keeps every unpainted pixel of the upload, bad input shows the API's own message, the status
-tab follows a running request, and with --api-key the page asks for the key. Each state's
+tab follows a running request (and shows the service tier it was sent in), and with --api-key
+the page asks for the key. Each state's
 screenshot goes to benchmarks/results/ui/."""
 
 from __future__ import annotations
@@ -305,18 +306,21 @@ def test_the_status_tab_follows_a_running_request_and_counts_the_cancel(browser,
     wait(browser, lambda: connected(browser))
     form = css(browser, "#generate-form")
     fill(form, prompt=CAPTION, width=160, height=96, num_inference_steps=200, seed=1, n=1, partial_images=0)
+    from selenium.webdriver.support.select import Select
+
+    Select(form.find_element("name", "service_tier")).select_by_value("priority")
     form.find_element("css selector", "button[type=submit]").click()
     wait(browser, lambda: figures(browser)[0]["state"] == "running")
     css(browser, "[data-tab=status]").click()
 
     def running() -> list[str] | None:
-        rows = [row for row in status_view(browser)["requests"] if len(row) == 4 and row[2] == "running"]
-        return rows[0] if len(rows) == 1 and int(rows[0][3].split(" / ")[0]) > 3 else None
+        rows = [row for row in status_view(browser)["requests"] if len(row) == 6 and row[4] == "running"]
+        return rows[0] if len(rows) == 1 and int(rows[0][5].split(" / ")[0]) > 3 else None
 
     wait(browser, running)
     view = status_view(browser)
-    _, size, status, steps = running()
-    assert (size, status, steps.split(" / ")[1]) == ("160x96", "running", "200")
+    _, size, tier, tenant, status, steps = running()
+    assert (size, tier, tenant, status, steps.split(" / ")[1]) == ("160x96", "priority", "–", "running", "200")
     latency = next(value for term, value in view["tiles"].items() if term.startswith("step latency"))
     assert view["tiles"]["running"] == "1" and latency.endswith(" ms")
     screenshot("status")

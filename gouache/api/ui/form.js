@@ -12,6 +12,8 @@ const FIELDS = [
   { name: "seed", label: "Seed", placeholder: "random" },
   { name: "n", label: "Images", value: 1 },
   { name: "partial_images", label: "Previews", value: 2, title: "previews per image while it denoises (0-3)" },
+  { name: "service_tier", label: "Tier", kind: "select", options: ["auto", "priority", "default", "flex"],
+    title: "service tier: priority goes first (and pauses lower tiers), flex runs on spare capacity; auto: your key's" },
 ];
 
 // Optional numbers: left empty, the server's default applies.
@@ -28,6 +30,7 @@ function field(spec) {
     input.step = spec.step ?? "1";
   }
   if (spec.rows) input.rows = spec.rows;
+  for (const option of spec.options ?? []) input.add(new Option(option, option));
   if (spec.placeholder) input.placeholder = spec.placeholder;
   if (spec.value !== undefined) input.value = spec.value;
   if (spec.title) label.title = spec.title;
@@ -129,6 +132,7 @@ export async function readParams(form) {
     partial_images: number(f.partial_images.value),
   };
   if (f.negative_prompt.value.trim()) body.negative_prompt = f.negative_prompt.value;
+  if (f.service_tier.value !== "auto") body.service_tier = f.service_tier.value;
   for (const name of OPTIONAL) {
     if (f[name].value.trim()) body[name] = number(f[name].value);
   }

@@ -58,7 +58,7 @@ class RequestView {
 
   event(name, data) {
     const view = this.figure(data.index ?? 0);
-    if (!this.shown && name !== "gouache.progress") {
+    if (!this.shown && !name.startsWith("gouache.")) {
       this.shown = true; // the first picture: bring the results into view once
       this.root.scrollIntoView({ block: "nearest" });
     }
@@ -69,6 +69,9 @@ class RequestView {
       view.progress.value = data.step;
       view.caption.textContent = `step ${data.step} / ${data.total_steps}`;
       view.figure.dataset.state = "running";
+    } else if (name === "gouache.paused") {
+      view.caption.textContent = `paused at step ${data.step} / ${data.total_steps} for a higher tier`;
+      view.figure.dataset.state = "paused";
     } else if (name.endsWith(".partial_image")) {
       view.img.src = `data:image/${data.output_format};base64,${data.b64_json}`;
       view.figure.dataset.previews = data.partial_image_index + 1;

@@ -1,5 +1,5 @@
 // The status tab: GET /v1/status about every second while the tab is shown. The queue, each
-// in-flight request's size and step, recent step latency and engine overhead, images per
+// in-flight request's size, service tier, tenant, status (paused for a higher tier) and step, recent step latency and engine overhead, images per
 // second, each device block's last step, errors by kind; a section per replica behind
 // `serve --replicas`.
 
@@ -64,8 +64,8 @@ function engineView(status, title) {
       [`step latency (median of ${steps.recent})`, ms(steps.latency_ms_median)],
       ["engine overhead per step", ms(steps.overhead_ms_median)],
     ]),
-    table("requests", "Requests in flight", ["request", "size", "status", "step"],
-      status.requests.map((r) => [r.id, r.size, r.status, stepCell(r)])),
+    table("requests", "Requests in flight", ["request", "size", "tier", "tenant", "status", "step"],
+      status.requests.map((r) => [r.id, r.size, r.service_tier ?? "default", r.tenant || "–", r.status, stepCell(r)])),
     table("devices", "Devices (last step)", ["devices", "requests in batch", "step"],
       Object.entries(status.devices).map(([block, last]) => [block, String(last.requests), ms(last.step_ms)])),
   );

@@ -1,0 +1,282 @@
+"""`gouache bench tiers`: service tiers, preemption and tenants on the live engine, and the same
+overload trace in the simulator (issue 38's live targets).
+
+One in-process engine per run (`--model`, `patched-slo` planning with `--cost-model`, one
+device, `--max-queue-len` with flex refused past half of it). Capacity is one request over
+the mean standalone latency of the trace's sizes under the cost model, stages included (they
+run on the same cores).
+
+- **overload**: Poisson arrivals at `--load` x capacity for `--duration-s`, tiers drawn
+  20/60/20 (priority, default, flex) and tenants 50/30/20 (alpha, beta, gamma). The tiers'
+  SLOs are one figure each, as `--tier-slo-ms` gives them: priority `--priority-slo-scale` x
+  the largest size's standalone latency (its stages included: the SLO is to the image),
+  default 10x it, flex none. Per tier: finished,
+  refused (429), dropped (deadline unattainable), lost (accepted, never answered), p50 / p95
+  latency to the image, SLO attainment. Targets: priority p95 <= 1.3x the idle run's, 0 lost,
+  flex refused first.
+- **idle**: the overload trace's priority requests alone.
+- **fairness**: two tenants of equal weight, each sending 1x capacity (2x together), default
+  tier: their finished requests within 10 % of each other.
+- **isolation**: tenant `calm` at half the capacity and tenant `flood` (rate limit a quarter of
+  capacity, through the API's `TenantBook`) sending at 1x, then 10x its limit: calm's p95
+  moves by < 10 %.
+- **simulated**: the overload trace in the simulator (`gouache.sim`), the same policy, queue
+  limit and costs, every cost times the live run's median measured / predicted forward time
+  (as `gouache bench sim-to-real` does): per tier, p50 / p95 to the end of denoising against
+  the live run's (target: within 10 %).
+
+Writes JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gouache.sim.report import markdown_table, write_json
+from gouache.sim.workloads import SimRequest, arrival_times
+from gouache.stats import percentile
+
+TIER_SHARES = {"priority": 0.2, "default": 0.6, "flex": 0.2}
+TENANT_SHARES = {"alpha": 0.5, "beta": 0.3, "gamma": 0.2}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny-sdxl", help="model of the live engine (default: %(default)s)")
+    p.add_argument("--cost-model", required=True, help="JSON from `gouache profile` for the same model and sizes")
+    p.add_argument("--sizes", default="256,384", help="comma-separated square sides in pixels (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per request (default: %(default)s)")
+    p.add_argument("--load", type=float, default=2.0, help="overload arrival rate / capacity (default: %(default)s)")
+    p.add_argument("--duration-s", type=float, default=300.0, help="seconds of overload arrivals (default: %(default)s)")
+    p.add_argument("--side-duration-s", type=float, default=120.0,
+                   help="seconds of arrivals of the fairness and isolation runs (default: %(default)s)")
+    p.add_argument("--priority-slo-scale", type=float, default=1.5,
+                   help="priority's SLO over the largest size's standalone latency (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=int, default=4, help="images per step (default: %(default)s)")
+    p.add_argument("--max-queue-len", type=int, default=16, help="images in flight before 429 (default: %(default)s)")
+    p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the traces (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/tiers_cpu.json", help="JSON output path (default: %(default)s)")
+
+
+@dataclass
+class Outcome:
+    """What became of one request of a live run."""
+
+    result: str = "lost"  # finished | refused | dropped | failed | lost
+    latency_s: float | None = None  # arrival -> its image
+    denoised_s: float | None = None  # arrival -> its last denoising step
+
+
+@dataclass
+class LiveRun:
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    forward_ratio: list[float] = field(default_factory=list)  # [steps] measured forward / predicted
+
+
+def capacity_rps(model, sizes: list[tuple[int, int]], steps: int) -> float:
+    """One device's requests per second at the sizes' mean standalone latency, stages included."""
+    from gouache.sim.costs import PredictedStepCost, standalone_latency
+
+    alone = standalone_latency(PredictedStepCost(model))
+    return 1.0 / statistics.fmean(alone(w, h, steps) + sum(model.stage_time((h, w))) for w, h in sizes)
+
+
+def make_trace(rate: float, duration_s: float, sizes: list[tuple[int, int]], steps: int, tiers: dict[str, float],
+               tenants: dict[str, float], slo_s: dict[str, float | None], seed: int, prefix: str = "r") -> list[SimRequest]:
+    rng = np.random.default_rng(seed)
+    arrivals = arrival_times(max(1, int(rate * duration_s)), rate, 1.0, rng)
+    size = rng.integers(0, len(sizes), len(arrivals))
+    tier = rng.choice(list(tiers), len(arrivals), p=list(tiers.values()))
+    tenant = rng.choice(list(tenants), len(arrivals), p=list(tenants.values()))
+    return [SimRequest(f"{prefix}{i}", float(t), *sizes[s], steps, slo_s[str(k)], tier=str(k), tenant=str(n))
+            for i, (t, s, k, n) in enumerate(zip(arrivals, size, tier, tenant))]
+
+
+async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None) -> LiveRun:
+    """The trace through a fresh in-process engine; `book` (a `TenantBook`) limits each
+    tenant's requests as the API does."""
+    from gouache.api.tenants import TenantLimitError
+    from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+    from gouache.engine.build import build_engine
+    from gouache.errors import DeadlineUnattainableError, QueueFullError
+    from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
+    from gouache.request import ImageRequest
+    from gouache.sim.costs import PredictedStepCost
+
+    sched = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, cost_model=args.cost_model,
+                            tier_slo_ms=tier_slo_ms)
+    engine = build_engine(ModelConfig(args.model), EngineConfig(max_queue_len=args.max_queue_len,
+                                                                torch_threads=args.torch_threads), sched)
+    out, predicted, on_step = LiveRun(), PredictedStepCost(model), engine.core.on_step
+
+    def noting_step(report) -> None:
+        out.forward_ratio.append(report.output.forward_s / predicted(report.batch, report.states))
+        on_step(report)
+
+    engine.core.on_step = noting_step
+    slo = dict(tier_slo_ms)
+    await engine.start()
+    start = time.monotonic()
+
+    async def one(r: SimRequest) -> None:
+        outcome = out.outcomes[r.request_id] = Outcome()
+        await asyncio.sleep(max(0.0, r.arrival - (time.monotonic() - start)))
+        arrival = time.monotonic()
+        tenant = None if book is None else book.named(r.tenant)
+        request = ImageRequest(f"{r.request_id}-0", "a red fox", r.width, r.height, r.steps, 5.0, seed=1,
+                               arrival_time=arrival, slo_ms=slo.get(r.tier), service_tier=r.tier, tenant=r.tenant,
+                               tenant_weight=r.weight)
+        try:
+            if tenant is not None:
+                book.acquire(tenant)
+            try:
+                handle = await engine.submit([request])
+                async for event in handle:
+                    if isinstance(event, ProgressEvent) and event.step == event.total_steps:
+                        outcome.denoised_s = time.monotonic() - arrival
+                    elif isinstance(event, ImageEvent):
+                        outcome.result, outcome.latency_s = "finished", time.monotonic() - arrival
+                    elif isinstance(event, ErrorEvent):
+                        outcome.result = "dropped" if event.kind == DeadlineUnattainableError.kind else "failed"
+            finally:
+                if tenant is not None:
+                    book.release(tenant)
+        except (QueueFullError, TenantLimitError):
+            outcome.result = "refused"
+
+    await asyncio.gather(*(one(r) for r in trace))
+    await engine.aclose()
+    return out
+
+
+def tier_rows(run: str, trace: list[SimRequest], latency: dict[str, Outcome]) -> list[dict]:
+    rows = []
+    for tier in TIER_SHARES:
+        ids = [r for r in trace if r.tier == tier]
+        if not ids:
+            continue
+        outcomes = [latency.get(r.request_id) for r in ids]
+        values = [o.latency_s for o in outcomes if isinstance(o, Outcome) and o.latency_s is not None]
+        count = {k: sum(isinstance(o, Outcome) and o.result == k for o in outcomes)
+                 for k in ("finished", "refused", "dropped", "failed", "lost")}
+        with_slo = [r for r in ids if r.slo_s]
+        met = sum(1 for r in with_slo if (o := latency.get(r.request_id)) is not None
+                  and o.latency_s is not None and o.latency_s <= r.slo_s)
+        rows.append({"run": run, "tier": tier, "requests": len(ids), **count,
+                     "p50_s": percentile(values, 50) if values else None,
+                     "p95_s": percentile(values, 95) if values else None,
+                     "slo_attainment": met / len(with_slo) if with_slo else None})
+    return rows
+
+
+def simulated_rows(args, trace, model, scale: float, tier_slo_ms, live: LiveRun) -> list[dict]:
+    """The overload trace in the simulator; per tier, its denoising-end p50 / p95 beside the live run's."""
+    from gouache.config import SchedulerConfig
+    from gouache.sched.policies import make_policy
+    from gouache.sim.costs import PredictedStepCost
+    from gouache.sim.simulator import Admission, simulate
+
+    def stage_cost(state) -> tuple[float, float]:
+        prep, post = model.stage_time(state.resolution)
+        return scale * prep, scale * post
+
+    config = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, tier_slo_ms=tier_slo_ms)
+    result = simulate(trace, make_policy(config, model), PredictedStepCost(model, scale), stage_cost=stage_cost,
+                      admission=Admission(args.max_queue_len))
+    rows = []
+    for tier in TIER_SHARES:
+        sim = [r.latency for r in result.records if r.request.tier == tier and r.latency is not None]
+        real = [o.denoised_s for rid, o in live.outcomes.items()
+                if o.denoised_s is not None and next(r.tier for r in trace if r.request_id == rid) == tier]
+        if not sim or not real:
+            continue
+        row = {"tier": tier, "live_p50_s": percentile(real, 50), "sim_p50_s": percentile(sim, 50),
+               "live_p95_s": percentile(real, 95), "sim_p95_s": percentile(sim, 95),
+               "sim_refused": sum(r.refused_at is not None for r in result.records if r.request.tier == tier)}
+        row["p50_gap"] = row["sim_p50_s"] / row["live_p50_s"] - 1
+        row["p95_gap"] = row["sim_p95_s"] / row["live_p95_s"] - 1
+        rows.append(row)
+    return rows
+
+
+def run(args) -> int:
+    from gouache.api.tenants import Tenant, TenantBook
+    from gouache.sched.costmodel import load
+    from gouache.sim.costs import PredictedStepCost, standalone_latency
+
+    model = load(args.cost_model)
+    sizes = [(int(s), int(s)) for s in args.sizes.split(",")]
+    capacity = capacity_rps(model, sizes, args.steps)
+    alone = standalone_latency(PredictedStepCost(model))
+    largest = max(alone(w, h, args.steps) + sum(model.stage_time((h, w))) for w, h in sizes)
+    slo_s = {"priority": args.priority_slo_scale * largest, "default": 10 * largest, "flex": None}
+    tier_slo_ms = tuple((tier, 1e3 * s) for tier, s in slo_s.items() if s is not None)
+    overload = make_trace(args.load * capacity, args.duration_s, sizes, args.steps, TIER_SHARES, TENANT_SHARES,
+                          slo_s, args.seed)
+    live = asyncio.run(live_run(args, overload, model, tier_slo_ms))
+    priority = [r for r in overload if r.tier == "priority"]
+    idle = asyncio.run(live_run(args, priority, model, tier_slo_ms))
+    rows = tier_rows("overload", overload, live.outcomes) + tier_rows("idle", priority, idle.outcomes)
+    p95 = {row["run"]: row["p95_s"] for row in rows if row["tier"] == "priority"}
+
+    fair_trace = make_trace(args.load * capacity, args.side_duration_s, sizes, args.steps, {"default": 1.0},
+                            {"left": 0.5, "right": 0.5}, {"default": None}, args.seed + 1, "f")
+    fair = asyncio.run(live_run(args, fair_trace, model, ()))
+    finished = {name: sum(o.result == "finished" for rid, o in fair.outcomes.items()
+                          if next(r.tenant for r in fair_trace if r.request_id == rid) == name)
+                for name in ("left", "right")}
+
+    isolation = {}
+    for flood_x in (1.0, 10.0):
+        limit = capacity / 4
+        calm = make_trace(capacity / 2, args.side_duration_s, sizes, args.steps, {"default": 1.0}, {"calm": 1.0},
+                          {"default": None}, args.seed + 2, "c")
+        flood = make_trace(flood_x * limit, args.side_duration_s, sizes, args.steps, {"default": 1.0},
+                           {"flood": 1.0}, {"default": None}, args.seed + 3, "x")
+        book = TenantBook((Tenant("k-calm", "calm"), Tenant("k-flood", "flood", rate_per_s=limit)))
+        trace = sorted(calm + flood, key=lambda r: r.arrival)
+        out = asyncio.run(live_run(args, trace, model, (), book))
+        calm_latency = [o.latency_s for rid, o in out.outcomes.items() if rid.startswith("c") and o.latency_s]
+        isolation[f"{flood_x:g}x"] = {"calm_p95_s": percentile(calm_latency, 95),
+                                      "flood_refused": sum(o.result == "refused" for rid, o in out.outcomes.items()
+                                                           if rid.startswith("x")),
+                                      "flood_sent": len(flood)}
+    speed = statistics.median(live.forward_ratio)
+    sim = simulated_rows(args, overload, model, speed, tier_slo_ms, live)
+    command = "gouache bench tiers " + " ".join(sys.argv[3:])
+    data = {"command": command, "capacity_rps": capacity, "slo_s": slo_s, "rows": rows,
+            "priority_p95_over_idle": p95["overload"] / p95["idle"],
+            "lost": sum(o.result == "lost" for o in live.outcomes.values()),
+            "fairness_finished": finished,
+            "fairness_ratio": min(finished.values()) / max(max(finished.values()), 1),
+            "isolation": isolation,
+            "isolation_calm_p95_change": isolation["10x"]["calm_p95_s"] / isolation["1x"]["calm_p95_s"] - 1,
+            "live_forward_over_predicted_median": speed, "simulated": sim,
+            "cpu_count": os.cpu_count(), "load_average_1min_end": os.getloadavg()[0]}
+    write_json(args.out, data)
+    Path(args.out).with_suffix(".md").write_text(report(data))
+    print(report(data))
+    return 0
+
+
+def report(data: dict) -> str:
+    iso = data["isolation"]
+    return (f"`{data['command']}`\n\nCapacity {data['capacity_rps']:.2f} requests/s (cost model, stages included); "
+            f"SLOs: priority {data['slo_s']['priority']:.2f} s, default {data['slo_s']['default']:.2f} s, flex none.\n\n"
+            + markdown_table(data["rows"])
+            + f"\nPriority p95, overload / idle: {data['priority_p95_over_idle']:.2f} (target <= 1.3); "
+            f"lost: {data['lost']}.\n\nFairness, two tenants of weight 1 at 1x capacity each: finished "
+            f"{data['fairness_finished']} (ratio {data['fairness_ratio']:.2f}, target >= 0.9).\n\n"
+            f"Isolation: calm's p95 {iso['1x']['calm_p95_s']:.2f} s with flood at its rate limit, "
+            f"{iso['10x']['calm_p95_s']:.2f} s at 10x it ({100 * data['isolation_calm_p95_change']:+.1f} %, target "
+            f"within 10 %); flood refused {iso['10x']['flood_refused']} of {iso['10x']['flood_sent']}.\n\n"
+            f"Simulated (every cost x {data['live_forward_over_predicted_median']:.2f}, the live forward / predicted "
+            "median), end of denoising:\n\n" + markdown_table(data["simulated"]))
