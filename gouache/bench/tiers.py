@@ -17,8 +17,9 @@ run on the same cores).
 - **idle**: the overload trace's priority requests alone.
 - **fairness**: two tenants of equal weight, each sending 1x capacity (2x together), default
   tier: their finished requests within 10 % of each other.
-- **isolation**: tenant `calm` at half the capacity and tenant `flood` (rate limit a quarter of
-  capacity, through the API's `TenantBook`) sending at 1x, then 10x its limit: calm's p95
+- **isolation**: tenant `calm` at half the capacity (Poisson) and tenant `flood` (rate limit a
+  quarter of capacity, through the API's `TenantBook`) sending at its limit, evenly spaced (its
+  whole allowance, all admitted), then at 10x it (Poisson; the limit admits as much): calm's p95
   moves by < 10 %.
 - **simulated**: the overload trace in the simulator (`gouache.sim`), the same policy, queue
   limit and costs, every cost times the live run's median measured / predicted forward time
@@ -90,9 +91,11 @@ def capacity_rps(model, sizes: list[tuple[int, int]], steps: int) -> float:
 
 
 def make_trace(rate: float, duration_s: float, sizes: list[tuple[int, int]], steps: int, tiers: dict[str, float],
-               tenants: dict[str, float], slo_s: dict[str, float | None], seed: int, prefix: str = "r") -> list[SimRequest]:
+               tenants: dict[str, float], slo_s: dict[str, float | None], seed: int, prefix: str = "r",
+               cv: float = 1.0) -> list[SimRequest]:
+    """Arrivals at `rate` for `duration_s` (Poisson; `cv` < 1 evener), tiers and tenants drawn by their shares."""
     rng = np.random.default_rng(seed)
-    arrivals = arrival_times(max(1, int(rate * duration_s)), rate, 1.0, rng)
+    arrivals = arrival_times(max(1, int(rate * duration_s)), rate, cv, rng)
     size = rng.integers(0, len(sizes), len(arrivals))
     tier = rng.choice(list(tiers), len(arrivals), p=list(tiers.values()))
     tenant = rng.choice(list(tenants), len(arrivals), p=list(tenants.values()))
@@ -239,8 +242,9 @@ def run(args) -> int:
         limit = capacity / 4
         calm = make_trace(capacity / 2, args.side_duration_s, sizes, args.steps, {"default": 1.0}, {"calm": 1.0},
                           {"default": None}, args.seed + 2, "c")
+        # at 1x, evenly spaced: it uses its whole allowance, as much as its limit admits of the 10x flood
         flood = make_trace(flood_x * limit, args.side_duration_s, sizes, args.steps, {"default": 1.0},
-                           {"flood": 1.0}, {"default": None}, args.seed + 3, "x")
+                           {"flood": 1.0}, {"default": None}, args.seed + 3, "x", cv=0.05 if flood_x == 1 else 1.0)
         book = TenantBook((Tenant("k-calm", "calm"), Tenant("k-flood", "flood", rate_per_s=limit)))
         trace = sorted(calm + flood, key=lambda r: r.arrival)
         out = asyncio.run(live_run(args, trace, model, (), book))
