@@ -81,7 +81,7 @@ def tier_share_arg(text: str) -> tuple[tuple[str, float], ...]:
 
 
 def _tier_pairs(text: str, unit: str, rule: str, valid, example: str) -> tuple[tuple[str, float], ...]:
-    from gouache.sched.tiers import TIERS
+    from gouache.request import TIERS
 
     pairs = []
     for part in text.split(","):

@@ -7,7 +7,9 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-from gouache.sched.tiers import DEFAULT_QUEUE_SHARES, TIERS
+from gouache.request import TIERS
+
+DEFAULT_QUEUE_SHARES = (("flex", 0.5),)  # (service tier, share of the queue limit); absent tiers: all of it
 
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor

@@ -9,6 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+TIERS = ("priority", "default", "flex")  # service tiers; a tier's rank is its index: lower ranks go first
+DEFAULT_TIER = "default"
+
 
 @dataclass
 class ImageRequest:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gouache.errors import GouacheError, InvalidRequestError
-from gouache.sched.tiers import DEFAULT_TIER, TIERS
+from gouache.request import DEFAULT_TIER, TIERS
 
 log = logging.getLogger(__name__)
 

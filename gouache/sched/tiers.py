@@ -18,10 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gouache.request import RequestState
-
-TIERS = ("priority", "default", "flex")  # a tier's rank is its index: lower ranks are served first
-DEFAULT_TIER = "default"
+from gouache.config import DEFAULT_QUEUE_SHARES
+from gouache.request import TIERS, RequestState
 
 
 def tier_rank(name: str) -> int:
@@ -29,10 +27,6 @@ def tier_rank(name: str) -> int:
     if name not in TIERS:
         raise ValueError(f"unknown service tier {name!r}; the tiers are {', '.join(TIERS)}")
     return TIERS.index(name)
-
-
-def tier_name(rank: int) -> str:
-    return TIERS[rank]
 
 
 def work(state: RequestState) -> float:
@@ -64,9 +58,6 @@ class FairQueue:
     def admitted(self, state: RequestState) -> None:
         """A request of the tier starts (or resumes): the tier's virtual time moves to its tag."""
         self.clock[state.tier] = max(self.clock.get(state.tier, 0.0), state.fair_tag)
-
-
-DEFAULT_QUEUE_SHARES = (("flex", 0.5),)  # (tier, share of the queue limit); absent tiers: all of it
 
 
 def queue_limit(tier: str, max_in_flight: int, shares: tuple[tuple[str, float], ...] = DEFAULT_QUEUE_SHARES) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from gouache.config import SchedulerConfig
 from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter
-from gouache.sched.tiers import TIERS
+from gouache.request import TIERS
 from gouache.sim.costs import LinearStepCost
 from gouache.sim.report import markdown_table, write_json
 from gouache.sim.simulator import Admission, SimResult, simulate

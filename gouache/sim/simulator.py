@@ -51,12 +51,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gouache.config import DEFAULT_QUEUE_SHARES
 from gouache.request import RequestState
 from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.sched.tiers import DEFAULT_QUEUE_SHARES, queue_limit, tier_rank
+from gouache.sched.tiers import queue_limit, tier_rank
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile

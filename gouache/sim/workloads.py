@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gouache.sched.tiers import TIERS
+from gouache.request import TIERS
 
 # standalone latency of one request alone on the device: (width, height, steps) -> seconds
 LatencyFn = Callable[[int, int, int], float]

@@ -340,7 +340,7 @@ def test_the_status_tab_shows_each_replica(browser, replicas_server, screenshot)
         open_page(browser, replicas_server, "status")
 
         def running() -> list[list[str]]:
-            return [row for row in status_view(browser)["requests"] if len(row) == 4 and row[2] == "running"]
+            return [row for row in status_view(browser)["requests"] if len(row) == 6 and row[4] == "running"]
 
         wait(browser, lambda: len(running()) == 2)
         assert status_view(browser)["titles"] == ["replica 0", "replica 1"]
