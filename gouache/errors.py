@@ -47,6 +47,20 @@ class QueueFullError(GouacheError):
         self.retry_after_s = retry_after_s
 
 
+class TenantLimitError(QueueFullError):
+    """A tenant is over its request rate or its concurrency limit (`gouache.api.tenants`); the
+    others are not."""
+
+    kind = "rate_limit_exceeded"
+
+
+class TierForbiddenError(InvalidRequestError):
+    """The tenant's key may not use the service tier it asked for."""
+
+    kind = "tier_not_allowed"
+    status = 403
+
+
 class RequestTimeoutError(GouacheError):
     kind = "timeout"
     status = 504

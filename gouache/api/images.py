@@ -27,9 +27,9 @@ from gouache.api.protocol import (
     IGNORED_FIELDS, MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
 )
 from gouache.api.streaming import ImageEventStream, StreamShape
-from gouache.api.tenants import ANONYMOUS, Tenant, TenantLimitError
+from gouache.api.tenants import ANONYMOUS, Tenant
 from gouache.engine.imaging import DecodeError, read_size
-from gouache.errors import CancelledError, InvalidRequestError, UnknownModelError
+from gouache.errors import CancelledError, InvalidRequestError, TenantLimitError, UnknownModelError
 from gouache.outputs import ImageEvent
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gouache.errors import GouacheError, InvalidRequestError
+from gouache.errors import TenantLimitError, TierForbiddenError
 from gouache.request import DEFAULT_TIER, TIERS
 
 log = logging.getLogger(__name__)
@@ -36,24 +36,6 @@ _FIELDS = {"key", "name", "tiers", "rate_per_s", "max_concurrent", "weight"}
 # a rate limit's token bucket holds a second of its rate, at least this many requests: a client
 # that keeps to its rate on average (Poisson arrivals) is not refused for bunching a little
 MIN_BURST = 4.0
-
-
-class TierForbiddenError(InvalidRequestError):
-    """The tenant's key may not use the service tier it asked for."""
-
-    kind = "tier_not_allowed"
-    status = 403
-
-
-class TenantLimitError(GouacheError):
-    """The tenant is over its request rate or its concurrency limit; the others are not."""
-
-    kind = "rate_limit_exceeded"
-    status = 429
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = max(1, math.ceil(retry_after_s))
 
 
 @dataclass(frozen=True)
@@ -205,7 +187,7 @@ class TenantBook:
                 if usage.tokens < 1:
                     wait = (1 - usage.tokens) / tenant.rate_per_s
                     raise TenantLimitError(f"'{tenant.name}' is over its rate ({tenant.rate_per_s:g} requests/s); "
-                                           f"retry in {wait:.2f} s", wait)
+                                           f"retry in {wait:.2f} s", max(1, math.ceil(wait)))
                 usage.tokens -= 1
             usage.inflight += 1
 

@@ -39,10 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from gouache.sim.report import markdown_table, write_json
-from gouache.sim.workloads import SimRequest, arrival_times
+from gouache.sim.workloads import SimRequest, tiered_trace
 from gouache.stats import percentile
 
 TIER_SHARES = {"priority": 0.2, "default": 0.6, "flex": 0.2}
@@ -90,23 +88,9 @@ def capacity_rps(model, sizes: list[tuple[int, int]], steps: int) -> float:
     return 1.0 / statistics.fmean(alone(w, h, steps) + sum(model.stage_time((h, w))) for w, h in sizes)
 
 
-def make_trace(rate: float, duration_s: float, sizes: list[tuple[int, int]], steps: int, tiers: dict[str, float],
-               tenants: dict[str, float], slo_s: dict[str, float | None], seed: int, prefix: str = "r",
-               cv: float = 1.0) -> list[SimRequest]:
-    """Arrivals at `rate` for `duration_s` (Poisson; `cv` < 1 evener), tiers and tenants drawn by their shares."""
-    rng = np.random.default_rng(seed)
-    arrivals = arrival_times(max(1, int(rate * duration_s)), rate, cv, rng)
-    size = rng.integers(0, len(sizes), len(arrivals))
-    tier = rng.choice(list(tiers), len(arrivals), p=list(tiers.values()))
-    tenant = rng.choice(list(tenants), len(arrivals), p=list(tenants.values()))
-    return [SimRequest(f"{prefix}{i}", float(t), *sizes[s], steps, slo_s[str(k)], tier=str(k), tenant=str(n))
-            for i, (t, s, k, n) in enumerate(zip(arrivals, size, tier, tenant))]
-
-
 async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None) -> LiveRun:
     """The trace through a fresh in-process engine; `book` (a `TenantBook`) limits each
     tenant's requests as the API does."""
-    from gouache.api.tenants import TenantLimitError
     from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
     from gouache.engine.build import build_engine
     from gouache.errors import DeadlineUnattainableError, QueueFullError
@@ -152,7 +136,7 @@ async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None)
             finally:
                 if tenant is not None:
                     book.release(tenant)
-        except (QueueFullError, TenantLimitError):
+        except QueueFullError:  # the queue's limit, or the tenant's (TenantLimitError)
             outcome.result = "refused"
 
     await asyncio.gather(*(one(r) for r in trace))
@@ -197,8 +181,8 @@ def simulated_rows(args, trace, model, scale: float, tier_slo_ms, live: LiveRun)
     rows = []
     for tier in TIER_SHARES:
         sim = [r.latency for r in result.records if r.request.tier == tier and r.latency is not None]
-        real = [o.denoised_s for rid, o in live.outcomes.items()
-                if o.denoised_s is not None and next(r.tier for r in trace if r.request_id == rid) == tier]
+        real = [live.outcomes[r.request_id].denoised_s for r in trace
+                if r.tier == tier and live.outcomes[r.request_id].denoised_s is not None]
         if not sim or not real:
             continue
         row = {"tier": tier, "live_p50_s": percentile(real, 50), "sim_p50_s": percentile(sim, 50),
@@ -222,29 +206,28 @@ def run(args) -> int:
     largest = max(alone(w, h, args.steps) + sum(model.stage_time((h, w))) for w, h in sizes)
     slo_s = {"priority": args.priority_slo_scale * largest, "default": 10 * largest, "flex": None}
     tier_slo_ms = tuple((tier, 1e3 * s) for tier, s in slo_s.items() if s is not None)
-    overload = make_trace(args.load * capacity, args.duration_s, sizes, args.steps, TIER_SHARES, TENANT_SHARES,
-                          slo_s, args.seed)
+    overload = tiered_trace(args.load * capacity, args.duration_s, sizes, args.steps, TIER_SHARES, TENANT_SHARES,
+                            slo_s, args.seed)
     live = asyncio.run(live_run(args, overload, model, tier_slo_ms))
     priority = [r for r in overload if r.tier == "priority"]
     idle = asyncio.run(live_run(args, priority, model, tier_slo_ms))
     rows = tier_rows("overload", overload, live.outcomes) + tier_rows("idle", priority, idle.outcomes)
     p95 = {row["run"]: row["p95_s"] for row in rows if row["tier"] == "priority"}
 
-    fair_trace = make_trace(args.load * capacity, args.side_duration_s, sizes, args.steps, {"default": 1.0},
-                            {"left": 0.5, "right": 0.5}, {"default": None}, args.seed + 1, "f")
+    fair_trace = tiered_trace(args.load * capacity, args.side_duration_s, sizes, args.steps, {"default": 1.0},
+                              {"left": 0.5, "right": 0.5}, {"default": None}, args.seed + 1, "f")
     fair = asyncio.run(live_run(args, fair_trace, model, ()))
-    finished = {name: sum(o.result == "finished" for rid, o in fair.outcomes.items()
-                          if next(r.tenant for r in fair_trace if r.request_id == rid) == name)
+    finished = {name: sum(fair.outcomes[r.request_id].result == "finished" for r in fair_trace if r.tenant == name)
                 for name in ("left", "right")}
 
     isolation = {}
     for flood_x in (1.0, 10.0):
         limit = capacity / 4
-        calm = make_trace(capacity / 2, args.side_duration_s, sizes, args.steps, {"default": 1.0}, {"calm": 1.0},
-                          {"default": None}, args.seed + 2, "c")
+        calm = tiered_trace(capacity / 2, args.side_duration_s, sizes, args.steps, {"default": 1.0}, {"calm": 1.0},
+                            {"default": None}, args.seed + 2, "c")
         # at 1x, evenly spaced: it uses its whole allowance, as much as its limit admits of the 10x flood
-        flood = make_trace(flood_x * limit, args.side_duration_s, sizes, args.steps, {"default": 1.0},
-                           {"flood": 1.0}, {"default": None}, args.seed + 3, "x", cv=0.05 if flood_x == 1 else 1.0)
+        flood = tiered_trace(flood_x * limit, args.side_duration_s, sizes, args.steps, {"default": 1.0},
+                             {"flood": 1.0}, {"default": None}, args.seed + 3, "x", cv=0.05 if flood_x == 1 else 1.0)
         book = TenantBook((Tenant("k-calm", "calm"), Tenant("k-flood", "flood", rate_per_s=limit)))
         trace = sorted(calm + flood, key=lambda r: r.arrival)
         out = asyncio.run(live_run(args, trace, model, (), book))

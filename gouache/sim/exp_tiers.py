@@ -39,7 +39,7 @@ from gouache.request import TIERS
 from gouache.sim.costs import LinearStepCost
 from gouache.sim.report import markdown_table, write_json
 from gouache.sim.simulator import Admission, SimResult, simulate
-from gouache.sim.workloads import PATCHEDSERVE_SIZES, SimRequest, arrival_times
+from gouache.sim.workloads import PATCHEDSERVE_SIZES, SimRequest, tiered_trace
 
 TENANTS = ("alpha", "beta", "gamma")
 
@@ -80,19 +80,9 @@ def capacity_rps(setup: TiersSetup) -> float:
 
 
 def trace(setup: TiersSetup) -> list[SimRequest]:
-    rng = np.random.default_rng(setup.seed)
-    rate = setup.load * capacity_rps(setup)
-    arrivals = arrival_times(int(rate * setup.duration_s), rate, 1.0, rng)
-    sizes = rng.integers(0, len(PATCHEDSERVE_SIZES), len(arrivals))
-    tiers = rng.choice(len(TIERS), len(arrivals), p=setup.tier_shares)
-    tenants = rng.choice(len(TENANTS), len(arrivals), p=setup.tenant_shares)
-    requests = []
-    for i, (arrival, size, tier, tenant) in enumerate(zip(arrivals, sizes, tiers, tenants)):
-        width, height = PATCHEDSERVE_SIZES[size]
-        requests.append(SimRequest(f"r{i}", float(arrival), width, height, setup.steps, setup.tier_slo_s[tier],
-                                   tier=TIERS[tier],
-                                   tenant=TENANTS[tenant]))
-    return requests
+    return tiered_trace(setup.load * capacity_rps(setup), setup.duration_s, PATCHEDSERVE_SIZES, setup.steps,
+                        dict(zip(TIERS, setup.tier_shares)), dict(zip(TENANTS, setup.tenant_shares)),
+                        dict(zip(TIERS, setup.tier_slo_s)), setup.seed)
 
 
 def run(setup: TiersSetup, requests: list[SimRequest]) -> SimResult:

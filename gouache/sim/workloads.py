@@ -169,6 +169,21 @@ def make_workload(spec: WorkloadSpec, standalone_latency: LatencyFn | None = Non
     return requests
 
 
+def tiered_trace(rate: float, duration_s: float, sizes: Sequence[tuple[int, int]], steps: int,
+                 tiers: dict[str, float], tenants: dict[str, float], slo_s: dict[str, float | None], seed: int,
+                 prefix: str = "r", cv: float = 1.0) -> list[SimRequest]:
+    """Arrivals at `rate` for `duration_s` (Poisson; `cv` < 1 evener), each of a (width, height)
+    of `sizes` drawn uniformly, its service tier and tenant drawn by their shares (`tiers`,
+    `tenants`: name -> share), its SLO its tier's (`slo_s`)."""
+    rng = np.random.default_rng(seed)
+    arrivals = arrival_times(max(1, int(rate * duration_s)), rate, cv, rng)
+    size = rng.integers(0, len(sizes), len(arrivals))
+    tier = rng.choice(list(tiers), len(arrivals), p=list(tiers.values()))
+    tenant = rng.choice(list(tenants), len(arrivals), p=list(tenants.values()))
+    return [SimRequest(f"{prefix}{i}", float(t), *sizes[s], steps, slo_s[str(k)], tier=str(k), tenant=str(n))
+            for i, (t, s, k, n) in enumerate(zip(arrivals, size, tier, tenant))]
+
+
 def inter_arrival_cv(requests: Sequence[SimRequest]) -> float:
     """Coefficient of variation of the gaps between consecutive arrivals (1 for Poisson)."""
     gaps = np.diff([0.0, *(r.arrival for r in requests)])

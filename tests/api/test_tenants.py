@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from gouache.api.server import create_app
-from gouache.api.tenants import ANONYMOUS, Tenant, TenantBook, TenantLimitError, TierForbiddenError, parse_tenants
+from gouache.api.tenants import ANONYMOUS, Tenant, TenantBook, parse_tenants
+from gouache.errors import TenantLimitError, TierForbiddenError
 from gouache.config import ServerConfig
 from tests.api.fake_engine import FakeEngine
 

@@ -14,8 +14,8 @@ CASES = [(name, "orca") for name in FAMILIES] + [(name, policy) for name in ("ti
                                                  for policy in ("patched", "patched-slo")]
 
 
-def request(rid: str, tier: str, seed: int, steps: int = 4, width: int = 64) -> ImageRequest:
-    return ImageRequest(rid, "a red fox", width, 64, steps, 5.0, seed, service_tier=tier)
+def request(rid: str, tier: str, seed: int, steps: int = 4, width: int = 64, **fields) -> ImageRequest:
+    return ImageRequest(rid, "a red fox", width, 64, steps, 5.0, seed, service_tier=tier, **fields)
 
 
 @pytest.mark.parametrize(("name", "policy"), CASES)
@@ -37,6 +37,35 @@ def test_a_paused_and_resumed_request_equals_itself_unpaused(pipes, name, policy
                          policy, scheduler=one_slot)
     assert paused["flex"].pauses == 1 and paused["priority"].pauses == 0
     assert (latents["flex"] - alone).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("technique", ["lora", "block_cache"])
+def test_a_paused_request_keeps_what_its_techniques_hold(pipes, tmp_path, technique):
+    """A pause is no forward technique: a paused request takes part in no forward. What its
+    techniques keep between its steps (merged or segmented adapters, cached block outputs)
+    is its own, so it resumes as it would have gone on."""
+    from safetensors.torch import save_file
+
+    from gouache.config import BlockCacheConfig, LoraConfig
+    from gouache.lora.files import random_lora
+    from gouache.runner.model_runner import ModelRunner
+
+    pipe = pipes("tiny-sdxl")
+    save_file(random_lora(pipe, rank=4, seed=0), str(tmp_path / "ink.safetensors"))
+    fields = {"loras": (("ink", 1.0),)} if technique == "lora" else {"block_cache": 0.5}
+
+    def runner() -> ModelRunner:
+        return ModelRunner(pipe, loras=LoraConfig(str(tmp_path)), block_cache=BlockCacheConfig(max_reuse=2))
+
+    flex = request("flex", "flex", seed=3, steps=6, **fields)
+    alone = run_engine(pipe, {0: [flex]}, "orca", runner())["flex"]
+    one_slot = Scheduler(make_policy(SchedulerConfig(policy="orca", max_batch_size=1)))
+    latents = run_engine(pipe, {0: [request("flex", "flex", seed=3, steps=6, **fields)],
+                                3: [request("priority", "priority", seed=4, steps=2, width=96)]},
+                         "orca", runner(), scheduler=one_slot)
+    assert (latents["flex"] - alone).abs().max() <= 1e-4
+    plain = run_engine(pipe, {0: [request("flex", "flex", seed=3, steps=6)]}, "orca", runner())["flex"]
+    assert (alone - plain).abs().max() > 1e-3  # the technique did something to keep
 
 
 def test_a_served_flex_request_is_paused_for_a_priority_one_and_says_so(pipes):

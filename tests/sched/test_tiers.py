@@ -17,10 +17,18 @@ from .test_patched_slo import Linear
 PRIORITY, DEFAULT, FLEX = (tier_rank(name) for name in ("priority", "default", "flex"))
 
 
-def tiered(rid, tier, arrival=0.0, steps=4, tenant="", weight=1.0, resolution=(256, 256)):
+def tiered(rid, tier, arrival=0.0, steps=4, tenant="", weight=1.0, resolution=(256, 256), deadline=None):
     state = make_state(rid, resolution=resolution, steps=steps, arrival=arrival)
-    state.tier, state.tenant, state.weight = tier, tenant, weight
+    state.tier, state.tenant, state.weight, state.deadline = tier, tenant, weight, deadline
     return state
+
+
+def patched_slo(max_batch: int, running) -> Scheduler:
+    """patched-slo (Linear step costs) with `running` admitted and one step run."""
+    s = Scheduler(make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=max_batch), Linear()))
+    s.add(running)
+    run_step(s)
+    return s
 
 
 def test_tier_names_rank_in_order_and_an_unknown_one_names_the_tiers():
@@ -86,27 +94,16 @@ def test_a_plan_that_pauses_what_it_runs_is_refused():
 
 
 def test_patched_slo_pauses_a_lower_tier_and_ignores_its_deadline_for_a_higher_one():
-    s = Scheduler(make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=1), Linear()))
-    default = tiered("default", DEFAULT, steps=10)
-    default.deadline = 100.0
-    s.add(default)
-    run_step(s)
-    priority = tiered("priority", PRIORITY, steps=10, arrival=0.1)
-    priority.deadline = 5.0
-    s.add(priority)
+    s = patched_slo(1, tiered("default", DEFAULT, steps=10, deadline=100.0))
+    s.add(tiered("priority", PRIORITY, steps=10, arrival=0.1, deadline=5.0))
     plan, _ = run_step(s, 0.2)
     assert plan.pause == ["default"] and plan.admit == ["priority"]
     # with room for both, the default request's deadline (which the pair would miss) does not
     # stop the priority request; the same request of the default tier is stopped by it
     for tier, admitted in ((PRIORITY, ["late"]), (DEFAULT, [])):
-        s = Scheduler(make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=2), Linear()))
-        tight = tiered("tight", DEFAULT, steps=10)
-        tight.deadline = 1.55  # alone: 10 steps x 0.15 s = 1.5 s; with another, 10 x 0.2 s = 2 s
-        s.add(tight)
-        run_step(s)
-        late = tiered("late", tier, steps=10, arrival=0.01)
-        late.deadline = 50.0
-        s.add(late)
+        # alone: 10 steps x 0.15 s = 1.5 s; with another, 10 x 0.2 s = 2 s
+        s = patched_slo(2, tiered("tight", DEFAULT, steps=10, deadline=1.55))
+        s.add(tiered("late", tier, steps=10, arrival=0.01, deadline=50.0))
         plan, _ = run_step(s, 0.0)
         assert plan.admit == admitted and plan.pause == []
 

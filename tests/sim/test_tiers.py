@@ -11,8 +11,10 @@ from gouache.sched.policies import make_policy
 from gouache.sim.costs import LinearStepCost
 from gouache.sim.exp_tiers import TiersSetup, tiers_experiment
 from gouache.sim.simulator import Admission, simulate
-from gouache.sim.workloads import SimRequest, read_trace, write_trace
+from gouache.sim.workloads import SimRequest, read_trace, tiered_trace, write_trace
 
+TIERS_20_60_20 = {"priority": 0.2, "default": 0.6, "flex": 0.2}
+TENANTS_50_30_20 = {"alpha": 0.5, "beta": 0.3, "gamma": 0.2}
 COST = LinearStepCost(per_megapixel_s=1.0, per_forward_s=0.0)  # 1 s a step of a 1 MP image
 
 
@@ -69,3 +71,13 @@ def test_the_overload_experiment_serves_priority_first(tmp_path):
     assert rows["tiers", "flex"]["refused"] > rows["tier-blind", "flex"]["refused"]
     assert json.loads((tmp_path / "tiers.json").read_text())["requests"] == data["requests"]
     assert "| tiers | priority |" in (tmp_path / "tiers.md").read_text()
+
+
+def test_a_trace_draws_tiers_and_tenants_in_their_shares_with_each_tiers_slo():
+    slo = {"priority": 1.0, "default": 10.0, "flex": None}
+    trace = tiered_trace(50.0, 100.0, [(256, 256), (384, 384)], 10, TIERS_20_60_20, TENANTS_50_30_20, slo, seed=0)
+    assert 4500 < len(trace) < 5500 and trace == sorted(trace, key=lambda r: r.arrival)
+    for tier, share in TIERS_20_60_20.items():
+        mine = [r for r in trace if r.tier == tier]
+        assert abs(len(mine) / len(trace) - share) < 0.03 and {r.slo_s for r in mine} == {slo[tier]}
+    assert abs(sum(r.tenant == "alpha" for r in trace) / len(trace) - TENANTS_50_30_20["alpha"]) < 0.03
