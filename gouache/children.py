@@ -29,7 +29,16 @@ def processes() -> multiprocessing.context.BaseContext:
     process, 6-7 s of a 2-core CPU before a worker could build its model. The fork server is a
     fresh process that runs nothing but imports, so its children inherit no threads and no
     model (never fork the process that holds one). It starts with the first process and keeps
-    the environment of that moment."""
+    the environment of that moment.
+
+    Where torch sees a GPU, processes are spawned instead: the libraries' imports ask torch
+    whether CUDA is there, which marks the fork server, and every process forked from it then
+    fails at its first CUDA call ("Cannot re-initialize CUDA in forked subprocess", seen on an
+    H200 in the ControlNet service)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context

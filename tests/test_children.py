@@ -1,5 +1,6 @@
-"""gouache's processes come from a fork server that imported torch once, and each exits when the
-process that started it is gone, although its parent in the process tree is the fork server."""
+"""gouache's processes come from a fork server that imported torch once (spawned where there is a
+GPU), and each exits when the process that started it is gone, although its parent in the process
+tree is the fork server."""
 
 import os
 import signal
@@ -51,3 +52,15 @@ def test_a_child_starts_with_torch_imported_and_exits_when_its_starter_is_killed
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_processes_are_spawned_where_torch_sees_a_gpu(monkeypatch):
+    # A fork server's imports ask torch about CUDA, and its forks then fail at their first CUDA
+    # call (seen on an H200): with a GPU, every process starts afresh.
+    import torch
+
+    from gouache.children import processes
+
+    assert processes().get_start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert processes().get_start_method() == "spawn"

@@ -180,7 +180,10 @@ class PatchGroupNorm(nn.Module):
         image's variance is the patches' mean variance plus the variance of their means, with
         no E[x^2] - E[x]^2 to cancel when |mean| >> std. Every patch has as many pixels."""
         n, c = x.shape[:2]
-        # fp32 weight and bias make the kernel keep fp32 statistics of a half input (else half)
+        # fp32 weight and bias make the CPU kernel keep fp32 statistics of a half input (else half);
+        # CUDA's refuses weights of another dtype than the input's (an H200 under `gouache profile`)
+        if x.device.type != "cpu":
+            x = x.float()
         unit = torch.ones(c, device=x.device), torch.zeros(c, device=x.device)
         _, mean, rstd = torch.ops.aten.native_group_norm(x, *unit, n, c, x[0, 0].numel(), groups, self.norm.eps)
         var = rstd.reshape(n, groups).double().pow(-2) - self.norm.eps  # each patch's own, to fp64
