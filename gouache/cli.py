@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tier-slo-ms", type=tier_slo_arg, default=(), action=Given, metavar="TIER=MS,...",
                        help="the deadline of each service tier's requests that send no slo_ms, e.g. "
                             "priority=2000,default=10000; only with a deadline policy (default: none)")
+    serve.add_argument("--paused-host-mb", type=int, default=EngineConfig.paused_host_bytes >> 20, action=Given,
+                       help="MiB of host memory for the states of requests paused for a higher tier, freeing their "
+                            "device memory until they resume; worth it on a GPU (0: they stay; default: %(default)s)")
     serve.add_argument("--request-timeout", type=float, default=EngineConfig.request_timeout_s,
                        help="seconds before an unfinished request fails with 504 (default: %(default)s)")
     serve.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
@@ -323,6 +326,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if "tier_slo_ms" in given(args) and not policy.uses_deadlines:
         ignored["tier_slo_ms"] = (f"--policy {args.policy} does not plan by deadline; only "
                                   f"{_policies_where('uses_deadlines')} do")
+    if "paused_host_mb" in given(args) and not policy.pauses:
+        ignored["paused_host_mb"] = (f"--policy {args.policy} pauses no request; only {_policies_where('pauses')} "
+                                     "do, for a higher tier")
     if "round_s" in given(args) and not policy.rounds:
         ignored["round_s"] = f"--policy {args.policy} does not plan in rounds; only {_policies_where('rounds')} does"
     if "patch_size" in given(args) and not policy.mixes_resolutions:
@@ -342,7 +348,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         EngineConfig(max_queue_len=args.max_queue_len, tier_queue_share=args.tier_queue_share, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
-                     conditioning_bytes=args.conditioning_mb << 20,
+                     conditioning_bytes=args.conditioning_mb << 20, paused_host_bytes=args.paused_host_mb << 20,
                      compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
                                            args.compile_cuda_graphs),
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20,

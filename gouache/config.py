@@ -225,6 +225,7 @@ class EngineConfig:
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
     worker_timeout_s: float = WORKER_TIMEOUT_S  # under multiproc / ray: a worker silent this long while it owes a reply is hung
     conditioning_bytes: int = 256 << 20  # prompts' encodings and uploads' VAE encodings kept for repeats (0: off)
+    paused_host_bytes: int = 0  # host memory for paused requests' states (`DevicePool.park`; 0: they stay on their devices)
     compile: CompileConfig = field(default_factory=CompileConfig)  # compiled denoiser forwards (opt-in)
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
@@ -247,6 +248,7 @@ class EngineConfig:
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
         _check(self.worker_timeout_s > 0, f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
         _check(self.conditioning_bytes >= 0, f"conditioning_bytes must be >= 0, got {self.conditioning_bytes}")
+        _check(self.paused_host_bytes >= 0, f"paused_host_bytes must be >= 0, got {self.paused_host_bytes}")
         _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
                f"the ControlNet service's reply timeout ({self.controlnets.reply_timeout_s:g} s) must be less than "
                f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")

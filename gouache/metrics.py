@@ -59,6 +59,9 @@ class Metrics:
         self.pauses = Counter("gouache_pauses_total",
                               "Images paused at a step boundary for a higher service tier's request, by their tier",
                               ["tier"], registry=r)
+        self.paused_host_bytes = Gauge("gouache_paused_host_bytes",
+                                       "Paused images' denoising states parked in host memory (--paused-host-mb), "
+                                       "after the last step", registry=r)
         self.cache_blocks = Counter("gouache_block_cache_blocks_total",
                                     "Blocks of block-cached images (per patch when patched): reused or computed",
                                     ["result"], registry=r)

@@ -152,6 +152,8 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
         assert _refused(capsys, [*base, "--patch-size", "128"], "--patch-size")
     if not cls.uses_deadlines:
         assert _refused(capsys, [*base, "--tier-slo-ms", "priority=2000"], "--tier-slo-ms")
+    if not cls.pauses:
+        assert _refused(capsys, [*base, "--paused-host-mb", "512"], "--paused-host-mb")
 
 
 def test_serve_passes_the_flags_its_policy_reads(built_configs):
@@ -168,6 +170,10 @@ def test_serve_passes_the_flags_its_policy_reads(built_configs):
         main(["serve", "--policy", "patched", "--patch-size", "64"])
     assert built_configs["engine"].patch_size == 64
     assert built_configs["engine"].tier_queue_share == (("flex", 0.5),)
+    assert built_configs["engine"].paused_host_bytes == 0
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "orca", "--paused-host-mb", "512"])
+    assert built_configs["engine"].paused_host_bytes == 512 << 20
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", "--tier-slo-ms", "priority=2000,default=9000",
               "--tier-queue-share", "flex=0.25,default=0.75"])

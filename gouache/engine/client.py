@@ -85,8 +85,9 @@ class AsyncEngine(AdapterCalls):
                                   compile=engine_config.compile if executor is None else None)
         self.runner.warm_up(info.default_size)  # compiles before the server answers /health (workers: before their start)
         count = self.metrics.handoffs.inc
-        self.pool = (DevicePool(self.runner, executor, count) if executor is not None
-                     else DevicePool.in_process(self.runner, count))
+        parked = engine_config.paused_host_bytes
+        self.pool = (DevicePool(self.runner, executor, count, parked) if executor is not None
+                     else DevicePool.in_process(self.runner, count, parked))
         try:
             self.scheduler = Scheduler(policy, self.pool.num_devices)
         except ValueError:

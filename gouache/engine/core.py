@@ -184,6 +184,7 @@ class EngineCore:
         self.metrics.image_steps.labels(str(flight.batch.degree)).inc(len(output.request_ids))
         output.record(self.metrics, str(flight.batch.devices[0]))
         self.metrics.step_latency.observe(step_s)
+        self.metrics.paused_host_bytes.set(self.pool.parked_bytes)
         # everything but the model: scheduling, batching, update, event hand-off
         self.metrics.step_overhead.observe(step_s - output.forward_s)
         return report
@@ -236,6 +237,8 @@ class EngineCore:
             return bool(blamed)
         for rid in plan.drop:
             self.pool.release(rid)
+        if plan.pause:
+            self.pool.park(plan.pause)  # under --paused-host-mb: their states to host memory
         if plan.drop or plan.pause:
             self.on_plan(plan)
         return bool(plan)

@@ -138,6 +138,10 @@ class Worker:
             self.runner.release_caches(rid)
         return {rid: self.runner.states.pop(rid) for rid in request_ids if rid in self.runner.states}
 
+    def park(self, request_ids: list[str]) -> dict[str, int]:
+        """Move paused requests' states into this process's host memory; the bytes each holds there."""
+        return {rid: self.runner.park(rid) for rid in request_ids}
+
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.runner.release(rid)

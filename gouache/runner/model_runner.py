@@ -24,7 +24,7 @@ from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.quantize import quantized
 from gouache.runner.forward import Forward, StepSpec, split_step
-from gouache.runner.sampler import DenoiseState
+from gouache.runner.sampler import DenoiseState, Parked
 from gouache.templates.replay import (
     TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
 )
@@ -49,7 +49,7 @@ class ModelRunner:
         if self.compile_config.enabled:
             self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
                                                     adapters=bool(loras and loras.directory))
-        self.states: dict[str, DenoiseState] = {}
+        self.states: dict[str, DenoiseState | Parked] = {}  # Parked: a paused request moved to host memory
         self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))  # holds nothing until a request asks for reuse
         self.template_config = templates or TemplateConfig()
         self._model = model_digest(pipe) if self.template_config.directory else ""  # before a LoRA merges
@@ -148,6 +148,9 @@ class ModelRunner:
         """
         start = time.perf_counter()
         self.controls.collect()  # the service's async residuals of the last step, computed meanwhile
+        for rid in batch.request_ids:  # a paused request parked in host memory comes back to its device
+            if isinstance(self.states.get(rid), Parked):
+                self.states[rid] = self.states[rid].restore()
         stepped: list[str] = []
         failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
@@ -216,6 +219,17 @@ class ModelRunner:
                    for state, (_, latents) in zip(states, items) if state is not None]
         images = iter(self.family.decode_many(*map(list, zip(*present))) if present else [])
         return [next(images) if state is not None else None for state in states]
+
+    def park(self, request_id: str) -> int:
+        """Move a paused request's state into host memory (`Parked`), freeing its device copies;
+        its next step brings it back. The bytes it holds there; 0 if it is not held here as a
+        state (released, or parked already)."""
+        self.controls.collect()  # async ControlNet residuals in flight belong to its state
+        state = self.states.get(request_id)
+        if not isinstance(state, DenoiseState):
+            return 0
+        self.states[request_id] = parked = Parked.of(state)
+        return len(parked.blob)
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -6,6 +6,7 @@ own) and its own `torch.Generator`, so what else is in the batch never changes i
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,11 @@ class DenoiseState:
     control: ControlUse | None = None  # the request's ControlNets and their conditioning images
     step: int = 0  # denoising steps done
 
+    def nbytes(self) -> int:
+        """Bytes of its tensors (latents, conditioning, an edit's inputs, ControlNet images and
+        residuals): about what parking it moves to host memory."""
+        return _tensor_bytes([self.latents, self.timesteps, self.cond, self.edit, self.template, self.control])
+
     @property
     def t(self) -> torch.Tensor:
         return self.timesteps[self.step]
@@ -55,3 +61,36 @@ class DenoiseState:
     @property
     def done(self) -> bool:
         return self.step >= len(self.timesteps)
+
+
+def _tensor_bytes(value) -> int:
+    import dataclasses
+
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if dataclasses.is_dataclass(value):
+        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, dict):
+        return sum(map(_tensor_bytes, value.values()))
+    if isinstance(value, (list, tuple)):
+        return sum(map(_tensor_bytes, value))
+    return 0
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A paused request's `DenoiseState` in host memory (`ModelRunner.park`): pickled, so its
+    tensors are copied off the device, whose copies go with the state object; `restore` puts
+    them back on the devices they came from. Sampler, generator and step count travel with it,
+    so the request resumes exactly where it stopped."""
+
+    blob: bytes
+
+    @classmethod
+    def of(cls, state: DenoiseState) -> Parked:
+        return cls(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def restore(self) -> DenoiseState:
+        return pickle.loads(self.blob)

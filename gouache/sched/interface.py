@@ -56,6 +56,7 @@ class Policy(ABC):
     needs_predictor = False  # SLO-aware policies plan with predicted step times
     uses_deadlines = False  # plans read requests' deadlines (slo_ms); others would ignore them
     rounds = False  # plans are rounds (Plan.until), made only when every device is free
+    pauses = False  # plans pause running requests of a lower tier (Plan.pause)
     min_devices = 1  # the smallest pool it can plan
     max_devices: int | None = 1  # the largest pool it can plan; None: any (it places by degree)
 

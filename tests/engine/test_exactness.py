@@ -46,10 +46,10 @@ def reference_latents(pipe, r: ImageRequest) -> torch.Tensor:
 
 
 def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: ModelRunner | None = None,
-               scheduler: Scheduler | None = None) -> dict[str, torch.Tensor]:
+               scheduler: Scheduler | None = None, pool: DevicePool | None = None) -> dict[str, torch.Tensor]:
     """Drive the engine loop step by step; `arrivals[k]` (requests, or (request, the inputs its
-    preparation takes) pairs) join before step k. Returns final latents."""
-    runner = runner or ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px images: 2x2 and 3x3 patches
+    preparation takes) pairs) join before step k; on `pool`'s runner if given. Returns final latents."""
+    runner = pool.runner if pool else runner or ModelRunner(pipe, patch_pixels=32)  # 64 and 96 px: 2x2, 3x3 patches
     predictor = FlatCost() if POLICIES[policy].needs_predictor else None
     scheduler = scheduler or Scheduler(make_policy(SchedulerConfig(policy=policy), predictor))
     results = {}
@@ -62,7 +62,7 @@ def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: Mo
         if plan.drop:
             pytest.fail(f"dropped {plan.drop}")
 
-    core = EngineCore(DevicePool.in_process(runner), scheduler, Metrics(), keep_finished,
+    core = EngineCore(pool or DevicePool.in_process(runner), scheduler, Metrics(), keep_finished,
                       lambda reasons, invalid: pytest.fail(str(reasons)), no_drops, lambda error: pytest.fail(str(error)))
     step = 0
     while step <= max(arrivals) or scheduler.has_work():

@@ -1,6 +1,7 @@
 """Preemption at step boundaries (`gouache.sched.tiers`): a running flex request that a priority
 request's arrival pauses resumes later and ends with the latents it would have had unpaused,
-in every family, under each policy that pauses."""
+in every family, under each policy that pauses, its state kept on the device or parked in host
+memory (`DevicePool.park`)."""
 
 import pytest
 
@@ -18,11 +19,16 @@ def request(rid: str, tier: str, seed: int, steps: int = 4, width: int = 64, **f
     return ImageRequest(rid, "a red fox", width, 64, steps, 5.0, seed, service_tier=tier, **fields)
 
 
+@pytest.mark.parametrize("parked", [False, True], ids=["on-device", "parked"])
 @pytest.mark.parametrize(("name", "policy"), CASES)
-def test_a_paused_and_resumed_request_equals_itself_unpaused(pipes, name, policy):
+def test_a_paused_and_resumed_request_equals_itself_unpaused(pipes, name, policy, parked):
+    from gouache.executor.pool import DevicePool
+    from gouache.runner.model_runner import ModelRunner
+
     pipe = pipes(name)
     predictor = FlatCost() if policy == "patched-slo" else None
     one_slot = Scheduler(make_policy(SchedulerConfig(policy=policy, max_batch_size=1), predictor))
+    pool = DevicePool.in_process(ModelRunner(pipe, patch_pixels=32), park_bytes=(1 << 30) * parked)
     alone = run_engine(pipe, {0: [request("flex", "flex", seed=3)]}, policy)["flex"]
     paused = {}
     original_add = one_slot.add
@@ -34,9 +40,10 @@ def test_a_paused_and_resumed_request_equals_itself_unpaused(pipes, name, policy
     one_slot.add = add
     latents = run_engine(pipe, {0: [request("flex", "flex", seed=3)],
                                 2: [request("priority", "priority", seed=4, steps=2, width=96)]},
-                         policy, scheduler=one_slot)
+                         policy, scheduler=one_slot, pool=pool)
     assert paused["flex"].pauses == 1 and paused["priority"].pauses == 0
     assert (latents["flex"] - alone).abs().max() <= 1e-4
+    assert pool.parks == parked and not pool.parked  # parked while paused, back on the device to finish
 
 
 @pytest.mark.parametrize("technique", ["lora", "block_cache"])
@@ -133,3 +140,30 @@ def test_flex_requests_get_429_first_under_load(pipes):
         await engine.aclose()
 
     asyncio.run(scenario())
+
+
+def test_parking_keeps_to_its_budget_and_a_release_frees_what_it_held(pipes):
+    """Paused states park in the order given while they fit (the driver counts each by its
+    tensors' bytes, then by what the parked copy takes); a released one frees its share."""
+    from gouache.executor.pool import DevicePool
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.runner.sampler import DenoiseState, Parked
+    from gouache.sched.plan import Batch
+
+    runner = ModelRunner(pipes("tiny-sdxl"))
+    for rid, seed in (("a", 1), ("b", 2)):
+        runner.prepare(request(rid, "flex", seed))
+    size = runner.states["a"].nbytes()
+    pool = DevicePool.in_process(runner, park_bytes=size * 3 // 2)  # room for one of the two
+    pool.park(["a"])
+    assert pool.parks == 0  # never stepped: its state is the driver's, nothing to move
+    pool.submit(Batch(("a", "b"))).result()
+    pool.park(["a", "b"])
+    assert isinstance(runner.states["a"], Parked) and isinstance(runner.states["b"], DenoiseState)
+    assert pool.parked == {"a": len(runner.states["a"].blob)} and pool.parks == 1
+    pool.release("a")
+    assert not pool.parked and "a" not in runner.states
+    pool.park(["b"])
+    assert pool.parks == 2 and isinstance(runner.states["b"], Parked)
+    pool.submit(Batch(("b",))).result()  # its next step brings it back
+    assert isinstance(runner.states["b"], DenoiseState) and runner.states["b"].step == 2 and not pool.parked

@@ -334,3 +334,24 @@ def test_requests_with_different_loras_share_a_sequence_parallel_forward(two_wor
     alone, split, modes, collectives = adapters_alone_and_split(MODEL, lora_dir, two_workers)
     assert modes == ["segmented"] * STEPS and all(seconds > 0 for seconds in collectives)
     assert_equal_latents(split, alone)
+
+
+def test_a_parked_state_lives_in_its_workers_host_memory_and_moves_on_with_a_handoff(two_workers):
+    """A paused request parked on device 0's worker (pickled there, off its device), then run
+    on device 1: the hand-off carries the parked state, worker 1 restores it, and the request
+    ends as it would have on one device."""
+    alone = Loop()
+    alone.add(request("a", seed=7, steps=4))
+    alone.run()
+    runner = ModelRunner(load_pipeline(MODEL))
+    pool = DevicePool(runner, two_workers, park_bytes=1 << 30)
+    runner.prepare(request("a", seed=7, steps=4))
+    pool.submit(Batch(("a",), (0,))).result()
+    pool.park(["a"])
+    two_workers.collective_rpc("ping", ranks=[0])  # a worker answers in order: the park is done
+    assert pool.parked["a"] > runner.states["a"].nbytes() > 0  # its parked copy, sampler and all
+    for _ in range(3):
+        pool.submit(Batch(("a",), (1,))).result()
+    assert pool.handoffs == 1 and not pool.parked
+    assert_equal_latents({"a": runner.states["a"].latents}, alone.latents)
+    pool.release("a")

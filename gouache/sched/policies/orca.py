@@ -18,6 +18,7 @@ from gouache.sched.tiers import make_room
 
 class OrcaPolicy(Policy):
     name = "orca"
+    pauses = True
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:

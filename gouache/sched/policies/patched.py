@@ -19,6 +19,7 @@ from gouache.sched.tiers import make_room
 
 class PatchedPolicy(Policy):
     name = "patched"
+    pauses = True
     mixes_resolutions = True
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,

@@ -47,6 +47,7 @@ BENEFIT_THRESHOLD = 1.0  # admit when batching is at least as fast as separate f
 
 class PatchedSloPolicy(Policy):
     name = "patched-slo"
+    pauses = True
     mixes_resolutions = True
     needs_predictor = True
     uses_deadlines = True
