@@ -77,7 +77,8 @@ def test_a_paused_request_keeps_what_its_techniques_hold(pipes, tmp_path, techni
 
 def test_a_served_flex_request_is_paused_for_a_priority_one_and_says_so(pipes):
     """Through the engine: the flex stream gets `PausedEvent` at the step it stopped, resumes,
-    and both images come back; /v1/status shows each image's tier; the pause is counted."""
+    and both images come back; /v1/status shows each image's tier; the pause is counted; its
+    state waited in host memory (--paused-host-mb)."""
     import asyncio
 
     from gouache.config import EngineConfig
@@ -87,7 +88,7 @@ def test_a_served_flex_request_is_paused_for_a_priority_one_and_says_so(pipes):
     from tests.engine.test_async_engine import images
 
     pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(paused_host_bytes=1 << 30),
                          make_policy(SchedulerConfig(policy="orca", max_batch_size=1)))
 
     async def scenario():
@@ -114,6 +115,7 @@ def test_a_served_flex_request_is_paused_for_a_priority_one_and_says_so(pipes):
     samples = {s.labels["tier"]: s.value for m in engine.metrics.registry.collect() if m.name == "gouache_pauses"
                for s in m.samples if s.name.endswith("_total")}
     assert samples == {"flex": 1.0}
+    assert engine.pool.parks == 1 and engine.pool.parked_bytes == 0  # parked while paused, resumed since
 
 
 def test_flex_requests_get_429_first_under_load(pipes):
