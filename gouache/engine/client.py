@@ -39,7 +39,7 @@ from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
-from gouache.sched.tiers import queue_limit, tier_rank
+from gouache.sched.tiers import queue_limit, tenant_limit, tier_rank
 from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ class AsyncEngine(AdapterCalls):
     def _check_capacity(self, requests: list[ImageRequest]) -> None:
         """429 past the queue's limit, counting the images of the request's service tier and
         the higher ones (`tiers.queue_limit`: flex, capacity nobody else needs, is refused
-        first; a lower tier's queue never keeps a higher tier out)."""
+        first; a lower tier's queue never keeps a higher tier out), or past its tenant's share
+        of its tier's places while other tenants have requests of the tier (`tiers.tenant_limit`)."""
         tier = requests[0].service_tier
         limit = queue_limit(tier, self.config.max_queue_len, self.config.tier_queue_share)
         rank = tier_rank(tier)
@@ -218,6 +219,18 @@ class AsyncEngine(AdapterCalls):
                 f"the server is busy ({ahead} images of tier {tier} or higher in flight, {which} {limit}); "
                 "retry shortly",
                 retry_after_s=max(1, ahead // 4),
+            )
+        tenant, held, active = requests[0].tenant, 0, {}
+        for image in self._images.values():
+            if image.request.service_tier == tier:
+                active[image.request.tenant] = image.request.tenant_weight
+                held += image.request.tenant == tenant
+        share = tenant_limit(tenant, requests[0].tenant_weight, limit, active)
+        if held + len(requests) > share:
+            raise QueueFullError(
+                f"tenant {tenant!r} holds its share of the {tier} queue ({held} of {share} images) while "
+                f"{len(active) - (tenant in active)} other tenants have requests in it; retry shortly",
+                retry_after_s=max(1, held // 4),
             )
 
     def _check_size(self, request: ImageRequest) -> None:

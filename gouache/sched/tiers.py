@@ -67,6 +67,16 @@ def queue_limit(tier: str, max_in_flight: int, shares: tuple[tuple[str, float], 
     return max(1, int(max_in_flight * dict(shares).get(tier, 1.0)))
 
 
+def tenant_limit(tenant: str, weight: float, limit: int, active: dict[str, float]) -> int:
+    """How many of a tier's `limit` places in the queue `tenant` may hold while the tenants in
+    `active` (name -> weight: those with requests of the tier in flight) hold some: its weight's
+    share, at least one; alone, all of them. The queue's places then go to the tenants as the
+    fair queue serves them, so a tenant that sends more than the others cannot take their
+    places, and over capacity each tenant's throughput follows its weight (not its arrivals)."""
+    weights = {**active, tenant: weight}
+    return max(1, int(limit * weight / sum(weights.values())))
+
+
 def queue_order(state: RequestState) -> tuple[int, float, float]:
     """The sort key of the waiting requests every policy is given."""
     return state.tier, state.fair_tag, state.arrival_time

@@ -57,7 +57,7 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.sched.tiers import queue_limit, tier_rank
+from gouache.sched.tiers import queue_limit, tenant_limit, tier_rank
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile
@@ -163,14 +163,22 @@ class Admission:
     """The engine's queue limit per replica (`EngineConfig.max_queue_len`, `tier_queue_share`):
     an arrival that would put more than its tier's share of `max_in_flight` requests of its tier
     or a higher one in its replica (waiting or running) is refused (429): flex first, and a
-    lower tier's queue never keeps a higher tier out."""
+    lower tier's queue never keeps a higher tier out. So is one whose tenant holds its share of
+    its tier's places while other tenants have requests of the tier (`tiers.tenant_limit`)."""
 
     max_in_flight: int
     shares: tuple[tuple[str, float], ...] = DEFAULT_QUEUE_SHARES
 
-    def admits(self, request: SimRequest, in_flight: int) -> bool:
-        """`in_flight`: the replica's requests of the request's tier or a higher one."""
-        return in_flight + 1 <= queue_limit(request.tier, self.max_in_flight, self.shares)
+    def admits(self, request: SimRequest, replica: Replica) -> bool:
+        limit = queue_limit(request.tier, self.max_in_flight, self.shares)
+        if replica.ahead_of(request.tier) + 1 > limit:
+            return False
+        rank, held, active = tier_rank(request.tier), 0, {}
+        for state in (*replica.scheduler.waiting.values(), *replica.scheduler.running.values()):
+            if state.tier == rank:
+                active[state.tenant] = state.weight
+                held += state.tenant == request.tenant
+        return held + 1 <= tenant_limit(request.tenant, request.weight, limit, active)
 
 
 @dataclass
@@ -367,7 +375,7 @@ class Simulator:
                 else:
                     record = records[payload.request_id]
                     replica = self._route(payload, record)
-                    if self.admission is None or self.admission.admits(payload, replica.ahead_of(payload.tier)):
+                    if self.admission is None or self.admission.admits(payload, replica):
                         replica.add(state_of(payload), now)
                     else:
                         record.refused_at = now

@@ -144,6 +144,39 @@ def test_flex_requests_get_429_first_under_load(pipes):
     asyncio.run(scenario())
 
 
+def test_a_tenant_over_its_share_of_the_queue_gets_429_and_the_other_does_not(pipes):
+    """Two tenants of equal weight in one tier share its places: past half of them the
+    tenant that holds them is refused, naming its share; the other still gets in."""
+    import asyncio
+    from dataclasses import replace
+
+    from gouache.config import EngineConfig
+    from gouache.engine.client import AsyncEngine
+    from gouache.errors import QueueFullError
+    from gouache.runner.describe import model_info
+    from tests.engine.test_async_engine import images
+
+    pipe = pipes("tiny-sd")
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(max_queue_len=4),
+                         make_policy(SchedulerConfig(policy="orca")))
+
+    def of(tenant, name, **fields):
+        return [replace(r, tenant=tenant) for r in images(name, **fields)]
+
+    async def scenario():
+        await engine.start()
+        handles = [await engine.submit(of("quiet", "q0", steps=20)), await engine.submit(of("loud", "l0", steps=20)),
+                   await engine.submit(of("loud", "l1", steps=20))]
+        with pytest.raises(QueueFullError, match="tenant 'loud' holds its share of the default queue \\(2 of 2"):
+            await engine.submit(of("loud", "l2"))
+        handles.append(await engine.submit(of("quiet", "q1", steps=2)))  # 2 of its 2
+        for handle in handles:
+            await handle.images()
+        await engine.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_parking_keeps_to_its_budget_and_a_release_frees_what_it_held(pipes):
     """Paused states park in the order given while they fit (the driver counts each by its
     tensors' bytes, then by what the parked copy takes); a released one frees its share."""

@@ -9,7 +9,7 @@ from gouache.request import RequestStatus
 from gouache.sched.plan import Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
-from gouache.sched.tiers import FairQueue, make_room, queue_order, tier_rank
+from gouache.sched.tiers import FairQueue, make_room, queue_order, tenant_limit, tier_rank
 
 from .factories import groups, make_state, run_step
 from .test_patched_slo import Linear
@@ -161,3 +161,10 @@ def test_round_knapsack_keeps_a_priority_deadline_over_an_earlier_default_one():
         assert list(decision.allocations) == [runs]
     # a survivor of a tier outranks every survivor of the tiers below it
     assert tier_weights([PRIORITY, DEFAULT, FLEX, FLEX]) == [25, 5, 1, 1] and tier_weights([DEFAULT, DEFAULT]) is None
+
+
+def test_a_tenant_holds_its_weights_share_of_a_tiers_places_while_others_hold_some():
+    assert tenant_limit("a", 1.0, 16, {}) == 16 and tenant_limit("a", 1.0, 16, {"a": 1.0}) == 16  # alone: all
+    assert tenant_limit("a", 1.0, 16, {"a": 1.0, "b": 1.0}) == 8
+    assert tenant_limit("a", 2.0, 16, {"b": 1.0}) == 10 and tenant_limit("b", 1.0, 16, {"a": 2.0}) == 5
+    assert tenant_limit("a", 1.0, 2, {f"t{i}": 1.0 for i in range(5)}) == 1  # never none

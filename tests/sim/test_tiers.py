@@ -54,6 +54,22 @@ def test_admission_refuses_flex_first_and_never_a_higher_tier_for_a_lower_ones_q
     assert result.metrics().refused == 2 and result.metrics("priority").finished == 1
 
 
+def test_over_capacity_tenants_of_equal_weight_get_equal_throughput_whatever_they_send():
+    """One tenant sends three times what the other does, both over capacity: the queue's places
+    go by weight (`tenant_limit`), so each finishes half of what the device does."""
+    admission = Admission(max_in_flight=8)
+    policy = make_policy(SchedulerConfig(policy="orca", max_batch_size=2))
+    trace = [request(f"{t}{i}", i * gap, "default", steps=2, tenant=t)
+             for t, gap in (("loud", 0.25), ("quiet", 0.75)) for i in range(int(120 / gap))]
+    result = simulate(sorted(trace, key=lambda r: r.arrival), policy, COST, admission=admission)
+    done = {t: sum(r.finish is not None and r.finish <= 120 and r.request.tenant == t for r in result.records)
+            for t in ("loud", "quiet")}
+    assert sum(done.values()) >= 55 and abs(done["loud"] - done["quiet"]) <= 0.1 * done["quiet"], done
+    alone = simulate([r for r in trace if r.tenant == "loud"], policy, COST, admission=admission)
+    loud_alone = sum(r.finish is not None and r.finish <= 120 for r in alone.records)
+    assert loud_alone >= 55  # alone, its share is every place and every step
+
+
 def test_a_trace_keeps_tiers_tenants_and_weights(tmp_path):
     trace = [request("a", 0.0, "priority", tenant="alpha", weight=2.0), request("b", 1.0, "flex")]
     for suffix in (".csv", ".jsonl"):
