@@ -1,8 +1,8 @@
 """Scheduling decision time against the number of waiting requests (no GPU, no torch).
 
-For each step policy, the time of one `plan` call as the `Scheduler` makes it (the waiting
-and running dicts listed, the policy asked), with 10 to 10,000 requests waiting and half a
-batch running. For TetriServe's round scheduler, one round over 8 devices with every request
+For each step policy, the time of one `plan` call as the `Scheduler` makes it (its waiting
+queue in the order it keeps, `sched.waiting`; the running requests listed), with 10 to 10,000
+requests waiting and half a batch running. For TetriServe's round scheduler, one round over 8 devices with every request
 waiting, timed twice: `plan_round` on ready-made `RoundRequest`s (the algorithm alone, its
 cost model memoised across rounds), and the `round-knapsack` round policy's `plan` on the
 simulator's `RequestState`s, which first converts each state into a `RoundRequest`: the
@@ -28,6 +28,7 @@ from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.interface import Devices
 from gouache.sched.policies import make_policy
+from gouache.sched.waiting import WaitingQueue
 from gouache.sim.exp_patchedserve import SdxlH100Assumptions
 from gouache.sim.report import markdown_table, write_json
 from gouache.sim.costs import standalone_latency
@@ -73,12 +74,14 @@ def _step_policy(name: str) -> Callable[[int], Callable[[], object]]:
 
     def make(n: int) -> Callable[[], object]:
         policy = make_policy(SchedulerConfig(policy=name, max_batch_size=MAX_BATCH), cost)
-        waiting = {s.request_id: s for s in _states(n, cost)}
-        running = {s.request_id: s for s in _states(MAX_BATCH // 2, cost, prefix="run", steps_done=25)}
+        waiting = WaitingQueue()  # the scheduler's: its orders kept as requests come and go
+        for state in _states(n, cost):
+            waiting[state.request_id] = state
+        running = _states(MAX_BATCH // 2, cost, prefix="run", steps_done=25)
         if name == "fcfs-static":
-            running = {}  # it decides only when its batch is empty; otherwise it repeats the batch
+            running = []  # it decides only when its batch is empty; otherwise it repeats the batch
         devices = Devices(1, (0,))
-        return lambda: policy.plan(list(waiting.values()), list(running.values()), NOW, devices)
+        return lambda: policy.plan(waiting.ordered, running, NOW, devices)
     return make
 
 

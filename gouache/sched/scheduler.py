@@ -14,7 +14,8 @@ policy:
   last one has stopped (or all are done).
 
 Policies see the waiting requests in `tiers.queue_order` (tier, then fair share among
-tenants, then arrival) and the running ones by tier; a plan may pause running requests (step
+tenants, then arrival: the order `sched.waiting` keeps as they come and go, with no sort per
+decision) and the running ones by tier; a plan may pause running requests (step
 policies, for a higher tier's waiting request: `tiers.make_room`), which go back to waiting with
 their progress and latents kept.
 
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 from gouache.request import RequestState, RequestStatus
 from gouache.sched.interface import Devices, Policy
 from gouache.sched.plan import Batch, Plan
-from gouache.sched.tiers import FairQueue, queue_order
+from gouache.sched.tiers import FairQueue
+from gouache.sched.waiting import WaitingQueue
 
 _UNTIL_SLACK = 1e-9  # a step that ends exactly at a round's end counts as ending it
 
@@ -76,7 +78,7 @@ class Scheduler:
         check_devices(policy, num_devices)
         self.policy = policy
         self.num_devices = num_devices
-        self.waiting: dict[str, RequestState] = {}  # insertion order = arrival order
+        self.waiting = WaitingQueue()  # id -> state in arrival order, with its orders kept (`sched.waiting`)
         self.running: dict[str, RequestState] = {}  # insertion order = admission order
         self.runs: list[Run] = []  # the current plans' batches that have not ended, in plan order
         self.until: float | None = None  # the current round's end, while its batches run
@@ -156,8 +158,7 @@ class Scheduler:
         running = sorted((s for rid, s in self.running.items() if rid not in in_runs), key=lambda s: s.tier)
         if not (self.waiting or running):
             return Plan()
-        waiting = sorted(self.waiting.values(), key=queue_order)
-        plan = self.policy.plan(waiting, running, now, Devices(self.num_devices, free))
+        plan = self.policy.plan(self.waiting.ordered, running, now, Devices(self.num_devices, free))
         self._check(plan, free, {s.request_id for s in running})
         for rid in plan.drop:
             del self.waiting[rid]

@@ -154,3 +154,32 @@ def test_order_and_plan_equal_the_plain_sorted_by_slack_policy(predictor):
         assert [s.request_id for s in policy.by_slack(waiting, now)] == [s.request_id for s in plain]
         plan = policy.plan(waiting, running, now, Devices(1, (0,)))
         assert (groups(plan), plan.admit, plan.drop) == reference_plan(policy, waiting, running, now)
+
+
+@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByResolution()], ids=["linear", "extra", "by-resolution"])
+def test_the_scheduler_queue_gives_the_order_and_plan_of_a_full_sort(predictor):
+    """Given the scheduler's queue (`sched.waiting`, groups merged by their heads), the policy
+    reads the candidates in the order, and makes the plan, of sorting every waiting request
+    by tier and slack, ties in queue order; also as requests join and leave."""
+    from gouache.sched.waiting import WaitingQueue
+
+    rng = random.Random(29)
+    for _ in range(200):
+        policy = make_policy(SchedulerConfig(policy="patched-slo", max_batch_size=rng.choice([1, 4, 8])), predictor)
+        queue = WaitingQueue()
+        states = random_states(rng, rng.randint(0, 40))
+        for state in states:
+            state.tier = rng.choice([0, 1, 1, 2])
+            state.fair_tag = rng.choice([0.0, 1.0])
+            queue[state.request_id] = state
+        for state in rng.sample(states, len(states) // 4):
+            del queue[state.request_id]
+        running = random_states(rng, rng.randint(0, 3), prefix="r", started=True)
+        now = rng.choice([0.0, 0.5, rng.uniform(0, 3)])
+        listed = list(queue.ordered)
+        assert listed == sorted(queue.values(), key=lambda s: (s.tier, s.fair_tag, s.arrival_time))
+        plain = sorted(listed, key=lambda s: (s.tier, reference_slack(policy, s, now)))
+        assert [s.request_id for s in policy.by_slack(queue.ordered, now)] == [s.request_id for s in plain]
+        plan, reference = policy.plan(queue.ordered, running, now, Devices(1, (0,))), policy.plan(listed, running, now, Devices(1, (0,)))
+        assert (groups(plan), plan.admit, plan.drop, plan.pause) == (groups(reference), reference.admit, reference.drop,
+                                                                     reference.pause)

@@ -29,14 +29,17 @@ batching the candidate in over running it separately, (T(A) + T({c})) / T(A + {c
 extracted formula's throughput ratio is garbled, and this is the quantity its text describes
 ("adding a candidate request improves system throughput"). An empty batch always admits.
 
-The slack of every waiting request is computed every step, so it is kept cheap: the predictor
-is asked once per resolution present (a predictor sees only resolutions), not once per request.
+Candidates are read in slack order only as far as the plan goes: the scheduler keeps its
+waiting requests grouped by tier and shape, each group by deadline (`sched.waiting`), and the
+groups' heads are merged, so a decision at 10,000 waiting requests computes a few slacks, not
+10,000. The predictor is asked once per resolution present (a predictor sees only resolutions).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from gouache.request import RequestState
 from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
@@ -105,10 +108,26 @@ class PatchedSloPolicy(Policy):
 
     def by_slack(
         self, waiting: Sequence[RequestState], now: float, alone: StepAlone | None = None
-    ) -> list[RequestState]:
-        """`waiting` sorted by tier, then slack; the sort is stable, so ties keep their order."""
+    ) -> Iterator[RequestState]:
+        """`waiting` by tier, then slack; ties keep their order in `waiting`. The scheduler's
+        queue (`waiting.classes`: its requests grouped by tier and shape, each group by deadline)
+        is merged group head by group head, as far as the caller reads: no sort of everyone."""
         slack = self.slack_key(now, StepAlone(self.predictor) if alone is None else alone)
-        return sorted(waiting, key=lambda s: (s.tier, slack(s)))
+        classes = getattr(waiting, "classes", None)
+        if classes is None:
+            yield from sorted(waiting, key=lambda s: (s.tier, slack(s)))
+            return
+        # within a group slack grows with the deadline; between groups, ties go by queue order
+        heads = [(group.states[0].tier, slack(group.states[0]), group.keys[0][1:], 0, group) for group in classes.values()]
+        heapq.heapify(heads)
+        while heads:
+            _, _, _, i, group = heads[0]
+            yield group.states[i]
+            if i + 1 < len(group.states):
+                state = group.states[i + 1]
+                heapq.heapreplace(heads, (state.tier, slack(state), group.keys[i + 1][1:], i + 1, group))
+            else:
+                heapq.heappop(heads)
 
     def slack(self, state: RequestState, now: float) -> float:
         """slack_i at `now` (inf without an SLO)."""
