@@ -87,9 +87,11 @@ def make_room(waiting: Sequence[RequestState], running: Sequence[RequestState],
     """(running kept, waiting admitted, running paused): the `capacity` first requests by tier,
     a running one before a waiting one of the same tier. So a request is paused only for a
     waiting request of a higher tier, and a full batch of one tier never churns. `waiting`
-    comes in `queue_order`, `running` by tier."""
+    comes in `queue_order`, `running` by tier. In tier order, no waiting request past the first
+    `capacity` can be among the first `capacity` of all, so only those are ranked."""
+    head = waiting[:capacity]
     ranked = sorted([*((s.tier, 0, i, s) for i, s in enumerate(running)),
-                     *((s.tier, 1, i, s) for i, s in enumerate(waiting))], key=lambda entry: entry[:3])
+                     *((s.tier, 1, i, s) for i, s in enumerate(head))], key=lambda entry: entry[:3])
     chosen = {id(entry[3]) for entry in ranked[:capacity]}
-    return ([s for s in running if id(s) in chosen], [s for s in waiting if id(s) in chosen],
+    return ([s for s in running if id(s) in chosen], [s for s in head if id(s) in chosen],
             [s.request_id for s in running if id(s) not in chosen])

@@ -168,3 +168,27 @@ def test_a_tenant_holds_its_weights_share_of_a_tiers_places_while_others_hold_so
     assert tenant_limit("a", 1.0, 16, {"a": 1.0, "b": 1.0}) == 8
     assert tenant_limit("a", 2.0, 16, {"b": 1.0}) == 10 and tenant_limit("b", 1.0, 16, {"a": 2.0}) == 5
     assert tenant_limit("a", 1.0, 2, {f"t{i}": 1.0 for i in range(5)}) == 1  # never none
+
+
+def test_make_room_ranks_only_the_head_of_the_queue_and_chooses_as_ranking_everyone():
+    """In queue order only the first `capacity` waiting requests can be chosen: the result is
+    that of ranking every request (tier, running first, order)."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        waiting = sorted((make_state(f"w{i}") for i in range(rng.randint(0, 30))), key=lambda s: s.request_id)
+        for state in waiting:
+            state.tier = rng.randint(0, 2)
+        waiting.sort(key=lambda s: s.tier)  # queue order is tier first
+        running = [make_state(f"r{i}") for i in range(rng.randint(0, 6))]
+        for state in running:
+            state.tier = rng.randint(0, 2)
+        running.sort(key=lambda s: s.tier)
+        capacity = rng.randint(1, 8)
+        ranked = sorted([*((s.tier, 0, i, s) for i, s in enumerate(running)),
+                         *((s.tier, 1, i, s) for i, s in enumerate(waiting))], key=lambda e: e[:3])
+        chosen = {id(e[3]) for e in ranked[:capacity]}
+        expected = ([s for s in running if id(s) in chosen], [s for s in waiting if id(s) in chosen],
+                    [s.request_id for s in running if id(s) not in chosen])
+        assert make_room(waiting, running, capacity) == expected
