@@ -27,14 +27,17 @@ import torch
 from gouache.outputs import ConditioningReport
 
 
-def _nbytes(value: Any) -> int:
-    """Bytes of the tensors in `value` (a tensor, a tuple of them, or an object holding them)."""
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in `value`: a tensor, or tuples, lists, dicts and objects holding
+    them, however nested."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, tuple | list):
-        return sum(_nbytes(v) for v in value)
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
     if hasattr(value, "__dict__"):
-        return sum(_nbytes(v) for v in vars(value).values() if isinstance(v, torch.Tensor))
+        return sum(tensor_bytes(v) for v in vars(value).values())
     return 0
 
 
@@ -79,7 +82,7 @@ class ConditioningCache:
         if entry is not None:
             return entry[0]
         value = encode()
-        size = _nbytes(value)
+        size = tensor_bytes(value)
         if size <= self.budget_bytes:
             with self._lock:
                 if full not in self._entries:

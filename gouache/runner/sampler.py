@@ -52,7 +52,9 @@ class DenoiseState:
     def nbytes(self) -> int:
         """Bytes of its tensors (latents, conditioning, an edit's inputs, ControlNet images and
         residuals): about what parking it moves to host memory."""
-        return _tensor_bytes([self.latents, self.timesteps, self.cond, self.edit, self.template, self.control])
+        from gouache.runner.conditioning import tensor_bytes
+
+        return tensor_bytes([self.latents, self.timesteps, self.cond, self.edit, self.template, self.control])
 
     @property
     def t(self) -> torch.Tensor:
@@ -61,22 +63,6 @@ class DenoiseState:
     @property
     def done(self) -> bool:
         return self.step >= len(self.timesteps)
-
-
-def _tensor_bytes(value) -> int:
-    import dataclasses
-
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if dataclasses.is_dataclass(value):
-        return sum(_tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
-    if isinstance(value, dict):
-        return sum(map(_tensor_bytes, value.values()))
-    if isinstance(value, (list, tuple)):
-        return sum(map(_tensor_bytes, value))
-    return 0
 
 
 @dataclass(frozen=True)
