@@ -39,7 +39,7 @@ from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
-from gouache.sched.tiers import queue_limit, tenant_limit, tier_rank
+from gouache.sched.tiers import queue_limit, refusal, tier_rank
 from gouache.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -209,29 +209,21 @@ class AsyncEngine(AdapterCalls):
         the higher ones (`tiers.queue_limit`: flex, capacity nobody else needs, is refused
         first; a lower tier's queue never keeps a higher tier out), or past its tenant's share
         of its tier's places while other tenants have requests of the tier (`tiers.tenant_limit`)."""
-        tier = requests[0].service_tier
-        limit = queue_limit(tier, self.config.max_queue_len, self.config.tier_queue_share)
-        rank = tier_rank(tier)
-        ahead = sum(tier_rank(image.request.service_tier) <= rank for image in self._images.values())
-        if ahead + len(requests) > limit:
+        first = requests[0]
+        tier, limit = first.service_tier, queue_limit(first.service_tier, self.config.max_queue_len,
+                                                      self.config.tier_queue_share)
+        in_flight = ((tier_rank(i.request.service_tier), i.request.tenant, i.request.tenant_weight)
+                     for i in self._images.values())
+        refused = refusal(tier_rank(tier), first.tenant, first.tenant_weight, len(requests), in_flight, limit)
+        if refused is None:
+            return
+        if refused.tenant_share:
+            message = (f"tenant {first.tenant!r} holds its share of the {tier} queue ({refused.held} of "
+                       f"{refused.limit} images) while {refused.others} other tenants have requests in it")
+        else:
             which = f"{tier} requests' limit" if limit < self.config.max_queue_len else "limit"
-            raise QueueFullError(
-                f"the server is busy ({ahead} images of tier {tier} or higher in flight, {which} {limit}); "
-                "retry shortly",
-                retry_after_s=max(1, ahead // 4),
-            )
-        tenant, held, active = requests[0].tenant, 0, {}
-        for image in self._images.values():
-            if image.request.service_tier == tier:
-                active[image.request.tenant] = image.request.tenant_weight
-                held += image.request.tenant == tenant
-        share = tenant_limit(tenant, requests[0].tenant_weight, limit, active)
-        if held + len(requests) > share:
-            raise QueueFullError(
-                f"tenant {tenant!r} holds its share of the {tier} queue ({held} of {share} images) while "
-                f"{len(active) - (tenant in active)} other tenants have requests in it; retry shortly",
-                retry_after_s=max(1, held // 4),
-            )
+            message = f"the server is busy ({refused.held} images of tier {tier} or higher in flight, {which} {limit})"
+        raise QueueFullError(f"{message}; retry shortly", retry_after_s=max(1, refused.held // 4))
 
     def _check_size(self, request: ImageRequest) -> None:
         if self.info.sizes is not None and (request.height, request.width) not in self.info.sizes:

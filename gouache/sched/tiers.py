@@ -15,7 +15,7 @@ Plain values only: the simulator drives the same code.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gouache.config import DEFAULT_QUEUE_SHARES
@@ -75,6 +75,37 @@ def tenant_limit(tenant: str, weight: float, limit: int, active: dict[str, float
     places, and over capacity each tenant's throughput follows its weight (not its arrivals)."""
     weights = {**active, tenant: weight}
     return max(1, int(limit * weight / sum(weights.values())))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an arrival is refused (429): `held` images count against `limit`, its tier's and the
+    higher ones' (`queue_limit`), or, where `others` tenants share its tier, its tenant's share."""
+
+    held: int
+    limit: int
+    tenant_share: bool = False
+    others: int = 0
+
+
+def refusal(tier: int, tenant: str, weight: float, count: int, in_flight: Iterable[tuple[int, str, float]],
+            limit: int) -> Refusal | None:
+    """Whether `count` images of `tier` (a rank) from `tenant` fit beside those `in_flight`
+    ((tier rank, tenant, weight) each, waiting or running), `limit` being the tier's
+    `queue_limit`: the engine's admission and the simulator's. None: they fit."""
+    ahead = held = 0
+    active: dict[str, float] = {}
+    for rank, name, share in in_flight:
+        ahead += rank <= tier
+        if rank == tier:
+            active[name] = share
+            held += name == tenant
+    if ahead + count > limit:
+        return Refusal(ahead, limit)
+    mine = tenant_limit(tenant, weight, limit, active)
+    if held + count > mine:
+        return Refusal(held, mine, tenant_share=True, others=len(active) - (tenant in active))
+    return None
 
 
 def queue_order(state: RequestState) -> tuple[int, float, float]:

@@ -57,7 +57,7 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.sched.tiers import queue_limit, tenant_limit, tier_rank
+from gouache.sched.tiers import queue_limit, refusal, tier_rank
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile
@@ -170,15 +170,10 @@ class Admission:
     shares: tuple[tuple[str, float], ...] = DEFAULT_QUEUE_SHARES
 
     def admits(self, request: SimRequest, replica: Replica) -> bool:
-        limit = queue_limit(request.tier, self.max_in_flight, self.shares)
-        if replica.ahead_of(request.tier) + 1 > limit:
-            return False
-        rank, held, active = tier_rank(request.tier), 0, {}
-        for state in (*replica.scheduler.waiting.values(), *replica.scheduler.running.values()):
-            if state.tier == rank:
-                active[state.tenant] = state.weight
-                held += state.tenant == request.tenant
-        return held + 1 <= tenant_limit(request.tenant, request.weight, limit, active)
+        held = (*replica.scheduler.waiting.values(), *replica.scheduler.running.values())
+        return refusal(tier_rank(request.tier), request.tenant, request.weight, 1,
+                       ((s.tier, s.tenant, s.weight) for s in held),
+                       queue_limit(request.tier, self.max_in_flight, self.shares)) is None
 
 
 @dataclass
@@ -213,11 +208,6 @@ class Replica:
     @property
     def idle(self) -> bool:
         return not self.segments
-
-    def ahead_of(self, tier: str) -> int:
-        """Its requests (waiting or running) of `tier` or a higher one."""
-        rank = tier_rank(tier)
-        return sum(s.tier <= rank for s in (*self.scheduler.waiting.values(), *self.scheduler.running.values()))
 
     def add(self, state: RequestState, now: float) -> None:
         self.scheduler.add(state)

@@ -192,3 +192,15 @@ def test_make_room_ranks_only_the_head_of_the_queue_and_chooses_as_ranking_every
         expected = ([s for s in running if id(s) in chosen], [s for s in waiting if id(s) in chosen],
                     [s.request_id for s in running if id(s) not in chosen])
         assert make_room(waiting, running, capacity) == expected
+
+
+def test_an_arrival_is_refused_past_its_tiers_limit_then_past_its_tenants_share():
+    from gouache.sched.tiers import Refusal, refusal
+
+    flight = [(0, "a", 1.0), (1, "a", 1.0), (1, "a", 1.0), (1, "b", 1.0), (2, "b", 1.0)]
+    assert refusal(1, "a", 1.0, 1, flight, limit=4) == Refusal(4, 4)  # priority's and default's 4 fill it
+    # default's 5 places, two tenants in it: 2 each, and "a" holds 2
+    assert refusal(1, "a", 1.0, 1, flight, limit=5) == Refusal(2, 2, tenant_share=True, others=1)
+    assert refusal(1, "b", 1.0, 1, flight, limit=5) is None
+    assert refusal(1, "c", 1.0, 1, flight, limit=9) is None  # a third tenant's share: 9 // 3 = 3, it holds none
+    assert refusal(2, "b", 1.0, 1, flight, limit=8) is None  # alone in flex: all of it
