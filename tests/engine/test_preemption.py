@@ -46,14 +46,16 @@ def test_a_paused_and_resumed_request_equals_itself_unpaused(pipes, name, policy
     assert pool.parks == parked and not pool.parked  # parked while paused, back on the device to finish
 
 
+@pytest.mark.parametrize("parked", [False, True], ids=["on-device", "parked"])
 @pytest.mark.parametrize("technique", ["lora", "block_cache"])
-def test_a_paused_request_keeps_what_its_techniques_hold(pipes, tmp_path, technique):
+def test_a_paused_request_keeps_what_its_techniques_hold(pipes, tmp_path, technique, parked):
     """A pause is no forward technique: a paused request takes part in no forward. What its
     techniques keep between its steps (merged or segmented adapters, cached block outputs)
-    is its own, so it resumes as it would have gone on."""
+    is its own, so it resumes as it would have gone on, its state parked in host memory or not."""
     from safetensors.torch import save_file
 
     from gouache.config import BlockCacheConfig, LoraConfig
+    from gouache.executor.pool import DevicePool
     from gouache.lora.files import random_lora
     from gouache.runner.model_runner import ModelRunner
 
@@ -67,10 +69,11 @@ def test_a_paused_request_keeps_what_its_techniques_hold(pipes, tmp_path, techni
     flex = request("flex", "flex", seed=3, steps=6, **fields)
     alone = run_engine(pipe, {0: [flex]}, "orca", runner())["flex"]
     one_slot = Scheduler(make_policy(SchedulerConfig(policy="orca", max_batch_size=1)))
+    pool = DevicePool.in_process(runner(), park_bytes=(1 << 30) * parked)
     latents = run_engine(pipe, {0: [request("flex", "flex", seed=3, steps=6, **fields)],
                                 3: [request("priority", "priority", seed=4, steps=2, width=96)]},
-                         "orca", runner(), scheduler=one_slot)
-    assert (latents["flex"] - alone).abs().max() <= 1e-4
+                         "orca", scheduler=one_slot, pool=pool)
+    assert (latents["flex"] - alone).abs().max() <= 1e-4 and pool.parks == parked
     plain = run_engine(pipe, {0: [request("flex", "flex", seed=3, steps=6)]}, "orca", runner())["flex"]
     assert (alone - plain).abs().max() > 1e-3  # the technique did something to keep
 
