@@ -9,7 +9,7 @@ import os
 import sys
 
 from gouache.cli_flags import (
-    Given, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_share_arg, tier_slo_arg,
+    Given, GivenBool, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_share_arg, tier_slo_arg,
 )
 from gouache.config import (
     COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, CompileConfig,
@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cost-model", default=None,
                        help="step-cost JSON from `gouache profile`; needed by, and only by, the policies that plan "
                             f"with step times: {_policies_where('needs_predictor')} (default: none)")
+    serve.add_argument("--calibrate-steps", action=GivenBool, default=SchedulerConfig.calibrate_steps,
+                       help="scale the cost model's step times online by how long this server's steps take (a "
+                            "running mean of measured over predicted), so deadlines are planned with the load's "
+                            "real step times; only with --cost-model (default: on)")
     serve.add_argument("--round-s", type=float, default=SchedulerConfig.round_s, action=Given,
                        help="round length in seconds; only with --policy round-knapsack (default: %(default)s)")
     serve.add_argument("--max-queue-len", type=int, default=EngineConfig.max_queue_len,
@@ -323,6 +327,9 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if args.cost_model and not policy.needs_predictor:
         ignored["cost_model"] = (f"--policy {args.policy} plans without step times; only "
                                  f"{_policies_where('needs_predictor')} read it")
+    if "calibrate_steps" in given(args) and not policy.needs_predictor:
+        ignored["calibrate_steps"] = (f"--policy {args.policy} plans without step times; only "
+                                      f"{_policies_where('needs_predictor')} read them")
     if "tier_slo_ms" in given(args) and not policy.uses_deadlines:
         ignored["tier_slo_ms"] = (f"--policy {args.policy} does not plan by deadline; only "
                                   f"{_policies_where('uses_deadlines')} do")
@@ -361,7 +368,7 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                                                   args.controlnet_mb << 20, args.torch_threads,
                                                   reply_timeout_s=0.8 * args.worker_timeout)),
         SchedulerConfig(policy=args.policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
-                        round_s=args.round_s, tier_slo_ms=args.tier_slo_ms),
+                        round_s=args.round_s, tier_slo_ms=args.tier_slo_ms, calibrate_steps=args.calibrate_steps),
     )
 
 

@@ -16,6 +16,14 @@ class Given(argparse.Action):
         namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
+class GivenBool(argparse.BooleanOptionalAction):
+    """`--flag` / `--no-flag`, noted in `args.given` as `Given` notes its flags."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
 def given(args: argparse.Namespace) -> frozenset[str]:
     """The dests of the `Given` flags typed on this command line."""
     return getattr(args, "given", frozenset())

@@ -66,6 +66,8 @@ class SchedulerConfig:
     run_late: bool = True  # round-knapsack gives idle devices to requests that will miss their deadline anyway
     # (tier, ms): the deadline of a request of that service tier that sends no slo_ms (deadline policies)
     tier_slo_ms: tuple[tuple[str, float], ...] = ()
+    # the cost model's step times are scaled online by measured over predicted (gouache.sched.calibration)
+    calibrate_steps: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size is None or self.max_batch_size >= 1,

@@ -62,6 +62,10 @@ class Metrics:
         self.paused_host_bytes = Gauge("gouache_paused_host_bytes",
                                        "Paused images' denoising states parked in host memory (--paused-host-mb), "
                                        "after the last step", registry=r)
+        self.step_time_scale = Gauge("gouache_step_time_scale",
+                                     "Measured step seconds over the cost model's prediction, a running mean of the "
+                                     "last steps; the deadline policies plan with predictions times this "
+                                     "(--calibrate-steps)", registry=r)
         self.cache_blocks = Counter("gouache_block_cache_blocks_total",
                                     "Blocks of block-cached images (per patch when patched): reused or computed",
                                     ["result"], registry=r)

@@ -154,6 +154,8 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
         assert _refused(capsys, [*base, "--tier-slo-ms", "priority=2000"], "--tier-slo-ms")
     if not cls.pauses:
         assert _refused(capsys, [*base, "--paused-host-mb", "512"], "--paused-host-mb")
+    if not cls.needs_predictor:
+        assert _refused(capsys, [*base, "--no-calibrate-steps"], "--calibrate-steps")
 
 
 def test_serve_passes_the_flags_its_policy_reads(built_configs):
@@ -163,6 +165,10 @@ def test_serve_passes_the_flags_its_policy_reads(built_configs):
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json", "--round-s", "2"])
     assert built_configs["scheduler"].round_s == 2.0 and built_configs["scheduler"].cost_model == "c.json"
+    assert built_configs["scheduler"].calibrate_steps
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json", "--no-calibrate-steps"])
+    assert not built_configs["scheduler"].calibrate_steps
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json"])
     assert built_configs["scheduler"].round_s == 0.5

@@ -29,7 +29,9 @@ run to run on a shared CPU, and the load with it. The SLOs come from the same me
   engine step over predicted forward, summed over its steps: a step of the engine loop is the
   forward, the sampler steps, the composer and the loop's own work, and it runs while the
   stage threads encode prompts and decode images on the same cores, so their cost is inside
-  the steps measured, not added beside them. `simulated_stages_serial` keeps the previous
+  the steps measured, not added beside them. With `--calibrate-steps` (the default, as in
+  `gouache serve`) the live policy plans with the cost model scaled online by the measured
+  steps, so the simulated one plans with it times the same factor. `simulated_stages_serial` keeps the previous
   accounting for comparison: every cost times the median forward over predicted, and each
   request's stage work charged to the device between steps (`simulate(stage_cost=...)`).
 
@@ -38,6 +40,7 @@ Writes JSON and a markdown table.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import statistics
@@ -70,6 +73,9 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
     p.add_argument("--calibrate", type=int, default=6,
                    help="requests of each size served alone to measure capacity (default: %(default)s)")
+    p.add_argument("--calibrate-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine scales its cost model online by measured step times, as `gouache serve` "
+                        "does by default (default: on)")
     p.add_argument("--seed", type=int, default=0, help="seed of the traces (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/tiers_cpu.json", help="JSON output path (default: %(default)s)")
 
@@ -89,6 +95,7 @@ class LiveRun:
     forward_ratio: list[float] = field(default_factory=list)  # [steps] measured forward / predicted
     predicted_s: float = 0.0  # all steps' predicted forwards
     step_s: float = 0.0  # ... and their engine steps, launch to result
+    scale_end: float | None = None  # the engine's measured / predicted step scale at the end (--calibrate-steps)
 
 
 def capacity_rps(model, sizes: list[tuple[int, int]], steps: int) -> float:
@@ -127,7 +134,7 @@ async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None)
     from gouache.sim.costs import PredictedStepCost
 
     sched = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, cost_model=args.cost_model,
-                            tier_slo_ms=tier_slo_ms)
+                            tier_slo_ms=tier_slo_ms, calibrate_steps=args.calibrate_steps)
     engine = build_engine(ModelConfig(args.model), EngineConfig(max_queue_len=args.max_queue_len,
                                                                 torch_threads=args.torch_threads), sched)
     out, predicted, on_step = LiveRun(), PredictedStepCost(model), engine.core.on_step
@@ -172,6 +179,7 @@ async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None)
 
     await asyncio.gather(*(one(r) for r in trace))
     await engine.aclose()
+    out.scale_end = engine.calibration.scale if engine.calibration is not None else None
     return out
 
 
@@ -201,6 +209,7 @@ def simulated_rows(args, trace, model, scale: float, tier_slo_ms, denoised: dict
     work charged to the device if `stages`); per tier, its denoising-end p50 / p95 beside the
     live run's (`denoised`: request id -> seconds to the end of its denoising)."""
     from gouache.config import SchedulerConfig
+    from gouache.sched.calibration import Calibrated
     from gouache.sched.policies import make_policy
     from gouache.sim.costs import PredictedStepCost
     from gouache.sim.simulator import Admission, simulate
@@ -210,7 +219,9 @@ def simulated_rows(args, trace, model, scale: float, tier_slo_ms, denoised: dict
         return scale * prep, scale * post
 
     config = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, tier_slo_ms=tier_slo_ms)
-    result = simulate(trace, make_policy(config, model), PredictedStepCost(model, scale),
+    # planned as the live engine plans: with the cost model corrected by the steps' measured scale
+    planner = Calibrated(model, scale=scale) if args.calibrate_steps else model
+    result = simulate(trace, make_policy(config, planner), PredictedStepCost(model, scale),
                       stage_cost=stage_cost if stages else None, admission=Admission(args.max_queue_len))
     rows = []
     for tier in TIER_SHARES:
@@ -283,6 +294,7 @@ def run(args) -> int:
             "fairness_ratio": min(finished.values()) / max(max(finished.values()), 1),
             "isolation": isolation,
             "isolation_calm_p95_change": isolation["10x"]["calm_p95_s"] / isolation["1x"]["calm_p95_s"] - 1,
+            "calibrate_steps": args.calibrate_steps, "live_step_scale_end": live.scale_end,
             "live_forward_over_predicted_median": speed, "live_step_over_predicted": loop, "simulated": sim,
             "simulated_stages_serial": serial, "live_denoised_s": denoised,
             "cpu_count": os.cpu_count(), "load_average_1min_end": os.getloadavg()[0]}

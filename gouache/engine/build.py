@@ -12,6 +12,7 @@ from gouache.config import COMPILE_BUCKETS, CompileConfig, EngineConfig, ModelCo
 from gouache.engine.adapters import start_control_service
 from gouache.engine.client import AsyncEngine, caches_blocks
 from gouache.executor.base import Executor
+from gouache.sched.calibration import Calibrated
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.scheduler import check_devices
 
@@ -39,6 +40,8 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
         raise ValueError(f"{sched_config.cost_model} is a {predictor.kind!r} cost model; --cost-model takes "
                          "the step-cost model of `gouache profile` (kind 'batch') or a T(resolution, k) one "
                          "(kind 'parallel')")
+    if predictor is not None and sched_config.calibrate_steps:
+        predictor = Calibrated(predictor)
     check_devices(POLICIES[sched_config.policy], engine_config.devices)  # before any worker starts
     if engine_config.compile.cuda_graphs and not model_config.device.startswith("cuda"):
         raise ValueError(f"--compile-cuda-graphs needs a CUDA device; --device is {model_config.device}")

@@ -37,6 +37,7 @@ from gouache.request import ImageRequest, RequestStatus, preview_steps
 from gouache.executor.base import Executor
 from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
+from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
 from gouache.sched.tiers import queue_limit, refusal, tier_rank
@@ -72,6 +73,8 @@ class AsyncEngine(AdapterCalls):
         itself prepares and decodes. A ControlNet service the config asks for and whose address
         it lacks is started here, and stopped with the engine."""
         self.control_service = control_service
+        # a cost model the engine corrects by its steps' measured times (`--calibrate-steps`)
+        self.calibration = predictor if isinstance(predictor, Calibrated) else None
         if control_service is None:
             self.control_service, engine_config = start_control_service(lambda: Base.of(pipe), engine_config)
         self.config = engine_config
@@ -288,6 +291,11 @@ class AsyncEngine(AdapterCalls):
             elif state.steps_done in preview_steps(state.num_steps, entry.request.partial_images):
                 self.post.put("preview", rid, self.runner.states[rid].latents)
         self.metrics.running_batch.set(len(self.scheduler.running))
+        if self.calibration is not None:
+            batch = report.batch
+            stepped = [report.states[rid].resolution for rid in batch.request_ids]
+            self.calibration.observe(stepped, batch.patched, batch.degree, report.step_s)
+            self.metrics.step_time_scale.set(self.calibration.scale)
         self.book.step(report.batch.devices, report.output.request_ids, report.step_s, report.output.forward_s)
 
     def _on_plan(self, plan: Plan) -> None:

@@ -16,6 +16,7 @@ from gouache.errors import GouacheError, InvalidRequestError, QueueFullError
 from gouache.outputs import ImageEvent, PartialImageEvent, ProgressEvent
 from gouache.request import ImageRequest
 from gouache.runner.describe import model_info
+from gouache.sched.calibration import BOUNDS, WEIGHT, Calibrated
 from gouache.sched.policies import make_policy
 
 
@@ -292,6 +293,34 @@ def test_unattainable_deadline_is_an_explicit_error(pipes):
 
     error, fine = run(scenario())
     assert error.kind == "deadline_unattainable" and error.status == 503 and len(fine) == 1
+
+
+def test_the_engine_scales_its_cost_model_by_the_steps_it_measures(pipes):
+    pipe = pipes("tiny-sdxl")
+    calibrated = Calibrated(_Fixed())
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(),
+                         make_policy(SchedulerConfig(policy="patched-slo"), calibrated), predictor=calibrated)
+    measured, inner = [], engine.core.on_step
+
+    def on_step(report):
+        measured.append(report.step_s)
+        inner(report)
+
+    engine.core.on_step = on_step
+
+    async def scenario():
+        await engine.start()
+        await (await engine.submit(images("a", n=2, steps=4, slo_ms=60_000))).images()
+        await engine.aclose()
+
+    run(scenario())
+    expected = 1.0
+    for seconds in measured:  # each step's wall time over the 50 ms predicted, as a running mean
+        expected += WEIGHT * (min(max(seconds / 0.05, BOUNDS[0]), BOUNDS[1]) - expected)
+    assert len(measured) >= 4 and calibrated.observed == len(measured)
+    assert calibrated.scale == pytest.approx(expected, rel=1e-12) and calibrated.scale != 1.0
+    assert engine.metrics.step_time_scale._value.get() == calibrated.scale
+    assert calibrated.step_time([(64, 64)], patched=True) == pytest.approx(0.05 * expected)
 
 
 def test_round_knapsack_serves_live_one_shape_per_step(pipes):
