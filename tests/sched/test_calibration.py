@@ -4,6 +4,7 @@ import pytest
 
 from gouache.config import SchedulerConfig
 from gouache.sched.calibration import BOUNDS, Calibrated
+from gouache.sched.interface import Devices
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
 
@@ -76,3 +77,13 @@ def test_a_deadline_policy_plans_with_the_measured_scale():
     same.deadline = 1.5
     uncalibrated.add(same)
     assert uncalibrated.schedule(0.0).admit == ["r"]
+
+
+def test_the_round_policy_prices_its_rounds_at_the_current_scale():
+    """round-knapsack memoises step times across rounds: once the scale moves, its tables follow."""
+    calibrated = Calibrated(PerImage(), weight=1.0)
+    policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=0.05), calibrated)
+    assert policy.step_time((64, 64), 1) == pytest.approx(0.1)
+    calibrated.observe([(64, 64)], False, 1, 0.3)
+    policy.plan([make_state("r", resolution=(64, 64), steps=10)], [], 0.0, Devices(1, (0,)))
+    assert policy.step_time((64, 64), 1) == pytest.approx(0.3)

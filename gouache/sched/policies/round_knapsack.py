@@ -25,6 +25,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
+from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
 from gouache.sched.knapsack import plan_round
 from gouache.sched.plan import Batch, Plan
@@ -40,15 +41,29 @@ class RoundKnapsackPolicy(Policy):
 
     def __init__(self, config: SchedulerConfig, predictor: StepTimePredictor | None = None):
         super().__init__(config, predictor)
-        self.step_time = cached(self._one_image)  # T(res, k), memoised for the policy's life
-        self.batch_step_time = cached(self._batch)  # B(res, b)
         self._made: dict[str, RoundRequest] = {}  # the last RoundRequest made for each id
+        self._scale = self._calibration()  # the scale the tables below were made at
+        self.step_time = cached(self._one_image)  # T(res, k), memoised while the scale stays
+        self.batch_step_time = cached(self._batch)  # B(res, b)
+
+    def _calibration(self) -> float:
+        """The factor a `Calibrated` cost model puts on every prediction now (1 for another)."""
+        return self.predictor.scale if isinstance(self.predictor, Calibrated) else 1.0
+
+    def _memoise(self) -> None:
+        """Make the tables again if the calibration has moved since they were made."""
+        scale = self._calibration()
+        if scale != self._scale:
+            self._scale = scale
+            self.step_time = cached(self._one_image)
+            self.batch_step_time = cached(self._batch)
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
         states = [*running, *waiting]
         if not states:
             return Plan()
+        self._memoise()
         requests = self.round_requests(states)
         base, count = pool_of(devices)
         tau = max(self.config.round_s, shortest_round(self.step_time, {r.resolution for r in requests}, count))
