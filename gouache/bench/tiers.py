@@ -204,10 +204,12 @@ def tier_rows(run: str, trace: list[SimRequest], latency: dict[str, Outcome]) ->
 
 
 def simulated_rows(args, trace, model, scale: float, tier_slo_ms, denoised: dict[str, float | None],
-                   stages: bool) -> list[dict]:
+                   stages: bool, calibrated: bool = True) -> list[dict]:
     """The overload trace in the simulator, every cost times `scale` (with each request's stage
-    work charged to the device if `stages`); per tier, its denoising-end p50 / p95 beside the
-    live run's (`denoised`: request id -> seconds to the end of its denoising)."""
+    work charged to the device if `stages`), planned with the cost model times `scale` where
+    `calibrated` (and the live engine calibrated its own), else with the cost model as profiled;
+    per tier, its denoising-end p50 / p95 beside the live run's (`denoised`: request id ->
+    seconds to the end of its denoising)."""
     from gouache.config import SchedulerConfig
     from gouache.sched.calibration import Calibrated
     from gouache.sched.policies import make_policy
@@ -220,7 +222,7 @@ def simulated_rows(args, trace, model, scale: float, tier_slo_ms, denoised: dict
 
     config = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, tier_slo_ms=tier_slo_ms)
     # planned as the live engine plans: with the cost model corrected by the steps' measured scale
-    planner = Calibrated(model, scale=scale) if args.calibrate_steps else model
+    planner = Calibrated(model, scale=scale) if calibrated and args.calibrate_steps else model
     result = simulate(trace, make_policy(config, planner), PredictedStepCost(model, scale),
                       stage_cost=stage_cost if stages else None, admission=Admission(args.max_queue_len))
     rows = []
@@ -285,6 +287,9 @@ def run(args) -> int:
     loop = live.step_s / live.predicted_s
     sim = simulated_rows(args, overload, model, loop, tier_slo_ms, denoised, stages=False)
     serial = simulated_rows(args, overload, model, speed, tier_slo_ms, denoised, stages=True)
+    # what planning with the cost model as profiled would have done on the same steps
+    raw = simulated_rows(args, overload, model, loop, tier_slo_ms, denoised, stages=False, calibrated=False) \
+        if args.calibrate_steps else None
     command = "gouache bench tiers " + " ".join(sys.argv[3:])
     data = {"command": command, "capacity_rps": capacity, "capacity_rps_predicted": predicted,
             "standalone_s": {f"{w}x{h}": t for (w, h), t in standalone.items()}, "slo_s": slo_s, "rows": rows,
@@ -296,7 +301,7 @@ def run(args) -> int:
             "isolation_calm_p95_change": isolation["10x"]["calm_p95_s"] / isolation["1x"]["calm_p95_s"] - 1,
             "calibrate_steps": args.calibrate_steps, "live_step_scale_end": live.scale_end,
             "live_forward_over_predicted_median": speed, "live_step_over_predicted": loop, "simulated": sim,
-            "simulated_stages_serial": serial, "live_denoised_s": denoised,
+            "simulated_stages_serial": serial, "simulated_planned_uncalibrated": raw, "live_denoised_s": denoised,
             "cpu_count": os.cpu_count(), "load_average_1min_end": os.getloadavg()[0]}
     write_json(args.out, data)
     Path(args.out).with_suffix(".md").write_text(report(data))
@@ -311,13 +316,20 @@ def report(data: dict) -> str:
             f"SLOs: priority {data['slo_s']['priority']:.2f} s, default {data['slo_s']['default']:.2f} s, flex none.\n\n"
             + markdown_table(data["rows"])
             + f"\nPriority p95, overload / idle: {data['priority_p95_over_idle']:.2f} (target <= 1.3); "
-            f"lost: {data['lost']}.\n\nFairness, two tenants of weight 1 at 1x capacity each: finished "
+            f"lost: {data['lost']}. "
+            + (f"The engine planned with its cost model scaled online by its steps (--calibrate-steps); the scale "
+               f"ended the overload run at {data['live_step_scale_end']:.2f}.\n\n" if data.get("calibrate_steps")
+               else "The engine planned with its cost model as profiled (--no-calibrate-steps).\n\n")
+            + f"Fairness, two tenants of weight 1 at 1x capacity each: finished "
             f"{data['fairness_finished']} (ratio {data['fairness_ratio']:.2f}, target >= 0.9).\n\n"
             f"Isolation: calm's p95 {iso['1x']['calm_p95_s']:.2f} s with flood at its rate limit, "
             f"{iso['10x']['calm_p95_s']:.2f} s at 10x it ({100 * data['isolation_calm_p95_change']:+.1f} %, target "
             f"within 10 %); flood refused {iso['10x']['flood_refused']} of {iso['10x']['flood_sent']}.\n\n"
             f"Simulated, end of denoising: every step x {data['live_step_over_predicted']:.2f} (the live engine's "
             "steps over their predicted forwards, summed; stage work inside them):\n\n" + markdown_table(data["simulated"])
+            + (f"\nThe same, planned with the cost model as profiled (the engine's steps still x "
+               f"{data['live_step_over_predicted']:.2f}):\n\n" + markdown_table(data["simulated_planned_uncalibrated"])
+               if data.get("simulated_planned_uncalibrated") else "")
             + f"\nStages charged to the device between steps, every cost x "
             f"{data['live_forward_over_predicted_median']:.2f} (the live forward / predicted median):\n\n"
             + markdown_table(data["simulated_stages_serial"]))

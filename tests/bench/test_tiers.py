@@ -12,3 +12,25 @@ def test_the_table_counts_outcomes_and_slo_per_tier():
     [row] = tier_rows("overload", trace, outcomes)
     assert (row["finished"], row["refused"], row["lost"]) == (2, len(rest), 0)
     assert row["slo_attainment"] == 1 / len(trace) and row["p50_s"] == 1.25
+
+
+def test_planning_with_the_measured_scale_shortens_prioritys_tail_in_the_simulator():
+    """The bench's simulation of its overload trace with steps 1.3x their prediction: planned
+    with the cost model times that (as the calibrated engine plans), priority's p95 is shorter
+    than planned with the cost model as profiled, which packs too much beside it."""
+    import argparse
+
+    from gouache.bench.tiers import TENANT_SHARES, TIER_SHARES, simulated_rows
+    from gouache.sched.costmodel import load
+
+    model = load("benchmarks/results/tiers/costmodel_tiny-sdxl_cpu.json")
+    slo_s = {"priority": 0.93, "default": 6.2, "flex": None}
+    trace = tiered_trace(4.0, 120.0, [(256, 256), (384, 384)], 10, TIER_SHARES, TENANT_SHARES, slo_s, seed=0)
+    denoised = {r.request_id: 1.0 for r in trace}
+    args = argparse.Namespace(max_batch_size=4, max_queue_len=16, calibrate_steps=True)
+    tiers = (("priority", 930.0), ("default", 6200.0))
+    p95 = {calibrated: next(row["sim_p95_s"] for row in simulated_rows(args, trace, model, 1.3, tiers, denoised,
+                                                                       stages=False, calibrated=calibrated)
+                            if row["tier"] == "priority")
+           for calibrated in (True, False)}
+    assert p95[True] < 0.9 * p95[False]

@@ -4,6 +4,7 @@ in every family, under each policy that pauses, its state kept on the device or 
 memory (`DevicePool.park`)."""
 
 import pytest
+import torch
 
 from gouache.config import SchedulerConfig
 from gouache.request import ImageRequest
@@ -205,3 +206,45 @@ def test_parking_keeps_to_its_budget_and_a_release_frees_what_it_held(pipes):
     assert pool.parks == 2 and isinstance(runner.states["b"], Parked)
     pool.submit(Batch(("b",))).result()  # its next step brings it back
     assert isinstance(runner.states["b"], DenoiseState) and runner.states["b"].step == 2 and not pool.parked
+
+
+@pytest.mark.parametrize("parked", [False, True], ids=["on-device", "parked"])
+@pytest.mark.parametrize("technique", ["controlnet", "template"])
+def test_a_paused_controlnet_or_template_request_resumes_as_it_would_have_gone_on(pipes, tmp_path, technique, parked):
+    """What a ControlNet request holds between steps (its control image's conditioning) and what
+    a template edit holds (the template it records, then the one it replays) stay its own
+    while it is paused: the edit that records a template and the one that replays it, each
+    paused after its first step, end as they do unpaused."""
+    from gouache.config import ControlNetConfig
+    from gouache.controlnet.model import random_controlnet
+    from gouache.executor.pool import DevicePool
+    from gouache.runner.model_runner import ModelRunner
+    from tests.engine.test_compose import MODEL, member
+
+    pipe = pipes(MODEL)
+    random_controlnet(pipe, seed=0, std=0.2).save_pretrained(str(tmp_path / "edges"))
+
+    def runner() -> ModelRunner:
+        return ModelRunner(pipe, patch_pixels=32, controlnets=ControlNetConfig(str(tmp_path)))
+
+    def serve(first: bool, paused: bool, uses: tuple[str, ...] = (technique,)) -> torch.Tensor:
+        """The flex request's latents: the first edit of its image, or the second (a replay)."""
+        one_slot = Scheduler(make_policy(SchedulerConfig(policy="orca", max_batch_size=1)))
+        pool = DevicePool.in_process(runner(), park_bytes=(1 << 30) * parked)
+        if not first:
+            run_engine(pipe, {0: [member("record", uses, seed=5)]}, "orca", scheduler=one_slot, pool=pool)
+        states, add = {}, one_slot.add
+        one_slot.add = lambda state: (states.setdefault(state.request_id, state), add(state))
+        arrivals = {0: [member("flex", uses, seed=3)],
+                    **({1: [request("priority", "priority", seed=4, steps=2, width=96)]} if paused else {})}
+        latents = run_engine(pipe, arrivals, "orca", scheduler=one_slot, pool=pool)["flex"]
+        assert states["flex"].pauses == paused and pool.parks == (parked and paused)
+        return latents
+
+    unpaused = {first: serve(first, paused=False) for first in ((True, False) if technique == "template" else (True,))}
+    for first, latents in unpaused.items():
+        assert (serve(first, paused=True) - latents).abs().max() <= 1e-4
+    if technique == "controlnet":  # the technique did something to keep
+        assert (serve(True, paused=False, uses=()) - unpaused[True]).abs().max() > 1e-3  # the ControlNet steers
+    else:
+        assert (unpaused[False] - unpaused[True]).abs().max() > 1e-3  # the second edit replays the first's template
