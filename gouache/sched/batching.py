@@ -23,7 +23,7 @@ B being `batch_step_time`; a member alone runs at `step_time(res, 1)`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from operator import attrgetter
 
 from gouache.sched.rounds import (
@@ -54,38 +54,63 @@ def selective_batching(
 
     `degrees_now` is the round's degree per id (absent = not running); `requests` are all the
     round's requests. Joiners are the requests absent from `degrees_now` whose resolution has a
-    one-device host (the others are skipped before any work). O(L x G) checks for L joiners
-    and G hosts of their resolution, plus O(b x |K|) per change of a batch of b: whether its
-    members keep their outlook is computed once per size.
+    one-device host, taken by deadline (ties in the order of `requests`)."""
+    hosts = [r for r in requests if degrees_now.get(r.request_id) == 1]
+    resolutions = {r.resolution for r in hosts}
+    joiners = {res: [] for res in resolutions}
+    for r in sorted((r for r in requests if r.resolution in resolutions and r.request_id not in degrees_now),
+                    key=attrgetter("deadline")):
+        joiners[r.resolution].append(r)
+    return batch_joiners(hosts, lambda res: iter(joiners[res]), step_time, batch_step_time, tau, now, num_devices,
+                         max_batch, allow_late)
+
+
+def batch_joiners(
+    hosts: Sequence[RoundRequest],
+    joiners: Callable[[Hashable], Iterator[RoundRequest]],
+    step_time: StepTime,
+    batch_step_time: BatchStepTime,
+    tau: float,
+    now: float,
+    num_devices: int,
+    max_batch: int = 8,
+    allow_late: bool = True,
+) -> list[list[str]]:
+    """`selective_batching` with the one-device `hosts` in order and, per resolution, its
+    joiners as they are read (by deadline). Each joiner joins the smallest group of its
+    resolution with room that gains throughput and whose members keep their outlook. Whether
+    one joins depends on the groups only, unless late joiners are refused (`allow_late`
+    False: it must survive the round), so otherwise the first that joins none ends its
+    resolution: O(joined + resolutions) joiners read. O(b x |K|) per change of a batch of b:
+    whether its members keep their outlook is computed once per size.
     """
     step_time, batch_step_time, top = cached(step_time), cached(batch_step_time), max_degree(num_devices)
-    groups: dict[object, list[list[RoundRequest]]] = {}
-    for request in requests:
-        if degrees_now.get(request.request_id) == 1:
-            groups.setdefault(request.resolution, []).append([request])
-    if not groups:
-        return []
+    groups: dict[Hashable, list[list[RoundRequest]]] = {}
+    for request in hosts:
+        groups.setdefault(request.resolution, []).append([request])
     members_ok: dict[int, bool] = {}  # id(group) -> its members keep their outlook with one more; dropped on change
-    joiners = sorted(
-        (r for r in requests if r.resolution in groups and r.request_id not in degrees_now), key=attrgetter("deadline")
-    )
-    for joiner in joiners:
-        for group in sorted(groups[joiner.resolution], key=len):
-            if len(group) >= max_batch:
-                continue
-            t_old = batch_step(joiner.resolution, len(group), step_time, batch_step_time)
-            t_new = batch_step(joiner.resolution, len(group) + 1, step_time, batch_step_time)
-            if t_new / (len(group) + 1) >= t_old / len(group):
-                continue  # no throughput gain: this resolution already fills a device
-            done = steps_in_round(t_new, tau, joiner.remaining_steps)
-            t_min = fastest_step(joiner, step_time, top)
-            if done == 0 or not (allow_late or survives(joiner, done, t_new, t_min, tau, now)):
-                continue
-            if id(group) not in members_ok:
-                members_ok[id(group)] = all(_keeps_outlook(m, t_old, t_new, step_time, tau, now, top) for m in group)
-            if members_ok[id(group)]:
-                group.append(joiner)
-                del members_ok[id(group)]
+    for resolution, own in groups.items():
+        for joiner in joiners(resolution):
+            joined = False
+            for group in sorted(own, key=len):
+                if len(group) >= max_batch:
+                    continue
+                t_old = batch_step(resolution, len(group), step_time, batch_step_time)
+                t_new = batch_step(resolution, len(group) + 1, step_time, batch_step_time)
+                if t_new / (len(group) + 1) >= t_old / len(group):
+                    continue  # no throughput gain: this resolution already fills a device
+                done = steps_in_round(t_new, tau, joiner.remaining_steps)
+                t_min = fastest_step(joiner, step_time, top)
+                if done == 0 or not (allow_late or survives(joiner, done, t_new, t_min, tau, now)):
+                    continue
+                if id(group) not in members_ok:
+                    members_ok[id(group)] = all(_keeps_outlook(m, t_old, t_new, step_time, tau, now, top) for m in group)
+                if members_ok[id(group)]:
+                    group.append(joiner)
+                    del members_ok[id(group)]
+                    joined = True
+                    break
+            if not joined and allow_late:  # the next would fit nowhere either
                 break
     return [[m.request_id for m in g] for gs in groups.values() for g in gs if len(g) > 1]
 

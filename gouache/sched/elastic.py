@@ -11,7 +11,8 @@ deadline still runs, which the paper's "no GPU remains unused" requires.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import Any
 
 from gouache.sched.rounds import RoundRequest, StepTable, StepTime, cached, max_degree, steps_in_round
 
@@ -32,11 +33,36 @@ def elastic_scale_up(
     greedily by benefit per extra device: the drop of the request's lower bound LB_i, i.e.
     extra steps x T_i^min, over k' - k. Ties go to the earlier deadline, then to the order of
     `requests`. Entries of `degrees_now` for ids not in `requests` are kept as they are.
+    Requests absent from `degrees_now` with the same resolution and remaining steps have the
+    same upgrades, so they queue by (deadline, order) per class (`scale_up`).
+    """
+    if num_devices - sum(degrees_now.values()) <= 0:
+        return dict(degrees_now)
+    running = [(i, r) for i, r in enumerate(requests) if r.request_id in degrees_now]
+    classes: dict[tuple[Hashable, int], list[tuple[float, int]]] = {}
+    for i, r in enumerate(requests):
+        if r.request_id not in degrees_now:
+            classes.setdefault((r.resolution, r.remaining_steps), []).append((r.deadline, i))
+    queues = [((i, requests[i]) for _, i in sorted(members)) for members in classes.values()]
+    return scale_up(degrees_now, running, queues, step_time, tau, num_devices)
 
-    The heap is lazy: an entry computed when more devices were idle is looked at again when
-    popped. Requests absent from `degrees_now` with the same resolution and remaining steps
-    have the same upgrades, so of each such class only the first by (deadline, order) is in
-    the heap; the next takes its place when it is upgraded. O(R) to form the classes, then
+
+def scale_up(
+    degrees_now: Mapping[str, int],
+    running: Sequence[tuple[Any, RoundRequest]],
+    queues: Sequence[Iterator[tuple[Any, RoundRequest]]],
+    step_time: StepTime,
+    tau: float,
+    num_devices: int,
+) -> dict[str, int]:
+    """`elastic_scale_up` over `running`, (order, request) of requests in `degrees_now` it may
+    upgrade, and `queues`, one per class of requests absent from it with the same resolution
+    and remaining steps, each giving (order, request) by (deadline, order) as it is read.
+    Orders are unique and comparable across all of them: ties of benefit and deadline go to
+    the lesser.
+
+    Only a class's head is in the heap; the next takes its place when it is started. The heap
+    is lazy: an entry computed when more devices were idle is looked at again when popped.
     O((C + N) log C) step-time look-ups and heap operations for C classes and running
     requests: at most N upgrades happen.
     """
@@ -45,39 +71,34 @@ def elastic_scale_up(
     if idle <= 0:
         return out
     top = max_degree(num_devices)
-    heap: list[tuple[float, float, int, int, int]] = []  # (-benefit, deadline, index, from k, to k')
-    waiting: dict[tuple[Hashable, int], list[tuple[float, int]]] = {}  # (res, s) -> heap of (deadline, index) at 0
+    heap: list[tuple] = []  # (-benefit, deadline, order, from k, to k', request, its queue or None)
 
-    def push(i: int) -> None:
-        request = requests[i]
+    def push(order, request: RoundRequest, queue) -> None:
         k = out.get(request.request_id, 0)
         best = _best_upgrade(request, k, idle, step_time, tau, top)
         if best is not None:
-            heapq.heappush(heap, (-best[0], request.deadline, i, k, best[1]))
+            heapq.heappush(heap, (-best[0], request.deadline, order, k, best[1], request, queue))
 
-    for i, request in enumerate(requests):
-        if request.request_id in out:
-            push(i)
-        else:
-            waiting.setdefault((request.resolution, request.remaining_steps), []).append((request.deadline, i))
-    for queue in waiting.values():
-        heapq.heapify(queue)
-        push(queue[0][1])
+    def push_head(queue) -> None:
+        head = next(queue, None)
+        if head is not None:
+            push(*head, queue)
+
+    for order, request in running:
+        push(order, request, None)
+    for queue in queues:
+        push_head(queue)
     while heap and idle > 0:
-        _, _, i, k, k_new = heapq.heappop(heap)
+        _, _, order, k, k_new, request, queue = heapq.heappop(heap)
         if k_new - k > idle:  # fewer idle devices than when it was pushed: look again
-            push(i)
+            push(order, request, queue)
             continue
-        request = requests[i]
         starts = request.request_id not in out  # the head of its class: the next in line moves up
         out[request.request_id] = k_new
         idle -= k_new - k
-        push(i)
-        if starts:
-            queue = waiting[(request.resolution, request.remaining_steps)]
-            heapq.heappop(queue)
-            if queue:
-                push(queue[0][1])
+        push(order, request, queue)
+        if starts and queue is not None:
+            push_head(queue)
     return out
 
 

@@ -121,3 +121,46 @@ def test_runs_in_the_step_simulator_and_finishes_everything():
     policy = make_policy(SchedulerConfig(policy="round-knapsack", round_s=0.5), cost)
     result = simulate(trace, policy, cost)
     assert all(r.finish is not None for r in result.records) and len(result.records) == len(trace)
+
+
+def test_the_policy_reading_the_queue_by_class_plans_as_over_the_whole_list():
+    """The policy reads the scheduler's queue by class (`sched.waiting`), converting only the
+    requests it reads; a plain list is planned by `plan_round` over everyone. Random queues,
+    tiers, running requests with devices, ties of deadline: the same plan."""
+    import random
+
+    from gouache.sched.interface import Devices
+    from gouache.sched.waiting import WaitingQueue
+
+    rng = random.Random(5)
+    table = {(256, 256): {1: 0.05, 2: 0.04, 4: 0.035, 8: 0.035}, (512, 512): {1: 0.10, 2: 0.065, 4: 0.05, 8: 0.045},
+             (1024, 1024): {1: 0.40, 2: 0.22, 4: 0.13, 8: 0.08}}
+
+    class Table:
+        def step_time(self, resolutions, patched, degree=1):
+            return table[resolutions[0]][degree] * (1 + 0.8 * (len(resolutions) - 1))
+
+        def sizes(self, patched):
+            return set(table)
+
+    for case in range(150):
+        n = rng.choice([1, 2, 4, 8])
+        config = SchedulerConfig(policy="round-knapsack", round_s=rng.choice([0.2, 0.5]), max_batch_size=rng.choice([2, 8]),
+                                 run_late=rng.random() < 0.7)
+        by_class, by_list = make_policy(config, Table()), make_policy(config, Table())
+        now, deadlines = rng.uniform(0, 50), []
+        queue, running = WaitingQueue(), []
+        for i in range(rng.randint(1, 80)):
+            state = make_state(f"r{i}", rng.choice(list(table)), steps=rng.choice([5, 20, 30]), arrival=now - rng.random())
+            state.tier = rng.choice([0, 1, 1, 2])
+            state.deadline = rng.choice([None, now + rng.uniform(0.1, 12), *deadlines[-1:]])
+            deadlines.append(state.deadline)
+            if rng.random() < 0.15 and len(running) < n:
+                state.steps_done = rng.randint(1, state.num_steps - 1)
+                state.devices = (len(running),)
+                running.append(state)
+            else:
+                queue[state.request_id] = state
+        devices = Devices(n, tuple(range(n)))
+        assert by_class.plan(queue.ordered, running, now, devices) == by_list.plan(list(queue.ordered), running, now,
+                                                                                   devices), case

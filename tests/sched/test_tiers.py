@@ -148,7 +148,7 @@ def test_fixed_sp_takes_the_waiting_in_tier_order():
 def test_round_knapsack_keeps_a_priority_deadline_over_an_earlier_default_one():
     """One device, two requests that each survive the round only if they run in it: by deadline
     the default one would run; a priority request's deadline outranks it."""
-    from gouache.sched.knapsack import plan_round, tier_weights
+    from gouache.sched.knapsack import plan_round
     from gouache.sched.rounds import RoundRequest
 
     def step_time(resolution, degree):
@@ -159,8 +159,15 @@ def test_round_knapsack_keeps_a_priority_deadline_over_an_earlier_default_one():
                                                                                       priority_tier)]
         decision = plan_round(requests, step_time, 1, 1.0, 0.0, run_late=False)
         assert list(decision.allocations) == [runs]
-    # a survivor of a tier outranks every survivor of the tiers below it
-    assert tier_weights([PRIORITY, DEFAULT, FLEX, FLEX]) == [25, 5, 1, 1] and tier_weights([DEFAULT, DEFAULT]) is None
+    # a survivor of a tier outranks every survivor of the tiers below it: on 2 devices, one
+    # priority request that needs both runs rather than two default ones that need one each
+    requests = [RoundRequest("p", (512, 512), 2, 2.1, PRIORITY), RoundRequest("d1", (256, 256), 2, 2.5, DEFAULT),
+                RoundRequest("d2", (256, 256), 2, 2.5, DEFAULT)]
+
+    def sized(resolution, degree):
+        return (1.0 if degree == 2 else 2.0) if resolution == (512, 512) else 1.0
+
+    assert list(plan_round(requests, sized, 2, 1.0, 0.0, run_late=False).allocations) == ["p"]
 
 
 def test_a_tenant_holds_its_weights_share_of_a_tiers_places_while_others_hold_some():

@@ -1,7 +1,9 @@
 """`round-knapsack`: TetriServe's deadline-aware round scheduler (§4.2) over a replica's devices.
 
-At every round boundary all unfinished requests, started or not, are replanned by `plan_round`
-(knapsack.py): least-device-time deadline plans, Algorithm 1's group knapsack over the urgent
+At every round boundary all unfinished requests, started or not, are replanned by
+`plan_classes` (knapsack.py), which reads the scheduler's queue by class as it keeps it
+(`sched.waiting`, `round_classes`) and only the requests near a decision: least-device-time
+deadline plans, Algorithm 1's group knapsack over the urgent
 ones, elastic scale-up of the idle devices, selective batching where the cost model prices
 batches, and aligned placement that keeps last round's devices where the degree is unchanged.
 Each request (or selective batch) becomes a `Batch` on its devices for its q = floor(τ / T)
@@ -27,7 +29,8 @@ from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
-from gouache.sched.knapsack import plan_round
+from gouache.sched.knapsack import plan_classes
+from gouache.sched.round_classes import RequestClass, of_requests
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.rounds import RoundRequest, StepTime, cached, degrees, max_degree
 
@@ -60,18 +63,18 @@ class RoundKnapsackPolicy(Policy):
 
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
-        states = [*running, *waiting]
-        if not states:
+        if not (waiting or running):
             return Plan()
         self._memoise()
-        requests = self.round_requests(states)
+        classes = self.round_classes(waiting, running)
         base, count = pool_of(devices)
-        tau = max(self.config.round_s, shortest_round(self.step_time, {r.resolution for r in requests}, count))
-        previous = {s.request_id: tuple(d - base for d in s.devices) for s in states
+        tau = max(self.config.round_s, shortest_round(self.step_time, {c.resolution for c in classes}, count))
+        # only running requests hold devices: the scheduler clears those of the ones that stop
+        previous = {s.request_id: tuple(d - base for d in s.devices) for s in running
                     if s.devices and all(base <= d < base + count for d in s.devices)}
-        decision = plan_round(requests, self.step_time, count, tau, now, previous,
-                              batch_step_time=self.batch_step_time, max_batch=self.config.max_batch_size,
-                              run_late=self.config.run_late)
+        decision = plan_classes(classes, self.step_time, count, tau, now, previous,
+                                batch_step_time=self.batch_step_time, max_batch=self.config.max_batch_size,
+                                run_late=self.config.run_late, late=False)
         batched = {rid for group in decision.batches for rid in group}
         groups = [tuple(group) for group in decision.batches]
         groups += [(rid,) for rid in decision.allocations if rid not in batched]
@@ -80,9 +83,40 @@ class RoundKnapsackPolicy(Policy):
                   max(decision.allocations[r].steps for r in group))
             for group in groups
         ]
-        waiting_ids = {s.request_id for s in waiting}
-        admit = [rid for group in groups for rid in group if rid in waiting_ids]
+        running_ids = {s.request_id for s in running}
+        admit = [rid for group in groups for rid in group if rid not in running_ids]
         return Plan(batches=batches, admit=admit, until=now + tau)
+
+    def round_classes(self, waiting: Sequence[RequestState], running: Sequence[RequestState]) -> list[RequestClass]:
+        """The round's requests by class (`round_classes`), the running ones before the waiting
+        ones on equal (tier, deadline), the waiting ones in queue order. The scheduler's queue
+        keeps its requests grouped by shape, each group by deadline (`sched.waiting`): each
+        group is a class as it stands, its requests converted only as the planner reads them.
+        A plain list of waiting requests is sorted here."""
+        shapes = getattr(waiting, "classes", None)
+        if shapes is None:
+            return of_requests(self.round_requests([*running, *waiting]))
+        if len(self._made) > 2 * (len(waiting) + len(running)):  # most of them have left
+            self._made = {}
+        classes = of_requests(self.round_requests(running))
+        for (tier, resolution, steps, done), group in shapes.items():
+            classes.append(RequestClass(tier, resolution, steps - done, group.keys, 1,
+                                        lambda i, states=group.states: self._round_request(states[i])))
+        return classes
+
+    def round_requests(self, states: Sequence[RequestState]) -> list[RoundRequest]:
+        """Each state as the `RoundRequest` the round planner reads (`_round_request`)."""
+        return [self._round_request(s) for s in states]
+
+    def _round_request(self, s: RequestState) -> RoundRequest:
+        """The last one made for this id while its remaining steps are unchanged (its
+        resolution and deadline never change; a waiting request's steps do not either), else a
+        new one: most requests of a round are the same as last round's."""
+        r = self._made.get(s.request_id)
+        if r is None or r.remaining_steps != s.remaining_steps:
+            r = self._made[s.request_id] = RoundRequest(s.request_id, s.resolution, s.remaining_steps,
+                                                        math.inf if s.deadline is None else s.deadline, s.tier)
+        return r
 
     def can_plan_on(self, live: Devices) -> bool:
         """A round plans on the largest aligned block of live devices (`pool_of`), which must
@@ -102,25 +136,6 @@ class RoundKnapsackPolicy(Policy):
         """The degrees the cost model prices for some size (a degree it has no time for is never planned)."""
         sizes = self.predictor.sizes(False) or ()
         return {k for k in degrees(max_degree(num_devices)) if any(math.isfinite(self.step_time(res, k)) for res in sizes)}
-
-    def round_requests(self, states: Sequence[RequestState]) -> list[RoundRequest]:
-        """Each state as the `RoundRequest` the round planner reads.
-
-        A round converts every request, and most are the same as last round (a waiting
-        request's steps do not change), so the last one made for each id is reused while its
-        remaining steps are unchanged (its resolution and deadline never change). That cuts
-        the conversion of a long queue about 3x. When more ids are kept than twice this
-        round's, only this round's are kept on."""
-        made, out = self._made, []
-        for s in states:
-            r = made.get(s.request_id)
-            if r is None or r.remaining_steps != s.remaining_steps:
-                r = made[s.request_id] = RoundRequest(s.request_id, s.resolution, s.remaining_steps,
-                                                      math.inf if s.deadline is None else s.deadline, s.tier)
-            out.append(r)
-        if len(made) > 2 * len(out):
-            self._made = {r.request_id: r for r in out}
-        return out
 
     def _one_image(self, resolution: Resolution, k: int) -> float:
         return self.predictor.step_time([resolution], patched=False, degree=k)
