@@ -31,7 +31,9 @@ run to run on a shared CPU, and the load with it. The SLOs come from the same me
   stage threads encode prompts and decode images on the same cores, so their cost is inside
   the steps measured, not added beside them. With `--calibrate-steps` (the default, as in
   `gouache serve`) the live policy plans with the cost model scaled online by the measured
-  steps, so the simulated one plans with it times the same factor. `simulated_stages_serial` keeps the previous
+  steps, so the simulated one plans with it times the same factor. `simulated_sampled_steps`
+  draws each simulated step's factor from the live steps' own ratios instead (seeded), so
+  that the simulated steps vary as the live ones did. `simulated_stages_serial` keeps the previous
   accounting for comparison: every cost times the median forward over predicted, and each
   request's stage work charged to the device between steps (`simulate(stage_cost=...)`).
 
@@ -43,9 +45,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,9 +94,22 @@ class Outcome:
 
 
 @dataclass
+class SampledStepCost:
+    """A simulated step's cost: its prediction times one of `ratios` drawn at random (seeded)."""
+
+    predicted: Callable[..., float]
+    ratios: Sequence[float]
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def __call__(self, batch, states) -> float:
+        return self.predicted(batch, states) * self.rng.choice(self.ratios)
+
+
+@dataclass
 class LiveRun:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     forward_ratio: list[float] = field(default_factory=list)  # [steps] measured forward / predicted
+    step_ratio: list[float] = field(default_factory=list)  # [steps] engine step (launch to result) / predicted forward
     predicted_s: float = 0.0  # all steps' predicted forwards
     step_s: float = 0.0  # ... and their engine steps, launch to result
     scale_end: float | None = None  # the engine's measured / predicted step scale at the end (--calibrate-steps)
@@ -142,6 +159,7 @@ async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None)
     def noting_step(report) -> None:
         guess = predicted(report.batch, report.states)
         out.forward_ratio.append(report.output.forward_s / guess)
+        out.step_ratio.append(report.step_s / guess)
         out.predicted_s += guess
         out.step_s += report.step_s
         on_step(report)
@@ -204,12 +222,14 @@ def tier_rows(run: str, trace: list[SimRequest], latency: dict[str, Outcome]) ->
 
 
 def simulated_rows(args, trace, model, scale: float, tier_slo_ms, denoised: dict[str, float | None],
-                   stages: bool, calibrated: bool = True) -> list[dict]:
+                   stages: bool, calibrated: bool = True, ratios: Sequence[float] = ()) -> list[dict]:
     """The overload trace in the simulator, every cost times `scale` (with each request's stage
     work charged to the device if `stages`), planned with the cost model times `scale` where
     `calibrated` (and the live engine calibrated its own), else with the cost model as profiled;
     per tier, its denoising-end p50 / p95 beside the live run's (`denoised`: request id ->
-    seconds to the end of its denoising)."""
+    seconds to the end of its denoising). With `ratios` (the live steps' own measured /
+    predicted), each simulated step costs its prediction times one of them drawn at random
+    (seeded) instead of times `scale`: the steps vary as the live ones did, not only on average."""
     from gouache.config import SchedulerConfig
     from gouache.sched.calibration import Calibrated
     from gouache.sched.policies import make_policy
@@ -223,7 +243,8 @@ def simulated_rows(args, trace, model, scale: float, tier_slo_ms, denoised: dict
     config = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, tier_slo_ms=tier_slo_ms)
     # planned as the live engine plans: with the cost model corrected by the steps' measured scale
     planner = Calibrated(model, scale=scale) if calibrated and args.calibrate_steps else model
-    result = simulate(trace, make_policy(config, planner), PredictedStepCost(model, scale),
+    cost = PredictedStepCost(model, scale) if not ratios else SampledStepCost(PredictedStepCost(model), ratios)
+    result = simulate(trace, make_policy(config, planner), cost,
                       stage_cost=stage_cost if stages else None, admission=Admission(args.max_queue_len))
     rows = []
     for tier in TIER_SHARES:
@@ -290,6 +311,7 @@ def run(args) -> int:
     # what planning with the cost model as profiled would have done on the same steps
     raw = simulated_rows(args, overload, model, loop, tier_slo_ms, denoised, stages=False, calibrated=False) \
         if args.calibrate_steps else None
+    sampled = simulated_rows(args, overload, model, loop, tier_slo_ms, denoised, stages=False, ratios=live.step_ratio)
     command = "gouache bench tiers " + " ".join(sys.argv[3:])
     data = {"command": command, "capacity_rps": capacity, "capacity_rps_predicted": predicted,
             "standalone_s": {f"{w}x{h}": t for (w, h), t in standalone.items()}, "slo_s": slo_s, "rows": rows,
@@ -301,7 +323,9 @@ def run(args) -> int:
             "isolation_calm_p95_change": isolation["10x"]["calm_p95_s"] / isolation["1x"]["calm_p95_s"] - 1,
             "calibrate_steps": args.calibrate_steps, "live_step_scale_end": live.scale_end,
             "live_forward_over_predicted_median": speed, "live_step_over_predicted": loop, "simulated": sim,
-            "simulated_stages_serial": serial, "simulated_planned_uncalibrated": raw, "live_denoised_s": denoised,
+            "simulated_stages_serial": serial, "simulated_planned_uncalibrated": raw,
+            "simulated_sampled_steps": sampled, "live_step_over_predicted_per_step": live.step_ratio,
+            "live_denoised_s": denoised,
             "cpu_count": os.cpu_count(), "load_average_1min_end": os.getloadavg()[0]}
     write_json(args.out, data)
     Path(args.out).with_suffix(".md").write_text(report(data))
@@ -327,6 +351,8 @@ def report(data: dict) -> str:
             f"within 10 %); flood refused {iso['10x']['flood_refused']} of {iso['10x']['flood_sent']}.\n\n"
             f"Simulated, end of denoising: every step x {data['live_step_over_predicted']:.2f} (the live engine's "
             "steps over their predicted forwards, summed; stage work inside them):\n\n" + markdown_table(data["simulated"])
+            + ("\nThe same, each step's cost drawn from the live steps' own ratios (seeded):\n\n"
+               + markdown_table(data["simulated_sampled_steps"]) if data.get("simulated_sampled_steps") else "")
             + (f"\nThe same, planned with the cost model as profiled (the engine's steps still x "
                f"{data['live_step_over_predicted']:.2f}):\n\n" + markdown_table(data["simulated_planned_uncalibrated"])
                if data.get("simulated_planned_uncalibrated") else "")

@@ -34,3 +34,26 @@ def test_planning_with_the_measured_scale_shortens_prioritys_tail_in_the_simulat
                             if row["tier"] == "priority")
            for calibrated in (True, False)}
     assert p95[True] < 0.9 * p95[False]
+
+
+def test_steps_drawn_from_measured_ratios_vary_as_they_did():
+    """One ratio drawn every time is the same simulation as that scale; ratios spread about
+    the same mean lengthen priority's tail, which the mean alone cannot."""
+    import argparse
+
+    from gouache.bench.tiers import TENANT_SHARES, TIER_SHARES, simulated_rows
+    from gouache.sched.costmodel import load
+
+    model = load("benchmarks/results/tiers/costmodel_tiny-sdxl_cpu.json")
+    trace = tiered_trace(4.0, 60.0, [(256, 256), (384, 384)], 10, TIER_SHARES, TENANT_SHARES,
+                         {"priority": 0.93, "default": 6.2, "flex": None}, seed=0)
+    denoised = {r.request_id: 1.0 for r in trace}
+    args = argparse.Namespace(max_batch_size=4, max_queue_len=16, calibrate_steps=True)
+    tiers = (("priority", 930.0), ("default", 6200.0))
+
+    def p95(**kwargs):
+        rows = simulated_rows(args, trace, model, 1.2, tiers, denoised, stages=False, **kwargs)
+        return next(row["sim_p95_s"] for row in rows if row["tier"] == "priority")
+
+    assert p95(ratios=[1.2] * 3) == p95()
+    assert p95(ratios=[0.7, 0.7, 2.2]) > 1.05 * p95()
