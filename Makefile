@@ -39,7 +39,7 @@ browser:
 	fi
 
 test: install browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 bench: install
 	$(VENV)/bin/gouache bench serve
