@@ -12,7 +12,7 @@ from gouache.cli_flags import (
     Given, GivenBool, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_share_arg, tier_slo_arg,
 )
 from gouache.config import (
-    COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, BlockCacheConfig, CompileConfig,
+    COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, RAY_PLACEMENTS, BlockCacheConfig, CompileConfig,
     ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
 )
 from gouache.errors import GouacheError
@@ -179,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None,
                        help="under --executor ray: the Ray cluster to join ('auto' finds the local one) "
                             "(default: start Ray in this process)")
+    serve.add_argument("--ray-placement", default=EngineConfig.ray_placement, choices=RAY_PLACEMENTS, action=Given,
+                       help="under --executor ray: where one replica's devices go; strict-pack: all on one node, "
+                            "refused if no node has room; pack: as few nodes as have room; spread: across nodes "
+                            "(default: %(default)s)")
+    serve.add_argument("--ray-resource", default=None, metavar="NAME",
+                       help="under --executor ray with --ray-address: a custom resource each device also reserves "
+                            "one unit of, so that only the nodes started with it (ray start --resources "
+                            "'{\"NAME\": N}') take replicas and devices (default: any node with a CPU / GPU)")
     serve.add_argument("--devices", type=int, default=EngineConfig.devices,
                        help="devices (worker processes or actors) under --executor multiproc or ray; more than one for "
                             f"{_policies_where('max_devices', None)} (default: %(default)s)")
@@ -341,6 +349,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if "patch_size" in given(args) and not policy.mixes_resolutions:
         ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_resolutions')} "
                                  "cut them into patches")
+    if "ray_placement" in given(args) and args.executor != "ray":
+        ignored["ray_placement"] = f"--executor {args.executor} places no Ray actors"
     if "worker_timeout" in given(args) and args.executor == "uniproc":
         ignored["worker_timeout"] = "--executor uniproc runs the model in the server's own process: no worker to wait for"
     for flag in ("lora_mb", "lora_bound"):
@@ -354,7 +364,8 @@ def _engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         ModelConfig(args.model, args.dtype, args.device, args.quantize),
         EngineConfig(max_queue_len=args.max_queue_len, tier_queue_share=args.tier_queue_share, request_timeout_s=args.request_timeout, image_workers=args.image_workers,
                      patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
-                     devices=args.devices, ray_address=args.ray_address, worker_timeout_s=args.worker_timeout,
+                     devices=args.devices, ray_address=args.ray_address, ray_placement=args.ray_placement,
+                     ray_resource=args.ray_resource, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20, paused_host_bytes=args.paused_host_mb << 20,
                      compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
                                            args.compile_cuda_graphs),

@@ -13,6 +13,9 @@ DEFAULT_QUEUE_SHARES = (("flex", 0.5),)  # (service tier, share of the queue lim
 
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
+# how a replica's devices share a Ray cluster's nodes (gouache/executor/ray_cluster.py): all on one,
+# on as few as have room, or across them
+RAY_PLACEMENTS = ("strict-pack", "pack", "spread")
 
 _DTYPES = ("float32", "float16", "bfloat16")
 CONTROLNET_MODES = ("sync", "async")  # residuals of step t join step t, or step t + 1
@@ -225,6 +228,10 @@ class EngineConfig:
     executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
+    ray_placement: str = "strict-pack"  # under ray: a replica's devices on one node, or straddling (`RAY_PLACEMENTS`)
+    # under ray: a custom resource each device also reserves one unit of, so that only the nodes
+    # started with it (`ray start --resources`) take devices and replicas; None: any node with a CPU / GPU
+    ray_resource: str | None = None
     worker_timeout_s: float = WORKER_TIMEOUT_S  # under multiproc / ray: a worker silent this long while it owes a reply is hung
     conditioning_bytes: int = 256 << 20  # prompts' encodings and uploads' VAE encodings kept for repeats (0: off)
     paused_host_bytes: int = 0  # host memory for paused requests' states (`DevicePool.park`; 0: they stay on their devices)
@@ -256,6 +263,15 @@ class EngineConfig:
                f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")
         _check(self.ray_address is None or self.executor == "ray",
                f"a Ray address is read only by the ray executor, not {self.executor!r}")
+        _check(self.ray_placement in RAY_PLACEMENTS,
+               f"ray_placement must be one of {', '.join(RAY_PLACEMENTS)}, got {self.ray_placement!r}")
+        _check(self.ray_placement == "strict-pack" or self.executor == "ray",
+               f"a Ray placement is read only by the ray executor, not {self.executor!r}")
+        _check(self.ray_resource is None or (self.executor == "ray" and self.ray_address is not None),
+               "a Ray resource picks nodes of an existing cluster: give it with --executor ray --ray-address "
+               "(the Ray this server starts has one node, without custom resources)")
+        _check(self.ray_resource is None or (self.ray_resource.strip() and self.ray_resource not in ("CPU", "GPU")),
+               f"ray_resource must name a custom resource of the cluster's nodes, got {self.ray_resource!r}")
         _check(not (self.controlnets.workers and self.executor == "ray"),
                "the ControlNet service listens on this machine's Unix sockets, which Ray actors elsewhere cannot "
                "reach: run --controlnet-workers with --executor uniproc or multiproc")

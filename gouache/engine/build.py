@@ -115,8 +115,8 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
-        return RayExecutor(spec, engine_config.devices, engine_config.ray_address,
-                           reply_deadline_s=engine_config.worker_timeout_s)
+        return RayExecutor(spec, engine_config.devices, engine_config.ray_address, engine_config.ray_placement,
+                           engine_config.ray_resource, reply_deadline_s=engine_config.worker_timeout_s)
     from gouache.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(spec, engine_config.devices, reply_deadline_s=engine_config.worker_timeout_s)

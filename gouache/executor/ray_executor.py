@@ -3,11 +3,14 @@
 Needs the optional `gouache[ray]` extra. `connect(address)` joins the cluster at `address`
 ("auto" finds the local one) or, with None, starts a Ray instance in this process. Each actor
 reserves its device (one GPU under CUDA, where Ray makes it the actor's `cuda:0`; one CPU
-otherwise) and runs the same `Worker` as `multiproc`: it joins one torch.distributed world
-(gloo / NCCL) whose rendezvous is a free port on rank 0's node, and makes every aligned block's
-group up front. A call is an actor method call per rank; an actor that dies fails its calls
-with `WorkerDied` as soon as Ray reports it, and its rank stays dead. An actor that owes a
-reply and sends none for `reply_deadline_s` is taken for hung: it is killed and treated the same way.
+otherwise) in its bundle of the replica's placement group (`ray_cluster`: on one node unless
+`placement` says otherwise): the group the replica's own actor runs in when the front placed
+it, else one reserved here. Each runs the same `Worker` as `multiproc`: it joins one
+torch.distributed world (gloo / NCCL) whose rendezvous is a free port on rank 0's node, and
+makes every aligned block's group up front. A call is an actor method call per rank; an actor
+that dies fails its calls with `WorkerDied` as soon as Ray reports it (naming its node when the
+node was lost), and its rank stays dead. An actor that owes a reply and sends none for
+`reply_deadline_s` is taken for hung: it is killed and treated the same way.
 """
 
 from __future__ import annotations
@@ -19,28 +22,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from gouache.config import WORKER_TIMEOUT_S
+from gouache.executor import ray_cluster
 from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port
+from gouache.executor.ray_cluster import connect, require_ray
 from gouache.executor.worker import WorkerSpec, join_world
 
 log = logging.getLogger(__name__)
-
-
-def require_ray():
-    try:
-        import ray
-    except ImportError:
-        raise ValueError("--executor ray needs Ray: pip install 'gouache[ray]'") from None
-    return ray
-
-
-def connect(address: str | None) -> bool:
-    """Join Ray at `address` (None: start one here) unless this process already has; True if it
-    started or joined now (and so should shut it down)."""
-    ray = require_ray()
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    return True
 
 
 class _WorkerActor:
@@ -57,10 +44,11 @@ class _WorkerActor:
         host = ray.util.get_node_ip_address()
         return f"tcp://{host}:{free_port(host)}"
 
-    def join(self, world: int, init_method: str, spec: WorkerSpec, collective_timeout_s: float) -> int:
+    def join(self, world: int, init_method: str, spec: WorkerSpec, collective_timeout_s: float) -> str:
+        """Join the world; the id of the node this actor runs on."""
         device = "cuda:0" if spec.cuda else "cpu"  # Ray shows a GPU actor its own GPU only
         self.worker = join_world(self.rank, world, init_method, spec, device, collective_timeout_s)
-        return self.rank
+        return ray_cluster.this_node()
 
     def call(self, method: str, args: tuple) -> tuple[bool, Any]:
         try:
@@ -73,21 +61,33 @@ class RayExecutor(Executor):
     kind = "ray"
 
     def __init__(self, spec: WorkerSpec, num_devices: int, address: str | None = None,
+                 placement: str = "strict-pack", resource: str | None = None,
                  start_timeout_s: float = 600.0, collective_timeout_s: float = 60.0,
                  reply_deadline_s: float = WORKER_TIMEOUT_S):
         self._watch = ReplyWatch(num_devices, reply_deadline_s, collective_timeout_s, self._hung)
         ray = require_ray()
         self._owns_ray = connect(address)
         self.num_devices = num_devices
-        resources = {"num_gpus": 1} if spec.cuda else {"num_cpus": 1}
-        actor = ray.remote(**resources)(_WorkerActor)
-        self._actors = [actor.remote(rank) for rank in range(num_devices)]
+        self.nodes: list[str] = []  # the node id each rank's actor runs on
+        self._actors = []
         self._dead: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._group, self._owns_group = ray_cluster.current_group(), False
         try:
+            if self._group is None:  # not in a replica the front placed: this engine's devices get a group
+                bundles = ray_cluster.device_bundles(num_devices, spec.cuda, resource)
+                ray_cluster.check_fits(bundles, placement)
+                self._group, self._owns_group = ray_cluster.reserve(bundles, placement, "gouache-devices"), True
+                ray_cluster.wait_placed(self._group, start_timeout_s, f"{num_devices} devices")
+            elif len(self._group.bundle_specs) < num_devices:
+                raise ValueError(f"this actor's placement group has {len(self._group.bundle_specs)} bundles, "
+                                 f"fewer than its {num_devices} devices")
+            actor = ray.remote(**ray_cluster.worker_resources(spec.cuda, resource))(_WorkerActor)
+            self._actors = [actor.options(**ray_cluster.in_bundle(self._group, rank)).remote(rank)
+                            for rank in range(num_devices)]
             init_method = ray.get(self._actors[0].rendezvous.remote(), timeout=start_timeout_s)
             joins = [a.join.remote(num_devices, init_method, spec, collective_timeout_s) for a in self._actors]
-            ray.get(joins, timeout=start_timeout_s)
+            self.nodes = ray.get(joins, timeout=start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -118,6 +118,9 @@ class RayExecutor(Executor):
             with self._lock:
                 self._dead.setdefault(rank, "shut down")
             ray.kill(actor)
+        if self._owns_group:
+            self._owns_group = False
+            ray_cluster.release(self._group)
         if self._owns_ray:
             ray.shutdown()
 
@@ -145,6 +148,10 @@ class RayExecutor(Executor):
 
         if isinstance(error, RayActorError):
             why = f"its actor died ({type(error).__name__})"
+            if self.nodes:  # Ray may report the actor dead before it gives its node up
+                node = ray_cluster.node_name(self.nodes[rank])
+                why = (f"its {node} was lost" if ray_cluster.node_lost(self.nodes[rank]) else
+                       f"its actor on {node} died ({type(error).__name__})")
             with self._lock:
                 first = rank not in self._dead
                 self._dead.setdefault(rank, why)

@@ -11,7 +11,9 @@ A replica that exits is noticed within `_WATCH_S`, one that hangs (alive, not an
 its missed pings (`Deadlines`): its requests end with an explicit WorkerFailureError and nothing
 more is routed to it; the server keeps serving on the others and exits (like a single engine's
 death) only when none is left. Every call to a replica has a deadline (`replicas/calls.py`), so
-a replica that dies or hangs fails only the calls and requests that needed it.
+a replica that dies or hangs fails only the calls and requests that needed it. Under ray a lost
+replica (its node lost, say) is replaced: the new one is placed when the cluster has room for it
+and joins the router once its model is loaded (`replicas/ray_replicas.py`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class _Replica:
     alive: bool = True
     requests: dict[str, _Request] = field(default_factory=dict)  # by API id
     missed_pings: int = 0  # pings in a row it did not answer in time
+    joining: bool = False  # under ray: a replacement not ready yet (not routed to, not pinged)
+    nodes: list[str] = field(default_factory=list)  # under ray: each device's Ray node id, the replica's own first
 
     def load(self, max_batch: int) -> ReplicaLoad:
         load = ReplicaLoad(max_batch=max_batch)
@@ -137,23 +141,31 @@ class ReplicaSet:
         replicas' processes, and wait until each replica is ready."""
         self._host = None  # under ray: this node's address, where replicas anywhere can reach us
         if self.configs[1].executor == "ray":
-            from gouache.executor.ray_executor import connect
+            from gouache.executor.ray_cluster import connect
 
             self._owns_ray = connect(self.configs[1].ray_address)
             import ray
 
             self._host = ray.util.get_node_ip_address()
+            from gouache.replicas.ray_replicas import check_room
+
+            check_room(self.configs, self.count)
         model_config, engine_config, sched_config = self.configs  # one ControlNet service serves every replica
         self.control_service, engine_config = start_control_service(lambda: _base(model_config), engine_config)
         self.configs = (model_config, engine_config, sched_config)
         self._messages = self._context.socket(zmq.PULL)
-        messages = self._bind(self._messages, "messages")
+        messages = self._messages_at = self._bind(self._messages, "messages")
         for index in range(self.count):
             commands = self._context.socket(zmq.PUSH)
             process = self._launch(index, self._bind(commands, f"commands-{index}"), messages)
             process.start()
             self.replicas.append(_Replica(index, process, commands))
-        await asyncio.wait_for(self._await_ready(), self.start_timeout_s)
+        try:
+            await asyncio.wait_for(self._await_ready(), self.start_timeout_s)
+        except TimeoutError:
+            late = "Ray has not placed them (is the cluster busy?) or " if self._host else ""
+            raise TimeoutError(f"the replicas were not all ready within {self.start_timeout_s:g} s: {late}"
+                               "their models load too slowly") from None
 
     def _bind(self, socket: zmq.asyncio.Socket, name: str) -> str:
         """Bind `socket` (IPC here, TCP on this node's address under ray); the address to connect to."""
@@ -186,6 +198,7 @@ class ReplicaSet:
                 raise ValueError(f"replica {index} did not start: {rest[0]}")
             if kind == "ready":
                 ready.add(index)
+                self.replicas[index].nodes = self.replicas[index].process.placed() if self._host else []
                 self.info = rest[0]
                 self.max_batch = min(self.max_batch or self.info.max_batch, self.info.max_batch)
 
@@ -318,8 +331,8 @@ class ReplicaSet:
         answers = await asyncio.gather(*(self._call(r, "status", timeout_s=self.deadlines.query_s) for r in alive),
                                        return_exceptions=True)
         by_index = {r.index: a for r, a in zip(alive, answers) if isinstance(a, dict)}
-        replicas = [{"replica": r.index, "alive": r.index in by_index, **by_index.get(r.index, {})}
-                    for r in self.replicas]
+        replicas = [{"replica": r.index, "alive": r.index in by_index, **({"joining": True} if r.joining else {}),
+                     **({"nodes": r.nodes} if r.nodes else {}), **by_index.get(r.index, {})} for r in self.replicas]
         return {"status": stats.status, "model": self.info.name if self.info else None, "waiting": stats.waiting,
                 "running": stats.running, "finished": stats.finished, "failed": stats.failed, "replicas": replicas}
 
@@ -353,6 +366,10 @@ class ReplicaSet:
                 self._calls.answer(*rest)
             elif kind == "event":
                 self._on_event(self.replicas[index], *rest)
+            elif kind == "ready":  # a replacement (the first replicas are ready before this loop runs)
+                self._joined(self.replicas[index], rest[0])
+            elif kind == "failed":
+                self._not_joined(self.replicas[index], f"did not start: {rest[0]}")
 
     def _on_event(self, replica: _Replica, api_id: str, event: Any) -> None:
         request = replica.requests.get(api_id)
@@ -375,9 +392,14 @@ class ReplicaSet:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(_WATCH_S)
-            for replica in self._alive():
-                if replica.process.exitcode is not None:
-                    self._lose(replica, f"exited (status {replica.process.exitcode})")
+            for replica in self.replicas:
+                if (replica.alive or replica.joining) and replica.process.exitcode is not None:
+                    reason = (replica.process.exit_reason() if self._host else
+                              f"exited (status {replica.process.exitcode})")
+                    if replica.alive:
+                        self._lose(replica, reason)
+                    else:
+                        self._not_joined(replica, reason)
 
     async def _ping(self) -> None:
         """Ping every live replica each `ping_s`; kill and lose one that misses `missed_pings` in
@@ -405,6 +427,36 @@ class ReplicaSet:
         self._calls.fail(replica.index, reason)
         if not left:
             self.died.set()
+        elif self._host is not None:
+            self._replace(replica)
+
+    def _replace(self, lost: _Replica) -> None:
+        """Under ray: give a lost replica's placement back and start one in its place. Ray places
+        it when the cluster has room (at once, or when a node joins); it joins the router once its
+        model is loaded (`_joined`)."""
+        lost.process.kill()
+        if self._draining:
+            return
+        index = len(self.replicas)
+        commands = self._context.socket(zmq.PUSH)
+        process = self._launch(index, self._bind(commands, f"commands-{index}"), self._messages_at)
+        process.start()
+        self.replicas.append(_Replica(index, process, commands, alive=False, joining=True))
+        log.info("replica %d starts in place of replica %d; it serves once placed and loaded", index, lost.index)
+
+    def _joined(self, replica: _Replica, info: ModelInfo) -> None:
+        replica.nodes = replica.process.placed()
+        replica.joining, replica.alive = False, True
+        self.max_batch = min(self.max_batch or info.max_batch, info.max_batch)
+        log.info("replica %d joined on %s; %d replicas serving", replica.index, replica.nodes[0][:8],
+                 len(self._alive()))
+
+    def _not_joined(self, replica: _Replica, reason: str) -> None:
+        """A replacement that ended before it was ready is not replaced again: a model that does
+        not load would fail every time."""
+        replica.joining = False
+        replica.process.kill()
+        log.error("replica %d %s while starting; it is not replaced", replica.index, reason)
 
     def _fail_replica(self, replica: _Replica, error: GouacheError) -> None:
         for request in replica.requests.values():
