@@ -36,7 +36,7 @@ from gouache.sim.costs import standalone_latency
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
 
 WAITING = (10, 100, 1_000, 10_000)
-POLICIES = ("fcfs-static", "orca", "patched", "patched-slo")
+POLICIES = ("fcfs-static", "orca", "patched", "patched-slo", "fixed-sp-1")
 TARGET_S = 1e-3  # at 10,000 waiting (issue 39)
 NUM_DEVICES = 8  # for plan_round
 MAX_BATCH = 8
@@ -79,8 +79,8 @@ def _step_policy(name: str) -> Callable[[int], Callable[[], object]]:
         for state in _states(n, cost):
             waiting[state.request_id] = state
         running = _states(MAX_BATCH // 2, cost, prefix="run", steps_done=25)
-        if name == "fcfs-static":
-            running = []  # it decides only when its batch is empty; otherwise it repeats the batch
+        if name == "fcfs-static" or name.startswith("fixed-sp"):
+            running = []  # they decide when a batch or a block is free; a running request holds its own
         devices = Devices(1, (0,))
         return lambda: policy.plan(waiting.ordered, running, NOW, devices)
     return make

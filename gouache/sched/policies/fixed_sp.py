@@ -7,6 +7,7 @@ a late request still runs to the end. With N a multiple of k this is N/k indepen
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from gouache.request import RequestState
@@ -38,10 +39,11 @@ class FixedSpPolicy(Policy):
     def plan(self, waiting: Sequence[RequestState], running: Sequence[RequestState], now: float,
              devices: Devices) -> Plan:
         blocks = aligned_blocks(devices, self.degree)
-        queue = [*running, *waiting]  # waiting by tier, fair share, then arrival (`tiers.queue_order`)
+        # the running first, then the waiting by tier, fair share and arrival (`tiers.queue_order`):
+        # only as many as there are free blocks are read
+        queue = itertools.chain(running, waiting)
         batches = [Batch((s.request_id,), block, s.remaining_steps) for s, block in zip(queue, blocks)]
-        waiting_ids = {s.request_id for s in waiting}
-        return Plan(batches=batches, admit=[b.request_ids[0] for b in batches if b.request_ids[0] in waiting_ids])
+        return Plan(batches=batches, admit=[b.request_ids[0] for b in batches[len(running):]])
 
 
 def fixed_sp(degree: int) -> type[FixedSpPolicy]:
