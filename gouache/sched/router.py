@@ -13,6 +13,10 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gouache.sched.costmodel import MaskCostModel
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class ReplicaLoad:
         """Requests of its tier or a higher one: those a request of `tier` shares the replica with
         (the lower tiers give way to it)."""
         return sum(r.tier <= tier for r in (*self.running, *self.waiting))
+
+    def admitted(self) -> ReplicaLoad:
+        """This replica once its next step begins: queued requests that fit the batch's free slots
+        have joined it (continuous batching admits them at the next step)."""
+        free = max(self.max_batch - len(self.running), 0)
+        return ReplicaLoad(self.running + self.waiting[:free], self.waiting[free:], self.max_batch)
 
     @property
     def masked_pixels(self) -> float:
@@ -88,6 +98,23 @@ class LeastTokensRouter(Router):
 BatchStepCost = Callable[[Sequence[RouteRequest]], float]  # seconds per step of a batch
 
 
+@dataclass(frozen=True)
+class MeasuredEditCost:
+    """`BatchStepCost` from a measured mask-aware model (`gouache profile --edits`, the live
+    server's `--template-cost-model`): a step of the batch is the model's pipelined step
+    (`MaskCostModel.predict`, the longer of compute and cache loading) over its requests, each
+    pixels / token_pixels² image tokens at its mask ratio (1 for a generation or an edit that
+    computes every token), in `rows` forward rows (2 under classifier-free guidance)."""
+
+    model: MaskCostModel
+    token_pixels: int  # pixels per side of one image token (a DiT's patch, a UNet's latent pixel)
+    rows: int = 1  # forward rows per request
+
+    def __call__(self, batch: Sequence[RouteRequest]) -> float:
+        edits = [(max(1, r.pixels // self.token_pixels**2), r.mask_ratio) for r in batch for _ in range(self.rows)]
+        return self.model.predict(edits)
+
+
 class MaskAwareRouter(Router):
     """InstGenIE Algorithm 2 with an injected batch step-cost model (see `costmodel`)."""
 
@@ -101,13 +128,19 @@ class MaskAwareRouter(Router):
         return min(range(len(replicas)), key=lambda i: (self.cost(request, replicas[i]), i))
 
     def cost(self, request: RouteRequest, replica: ReplicaLoad) -> float:
-        """Predicted seconds from now until `request` finishes on `replica`.
+        """Predicted seconds from now until `request` finishes on `replica`, once the replica's
+        queue has taken the batch's free slots (`ReplicaLoad.admitted`): a request routed a moment
+        ago waits for the next step, not for a slot (counting it as queued made a replica with
+        free slots look as if a running request had to finish first; docs/routing.md)."""
+        return self.latency(request, replica.admitted())
 
-        With a free slot it joins the running batch at once and runs its steps at the step
-        cost of the batch with it. Without one it needs the k-th slot to free up, k = the
-        requests queued before it plus one: under continuous batching that is when the k-th
-        shortest running request finishes (queued requests beyond the running ones each wait
-        one more mean request length per batch width)."""
+    def latency(self, request: RouteRequest, replica: ReplicaLoad) -> float:
+        """`cost` on the replica as given. With a free slot and no queue the request joins the
+        running batch at once and runs its steps at the step cost of the batch with it.
+        Otherwise it needs the k-th slot to free up, k = the requests queued before it plus
+        one: under continuous batching that is when the k-th shortest running request finishes
+        (queued requests beyond the running ones each wait one more mean request length per
+        batch width)."""
         running = replica.running[: replica.max_batch]
         if len(running) < replica.max_batch and not replica.waiting:
             return request.steps * self.step_cost([*running, request])

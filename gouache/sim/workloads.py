@@ -247,3 +247,24 @@ def _from_row(index: int, row: dict, path: Path) -> SimRequest:
         tier=str(row.get("tier") or "default"), tenant=str(row.get("tenant") or ""),
         weight=optional("weight") or 1.0,
     )
+
+
+# -- masks with a heavy tail (docs/routing.md) -----------------------------------------------
+
+def mixed_masks(n: int, mean: float, full_share: float, rng: np.random.Generator, shape: float = 2.0) -> np.ndarray:
+    """[n] mask ratios of mean `mean`: a `full_share` of them 1.0 (whole-image edits, or
+    generations mixed in with the edits), the rest small, Beta(shape, b) of the mean that leaves,
+    (mean - full_share) / (1 - full_share). InstGenIE gives only the means and says that the
+    ratios vary widely; this is the heavy-tailed reading of that, Beta(2, b) the mild one."""
+    _check(0 <= full_share < mean < 1, f"need 0 <= full_share < mean < 1, got {full_share} and {mean}")
+    masks = rng.beta(*mask_beta((mean - full_share) / (1 - full_share), shape), size=n)
+    masks[rng.random(n) < full_share] = 1.0
+    return masks
+
+
+def with_masks(requests: Sequence[SimRequest], masks: Sequence[float]) -> list[SimRequest]:
+    """`requests` with these mask ratios, in order (arrivals and sizes kept)."""
+    from dataclasses import replace
+
+    _check(len(masks) == len(requests), f"{len(requests)} requests need as many masks, got {len(masks)}")
+    return [replace(r, mask_ratio=float(m)) for r, m in zip(requests, masks)]
