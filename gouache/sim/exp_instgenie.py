@@ -1,11 +1,16 @@
 """Experiment: InstGenIE §6.5 (Fig. 16-right), P95 latency of masked edits on 8 replicas by router.
 
 Poisson arrivals of 1024 px FLUX.1-dev edits (28 steps, diffusers' default) whose mask ratios
-follow InstGenIE's means (0.11 in their traces, 0.19 in the public one; Beta(2, b), see
-`workloads.mask_beta`). Eight replicas, one H100 each, each running continuous batching
-(`orca`, max batch 8, §6.2's setting for FLUX) behind one of three routers: least-requests
-(request-granularity), least-tokens (masked-token granularity) and mask-aware (Algorithm 2,
-predicting with the same cost model the simulator charges).
+have InstGenIE's means (0.11 in their traces, 0.19 in the public one), drawn two ways
+(`MASKS`): a mild Beta(2, b) (`workloads.mask_beta`), and a heavy tail where a share of the
+edits repaint the whole image and the rest are small (`workloads.mixed_masks`). Eight
+replicas, one H100 each, each running continuous batching (`orca`, max batch 8, §6.2's setting
+for FLUX; §6.5 runs every router inside InstGenIE's scheduler) behind one of four routers:
+round-robin (the paper's request-granularity baseline read literally: it "uniformly assigns
+requests to workers", Fig. 4-right), least-requests (request granularity with feedback: the
+fewest requests in flight), least-tokens (masked-token granularity) and mask-aware (Algorithm 2,
+predicting with the same cost model the simulator charges). Why the routers' gaps come out as
+they do: docs/routing.md.
 
 Rates are fractions (`LOADS`) of the replicas' saturation throughput (full batches of
 mean-mask edits, `capacity_rps`), so that each sweep straddles its own saturation point.
@@ -32,15 +37,21 @@ from gouache.sched.costmodel import MaskCostModel
 from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
-from gouache.sched.router import LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RouteRequest, Router
+from gouache.sched.router import (
+    LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RoundRobinRouter, RouteRequest, Router,
+)
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.simulator import simulate
-from gouache.sim.workloads import MASK_MEANS, SimRequest, WorkloadSpec, make_workload
+from gouache.sim.workloads import MASK_MEANS, SimRequest, WorkloadSpec, make_workload, mixed_masks, with_masks
 
-ROUTERS = ("least-requests", "least-tokens", "mask-aware")
+ROUTERS = ("round-robin", "least-requests", "least-tokens", "mask-aware")
 LOADS = (0.5, 0.7, 0.8, 0.9, 0.95)  # arrival rate / saturation throughput (`capacity_rps`)
 SIZE = (1024, 1024)
 STEPS = 28
+# mask distributions: "beta", or "full-X", a share X of whole-image edits and small ones
+# (`edit_trace`); "heavy" is full-X with X the mean mask's `HEAVY_SHARE`
+MASKS = ("beta", "heavy")
+HEAVY_SHARE = {0.11: 0.05, 0.19: 0.10}  # mean mask ratio -> its heavy tail's share of whole images
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,26 @@ COST_MODELS = {"2-term": FluxEditAssumptions(batching_gain=None), "3-term": Flux
 def make_router(name: str, cost: MaskStepCost) -> Router:
     if name == "mask-aware":
         return MaskAwareRouter(cost.batch_step_time)
-    return {"least-requests": LeastRequestsRouter, "least-tokens": LeastTokensRouter}[name]()
+    return {"round-robin": RoundRobinRouter, "least-requests": LeastRequestsRouter,
+            "least-tokens": LeastTokensRouter}[name]()
+
+
+def edit_trace(num_requests: int, rate: float, mask_mean: float, masks: str, seed: int,
+               mask_shape: float = 2.0) -> list[SimRequest]:
+    """Poisson 1024 px edits at `rate` whose masks have mean `mask_mean`: "beta", Beta(mask_shape,
+    b); "heavy" or "full-X", a share X of whole images and Beta for the rest. Arrivals and masks
+    have their own random streams: traces that differ in masks only share their arrivals."""
+    spec = WorkloadSpec(num_requests, rate, sizes=[SIZE], steps=STEPS, mask_mean=mask_mean, mask_shape=mask_shape,
+                        seed=seed)
+    requests = make_workload(spec)
+    if masks == "heavy":
+        masks = f"full-{HEAVY_SHARE[mask_mean]}"
+    if masks == "beta":
+        return requests
+    if not masks.startswith("full-"):
+        raise ValueError(f"masks must be beta, heavy or full-<share>, got {masks!r}")
+    rng = np.random.default_rng([seed, 7])
+    return with_masks(requests, mixed_masks(num_requests, mask_mean, float(masks[5:]), rng, mask_shape))
 
 
 def capacity_rps(cost: MaskStepCost, mask_mean: float, replicas: int, max_batch: int, steps: int = STEPS) -> float:
@@ -159,11 +189,12 @@ def instgenie_experiment(out_dir: str | Path, loads: Sequence[float] = LOADS,
                          mask_means: Sequence[float] = (MASK_MEANS["instgenie"], MASK_MEANS["public"]),
                          cost_models: Sequence[str] = tuple(COST_MODELS), num_requests: int = 1200,
                          seeds: Sequence[int] = (0, 1, 2), replicas: int = 8, max_batch: int = 8,
-                         workers: int = 2) -> dict:
-    """Run the sweep (rates = `loads` x saturation, per cost model and mask mean), in `workers`
-    processes; write instgenie.{json,md} and one PNG per (cost model, mask mean) into `out_dir`."""
-    jobs = [(model, mean, load, seed, num_requests, replicas, max_batch)
-            for model in cost_models for mean in mask_means for load in loads for seed in seeds]
+                         workers: int = 2, masks: Sequence[str] = MASKS) -> dict:
+    """Run the sweep (rates = `loads` x saturation, per cost model, mask mean and mask
+    distribution), in `workers` processes; write instgenie.{json,md} and one PNG per (cost
+    model, mask mean, masks) into `out_dir`."""
+    jobs = [(model, mean, kind, load, seed, num_requests, replicas, max_batch)
+            for model in cost_models for mean in mask_means for kind in masks for load in loads for seed in seeds]
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
             runs = [row for rows in pool.map(_run_job, jobs) for row in rows]
@@ -174,7 +205,8 @@ def instgenie_experiment(out_dir: str | Path, loads: Sequence[float] = LOADS,
     data = {
         "experiment": "InstGenIE §6.5: P95 latency vs request rate, 8 replicas, FLUX.1-dev edits (simulated)",
         "setup": {"size": list(SIZE), "steps": STEPS, "replicas": replicas, "max_batch": max_batch,
-                  "policy": "orca", "num_requests": num_requests, "seeds": list(seeds)},
+                  "policy": "orca", "num_requests": num_requests, "seeds": list(seeds),
+                  "heavy_share": {f"{m}": HEAVY_SHARE.get(m) for m in mask_means}},
         "cost_models": {name: {"per_forward_s": c.per_forward_s, "per_request_s": c.per_request_s,
                                "flops_per_s": c.flops_per_s,
                                "step_alone_s": {f"{m}": c.batch_step_time([RouteRequest("x", SIZE[0] * SIZE[1], 1, m)])
@@ -190,50 +222,55 @@ def instgenie_experiment(out_dir: str | Path, loads: Sequence[float] = LOADS,
 
 
 def _run_job(job: tuple) -> list[dict]:
-    """One trace (cost model, mask mean, load, seed) through the three routers."""
-    model, mean, load, seed, num_requests, replicas, max_batch = job
+    """One trace (cost model, mask mean, masks, load, seed) through the routers."""
+    model, mean, kind, load, seed, num_requests, replicas, max_batch = job
     cost = COST_MODELS[model].cost()
     rate = load * capacity_rps(cost, mean, replicas, max_batch)
-    trace = make_workload(WorkloadSpec(num_requests, rate, sizes=[SIZE], steps=STEPS, mask_mean=mean, seed=seed))
+    trace = edit_trace(num_requests, rate, mean, kind, seed)
     charged = cost.for_trace(trace)
     rows = []
     for name in ROUTERS:
         policies = [make_policy(SchedulerConfig(policy="orca", max_batch_size=max_batch)) for _ in range(replicas)]
         result = simulate(trace, policies, charged, router=make_router(name, cost))
-        rows.append(summary_row(result, cost_model=model, router=name, mask_mean=mean, load=load, rate=rate, seed=seed))
+        rows.append(summary_row(result, cost_model=model, router=name, mask_mean=mean, masks=kind, load=load,
+                                rate=rate, seed=seed))
     return rows
+
+
+_POINT = ("cost_model", "mask_mean", "masks", "load")  # what a point of the sweep is, besides its router
 
 
 def _mean_over_seeds(runs: Sequence[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
-        groups.setdefault((run["cost_model"], run["mask_mean"], run["load"], run["router"]), []).append(run)
+        groups.setdefault((*(run[k] for k in _POINT), run["router"]), []).append(run)
     keys = ("rate", "latency_p95_s", "latency_p50_s", "queueing_mean_s", "utilization")
-    return [{"cost_model": model, "mask_mean": mean, "load": load, "router": router,
-             **{k: float(np.mean([r[k] for r in g])) for k in keys}}
-            for (model, mean, load, router), g in groups.items()]
+    return [{**dict(zip(_POINT, point)), "router": router, **{k: float(np.mean([r[k] for r in g])) for k in keys}}
+            for (*point, router), g in groups.items()]
 
 
 def reductions(points: Sequence[dict]) -> list[dict]:
-    """Per cost model, mask mean and load: 1 - P95(mask-aware) / P95(other), for each other router."""
-    p95 = {(p["cost_model"], p["mask_mean"], p["load"], p["router"]): p["latency_p95_s"] for p in points}
+    """Per cost model, mask mean, masks and load: 1 - P95(mask-aware) / P95(other), for each other
+    router (InstGenIE's "35 % increase" of a baseline's P95 is this reduction at 0.26)."""
+    p95 = {(*(p[k] for k in _POINT), p["router"]): p["latency_p95_s"] for p in points}
     rows = []
-    for model, mean, load in dict.fromkeys((p["cost_model"], p["mask_mean"], p["load"]) for p in points):
-        ours = p95[model, mean, load, "mask-aware"]
-        rows.append({"cost_model": model, "mask_mean": mean, "load": load, "p95_mask_aware_s": ours,
-                     **{f"vs {name}": 1 - ours / p95[model, mean, load, name] for name in ROUTERS[:-1]}})
+    for point in dict.fromkeys(tuple(p[k] for k in _POINT) for p in points):
+        ours = p95[(*point, "mask-aware")]
+        rows.append({**dict(zip(_POINT, point)), "p95_mask_aware_s": ours,
+                     **{f"vs {name}": 1 - ours / p95[(*point, name)] for name in ROUTERS[:-1]}})
     return rows
 
 
 def _write(out: Path, data: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "instgenie.json", data)
-    columns = ["cost_model", "mask_mean", "load", "rate", "router", "latency_p95_s", "latency_p50_s", "queueing_mean_s"]
+    columns = ["cost_model", "mask_mean", "masks", "load", "rate", "router", "latency_p95_s", "latency_p50_s",
+               "queueing_mean_s"]
     (out / "instgenie.md").write_text(
         f"# {data['experiment']}\n\n{markdown_table(data['points'], columns, digits=2)}\n"
         f"## P95 reduction of mask-aware (1 - ours / theirs)\n\n{markdown_table(data['reductions'])}")
-    for model, mean in dict.fromkeys((p["cost_model"], p["mask_mean"]) for p in data["points"]):
-        plot_sweep([p for p in data["points"] if (p["cost_model"], p["mask_mean"]) == (model, mean)],
-                   "rate", "latency_p95_s", out / f"instgenie_{model}_mask{mean}.png", by="router",
+    for model, mean, kind in dict.fromkeys((p["cost_model"], p["mask_mean"], p["masks"]) for p in data["points"]):
+        plot_sweep([p for p in data["points"] if (p["cost_model"], p["mask_mean"], p["masks"]) == (model, mean, kind)],
+                   "rate", "latency_p95_s", out / f"instgenie_{model}_mask{mean}_{kind}.png", by="router",
                    xlabel="requests/s over 8 replicas", ylabel="P95 latency (s)",
-                   title=f"FLUX edits, 8 H100s (sim.): {model} cost, mask mean {mean}")
+                   title=f"FLUX edits, 8 H100s (sim.): {model} cost, mask mean {mean}, {kind}")

@@ -29,10 +29,10 @@ from gouache.sched.policies import make_policy
 from gouache.sched.router import (
     LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, ReplicaLoad, RoundRobinRouter, RouteRequest, Router,
 )
-from gouache.sim.exp_instgenie import COST_MODELS, SIZE, STEPS, MaskStepCost, capacity_rps
+from gouache.sim.exp_instgenie import COST_MODELS, SIZE, STEPS, MaskStepCost, capacity_rps, edit_trace
 from gouache.sim.report import markdown_table, write_json
 from gouache.sim.simulator import RequestRecord, Replica, Simulator, route_request
-from gouache.sim.workloads import SimRequest, WorkloadSpec, make_workload, mixed_masks, with_masks
+from gouache.sim.workloads import SimRequest
 
 ROUTERS = ("round-robin", "assigned-tokens", "least-requests", "least-tokens", "mask-aware")
 WEIGHT_FLOOR_S = 0.00896  # FLUX.1-dev's weights streamed once a step on an H100 (docs/costmodels.md)
@@ -63,20 +63,9 @@ def cost(name: str) -> MaskStepCost:
 
 
 def trace(setup: Setup, num_requests: int, seed: int) -> list[SimRequest]:
-    """The setup's arrivals (Poisson at `load` x saturation) with its masks. Arrivals and masks
-    have their own random streams, so setups that differ in masks only share their arrivals."""
-    step_cost = cost(setup.cost_model)
-    rate = setup.load * capacity_rps(step_cost, setup.mask_mean, setup.replicas, 8)
-    spec = WorkloadSpec(num_requests, rate, sizes=[SIZE], steps=STEPS, mask_mean=setup.mask_mean,
-                        mask_shape=setup.mask_shape, seed=seed)
-    requests = make_workload(spec)
-    if setup.masks == "beta":
-        return requests
-    if not setup.masks.startswith("full-"):
-        raise ValueError(f"masks must be beta or full-<share>, got {setup.masks!r}")
-    rng = np.random.default_rng([seed, 7])
-    return with_masks(requests, mixed_masks(num_requests, setup.mask_mean, float(setup.masks[5:]), rng,
-                                            setup.mask_shape))
+    """The setup's edits (`exp_instgenie.edit_trace`), arriving at `load` x saturation."""
+    rate = setup.load * capacity_rps(cost(setup.cost_model), setup.mask_mean, setup.replicas, 8)
+    return edit_trace(num_requests, rate, setup.mask_mean, setup.masks, seed, setup.mask_shape)
 
 
 class AssignedTokensRouter(Router):
@@ -124,8 +113,10 @@ class StaleViewSimulator(Simulator):
 
     def _route(self, request: SimRequest, record: RequestRecord) -> Replica:
         now = request.arrival  # an arrival is routed at its arrival time
-        if now - self._looked >= self.every_s:
-            self._view, self._looked = [replica.load() for replica in self.replicas], now
+        if now - self._looked >= self.every_s:  # copies: the view grows as it routes, the replicas' loads must not
+            loads = [replica.load() for replica in self.replicas]
+            self._view = [ReplicaLoad(list(load.running), list(load.waiting), load.max_batch) for load in loads]
+            self._looked = now
         index = self.router.route(route_request(request), self._view)
         self._view[index].waiting.append(route_request(request))
         record.replica = index

@@ -179,10 +179,11 @@ def test_experiments_write_tables_plots_and_json(tmp_path):
     assert len(ps["margins"]["per_rate"]) == 2
     ig = instgenie_experiment(tmp_path / "ig", loads=(0.7,), mask_means=(0.11,), cost_models=("2-term",),
                               num_requests=40, seeds=(0,), workers=1)
-    assert {p["router"] for p in ig["points"]} == {"least-requests", "least-tokens", "mask-aware"}
+    assert {p["router"] for p in ig["points"]} == {"round-robin", "least-requests", "least-tokens", "mask-aware"}
+    assert {p["masks"] for p in ig["points"]} == {"beta", "heavy"}
     for path in ("ps/patchedserve.json", "ps/patchedserve.md", "ig/instgenie.json", "ig/instgenie.md"):
         assert (tmp_path / path).stat().st_size > 0
-    for png in (tmp_path / "ps/patchedserve.png", tmp_path / "ig/instgenie_2-term_mask0.11.png"):
+    for png in (tmp_path / "ps/patchedserve.png", tmp_path / "ig/instgenie_2-term_mask0.11_heavy.png"):
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
