@@ -50,10 +50,11 @@ def test_a_stale_view_keeps_finished_requests_and_adds_what_it_routed():
 
 
 def test_the_experiment_reports_every_router_per_setup(tmp_path):
-    data = routing_experiment(tmp_path, ["view"], num_requests=40, seeds=(0,), workers=1)
+    data = routing_experiment(tmp_path, ["view"], num_requests=40, seeds=(0,), workers=1)["view"]
     assert {r["router"] for r in data["runs"]} == set(ROUTERS)
     assert len(data["reductions"]) == 12 and all("vs least-requests" in r for r in data["reductions"])
-    assert (tmp_path / "routing.md").read_text().startswith("# why")
+    table = (tmp_path / "routing_view.md").read_text()
+    assert table.startswith("# why") and "| masks | view_every_s | estimate | p95 round-robin |" in table
     with pytest.raises(ValueError, match="unknown hypotheses"):
         routing_experiment(tmp_path, ["nonsense"])
 
