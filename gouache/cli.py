@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--template-cost-model", default=None,
                        help="`gouache profile --edits` JSON: each replayed step follows InstGenIE's load plan on these "
                             "costs (which blocks load the template, which compute in full; an edit runs in full where "
-                            "that is faster) (default: none: in full above 90 %% of the tokens)")
+                            "that is faster); with --router mask-aware the router prices steps with it too "
+                            "(default: none: in full above 90 %% of the tokens, the router a linear stand-in)")
     serve.add_argument("--template-dir", default=None,
                        help="directory of the template store's disk tier (default: a temporary one per server)")
     serve.add_argument("--template-mb", type=int, default=TemplateConfig.host_bytes >> 20,
@@ -199,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "1 runs the engine in the server's process (default: %(default)s)")
     serve.add_argument("--router", default=ReplicaConfig.router, choices=sorted(ROUTERS), action=Given,
                        help="which replica gets each request; only with --replicas > 1. least-tokens and "
-                            "mask-aware count an edit's repainted pixels only (default: %(default)s)")
+                            "mask-aware count the repainted pixels only of an edit that replays a template "
+                            "(default: %(default)s)")
     serve.add_argument("--api-key", default=os.environ.get("GOUACHE_API_KEY"),
                        help="require `Authorization: Bearer KEY` on every route but /health and the playground "
                             "(default: $GOUACHE_API_KEY, else no key)")

@@ -31,6 +31,7 @@ class ModelInfo:
     # techniques (`gouache.techniques`) the model's family does not serve, each with why
     unserved: tuple[tuple[str, str], ...] = ()
     cfg_from: float = 1.0  # classifier-free guidance runs for guidance_scale above this (Z-Image: 0)
+    token_pixels: int = 16  # pixels per side of one image token: a DiT's patch, a UNet's latent pixel
 
     @property
     def img2img(self) -> bool:

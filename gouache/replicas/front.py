@@ -4,8 +4,9 @@ It is an `Engine` to the API (gouache.api.engine). Each replica runs an `AsyncEn
 own process (`gouache.replicas.process`, which also describes the messages). The set keeps
 the router's view of every replica from the events passing through it: each image is waiting
 until its first step and running after it, with its steps still to run, until its image or its
-error. Edits get their repaint ratio measured here when the router reads it (least-tokens,
-mask-aware).
+error. Edits that replay a template get their repaint ratio measured here when the router reads
+it (least-tokens, mask-aware); other edits compute every token and count as whole images. With
+`--template-cost-model` the mask-aware router prices steps with that measured model.
 
 A replica that exits is noticed within `_WATCH_S`, one that hangs (alive, not answering) by
 its missed pings (`Deadlines`): its requests end with an explicit WorkerFailureError and nothing
@@ -38,28 +39,52 @@ from gouache.metrics import Metrics, merged_exposition
 from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, ProgressEvent
 from gouache.replicas.calls import Calls, Deadlines, ReplicaLostError, tell
 from gouache.replicas.process import decode, replica_main
-from gouache.sched.router import ROUTERS, ReplicaLoad, RouteRequest, Router
+from gouache.sched.router import ROUTERS, BatchStepCost, MeasuredEditCost, ReplicaLoad, RouteRequest, Router
 from gouache.sched.tiers import tier_rank
 from gouache.sim.costs import linear_step_cost
 
 if TYPE_CHECKING:
-    from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig
+    from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, TemplateConfig
     from gouache.model_info import ModelInfo
     from gouache.request import ImageRequest
 
 log = logging.getLogger(__name__)
 
 _WATCH_S = 0.25  # how often the replicas' processes are checked
-# The mask-aware router's step cost: the simulator's linear stand-in (20 ms a forward, 80 ms a
-# megapixel, an edit counting its repainted pixels). Routing only compares replicas, so the
-# shape matters, not the scale.
+# The mask-aware router's step cost without `--template-cost-model`: the simulator's linear
+# stand-in (20 ms a forward, 80 ms a megapixel, an edit counting its repainted pixels). Routing
+# only compares replicas, so the shape matters, not the scale.
 ROUTER_STEP_COST = linear_step_cost(per_forward_s=0.020, per_megapixel_s=0.080)
 
 
-def make_router(name: str) -> Router:
+def make_router(name: str, step_cost: BatchStepCost = ROUTER_STEP_COST.batch_step_time) -> Router:
+    """The router `name`; mask-aware prices a batch's step with `step_cost`."""
     if name not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(sorted(ROUTERS))}, got {name!r}")
-    return ROUTERS[name](ROUTER_STEP_COST.batch_step_time) if name == "mask-aware" else ROUTERS[name]()
+    return ROUTERS[name](step_cost) if name == "mask-aware" else ROUTERS[name]()
+
+
+def route_step_cost(templates: TemplateConfig, info: ModelInfo) -> BatchStepCost:
+    """What the mask-aware router prices a step with: the measured template-edit model of
+    `--template-cost-model` (the one each replica's load plan runs on) for this model's tokens and
+    rows, else the linear stand-in."""
+    if templates.cost_model is None:
+        return ROUTER_STEP_COST.batch_step_time
+    from gouache.sched.costmodel import load_mask_model  # scikit-learn: a second to import, only here
+
+    return MeasuredEditCost(load_mask_model(templates.cost_model), info.token_pixels,
+                            info.cfg_rows(info.default_guidance))
+
+
+def computed_share(request: ImageRequest, templates: TemplateConfig, max_pixels: int) -> float:
+    """The share of an image's tokens its steps compute, as the router counts them: an edit that
+    replays a template computes its mask (its repaint ratio); a generation, and an edit that does
+    not replay (`template_cache` false, or absent under a server without `--template-cache`),
+    compute every token, as diffusers' inpaint pipelines do."""
+    replays = templates.default if request.template_cache is None else request.template_cache
+    if not request.is_edit or not replays or request.register_template:
+        return 1.0
+    return repaint_ratio(request.image, request.mask, max_pixels)
 
 
 @dataclass
@@ -201,6 +226,8 @@ class ReplicaSet:
                 self.replicas[index].nodes = self.replicas[index].process.placed() if self._host else []
                 self.info = rest[0]
                 self.max_batch = min(self.max_batch or self.info.max_batch, self.info.max_batch)
+        if self.router.name == "mask-aware":  # its edits' tokens and rows are the model's, known now
+            self.router = make_router(self.router.name, route_step_cost(self.configs[1].templates, self.info))
 
     async def drain(self, grace_s: float) -> None:
         self._draining = True
@@ -256,7 +283,7 @@ class ReplicaSet:
         first = requests[0]
         ratio = 1.0
         if first.is_edit and self.router.reads_masks:
-            ratio = await asyncio.to_thread(repaint_ratio, first.image, first.mask, self.max_upload_pixels)
+            ratio = await asyncio.to_thread(computed_share, first, self.configs[1].templates, self.max_upload_pixels)
         tier = tier_rank(first.service_tier)
         views = {i: RouteRequest(r.request_id, r.width * r.height, r.num_inference_steps, ratio, tier)
                  for i, r in enumerate(requests)}

@@ -115,6 +115,7 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         instruction_edit=instruction_edits(pipe),
         unserved=tuple(UNSERVED.get(family, {}).items()),
         cfg_from=CFG_FROM.get(family, 1.0),
+        token_pixels=pipe.vae_scale_factor if family in ("sd", "sdxl") else size_step(pipe, family),
         max_input_images=max_input_images(pipe),
         generation=generations(pipe),
         min_steps=MIN_STEPS.get(family, 1),

@@ -16,6 +16,7 @@ from gouache.errors import UnknownModelError
 from gouache.models.arch import build_arch
 from gouache.models.zoo import BUILDERS, BUILTIN_MODELS, export_model, load_pipeline
 from gouache.runner.describe import denoiser, model_info
+from gouache.runner.families import make_family
 from gouache.models.tokenizer import build_tokenizer
 
 SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux packs 2x2)
@@ -160,6 +161,8 @@ def test_unknown_model_names_the_builtins(tmp_path):
 def test_model_info_of_builtins(pipes):
     info = {name: model_info(pipe, name) for name, pipe in pipes.items() if name.startswith("tiny-")}
     assert {i.size_step for i in info.values()} == {16}
+    # the router counts an edit's tokens in the family's own (a UNet's latent pixel, a DiT's patch)
+    assert {n: i.token_pixels for n, i in info.items()} == {n: make_family(pipes[n], None).token_pixels for n in info}
     assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
     assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,

@@ -8,22 +8,27 @@ import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig
+from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, TemplateConfig
 from gouache.errors import GouacheError
 from gouache.metrics import Metrics, merged_exposition
-from gouache.replicas.front import ReplicaSet, make_router
+from gouache.model_info import ModelInfo
+from gouache.replicas.front import ROUTER_STEP_COST, ReplicaSet, computed_share, make_router, route_step_cost
 from gouache.request import ImageRequest
-from gouache.sched.router import ROUTERS
+from gouache.sched.costmodel import load_mask_model
+from gouache.sched.router import ROUTERS, MeasuredEditCost, RouteRequest
 from tests.api.helpers import running_server
 from tests.api.test_real_server import client, rgba_png
 
 MODEL = "tiny-sd"
+MASK_COSTS = "benchmarks/results/costmodel_mask_shapes-dit.json"  # `gouache profile --edits` files
+UNET_MASK_COSTS = "benchmarks/results/costmodel_mask_shapes-unet.json"
 
 
 class Front:
@@ -67,11 +72,13 @@ def mask_png(size: int, repaint: float) -> bytes:
     return png(mask)
 
 
-def request(api_id: str, size: int, steps: int = 3, n: int = 1, repaint: float | None = None) -> list[ImageRequest]:
+def request(api_id: str, size: int, steps: int = 3, n: int = 1, repaint: float | None = None,
+            template: bool | None = None) -> list[ImageRequest]:
     edit = {}
     if repaint is not None:
         rng = np.random.default_rng(0)
-        edit = {"image": png(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)), "mask": mask_png(size, repaint)}
+        edit = {"image": png(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)), "mask": mask_png(size, repaint),
+                "template_cache": template}
     return [ImageRequest(f"{api_id}-{i}", "a red circle", size, size, steps, 4.0, seed=i, arrival_time=time.monotonic(),
                          **edit) for i in range(n)]
 
@@ -97,7 +104,9 @@ async def serve(replicas: ReplicaSet, load: list[list[ImageRequest]]) -> tuple[l
 def test_two_replicas_serve_a_mixed_load_under_each_router(front, router):
     front.set.router = make_router(router)
     load = [request(f"{router}-g{i}", size, n=1 + i % 2) for i, size in enumerate((64, 96, 64))]
-    load += [request(f"{router}-e{i}", 64, repaint=r) for i, r in enumerate((0.25, 0.5, 1.0))]
+    # two edits replay a template (the first of them records it), one is exact and computes every token
+    load += [request(f"{router}-e{i}", 64, repaint=r, template=t) for i, (r, t) in
+             enumerate(((0.25, True), (0.5, True), (0.5, False)))]
     outcomes, placed, ratios = front.run(serve(front.set, load))
     for requests, images in zip(load, outcomes):
         assert not isinstance(images, BaseException), images
@@ -107,6 +116,39 @@ def test_two_replicas_serve_a_mixed_load_under_each_router(front, router):
         assert [ratios[f"{router}-e{i}"] for i in range(3)] == [0.25, 0.5, 1.0]
     stats = front.set.stats()
     assert (stats.waiting, stats.running, stats.status) == (0, 0, "ok")
+
+
+def test_the_mask_aware_router_prices_steps_with_the_template_cost_model_or_the_stand_in():
+    info = ModelInfo("m", "flux", 16, 1024, 28, 3.5, uses_cfg=False, inpaint_channels=False, token_pixels=16)
+    assert route_step_cost(TemplateConfig(), info) == ROUTER_STEP_COST.batch_step_time
+    measured = route_step_cost(TemplateConfig(cost_model=MASK_COSTS), info)
+    model = load_mask_model(MASK_COSTS)
+    batch = [RouteRequest("a", 256 * 256, 20, 0.2), RouteRequest("b", 128 * 128, 20)]
+    assert measured(batch) == model.predict([(256, 0.2), (64, 1.0)])
+
+
+def test_only_an_edit_that_replays_a_template_counts_its_mask():
+    edit = request("e", 64, repaint=0.25)[0]
+    assert computed_share(edit, TemplateConfig(), 4096) == 1.0  # exact: every token
+    assert computed_share(edit, TemplateConfig(default=True), 4096) == 0.25
+    assert computed_share(replace(edit, template_cache=True), TemplateConfig(), 4096) == 0.25
+    assert computed_share(replace(edit, template_cache=False), TemplateConfig(default=True), 4096) == 1.0
+    assert computed_share(request("g", 64)[0], TemplateConfig(default=True), 4096) == 1.0
+
+
+def test_serve_mask_aware_with_a_template_cost_model_routes_on_it():
+    config = (ModelConfig(MODEL), EngineConfig(torch_threads=1, templates=TemplateConfig(cost_model=UNET_MASK_COSTS)),
+              SchedulerConfig(max_batch_size=4), ReplicaConfig(replicas=2, router="mask-aware"))
+    front = Front(ReplicaSet(*config))
+    try:
+        cost = front.set.router.step_cost
+        assert isinstance(cost, MeasuredEditCost)
+        assert (cost.token_pixels, cost.rows) == (8, 2)  # tiny-sd: a token is a latent pixel; CFG: two rows
+        outcomes, _, ratios = front.run(serve(front.set, [request("t", 64, repaint=0.25, template=True)]))
+        assert not isinstance(outcomes[0], BaseException), outcomes[0]
+        assert ratios == {"t": 0.25}
+    finally:
+        front.close()
 
 
 def test_an_unknown_router_is_refused_with_the_names_it_could_be():
