@@ -14,6 +14,9 @@ other devices, for its latents (`handoff`).
 Conventions (they fix the exact times the tests compute by hand):
 - All events at one instant are applied before anyone schedules: a request that arrives
   exactly when a step ends can join the next step.
+- Then the replicas where something happened decide (and those that may plan with nothing
+  happening to them, `Replica.may_plan`); any other replica's decision would be empty, so it
+  is not asked. The router's view of a replica (`Replica.load`) is rebuilt only after it changed.
 - A request finishes when the step that does its last denoising step ends (post-processing,
   VAE decode, is not simulated).
 - Nothing is lost: a request is finished, dropped by its policy, refused at arrival (an
@@ -204,12 +207,14 @@ class Replica:
         self.segments: dict[int, _Segment] = {}  # id(run) -> its segment in flight
         self._backlog_s = 0.0  # stage work not yet done
         self._idle_since = 0.0  # while idle: since when the backlog has been worked off
+        self._load: ReplicaLoad | None = None  # what the router sees, kept until the replica changes
 
     @property
     def idle(self) -> bool:
         return not self.segments
 
     def add(self, state: RequestState, now: float) -> None:
+        self._load = None
         self.scheduler.add(state)
         if self.stage_cost is not None:
             self._work_off(now)
@@ -217,6 +222,7 @@ class Replica:
 
     def decide(self, now: float) -> list[_Segment]:
         """Plan if it is time to, and start every ready run not yet stepping; the segments started."""
+        self._load = None
         self._work_off(now)
         plan = self._schedule(now)
         while plan.drop and not plan.batches and self.scheduler.waiting:
@@ -229,6 +235,7 @@ class Replica:
 
     def segment_done(self, segment: _Segment, now: float) -> list[_Segment]:
         """A segment ended at `now`: advance its run; start its next segment if the run goes on."""
+        self._load = None
         del self.segments[id(segment.run)]
         if not self.segments:
             self._idle_since = now
@@ -241,6 +248,18 @@ class Replica:
             return []
         segment = self._start(segment.run, now)
         return [] if segment is None else [segment]
+
+    def may_plan(self) -> bool:
+        """Whether `decide` could start anything with nothing happening to this replica: a ready
+        run not stepping, or work to place and a free device (a policy that declined may not
+        later). Otherwise deciding is a no-op until an arrival or a segment's end here."""
+        scheduler = self.scheduler
+        if any(id(run) not in self.segments for run in scheduler.ready()):
+            return True
+        if not (scheduler.waiting or scheduler.running) or not scheduler.free_devices():
+            return False
+        in_runs = {rid for run in scheduler.runs for rid in run.batch.request_ids}
+        return bool(scheduler.waiting) or any(rid not in in_runs for rid in scheduler.running)
 
     def _schedule(self, now: float) -> Plan:
         plan = self.scheduler.schedule(now)
@@ -298,7 +317,13 @@ class Replica:
         record.pauses = state.pauses
 
     def load(self) -> ReplicaLoad:
-        """What a router sees of this replica: its batch and its queue, as plain values."""
+        """What a router sees of this replica: its batch and its queue, as plain values (built
+        again only after the replica changed)."""
+        if self._load is None:
+            self._load = self._build_load()
+        return self._load
+
+    def _build_load(self) -> ReplicaLoad:
         running = [self._route_request(s) for s in self.scheduler.running.values()]
         waiting = [self._route_request(s) for s in self.scheduler.waiting.values()]
         max_batch = self.scheduler.policy.config.max_batch_size
@@ -350,13 +375,16 @@ class Simulator:
         plans: list[tuple[float, Plan]] | None = [] if self.record_plans else None
         self.replicas = [Replica(policy, self.step_cost, records, self.stage_cost, self.num_devices, self.handoff, plans)
                          for policy in self.policies]
+        index = {id(replica): i for i, replica in enumerate(self.replicas)}
         events = [(r.arrival, _ARRIVAL, i, r) for i, r in enumerate(requests)]
         heapq.heapify(events)
         seq = len(events)  # tie-breaker: events of one kind at one instant keep their order
         now = min((r.arrival for r in requests), default=0.0)
         start, end = now, now
+        pending: set[int] = set()  # replicas that may plan with no event of theirs (`Replica.may_plan`)
         while events:
             now = events[0][0]
+            touched = set(pending)  # only these can plan now: deciding any other one is a no-op
             while events and events[0][0] == now:
                 _, kind, _, payload = heapq.heappop(events)
                 if kind == _SEGMENT_DONE:
@@ -370,14 +398,17 @@ class Simulator:
                     else:
                         record.refused_at = now
                     started = []
+                touched.add(index[id(replica)])
                 for item in started:
                     heapq.heappush(events, (item[1].end, _SEGMENT_DONE, seq, item))
                     seq += 1
             end = now  # events leave the heap in time order
-            for replica in self.replicas:
+            for i in sorted(touched):
+                replica = self.replicas[i]
                 for segment in replica.decide(now):
                     heapq.heappush(events, (segment.end, _SEGMENT_DONE, seq, (replica, segment)))
                     seq += 1
+                (pending.add if replica.may_plan() else pending.discard)(i)
         for replica in self.replicas:
             replica.close()
         return SimResult(
