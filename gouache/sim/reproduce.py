@@ -1,5 +1,6 @@
 """`gouache reproduce`: the three papers' headline experiments, side by side, in one run, and
-the service tiers' experiment (issue 38).
+the service tiers' experiment (issue 38); on request (`--only`, minutes each), a fleet day of
+1,000 devices and the check of its approximations.
 
 Each writes JSON, a markdown table and PNG plots under `--out/<name>/`. They run on the
 simulator with documented cost models (see docs/costmodels.md), not on GPUs.
@@ -37,17 +38,33 @@ def _tiers(out: Path, args) -> dict:
     return tiers_experiment(out)
 
 
+def _fleet_day(out: Path, args) -> dict:
+    from gouache.sim.exp_fleet_day import fleet_day_experiment
+
+    return fleet_day_experiment(out)
+
+
+def _fleet_day_error(out: Path, args) -> dict:
+    from gouache.sim.exp_fleet_day_error import fleet_day_error_experiment
+
+    return fleet_day_error_experiment(out)
+
+
 EXPERIMENTS: dict[str, Callable[[Path, object], dict]] = {
     "patchedserve": _patchedserve,  # SLO satisfaction vs QPS: fcfs-static, orca, patched, patched-slo
     "tetriserve": _tetriserve,  # SLO attainment vs SLO scale on 8 devices: fixed-sp-1/2/4/8, round-knapsack
     "instgenie": _instgenie,  # P95 latency vs rate over 8 replicas: least-requests, least-tokens, mask-aware
     "tiers": _tiers,  # service tiers at 2x load on 64 devices: with tiers, tier-blind, priority alone
+    "fleet-day": _fleet_day,  # 1,000 devices, a diurnal day of mixed traffic, router x policy; devices needed
+    "fleet-day-error": _fleet_day_error,  # the fleet day's approximations against fuller simulations
 }
+LONG = ("fleet-day", "fleet-day-error")  # minutes each: run only when --only names them
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--only", default=",".join(EXPERIMENTS),
-                   help="comma-separated subset of the experiments (default: %(default)s)")
+    p.add_argument("--only", default=",".join(n for n in EXPERIMENTS if n not in LONG),
+                   help=f"comma-separated subset of the experiments, from {', '.join(EXPERIMENTS)} "
+                        f"(default: %(default)s; {' and '.join(LONG)} take minutes each)")
     p.add_argument("--out", default="benchmarks/results/reproduce",
                    help="output folder; each experiment writes under OUT/<name>/ (default: %(default)s)")
     p.add_argument("--batching-costs", nargs="+", default=None, metavar="JSON",
