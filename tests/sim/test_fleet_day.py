@@ -188,3 +188,30 @@ def test_reproduce_runs_the_fleet_day_only_when_asked(name, module, function, mo
     parser = argparse.ArgumentParser()
     reproduce.add_arguments(parser)
     assert name not in parser.parse_args([]).only.split(",")  # minutes: not in the default run
+
+
+# -- coarse steps -------------------------------------------------------------------------
+
+def test_coarse_steps_run_a_plan_up_to_k_steps_and_never_past_a_members_last():
+    from gouache.config import SchedulerConfig
+    from gouache.sched.policies import make_policy
+    from gouache.sim.coarse import CoarseSteps
+    from gouache.sim.costs import LinearStepCost
+    from gouache.sim.simulator import simulate
+
+    cost = LinearStepCost(per_megapixel_s=1.0)  # 1 s a step of a 1 MP image, alone or batched
+    trace = [SimRequest("a", 0.0, 1000, 1000, 6), SimRequest("b", 0.0, 1000, 1000, 3),
+             SimRequest("late", 0.5, 1000, 1000, 2)]
+    plans = {}
+    for k in (1, 4):
+        policy = CoarseSteps(make_policy(SchedulerConfig(policy="orca", max_batch_size=8)), k)
+        result = simulate(trace, policy, cost, record_plans=True)
+        plans[k] = [(t, [b.steps for b in p.batches]) for t, p in result.plans]
+        finish = {r.request.request_id: r.finish for r in result.records}
+        # k = 1: a and b step 0-2 (2 s a step); late joins at 2, three step 2-5 and 5-8; a goes on alone.
+        # k = 4: a and b run 3 steps, 0-6 (b's last, not 4); late joins at 6, with a 6-10; a alone 10-11.
+        assert (finish["a"], finish["b"], finish["late"]) == {1: (11.0, 8.0, 8.0), 4: (11.0, 6.0, 10.0)}[k]
+    assert plans[4][:2] == [(0.0, [3]), (6.0, [2])]
+    assert all(steps == [1] for _, steps in plans[1])
+    with pytest.raises(ValueError, match="not a step policy"):
+        CoarseSteps(make_policy(SchedulerConfig(policy="round-knapsack"), cost), 4)
