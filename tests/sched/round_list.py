@@ -5,17 +5,17 @@ with service tiers, which `round_reference` (written before tiers) does not have
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-from gouache.sched.knapsack import (
-    Allocation, deadline_allocations, elastic_scale_up, group_knapsack, place, round_options, selective_batching,
+from gouache.sched.knapsack import (  # the helpers the list version shares with the planner today
+    Allocation, _Bounds, _fastest, _late, deadline_allocations, elastic_scale_up, group_knapsack, place, round_options,
+    selective_batching,
 )
 from gouache.sched.batching import batch_step
 from gouache.sched.rounds import (
-    BatchStepTime, RoundAllocation, RoundDecision, RoundOption, RoundRequest, StepTable, StepTime, cached, degrees,
-    max_degree, steps_in_round, survives,
+    BatchStepTime, RoundAllocation, RoundDecision, RoundOption, RoundRequest, StepTable, StepTime, cached,
+    max_degree, steps_in_round,
 )
 
 
@@ -162,30 +162,6 @@ def tier_weights(tiers: Sequence[int]) -> list[int] | None:
 
 _WAITS = RoundOption(0, 0, True)  # "none", and the request survives it
 _LOST = RoundOption(0, 0, False)  # "none", and no option would save the request
-
-
-class _Bounds(dict[Hashable, tuple[float, int]]):
-    """resolution -> (T_min, floor(τ / T_min)): its fastest step and the most steps a round
-    holds at that speed. Filled on first use: once per resolution, not per request."""
-
-    def __init__(self, cost: StepTable, top: int, tau: float):
-        super().__init__()
-        self.cost, self.top, self.tau = cost, top, tau
-
-    def __missing__(self, resolution: Hashable) -> tuple[float, int]:
-        t_min = self.cost.fastest(resolution, self.top)
-        bound = self[resolution] = (t_min, steps_in_round(t_min, self.tau, sys.maxsize))
-        return bound
-
-
-def _late(request: RoundRequest, steps: int, step_s: float, cost: StepTable, tau: float, now: float, top: int) -> bool:
-    """Whether `request`, run `steps` steps of `step_s` seconds this round, is definitely late at t_{r+1}."""
-    return not survives(request, steps, step_s, cost.fastest(request.resolution, top), tau, now)
-
-
-def _fastest(request: RoundRequest, step_time: StepTime, top: int) -> int:
-    """The degree with the least step time (the smaller on a tie): best effort for a late request."""
-    return min(degrees(top), key=lambda k: (step_time(request.resolution, k), k))
 
 
 def _index(requests: Sequence[RoundRequest], num_devices: int, tau: float, max_batch: int) -> dict[str, RoundRequest]:
