@@ -10,6 +10,10 @@
 #       merged vs none), block_cache_ (a fixed half reused vs exact), controlnet_ (sdxl: the service sync
 #       and async vs plain);
 #   controlnet-sdxl: the controlnet_ rows alone;
+#   quant-sdxl, quant-sd3, quant-flux: eager bf16 against its denoiser's linear layers in fp8 and int8 (torchao), step and
+#       MFU at 512 and 1024 px, and the LoRA rows under each (quant_);
+#   lora-sdxl, lora-sd3, lora-flux: the lora_ rows alone (segmented, per adapter, merged);
+#   blockcache-sdxl, blockcache-sd3, blockcache-flux: the block_cache_ rows alone;
 #   exactness: the engine-vs-diffusers exactness tests on the GPU in fp32 and bf16 (SECONDS each), their largest latent
 #       differences in exactness_GPU.{json,md};
 #   compile-sdxl, compile-sd3: compiled with CUDA graphs vs eager at 512 px, step and MFU (compile_; the
@@ -39,6 +43,15 @@ for spec in $parts; do
     controlnet-*)
       gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --skip mfu,patched,template,lora,block_cache \
         --repeats 5 --out "$out/{section}_${model}_${gpu}.json" ;;
+    quant-*)
+      gouache bench fullsize --device cuda --models "$model" --variants eager,fp8,int8 --sizes 512,1024 \
+        --skip patched,template,block_cache,controlnet --repeats 3 --out "$out/quant_${model}_${gpu}.json" ;;
+    lora-*)
+      gouache bench fullsize --device cuda --models "$model" --sizes 512 --skip mfu,patched,template,block_cache,controlnet \
+        --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
+    blockcache-*)
+      gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --mixes 512+1024 \
+        --skip mfu,patched,template,lora,controlnet --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
     compile-*)
       gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512 \
         --skip patched,template,lora,block_cache,controlnet --repeats 3 --out "$out/compile_${model}_${gpu}.json" ;;

@@ -6,8 +6,10 @@ step time is also an MFU.
 
 Each model runs in a process of its own; its rows are steps of in-process runners
 (`runner.execute`: the forward, the sampler step, the composer), medians of `--repeats` after a
-step untimed, variants (eager, compiled) interleaved repetition by repetition; on a GPU a step's
-time ends when its queue is drained. A request's step runs its CFG rows (two per image). Rows:
+step untimed, variants interleaved repetition by repetition; on a GPU a step's time ends when its
+queue is drained. A request's step runs its CFG rows (two per image). Variants: `eager` (bf16, the
+baseline), `compiled` (on a GPU with CUDA graphs), `int8` and `fp8` (eager, over a copy of the
+denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPUs only). Rows:
 
 - `peak_tflops`: large square matmuls (bf16, fp32) over `--torch-threads` threads, the best;
 - `mfu`: one request's step at each size; its FLOPs counted (`torch.utils.flop_counter`,
@@ -16,8 +18,9 @@ time ends when its queue is drained. A request's step runs its CFG rows (two per
   forward, against one forward per size, summed;
 - `template_over_full`: an edit at the largest size replaying a template recorded from the same
   picture, against the same edit in full, per mask ratio;
-- `lora`: four requests at the smallest size with four adapters of one rank (segmented), and
-  with one shared adapter (merged), each against no adapter;
+- `lora`: four requests at the smallest size with four adapters of one rank in one forward
+  (segmented), in a forward per adapter (`per adapter`, summed: what servers that batch by adapter
+  do), and with one shared adapter (merged), each against no adapter in one forward;
 - `block_cache`: the cache reusing a fixed share of its units (`FixedShare`: every other unit,
   alternating step by step) against exact, per image (two requests at the largest size: at
   256 px half a batch runs its kernels below their efficiency), per patch (patched UNet)
@@ -53,7 +56,8 @@ import time
 from pathlib import Path
 
 STARTED = time.perf_counter()  # a child's log says when each section ended
-VARIANTS = ("eager", "compiled")
+VARIANTS = ("eager", "compiled", "int8", "fp8")
+QUANTIZED = ("int8", "fp8")
 SECTIONS = ("mfu", "patched", "template", "lora", "block_cache", "controlnet")
 FILES = {"mfu": "mfu", "patched_over_grouped": "batching", "template_over_full": "edit", "lora": "lora",
          "block_cache": "block_cache", "controlnet": "controlnet", "ulysses": "ulysses"}  # summary key: --out's {section}
@@ -96,7 +100,8 @@ def _settings(args) -> None:
     args.skip = [s for s in (args.skip or "").split(",") if s]
     variants = args.variants.split(",")
     if sorted(set(variants) - set(VARIANTS)) or "eager" not in variants:
-        raise ValueError(f"--variants takes eager (always, the baseline) and compiled; got {args.variants!r}")
+        raise ValueError(f"--variants takes eager (always, the baseline) and any of {', '.join(VARIANTS[1:])}; "
+                         f"got {args.variants!r}")
     if any(s % 128 for s in args.sizes) or any(len(mix) < 2 or any(s % 128 for s in mix) for mix in args.mixes):
         raise ValueError(f"--sizes and --mixes take multiples of 128 px (the patch), two or more sizes per mix; "
                          f"got {args.sizes}, {args.mixes}")
@@ -111,6 +116,8 @@ def _settings(args) -> None:
         raise ValueError(f"--skip takes {', '.join(SECTIONS)}, ulysses; got {', '.join(sorted(unknown))}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device takes cpu or cuda[:N]; got {args.device!r}")
+    if "fp8" in variants and args.device == "cpu":
+        raise ValueError("--variants fp8 needs a GPU with float8 units (H100 or later): add --device cuda, or use int8")
     if args.device != "cpu" and "ulysses" not in args.skip:
         args.skip.append("ulysses")  # its degree 2 needs two devices; one GPU is measured
 
@@ -300,7 +307,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
             names[rank] = [f"r{rank}-{i}" for i in range(4)]
             for i, name in enumerate(names[rank]):
                 save_file(random_lora(pipe, rank=rank, seed=100 * rank + i), str(loras / f"{name}.safetensors"))
-        runners = {}
+        runners, pipes = {}, variant_pipes(pipe, args.variants.split(","))  # the copies made before any runner hooks pipe
         # a template in the GPU's memory, as a GPU server would hold a hot one (sd3-arch records 12 GB at 1024 px)
         templates = TemplateConfig(host_bytes=8 << 30, device_bytes=(64 << 30) if args.device.startswith("cuda") else 0)
         for variant in args.variants.split(","):
@@ -311,7 +318,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
                                         sizes=((small, small),), cache_dir=args.compile_cache,
                                         cuda_graphs=args.device.startswith("cuda"))
             runners[variant] = runner = ModelRunner(
-                pipe, loras=LoraConfig(str(loras)), templates=templates, compile=compile)
+                pipes[variant], loras=LoraConfig(str(loras)), templates=templates, compile=compile)
             runner.warm_up(small)
             for name in runner.loras.store.names():
                 runner.loras.store.load(name).result()
@@ -332,6 +339,18 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
             emit({"block_cache": _block_cache(bench, large, args.mixes[0], args.share, unet, budget)})
     finally:
         shutil.rmtree(loras, ignore_errors=True)
+
+
+def variant_pipes(pipe, variants: list[str]) -> dict:
+    """Each variant's pipeline: `pipe` itself, or for int8 and fp8 one sharing every component of
+    `pipe` but its denoiser, a quantized copy."""
+    import copy
+
+    from gouache.runner.quantize import quantize
+
+    name = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+    return {variant: quantize(type(pipe)(**{**pipe.components, name: copy.deepcopy(getattr(pipe, name))}), variant)
+            if variant in QUANTIZED else pipe for variant in variants}
 
 
 def _mfu(bench, sizes: list[int]) -> dict:
@@ -399,9 +418,9 @@ def _lora(bench, size: int, names: dict[int, list[str]]) -> dict:
         for runner in bench.runners.values():
             runner.loras.merged.set(())
 
-    def timed(label: str, ids: tuple[str, ...]) -> None:
+    def timed(label: str, *batches: tuple[str, ...]) -> None:
         seen = modes.setdefault(label, set())
-        bench.timed(label, [ids], observe=lambda variant, out: seen.add(out.lora.mode or "none"))
+        bench.timed(label, list(batches), observe=lambda variant, out: seen.add(out.lora.mode or "none"))
 
     plain = bench.prepare([(size, {})] * 4)
     rows = {}
@@ -411,6 +430,9 @@ def _lora(bench, size: int, names: dict[int, list[str]]) -> dict:
         timed("no LoRA", plain)
         timed(f"segmented rank {rank}", mixed)
         rows[f"segmented rank {rank}"] = {v: bench.ratio(v, f"segmented rank {rank}", "no LoRA") for v in bench.variants}
+        timed(f"per adapter rank {rank}", *((rid,) for rid in mixed))  # a forward per adapter, summed
+        rows[f"per adapter rank {rank}"] = {v: bench.ratio(v, f"per adapter rank {rank}", "no LoRA")
+                                            for v in bench.variants}
         bench.release(mixed)
     first = next(iter(names.values()))[0]
     merged = bench.prepare([(size, {"loras": ((first, 1.0),)})] * 4)

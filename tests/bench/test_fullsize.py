@@ -23,7 +23,8 @@ def test_quick_run_measures_every_section(tmp_path):
         assert data["patched_over_grouped"][model]["128+256"]["eager"] > 0
         template = data["template_over_full"][model]["0.1"]
         assert template["eager"] > 0 and template["tokens"] == pytest.approx(0.1, abs=0.05)
-        assert set(data["lora"][model]) == {"merged", "segmented rank 16"}
+        assert set(data["lora"][model]) == {"merged", "segmented rank 16", "per adapter rank 16"}
+        assert data["lora"][model]["per adapter rank 16"]["eager"] > 0
         cache = data["block_cache"][model]
         assert set(cache) == {"image", "patch" if model == "tiny-sdxl" else "token"}
         for row in cache.values():  # the fixed share is what the cache did: every other unit reused
@@ -65,11 +66,25 @@ def test_full_size_pipelines_condition_at_the_published_widths(name):
     assert pipe.vae.config.latent_channels == c.in_channels and pipe.vae.dtype == torch.bfloat16
 
 
+def test_a_quantized_variant_runs_a_quantized_copy_of_the_denoiser_alone():
+    from gouache.bench.fullsize import variant_pipes
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.quantize import quantized
+
+    pipe = load_pipeline("tiny-sdxl")
+    before = {name: p.clone() for name, p in pipe.unet.named_parameters()}
+    pipes = variant_pipes(pipe, ["eager", "int8"])
+    assert pipes["eager"] is pipe and quantized(pipe.unet) is None
+    assert quantized(pipes["int8"].unet) == "int8" and pipes["int8"].text_encoder is pipe.text_encoder
+    assert all(torch.equal(p, before[name]) for name, p in pipe.unet.named_parameters())  # the baseline's own weights
+
+
 def test_arguments_out_of_range_are_refused(capsys):
     for argv, what in ((["--sizes", "200,512"], "--sizes"), (["--mixes", "256"], "--mixes"), (["--masks", "0"], "--masks"),
                        (["--share", "1"], "--share"), (["--share", "0.4"], "--share"), (["--skip", "nothing"], "--skip"),
                        (["--compile-cache", "/tmp/x"], "--compile-cache"),
-                       (["--variants", "compiled"], "--variants"), (["--device", "tpu"], "--device")):
+                       (["--variants", "compiled"], "--variants"), (["--device", "tpu"], "--device"),
+                       (["--variants", "eager,fp8"], "fp8")):
         assert main(["bench", "fullsize", *argv]) == 2
         err = capsys.readouterr().err
         assert "gouache: error:" in err and what in err
