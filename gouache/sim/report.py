@@ -34,6 +34,8 @@ def result_to_dict(result: SimResult, per_request: bool = True) -> dict:
 
 
 def write_json(path: str | Path, data) -> None:
+    """`data` as JSON at `path`, its folder made if missing (a long run must not end unwritten)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -57,3 +57,21 @@ def test_steps_drawn_from_measured_ratios_vary_as_they_did():
 
     assert p95(ratios=[1.2] * 3) == p95()
     assert p95(ratios=[0.7, 0.7, 2.2]) > 1.05 * p95()
+
+
+def test_sim_to_real_compares_each_tier_by_its_targets_numbers():
+    """Priority and default by latency, flex by refusals: flex's latency gap does not count."""
+    from gouache.bench.tiers import sim_to_real
+
+    rows = [{"tier": "priority", "p50_gap": 0.01, "p95_gap": -0.08, "sim_refused": 0, "refused_gap": None},
+            {"tier": "default", "p50_gap": 0.02, "p95_gap": -0.03, "sim_refused": 82, "refused_gap": -0.057},
+            {"tier": "flex", "p50_gap": 1.65, "p95_gap": 0.21, "sim_refused": 171, "refused_gap": 0.018}]
+    verdict = sim_to_real(rows)
+    assert verdict["largest_gap"] == {"priority": 0.08, "default": 0.03, "flex": 0.018}
+    assert verdict["largest"] == 0.08 and verdict["within_10pct"]
+    rows[2]["refused_gap"] = 0.15
+    assert not sim_to_real(rows)["within_10pct"]
+    rows[2].update(refused_gap=None, sim_refused=3)  # the live run refused no flex request, the simulation some
+    assert sim_to_real(rows)["largest_gap"]["flex"] == float("inf")
+    rows[2]["sim_refused"] = 0
+    assert sim_to_real(rows)["largest_gap"]["flex"] == 0.0
