@@ -14,6 +14,7 @@
 #       MFU at 512 and 1024 px, and the LoRA rows under each (quant_);
 #   lora-sdxl, lora-sd3, lora-flux: the lora_ rows alone (segmented, per adapter, merged);
 #   blockcache-sdxl, blockcache-sd3, blockcache-flux: the block_cache_ rows alone;
+#   park-sdxl, park-sd3, park-flux: a paused 1024 px request parked in host memory and stepped back (park_);
 #   exactness: the engine-vs-diffusers exactness tests on the GPU in fp32 and bf16 (SECONDS each), their largest latent
 #       differences in exactness_GPU.{json,md};
 #   compile-sdxl, compile-sd3: compiled with CUDA graphs vs eager at 512 px, step and MFU (compile_; the
@@ -52,6 +53,9 @@ for spec in $parts; do
     blockcache-*)
       gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --mixes 512+1024 \
         --skip mfu,patched,template,lora,controlnet --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
+    park-*)
+      gouache bench fullsize --device cuda --models "$model" --sizes 1024 --skip mfu,patched,template,lora,block_cache,controlnet \
+        --repeats 5 --out "$out/{section}_${model}_${gpu}.json" ;;
     compile-*)
       gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512 \
         --skip patched,template,lora,block_cache,controlnet --repeats 3 --out "$out/compile_${model}_${gpu}.json" ;;

@@ -26,6 +26,8 @@ denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPU
   256 px half a batch runs its kernels below their efficiency), per patch (patched UNet)
   and per token (packed DiT) over the first mix; and the share of unit-blocks it reused and the
   requests it evicted over its budget (8 GiB; 64 GiB on a GPU);
+- `park`: a paused request at the largest size parked in host memory (`--paused-host-mb`) and
+  stepped back, against a step of its unparked twin: MiB parked, ms to park, ms to restore;
 - `ulysses` (sd3-arch, CPU only): one request at the largest size, Ulysses degree 2 over two
   worker processes of one thread each, against degree 1 in one process of one thread and of two;
   with the collectives' share of the degree-2 step;
@@ -35,7 +37,7 @@ denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPU
   GPU the service shares the one GPU with the base.
 
 On a GPU, the compiled variant captures CUDA graphs. `--out` with `{section}` in it writes each
-section to its own file (`mfu`, `batching`, `edit`, `lora`, `block_cache`, `controlnet`,
+section to its own file (`mfu`, `batching`, `edit`, `lora`, `block_cache`, `park`, `controlnet`,
 `ulysses`), as `benchmarks/gpu.sh` names them. `--quick` times fewer, smaller rows (a few
 minutes; the test runs it on the tiny models).
 
@@ -58,9 +60,9 @@ from pathlib import Path
 STARTED = time.perf_counter()  # a child's log says when each section ended
 VARIANTS = ("eager", "compiled", "int8", "fp8")
 QUANTIZED = ("int8", "fp8")
-SECTIONS = ("mfu", "patched", "template", "lora", "block_cache", "controlnet")
+SECTIONS = ("mfu", "patched", "template", "lora", "block_cache", "park", "controlnet")
 FILES = {"mfu": "mfu", "patched_over_grouped": "batching", "template_over_full": "edit", "lora": "lora",
-         "block_cache": "block_cache", "controlnet": "controlnet", "ulysses": "ulysses"}  # summary key: --out's {section}
+         "block_cache": "block_cache", "park": "park", "controlnet": "controlnet", "ulysses": "ulysses"}  # summary key: --out's {section}
 
 
 def add_arguments(p) -> None:
@@ -337,6 +339,8 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
             # a GPU's budget: at 1024 px sdxl-arch's per-patch rows passed 8 GiB and were all evicted (H200)
             budget = (64 << 30) if args.device.startswith("cuda") else 8 << 30
             emit({"block_cache": _block_cache(bench, large, args.mixes[0], args.share, unet, budget)})
+        if "park" not in args.skip:
+            emit({"park": _park(bench, large, device_sync(args.device))})
     finally:
         shutil.rmtree(loras, ignore_errors=True)
 
@@ -475,6 +479,35 @@ def _block_cache(bench, size: int, mix: list[int], share: float, unet: bool, bud
                       **{v: bench.ratio(v, f"cached per {unit}", f"exact per {unit}") for v in bench.variants}}
         bench.release(exact, cached)
     return rows
+
+
+def _park(bench, size: int, sync) -> dict:
+    """A paused request at the largest size parked in host memory (`ModelRunner.park`, as
+    `--paused-host-mb` does) and stepped back from it, against a step of its unparked twin, on
+    the eager runner: the bytes parked, ms to park, ms of the step that restores it."""
+    from gouache.sched.plan import Batch
+
+    runner = bench.runners["eager"]
+    resumed, twin = bench.prepare([(size, {}), (size, {})])
+    times: dict[str, list[float]] = {"step": [], "park": [], "resumed step": []}
+    parked = 0
+    for rep in range(1 + bench.repeats):  # the first of each untimed
+        for label, run in (("step", lambda: runner.execute(Batch((twin,)))), ("park", lambda: runner.park(resumed)),
+                           ("resumed step", lambda: runner.execute(Batch((resumed,))))):
+            start = time.perf_counter()
+            out = run()
+            sync()
+            seconds = time.perf_counter() - start
+            if label == "park":
+                parked = out
+            elif out.failed:
+                raise RuntimeError(f"parking ({label}): {out.failed}")
+            if rep:
+                times[label].append(1e3 * seconds)
+    bench.release((resumed, twin))
+    ms = {label: statistics.median(t) for label, t in times.items()}
+    return {"size": size, "parked_mb": parked / 2**20, "park_ms": ms["park"], "step_ms": ms["step"],
+            "resumed_step_ms": ms["resumed step"], "restore_ms": ms["resumed step"] - ms["step"]}
 
 
 def fixed_share(period: int):
@@ -617,6 +650,8 @@ def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
             summary.setdefault("template_bytes", {})[model] = r["template_bytes"]
         if "controlnet" in r:
             summary["controlnet"] = {model: r["controlnet"]}
+        if "park" in r:
+            summary.setdefault("park", {})[model] = r["park"]
     if ulysses is not None:
         summary["ulysses"] = ulysses
     return summary
@@ -647,6 +682,11 @@ def format_tables(summary: dict) -> str:
         columns = list(dict.fromkeys(k for _, _, row in cells for k in row))
         table(title, ["model", "row", *columns], [[model, name, *(row.get(k, "") for k in columns)]
                                                   for model, name, row in cells])
+    if "park" in summary:
+        rows = [[model, f"{p['size']} px", p["parked_mb"], p["park_ms"], p["step_ms"], p["restore_ms"]]
+                for model, p in summary["park"].items()]
+        table("a paused request parked in host memory (eager)", ["model", "size", "MiB", "park ms", "step ms",
+                                                                  "restore ms (resumed step - step)"], rows)
     if "controlnet" in summary:
         rows = [[model, f"{c['size']} px", c["ms"]["plain"], c["sync"], c["async"]] for model, c in summary["controlnet"].items()]
         table("ControlNet service (one thread each) / plain step", ["model", "size", "plain ms", "sync", "async"], rows)
