@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "repeat them; exact (0: off; default: %(default)s)")
     serve.add_argument("--quantize", choices=["int8", "fp8"], default=None,
                        help="quantize the denoiser's linear layers (torchao): int8 on CPU and GPU, fp8 on GPUs with "
-                            "float8 units; LoRA adapters then run segmented beside them; approximate (docs/speed.md; "
-                            "default: off)")
+                            "float8 units; LoRA adapters then run segmented beside them; approximate, and slower than "
+                            "bf16 in eager mode (fp8 3-6x on an H200; docs/speed.md; default: off)")
     serve.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
                        help="run the denoiser compiled (torch.compile) where a step's techniques allow it, padded to "
                             "--compile-buckets rows; compiles at start before /health says ok (docs/speed.md; "

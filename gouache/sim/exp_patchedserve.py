@@ -10,7 +10,10 @@ model the simulator charges.
 The step cost (`GpuBatchStepCost`) is derived, not measured: see `SdxlH100Assumptions`. Its
 one assumed term that a benchmark can measure is the patched forward's overhead: each
 `gouache bench batching` JSON given (`--batching-costs`) reruns the sweep with the overhead
-that benchmark measured (`measured_overhead`), and the tables get a row per source.
+that benchmark measured (`measured_overhead`), and the tables get a row per source. A cost
+model from `gouache profile` given there replaces the derived cost whole: every forward is
+charged (and planned by patched-slo) as the device measured it, with batches no larger than
+the profile measured (`profiled`).
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import numpy as np
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
+from gouache.sched.costmodel import BatchCostModel, load
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
-from gouache.sim.costs import standalone_latency
+from gouache.sim.costs import PredictedStepCost, standalone_latency
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, WorkloadSpec, make_workload
 
@@ -172,6 +176,9 @@ def patchedserve_experiment(out_dir: str | Path, rates: Sequence[float] = RATES,
     points = _mean_over_seeds(runs)
     sources = [_source("assumed (PatchedServe: splitting overhead is \"tiny\")", cost, points)]
     for path in batching_costs:
+        if json.loads(Path(path).read_text()).get("kind") == "batch":
+            sources.append(profiled(path, rates, num_requests, seeds, max_batch))
+            continue
         if "denoise_ratio" in json.loads(Path(path).read_text()):
             name, saving = measured_cache_saving(path)
             measured = replace(cost, cache_saving=saving)
@@ -197,8 +204,28 @@ def patchedserve_experiment(out_dir: str | Path, rates: Sequence[float] = RATES,
     return data
 
 
-def _sweep(cost: GpuBatchStepCost, rates: Sequence[float], num_requests: int, seeds: Sequence[int],
-           max_batch: int) -> list[dict]:
+def profiled(path: str | Path, rates: Sequence[float], num_requests: int, seeds: Sequence[int],
+             max_batch: int) -> dict:
+    """The per-source row of a sweep charged by a `gouache profile` cost model of PatchedServe's
+    sizes: its measured forwards, batches capped at the most images it measured in one forward
+    (its SVR only interpolates)."""
+    model = load(path)
+    if not isinstance(model, BatchCostModel) or set(PATCHEDSERVE_SIZES) - (set(model.sizes(True)) & set(model.grouped)):
+        raise ValueError(f"{path} is not a batch cost model of {', '.join(f'{w} px' for w, _ in PATCHEDSERVE_SIZES)}; "
+                         f"profile them with `gouache profile --sizes 512,768,1024`")
+    largest = min(max_batch, max(sum(n for *_, n in composition) for composition in model.table))
+    points = _mean_over_seeds(_sweep(PredictedStepCost(model), rates, num_requests, seeds, largest, model))
+    report = Path(path).with_suffix(".report.json")  # `gouache profile` names the model and device there
+    about = json.loads(report.read_text()) if report.is_file() else {}
+    name = (f"{about.get('model', Path(path).stem)} profiled on {about.get('device', 'its device')}, batches of "
+            f"<= {largest} (measured)")
+    return {**_source(name, None, points, str(path)), "max_batch": largest, "points": points}
+
+
+def _sweep(cost, rates: Sequence[float], num_requests: int, seeds: Sequence[int], max_batch: int,
+           predictor=None) -> list[dict]:
+    """Every policy at every rate and seed, charged `cost`; patched-slo plans with `predictor`
+    (default: `cost` itself)."""
     solo = standalone_latency(cost)
     runs = []
     for rate in rates:
@@ -206,17 +233,19 @@ def _sweep(cost: GpuBatchStepCost, rates: Sequence[float], num_requests: int, se
             spec = WorkloadSpec(num_requests, rate, sizes=PATCHEDSERVE_SIZES, steps=50, slo_scale=5.0, seed=seed)
             trace = make_workload(spec, solo)
             for name in POLICIES:
-                policy = make_policy(SchedulerConfig(policy=name, max_batch_size=max_batch), cost)
+                policy = make_policy(SchedulerConfig(policy=name, max_batch_size=max_batch), predictor or cost)
                 runs.append(summary_row(simulate(trace, policy, cost), rate=rate, seed=seed))
     return runs
 
 
-def _source(name: str, cost: GpuBatchStepCost, points: Sequence[dict], path: str | None = None) -> dict:
-    """One row of the per-source table: the costs charged and what patched-slo makes of them."""
-    found, load = margins(points), capacity(points)
-    return {"source": name, "file": path, "patch_overhead": cost.patch_overhead, "cache_saving": cost.cache_saving,
+def _source(name: str, cost: GpuBatchStepCost | None, points: Sequence[dict], path: str | None = None) -> dict:
+    """One row of the per-source table: the costs charged (None: a profiled model's, measured
+    whole) and what patched-slo makes of them."""
+    found, sustained = margins(points), capacity(points)
+    return {"source": name, "file": path, "patch_overhead": cost and cost.patch_overhead,
+            "cache_saving": cost and cost.cache_saving,
             "mean_margin_pp": found["mean_margin_pp"], "mean_margin_over_orca_pp": found["mean_margin_over_orca_pp"],
-            **{f"capacity_ratio_{target}": c["patched_slo_over_best_baseline"] for target, c in load.items()}}
+            **{f"capacity_ratio_{target}": c["patched_slo_over_best_baseline"] for target, c in sustained.items()}}
 
 
 def _mean_over_seeds(runs: Sequence[dict]) -> list[dict]:
@@ -295,7 +324,7 @@ def _write(out: Path, data: dict) -> None:
         f"`bench fidelity` JSON's block-cache saving (1 - cached / exact step time), taken off the work of "
         f"patched forwards only. capacity_ratio_T: patched-slo's highest rate meeting T over the best "
         f"baseline's.\n\n"
-        f"{markdown_table([{k: v for k, v in s.items() if k != 'file'} for s in data['sources']], digits=2)}")
+        f"{markdown_table([{k: v for k, v in s.items() if k not in ('file', 'points')} for s in data['sources']], digits=2)}")
     plot_sweep(data["points"], "rate", "slo_attainment", out / "patchedserve.png",
                title="SDXL, 1 H100 (simulated): 512/768/1024 px, SLO 5x", xlabel="QPS",
                ylabel="SLO satisfaction")

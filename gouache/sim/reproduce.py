@@ -70,7 +70,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batching-costs", nargs="+", default=None, metavar="JSON",
                    help="measured costs the PatchedServe experiment also charges, a table row each: `gouache bench "
                         "batching` results (the patched overhead) and `gouache bench fidelity --candidate-block-cache` "
-                        "results (the block cache's saving, in patched forwards) (default: the assumed overhead only)")
+                        "results (the block cache's saving, in patched forwards), or a `gouache profile` cost model of "
+                        "512/768/1024 px (every forward as measured) (default: the assumed overhead only)")
 
 
 def run(args) -> int:

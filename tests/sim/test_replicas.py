@@ -218,6 +218,31 @@ def test_patchedserve_reruns_with_each_measured_patch_overhead(tmp_path):
         measured_overhead(path)
 
 
+def test_patchedserve_reruns_charged_by_a_profiled_cost_model(tmp_path):
+    from gouache.sched.costmodel import BatchCostModel, save
+
+    model = BatchCostModel([512, 768, 1024])
+    mp = {512: 0.26, 768: 0.59, 1024: 1.05}
+    for size, megapixels in mp.items():
+        for batch in (1, 2, 3):
+            model.record_grouped(size, batch, 0.03 + 0.04 * batch * megapixels)
+    samples = [({(a, a): 1, (b, b): n}, 0.035 + 0.04 * (mp[a] + n * mp[b]))
+               for a in mp for b in mp if a != b for n in (1, 2)]
+    model.fit(samples)
+    path = tmp_path / "costmodel.json"
+    save(model, path)
+    (tmp_path / "costmodel.report.json").write_text(json.dumps({"model": "sdxl-arch", "device": "cuda"}))
+    ps = patchedserve_experiment(tmp_path / "ps", rates=(0.2, 0.4), num_requests=30, seeds=(0,), batching_costs=[path])
+    row = ps["sources"][1]
+    assert row["source"] == "sdxl-arch profiled on cuda, batches of <= 3 (measured)" and row["max_batch"] == 3
+    assert row["patch_overhead"] is None and {p["policy"] for p in row["points"]} == {"fcfs-static", "orca", "patched",
+                                                                                    "patched-slo"}
+    assert row["points"] != ps["points"]  # its own sweep, charged by the profile
+    save(BatchCostModel([512, 1024]), path)
+    with pytest.raises(ValueError, match="not a batch cost model of 512 px, 768 px, 1024 px"):
+        patchedserve_experiment(tmp_path / "ps", rates=(0.2,), num_requests=10, seeds=(0,), batching_costs=[path])
+
+
 def test_patchedserve_reruns_with_a_measured_block_cache_saving(tmp_path):
     from gouache.sim.exp_patchedserve import measured_cache_saving
 
