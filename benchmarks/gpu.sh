@@ -12,7 +12,8 @@
 #   controlnet-sdxl: the controlnet_ rows alone;
 #   quant-sdxl, quant-sd3, quant-flux: eager bf16 against its denoiser's linear layers in fp8 and int8 (torchao), step and
 #       MFU at 512 and 1024 px, and the LoRA rows under each (quant_);
-#   lora-sdxl, lora-sd3, lora-flux: the lora_ rows alone (segmented, per adapter, merged);
+#   lora-sdxl, lora-sd3, lora-flux: the lora_ rows alone (segmented, per adapter, merged), and lora_loading_ (a
+#       request whose adapter is read as it starts, synchronously and bounded-asynchronously);
 #   blockcache-sdxl, blockcache-sd3, blockcache-flux: the block_cache_ rows alone;
 #   park-sdxl, park-sd3, park-flux: a paused 1024 px request parked in host memory and stepped back (park_);
 #   exactness: the engine-vs-diffusers exactness tests on the GPU in fp32 and bf16 (SECONDS each), their largest latent
@@ -42,23 +43,23 @@ for spec in $parts; do
       gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --mixes 512+1024,512+768+1024 \
         --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
     controlnet-*)
-      gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --skip mfu,patched,template,lora,block_cache \
+      gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --skip mfu,patched,template,lora,lora_loading,block_cache,park \
         --repeats 5 --out "$out/{section}_${model}_${gpu}.json" ;;
     quant-*)
       gouache bench fullsize --device cuda --models "$model" --variants eager,fp8,int8 --sizes 512,1024 \
-        --skip patched,template,block_cache,controlnet --repeats 3 --out "$out/quant_${model}_${gpu}.json" ;;
+        --skip patched,template,lora_loading,block_cache,park,controlnet --repeats 3 --out "$out/quant_${model}_${gpu}.json" ;;
     lora-*)
-      gouache bench fullsize --device cuda --models "$model" --sizes 512 --skip mfu,patched,template,block_cache,controlnet \
+      gouache bench fullsize --device cuda --models "$model" --sizes 512 --skip mfu,patched,template,block_cache,park,controlnet \
         --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
     blockcache-*)
       gouache bench fullsize --device cuda --models "$model" --sizes 512,1024 --mixes 512+1024 \
-        --skip mfu,patched,template,lora,controlnet --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
+        --skip mfu,patched,template,lora,lora_loading,park,controlnet --repeats 3 --out "$out/{section}_${model}_${gpu}.json" ;;
     park-*)
-      gouache bench fullsize --device cuda --models "$model" --sizes 1024 --skip mfu,patched,template,lora,block_cache,controlnet \
+      gouache bench fullsize --device cuda --models "$model" --sizes 1024 --skip mfu,patched,template,lora,lora_loading,block_cache,controlnet \
         --repeats 5 --out "$out/{section}_${model}_${gpu}.json" ;;
     compile-*)
       gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512 \
-        --skip patched,template,lora,block_cache,controlnet --repeats 3 --out "$out/compile_${model}_${gpu}.json" ;;
+        --skip patched,template,lora,lora_loading,block_cache,park,controlnet --repeats 3 --out "$out/compile_${model}_${gpu}.json" ;;
     exactness)
       xml=$(mktemp -d)
       for dtype in float32 bfloat16; do

@@ -26,6 +26,9 @@ denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPU
   256 px half a batch runs its kernels below their efficiency), per patch (patched UNet)
   and per token (packed DiT) over the first mix; and the share of unit-blocks it reused and the
   requests it evicted over its budget (8 GiB; 64 GiB on a GPU);
+- `lora_loading`: one request's whole schedule (20 steps) at the smallest size, its adapter (the
+  largest rank) read from its file as it starts, synchronously and with bounded asynchronous
+  loading (joining by step 5), against no adapter and against the adapter already in memory;
 - `park`: a paused request at the largest size parked in host memory (`--paused-host-mb`) and
   stepped back, against a step of its unparked twin: MiB parked, ms to park, ms to restore;
 - `ulysses` (sd3-arch, CPU only): one request at the largest size, Ulysses degree 2 over two
@@ -37,7 +40,7 @@ denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPU
   GPU the service shares the one GPU with the base.
 
 On a GPU, the compiled variant captures CUDA graphs. `--out` with `{section}` in it writes each
-section to its own file (`mfu`, `batching`, `edit`, `lora`, `block_cache`, `park`, `controlnet`,
+section to its own file (`mfu`, `batching`, `edit`, `lora`, `lora_loading`, `block_cache`, `park`, `controlnet`,
 `ulysses`), as `benchmarks/gpu.sh` names them. `--quick` times fewer, smaller rows (a few
 minutes; the test runs it on the tiny models).
 
@@ -60,8 +63,9 @@ from pathlib import Path
 STARTED = time.perf_counter()  # a child's log says when each section ended
 VARIANTS = ("eager", "compiled", "int8", "fp8")
 QUANTIZED = ("int8", "fp8")
-SECTIONS = ("mfu", "patched", "template", "lora", "block_cache", "park", "controlnet")
+SECTIONS = ("mfu", "patched", "template", "lora", "lora_loading", "block_cache", "park", "controlnet")
 FILES = {"mfu": "mfu", "patched_over_grouped": "batching", "template_over_full": "edit", "lora": "lora",
+         "lora_loading": "lora_loading",
          "block_cache": "block_cache", "park": "park", "controlnet": "controlnet", "ulysses": "ulysses"}  # summary key: --out's {section}
 
 
@@ -335,6 +339,10 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
             emit({"template": template, "template_bytes": bench.runners["eager"].held().templates})  # per tier
         if "lora" not in args.skip:
             emit({"lora": _lora(bench, small, names)})
+        if "lora_loading" not in args.skip:
+            rank = max(names)
+            emit({"lora_loading": _lora_loading(pipe, loras, names[rank][0], rank, small, args.quick, bench.repeats,
+                                                device_sync(args.device))})
         if "block_cache" not in args.skip:
             # a GPU's budget: at 1024 px sdxl-arch's per-patch rows passed 8 GiB and were all evicted (H200)
             budget = (64 << 30) if args.device.startswith("cuda") else 8 << 30
@@ -449,6 +457,49 @@ def _lora(bench, size: int, names: dict[int, list[str]]) -> dict:
     unmerged()
     bench.release(plain, merged)
     return rows
+
+
+def _lora_loading(pipe, directory: Path, name: str, rank: int, size: int, quick: bool, repeats: int, sync) -> dict:
+    """One request of a whole schedule at `size`, its adapter `name` read from its file when it
+    starts: synchronously (`LoraConfig.bound` 0: before its first step) and with bounded
+    asynchronous loading (KATZ §6: joining by step `bound`, a quarter of the schedule), each on a
+    new runner whose store holds nothing; against the same request without adapter and with its
+    adapter already in host memory. Eager, medians of `repeats` after one untimed, the cases in
+    turn. The file is this machine's: after the first read, the page cache's."""
+    from gouache.bench.interleaved import request
+    from gouache.config import LoraConfig
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.sched.plan import Batch
+
+    steps = 4 if quick else 20
+    bound = steps // 4
+    warm = ModelRunner(pipe, loras=LoraConfig(str(directory)))
+    warm.loras.store.load(name).result()
+
+    def cold(bound: int) -> ModelRunner:  # a new store: nothing read yet
+        return ModelRunner(pipe, loras=LoraConfig(str(directory), bound=bound))
+
+    cases = {"none": (lambda: warm, ()), "in memory": (lambda: warm, ((name, 1.0),)),
+             "sync": (lambda: cold(0), ((name, 1.0),)), "bal": (lambda: cold(bound), ((name, 1.0),))}
+    times: dict[str, list[float]] = {case: [] for case in cases}
+    for rep in range(1 + repeats):
+        for case, (runner_of, adapters) in cases.items():
+            runner, rid = runner_of(), f"loading-{case}-{rep}"
+            start = time.perf_counter()
+            runner.prepare(request(rid, size, rep, steps, loras=adapters))
+            while not runner.states[rid].done:
+                out = runner.execute(Batch((rid,)))
+                if out.failed:
+                    raise RuntimeError(f"LoRA loading ({case}): {out.failed}")
+            sync()
+            if rep:
+                times[case].append(time.perf_counter() - start)
+            runner.release(rid)
+            runner.loras.merged.set(())  # the shared pipeline's weights as loaded, for the next case
+    seconds = {case: statistics.median(t) for case, t in times.items()}
+    return {"size": size, "steps": steps, "bound": bound, "rank": rank,
+            "file_mb": (directory / f"{name}.safetensors").stat().st_size / 2**20, "seconds": seconds,
+            **{f"{case}_over_none": seconds[case] / seconds["none"] for case in ("in memory", "sync", "bal")}}
 
 
 def _block_cache(bench, size: int, mix: list[int], share: float, unet: bool, budget: int) -> dict:
@@ -652,6 +703,8 @@ def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
             summary["controlnet"] = {model: r["controlnet"]}
         if "park" in r:
             summary.setdefault("park", {})[model] = r["park"]
+        if "lora_loading" in r:
+            summary.setdefault("lora_loading", {})[model] = r["lora_loading"]
     if ulysses is not None:
         summary["ulysses"] = ulysses
     return summary
@@ -682,6 +735,12 @@ def format_tables(summary: dict) -> str:
         columns = list(dict.fromkeys(k for _, _, row in cells for k in row))
         table(title, ["model", "row", *columns], [[model, name, *(row.get(k, "") for k in columns)]
                                                   for model, name, row in cells])
+    if "lora_loading" in summary:
+        rows = [[model, f"{c['size']} px, {c['steps']} steps", f"{c['rank']} ({c['file_mb']:.1f} MiB)", c["seconds"]["none"],
+                 c["in memory_over_none"], c["sync_over_none"], f"{c['bal_over_none']:.2f} (by step {c['bound']})"]
+                for model, c in summary["lora_loading"].items()]
+        table("a request whose adapter is not in memory / without adapter (whole schedule)",
+              ["model", "request", "rank (file)", "none s", "in memory", "read sync", "read async (BAL)"], rows)
     if "park" in summary:
         rows = [[model, f"{p['size']} px", p["parked_mb"], p["park_ms"], p["step_ms"], p["restore_ms"]]
                 for model, p in summary["park"].items()]

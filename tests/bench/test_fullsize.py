@@ -29,6 +29,9 @@ def test_quick_run_measures_every_section(tmp_path):
         assert set(cache) == {"image", "patch" if model == "tiny-sdxl" else "token"}
         for row in cache.values():  # the fixed share is what the cache did: every other unit reused
             assert row["reused"] == pytest.approx(0.5, abs=0.1) and row["eager"] > 0
+        loading = data["lora_loading"][model]
+        assert (loading["steps"], loading["bound"], loading["rank"]) == (4, 1, 16) and loading["file_mb"] > 0
+        assert all(loading[f"{case}_over_none"] > 0 for case in ("in memory", "sync", "bal"))
         park = data["park"][model]
         assert park["size"] == 256 and park["parked_mb"] > 0 and park["park_ms"] > 0 and park["resumed_step_ms"] > 0
     control = data["controlnet"]["tiny-sdxl"]
