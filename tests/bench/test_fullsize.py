@@ -45,7 +45,7 @@ def test_quick_run_measures_every_section(tmp_path):
 
 
 def test_flops_count_the_fused_attention():
-    from gouache.bench.fullsize import flop_counter
+    from gouache.bench.fullsize_sections import flop_counter
 
     q = torch.randn(1, 4, 128, 32)
     with flop_counter() as counter:
@@ -72,7 +72,7 @@ def test_full_size_pipelines_condition_at_the_published_widths(name):
 
 
 def test_a_quantized_variant_runs_a_quantized_copy_of_the_denoiser_alone():
-    from gouache.bench.fullsize import variant_pipes
+    from gouache.bench.fullsize_sections import variant_pipes
     from gouache.models.zoo import load_pipeline
     from gouache.runner.quantize import quantized
 
