@@ -22,7 +22,9 @@ run to run on a shared CPU, and the load with it. The SLOs come from the same me
 - **isolation**: tenant `calm` at half the capacity (Poisson) and tenant `flood` (rate limit a
   quarter of capacity, through the API's `TenantBook`) sending at its limit, evenly spaced (its
   whole allowance, all admitted), then at 10x it (Poisson; the limit admits as much): calm's p95
-  moves by < 10 %.
+  moves by < 10 %. With `--isolation-repeats R`, R such pairs in turn, each with traces of its
+  own seeds: calm's p95 per condition over all its requests, and each pair's change beside it
+  (their spread is the measure's own scatter).
 - **simulated**: the overload trace in the simulator (`gouache.sim`), the same policy, queue
   limit and cost model: per tier, p50 / p95 to the end of denoising and the requests refused,
   against the live run's. `sim_to_real` compares each tier by the number its target names
@@ -74,6 +76,9 @@ def add_arguments(p) -> None:
     p.add_argument("--duration-s", type=float, default=300.0, help="seconds of overload arrivals (default: %(default)s)")
     p.add_argument("--side-duration-s", type=float, default=120.0,
                    help="seconds of arrivals of the fairness and isolation runs (default: %(default)s)")
+    p.add_argument("--isolation-repeats", type=int, default=1,
+                   help="pairs of isolation runs (flood at 1x, then 10x its limit), each with its own traces "
+                        "(default: %(default)s)")
     p.add_argument("--priority-slo-scale", type=float, default=1.5,
                    help="priority's SLO over the largest size's standalone latency (default: %(default)s)")
     p.add_argument("--max-batch-size", type=int, default=4, help="images per step (default: %(default)s)")
@@ -288,10 +293,44 @@ def sim_to_real(rows: list[dict]) -> dict:
             "largest": largest, "within_10pct": largest <= 0.10}
 
 
-def run(args) -> int:
+def isolation_runs(args, capacity: float, sizes, model) -> tuple[dict, list[float]]:
+    """Tenant calm beside tenant flood at 1x, then 10x, its rate limit, `--isolation-repeats`
+    times with traces of each repeat's own seeds: per condition, calm's p95 over every repeat
+    and the flood's refusals; and each pair's change of calm's p95."""
     from gouache.api.tenants import Tenant, TenantBook
+
+    calm_latency: dict[str, list[float]] = {"1x": [], "10x": []}
+    flood_counts = {"1x": [0, 0], "10x": [0, 0]}  # refused, sent
+    pair_changes = []
+    for repeat in range(args.isolation_repeats):
+        seed, pair = args.seed + 100 * repeat, {}
+        for flood_x in (1.0, 10.0):
+            condition, limit = f"{flood_x:g}x", capacity / 4
+            calm = tiered_trace(capacity / 2, args.side_duration_s, sizes, args.steps, {"default": 1.0}, {"calm": 1.0},
+                                {"default": None}, seed + 2, "c")
+            # at 1x, evenly spaced: it uses its whole allowance, as much as its limit admits of the 10x flood
+            flood = tiered_trace(flood_x * limit, args.side_duration_s, sizes, args.steps, {"default": 1.0},
+                                 {"flood": 1.0}, {"default": None}, seed + 3, "x", cv=0.05 if flood_x == 1 else 1.0)
+            book = TenantBook((Tenant("k-calm", "calm"), Tenant("k-flood", "flood", rate_per_s=limit)))
+            trace = sorted(calm + flood, key=lambda r: r.arrival)
+            out = asyncio.run(live_run(args, trace, model, (), book))
+            latency = [o.latency_s for rid, o in out.outcomes.items() if rid.startswith("c") and o.latency_s]
+            calm_latency[condition] += latency
+            pair[condition] = percentile(latency, 95)
+            flood_counts[condition][0] += sum(o.result == "refused" for rid, o in out.outcomes.items()
+                                              if rid.startswith("x"))
+            flood_counts[condition][1] += len(flood)
+        pair_changes.append(pair["10x"] / pair["1x"] - 1)
+    return ({condition: {"calm_p95_s": percentile(latency, 95), "flood_refused": flood_counts[condition][0],
+                         "flood_sent": flood_counts[condition][1]} for condition, latency in calm_latency.items()},
+            pair_changes)
+
+
+def run(args) -> int:
     from gouache.sched.costmodel import load
 
+    if args.isolation_repeats < 1:
+        raise ValueError(f"--isolation-repeats is a count of run pairs, >= 1; got {args.isolation_repeats}")
     model = load(args.cost_model)
     sizes = [(int(s), int(s)) for s in args.sizes.split(",")]
     predicted = capacity_rps(model, sizes, args.steps)
@@ -314,22 +353,7 @@ def run(args) -> int:
     finished = {name: sum(fair.outcomes[r.request_id].result == "finished" for r in fair_trace if r.tenant == name)
                 for name in ("left", "right")}
 
-    isolation = {}
-    for flood_x in (1.0, 10.0):
-        limit = capacity / 4
-        calm = tiered_trace(capacity / 2, args.side_duration_s, sizes, args.steps, {"default": 1.0}, {"calm": 1.0},
-                            {"default": None}, args.seed + 2, "c")
-        # at 1x, evenly spaced: it uses its whole allowance, as much as its limit admits of the 10x flood
-        flood = tiered_trace(flood_x * limit, args.side_duration_s, sizes, args.steps, {"default": 1.0},
-                             {"flood": 1.0}, {"default": None}, args.seed + 3, "x", cv=0.05 if flood_x == 1 else 1.0)
-        book = TenantBook((Tenant("k-calm", "calm"), Tenant("k-flood", "flood", rate_per_s=limit)))
-        trace = sorted(calm + flood, key=lambda r: r.arrival)
-        out = asyncio.run(live_run(args, trace, model, (), book))
-        calm_latency = [o.latency_s for rid, o in out.outcomes.items() if rid.startswith("c") and o.latency_s]
-        isolation[f"{flood_x:g}x"] = {"calm_p95_s": percentile(calm_latency, 95),
-                                      "flood_refused": sum(o.result == "refused" for rid, o in out.outcomes.items()
-                                                           if rid.startswith("x")),
-                                      "flood_sent": len(flood)}
+    isolation, pair_changes = isolation_runs(args, capacity, sizes, model)
     denoised = {rid: o.denoised_s for rid, o in live.outcomes.items()}
     refused = {row["tier"]: row["refused"] for row in rows if row["run"] == "overload"}
     speed = statistics.median(live.forward_ratio)
@@ -350,6 +374,7 @@ def run(args) -> int:
             "fairness_ratio": min(finished.values()) / max(max(finished.values()), 1),
             "isolation": isolation,
             "isolation_calm_p95_change": isolation["10x"]["calm_p95_s"] / isolation["1x"]["calm_p95_s"] - 1,
+            "isolation_pair_changes": pair_changes,
             "calibrate_steps": args.calibrate_steps, "live_step_scale_end": live.scale_end,
             "live_forward_over_predicted_median": speed, "live_step_over_predicted": loop, "simulated": sim,
             "simulated_stages_serial": serial, "simulated_planned_uncalibrated": raw,
@@ -389,7 +414,9 @@ def report(data: dict) -> str:
             f"{data['fairness_finished']} (ratio {data['fairness_ratio']:.2f}, target >= 0.9).\n\n"
             f"Isolation: calm's p95 {iso['1x']['calm_p95_s']:.2f} s with flood at its rate limit, "
             f"{iso['10x']['calm_p95_s']:.2f} s at 10x it ({100 * data['isolation_calm_p95_change']:+.1f} %, target "
-            f"within 10 %); flood refused {iso['10x']['flood_refused']} of {iso['10x']['flood_sent']}.\n\n"
+            f"within 10 %); flood refused {iso['10x']['flood_refused']} of {iso['10x']['flood_sent']}"
+            + (f"; each pair's change: {', '.join(f'{100 * c:+.1f} %' for c in data['isolation_pair_changes'])}"
+               if len(data.get("isolation_pair_changes", ())) > 1 else "") + ".\n\n"
             + _agreement(data) +
             f"Simulated, end of denoising: every step x {data['live_step_over_predicted']:.2f} (the live engine's "
             "steps over their predicted forwards, summed; stage work inside them):\n\n" + markdown_table(data["simulated"])

@@ -75,3 +75,11 @@ def test_sim_to_real_compares_each_tier_by_its_targets_numbers():
     assert sim_to_real(rows)["largest_gap"]["flex"] == float("inf")
     rows[2]["sim_refused"] = 0
     assert sim_to_real(rows)["largest_gap"]["flex"] == 0.0
+
+
+def test_isolation_repeats_below_one_are_refused(capsys):
+    from gouache.cli import main
+
+    assert main(["bench", "tiers", "--cost-model", "benchmarks/results/tiers/costmodel_tiny-sdxl_cpu.json",
+                 "--isolation-repeats", "0"]) == 2
+    assert "--isolation-repeats" in capsys.readouterr().err
