@@ -176,10 +176,11 @@ def patchedserve_experiment(out_dir: str | Path, rates: Sequence[float] = RATES,
     points = _mean_over_seeds(runs)
     sources = [_source("assumed (PatchedServe: splitting overhead is \"tiny\")", cost, points)]
     for path in batching_costs:
-        if json.loads(Path(path).read_text()).get("kind") == "batch":
+        given = json.loads(Path(path).read_text())
+        if given.get("kind") == "batch":
             sources.append(profiled(path, rates, num_requests, seeds, max_batch))
             continue
-        if "denoise_ratio" in json.loads(Path(path).read_text()):
+        if "denoise_ratio" in given:
             name, saving = measured_cache_saving(path)
             measured = replace(cost, cache_saving=saving)
         else:
