@@ -109,6 +109,10 @@ class Metrics:
         self.compile_recompiles = Counter("gouache_compile_recompiles_total",
                                           "Denoiser graphs compiled after the warm-up: shapes it did not foresee",
                                           registry=r)
+        self.compile_failures = Counter("gouache_compile_failures_total",
+                                        "Denoiser graphs that failed to compile or load (a damaged compile cache, an "
+                                        "unsupported operator): their shapes run eagerly, reason compile_failed",
+                                        registry=r)
         self.compile_warmup = Gauge("gouache_compile_warmup_seconds", "Seconds compiling before serving, by device",
                                     ["device"], registry=r)
         self.conditioning_lookups = Counter("gouache_conditioning_cache_total",

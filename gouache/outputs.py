@@ -110,6 +110,7 @@ class CompileReport:
     eager: dict[str, int] = field(default_factory=dict)  # steps with an eager forward, by why (the first one)
     graphs: int = 0  # graphs compiled
     recompiles: int = 0  # ... of which after the warm-up
+    failed: int = 0  # graphs that failed to compile or load (their shapes run eagerly, `compile_failed`)
     warmup_s: float = 0.0  # seconds compiling at start
 
     def record(self, metrics, device: str) -> None:
@@ -119,6 +120,7 @@ class CompileReport:
             metrics.compile_steps.labels("eager", why).inc(n)
         metrics.compile_graphs.inc(self.graphs)
         metrics.compile_recompiles.inc(self.recompiles)
+        metrics.compile_failures.inc(self.failed)
         if self.warmup_s:
             metrics.compile_warmup.labels(device).set(self.warmup_s)
 

@@ -22,6 +22,11 @@ padded input shape, beside the eager module it was compiled from.
   for it (a background compile would trace the module while the step's techniques install
   their hooks on it); such graphs are counted (`gouache_compile_recompiles_total`) and
   logged: a steady load of the warmed sizes makes none.
+- **A compile failure is not a crash.** A forward whose graph fails to compile or load (a kernel
+  left damaged in the cache by a killed process, an unsupported operator) first has the cache
+  swept (`gouache.runner.compile_cache`: damaged kernels moved aside) and is tried once more if
+  the sweep moved something; if it still fails, its shape runs eagerly from then on, logged once
+  with the reason and counted as `compile_failed`, at warm-up or later.
 - **The step's path.** The composer says per step whether its techniques allow the compiled
   forward (`step(reason)`: a patched layout, a block cache, a template, a ControlNet or a
   parallel split runs eagerly, `gouache.techniques`); the step's path and reason go to
@@ -32,10 +37,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -43,24 +48,34 @@ from torch import nn
 from gouache.config import CompileConfig
 from gouache.lora.apply import RowSlots
 from gouache.outputs import CompileReport
+from gouache.runner import compile_cache
 
 log = logging.getLogger(__name__)
 
+COMPILE_FAILED = "compile_failed"  # the eager reason of a shape whose graph failed to compile
 Inputs = dict  # keyword arguments of the denoiser; tensors (and dicts of them, lists) with one row per forward row
 
 
-def configure(config: CompileConfig) -> None:
+def configure(config: CompileConfig) -> Path:
     """Process-wide settings of a compiled server: where compiled kernels are kept across
-    restarts, and room for every bucketed shape (dynamo's default would stop compiling new
-    shapes after 8 and run them eagerly, unseen)."""
-    if config.cache_dir:
-        os.makedirs(config.cache_dir, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(config.cache_dir)
+    restarts (swept of damaged kernels; returned), and room for every bucketed shape (dynamo's
+    default would stop compiling new shapes after 8 and run them eagerly, unseen)."""
+    directory = compile_cache.cache_dir(config.cache_dir)
+    compile_cache.sweep(directory)
     import torch._dynamo
 
     limit = max(torch._dynamo.config.recompile_limit, 64 * len(config.buckets))  # 64 sizes at every bucket
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
+    return directory
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a graph that fails to compile or to load its kernels raises."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError, ImportError, OSError
 
 
 class CompiledDenoiser:
@@ -70,7 +85,7 @@ class CompiledDenoiser:
         """`adapters`: whether steps may segment LoRA adapters (`slots` then holds them)."""
         if config.cuda_graphs and device.type != "cuda":
             raise ValueError(f"--compile-cuda-graphs needs a CUDA device; this model runs on {device.type}")
-        configure(config)
+        self.cache = configure(config)
         self.denoiser = denoiser
         self.slots = RowSlots(denoiser) if adapters else None  # hooks in place before the structure is taken
         self.buckets = tuple(sorted(config.buckets))
@@ -78,6 +93,7 @@ class CompiledDenoiser:
         self._compiled = torch.compile(denoiser, dynamic=False, mode=mode)
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
+        self._failed: dict[tuple, str] = {}  # input shapes whose graph failed to compile: why (they run eagerly)
         self.warm = False  # set once warm_up ended: graphs compiled after it are recompiles
         self._report = CompileReport()
         self._step: _Step | None = None  # the step running, if any
@@ -93,13 +109,16 @@ class CompiledDenoiser:
             padded = self.bucket(n)
             inputs = _pad(rows, padded - n)
             key = _key(inputs, shared)
-            if key not in self._ready:
+            if key not in self._ready and key not in self._failed:
                 log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
                             "to compile it at start", _describe(inputs))
-                self._ready.add(key)
-            self._count(None)
-            with self._bind(n, padded):
-                return self._run(inputs, shared)[:n]
+            if key not in self._failed:
+                with self._bind(n, padded):
+                    out = self._compiled_forward(key, inputs, shared)
+                if out is not None:
+                    self._count(None)
+                    return out[:n]
+            reason = COMPILE_FAILED
         self._count(reason)
         with self._bind(n, n):
             return self.denoiser(**rows, **shared, return_dict=False)[0]
@@ -158,15 +177,40 @@ class CompiledDenoiser:
         todo = [(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets]
         for i, (inputs, shared) in enumerate(todo, 1):
             key = _key(inputs, shared)
-            if key not in self._ready:
+            if key not in self._ready and key not in self._failed:
                 began = time.perf_counter()
                 with torch.no_grad():
-                    self._run(inputs, shared)
-                self._ready.add(key)
-                progress(f"compiled forward {i}/{len(todo)} ({_describe(inputs)}) in "
-                         f"{time.perf_counter() - began:.1f} s")
+                    done = self._compiled_forward(key, inputs, shared) is not None
+                took = f"{time.perf_counter() - began:.1f} s"
+                progress(f"compiled forward {i}/{len(todo)} ({_describe(inputs)}) in {took}" if done else
+                         f"forward {i}/{len(todo)} ({_describe(inputs)}) failed to compile in {took}: it runs eagerly")
         self.warm = True
         self._report.warmup_s += time.perf_counter() - start
+
+    def _compiled_forward(self, key: tuple, inputs: Inputs, shared: Inputs) -> torch.Tensor | None:
+        """The compiled forward's first output, or None when its graph failed to compile or load:
+        the shape then runs eagerly from now on, logged once and counted."""
+        try:
+            out = self._run_swept(inputs, shared)
+        except _compile_errors() as e:
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            self._failed[key] = f"{type(e).__name__}: {lines[0] if lines else ''}"
+            log.error("a compiled forward (%s) failed to compile; it runs eagerly from now on: %s",
+                      _describe(inputs), self._failed[key])
+            self._report.failed += 1
+            return None
+        self._ready.add(key)
+        return out
+
+    def _run_swept(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
+        """`_run`, tried once more when it failed and a sweep of the compile cache moved a damaged
+        kernel aside (so the retry compiles it anew)."""
+        try:
+            return self._run(inputs, shared)
+        except _compile_errors():
+            if not compile_cache.sweep(self.cache):
+                raise
+        return self._run(inputs, shared)
 
     def _run(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
         """The compiled forward's first output, counting the graphs dynamo compiles for it (a new
