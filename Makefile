@@ -1,24 +1,36 @@
-# `make serve` and `make test` set everything up on a fresh machine (Python 3.11+).
+# `make serve` and `make test` set everything up on a fresh machine (Python 3.11+). Serving and
+# testing have a virtualenv each: the tests' extras (torchao for --quantize, ray, schemathesis,
+# ...) stay out of the server's, where torchao alone would fill every start log with its failures
+# to load CUDA kernels (pyproject.toml, extra `quantize`).
 VENV ?= .venv
+TEST_VENV ?= .venv-test
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+TEST_PY := $(TEST_VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= shapes-unet
 POLICY ?= orca
 
-.PHONY: install browser serve test bench clean
+.PHONY: install install-test browser serve test bench clean
 
-install: $(STAMP)
+install: $(VENV)/.installed-stamp
+install-test: $(TEST_VENV)/.installed-stamp
 
 # torch==2.13.0 before anything else, so that no dependency can pull another torch. The build
 # (CPU or CUDA) is whatever the package index serves for that pin.
-$(STAMP): pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	touch $(STAMP)
+define make_venv
+	python3 -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q torch==2.13.0
+	$(1)/bin/python -m pip install -q -c constraints.txt -e '$(2)'
+	touch $(1)/.installed-stamp
+endef
+
+$(VENV)/.installed-stamp: pyproject.toml constraints.txt
+	$(call make_venv,$(VENV),.)
+
+$(TEST_VENV)/.installed-stamp: pyproject.toml constraints.txt
+	$(call make_venv,$(TEST_VENV),.[test])
 
 # shapes-unet is served with the LoRA and ControlNet trained for it (the playground lists them)
 ifeq ($(MODEL),shapes-unet)
@@ -38,11 +50,11 @@ browser:
 	    || echo "note: could not install chromium and chromium-driver; the browser tests will be skipped"; \
 	fi
 
-test: install browser
-	$(PY) -m pytest -q --durations=20
+test: install-test browser
+	$(TEST_PY) -m pytest -q --durations=20
 
 bench: install
 	$(VENV)/bin/gouache bench serve
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(TEST_VENV)

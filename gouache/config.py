@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -54,6 +55,8 @@ class ModelConfig:
         _check(self.quantize in (None, "int8", "fp8"), f"quantize must be int8 or fp8, got {self.quantize!r}")
         _check(self.quantize != "fp8" or self.device.startswith("cuda"),
                "--quantize fp8 needs a GPU with float8 units (H100 or later); on the CPU use --quantize int8")
+        _check(self.quantize is None or importlib.util.find_spec("torchao") is not None,
+               "--quantize needs torchao, an optional extra: pip install 'gouache[quantize]'")
 
 
 @dataclass

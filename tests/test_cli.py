@@ -1,11 +1,15 @@
 import argparse
 import json
+import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from gouache.bench.serve import free_port, wait_healthy
 from gouache.cli import build_parser, main
 from gouache.sched.policies import POLICIES
 
@@ -250,6 +254,28 @@ def test_torch_importing_commands_print_no_torchvision_warning():
     run = subprocess.run([sys.executable, "-m", "gouache.cli", "models"], capture_output=True, text=True, check=True)
     assert "tiny-sdxl" in run.stdout
     assert "torchvision" not in run.stderr
+
+
+def test_the_start_log_of_make_serve_holds_no_library_line(tmp_path):
+    """Before: every start printed torchao's failures to load CUDA kernels built for another torch
+    (diffusers and transformers import torchao whenever it is installed). torchao is now the
+    `quantize` extra, absent from the server's virtualenv; the child hides this one's copy of it.
+    Every line of the log must be the server's own (uvicorn's `LEVEL:` format)."""
+    port = free_port()
+    hide = "import sys; sys.modules['torchao'] = None; from gouache.cli import main; sys.exit(main(sys.argv[1:]))"
+    server = subprocess.Popen([sys.executable, "-c", hide, "serve", "--port", str(port), "--lora-dir",
+                               "gouache/weights/loras/shapes-unet", "--controlnet-dir",
+                               "gouache/weights/controlnets/shapes-unet"], cwd=Path(__file__).parents[1],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_healthy(server, f"http://127.0.0.1:{port}", timeout_s=120)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        log = server.communicate(timeout=60)[0]
+    assert "Application startup complete" in log
+    strangers = [line for line in log.splitlines() if line and not re.match(r"(INFO|WARNING|ERROR):\s", line)]
+    assert strangers == []
+    assert not any(line.startswith(("WARNING", "ERROR")) for line in log.splitlines())
 
 
 @pytest.mark.parametrize("policies, message", [("orca,patched-slo", "patched-slo need a cost model"),

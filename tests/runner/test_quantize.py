@@ -2,6 +2,8 @@
 LoRA adapters on them run segmented (never merged into an int8 weight) with the effect they
 have on fp32, and fp8 is refused on the CPU."""
 
+import sys
+
 import pytest
 import torch
 
@@ -75,6 +77,13 @@ def test_fp8_is_refused_on_the_cpu():
         quantize(load_pipeline("tiny-sd"), "fp8")
     with pytest.raises(ValueError, match="int8 or fp8"):
         ModelConfig("tiny-sd", quantize="int4")
+
+
+def test_quantize_without_torchao_installed_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what the serving virtualenv has: no torchao
+    with pytest.raises(ValueError, match=r"pip install 'gouache\[quantize\]'"):
+        ModelConfig("tiny-sd", quantize="int8")
+    assert ModelConfig("tiny-sd").quantize is None
 
 
 def test_templates_and_controlnets_run_on_int8_weights(tmp_path):
