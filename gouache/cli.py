@@ -9,7 +9,8 @@ import os
 import sys
 
 from gouache.cli_flags import (
-    Given, GivenBool, batch_size_arg, counts_arg, given, refuse_ignored, size_arg, sizes_arg, tier_share_arg, tier_slo_arg,
+    Given, GivenBool, batch_size_arg, counts_arg, given, mib_arg, refuse_ignored, size_arg, sizes_arg, tier_share_arg,
+    tier_slo_arg,
 )
 from gouache.config import (
     COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, RAY_PLACEMENTS, BlockCacheConfig, CompileConfig,
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tier-slo-ms", type=tier_slo_arg, default=(), action=Given, metavar="TIER=MS,...",
                        help="the deadline of each service tier's requests that send no slo_ms, e.g. "
                             "priority=2000,default=10000; only with a deadline policy (default: none)")
-    serve.add_argument("--paused-host-mb", type=int, default=EngineConfig.paused_host_bytes >> 20, action=Given,
+    serve.add_argument("--paused-host-mb", type=mib_arg, default=EngineConfig.paused_host_bytes >> 20, action=Given,
                        help="MiB of host memory for the states of requests paused for a higher tier, freeing their "
                             "device memory until they resume; worth it on a GPU (0: they stay; default: %(default)s)")
     serve.add_argument("--request-timeout", type=float, default=EngineConfig.request_timeout_s,
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "where the forest's P(reusable) > 1 - v (default: the threshold)")
     serve.add_argument("--block-cache-max-reuse", type=int, default=BlockCacheConfig.max_reuse,
                        help="most steps in a row one block's output is reused (default: %(default)s)")
-    serve.add_argument("--block-cache-mb", type=int, default=BlockCacheConfig.budget_bytes >> 20,
+    serve.add_argument("--block-cache-mb", type=mib_arg, default=BlockCacheConfig.budget_bytes >> 20,
                        help="MiB of cached activations per device; past it, the newest requests run uncached "
                             "(default: %(default)s)")
     serve.add_argument("--template-cache", action="store_true",
@@ -121,13 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: none: in full above 90 %% of the tokens, the router a linear stand-in)")
     serve.add_argument("--template-dir", default=None,
                        help="directory of the template store's disk tier (default: a temporary one per server)")
-    serve.add_argument("--template-mb", type=int, default=TemplateConfig.host_bytes >> 20,
+    serve.add_argument("--template-mb", type=mib_arg, default=TemplateConfig.host_bytes >> 20,
                        help="MiB of template activations in host memory per device (default: %(default)s)")
-    serve.add_argument("--template-gpu-mb", type=int, default=TemplateConfig.device_bytes >> 20,
+    serve.add_argument("--template-gpu-mb", type=mib_arg, default=TemplateConfig.device_bytes >> 20,
                        help="MiB of template activations in GPU memory per device (default: %(default)s)")
-    serve.add_argument("--template-disk-mb", type=int, default=TemplateConfig.disk_bytes >> 20,
+    serve.add_argument("--template-disk-mb", type=mib_arg, default=TemplateConfig.disk_bytes >> 20,
                        help="MiB of template activations on disk per device (default: %(default)s)")
-    serve.add_argument("--conditioning-mb", type=int, default=EngineConfig.conditioning_bytes >> 20,
+    serve.add_argument("--conditioning-mb", type=mib_arg, default=EngineConfig.conditioning_bytes >> 20,
                        help="MiB of prompts' text-encoder outputs and uploads' VAE encodings kept for requests that "
                             "repeat them; exact (0: off; default: %(default)s)")
     serve.add_argument("--quantize", choices=["int8", "fp8"], default=None,
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-dir", default=None,
                        help="directory of LoRA adapters (<name>.safetensors, diffusers/peft or kohya keys); requests "
                             "name them in `loras` (default: none: requests cannot ask for adapters)")
-    serve.add_argument("--lora-mb", type=int, default=LoraConfig.host_bytes >> 20, action=Given,
+    serve.add_argument("--lora-mb", type=mib_arg, default=LoraConfig.host_bytes >> 20, action=Given,
                        help="MiB of LoRA adapters kept in host memory per device (default: %(default)s)")
     serve.add_argument("--lora-bound", type=int, default=LoraConfig.bound, action=Given,
                        help="bounded asynchronous LoRA loading: a request whose adapters are still being read denoises "
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--controlnet-dir", default=None,
                        help="directory of ControlNets (<name>/ in diffusers' format, for this UNet); requests name them "
                             "in `controlnets` with a conditioning image each (default: none)")
-    serve.add_argument("--controlnet-mb", type=int, default=ControlNetConfig.model_bytes >> 20, action=Given,
+    serve.add_argument("--controlnet-mb", type=mib_arg, default=ControlNetConfig.model_bytes >> 20, action=Given,
                        help="MiB of ControlNet weights kept loaded per process (default: %(default)s)")
     serve.add_argument("--controlnet-workers", type=int, default=ControlNetConfig.workers, action=Given,
                        help="ControlNet service processes, which run ControlNets beside the base model; 0 runs them in "
@@ -214,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace-s", type=float, default=ServerConfig.shutdown_grace_s,
                        help="on SIGTERM/SIGINT, seconds running requests may still finish before they are "
                             "cancelled (default: %(default)s)")
+    serve.add_argument("--max-size", type=int, default=ServerConfig.max_size, metavar="PX",
+                       help="largest width or height a request may ask, in pixels (default: %(default)s)")
+    serve.add_argument("--max-steps", type=int, default=ServerConfig.max_steps,
+                       help="most num_inference_steps a request may ask (default: %(default)s)")
+    serve.add_argument("--max-n", type=int, default=ServerConfig.max_n,
+                       help="most images one request may ask, 1 to 10 (default: %(default)s)")
 
     generate = commands.add_parser("generate", help="make one image offline, without a server")
     _add_image_args(generate)
@@ -260,10 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, reuse_compare, serve, sim_to_real,
-        soak, speed, tiers,
+        adapters, baselines, batching, edit, fidelity, fullsize, fuzz, overhead, parallel, reuse_compare, serve,
+        sim_to_real, soak, speed, tiers,
     )
 
+    fuzz.add_arguments(bench_kinds.add_parser(
+        "fuzz", help="requests generated from the server's OpenAPI schema on every endpoint: 2xx or 4xx only"))
     adapters.add_arguments(bench_kinds.add_parser(
         "adapters", help="LoRA serving: loading bound, latency with uncached adapters (BAL), fidelity, mixed-adapter "
                          "throughput vs per-adapter batches"))
@@ -309,7 +318,9 @@ def _serve(args) -> int:
     _log_to_stderr()
 
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, api_keys_file=args.api_keys,
-                          served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s)
+                          served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s,
+                          max_size=args.max_size, max_steps=args.max_steps, max_n=args.max_n,
+                          max_pixels=min(ServerConfig.max_pixels, args.max_size ** 2))
     if args.api_keys:  # a wrong keys file is refused before the model loads
         from gouache.api.tenants import TenantBook
 
@@ -452,11 +463,11 @@ def _make_controlnet(args) -> int:
 
 def _bench(args) -> int:
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, fullsize, overhead, parallel, reuse_compare, serve, sim_to_real,
-        soak, speed, tiers,
+        adapters, baselines, batching, edit, fidelity, fullsize, fuzz, overhead, parallel, reuse_compare, serve,
+        sim_to_real, soak, speed, tiers,
     )
 
-    kinds = {"adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
+    kinds = {"fuzz": fuzz, "adapters": adapters, "serve": serve, "batching": batching, "overhead": overhead, "sim-to-real": sim_to_real, "soak": soak,
              "fidelity": fidelity, "parallel": parallel, "edit": edit, "speed": speed, "baselines": baselines,
              "fullsize": fullsize, "reuse-compare": reuse_compare, "tiers": tiers}
     return kinds[args.bench].run(args)

@@ -78,13 +78,34 @@ def batch_size_arg(text: str) -> int | None:
     return count
 
 
+# The most MiB a memory flag (`--paused-host-mb`, `--block-cache-mb`, ...) may give: a pebibyte,
+# past any host's memory; their bytes (MiB << 20) then stay exact in the floats metrics report.
+MAX_MIB = 1 << 30
+
+
+def mib_arg(text: str) -> int:
+    """A memory flag in MiB as an argparse `type`: an integer in [0, MAX_MIB]."""
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = -1
+    if not 0 <= mib <= MAX_MIB:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB in [0, {MAX_MIB}]; got {text!r}")
+    return mib
+
+
 def tier_slo_arg(text: str) -> tuple[tuple[str, float], ...]:
-    """`--tier-slo-ms` as an argparse `type`: comma-separated TIER=MS, e.g. priority=2000,default=10000."""
-    return _tier_pairs(text, "MS", "MS > 0", lambda ms: ms > 0, "priority=2000,default=10000")
+    """`--tier-slo-ms` as an argparse `type`: comma-separated TIER=MS, e.g. priority=2000,default=10000,
+    each MS in the range a deadline is planned with (`config.MIN_TIER_SLO_MS`, `MAX_TIER_SLO_MS`)."""
+    from gouache.config import MAX_TIER_SLO_MS, MIN_TIER_SLO_MS
+
+    return _tier_pairs(text, "MS", f"MS in [{MIN_TIER_SLO_MS:g}, {MAX_TIER_SLO_MS:g}]",
+                       lambda ms: MIN_TIER_SLO_MS <= ms <= MAX_TIER_SLO_MS, "priority=2000,default=10000")
 
 
 def tier_share_arg(text: str) -> tuple[tuple[str, float], ...]:
-    """`--tier-queue-share` as an argparse `type`: comma-separated TIER=SHARE, e.g. flex=0.5,default=0.9."""
+    """`--tier-queue-share` as an argparse `type`: comma-separated TIER=SHARE, e.g. flex=0.5,default=0.9.
+    A share however small still holds one place (`sched.tiers.queue_limit`)."""
     return _tier_pairs(text, "SHARE", "SHARE in (0, 1]", lambda share: 0 < share <= 1, "flex=0.5,default=0.9")
 
 
@@ -97,9 +118,12 @@ def _tier_pairs(text: str, unit: str, rule: str, valid, example: str) -> tuple[t
         try:
             value = float(number)
         except ValueError:
-            value = math.nan
+            value = math.nan  # fails every rule: NaN is in no range
         if tier.strip() not in TIERS or not valid(value):
             raise argparse.ArgumentTypeError(f"expected TIER={unit} pairs with tiers from {', '.join(TIERS)} and "
                                              f"{rule}, e.g. {example}; got {text!r}")
         pairs.append((tier.strip(), value))
+    repeated = sorted({t for t, _ in pairs if [p for p, _ in pairs].count(t) > 1})
+    if repeated:  # only the last would count
+        raise argparse.ArgumentTypeError(f"each tier once; {', '.join(repeated)} is given twice in {text!r}")
     return tuple(pairs)

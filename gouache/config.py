@@ -11,6 +11,14 @@ from dataclasses import dataclass, field
 from gouache.request import TIERS
 
 DEFAULT_QUEUE_SHARES = (("flex", 0.5),)  # (service tier, share of the queue limit); absent tiers: all of it
+# The deadlines a tier may be given (`--tier-slo-ms`), in ms: less than a millisecond is a deadline
+# no step meets (its requests would all be dropped at once), more than 1e9 ms (11.6 days) outlives
+# any request, and inf or NaN would be no deadline at all to plan by.
+MIN_TIER_SLO_MS, MAX_TIER_SLO_MS = 1.0, 1e9
+# The most images in flight a server may hold (`--max-queue-len`): each holds its latents and
+# conditioning, so a million is past any host's memory; a tier's and a tenant's shares of it are
+# computed in floats, which hold every count up to it exactly.
+MAX_QUEUE_LEN = 1_000_000
 
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
@@ -81,7 +89,8 @@ class SchedulerConfig:
         _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
         for tier, ms in self.tier_slo_ms:
             _check(tier in TIERS, f"tier_slo_ms names tier {tier!r}; the tiers are {', '.join(TIERS)}")
-            _check(ms > 0, f"tier_slo_ms of {tier} must be positive, got {ms}")
+            _check(MIN_TIER_SLO_MS <= ms <= MAX_TIER_SLO_MS,
+                   f"tier_slo_ms of {tier} must be in [{MIN_TIER_SLO_MS:g}, {MAX_TIER_SLO_MS:g}] ms, got {ms}")
 
 
 COMPILE_BUCKETS = (1, 2, 4, 8, 16)
@@ -245,7 +254,8 @@ class EngineConfig:
     controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)  # ControlNets per request
 
     def __post_init__(self) -> None:
-        _check(self.max_queue_len >= 1, f"max_queue_len must be >= 1, got {self.max_queue_len}")
+        _check(1 <= self.max_queue_len <= MAX_QUEUE_LEN,
+               f"max_queue_len must be in [1, {MAX_QUEUE_LEN}], got {self.max_queue_len}")
         for tier, share in self.tier_queue_share:
             _check(tier in TIERS, f"tier_queue_share names tier {tier!r}; the tiers are {', '.join(TIERS)}")
             _check(0 < share <= 1, f"tier_queue_share of {tier} must be in (0, 1], got {share}")

@@ -191,12 +191,55 @@ def test_serve_passes_the_flags_its_policy_reads(built_configs):
     assert built_configs["engine"].tier_queue_share == (("flex", 0.25), ("default", 0.75))
 
 
-@pytest.mark.parametrize("flag, value", [("--tier-slo-ms", "gold=100"), ("--tier-slo-ms", "priority=-1"),
-                                         ("--tier-queue-share", "flex=1.5"), ("--tier-queue-share", "flex")])
+# numbers a float holds that no tier flag may take: NaN, the infinities, -0.0, a float's extremes
+EXTREMES = ("nan", "inf", "-inf", "-0.0", "0", "1e308", "-1e308", "1e309", "5e-324")
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--tier-slo-ms", "gold=100"), ("--tier-slo-ms", "priority=-1"), ("--tier-slo-ms", "priority=0.5"),
+    ("--tier-slo-ms", "priority=1000000001"), ("--tier-queue-share", "flex=1.5"), ("--tier-queue-share", "flex"),
+    *(("--tier-slo-ms", f"default=1000,priority={x}") for x in EXTREMES),
+    *(("--tier-queue-share", f"flex={x}") for x in EXTREMES if x != "5e-324"),
+])
 def test_serve_refuses_a_malformed_tier_flag(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", flag, value])
     assert exit_.value.code == 2 and "expected TIER=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--tier-slo-ms", "--tier-queue-share"])
+def test_serve_refuses_a_tier_given_twice(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", flag, "flex=1,default=1,flex=1"])
+    assert exit_.value.code == 2 and "flex is given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [*EXTREMES[:4], "1e308", "5e-324", "-1", "0.5", str((1 << 30) + 1), "1" + "0" * 400])
+def test_serve_refuses_a_memory_flag_outside_whole_mib(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--policy", "orca", "--paused-host-mb", value])
+    assert exit_.value.code == 2 and "--paused-host-mb: expected a whole number of MiB in [0, 1073741824]" in \
+        capsys.readouterr().err
+
+
+def test_serve_serves_the_ends_of_the_tier_flags_ranges(built_configs):
+    from gouache.sched.tiers import queue_limit, refusal
+
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", "--tier-slo-ms", "priority=1,default=1e9",
+              "--tier-queue-share", "flex=5e-324,default=1", "--paused-host-mb", str(1 << 30), "--max-queue-len",
+              "1000000"])
+    engine, scheduler = built_configs["engine"], built_configs["scheduler"]
+    assert scheduler.tier_slo_ms == (("priority", 1.0), ("default", 1e9)) and engine.paused_host_bytes == 1 << 50
+    # the smallest share still holds one place; the whole queue holds all of them
+    assert queue_limit("flex", engine.max_queue_len, engine.tier_queue_share) == 1
+    assert queue_limit("default", engine.max_queue_len, engine.tier_queue_share) == 1_000_000
+    assert refusal(2, "a", 1e-6, 1, [(2, "b", 1e6)], 1) == refusal(2, "a", 1e-6, 1, [], 1) is not None
+
+
+@pytest.mark.parametrize("value", ["0", "1000001", "1" + "0" * 400])
+def test_serve_refuses_a_queue_length_outside_the_range(value, capsys):
+    assert _refused(capsys, ["serve", "--policy", "orca", "--max-queue-len", value], "max_queue_len must be in [1, 1000000]")
 
 
 def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):

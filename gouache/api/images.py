@@ -23,6 +23,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from gouache.api.context import ApiContext, get_context
 from gouache.api.errors import NotFoundError
+from gouache.api.openapi import form_body, json_body
 from gouache.api.protocol import (
     IGNORED_FIELDS, MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
 )
@@ -44,9 +45,11 @@ _MAX_FORM_FIELDS = 64  # far more than the API has; stops field floods before va
 # edit fields a template registration would ignore (it returns no image and uses no block cache)
 _NOT_FOR_TEMPLATES = ("mask", "n", "stream", "partial_images", "template_cache", "response_format", "output_format",
                       "output_compression", "block_cache", "strength")
+_UPLOADS = {"image": "the image to edit (PNG, JPEG or WebP); `image[]` too, for models that take several",
+            "mask": "where to repaint (OpenAI's rule): its fully transparent pixels, or without transparency its white ones"}
 
 
-@router.post("/v1/images/generations")
+@router.post("/v1/images/generations", openapi_extra=json_body(ImageGenerationRequest))
 async def create_images(request: Request, ctx: ApiContext = Depends(get_context)) -> Response:
     arrival, api_id = _start(request)
     # curl -d sends JSON labelled as a form; accept it so the one-line curl example works
@@ -57,7 +60,7 @@ async def create_images(request: Request, ctx: ApiContext = Depends(get_context)
     return await _serve(request, ctx, params, api_id, arrival, "image_generation")
 
 
-@router.post("/v1/images/edits")
+@router.post("/v1/images/edits", openapi_extra=form_body(ImageEditRequest, _UPLOADS, ("image",)))
 async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) -> Response:
     arrival, api_id = _start(request)
     _require_content_type(request, "multipart/form-data")
@@ -75,7 +78,8 @@ async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) 
     return await _serve(request, ctx, params, api_id, arrival, "image_edit", image, mask, tuple(references))
 
 
-@router.post("/v1/templates")
+@router.post("/v1/templates", openapi_extra=form_body(ImageEditRequest, {"image": _UPLOADS["image"]}, ("image",),
+                                                     leave_out=_NOT_FOR_TEMPLATES))
 async def register_template(request: Request, ctx: ApiContext = Depends(get_context)) -> dict[str, Any]:
     """Record a template's activations ahead of its edits (docs/edits.md): an edit's form without
     a mask (the image, the prompt describing it, the size, steps and guidance its edits will use:

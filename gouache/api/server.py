@@ -20,13 +20,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from gouache import __version__
-from gouache.api import adapters, files, images, page, status
+from gouache.api import adapters, files, images, openapi, page, status
 from gouache.api.auth import ApiKeyMiddleware
 from gouache.api.body_limit import BodyLimitMiddleware
 from gouache.api.context import ApiContext
 from gouache.api.errors import install_error_handlers
 from gouache.api.file_store import FileStore
-from gouache.api.protocol import Limits
+from gouache.api.protocol import ImageGenerationRequest, Limits
 from gouache.api.tenants import TenantBook
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     for module in (images, files, adapters, status, page):
         app.include_router(module.router)
     app.mount("/ui", page.static_files(), name="ui")
+    openapi.install(app, (ImageGenerationRequest,))
     return app
 
 

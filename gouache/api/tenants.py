@@ -9,7 +9,17 @@ it replaced, and says why in the log):
                "rate_per_s": 50, "max_concurrent": 64, "weight": 1}]}
 
 `tiers` (default: all), `rate_per_s` and `max_concurrent` (default: no limit) and `weight`
-(default 1) may be left out. A key's default tier (`service_tier` absent or `auto`) is
+(default 1) may be left out. Each number must lie in the range the server serves, and a file
+with one outside it is refused naming the entry and field (at start; on SIGHUP the old keys stay):
+
+- `weight` in [1e-6, 1e6] (`gouache.sched.tiers.MIN_WEIGHT`, `MAX_WEIGHT`): a tenant's share
+  (`tenant_limit`) and its fair-queue tags (`FairQueue`: a request's work over its weight) stay
+  finite and exact enough to order by, whatever the number of tenants;
+- `rate_per_s` in [1e-6, 1e9] requests per second: a refused request's Retry-After, a token's
+  wait (1 - tokens) / rate, is at most 1e6 s (about 12 days), and 1e9/s is past any server's rate;
+- `max_concurrent` an integer in [1, 1000000]: more requests in flight than any server holds.
+
+A key's default tier (`service_tier` absent or `auto`) is
 `default` if it may use it, else the first it lists. The single `--api-key` is one tenant
 named `default` with every tier and no limits; a server without keys serves everyone as the
 tenant "". Over its rate or concurrency a tenant gets 429 with Retry-After; a tier it may
@@ -29,6 +39,7 @@ from pathlib import Path
 
 from gouache.errors import TenantLimitError, TierForbiddenError
 from gouache.request import DEFAULT_TIER, TIERS
+from gouache.sched.tiers import MAX_WEIGHT, MIN_WEIGHT
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +47,12 @@ _FIELDS = {"key", "name", "tiers", "rate_per_s", "max_concurrent", "weight"}
 # a rate limit's token bucket holds a second of its rate, at least this many requests: a client
 # that keeps to its rate on average (Poisson arrivals) is not refused for bunching a little
 MIN_BURST = 4.0
+# The rates a tenant may have, requests per second. The slowest keeps a refused request's
+# Retry-After ((1 - tokens) / rate, at most 1 / rate) a finite number of seconds an HTTP header
+# holds; the fastest is past what any server serves, so a larger one is a typo.
+MIN_RATE_PER_S, MAX_RATE_PER_S = 1e-6, 1e9
+# The most API requests a tenant may have in flight: more than any server holds at once.
+MAX_CONCURRENT = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -96,19 +113,33 @@ def _tenant(entry, where: str) -> Tenant:
     if not isinstance(tiers, list) or not tiers or any(t not in TIERS for t in tiers):
         raise ValueError(f"{where}.tiers must be a non-empty list of {', '.join(TIERS)}")
     rate, concurrent, weight = entry.get("rate_per_s"), entry.get("max_concurrent"), entry.get("weight", 1)
-    if rate is not None and not (_number(rate) and rate > 0):
-        raise ValueError(f"{where}.rate_per_s must be a number > 0 (leave it out for no limit)")
-    if concurrent is not None and not (isinstance(concurrent, int) and not isinstance(concurrent, bool)
-                                       and concurrent >= 1):
-        raise ValueError(f"{where}.max_concurrent must be an integer >= 1 (leave it out for no limit)")
-    if not (_number(weight) and weight > 0):
-        raise ValueError(f"{where}.weight must be a number > 0")
+    if rate is not None and not (_number(rate) and MIN_RATE_PER_S <= rate <= MAX_RATE_PER_S):
+        raise ValueError(f"{where}.rate_per_s must be a number of requests per second in [{MIN_RATE_PER_S:g}, "
+                         f"{MAX_RATE_PER_S:g}] (leave it out for no limit); got {_shown(rate)}")
+    if concurrent is not None and not (_integer(concurrent) and 1 <= concurrent <= MAX_CONCURRENT):
+        raise ValueError(f"{where}.max_concurrent must be an integer in [1, {MAX_CONCURRENT}] (leave it out for no "
+                         f"limit); got {_shown(concurrent)}")
+    if not (_number(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
+        raise ValueError(f"{where}.weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (default 1); "
+                         f"got {_shown(weight)}")
     return Tenant(entry["key"], entry["name"], tuple(dict.fromkeys(tiers)), None if rate is None else float(rate),
                   concurrent, float(weight))
 
 
 def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    # JSON numbers only (not true/false). The range checks compare exactly, so an integer too
+    # large for a float (10**400) is refused, not an OverflowError, and NaN fails every bound.
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """A refused value as the message names it, short even for a 400-digit integer."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} characters)"
 
 
 @dataclass
@@ -184,7 +215,7 @@ class TenantBook:
                 burst = max(MIN_BURST, tenant.rate_per_s)
                 usage.tokens = min(burst, usage.tokens + (now - usage.at) * tenant.rate_per_s)
                 usage.at = now
-                if usage.tokens < 1:
+                if usage.tokens < 1:  # tokens >= 0 here, so wait <= 1 / MIN_RATE_PER_S: a finite Retry-After
                     wait = (1 - usage.tokens) / tenant.rate_per_s
                     raise TenantLimitError(f"'{tenant.name}' is over its rate ({tenant.rate_per_s:g} requests/s); "
                                            f"retry in {wait:.2f} s", max(1, math.ceil(wait)))

@@ -21,6 +21,12 @@ from dataclasses import dataclass, field
 from gouache.config import DEFAULT_QUEUE_SHARES
 from gouache.request import TIERS, RequestState
 
+# The tenant weights served (`gouache.api.tenants` refuses a keys file with others). A request's
+# work (steps x megapixels) is about 1e3 at most (200 steps of 2048 px), so at the smallest
+# weight a fair-queue tag grows about 1e9 a request: finite for longer than any server runs. A
+# weight past 1e308 (or a sum of them) would be inf, and `tenant_limit` then a share of nothing.
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
+
 
 def tier_rank(name: str) -> int:
     """The rank of a tier's name (ValueError naming the tiers for any other)."""
@@ -74,7 +80,8 @@ def tenant_limit(tenant: str, weight: float, limit: int, active: dict[str, float
     fair queue serves them, so a tenant that sends more than the others cannot take their
     places, and over capacity each tenant's throughput follows its weight (not its arrivals)."""
     weights = {**active, tenant: weight}
-    return max(1, int(limit * weight / sum(weights.values())))
+    # the share first: at most 1, so the product stays within `limit` (limit x weight could overflow)
+    return max(1, int(limit * (weight / sum(weights.values()))))
 
 
 @dataclass(frozen=True)

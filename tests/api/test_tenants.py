@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 
 import httpx
 import pytest
 
 from gouache.api.server import create_app
-from gouache.api.tenants import ANONYMOUS, Tenant, TenantBook, parse_tenants
+from gouache.api.tenants import (
+    ANONYMOUS, MAX_CONCURRENT, MAX_RATE_PER_S, MIN_RATE_PER_S, Tenant, TenantBook, parse_tenants,
+)
 from gouache.errors import TenantLimitError, TierForbiddenError
 from gouache.config import ServerConfig
 from tests.api.fake_engine import FakeEngine
@@ -36,9 +39,9 @@ def write(tmp_path, data) -> str:
     ([{"key": "k", "name": "n"}], "with at least one key"),
     ({"keys": [{"key": "k"}]}, "keys[0].name must be a non-empty string"),
     ({"keys": [{"key": "k", "name": "n", "tiers": ["gold"]}]}, "keys[0].tiers must be a non-empty list"),
-    ({"keys": [{"key": "k", "name": "n", "rate_per_s": 0}]}, "keys[0].rate_per_s must be a number > 0"),
-    ({"keys": [{"key": "k", "name": "n", "max_concurrent": 0}]}, "keys[0].max_concurrent must be an integer >= 1"),
-    ({"keys": [{"key": "k", "name": "n", "weight": -1}]}, "keys[0].weight must be a number > 0"),
+    ({"keys": [{"key": "k", "name": "n", "rate_per_s": 0}]}, "keys[0].rate_per_s must be a number of requests per second in [1e-06, 1e+09]"),
+    ({"keys": [{"key": "k", "name": "n", "max_concurrent": 0}]}, "keys[0].max_concurrent must be an integer in [1, 1000000]"),
+    ({"keys": [{"key": "k", "name": "n", "weight": -1}]}, "keys[0].weight must be a number in [1e-06, 1e+06]"),
     ({"keys": [{"key": "k", "name": "n", "limit": 3}]}, "keys[0] has unknown fields limit"),
     ({"keys": [{"key": "k", "name": "n"}, {"key": "k2", "name": "n"}]}, "each name must be unique; repeated: n"),
     ({"keys": [{"key": "k", "name": "a"}, {"key": "k", "name": "b"}]}, "each key must be unique"),
@@ -47,6 +50,40 @@ def test_a_keys_file_is_checked_whole_and_says_what_to_fix(data, why):
     with pytest.raises(ValueError, match="keys file") as error:
         parse_tenants(json.dumps(data), "the keys file")
     assert why in str(error.value)
+
+
+# Every number a JSON file can hold that a limit must not take: the extremes of a float (5e-324,
+# 1e308, -1e308), NaN and the infinities (Python's json reads NaN, Infinity and 1e400), -0.0, an
+# integer no float holds, and just past each end of each range.
+OUT_OF_RANGE = {
+    "weight": [1e308, -1e308, 5e-324, 0.0, -0.0, math.nan, math.inf, -math.inf, 10**400, 9.99e-7, 1.000001e6, True],
+    "rate_per_s": [1e-310, 5e-324, 1e308, -1e308, -0.0, math.nan, math.inf, -math.inf, 10**400, 9.99e-7, 1.01e9],
+    "max_concurrent": [0, -1, MAX_CONCURRENT + 1, 10**400, 1e308, 2.0, math.nan, math.inf, -0.0, True],
+}
+
+
+@pytest.mark.parametrize("field, value", [(f, v) for f, values in OUT_OF_RANGE.items() for v in values])
+def test_a_limit_outside_the_range_the_server_serves_is_refused_naming_its_entry(field, value):
+    data = {"keys": [{"key": "k0", "name": "a"}, {"key": "k1", "name": "b", field: value}]}
+    with pytest.raises(ValueError, match=rf"the keys file, keys\[1\]\.{field} must be .* in \[.*\]"):
+        parse_tenants(json.dumps(data), "the keys file")
+
+
+def test_a_tenant_at_the_ends_of_the_ranges_is_served_and_limited_with_a_finite_retry_after():
+    data = {"keys": [{"key": "k-slow", "name": "slow", "rate_per_s": MIN_RATE_PER_S, "weight": 1e-6},
+                     {"key": "k-fast", "name": "fast", "rate_per_s": MAX_RATE_PER_S, "weight": 1e6,
+                      "max_concurrent": MAX_CONCURRENT}]}
+    slow, fast = parse_tenants(json.dumps(data))
+    book = TenantBook((slow, fast))
+    for _ in range(4):  # its burst
+        book.acquire(slow, now=0.0)
+    with pytest.raises(TenantLimitError) as limited:
+        book.acquire(slow, now=0.5)
+    retry = limited.value.retry_after_s
+    assert isinstance(retry, int) and retry == math.ceil((1 - 0.5 * MIN_RATE_PER_S) / MIN_RATE_PER_S)
+    for now in (0.0, 1e12, 1e12):  # a clock far ahead refills the fastest bucket to its burst, no further
+        book.acquire(fast, now=now)
+    assert book.inflight("fast") == 3
 
 
 def test_the_book_authenticates_limits_and_frees_per_tenant():
@@ -125,9 +162,27 @@ def test_sighup_reload_takes_a_new_file_and_keeps_the_old_on_an_error(tmp_path):
     assert book.authenticate(b"Bearer sk-alpha") is None
     (tmp_path / "keys.json").write_text("{not json")
     assert not book.reload() and book.names == ("new",)
+    for bad in ('{"keys": [{"key": "k", "name": "heavy", "weight": 1e308}]}',
+                '{"keys": [{"key": "k", "name": "slow", "rate_per_s": 1e-310}]}',
+                '{"keys": [{"key": "k", "name": "huge", "max_concurrent": 1%s}]}' % ("0" * 400),
+                '{"keys": [{"key": "k", "name": "nan", "weight": NaN}]}'):
+        (tmp_path / "keys.json").write_text(bad)
+        assert not book.reload() and book.names == ("new",)
 
 
 def test_one_key_or_a_keys_file_not_both():
     with pytest.raises(ValueError, match="not both"):
         ServerConfig(api_key="k", api_keys_file="keys.json")
     assert TenantBook.of("k", None).authenticate(b"Bearer k") == Tenant("k", "default")
+
+
+async def test_a_tenant_at_the_slowest_rate_gets_429_with_a_finite_retry_after(engine: FakeEngine,
+                                                                               config: ServerConfig, tmp_path):
+    keys = {"keys": [{"key": "sk-slow", "name": "slow", "rate_per_s": MIN_RATE_PER_S, "weight": 1e-6}]}
+    config = dataclasses.replace(config, api_keys_file=write(tmp_path, keys))
+    body = {"prompt": "a fox", "size": "64x64"}
+    async with client_of(engine, config) as client:
+        answers = [await client.post("/v1/images/generations", headers=auth("sk-slow"), json=body) for _ in range(5)]
+    assert [a.status_code for a in answers] == [200] * 4 + [429]  # its burst of 4, then over its rate
+    retry = answers[-1].headers["retry-after"]
+    assert retry.isdigit() and 1 <= int(retry) <= math.ceil(1 / MIN_RATE_PER_S)
