@@ -3,11 +3,13 @@ hypothesis) against every endpoint, generations, edits (multipart, uploads inclu
 adapters, files, status and cancels; every answer must be 2xx or 4xx, and the server must
 still be alive and serving a valid request afterwards.
 
-The server runs with small limits (64 px, 2 steps, n <= 2), so that the requests the fuzzer
-gets accepted are cheap to serve. A 5xx, a dropped connection or a dead server is a failure,
-listed with a curl command that reproduces it.
+The server runs with small limits (`--size` px at most, 2 steps, n <= 2), so that the requests
+the fuzzer gets accepted are cheap to serve. A 5xx, a dropped connection or a dead server is a
+failure, listed with a curl command that reproduces it; the one designed 5xx, a 503
+`deadline_unattainable` (a deadline-aware policy drops a request whose `slo_ms` it cannot meet
+even if started now, PatchedServe's rule), is counted apart.
 
-    gouache bench fuzz [--examples 300] [--model shapes-unet] [--serve-args "--policy ..."]
+    gouache bench fuzz [--examples 300] [--model shapes-unet] [--size 64] [--serve-args "--policy ..."]
                        [--out benchmarks/results/fuzz_cpu.json]
 """
 
@@ -26,15 +28,15 @@ import httpx
 
 from gouache.bench.serve import free_port, wait_healthy
 
-SERVER_FLAGS = ("--max-size", "64", "--max-steps", "2", "--max-n", "2")
-VALID = {"prompt": "a red circle at the top left on a white background", "size": "64x64", "num_inference_steps": 2}
+SERVER_FLAGS = ("--max-steps", "2", "--max-n", "2")
+DESIGNED = {(503, "deadline_unattainable")}  # 5xx answers by design: (status, error code)
 
 
 @dataclass
 class OperationResult:
     operation: str  # "METHOD /path"
     cases: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)  # "2xx", "4xx", "5xx", "error" -> count
+    statuses: dict[str, int] = field(default_factory=dict)  # "2xx", "4xx", "5xx", "503 designed", "error ..." -> count
     failures: list[str] = field(default_factory=list)  # curl commands of 5xx answers and dropped connections (first 5)
 
 
@@ -64,15 +66,29 @@ def _run_cases(operation, result: OperationResult, url: str, examples: int, seed
     def one(case) -> None:
         result.cases += 1
         try:
-            status = case.call(base_url=url, timeout=60).status_code
-            kind = f"{status // 100}xx"
+            kind = _kind(case.call(base_url=url, timeout=60))
         except Exception as error:  # the connection dropped: the worst answer of all
             kind = f"error {type(error).__name__}"
         result.statuses[kind] = result.statuses.get(kind, 0) + 1
-        if not kind.startswith(("2", "4")) and len(result.failures) < 5:
+        if not _fine(kind) and len(result.failures) < 5:
             result.failures.append(f"{kind}: {case.as_curl_command()}")
 
     one()
+
+
+def _kind(response) -> str:
+    if response.status_code >= 500:
+        try:
+            code = response.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if (response.status_code, code) in DESIGNED:
+            return f"{response.status_code} designed"
+    return f"{response.status_code // 100}xx"
+
+
+def _fine(kind: str) -> bool:
+    return kind.startswith(("2", "4")) or kind.endswith("designed")
 
 
 def _strategy(operation):
@@ -110,15 +126,18 @@ def _statuses(result: OperationResult) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in sorted(result.statuses.items()))
 
 
-def serves_after(url: str) -> bool:
+def serves_after(url: str, size: int) -> bool:
     """The server answers a valid generation with an image."""
-    response = httpx.post(f"{url}/v1/images/generations", json=VALID, timeout=120)
+    valid = {"prompt": "a red circle at the top left on a white background", "size": f"{size}x{size}",
+             "num_inference_steps": 2}
+    response = httpx.post(f"{url}/v1/images/generations", json=valid, timeout=120)
     return response.status_code == 200 and bool(response.json()["data"][0]["b64_json"])
 
 
-def start_server(model: str, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, log: Path, size: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "gouache.cli", "serve", "--model", model, "--port", str(port), *SERVER_FLAGS, *extra]
+    cmd = [sys.executable, "-m", "gouache.cli", "serve", "--model", model, "--port", str(port), *SERVER_FLAGS,
+           "--max-size", str(size), *extra]
     if model == "shapes-unet":  # its adapters, so that the adapter routes have something to find
         cmd += ["--lora-dir", _weights("loras"), "--controlnet-dir", _weights("controlnets")]
     server = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -134,21 +153,26 @@ def _weights(kind: str) -> str:
 
 
 def table(results: list[OperationResult]) -> str:
-    lines = ["| operation | cases | 2xx | 4xx | 5xx or dropped |", "| --- | --- | --- | --- | --- |"]
-    for r in results:
-        bad = sum(n for kind, n in r.statuses.items() if not kind.startswith(("2", "4")))
-        lines.append(f"| {r.operation} | {r.cases} | {r.statuses.get('2xx', 0)} | {r.statuses.get('4xx', 0)} | {bad} |")
     total = Counter()
     for r in results:
         total.update(r.statuses)
-    bad = sum(n for kind, n in total.items() if not kind.startswith(("2", "4")))
-    lines.append(f"| all | {sum(r.cases for r in results)} | {total['2xx']} | {total['4xx']} | {bad} |")
-    return "\n".join(lines)
+    rows = [_row(r.operation, r.cases, r.statuses) for r in results]
+    rows.append(_row("all", sum(r.cases for r in results), total))
+    return "\n".join(["| operation | cases | 2xx | 4xx | 5xx by design | 5xx or dropped |",
+                      "| --- | --- | --- | --- | --- | --- |", *rows])
+
+
+def _row(operation: str, cases: int, statuses: dict[str, int]) -> str:
+    designed = sum(n for kind, n in statuses.items() if kind.endswith("designed"))
+    bad = sum(n for kind, n in statuses.items() if not _fine(kind))
+    return f"| {operation} | {cases} | {statuses.get('2xx', 0)} | {statuses.get('4xx', 0)} | {designed} | {bad} |"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--examples", type=int, default=300, help="generated cases per operation (default: 300)")
     p.add_argument("--model", default="shapes-unet", help="the model served (default: shapes-unet, with its adapters)")
+    p.add_argument("--size", type=int, default=64, help="the server's --max-size, and the valid request's size after "
+                                                        "the cases (default: 64)")
     p.add_argument("--seed", type=int, default=0, help="hypothesis' seed, for a run that can be repeated")
     p.add_argument("--serve-args", default="", help="more `gouache serve` flags, e.g. \"--policy patched-slo "
                                                      "--cost-model FILE\" to reach slo_ms (default: none)")
@@ -160,17 +184,17 @@ def run(args: argparse.Namespace) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = args.out.with_suffix(".server.log")
-    server, url = start_server(args.model, log, tuple(shlex.split(args.serve_args)))
+    server, url = start_server(args.model, log, args.size, tuple(shlex.split(args.serve_args)))
     began = time.monotonic()
     try:
         results = fuzz(url, args.examples, args.seed)
-        alive = server.poll() is None and serves_after(url)
+        alive = server.poll() is None and serves_after(url, args.size)
     finally:
         server.terminate()
         server.wait(60)
     bad = [f for r in results for f in r.failures]
     report = table(results)
-    command = (f"gouache bench fuzz --examples {args.examples} --model {args.model} --seed {args.seed}"
+    command = (f"gouache bench fuzz --examples {args.examples} --model {args.model} --size {args.size} --seed {args.seed}"
                + (f" --serve-args {shlex.quote(args.serve_args)}" if args.serve_args else ""))
     summary = (f"{sum(r.cases for r in results)} cases in {time.monotonic() - began:.0f} s; server alive and serving "
                f"a valid request after: {alive}; 5xx or dropped: {len(bad)}")

@@ -9,7 +9,7 @@ from gouache.bench.fuzz import fuzz, serves_after, start_server
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    process, url = start_server("shapes-unet", tmp_path_factory.mktemp("fuzz") / "server.log")
+    process, url = start_server("shapes-unet", tmp_path_factory.mktemp("fuzz") / "server.log", 64)
     yield process, url
     process.terminate()
     process.wait(60)
@@ -40,4 +40,4 @@ def test_generated_requests_on_every_endpoint_answer_2xx_or_4xx(server):
     assert sum(r.cases for r in results) >= 200  # a few generated cases repeat
     assert [f for r in results for f in r.failures] == []
     assert sum(r.statuses.get("2xx", 0) for r in results if r.operation.startswith("POST /v1/images")) > 0
-    assert process.poll() is None and serves_after(url)
+    assert process.poll() is None and serves_after(url, 64)
