@@ -1,9 +1,8 @@
 """The compile cache (`--compile-cache DIR`, or inductor's own directory): a damaged kernel is
 moved aside before it can be loaded, so a process killed while it compiled never stops a start.
 
-Inductor builds each kernel (a `.so`, or `.o` parts linked into one) while holding a file lock
-named after the kernel's key (`DIR/locks/<key>.lock`), lets the compiler write straight to the
-final name, and later loads any kernel whose file exists without looking at it. A process killed
+Inductor builds each kernel (a `.so`) while holding a file lock named after the kernel's key
+(`DIR/locks/<key>.lock`), lets the compiler write straight to the final name, and later loads any kernel whose file exists without looking at it. A process killed
 while the compiler writes (a pod killed by its start-up probe, an OOM kill, a node drain) leaves a
 truncated file, and every later process that needs that kernel fails to load it ("file too
 short"). gouache writes none of these files and does not patch inductor; it checks them:
@@ -33,7 +32,11 @@ from filelock import FileLock, Timeout
 
 log = logging.getLogger(__name__)
 
-KERNEL_SUFFIXES = (".so", ".o")  # what inductor's C++ builds write
+# What inductor's C++ builds load: `<key>.so` and `<key>.main.so`, each built under `locks/<key>.lock`.
+# Object files (`.o`, linked into a `.so` in inductor's two-part builds) are left alone: their
+# names do not give the lock they are built under, so a sweep could not tell a half-written one
+# from a damaged one; a damaged one fails its link, and that forward runs eagerly.
+KERNEL_SUFFIXES = (".so",)
 DAMAGED = "damaged"  # the folder under the cache where damaged kernels are moved
 
 
