@@ -19,6 +19,15 @@ MIN_TIER_SLO_MS, MAX_TIER_SLO_MS = 1.0, 1e9
 # conditioning, so a million is past any host's memory; a tier's and a tenant's shares of it are
 # computed in floats, which hold every count up to it exactly.
 MAX_QUEUE_LEN = 1_000_000
+# The longest round (`--round-s`): an hour, past any step. A round runs floor(τ / T) steps of T
+# seconds, which stays a finite count for any step a cost model may hold (`sched.cost_fields`).
+MAX_ROUND_S = 3600.0
+# The longest timeout or grace a flag may set (a day): each becomes a deadline on a clock, a poll's
+# milliseconds or an asyncio timeout, which an infinite or 1e308-second value would overflow.
+MAX_TIMEOUT_S = 86400.0
+# The most a server may let one request ask (`--max-size`, `--max-steps`): 16384 px a side is
+# 268 M pixels an image, past any model's trained sizes; 10,000 steps, past any sampler's schedule.
+MAX_SIZE_PX, MAX_STEPS = 16384, 10_000
 
 
 EXECUTORS = ("uniproc", "multiproc", "ray")  # where the model runs: see gouache/executor
@@ -86,7 +95,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check(self.max_batch_size is None or self.max_batch_size >= 1,
                f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        _check(self.round_s > 0, f"round_s must be positive, got {self.round_s}")
+        _check(0 < self.round_s <= MAX_ROUND_S,
+               f"round_s must be in (0, {MAX_ROUND_S:g}] seconds, got {self.round_s}")
         for tier, ms in self.tier_slo_ms:
             _check(tier in TIERS, f"tier_slo_ms names tier {tier!r}; the tiers are {', '.join(TIERS)}")
             _check(MIN_TIER_SLO_MS <= ms <= MAX_TIER_SLO_MS,
@@ -259,7 +269,8 @@ class EngineConfig:
         for tier, share in self.tier_queue_share:
             _check(tier in TIERS, f"tier_queue_share names tier {tier!r}; the tiers are {', '.join(TIERS)}")
             _check(0 < share <= 1, f"tier_queue_share of {tier} must be in (0, 1], got {share}")
-        _check(self.request_timeout_s > 0, "request_timeout_s must be positive")
+        _check(0 < self.request_timeout_s <= MAX_TIMEOUT_S,
+               f"request_timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.request_timeout_s}")
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
         _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
@@ -268,7 +279,8 @@ class EngineConfig:
         _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
         _check(self.executor != "uniproc" or self.devices == 1,
                f"the uniproc executor runs one device; --devices {self.devices} needs --executor multiproc or ray")
-        _check(self.worker_timeout_s > 0, f"worker_timeout_s must be positive, got {self.worker_timeout_s}")
+        _check(0 < self.worker_timeout_s <= MAX_TIMEOUT_S,
+               f"worker_timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.worker_timeout_s}")
         _check(self.conditioning_bytes >= 0, f"conditioning_bytes must be >= 0, got {self.conditioning_bytes}")
         _check(self.paused_host_bytes >= 0, f"paused_host_bytes must be >= 0, got {self.paused_host_bytes}")
         _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
@@ -321,13 +333,16 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check(0 < self.port < 65536, f"port must be in 1..65535, got {self.port}")
-        _check(0 < self.min_size <= self.max_size, "min_size must be positive and <= max_size")
+        _check(0 < self.min_size <= self.max_size <= MAX_SIZE_PX,
+               f"sizes must satisfy 0 < min_size <= max_size <= {MAX_SIZE_PX} px, got {self.min_size} and "
+               f"{self.max_size}")
         _check(self.max_pixels >= self.min_size**2, "max_pixels must allow at least min_size x min_size")
         _check(1 <= self.max_n <= 10, "max_n must be in 1..10")
-        _check(self.max_steps >= 1, "max_steps must be >= 1")
+        _check(1 <= self.max_steps <= MAX_STEPS, f"max_steps must be in 1..{MAX_STEPS}, got {self.max_steps}")
         _check(self.max_body_bytes > 0 and self.file_ttl_s > 0, "max_body_bytes and file_ttl_s must be positive")
         _check(self.api_key is None or bool(self.api_key.strip()), "api_key must not be empty")
         _check(self.api_key is None or self.api_keys_file is None,
                "give either one API key (--api-key, $GOUACHE_API_KEY) or a keys file (--api-keys), not both")
         _check(all(name.strip() for name in self.served_model_names), "served model names must not be empty")
-        _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        _check(0 <= self.shutdown_grace_s <= MAX_TIMEOUT_S,
+               f"shutdown_grace_s must be in [0, {MAX_TIMEOUT_S:g}] seconds, got {self.shutdown_grace_s}")

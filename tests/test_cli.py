@@ -217,7 +217,7 @@ def test_serve_refuses_a_tier_given_twice(flag, capsys):
 @pytest.mark.parametrize("value", [*EXTREMES[:4], "1e308", "5e-324", "-1", "0.5", str((1 << 30) + 1), "1" + "0" * 400])
 def test_serve_refuses_a_memory_flag_outside_whole_mib(value, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["serve", "--policy", "orca", "--paused-host-mb", value])
+        main(["serve", "--policy", "orca", f"--paused-host-mb={value}"])
     assert exit_.value.code == 2 and "--paused-host-mb: expected a whole number of MiB in [0, 1073741824]" in \
         capsys.readouterr().err
 
@@ -234,12 +234,26 @@ def test_serve_serves_the_ends_of_the_tier_flags_ranges(built_configs):
     # the smallest share still holds one place; the whole queue holds all of them
     assert queue_limit("flex", engine.max_queue_len, engine.tier_queue_share) == 1
     assert queue_limit("default", engine.max_queue_len, engine.tier_queue_share) == 1_000_000
-    assert refusal(2, "a", 1e-6, 1, [(2, "b", 1e6)], 1) == refusal(2, "a", 1e-6, 1, [], 1) is not None
+    assert refusal(2, "a", 1.0, 1, [], 1) is None and refusal(2, "a", 1.0, 1, [(2, "b", 1.0)], 1) is not None
 
 
 @pytest.mark.parametrize("value", ["0", "1000001", "1" + "0" * 400])
 def test_serve_refuses_a_queue_length_outside_the_range(value, capsys):
-    assert _refused(capsys, ["serve", "--policy", "orca", "--max-queue-len", value], "max_queue_len must be in [1, 1000000]")
+    assert _refused(capsys, ["serve", "--policy", "orca", "--max-queue-len", value],
+                    "max_queue_len must be in [1, 1000000]")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-size", "16385", "max_size <= 16384"), ("--max-size", "32", "min_size <= max_size"),
+    ("--max-steps", "10001", "max_steps must be in 1..10000"), ("--max-steps", "0", "max_steps must be in"),
+    ("--max-n", "11", "max_n must be in 1..10"),
+    *[(flag, value, name + " must be in") for flag, name in (("--shutdown-grace-s", "shutdown_grace_s"),
+                                                             ("--request-timeout", "request_timeout_s"))
+      for value in ("inf", "1e308", "nan", "86401")],
+])
+def test_serve_refuses_limits_and_timeouts_outside_what_it_serves(flag, value, message, capsys):
+    """Before: an infinite grace or timeout was accepted, then overflowed the clock or poll it set."""
+    assert _refused(capsys, ["serve", flag, value], message)
 
 
 def test_generate_refuses_a_negative_prompt_without_guidance(tmp_path, capsys):

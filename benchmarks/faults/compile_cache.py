@@ -10,8 +10,9 @@ the same command again. A run passes when the restart is healthy within `--start
 its image equals the eager server's (max pixel difference <= `TOLERANCE`), and its steps ran
 compiled. The table counts the damaged kernels each restart moved aside.
 
-`--concurrent`: two servers, one `--replicas 2` server and one `--executor multiproc --devices 2`
-server start at once on one empty cache; each must come up with the eager image.
+`--concurrent`: two servers, one `--replicas 2` server and one with two worker processes
+(`--executor multiproc --devices 2 --policy fixed-sp-1`: each request on one of them) start at
+once on one empty cache; each must come up with the eager image.
 
     .venv/bin/python benchmarks/faults/compile_cache.py --runs 10 [--truncate] [--concurrent] [--out results.json]
 """
@@ -139,7 +140,7 @@ def kill_run(args: argparse.Namespace, run: int, root: Path, reference: np.ndarr
 
 def concurrent_run(args: argparse.Namespace, root: Path, reference: np.ndarray) -> list[RunResult]:
     cache = root / "cache-concurrent"
-    kinds = [(), (), ("--replicas", "2"), ("--executor", "multiproc", "--devices", "2")]
+    kinds = [(), (), ("--replicas", "2"), ("--executor", "multiproc", "--devices", "2", "--policy", "fixed-sp-1")]
     servers = [Server(args, cache, root / f"concurrent-{i}.log", extra) for i, extra in enumerate(kinds)]
     results = []
     try:
@@ -166,7 +167,7 @@ def print_row(r: RunResult) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=10, help="kill runs")
+    p.add_argument("--runs", type=int, default=10, help="kill runs (default: %(default)s)")
     p.add_argument("--model", default="shapes-unet")
     p.add_argument("--buckets", default="1,2", help="the servers' --compile-buckets")
     p.add_argument("--kill-window-s", type=float, default=60.0,

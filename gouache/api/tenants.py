@@ -14,16 +14,15 @@ with one outside it is refused naming the entry and field (at start; on SIGHUP t
 
 - `weight` in [1e-6, 1e6] (`gouache.sched.tiers.MIN_WEIGHT`, `MAX_WEIGHT`): a tenant's share
   (`tenant_limit`) and its fair-queue tags (`FairQueue`: a request's work over its weight) stay
-  finite and exact enough to order by, whatever the number of tenants;
+  finite (a weight of 1e308 made the share inf, a 500);
 - `rate_per_s` in [1e-6, 1e9] requests per second: a refused request's Retry-After, a token's
   wait (1 - tokens) / rate, is at most 1e6 s (about 12 days), and 1e9/s is past any server's rate;
 - `max_concurrent` an integer in [1, 1000000]: more requests in flight than any server holds.
 
-A key's default tier (`service_tier` absent or `auto`) is
-`default` if it may use it, else the first it lists. The single `--api-key` is one tenant
-named `default` with every tier and no limits; a server without keys serves everyone as the
-tenant "". Over its rate or concurrency a tenant gets 429 with Retry-After; a tier it may
-not use is a 403 naming the tier.
+A key's default tier (`service_tier` absent or `auto`) is `default` if it may use it, else the
+first it lists. The single `--api-key` is one tenant named `default` with every tier and no
+limits; a server without keys serves everyone as the tenant "". Over its rate or concurrency a
+tenant gets 429 with Retry-After; a tier it may not use is a 403 naming the tier.
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ def parse_tenants(text: str, source: str = "the API keys file") -> tuple[Tenant,
     """The tenants of a keys file's text; ValueError saying which entry and field is wrong."""
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, RecursionError) as error:  # nested past Python's stack: not a keys file either
         raise ValueError(f"{source} is not JSON: {error}") from None
     entries = data.get("keys") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:

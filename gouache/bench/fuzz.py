@@ -173,10 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="shapes-unet", help="the model served (default: shapes-unet, with its adapters)")
     p.add_argument("--size", type=int, default=64, help="the server's --max-size, and the valid request's size after "
                                                         "the cases (default: 64)")
-    p.add_argument("--seed", type=int, default=0, help="hypothesis' seed, for a run that can be repeated")
+    p.add_argument("--seed", type=int, default=0, help="hypothesis' seed, for a run that can be repeated (default: %(default)s)")
     p.add_argument("--serve-args", default="", help="more `gouache serve` flags, e.g. \"--policy patched-slo "
                                                      "--cost-model FILE\" to reach slo_ms (default: none)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/fuzz_cpu.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/fuzz_cpu.json"),
+                   help="the JSON result; a .md table beside it (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,7 +24,8 @@ features, one copy of their results to the host (on a GPU, its only wait), and a
 for numpy's gathers (pointer-sized indices, float32 thresholds, children side by side: four
 operations a level).
 The file is JSON (the trees' arrays), names the model it was trained on (`model_digest`), and
-is refused for any other.
+is refused for any other, or where its arrays do not make a forest every walk of which ends on a
+leaf (`forest_check`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gouache.block_cache.forest_check import forest_arrays
 from gouache.block_cache.store import CachePass
 from gouache.config import BlockCacheConfig
 
@@ -118,7 +120,8 @@ class ReusePredictor:
         trees, width = self.feature.shape
         offset = np.arange(trees, dtype=np.intp)[:, None] * width
         threshold = self.threshold.numpy()
-        rounded = threshold.astype(np.float32)
+        with np.errstate(over="ignore"):  # past float32's range: ±inf, then below +inf to its largest
+            rounded = threshold.astype(np.float32)
         rounded = np.where(rounded.astype(np.float64) > threshold, np.nextafter(rounded, np.float32(-np.inf)), rounded)
         children = np.stack([self.left.numpy() + offset, self.right.numpy() + offset], -1).astype(np.intp)
         return (self.feature.numpy().astype(np.intp).ravel(), rounded.ravel(), children.ravel(),
@@ -177,7 +180,7 @@ class ReusePredictor:
         on features other than these, or (`model` given) on another model."""
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise ValueError(f"block-cache predictor {path}: cannot read it ({error})") from None
         if not isinstance(data, dict) or data.get("kind") != KIND:
             raise ValueError(f"block-cache predictor {path}: not a reuse predictor (kind {KIND!r}); "
@@ -189,14 +192,18 @@ class ReusePredictor:
             raise ValueError(f"block-cache predictor {path} was trained on another model ({data.get('model_name')}); "
                              "its decisions do not carry over: train one on this model with `gouache profile --reuse`")
         try:
-            arrays = [torch.tensor(data[name], dtype=dtype) for name, dtype in
-                      (("feature", torch.long), ("threshold", torch.float64), ("left", torch.long),
-                       ("right", torch.long), ("reusable", torch.float32))]
-            return cls(data["model"], data["model_name"], float(data["bound"]), *arrays, int(data["depth"]),
-                       data.get("report", {}))
-        except (KeyError, TypeError, ValueError, RuntimeError) as error:
-            raise ValueError(f"block-cache predictor {path}: malformed ({type(error).__name__}: {error}); "
-                             "write it again with `gouache profile --reuse`") from None
+            arrays, depth = forest_arrays(data, len(FEATURES))
+            bound = data["bound"]
+            if not (isinstance(bound, int | float) and not isinstance(bound, bool) and 0 < bound < 1):
+                raise ValueError("bound must be a relative output error in (0, 1), as --bound is; "
+                                 f"got {str(bound)[:24]}")
+            return cls(data["model"], data["model_name"], float(bound),
+                       *(torch.from_numpy(arrays[name]) for name in ("feature", "threshold", "left", "right")),
+                       torch.from_numpy(arrays["reusable"]).float(), depth, data.get("report", {}))
+        except (KeyError, TypeError, ValueError) as error:
+            why = f"{error} is missing" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"block-cache predictor {path}: malformed: {why}; write it again with "
+                             "`gouache profile --reuse`") from None
 
 
 def reuse_pass(config: BlockCacheConfig | None, pipe) -> type[CachePass] | None:

@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gouache.sched.cost_fields import (
+    MAX_STEP_S, composition_entry, entries, field, integer, number, resolution_entry, seconds, side,
+)
 from gouache.sched.interface import Resolution, as_resolution
 from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.predictors import FitReport, LinearPredictor, SvrPredictor, evaluate, predictor_from_json
@@ -183,13 +186,23 @@ class BatchCostModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BatchCostModel:
-        predictor = predictor_from_json(data["predictor"])
-        model = cls(data["resolutions"], data["patch_px"], predictor)  # type: ignore[arg-type]
-        model.table = {tuple(tuple(t) for t in row["composition"]): (row["seconds"], row["n"]) for row in data["table"]}
-        for row in data.get("grouped", []):  # absent in files profiled before plain forwards were
-            model.record_grouped(row["resolution"], row["batch"], row["seconds"])
-        for row in data.get("stages", []):
-            model.record_stages(row["resolution"], row["prep_s"], row["post_s"])
+        """A model from `to_json()`'s data; a ValueError naming the entry whose number the
+        planners cannot use (`cost_fields`: times in [1e-6, 1e6] s, sizes and counts bounded)."""
+        resolutions = [resolution_entry(r, at) for r, at in _rows(*field(data, "resolutions"), 1)]
+        predictor = predictor_from_json(*field(data, "predictor"))
+        if predictor.features not in (None, len(resolutions) + 2):
+            raise ValueError(f"predictor was fitted on {predictor.features} features; {len(resolutions)} "
+                             f"resolutions make {len(resolutions) + 2}")
+        model = cls(resolutions, side(*field(data, "patch_px")), predictor)  # type: ignore[arg-type]
+        for row, at in _rows(*field(data, "table")):
+            key = tuple(sorted(composition_entry(*entry) for entry in _rows(*field(row, "composition", at), 1)))
+            model.table[key] = (seconds(*field(row, "seconds", at)), integer(*field(row, "n", at)))
+        for row, at in _rows(data.get("grouped", []), "grouped"):  # absent in files profiled before plain forwards were
+            model.record_grouped(resolution_entry(*field(row, "resolution", at)), integer(*field(row, "batch", at)),
+                                 seconds(*field(row, "seconds", at)))
+        for row, at in _rows(data.get("stages", []), "stages"):
+            model.record_stages(resolution_entry(*field(row, "resolution", at)),
+                                seconds(*field(row, "prep_s", at), 0.0), seconds(*field(row, "post_s", at), 0.0))
         model.report = FitReport.from_json(data["report"]) if data.get("report") else None
         return model
 
@@ -302,18 +315,43 @@ class MaskCostModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MaskCostModel:
+        """A model from `to_json()`'s data; a ValueError naming the entry the replay's plan cannot
+        use: sizes bounded (so FLOPs and bytes stay finite), and each line fitted on its one
+        feature (`_line`)."""
         model = cls(
-            data["hidden"],
-            data["num_blocks"],
-            data["bytes_per_element"],
-            LinearPredictor.from_json(data["compute"]),
-            LinearPredictor.from_json(data["load"]),
-            data.get("text_tokens", 0),
-            data.get("tensors", 1),
-            LinearPredictor.from_json(data["plain"]) if data.get("plain") else None,
+            integer(*field(data, "hidden")),
+            integer(*field(data, "num_blocks"), high=MAX_BLOCKS),
+            integer(*field(data, "bytes_per_element"), high=8),
+            _line(*field(data, "compute")),
+            _line(*field(data, "load")),
+            integer(data.get("text_tokens", 0), "text_tokens", 0),
+            integer(data.get("tensors", 1), "tensors", 1, 16),
+            _line(data["plain"], "plain") if data.get("plain") else None,
         )
         model.report = MaskFitReport(**data["report"]) if data.get("report") else None
         return model
+
+
+MAX_BLOCKS = 4096  # transformer blocks of a mask model
+
+
+def _rows(value, where: str, least: int = 0) -> list[tuple[Any, str]]:
+    """(entry, its name in a message) of a file's list `where`."""
+    return [(entry, f"{where}[{i}]") for i, entry in enumerate(entries(value, where, least))]
+
+
+def _line(data, where: str) -> LinearPredictor:
+    """A mask model's fitted line of one feature (FLOPs or bytes) to seconds: a slope of at most
+    a second per FLOP or byte (so the largest edits' times stay finite) and a fixed cost within
+    a step's range. Either may be slightly negative: profiles from before the fits were kept
+    nonnegative hold lines through -1e-4 s, or falling by 5e-13 s a FLOP, which the load plan
+    takes as they are (a time below zero breaks no arithmetic there)."""
+    line = LinearPredictor.from_json(data, where) if isinstance(data, dict) else None
+    if line is None or line.features != 1:
+        raise ValueError(f"{where} must be a line fitted on one feature (`gouache profile --edits` writes one)")
+    number(line.coef[0], f"{where}.coef[0]", -1.0, 1.0, "seconds per FLOP or byte")
+    number(line.intercept, f"{where}.intercept", -MAX_STEP_S, MAX_STEP_S, "a number of seconds")
+    return line
 
 
 def _checked(batch: EditBatch) -> EditBatch:
@@ -343,9 +381,17 @@ def load_mask_model(path: str | Path) -> MaskCostModel:
 
 
 def load(path: str | Path) -> CostModel:
-    """Read a cost model written by `save`, whichever kind it is."""
-    data = json.loads(Path(path).read_text())
-    if data.get("kind") not in COST_MODELS:
-        kinds = ", ".join(COST_MODELS)
-        raise ValueError(f"{path}: unknown cost model kind {data.get('kind')!r}; expected one of {kinds}")
-    return COST_MODELS[data["kind"]].from_json(data)
+    """Read a cost model written by `save`, whichever kind it is; a ValueError naming the file
+    and the entry when it is not one the planners can use."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
+        raise ValueError(f"{path}: not a cost model's JSON ({error})") from None
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in COST_MODELS:
+        raise ValueError(f"{path}: unknown cost model kind {kind!r}; expected one of {', '.join(COST_MODELS)}")
+    try:
+        return COST_MODELS[kind].from_json(data)
+    except (KeyError, TypeError, ValueError) as error:
+        why = f"{error} is missing" if isinstance(error, KeyError) else error
+        raise ValueError(f"{path}: {why}; profile it again (`gouache profile`)") from None

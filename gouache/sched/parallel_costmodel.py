@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gouache.sched.cost_fields import MAX_DEGREE, entries, field, integer, seconds, side
 from gouache.sched.interface import Resolution, as_resolution
 
 
@@ -133,10 +134,17 @@ class ParallelCostModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ParallelCostModel:
+        """A model from `to_json()`'s data; a ValueError naming the row whose number the
+        planners cannot use (`cost_fields`), or that repeats another's."""
         table: dict[Resolution, dict[int, float]] = {}
-        for row in data["table"]:
-            table.setdefault((row["height"], row["width"]), {})[row["k"]] = row["seconds"]
-        return cls(table, data.get("source", ""))
+        for i, row in enumerate(entries(*field(data, "table"), 1)):
+            where = f"table[{i}]"
+            res = (side(*field(row, "height", where)), side(*field(row, "width", where)))
+            k = integer(*field(row, "k", where), high=MAX_DEGREE)
+            if k & (k - 1) or k in table.get(res, {}):
+                raise ValueError(f"{where}.k must be a power of two, once per resolution; got {k} for {res}")
+            table.setdefault(res, {})[k] = seconds(*field(row, "seconds", where))
+        return cls(table, str(data.get("source", "")))
 
     def _row(self, res: int | Sequence[int]) -> dict[int, float]:
         key = as_resolution(res)

@@ -29,6 +29,11 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVR
 
+from gouache.sched.cost_fields import MAX_SAMPLES, entries, field, finite, number, seconds, shown
+
+MAX_FEATURES = 1000  # columns of a predictor's features: a batch model has one per resolution, plus two
+MAX_FEATURE = 1e12  # |a feature|: image counts, patches, FLOPs, bytes
+
 
 @dataclass
 class FitReport:
@@ -162,11 +167,29 @@ class SvrPredictor:
             "y": self._y.tolist() if fitted else None,  # [n_samples] training targets, seconds
         }
 
+    @property
+    def features(self) -> int | None:
+        """Columns of the features it was fitted on; None unfitted."""
+        return None if self._X is None else self._X.shape[1]
+
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SvrPredictor:
-        predictor = cls(**data["params"], search=data.get("search", False))
+    def from_json(cls, data: dict[str, Any], where: str = "svr") -> SvrPredictor:
+        """A predictor from `to_json()`'s data; a ValueError naming the entry (`where.X[3][1]`)
+        whose number is not one it can be fitted with."""
+        params, at = field(data, "params", where)
+        if not isinstance(params, dict) or set(params) != {"C", "gamma", "epsilon"}:
+            raise ValueError(f"{at} must hold C, gamma and epsilon; got {shown(params)}")
+        chosen = {name: number(params[name], f"{at}.{name}", low, 1e9)
+                  for name, low in (("C", 1e-9), ("gamma", 1e-9), ("epsilon", 0.0))}
+        search = data.get("search", False)
+        if not isinstance(search, bool):
+            raise ValueError(f"{where}.search must be true or false; got {shown(search)}")
+        predictor = cls(**chosen, search=search)
         if data.get("X") is not None:  # refit with the stored hyper-parameters, never re-search
-            predictor._fit_with(data["params"], np.asarray(data["X"], float), np.asarray(data["y"], float))
+            X = _samples(data["X"], f"{where}.X")
+            targets, at = field(data, "y", where)
+            y = [seconds(v, f"{at}[{i}]") for i, v in enumerate(entries(targets, at, len(X), len(X)))]
+            predictor._fit_with(chosen, np.asarray(X, float), np.asarray(y, float))
         return predictor
 
     @staticmethod
@@ -233,13 +256,21 @@ class LinearPredictor:
             "intercept": self.intercept if fitted else None,
         }
 
+    @property
+    def features(self) -> int | None:
+        """Columns of the features it was fitted on; None unfitted."""
+        return None if self._model is None else len(self._model.coef_)
+
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LinearPredictor:
+    def from_json(cls, data: dict[str, Any], where: str = "linear") -> LinearPredictor:
+        """A predictor from `to_json()`'s data; a ValueError naming a coefficient that is not a
+        finite number."""
         predictor = cls()
         if data.get("coef") is not None:
             model = LinearRegression()
-            model.coef_ = np.asarray(data["coef"], float)
-            model.intercept_ = float(data["intercept"])
+            coef = entries(data["coef"], f"{where}.coef", 1, MAX_FEATURES)
+            model.coef_ = np.asarray([finite(c, f"{where}.coef[{i}]") for i, c in enumerate(coef)], float)
+            model.intercept_ = finite(*field(data, "intercept", where))
             model.n_features_in_ = len(model.coef_)
             predictor._model = model
         return predictor
@@ -255,8 +286,17 @@ PREDICTORS: dict[str, type[SvrPredictor] | type[LinearPredictor]] = {
 }
 
 
-def predictor_from_json(data: dict[str, Any]) -> SvrPredictor | LinearPredictor:
+def predictor_from_json(data: dict[str, Any], where: str = "predictor") -> SvrPredictor | LinearPredictor:
     """Rebuild a predictor saved by its `to_json()`, whichever kind it is."""
-    if data.get("kind") not in PREDICTORS:
-        raise ValueError(f"unknown predictor kind {data.get('kind')!r}; expected one of {', '.join(PREDICTORS)}")
-    return PREDICTORS[data["kind"]].from_json(data)
+    if not isinstance(data, dict) or data.get("kind") not in PREDICTORS:
+        kind = data.get("kind") if isinstance(data, dict) else None
+        raise ValueError(f"{where}: unknown predictor kind {kind!r}; expected one of {', '.join(PREDICTORS)}")
+    return PREDICTORS[data["kind"]].from_json(data, where)
+
+
+def _samples(value, where: str) -> list[list[float]]:
+    """[samples][features] finite numbers, every sample as long as the first."""
+    rows = entries(value, where, 1, MAX_SAMPLES)
+    width = len(entries(rows[0], f"{where}[0]", 1, MAX_FEATURES))
+    return [[number(x, f"{where}[{i}][{j}]", -MAX_FEATURE, MAX_FEATURE)
+             for j, x in enumerate(entries(row, f"{where}[{i}]", width, width))] for i, row in enumerate(rows)]

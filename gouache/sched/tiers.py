@@ -23,8 +23,8 @@ from gouache.request import TIERS, RequestState
 
 # The tenant weights served (`gouache.api.tenants` refuses a keys file with others). A request's
 # work (steps x megapixels) is about 1e3 at most (200 steps of 2048 px), so at the smallest
-# weight a fair-queue tag grows about 1e9 a request: finite for longer than any server runs. A
-# weight past 1e308 (or a sum of them) would be inf, and `tenant_limit` then a share of nothing.
+# weight a fair-queue tag grows about 1e9 a request: finite for longer than any server runs; and
+# `tenant_limit`'s limit x weight stays finite (a weight of 1e308 made it inf: an OverflowError).
 MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
 
 
@@ -80,8 +80,9 @@ def tenant_limit(tenant: str, weight: float, limit: int, active: dict[str, float
     fair queue serves them, so a tenant that sends more than the others cannot take their
     places, and over capacity each tenant's throughput follows its weight (not its arrivals)."""
     weights = {**active, tenant: weight}
-    # the share first: at most 1, so the product stays within `limit` (limit x weight could overflow)
-    return max(1, int(limit * (weight / sum(weights.values()))))
+    # finite for weights in [MIN_WEIGHT, MAX_WEIGHT] and a limit up to config.MAX_QUEUE_LEN (1e12
+    # at most), and exact where the share is a whole number of places (limit x (weight / sum) is not)
+    return max(1, int(limit * weight / sum(weights.values())))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 
 import httpx
 import pytest
@@ -39,8 +40,10 @@ def write(tmp_path, data) -> str:
     ([{"key": "k", "name": "n"}], "with at least one key"),
     ({"keys": [{"key": "k"}]}, "keys[0].name must be a non-empty string"),
     ({"keys": [{"key": "k", "name": "n", "tiers": ["gold"]}]}, "keys[0].tiers must be a non-empty list"),
-    ({"keys": [{"key": "k", "name": "n", "rate_per_s": 0}]}, "keys[0].rate_per_s must be a number of requests per second in [1e-06, 1e+09]"),
-    ({"keys": [{"key": "k", "name": "n", "max_concurrent": 0}]}, "keys[0].max_concurrent must be an integer in [1, 1000000]"),
+    ({"keys": [{"key": "k", "name": "n", "rate_per_s": 0}]},
+     "keys[0].rate_per_s must be a number of requests per second in [1e-06, 1e+09]"),
+    ({"keys": [{"key": "k", "name": "n", "max_concurrent": 0}]},
+     "keys[0].max_concurrent must be an integer in [1, 1000000]"),
     ({"keys": [{"key": "k", "name": "n", "weight": -1}]}, "keys[0].weight must be a number in [1e-06, 1e+06]"),
     ({"keys": [{"key": "k", "name": "n", "limit": 3}]}, "keys[0] has unknown fields limit"),
     ({"keys": [{"key": "k", "name": "n"}, {"key": "k2", "name": "n"}]}, "each name must be unique; repeated: n"),
@@ -62,11 +65,21 @@ OUT_OF_RANGE = {
 }
 
 
-@pytest.mark.parametrize("field, value", [(f, v) for f, values in OUT_OF_RANGE.items() for v in values])
+@pytest.mark.parametrize("field, value", [(f, v) for f, values in OUT_OF_RANGE.items() for v in values],
+                         ids=lambda v: str(v)[:16])
 def test_a_limit_outside_the_range_the_server_serves_is_refused_naming_its_entry(field, value):
     data = {"keys": [{"key": "k0", "name": "a"}, {"key": "k1", "name": "b", field: value}]}
     with pytest.raises(ValueError, match=rf"the keys file, keys\[1\]\.{field} must be .* in \[.*\]"):
         parse_tenants(json.dumps(data), "the keys file")
+
+
+@pytest.mark.parametrize("field, value", [("weight", 1e308), ("rate_per_s", 1e-310)])
+def test_a_server_refuses_at_start_the_limits_whose_requests_answered_500(engine: FakeEngine, config: ServerConfig,
+                                                                         tmp_path, field, value):
+    keys = {"keys": [{"key": "sk-a", "name": "a"}, {"key": "sk-b", "name": "b", field: value}]}
+    config = dataclasses.replace(config, api_keys_file=write(tmp_path, keys))
+    with pytest.raises(ValueError, match=rf"keys\[1\]\.{field} must be .*; got {re.escape(repr(value))}"):
+        create_app(engine, config)
 
 
 def test_a_tenant_at_the_ends_of_the_ranges_is_served_and_limited_with_a_finite_retry_after():
@@ -165,7 +178,7 @@ def test_sighup_reload_takes_a_new_file_and_keeps_the_old_on_an_error(tmp_path):
     for bad in ('{"keys": [{"key": "k", "name": "heavy", "weight": 1e308}]}',
                 '{"keys": [{"key": "k", "name": "slow", "rate_per_s": 1e-310}]}',
                 '{"keys": [{"key": "k", "name": "huge", "max_concurrent": 1%s}]}' % ("0" * 400),
-                '{"keys": [{"key": "k", "name": "nan", "weight": NaN}]}'):
+                '{"keys": [{"key": "k", "name": "nan", "weight": NaN}]}', '{"keys": ' + "[" * 100_000):
         (tmp_path / "keys.json").write_text(bad)
         assert not book.reload() and book.names == ("new",)
 

@@ -138,10 +138,12 @@ def test_templates_under_worker_processes_and_next_to_other_requests(pipes, tmp_
 
 def test_a_template_cost_model_of_another_kind_or_under_sequence_parallel_steps_is_refused(tmp_path):
     from gouache.sched.costmodel import BatchCostModel, MaskCostModel, save
+    from gouache.sched.predictors import LinearPredictor
 
     batch, mask = tmp_path / "batch.json", tmp_path / "mask.json"
     save(BatchCostModel([(64, 64)], patch_px=32), batch)
-    save(MaskCostModel(64, 2), mask)
+    line = LinearPredictor.from_json({"kind": "linear", "coef": [1e-9], "intercept": 0.0})
+    save(MaskCostModel(64, 2, compute=line, load=line), mask)  # fitted: an unfitted one is refused first
     with pytest.raises(ValueError, match="--template-cost-model takes the mask-aware one"):
         build_engine(ModelConfig("tiny-sd3"), EngineConfig(templates=TemplateConfig(cost_model=str(batch))),
                      SchedulerConfig())

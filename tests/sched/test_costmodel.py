@@ -313,3 +313,151 @@ def test_a_mask_cost_model_never_predicts_a_negative_time_from_noisy_samples():
     model.fit([(small, 0.005), (big, 0.04)], [(small, 0.002), (big, 0.0)])  # a line with a negative intercept
     assert model.compute.intercept == 0 and model.compute.coef[0] > 0  # through the origin: no negative fixed cost
     assert model.compute_time([(8, 0.05)]) > 0 and model.load_time([(8, 0.05)]) >= 0
+
+
+# files: every number in a range the planners serve, else refused naming the entry
+
+# the numbers no time, size or count may be: a float's extremes, NaN, the infinities, -0.0,
+# an integer no float holds, and a string or a boolean where a number belongs
+EXTREMES = (5e-324, -5e-324, 1e308, -1e308, math.nan, math.inf, -math.inf, -0.0, 0, 10**400, "0.1", True)
+
+
+def batch_data() -> dict:
+    """A small batch cost model's file, its SVR fitted on three samples of four features."""
+    return {"kind": "batch", "resolutions": [[512, 512], [768, 768]], "patch_px": 256,
+            "table": [{"composition": [[512, 512, 2]], "seconds": 0.1, "n": 3}],
+            "grouped": [{"resolution": [512, 512], "batch": 1, "seconds": 0.05}],
+            "stages": [{"resolution": [512, 512], "prep_s": 0.01, "post_s": 0.02}],
+            "predictor": {"kind": "svr", "params": {"C": 100.0, "gamma": 0.03, "epsilon": 0.01}, "search": False,
+                          "X": [[1, 0, 1, 4], [0, 1, 1, 9], [2, 0, 1, 8]], "y": [0.05, 0.09, 0.1]},
+            "report": None}
+
+
+def parallel_data() -> dict:
+    return {"kind": "parallel", "source": "test", "table": [{"height": 512, "width": 512, "k": 1, "seconds": 0.2},
+                                                            {"height": 512, "width": 512, "k": 2, "seconds": 0.12}]}
+
+
+def mask_data() -> dict:
+    return {"kind": "mask", "hidden": 64, "num_blocks": 2, "bytes_per_element": 2, "text_tokens": 0, "tensors": 1,
+            "compute": {"kind": "linear", "coef": [1e-9], "intercept": 0.01},
+            "load": {"kind": "linear", "coef": [1e-10], "intercept": 0.0}, "plain": None, "report": None}
+
+
+def changed(data: dict, path: str, value) -> dict:
+    """`data` with the entry at `path` (keys and list indices, dot-separated) set to `value`."""
+    *parents, last = [int(part) if part.isdigit() else part for part in path.split(".")]
+    at = data
+    for part in parents:
+        at = at[part]
+    at[last] = value
+    return data
+
+
+def refused(tmp_path, data: dict) -> str:
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as error:
+        load(path)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ") and message.endswith("profile it again (`gouache profile`)")
+    return str(error.value)
+
+
+STEP_S = "must be a number of seconds in [1e-06, 1e+06]"
+STAGE_S = "must be a number of seconds in [0, 1e+06]"
+SIDE = "must be an integer in [1, 65536]"
+CASES = [
+    *((batch_data, "table.0.seconds", x, "table[0].seconds " + STEP_S) for x in EXTREMES),
+    *((batch_data, "grouped.0.seconds", x, "grouped[0].seconds " + STEP_S) for x in EXTREMES),
+    *((batch_data, "stages.0.prep_s", x, "stages[0].prep_s " + STAGE_S) for x in EXTREMES if x not in (0, 5e-324)),
+    *((batch_data, "predictor.y.1", x, "predictor.y[1] " + STEP_S) for x in EXTREMES),
+    *((batch_data, "patch_px", x, "patch_px " + SIDE) for x in (*EXTREMES, 1.5, 1 << 17)),
+    *((batch_data, "resolutions.1.0", x, "resolutions[1][0] " + SIDE) for x in EXTREMES),
+    *((batch_data, "predictor.X.1.2", x, "predictor.X[1][2] must be a number in [-1e+12, 1e+12]")
+      for x in (1e308, -1e308, math.nan, math.inf, -math.inf, 10**400, "0.1", True)),
+    *((batch_data, "predictor.params.C", x, "predictor.params.C must be a number in [1e-09, 1e+09]")
+      for x in (5e-324, 0, -0.0, 1e308, math.nan, math.inf, -1.0)),
+    (batch_data, "table.0.n", 0, "table[0].n must be an integer in [1, 1048576]"),
+    (batch_data, "table.0.n", 1.5, "table[0].n must be an integer in [1, 1048576]"),
+    (batch_data, "table.0.composition", [], "table[0].composition must be a list of 1 to 100000 entries"),
+    (batch_data, "table.0.composition.0", [512, 512, 0],
+     "table[0].composition[0][2] must be an integer in [1, 1048576]"),
+    (batch_data, "table.0.composition.0", [512, 512], "table[0].composition[0] must be [height, width, count]"),
+    (batch_data, "grouped.0.batch", 10**400, "grouped[0].batch must be an integer in [1, 1048576]"),
+    (batch_data, "resolutions", [], "resolutions must be a list of 1 to 100000 entries"),
+    (batch_data, "predictor.X", [], "predictor.X must be a list of 1 to 10000 entries"),
+    (batch_data, "predictor.X", [[0, 0, 0, 0]] * 10_001, "predictor.X must be a list of 1 to 10000 entries"),
+    (batch_data, "predictor.X.1", [0, 1, 1], "predictor.X[1] must be a list of 4 entries"),
+    (batch_data, "predictor.y", [0.05], "predictor.y must be a list of 3 entries"),
+    (batch_data, "predictor.X", [[1, 0, 1]] * 3, "predictor was fitted on 3 features; 2 resolutions make 4"),
+    (batch_data, "table", [{"composition": [[512, 512, 1]], "n": 1}], "table[0].seconds is missing"),
+    (batch_data, "table", "none", "table must be a list of 0 to 100000 entries"),
+    *((parallel_data, "table.1.seconds", x, "table[1].seconds " + STEP_S) for x in EXTREMES),
+    *((parallel_data, "table.1.k", x, "table[1].k must be an integer in [1, 4096]") for x in (*EXTREMES, 2.0, 8192)),
+    (parallel_data, "table.1.k", 3, "table[1].k must be a power of two, once per resolution; got 3"),
+    (parallel_data, "table.1.k", 1, "table[1].k must be a power of two, once per resolution; got 1"),
+    *((parallel_data, "table.0.height", x, "table[0].height " + SIDE) for x in EXTREMES),
+    (parallel_data, "table", [], "table must be a list of 1 to 100000 entries"),
+    *((mask_data, "hidden", x, "hidden must be an integer in [1, 1048576]") for x in EXTREMES),
+    (mask_data, "num_blocks", 4097, "num_blocks must be an integer in [1, 4096]"),
+    (mask_data, "bytes_per_element", 16, "bytes_per_element must be an integer in [1, 8]"),
+    (mask_data, "text_tokens", -1, "text_tokens must be an integer in [0, 1048576]"),
+    (mask_data, "tensors", 0, "tensors must be an integer in [1, 16]"),
+    *((mask_data, "compute.coef.0", x, "compute.coef[0] must be seconds per FLOP or byte in [-1, 1]")
+      for x in (1.5, -1.5, 1e308, -1e308)),
+    *((mask_data, "compute.coef.0", x, "compute.coef[0] must be a finite number")
+      for x in (1e400, -math.inf, math.nan, 10**400, "0.1", True)),
+    *((mask_data, "load.intercept", x, "load.intercept must be a number of seconds in [-1e+06, 1e+06]")
+      for x in (1e308, -1e308, 1e6 + 1)),
+    *((mask_data, "load.intercept", x, "load.intercept must be a finite number")
+      for x in (math.nan, math.inf, 10**400, True)),
+    (mask_data, "compute.coef", None, "compute must be a line fitted on one feature"),
+    (mask_data, "compute.coef", [1e-9, 1e-9], "compute must be a line fitted on one feature"),
+    (mask_data, "load", None, "load must be a line fitted on one feature"),
+]
+
+
+@pytest.mark.parametrize("make, path, value, why", CASES, ids=lambda v: getattr(v, "__name__", str(v))[:16])
+def test_a_cost_model_file_with_a_number_the_planners_cannot_use_is_refused_naming_the_entry(
+        make, path, value, why, tmp_path):
+    assert why in refused(tmp_path, changed(make(), path, value))
+
+
+def test_a_file_that_is_not_a_cost_models_json_is_refused_naming_it(tmp_path):
+    path = tmp_path / "cost.json"
+    for text, why in (("{", "not a cost model's JSON"), ("[" * 100_000, "not a cost model's JSON"),
+                      ("[1]", "unknown cost model kind None")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            load(path)
+
+
+def test_cost_models_at_the_ends_of_the_ranges_load_and_plan_finite_rounds(tmp_path):
+    from gouache.config import MAX_ROUND_S
+    from gouache.sched.cost_fields import MAX_STEP_S, MIN_STEP_S
+    from gouache.sched.rounds import steps_in_round
+
+    data = batch_data()
+    for path, value in (("table.0.seconds", MIN_STEP_S), ("grouped.0.seconds", MAX_STEP_S), ("stages.0.prep_s", 0),
+                        ("stages.0.post_s", -0.0), ("predictor.y", [MIN_STEP_S, 1.0, MAX_STEP_S])):
+        changed(data, path, value)
+    (tmp_path / "batch.json").write_text(json.dumps(data))
+    batch = load(tmp_path / "batch.json")
+    times = [batch.step_time([(512, 512)] * 2, patched=True), batch.step_time([(512, 512)], patched=False),
+             batch.step_time([(768, 768)], patched=True), batch.step_time([(512, 512)] * 9, patched=False)]
+    assert all(math.isfinite(t) and t > 0 for t in times) and times[:2] == [MIN_STEP_S, MAX_STEP_S]
+    assert batch.stage_time((512, 512)) == (0.0, 0.0)
+    parallel = changed(changed(parallel_data(), "table.0.seconds", MIN_STEP_S), "table.1.seconds", MAX_STEP_S)
+    (tmp_path / "parallel.json").write_text(json.dumps(parallel))
+    table = load(tmp_path / "parallel.json").table[(512, 512)]
+    assert table == {1: MIN_STEP_S, 2: MAX_STEP_S}
+    assert steps_in_round(MIN_STEP_S, MAX_ROUND_S, 10**12) == 3_600_000_000
+    assert steps_in_round(MAX_STEP_S, 5e-324, 9) == 0
+    mask = changed(changed(mask_data(), "compute.coef.0", 1.0), "load.intercept", MAX_STEP_S)
+    (tmp_path / "mask.json").write_text(json.dumps(mask))
+    edits = load(tmp_path / "mask.json")
+    huge = [(1 << 20, 1.0)] * 64  # the largest images' tokens, 64 of them
+    assert math.isfinite(edits.predict(huge)) and edits.predict([(16, 0.0)]) == pytest.approx(MAX_STEP_S)
+    for profiled in ("costmodel_mask_shapes-dit.json", "costmodel_mask_shapes-unet.json"):  # lines below 0 s
+        assert load(f"benchmarks/results/{profiled}").load.intercept < 0

@@ -1,5 +1,7 @@
 """`round-knapsack` on one device through the `Scheduler`: rounds of τ run step by step, as the engine does."""
 
+import math
+
 import pytest
 
 from gouache.config import SchedulerConfig
@@ -109,9 +111,12 @@ def test_needs_a_cost_model():
         make_policy(SchedulerConfig(policy="round-knapsack"))
 
 
-def test_round_length_must_be_positive():
-    with pytest.raises(ValueError, match="round_s"):
-        SchedulerConfig(policy="round-knapsack", round_s=0.0)
+@pytest.mark.parametrize("round_s", [0.0, -0.0, -5e-324, math.nan, math.inf, 1e308, 3600.001])
+def test_round_length_must_be_positive_and_at_most_an_hour(round_s):
+    """An infinite round would floor τ / T to an OverflowError; an hour is past any step."""
+    with pytest.raises(ValueError, match=r"round_s must be in \(0, 3600\] seconds"):
+        SchedulerConfig(policy="round-knapsack", round_s=round_s)
+    assert SchedulerConfig(policy="round-knapsack", round_s=5e-324).round_s == 5e-324  # raised to a step's time
 
 
 def test_runs_in_the_step_simulator_and_finishes_everything():

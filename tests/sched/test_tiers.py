@@ -2,14 +2,16 @@
 policy pauses a lower tier's running request for a waiting higher tier's (never within a
 tier), a paused request resumes with its steps kept, and tenants of a tier share it by weight."""
 
+import math
+
 import pytest
 
-from gouache.config import SchedulerConfig
+from gouache.config import MAX_QUEUE_LEN, EngineConfig, SchedulerConfig
 from gouache.request import RequestStatus
 from gouache.sched.plan import Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
-from gouache.sched.tiers import FairQueue, make_room, queue_order, tenant_limit, tier_rank
+from gouache.sched.tiers import MAX_WEIGHT, MIN_WEIGHT, FairQueue, make_room, queue_order, tenant_limit, tier_rank
 
 from .factories import groups, make_state, run_step
 from .test_patched_slo import Linear
@@ -175,6 +177,46 @@ def test_a_tenant_holds_its_weights_share_of_a_tiers_places_while_others_hold_so
     assert tenant_limit("a", 1.0, 16, {"a": 1.0, "b": 1.0}) == 8
     assert tenant_limit("a", 2.0, 16, {"b": 1.0}) == 10 and tenant_limit("b", 1.0, 16, {"a": 2.0}) == 5
     assert tenant_limit("a", 1.0, 2, {f"t{i}": 1.0 for i in range(5)}) == 1  # never none
+
+
+def test_a_tenants_share_is_an_int_in_its_tiers_places_at_the_ends_of_the_weight_range():
+    """The weights a keys file may give, against any others and any queue length a server may
+    have: an int in [1, limit] (a weight of 1e308, which no file may give now, overflowed)."""
+    weights = (MIN_WEIGHT, 1.0, MAX_WEIGHT)
+    crowds = [{}, *({"b": w} for w in weights), {f"t{i}": MAX_WEIGHT for i in range(1000)},
+              {f"t{i}": MIN_WEIGHT for i in range(1000)}]
+    for weight in weights:
+        for others in crowds:
+            for limit in (1, 64, MAX_QUEUE_LEN):
+                share = tenant_limit("a", weight, limit, others)
+                assert type(share) is int and 1 <= share <= limit
+    assert tenant_limit("a", MAX_WEIGHT, MAX_QUEUE_LEN, {"b": MIN_WEIGHT}) == MAX_QUEUE_LEN - 1
+    assert tenant_limit("a", MIN_WEIGHT, MAX_QUEUE_LEN, {"b": MAX_WEIGHT}) == 1
+    assert tenant_limit("a", 2.0, 98, {"b": 47.0}) == 4  # exactly 4 places: not 3.9999999999999996
+
+
+def test_fair_tags_stay_finite_and_ordered_by_weight_at_the_ends_of_the_range():
+    fair = FairQueue()
+    light = [tiered(f"l{i}", DEFAULT, tenant="light", weight=MIN_WEIGHT, steps=200, resolution=(2048, 2048))
+             for i in range(3)]
+    heavy = [tiered(f"h{i}", DEFAULT, tenant="heavy", weight=MAX_WEIGHT, resolution=(64, 64), steps=1)
+             for i in range(3)]
+    for state in [*light, *heavy]:
+        fair.tag(state)
+    assert all(math.isfinite(end) for end in fair.ends.values())
+    assert [s.request_id for s in sorted([*light, *heavy], key=queue_order)][:4] == ["l0", "h0", "h1", "h2"]
+
+
+@pytest.mark.parametrize("ms", [math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 0.999, 1e9 + 1, 1e308, -1e308])
+def test_a_tier_deadline_outside_the_range_is_refused(ms):
+    with pytest.raises(ValueError, match=r"tier_slo_ms of priority must be in \[1, 1e\+09\] ms"):
+        SchedulerConfig(policy="patched-slo", tier_slo_ms=(("priority", ms),))
+
+
+@pytest.mark.parametrize("share", [math.nan, math.inf, -0.0, 0.0, 1e308, -1e308, 1.0000001])
+def test_a_tier_share_outside_the_range_is_refused(share):
+    with pytest.raises(ValueError, match=r"tier_queue_share of flex must be in \(0, 1\]"):
+        EngineConfig(tier_queue_share=(("flex", share),))
 
 
 def test_make_room_ranks_only_the_head_of_the_queue_and_chooses_as_ranking_everyone():
