@@ -159,7 +159,7 @@ def concurrent_run(args: argparse.Namespace, root: Path, reference: np.ndarray) 
 
 def print_row(r: RunResult) -> None:
     verdict = "pass" if r.passed else f"FAIL {r.error or ''}"[:200]
-    print(f"{r.run:>3}  {r.kind:<32}  {r.kill_at_s if r.kill_at_s is not None else '':>8}  "
+    print(f"{r.run:>3}  {r.kind:<52}  {r.kill_at_s if r.kill_at_s is not None else '':>8}  "
           f"{'yes' if r.truncated else '':>9}  {r.healthy_s if r.healthy_s is not None else 'no':>9}  "
           f"{r.moved_aside:>11}  {r.compiled_steps:>8g}  {r.compile_failed_steps:>6g}  "
           f"{r.max_diff if r.max_diff is not None else '':>8}  {verdict}", flush=True)
@@ -188,7 +188,7 @@ def main() -> int:
         reference = eager.image()
     finally:
         eager.kill()
-    print(f"{'run':>3}  {'kind':<32}  {'kill s':>8}  {'truncated':>9}  {'healthy s':>9}  {'moved aside':>11}  "
+    print(f"{'run':>3}  {'kind':<52}  {'kill s':>8}  {'truncated':>9}  {'healthy s':>9}  {'moved aside':>11}  "
           f"{'compiled':>8}  {'failed':>6}  {'max diff':>8}  result")
     results = []
     for run in range(args.runs):
