@@ -433,8 +433,9 @@ def _export(args) -> int:
 
 
 def _make_lora(args) -> int:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
+    from gouache.files import write_atomic
     from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
 
@@ -443,7 +444,7 @@ def _make_lora(args) -> int:
     if not args.out.endswith(".safetensors"):
         raise ValueError(f"--out must name a .safetensors file, got {args.out!r}")
     weights = random_lora(load_pipeline(args.model, args.dtype, args.device), args.rank, args.seed)
-    save_file(weights, args.out)
+    write_atomic(args.out, save(weights))
     print(f"wrote {args.out}: {len(weights) // 2} layers of rank {args.rank} for {args.model}")
     return 0
 

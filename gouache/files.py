@@ -12,6 +12,10 @@ old and half new: replace files atomically (write elsewhere, then rename) to rul
 
 A safetensors file's header (names, dtypes, shapes; `read_header`) is read the same way, so
 checking a file against a model does not read its weights.
+
+What gouache writes for a server to read (cost models, predictors, profiles, trained weights,
+adapters it makes) is written with `write_atomic`: a kill at any moment leaves the old file or
+the new one whole, never a part.
 """
 
 from __future__ import annotations
@@ -117,6 +121,21 @@ def _header(handle, size: int) -> Header:
             handle.seek(8 + length + begin)
             scalars[name] = (dtype, shape, handle.read(end - begin))
     return Header(table, dict(metadata), scalars)
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write `data` to `path` through a temporary file beside it, flushed to disk and renamed
+    into place: readers (and a later start after a kill) see the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _stable(path: Path, read):

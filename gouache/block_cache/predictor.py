@@ -43,6 +43,7 @@ import torch
 from gouache.block_cache.forest_check import forest_arrays
 from gouache.block_cache.store import CachePass
 from gouache.config import BlockCacheConfig
+from gouache.files import write_atomic
 
 FEATURES = ("change", "change_mse", "progress", "block", "pixels", "part")
 KIND = "block-cache-reuse-forest"
@@ -172,7 +173,7 @@ class ReusePredictor:
         data = {"kind": KIND, "model": self.model, "model_name": self.model_name, "bound": self.bound,
                 "features": list(FEATURES), "depth": self.depth, "report": self.report,
                 **{name: getattr(self, name).tolist() for name in ("feature", "threshold", "left", "right", "reusable")}}
-        Path(path).write_text(json.dumps(data) + "\n")
+        write_atomic(path, json.dumps(data) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, model: str | None = None) -> ReusePredictor:

@@ -12,10 +12,11 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
 from gouache.data.shapes import WORDS
+from gouache.files import write_atomic
 from gouache.models.tokenizer import build_tokenizer
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
@@ -102,7 +103,7 @@ def save_weights(
         for key, value in module.state_dict().items()
     }
     path = weights_path(name, directory)
-    save_file(state, str(path), metadata=metadata)
+    write_atomic(path, save(state, metadata=metadata))
     return path
 
 

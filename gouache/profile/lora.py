@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from gouache.data.shapes import caption, sample_scene
+from gouache.files import write_atomic
 
 
 def add_arguments(p) -> None:
@@ -61,7 +62,7 @@ def run(args) -> int:
               "threshold": args.threshold, "similarity": [round(s, 5) for s in similarity], "bound": bound}
     out = Path(args.out or f"benchmarks/results/lora_bound_{args.model}_{path.stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_atomic(out, json.dumps(result, indent=2))
     print("step  cosine(with, without)")
     for step, value in enumerate(result["similarity"], 1):
         print(f"{step:4d}  {value:.5f}{'  <' if step - 1 == bound else ''}")

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from gouache.files import write_atomic
+
 
 def run(args) -> int:
     from gouache.executor.multiproc import MultiprocExecutor
@@ -59,7 +61,7 @@ def run(args) -> int:
                                             "source": source}}
     out = Path(args.out or f"benchmarks/results/parallel_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**data, "command": "gouache profile " + " ".join(sys.argv[2:])}, indent=1) + "\n")
+    write_atomic(out, json.dumps({**data, "command": "gouache profile " + " ".join(sys.argv[2:])}, indent=1) + "\n")
     for (h, w), row in table.items():
         print(f"{w}x{h}: " + ", ".join(f"k={k} {s * 1e3:.1f} ms" for k, s in row.items())
               + f"; hand-off +{(moves[w] - row[1]) * 1e3:.1f} ms")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gouache.files import write_atomic
 from gouache.sched.cost_fields import (
     MAX_STEP_S, composition_entry, entries, field, integer, number, resolution_entry, seconds, side,
 )
@@ -368,7 +369,7 @@ COST_MODELS: dict[str, type[BatchCostModel] | type[ParallelCostModel] | type[Mas
 
 
 def save(model: CostModel, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(model.to_json(), indent=1))
+    write_atomic(path, json.dumps(model.to_json(), indent=1))
 
 
 def load_mask_model(path: str | Path) -> MaskCostModel:

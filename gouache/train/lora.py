@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
 from gouache.data.shapes import Scene
+from gouache.files import write_atomic
 from gouache.models import trained
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions, foreground_weights, frozen_pipeline
@@ -113,6 +114,6 @@ def train_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
     if is_writer():
         path = lora_dir("shapes-unet", out) / f"{NAME}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(kept.peft_state("unet"), str(path))
+        write_atomic(path, save(kept.peft_state("unet")))
         report.extra.update(rank=RANK, layers=len(lora.paths), file=str(path))
     return report
