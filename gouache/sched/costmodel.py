@@ -232,7 +232,7 @@ class MaskCostModel:
     paper's 4096-token images make them small, small images do not. The activations of the
     (1-m)*L unmasked tokens are loaded instead: `tensors` x H elements each per block (the
     block's output, and the keys and values when those are cached too). Latency is linear in
-    each (§4.4), fitted per model and device. `plain` (optional) is the step time of a full
+    each (InstGenIE §4.4), fitted per model and device. `plain` (optional) is the step time of a full
     regeneration on the model's own path, fitted on the m = 1 FLOPs: where a replay would not
     beat it, the edit runs in full.
     """
@@ -297,7 +297,7 @@ class MaskCostModel:
         return float(self.plain.predict([[self.flops([(L, 1.0) for L, _ in batch])]])[0])
 
     def predict(self, batch: EditBatch) -> float:
-        """Per-step seconds with block-wise pipelined loading (§4.2): the longer of the two."""
+        """Per-step seconds with block-wise pipelined loading (InstGenIE §4.2): the longer of the two."""
         return max(self.compute_time(batch), self.load_time(batch)) if batch else 0.0
 
     def to_json(self) -> dict[str, Any]:

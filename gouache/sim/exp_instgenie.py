@@ -4,7 +4,7 @@ Poisson arrivals of 1024 px FLUX.1-dev edits (28 steps, diffusers' default) whos
 have InstGenIE's means (0.11 in their traces, 0.19 in the public one), drawn two ways
 (`MASKS`): a mild Beta(2, b) (`workloads.mask_beta`), and a heavy tail where a share of the
 edits repaint the whole image and the rest are small (`workloads.mixed_masks`). Eight
-replicas, one H100 each, each running continuous batching (`orca`, max batch 8, §6.2's setting
+replicas, one H100 each, each running continuous batching (`orca`, max batch 8, InstGenIE §6.2's setting
 for FLUX; §6.5 runs every router inside InstGenIE's scheduler) behind one of four routers:
 round-robin (the paper's request-granularity baseline read literally: it "uniformly assigns
 requests to workers", Fig. 4-right), least-requests (request granularity with feedback: the
@@ -63,7 +63,7 @@ class MaskStepCost:
     FLOPs(L, m) being `MaskCostModel.flops` (InstGenIE Table 1: only the m·L masked tokens
     go through the projections and the feed-forward, and attend to all L keys), so compute is
     proportional to the mask ratio. Loading the unmasked tokens' cached activations is taken
-    as hidden by the bubble-free pipeline (§4.2); what it does not hide is in the fixed terms,
+    as hidden by the bubble-free pipeline (InstGenIE §4.2); what it does not hide is in the fixed terms,
     which are fitted to measured speedups (`FluxEditAssumptions`).
 
     A request's mask ratio is not in its `RequestState`: the cost holds `mask_ratio`, request

@@ -40,7 +40,7 @@ from gouache.sim.workloads import PATCHEDSERVE_SIZES, WorkloadSpec, make_workloa
 POLICIES = ("fcfs-static", "orca", "patched", "patched-slo")
 BASELINES = ("fcfs-static", "orca")  # PatchedServe's DistriFusion (FCFS) and NIRVANA (ORCA) stand-ins
 RATES = (0.12, 0.16, 0.2, 0.24, 0.28, 0.32, 0.36, 0.4, 0.44)  # requests per second
-TARGETS = (0.99, 0.95, 0.90)  # SLO satisfaction levels whose sustainable load is compared (§8.1)
+TARGETS = (0.99, 0.95, 0.90)  # SLO satisfaction levels whose sustainable load is compared (PatchedServe §8.1)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """TetriServe §6.2 in simulation: SLO attainment vs SLO scale, round-knapsack vs fixed SP degrees.
 
-The paper's setup (§6.1) where it is stated: 8 devices; FLUX.1-dev on H100; resolutions 256,
+TetriServe's setup (§6.1) where it is stated: 8 devices; FLUX.1-dev on H100; resolutions 256,
 512, 1024 and 2048 px with SLO targets 1.5, 2, 3 and 5 s times an SLO scale of 1.0 to 1.5;
 `uniform` and `skewed` mixes (p ∝ exp(L / L_max)); Poisson arrivals at 12 requests per minute,
 its default rate; xDiT with SP = 1, 2, 4, 8 as the baselines. Our choices where it is silent:

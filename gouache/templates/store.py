@@ -1,4 +1,4 @@
-"""InstGenIE's tiered activation store (§4): a template's cached activations in device memory,
+"""InstGenIE's tiered activation store (§4.2): a template's cached activations in device memory,
 host memory or on disk, each tier with a byte budget.
 
 An entry is a named set of tensors (say, one step's block outputs of one template). `put`
