@@ -161,7 +161,7 @@ class ControlRuntime:
     def predict(self, states: list, forward: Callable, rest: Callable, split=None) -> list[torch.Tensor]:
         """Per state, its rows' predictions: each latent shape that has ControlNet requests in one
         forward with their residuals (`forward(group, control)`), the other states by `rest(group)`.
-        `split`: the step's parallel split (`gouache.runner.forward.Split`), or None on one device."""
+        `split`: the step's parallel split (`gouache.forward_layers.Split`), or None on one device."""
         shapes = {tuple(s.latents.shape) for s in states if s.control is not None}
         out: dict[int, torch.Tensor] = {}
         for shape in shapes:

@@ -1,2 +1,2 @@
 """A step on several devices: Ulysses sequence parallelism for DiTs (`ulysses`) and CFG halves
-for UNets (`cfg`); the forward composer (`gouache.runner.forward`) installs them."""
+for UNets (`cfg`); the forward's parallel layer (`layer`) installs them for a step."""

@@ -9,9 +9,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from gouache.block_cache.layer import BlockCacheLayer
+from gouache.controlnet.layer import ControlNetLayer
 from gouache.controlnet.runtime import ControlRuntime
+from gouache.forward_layers import Step
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
+from gouache.lora.layer import LoraLayer
 from gouache.lora.runtime import LoraRuntime
+from gouache.parallel.layer import ParallelLayer
 from gouache.block_cache.predictor import reuse_pass
 from gouache.block_cache.store import BlockCache, BlockCacheConfig
 from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
@@ -23,8 +28,9 @@ from gouache.runner.families import Family, make_family
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.quantize import quantized
-from gouache.runner.forward import Forward, StepSpec, split_step
+from gouache.runner.forward import Forward, LayoutLayer
 from gouache.runner.sampler import DenoiseState, Parked
+from gouache.templates.layer import TemplateLayer
 from gouache.templates.replay import (
     TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
 )
@@ -155,45 +161,60 @@ class ModelRunner:
         failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
         states = [self.states[rid] for rid in present]
-        one_device = batch.degree == 1
-        templates = self.templates if one_device and any(s.template for s in states) else None
-        spec = StepSpec(batch.patched, batch.degree, self.cache if one_device else None, templates)
-        Forward.check(spec, states)
-        with split_step(self.pipe, states, batch.degree, group, self.family.device) as split:
-            forward = Forward(replace(spec, split=split), self.family, self.loras, self.controls, self.family.compiled)
-            lora, invalid = LoraReport(), {}
-            adapters = self.loras.arrived(states, not one_device, failed, lora)
-            invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
-            present = [rid for rid in present if rid in adapters]
-            for rid, prediction in self._predict(forward, present, (failed, invalid), (adapters, lora)):
-                try:
-                    self.family.advance(self.states[rid], prediction)
-                except Exception as error:
-                    log.exception("sampler step of %s failed", rid)
-                    failed[rid] = f"{type(error).__name__}: {error}"
-                else:
-                    stepped.append(rid)
+        lora, invalid = LoraReport(), {}
+        adapters = self.loras.arrived(states, batch.degree > 1, failed, lora)
+        invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
+        forward = self.forward(batch, states, adapters, lora, group)
+        forward.check(Step(states, batch.patched))
+        present = [rid for rid in present if rid in adapters]
+        for rid, prediction in self._predict(forward, Step([self.states[rid] for rid in present], batch.patched),
+                                             (failed, invalid)):
+            try:
+                self.family.advance(self.states[rid], prediction)
+            except Exception as error:
+                log.exception("sampler step of %s failed", rid)
+                failed[rid] = f"{type(error).__name__}: {error}"
+            else:
+                stepped.append(rid)
         self.cache.settle()
         output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed, invalid=invalid,
-                            collective_s=split.collective_s if split is not None else 0.0,
+                            collective_s=forward.layer("parallel").collective_s,
                             block_cache=self.cache.take_report(), lora=self.loras.take_report(lora),
                             controlnet=self.controls.take_report())
         if self.family.compiled is not None:
             output.compile = self.family.compiled.take_report()
+        templates = forward.layer("template").templates
         if templates is not None:
             output.templates = templates.take_report()
         return output
 
-    def _predict(self, forward: Forward, ids: list[str], failures: tuple[dict[str, str], dict[str, str]],
-                 lora: tuple[dict, LoraReport]) -> list[tuple[str, torch.Tensor]]:
-        """(id, prediction) of one `forward` over `ids`, each with the adapters that arrived for
-        it (`lora`: them by id, and the step's adapter report); if it raises, of each request
+    def forward(self, batch: Batch, states: list[DenoiseState], adapters: dict, lora: LoraReport, group) -> Forward:
+        """The forward of a step of `batch` over `states`, its layers in `ORDER`: `adapters`, each
+        request's that arrived (and `lora`, the step's report); `group`: the devices of a step
+        of degree > 1. The block cache and templates run at degree 1 only (ranks must not
+        decide apart)."""
+        one_device = batch.degree == 1
+        templates = self.templates if one_device and any(s.template for s in states) else None
+        compiled = self.family.compiled
+        return Forward((
+            ParallelLayer(self.pipe, batch.degree, group, self.family.device),
+            LoraLayer(self.loras, adapters, lora, compiled.slots if compiled is not None else None),
+            ControlNetLayer(self.controls, self.family),
+            TemplateLayer(templates, self.family),
+            BlockCacheLayer(self.cache if one_device else None),
+            LayoutLayer(self.family),
+        ), compiled)
+
+    def _predict(self, forward: Forward, step: Step, failures: tuple[dict[str, str], dict[str, str]]
+                 ) -> list[tuple[str, torch.Tensor]]:
+        """(id, prediction) of each state of `step` by `forward`; if it raises, of each request
         alone, and the requests that fail alone go to `failures` (why, and the request field at
         fault where it is the request's own input: StepOutput's `failed` and `invalid`)."""
+        ids = [s.request.request_id for s in step.states]
         if not ids:
             return []
         try:
-            return list(zip(ids, forward([self.states[rid] for rid in ids], [lora[0][rid] for rid in ids], lora[1])))
+            return list(zip(ids, forward(step)))
         except Exception as error:
             if len(ids) == 1:
                 log.exception("denoising %s failed", ids[0])
@@ -203,9 +224,7 @@ class ModelRunner:
                     failed[ids[0]], invalid[ids[0]] = str(error), fault_of(error)
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        alone = Forward(replace(forward.spec, patched=False), forward.layout, forward.adapters, forward.residuals,
-                        forward.compiled)
-        return [pair for rid in ids for pair in self._predict(alone, [rid], failures, lora)]
+        return [pair for state in step.states for pair in self._predict(forward, step.of([state], patched=False), failures)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;

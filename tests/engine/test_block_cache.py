@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from gouache.block_cache.blocks import CachedForward
 from gouache.block_cache.store import BlockCache
 from gouache.config import BlockCacheConfig, SchedulerConfig
 from gouache.engine.core import EngineCore
@@ -26,9 +27,9 @@ def test_whole_image_reuse_keeps_the_unchanged_image_and_computes_the_other(pipe
     states = [runner.prepare(dataclasses.replace(request(rid, seed, 2), block_cache=0.05)) for rid, seed in
               (("a", 1), ("b", 2))]
     states = [runner.states[s.request_id] for s in states]
-    first = family.predict(states, cache=cache)
+    first = family.predict(states, blocks=CachedForward.of(states, cache))
     states[1].latents = states[1].latents + torch.randn(states[1].latents.shape, generator=torch.Generator().manual_seed(9))
-    again = family.predict(states, cache=cache)
+    again = family.predict(states, blocks=CachedForward.of(states, cache))
     exact = family.predict(states)
     assert cache.reused > 0 and torch.equal(again[0], first[0])
     assert (again[1] - exact[1]).abs().max() <= 1e-5

@@ -14,7 +14,13 @@ from gouache.engine.build import build_engine
 from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser
-from gouache.runner.forward import StepSpec, eager_reason
+from gouache.block_cache.layer import BlockCacheLayer
+from gouache.controlnet.layer import ControlNetLayer
+from gouache.forward_layers import Step
+from gouache.lora.layer import LoraLayer
+from gouache.parallel.layer import ParallelLayer
+from gouache.runner.forward import Forward, LayoutLayer
+from gouache.templates.layer import TemplateLayer
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from tests.lora.random_files import random_loras
@@ -175,21 +181,23 @@ def test_steps_whose_techniques_the_graph_does_not_hold_run_eagerly(runners):
 
 
 def test_eager_reason_names_the_first_technique_that_does_not_compile():
-    one = StepSpec(patched=False, degree=1, cache=None, templates=None)
+    def forward(degree=1) -> Forward:
+        return Forward((ParallelLayer(None, degree, None, None), LoraLayer(None, {}, None), ControlNetLayer(None, None),
+                        TemplateLayer(None, None), BlockCacheLayer(None), LayoutLayer(None)))
 
-    class State:  # what row_techniques reads
+    class State:  # what the layers' `uses` read
         def __init__(self, shape=(1, 4, 8, 8), lora=None, cond=None, strength=None):
             self.lora, self.control, self.template = lora, None, None
             self.latents = torch.zeros(shape)
             self.cond = cond or {}
             self.request = SimpleNamespace(strength=strength)
 
-    assert eager_reason(one, [State(), State()]) is None
-    assert eager_reason(StepSpec(True, 1, None, None), [State(), State((1, 4, 4, 4))]) == "mixed_sizes"
-    assert eager_reason(StepSpec(True, 1, None, None), [State(), State()]) is None  # one size: a plain batch
-    assert eager_reason(StepSpec(False, 2, None, None), [State()]) == "parallel"
-    assert eager_reason(one, [State(), State(cond={"reference": torch.zeros(1, 4, 8)})]) == "reference"
-    assert eager_reason(one, [State(), State(strength=0.5)]) is None  # img2img changes no forward
+    assert forward().eager_reason(Step([State(), State()], False)) is None
+    assert forward().eager_reason(Step([State(), State((1, 4, 4, 4))], True)) == "mixed_sizes"
+    assert forward().eager_reason(Step([State(), State()], True)) is None  # one size: a plain batch
+    assert forward(2).eager_reason(Step([State()], False)) == "parallel"
+    assert forward().eager_reason(Step([State(), State(cond={"reference": torch.zeros(1, 4, 8)})], False)) == "reference"
+    assert forward().eager_reason(Step([State(), State(strength=0.5)], False)) is None  # img2img changes no forward
 
 
 def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pipe):

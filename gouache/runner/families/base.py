@@ -14,7 +14,6 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch
 
-from gouache.block_cache.store import BlockCache
 from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.lora.text import TextAdapters, text_adapters, text_key
 from gouache.model_info import img2img_start
@@ -25,7 +24,7 @@ from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import CFG_FROM, UNSERVED
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
-from gouache.templates.replay import TemplateCache, ReplayForward
+from gouache.templates.replay import ReplayForward
 
 
 class Family(ABC):
@@ -149,19 +148,15 @@ class Family(ABC):
         return self.pipe.unet if hasattr(self.pipe, "unet") else self.pipe.transformer
 
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False, cache: BlockCache | None = None,
-                templates: TemplateCache | None = None) -> list[torch.Tensor]:
+    def predict(self, states: list[DenoiseState], patched: bool = False,
+                blocks: CachedForward | None = None) -> list[torch.Tensor]:
         """Per state, its rows' noise predictions from one batched forward: of requests of one
-        latent shape, or of any mix of shapes cut into patches. With a `cache`, the requests
-        that ask for it reuse block outputs (per patch when patched); with `templates`, edits of
-        a template compute their masked tokens only (that forward is packed, any policy).
+        latent shape, or of any mix of shapes cut into patches. `blocks`: the block pass the
+        denoiser's blocks run through (the block cache's reuse, per patch when patched).
         Changes no state."""
-        if templates is not None and any(s.template is not None for s in states):
-            return self._predict_templates(states, patched, cache, templates)
-        reuse = CachedForward.of(states, cache)
         if patched:
-            return self.predict_patched(states, cache=reuse)
-        with cached_blocks(self.denoiser, reuse and reuse.begin()):
+            return self.predict_patched(states, blocks=blocks)
+        with cached_blocks(self.denoiser, blocks and blocks.begin()):
             return list(self.forward(states).split([s.rows for s in states]))
 
     def denoise(self, rows: dict, shared: dict) -> torch.Tensor:
@@ -258,25 +253,11 @@ class Family(ABC):
 
     @abstractmethod
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CachedForward | None = None) -> list[torch.Tensor]:
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
         """Per state, its rows' predictions, from one forward over all of them (patched UNet,
         packed DiT); one size runs as the model's own batch unless `whole_batches` is False.
-        With a `cache`, blocks reuse cached outputs per patch / token (per image in a plain batch)."""
-
-    def _predict_templates(self, states: list[DenoiseState], patched: bool, cache: BlockCache | None,
-                           templates: TemplateCache) -> list[torch.Tensor]:
-        """`predict` where edits replay templates: a packed forward takes any mix of sizes, a
-        UNet's one forward per latent shape; a group that replays nothing runs as usual."""
-        groups = [states] if not self.patches else list(by_shape(states).values())
-        out: dict[int, torch.Tensor] = {}
-        for group in groups:
-            replay = templates.begin(self.denoiser, group, [self.token_count(s) for s in group], self.template_blocks())
-            if replay is None:
-                predictions = self.predict(group, patched and len(groups) == 1, cache)
-            else:
-                predictions = self.replay(group, replay)
-            out.update(zip(map(id, group), predictions))
-        return [out[id(s)] for s in states]
+        `blocks`: the block pass, per patch / token (per image in a plain batch): the block
+        cache's reuse, or a template's replay (`gouache.templates.replay.ReplayForward`)."""
 
     def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
         """For a forward of `predict(states, patched)`: for each size a leading dimension of its

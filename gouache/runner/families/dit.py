@@ -31,7 +31,7 @@ class FlowFamily(Family):
     def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
         if "template" in UNSERVED.get(self.name, {}):
             return super().replay(states, replay)
-        return self.predict_patched(states, whole_batches=False, cache=replay)  # the packed forward's token subsets
+        return self.predict_patched(states, whole_batches=False, blocks=replay)  # the packed forward's token subsets
 
     def template_blocks(self) -> list[str]:
         return [key for _, _, key in cacheable_blocks(self.pipe.transformer)]
@@ -138,11 +138,11 @@ class StableDiffusion3Family(FlowFamily):
         }, {})
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CachedForward | None = None) -> list[torch.Tensor]:
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
         outputs = packed_sd3_forward(
             self.pipe.transformer, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
-            cat_cond(states, "pooled"), whole_batches, cache,
+            cat_cond(states, "pooled"), whole_batches, blocks,
         )
         return by_state(outputs, states)
 
@@ -239,13 +239,13 @@ class FluxFamily(PackedFamily):
         }, {"txt_ids": first.cond["text_ids"], "img_ids": first.cond["image_ids"]})
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CachedForward | None = None) -> list[torch.Tensor]:
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
         grids = [self.token_grid(s) for s in states]
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
         outputs = packed_flux_forward(
             self.pipe.transformer, grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
-            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches, cache,
+            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches, blocks,
         )
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 
@@ -322,12 +322,10 @@ class FluxKontextFamily(FluxFamily):
         return noise
 
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
-                ) -> list[torch.Tensor]:
-        replays = templates is not None and any(s.template is not None for s in states)
-        if not (patched or replays) and any("reference" in s.cond for s in states):
+    def predict(self, states: list[DenoiseState], patched: bool = False, blocks=None) -> list[torch.Tensor]:
+        if not patched and any("reference" in s.cond for s in states):
             return per_group(states, _tokens, self.forward)  # one forward per image size and reference
-        return super().predict(states, patched, cache, templates)
+        return super().predict(states, patched, blocks)
 
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
         """The forward of states of one image size and reference: each prediction's own tokens only."""

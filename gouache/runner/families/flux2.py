@@ -101,8 +101,7 @@ class Flux2Family(PackedFamily):
     # -- the forward ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
-                ) -> list[torch.Tensor]:
+    def predict(self, states: list[DenoiseState], patched: bool = False, blocks=None) -> list[torch.Tensor]:
         """One forward per image size and reference layout (`forward`)."""
         return per_group(states, _tokens, self.forward)
 
@@ -128,7 +127,7 @@ class Flux2Family(PackedFamily):
         return super().row_maps(states, False)
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache=None) -> list[torch.Tensor]:
+                        blocks=None) -> list[torch.Tensor]:
         return self.predict(states)
 
 

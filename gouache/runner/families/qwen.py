@@ -85,8 +85,7 @@ class QwenImageFamily(PackedFamily):
     # -- the forward ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
-                ) -> list[torch.Tensor]:
+    def predict(self, states: list[DenoiseState], patched: bool = False, blocks=None) -> list[torch.Tensor]:
         """One forward per token layout (`forward`)."""
         return per_group(states, self.layout, self.forward)
 
@@ -131,7 +130,7 @@ class QwenImageFamily(PackedFamily):
         return super().row_maps(states, False)
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CachedForward | None = None) -> list[torch.Tensor]:
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
         return self.predict(states)
 
 

@@ -90,11 +90,11 @@ class StableDiffusionFamily(Family):
                 "added_cond_kwargs": self.added_cond(states)}, {}
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CachedForward | None = None) -> list[torch.Tensor]:
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [row for s in states for row in self._model_input(s)]
         outputs = patched_unet_forward(
             self.unet, self.layout(samples), samples, row_timesteps(states),
-            cat_cond(states, "prompt_embeds"), self.added_cond(states), whole_batches, cache,
+            cat_cond(states, "prompt_embeds"), self.added_cond(states), whole_batches, blocks,
         )
         return by_state(outputs, states)
 

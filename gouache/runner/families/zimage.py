@@ -74,8 +74,7 @@ class ZImageFamily(FlowFamily):
     # -- the forward ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def predict(self, states: list[DenoiseState], patched: bool = False, cache=None, templates=None
-                ) -> list[torch.Tensor]:
+    def predict(self, states: list[DenoiseState], patched: bool = False, blocks=None) -> list[torch.Tensor]:
         """One forward of every state, whatever their sizes."""
         outputs = self.denoise(*self.forward_inputs(states))
         out, start = [], 0
@@ -111,7 +110,7 @@ class ZImageFamily(FlowFamily):
         return maps
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
-                        cache: CachedForward | None = None) -> list[torch.Tensor]:
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
         return self.predict(states)
 
 
