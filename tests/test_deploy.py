@@ -18,7 +18,8 @@ import yaml
 from fastapi.testclient import TestClient
 
 from gouache.api.server import create_app
-from gouache.cli import _engine_configs, build_parser
+from gouache.cli import build_parser
+from gouache.cli.serve import engine_configs
 from gouache.config import ServerConfig
 from gouache.metrics import Metrics
 from gouache.models.zoo import BUILTIN_MODELS
@@ -137,7 +138,7 @@ def parse_serve(flags: list[str]):
         args = build_parser().parse_args(["serve", *flags])
     except SystemExit:
         pytest.fail(f"gouache serve refuses {flags} (its message is above)")
-    _engine_configs(args)
+    engine_configs(args)
     ServerConfig(host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace_s)
     return args
 

@@ -68,6 +68,22 @@ class Gather:
                 self.future.set_result([self.results[r] for r in self.ranks])
 
 
+def open_gather(ranks: Sequence[int] | None, num_devices: int, lock: threading.Lock, dead: dict[int, str],
+                register: Callable[[Gather], None] | None = None) -> Gather:
+    """The Gather of one submit on `ranks` (all `num_devices` if None): failed at once with
+    `WorkerDied` if any of them is in `dead` (rank -> why), else handed to `register`. Both under
+    `lock`, the lock `dead` is written under, so that a worker dying meanwhile finds the call
+    registered and fails it."""
+    gather = Gather(list(range(num_devices)) if ranks is None else list(ranks))
+    with lock:
+        down = [r for r in gather.ranks if r in dead]
+        if down:
+            gather.reply(down[0], False, WorkerDied(down[0], dead[down[0]]))
+        elif register is not None:
+            register(gather)
+    return gather
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on `host` now: the rendezvous of a torch.distributed world."""
     with socket.socket() as s:

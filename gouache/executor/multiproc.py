@@ -21,7 +21,7 @@ from typing import Any
 
 from gouache.children import become_child, processes
 from gouache.config import WORKER_TIMEOUT_S
-from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port
+from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port, open_gather
 from gouache.executor.worker import WorkerSpec, join_world
 
 log = logging.getLogger(__name__)
@@ -65,23 +65,19 @@ class MultiprocExecutor(Executor):
         self._watch.start()
 
     def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
-        ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
-        call = Gather(ranks)
-        with self._lock:
-            dead = [r for r in ranks if r in self._dead]
-            if dead:
-                call.future.set_exception(WorkerDied(dead[0], self._dead[dead[0]]))
-                return call.future
-            call_id = next(self._ids)
-            self._calls[call_id] = call
-        for rank in ranks:
+        call_id = next(self._ids)
+        call = open_gather(ranks, self.num_devices, self._lock, self._dead,
+                           lambda gather: self._calls.update({call_id: gather}))
+        call.future.add_done_callback(lambda _: self._forget(call_id))
+        if call.future.done():  # a rank is dead
+            return call.future
+        for rank in call.ranks:
             self._watch.sent(rank)
             try:
                 with self._send_locks[rank]:
                     self._conns[rank].send((call_id, method, args))
             except (OSError, EOFError) as error:
                 self._died(rank, f"its pipe is closed ({error})")
-        call.future.add_done_callback(lambda _: self._forget(call_id))
         return call.future
 
     def dead(self) -> set[int]:

@@ -23,7 +23,7 @@ from typing import Any
 
 from gouache.config import WORKER_TIMEOUT_S
 from gouache.executor import ray_cluster
-from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port
+from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port, open_gather
 from gouache.executor.ray_cluster import connect, require_ray
 from gouache.executor.worker import WorkerSpec, join_world
 
@@ -94,14 +94,10 @@ class RayExecutor(Executor):
         self._watch.start()
 
     def submit(self, method: str, args: tuple = (), ranks: Sequence[int] | None = None) -> Future[list[Any]]:
-        ranks = list(range(self.num_devices)) if ranks is None else list(ranks)
-        gather = Gather(ranks)
-        with self._lock:
-            dead = [r for r in ranks if r in self._dead]
-        if dead:
-            gather.reply(dead[0], False, WorkerDied(dead[0], self._dead[dead[0]]))
+        gather = open_gather(ranks, self.num_devices, self._lock, self._dead)
+        if gather.future.done():  # a rank is dead
             return gather.future
-        for rank in ranks:
+        for rank in gather.ranks:
             self._watch.sent(rank)
             reply = self._actors[rank].call.remote(method, args).future()
             reply.add_done_callback(lambda f, rank=rank: self._replied(gather, rank, f))

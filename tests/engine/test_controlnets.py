@@ -113,12 +113,13 @@ def test_requests_with_controlnets_through_the_api(pipes, control_dir):
 
 
 def test_controlnet_flags_without_a_directory_are_refused():
-    from gouache.cli import _engine_configs, build_parser
+    from gouache.cli import build_parser
+    from gouache.cli.serve import engine_configs
 
     for flag, value in (("--controlnet-workers", "2"), ("--controlnet-mb", "64"), ("--controlnet-mode", "async")):
         args = build_parser().parse_args(["serve", flag, value])
         with pytest.raises(ValueError, match="without --controlnet-dir"):
-            _engine_configs(args)
+            engine_configs(args)
 
 
 def test_transformer_models_refuse_controlnets(pipes, control_dir):

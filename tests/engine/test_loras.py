@@ -92,12 +92,13 @@ def test_requests_with_adapters_through_the_api(pipes, lora_dir):
 
 
 def test_lora_flags_without_a_directory_are_refused():
-    from gouache.cli import _engine_configs, build_parser
+    from gouache.cli import build_parser
+    from gouache.cli.serve import engine_configs
 
     for flag in ("--lora-bound", "--lora-mb"):
         args = build_parser().parse_args(["serve", flag, "3"])
         with pytest.raises(ValueError, match="without --lora-dir"):
-            _engine_configs(args)
+            engine_configs(args)
 
 
 def test_a_loading_bound_is_refused_where_every_step_runs_sequence_parallel(lora_dir):
