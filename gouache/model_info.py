@@ -20,15 +20,14 @@ class ModelInfo:
     sizes: tuple[tuple[int, int], ...] | None = None
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
     tier_slo_ms: tuple[tuple[str, float], ...] = ()  # (service tier, ms): its requests' slo_ms when they send none
-    block_cache: bool = True  # some steps run on one device, where the block cache applies
-    templates: bool = False  # edits can reuse a template's activations (some steps run on one device)
     max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)
     instruction_edit: bool = False  # an edit without a mask is redrawn as its prompt says (instruction-edit models)
     max_input_images: int = 1  # image[] uploads an edit takes
     generation: bool = True  # makes images from text alone (Qwen-Image-Edit's pipelines need an image)
     min_steps: int = 1  # num_inference_steps the schedule needs at least (Qwen-Image: 2)
     parallel: bool = False  # the server's policy may plan steps on several devices
-    # techniques (`gouache.techniques`) the model's family does not serve, each with why
+    # techniques (`gouache.techniques`) the server does not serve, each with why: the model's
+    # family's, and where every step runs on several devices, those such a step does without
     unserved: tuple[tuple[str, str], ...] = ()
     cfg_from: float = 1.0  # classifier-free guidance runs for guidance_scale above this (Z-Image: 0)
     token_pixels: int = 16  # pixels per side of one image token: a DiT's patch, a UNet's latent pixel

@@ -157,6 +157,12 @@ class CacheBytes:
     lora: int  # adapters in host memory
     templates: dict[str, int] = field(default_factory=dict)  # the template store's bytes per tier; {}: no store
 
+    def record(self, metrics, device: str) -> None:
+        metrics.cache_bytes.labels(device).set(self.block_cache)
+        metrics.lora_bytes.labels(device).set(self.lora)
+        for tier, n in self.templates.items():
+            metrics.template_bytes.labels(device, tier).set(n)
+
 
 @dataclass
 class ProgressEvent:

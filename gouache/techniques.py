@@ -3,10 +3,14 @@ it composes exactly, composes approximately, or is refused (docs/architecture.md
 compatibility table").
 
 A technique is asked for by a request field (`loras`, `controlnets`, ...) or chosen by the
-server (`--lora-bound`, the policy's layout and degree). Admission refuses a request whose
-fields ask for a refused pair, naming both fields (`refused_pair`); a server default applies to
-a request only where it composes with what the request asked (`composes`). The forward composer
-(`gouache.runner.forward`) builds a step from the same names. No torch here: the API reads it.
+server (`--lora-bound`, the policy's layout and degree). Every rule of which techniques go
+together is read from here: admission refuses a request whose fields ask for a refused pair,
+naming both fields (`refused_pair`); a server default applies to a request only where it
+composes with what the request uses (`applies`); a server whose every step runs on several
+devices does not serve what such a step does without (`unserved`), and refuses the flags that
+would turn it on at start (`refused_flag`); the forward composer (`gouache.runner.forward`)
+checks each row of a step (`check_row`). The tables in docs/architecture.md are rendered from
+here (`markdown`). No torch here: the API reads it.
 """
 
 from __future__ import annotations
@@ -25,23 +29,32 @@ class Technique:
     # a step that uses it may run its denoiser compiled under --compile (`gouache.runner.compiled`);
     # else the step runs eagerly, counted: its hooks, wrapped blocks or split shapes are not in the graph
     compiles: bool = False
+    compiled: str = ""  # how it is in the graph, or why not (docs/architecture.md's "compiled" column)
+    flags: tuple[str, ...] = ()  # server flags that turn it on for requests that do not ask
+    # what a step on several devices does in its place ("": it runs there): a server whose every
+    # step runs on several devices does not serve it (`unserved`)
+    several_devices: str = ""
 
 
 TECHNIQUES = {t.name: t for t in (
     Technique("lora", "loras", True, True, "LoRA adapters on the denoiser (KATZ): merged, segmented per row or split",
-              compiles=True),
+              compiles=True, compiled="yes (merged: weights as inputs; segmented: per-row pairs in slots the graph "
+                                      "reads)"),
     Technique("lora_async", "--lora-bound", False, False,
               "bounded asynchronous LoRA loading (KATZ): a request denoises without its adapters until they arrive",
-              compiles=True),
+              compiles=True, compiled="yes, as `lora`", flags=("--lora-bound",),
+              several_devices="ranks load adapters before the step (synchronously)"),
     Technique("controlnet", "controlnets", True, True,
               "ControlNet residuals (KATZ), in process or from the service overlapping the UNet's encoder"),
     Technique("controlnet_async", "controlnet_mode", False, True,
               "asynchronous ControlNet residuals (KATZ): step t takes the residuals of step t - 1"),
     Technique("template", "template_cache", False, True,
-              "template replay of an edit's unmasked tokens (InstGenIE)"),
+              "template replay of an edit's unmasked tokens (InstGenIE)",
+              flags=("--template-cache", "--template-cost-model"), several_devices="template reuse does not apply"),
     Technique("block_cache", "block_cache", False, True,
               "block-output reuse across steps (PatchedServe), per image, patch or token; decided by a "
-              "threshold or by the reuse predictor (--block-cache-predictor)"),
+              "threshold or by the reuse predictor (--block-cache-predictor)",
+              flags=("--block-cache", "--block-cache-predictor"), several_devices="the block cache does not apply"),
     Technique("mixed_sizes", "--policy", True, False,
               "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens"),
     Technique("parallel", "--devices", True, False,
@@ -51,10 +64,10 @@ TECHNIQUES = {t.name: t for t in (
               "image's own, asked by any edit on an instruction-edit model"),
     Technique("img2img", "strength", True, True,
               "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
-              "the steps after", compiles=True),
+              "the steps after", compiles=True, compiled="yes, as the plain step"),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
-              "distribution, reused at preparation", compiles=True),
+              "distribution, reused at preparation", compiles=True, compiled="yes (before the denoiser)"),
 )}
 
 EXACT, APPROXIMATE, REFUSED = "exact", "approximate", "refused"
@@ -190,6 +203,56 @@ def refused_pair(used: set[str] | frozenset[str]) -> tuple[str, str, str] | None
         if entry.verdict == REFUSED:
             return a, b, entry.why
     return None
+
+
+def applies(default: str, used: set[str] | frozenset[str]) -> bool:
+    """Whether a server default that turns on `default` applies to a request whose rows use
+    `used`: only where it composes with each."""
+    return all(composes(default, other) for other in used)
+
+
+def unserved(family: dict[str, str], parallel_policy: str | None = None) -> dict[str, str]:
+    """The techniques a server does not serve, each with why: those its model's family does not
+    (`family`, from `gouache.runner.describe.UNSERVED`), and where every step of its policy
+    (`parallel_policy`, as a message names it) runs on several devices, those such a step does
+    without."""
+    out = dict(family)
+    if parallel_policy is not None:
+        for name, technique in TECHNIQUES.items():
+            if technique.several_devices and name not in out:
+                out[name] = (f"every step of {parallel_policy} runs on several devices, where "
+                             f"{technique.several_devices}")
+    return out
+
+
+def refused_flag(given: dict[str, bool], family: str, family_unserved: dict[str, str],
+                 parallel_policy: str | None = None) -> str | None:
+    """Why the first server flag set in `given` (flag -> whether it is set) would be ignored: it
+    turns on a technique that a `family` model (`family_unserved`) or a server whose every step
+    runs on several devices does not serve; None if none would be."""
+    parallel = unserved({}, parallel_policy)
+    for name, technique in TECHNIQUES.items():
+        for flag in technique.flags:
+            if not given.get(flag):
+                continue
+            if name in family_unserved:
+                return f"{flag} would be ignored: {family} models serve no {name} ({family_unserved[name]})"
+            if name in parallel:
+                return f"{flag} would be ignored: {parallel[name]}"
+    return None
+
+
+def markdown() -> str:
+    """The techniques and the pairs' verdicts as docs/architecture.md shows them."""
+    lines = ["| technique | asked by | exact | compiled | what |", "| --- | --- | --- | --- | --- |"]
+    for t in TECHNIQUES.values():
+        compiled = t.compiled or ("yes" if t.compiles else "no: the step runs eagerly")
+        lines.append(f"| `{t.name}` | `{t.field}` | {'yes' if t.exact else 'no'} | {compiled} | {t.what} |")
+    lines += ["", "| pair | verdict | why |", "| --- | --- | --- |"]
+    for p, entry in TABLE.items():
+        a, b = (name for name in TECHNIQUES if name in p)
+        lines.append(f"| `{a}` + `{b}` | {entry.verdict} | {entry.why} |")
+    return "\n".join(lines) + "\n"
 
 
 def check_row(used: set[str] | frozenset[str]) -> None:

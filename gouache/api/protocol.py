@@ -310,10 +310,6 @@ class ImageParams(BaseModel):
                 raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' (a {info.family} model) does "
                                           f"not serve {technique}: {dict(info.unserved)[technique]}; leave it out.",
                                           field)
-        if self.block_cache and not info.block_cache:
-            raise InvalidRequestError("Invalid value for 'block_cache': every step of this server's scheduling "
-                                      "policy runs on several devices, where the block cache does not apply; send "
-                                      "0 or leave it out.", "block_cache")
         refused = refused_pair(set(self._asked()))
         if refused is not None:  # docs/architecture.md, "The compatibility table"
             a, b, why = refused
@@ -413,14 +409,9 @@ class ImageEditRequest(ImageParams):
         if self.template_id is not None and self.template_cache is False:
             raise InvalidRequestError("Invalid value for 'template_id': it names a template to reuse, but "
                                       "template_cache is false; drop one of them.", "template_id")
-        asked = self.template_cache or self.template_id is not None
-        if asked and not info.templates:
-            field = "template_id" if self.template_id is not None else "template_cache"
-            raise InvalidRequestError(f"Invalid value for '{field}': every step of this server's scheduling policy "
-                                      "runs on several devices, where template reuse does not apply; leave it out.",
-                                      field)
+        asked = self.template_cache or self.template_id is not None  # served: `to_requests` checked it
         template_id = self.template_id
-        if template_id is None and info.templates and image is not None:  # the same upload is the same template
+        if template_id is None and info.serves("template") and image is not None:  # the same upload is the same template
             template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()
         return {"template_cache": True if asked else self.template_cache, "template_id": template_id,
                 "strength": self.strength}

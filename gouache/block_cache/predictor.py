@@ -212,7 +212,7 @@ def reuse_pass(config: BlockCacheConfig | None, pipe) -> type[CachePass] | None:
     (refused for another), or None for the fixed threshold."""
     if config is None or config.predictor is None:
         return None
-    from gouache.templates.replay import model_digest
+    from gouache.models.digest import model_digest
 
     return predicted(ReusePredictor.load(config.predictor, model_digest(pipe)))
 

@@ -17,6 +17,11 @@ class ControlNetLayer:
         self.runtime, self.model = runtime, model
 
     def uses(self, step: Step, state) -> frozenset[str]:
+        return self.used_by(state)
+
+    @staticmethod
+    def used_by(state) -> frozenset[str]:
+        """The technique a state's ControlNets are, in any step."""
         if state.control is None:
             return frozenset()
         return frozenset({"controlnet_async" if state.control.mode == "async" else "controlnet"})

@@ -15,8 +15,15 @@ from gouache.executor.base import Executor
 from gouache.sched.calibration import Calibrated
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.scheduler import check_devices
+from gouache.techniques import refused_flag
 
 log = logging.getLogger(__name__)
+
+
+def refuse(why: str | None) -> None:
+    """Refuse the start (ValueError) with `why`, if there is one."""
+    if why is not None:
+        raise ValueError(why)
 
 
 def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
@@ -47,22 +54,16 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
         raise ValueError(f"--compile-cuda-graphs needs a CUDA device; --device is {model_config.device}")
     # the cap does not change what the checks below read; with --max-batch-size auto it is measured once the model loads
     policy = make_policy(replace(sched_config, max_batch_size=sched_config.max_batch_size or 1), predictor)
-    one_device = caches_blocks(policy, engine_config.devices)
-    for flag, value in (("--block-cache", engine_config.block_cache.threshold > 0),
-                        ("--block-cache-predictor", engine_config.block_cache.predictor)):
-        if value and not one_device:
-            raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs on "
-                             "several devices, where the block cache does not apply")
+    parallel = None if caches_blocks(policy, engine_config.devices) else f"--policy {sched_config.policy}"
+    templates = engine_config.templates
+    flags = {"--block-cache": engine_config.block_cache.threshold > 0,
+             "--block-cache-predictor": bool(engine_config.block_cache.predictor),
+             "--template-cache": templates.default, "--template-cost-model": bool(templates.cost_model),
+             "--lora-bound": engine_config.loras.bound > 0}
+    refuse(refused_flag(flags, "", {}, parallel))  # the policy's refusals, before the model loads
     pipe = quantize(load_pipeline(model_config.model, model_config.dtype, model_config.device), model_config.quantize)
     family = family_class(pipe)
-    templates, unserved = engine_config.templates, UNSERVED.get(family.name, {})
-    for flag, technique, value in (("--block-cache", "block_cache", engine_config.block_cache.threshold > 0),
-                                   ("--block-cache-predictor", "block_cache", engine_config.block_cache.predictor),
-                                   ("--template-cache", "template", templates.default),
-                                   ("--template-cost-model", "template", templates.cost_model)):
-        if value and technique in unserved:
-            raise ValueError(f"{flag} would be ignored: {family.name} models serve no {technique} "
-                             f"({unserved[technique]})")
+    refuse(refused_flag(flags, family.name, UNSERVED.get(family.name, {})))
     if engine_config.compile.enabled and family.name in UNCOMPILED:
         raise ValueError(f"--compile is not served for {family.name} models: {UNCOMPILED[family.name]}")
     if engine_config.patch_size is not None and not family.patches:
@@ -72,13 +73,6 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
         reuse_pass(engine_config.block_cache, pipe)
     if templates.cost_model:
         load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
-    if (templates.default or templates.cost_model) and not one_device:
-        flag = "--template-cache" if templates.default else "--template-cost-model"
-        raise ValueError(f"{flag} would be ignored: every step of --policy {sched_config.policy} runs "
-                         "on several devices, where template reuse does not apply")
-    if engine_config.loras.bound and not one_device:
-        raise ValueError(f"--lora-bound would be ignored: every step of --policy {sched_config.policy} runs on "
-                         "several devices, whose ranks load adapters before the step (synchronously)")
     info = model_info(pipe, model_id(model_config.model))
     if sched_config.max_batch_size is None:
         probe = probe_max_batch(ModelRunner(pipe, engine_config.patch_size), (info.default_size, info.default_size),

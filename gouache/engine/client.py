@@ -42,6 +42,7 @@ from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
 from gouache.sched.tiers import queue_limit, refusal, tier_rank
 from gouache.sched.scheduler import Scheduler
+from gouache.techniques import unserved
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,10 @@ class AsyncEngine(AdapterCalls):
             self.pool.shutdown()
             raise
         one_device = caches_blocks(policy, self.pool.num_devices)
+        parallel = None if one_device else "this server's scheduling policy"
         info = replace(info, deadlines=policy.uses_deadlines, tier_slo_ms=policy.config.tier_slo_ms,
-                       block_cache=one_device and info.serves("block_cache"), templates=one_device and info.serves("template"), max_batch=policy.config.max_batch_size,
+                       unserved=tuple(unserved(dict(info.unserved), parallel).items()),
+                       max_batch=policy.config.max_batch_size,
                        parallel=any(degree > 1 for degree in policy.degrees(self.pool.num_devices)))
         priced = predictor.sizes(policy.mixes_resolutions) if policy.needs_predictor else None
         if priced is not None:  # the policy cannot plan a size its cost model never saw

@@ -191,10 +191,7 @@ class EngineCore:
 
     def _cache_held(self, device: int, held: CacheBytes) -> None:
         """What a device's caches hold, reported while the engine is idle."""
-        self.metrics.cache_bytes.labels(str(device)).set(held.block_cache)
-        self.metrics.lora_bytes.labels(str(device)).set(held.lora)
-        for tier, n in held.templates.items():
-            self.metrics.template_bytes.labels(str(device), tier).set(n)
+        held.record(self.metrics, str(device))
 
     def _lose_idle_workers(self) -> None:
         """Lose the devices whose workers died with no step of theirs in flight, before a plan

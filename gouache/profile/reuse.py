@@ -34,7 +34,7 @@ def run(args) -> int:
     from gouache.runner.describe import model_info
     from gouache.runner.model_runner import ModelRunner
     from gouache.sched.plan import Batch
-    from gouache.templates.replay import model_digest
+    from gouache.models.digest import model_digest
 
     if args.requests < 2 or args.reuse_steps < 2:
         raise ValueError(f"--requests and --reuse-steps must be >= 2 (a unit needs a step before), "

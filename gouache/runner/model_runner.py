@@ -15,6 +15,7 @@ from gouache.controlnet.runtime import ControlRuntime
 from gouache.forward_layers import Step
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
 from gouache.lora.layer import LoraLayer
+from gouache.models.digest import model_digest
 from gouache.lora.runtime import LoraRuntime
 from gouache.parallel.layer import ParallelLayer
 from gouache.block_cache.predictor import reuse_pass
@@ -24,15 +25,16 @@ from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
 from gouache.sched.tiers import tier_rank
+from gouache.techniques import applies
 from gouache.runner.families import Family, make_family
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.quantize import quantized
-from gouache.runner.forward import Forward, LayoutLayer
+from gouache.runner.forward import Forward, LayoutLayer, prepared_techniques
 from gouache.runner.sampler import DenoiseState, Parked
 from gouache.templates.layer import TemplateLayer
 from gouache.templates.replay import (
-    TemplateCache, TemplateUse, content_id, model_digest, template_key, text_digest,
+    TemplateCache, TemplateUse, content_id, template_key, text_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,14 @@ class ModelRunner:
         state = self.family.prepare(request, image, mask, self.loras.text_adapters(request.loras), references)
         state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets), list(controls),
                                           request.controlnet_mode, self.family.device, self.family.dtype)
-        # a ControlNet's residuals change every block after the first: no template replays them;
-        # img2img repaints every token, from a later step than a template's (gouache.techniques)
-        uses_template = (self.uses_template(request) and state.edit is not None and state.control is None
-                         and request.strength is None)
-        if request.block_cache is None and (state.control is not None or uses_template or "reference" in state.cond):
-            # the server's default threshold applies only where it composes (`gouache.techniques`)
+        # a server default applies only where it composes with what the request uses (`gouache.techniques`)
+        used = set(prepared_techniques(state) | ControlNetLayer.used_by(state))
+        if request.block_cache:
+            used.add("block_cache")
+        uses_template = self.uses_template(request) and state.edit is not None and applies("template", used)
+        if uses_template:
+            used.add("template")
+        if request.block_cache is None and not applies("block_cache", used):
             state.request = replace(request, block_cache=0.0)
         state.lora = self.loras.use(request.loras, synchronous=uses_template)  # a template records or replays with them
         if state.lora is not None and self.prefetch_loras:
@@ -224,7 +228,8 @@ class ModelRunner:
                     failed[ids[0]], invalid[ids[0]] = str(error), fault_of(error)
                 return []
             log.warning("a forward of %d requests failed (%s); retrying them one by one", len(ids), error)
-        return [pair for state in step.states for pair in self._predict(forward, step.of([state], patched=False), failures)]
+        alone = [step.of([state], patched=False) for state in step.states]
+        return [pair for one in alone for pair in self._predict(forward, one, failures)]
 
     def decode(self, request_id: str, latents=None) -> np.ndarray | None:
         """The request's image, uint8 [H, W, 3]: of its final latents, or of a preview snapshot;

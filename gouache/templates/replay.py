@@ -36,7 +36,6 @@ was cancelled) runs in full and records it again, never with a wrong activation.
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 import threading
 from collections.abc import Sequence
@@ -89,25 +88,6 @@ def text_digest(cond: dict[str, torch.Tensor], rows: int) -> tuple[bytes, ...]:
             digest.update(part.detach().float().cpu().numpy().tobytes())
         digests.append(digest.digest())
     return tuple(digests)
-
-
-def model_digest(pipe) -> str:
-    """What tells one model's recorded activations from another's, cheaply: each module's config
-    and the first values of every tensor of its weights (a fine-tune changes nearly all of
-    them). Taken before any LoRA is merged into the weights."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, module in sorted(pipe.components.items()):
-        if isinstance(module, nn.Module):
-            config = getattr(module, "config", None) or {}
-            config = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # transformers' / diffusers'
-            config = {k: v for k, v in config.items() if not k.startswith("_")}  # private keys vary run to run
-            digest.update(f"{name}:{json.dumps(config, sort_keys=True, default=str)}".encode())
-            for key, tensor in module.state_dict().items():
-                if type(tensor) is not torch.Tensor and hasattr(tensor, "dequantize"):  # quantized (torchao)
-                    tensor = tensor.dequantize()  # its own values: a quantized model's activations differ
-                digest.update(key.encode())
-                digest.update(tensor.detach().flatten()[:16].float().cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def content_id(image: np.ndarray) -> str:

@@ -194,7 +194,7 @@ async def test_a_strength_that_cannot_run_is_refused_with_what_to_send(client: h
                                           "do not compose"),
     ({"block_cache": "0.2"}, {}, "block_cache", "an edit on 'fake-sd' (its upload enters as reference tokens) and "
                                                 "block_cache do not compose"),
-    ({"template_cache": "true"}, {"templates": True}, None, None),  # a masked edit replays its reference too
+    ({"template_cache": "true"}, {}, None, None),  # a masked edit replays its reference too
     ({}, {"parallel": True}, "image", "and --devices do not compose (Ulysses shards are not tested"),
 ])
 async def test_an_instruction_edit_is_an_edit_without_a_mask_on_an_instruction_edit_model(

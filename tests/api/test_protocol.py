@@ -11,6 +11,7 @@ from gouache.api.errors import from_validation_errors
 from gouache.api.file_store import FileStore
 from gouache.api.protocol import MAX_SEED, ImageEditRequest, ImageGenerationRequest, Limits
 from gouache.errors import InvalidRequestError
+from gouache.techniques import unserved
 from tests.api.fake_engine import FAKE_INFO
 
 LIMITS = Limits(max_n=4, max_steps=50, min_size=64, max_size=1024, max_pixels=512 * 1024, size_step=16, default_size=512)
@@ -108,11 +109,12 @@ def test_a_service_tier_reaches_the_image_requests_with_its_deadline():
 def test_block_cache_is_refused_where_every_step_runs_sequence_parallel():
     params = ImageGenerationRequest.model_validate({"prompt": "p", "block_cache": 0.1}, context=CONTEXT)
     with pytest.raises(InvalidRequestError) as refused:
-        params.to_requests("a", dataclasses.replace(FAKE_INFO, block_cache=False), 0.0)
+        params.to_requests("a", dataclasses.replace(FAKE_INFO, unserved=tuple(unserved({}, "--policy x").items())), 0.0)
     assert refused.value.param == "block_cache" and "several devices" in refused.value.message
     assert params.to_requests("a", FAKE_INFO, 0.0)[0].block_cache == 0.1
     exact = ImageGenerationRequest.model_validate({"prompt": "p", "block_cache": 0}, context=CONTEXT)
-    assert exact.to_requests("a", dataclasses.replace(FAKE_INFO, block_cache=False), 0.0)[0].block_cache == 0
+    parallel = dataclasses.replace(FAKE_INFO, unserved=tuple(unserved({}, "--policy x").items()))
+    assert exact.to_requests("a", parallel, 0.0)[0].block_cache == 0
 
 
 def test_a_negative_prompt_with_guidance_reaches_the_image_requests():

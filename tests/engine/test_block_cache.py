@@ -110,7 +110,7 @@ def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle
 
 def reuse_everywhere(pipe, path) -> str:
     """A predictor file of `pipe`'s model whose forest says every unit may reuse."""
-    from gouache.templates.replay import model_digest
+    from gouache.models.digest import model_digest
     from tests.block_cache.test_predictor import split_on_change
 
     split_on_change(1e30, model=model_digest(pipe)).save(path)
@@ -152,7 +152,7 @@ def test_a_predictor_of_another_model_or_not_a_predictor_is_refused_with_the_rea
 
 
 def test_a_forest_that_splits_on_the_change_at_the_threshold_decides_as_the_threshold_does(pipes, tmp_path):
-    from gouache.templates.replay import model_digest
+    from gouache.models.digest import model_digest
     from tests.block_cache.test_predictor import split_on_change
 
     pipe = pipes("tiny-sd")

@@ -22,7 +22,7 @@ from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from gouache.sched.policies import POLICIES
-from gouache.techniques import EXACT, REFUSED, TABLE, TECHNIQUES, pair
+from gouache.techniques import EXACT, REFUSED, TABLE, TECHNIQUES, markdown, pair
 from tests.api.fake_engine import FAKE_INFO
 from tests.api.test_protocol import CONTEXT
 from tests.engine.test_exactness import run_engine
@@ -176,7 +176,7 @@ def test_refused_pairs_are_refused_at_admission_naming_both_fields():
     assert len(per_request) == 10
     for a, b in per_request:
         # "reference" is asked by an upload without a mask to an instruction-edit model
-        info = replace(FAKE_INFO, templates=True, instruction_edit="reference" in (a, b))
+        info = replace(FAKE_INFO, instruction_edit="reference" in (a, b))
         image = b"upload" if "reference" in (a, b) else None
         params = ImageEditRequest.model_validate(edit_body({**FIELDS.get(a, {}), **FIELDS.get(b, {})}), context=CONTEXT)
         with pytest.raises(InvalidRequestError) as error:
@@ -190,7 +190,7 @@ def test_refused_pairs_are_refused_at_admission_naming_both_fields():
         assert error.value.param in fields
         for one in (a, b):  # each alone is taken
             alone_params = ImageEditRequest.model_validate(edit_body(FIELDS.get(one, {})), context=CONTEXT)
-            alone_info = replace(FAKE_INFO, templates=True, instruction_edit=one == "reference")
+            alone_info = replace(FAKE_INFO, instruction_edit=one == "reference")
             assert alone_params.to_requests("x", alone_info, 0.0, image if one == "reference" else None)
     generation = ImageGenerationRequest.model_validate(edit_body({**FIELDS["controlnet"], **FIELDS["block_cache"]}),
                                                        context=CONTEXT)
@@ -254,10 +254,4 @@ def test_the_architecture_page_shows_the_table_of_the_code():
     from pathlib import Path
 
     page = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
-    shown = {}
-    for line in page.splitlines():
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        if len(cells) == 3 and " + " in cells[0]:
-            a, b = (name.strip("` ") for name in cells[0].split(" + "))
-            shown[frozenset((a, b))] = (cells[1], cells[2])
-    assert shown == {p: (entry.verdict, entry.why) for p, entry in TABLE.items()}
+    assert markdown() in page

@@ -53,10 +53,10 @@ def test_a_request_whose_forward_raises_fails_alone(pipes, policy):
     engine = make_engine(pipes, policy)
     predict = engine.runner.family.predict
 
-    def poisoned(states, patched, cache=None, templates=None):
+    def poisoned(states, patched, blocks=None):
         if any(s.request.prompt == "poison" for s in states):
             raise RuntimeError("this request breaks the model")
-        return predict(states, patched, cache, templates)
+        return predict(states, patched, blocks)
 
     engine.runner.family.predict = poisoned
 

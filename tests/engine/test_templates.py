@@ -27,7 +27,7 @@ def test_the_second_edit_of_an_image_replays_its_template(pipes, tmp_path, model
     pipe = pipes(model)
     config = EngineConfig(templates=TemplateConfig(directory=str(tmp_path)))
     engine = AsyncEngine(pipe, model_info(pipe, model), config, make_policy(SchedulerConfig(policy="orca")))
-    assert engine.info.templates
+    assert engine.info.serves("template")
     original = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     mask = np.full((64, 64, 4), 255, np.uint8)
     mask[16:40, 16:40, 3] = 0  # transparent = repaint

@@ -93,7 +93,7 @@ def test_templates_and_controlnets_run_on_int8_weights(tmp_path):
 
     from gouache.config import ControlNetConfig, TemplateConfig
     from gouache.controlnet.model import random_controlnet
-    from gouache.templates.replay import model_digest
+    from gouache.models.digest import model_digest
 
     fp32, int8 = load_pipeline("tiny-sd"), quantize(load_pipeline("tiny-sd"), "int8")
     assert model_digest(int8) != model_digest(fp32)

@@ -9,7 +9,7 @@ from gouache.config import TemplateConfig
 from gouache.request import ImageRequest
 from gouache.models.zoo import load_pipeline
 from gouache.runner.model_runner import ModelRunner
-from gouache.templates.replay import model_digest
+from gouache.models.digest import model_digest
 from gouache.sched.plan import Batch
 
 TOL = 1e-4
@@ -164,7 +164,7 @@ def test_the_model_digest_is_the_same_in_every_process_and_tells_models_apart():
 
     import os
 
-    code = ("from gouache.models.zoo import load_pipeline; from gouache.templates.replay import model_digest; "
+    code = ("from gouache.models.zoo import load_pipeline; from gouache.models.digest import model_digest; "
             "print(model_digest(load_pipeline('tiny-sd')))")
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"  # another set order than this process's
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
