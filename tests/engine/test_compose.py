@@ -16,7 +16,7 @@ import torch
 
 from gouache.controlnet.model import random_controlnet
 from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
-from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig
+from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.errors import InvalidRequestError
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
@@ -222,6 +222,16 @@ def test_a_server_default_applies_only_where_it_composes(pipes, directories):
     runner.prepare(request, **inputs)
     assert runner.states["c"].request.block_cache == 0.0
     assert not runner.execute(Batch(("c",))).failed
+
+
+def test_a_template_default_keeps_off_an_edit_that_asks_for_the_block_cache(pipes, directories, tmp_path):
+    """--template-cache's default does not apply to an edit asking for the block cache (a refused
+    pair): before, the edit took both and its step raised at the composer's guard."""
+    runner = ModelRunner(pipes(MODEL), templates=TemplateConfig(default=True, directory=str(tmp_path)))
+    request, inputs = member("d", ("template",), seed=0)
+    runner.prepare(replace(request, template_cache=None, template_id=None, block_cache=0.5), **inputs)
+    assert runner.states["d"].template is None and runner.states["d"].request.block_cache == 0.5
+    assert not runner.execute(Batch(("d",))).failed
 
 
 KINDS = [(), ("lora",), ("controlnet",), ("block_cache",), ("template",), ("img2img",), ("lora", "controlnet"),
