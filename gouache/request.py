@@ -10,6 +10,13 @@ import enum
 from dataclasses import dataclass
 
 TIERS = ("priority", "default", "flex")  # service tiers; a tier's rank is its index: lower ranks go first
+
+
+def tier_rank(name: str) -> int:
+    """The rank of a tier's name (ValueError naming the tiers for any other)."""
+    if name not in TIERS:
+        raise ValueError(f"unknown service tier {name!r}; the tiers are {', '.join(TIERS)}")
+    return TIERS.index(name)
 DEFAULT_TIER = "default"
 
 
@@ -52,6 +59,16 @@ class ImageRequest:
     def is_edit(self) -> bool:
         return self.image is not None
 
+    @property
+    def api_id(self) -> str:
+        """The id of the API request whose images this is one of."""
+        return self.request_id.rsplit("-", 1)[0]
+
+    @property
+    def tier(self) -> int:
+        """Its service tier's rank (`TIERS`): lower ranks are served first."""
+        return tier_rank(self.service_tier)
+
 
 def preview_steps(total_steps: int, partial_images: int) -> set[int]:
     """Steps after which a preview is decoded: evenly spaced, never the last one."""
@@ -79,11 +96,25 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     first_step_time: float | None = None  # when its first step started (queueing time ends)
     devices: tuple[int, ...] = ()  # its devices in the last plan that could place it; () if it had none
-    tier: int = 1  # its service tier's rank (`gouache.sched.tiers.TIERS`): lower ranks are served first
+    tier: int = 1  # its service tier's rank (`gouache.request.TIERS`): lower ranks are served first
     tenant: str = ""  # who sent it, for fair queuing within a tier
     weight: float = 1.0  # its tenant's share within the tier
     fair_tag: float = 0.0  # its start tag in its tier's fair queue (set by the scheduler on arrival)
     pauses: int = 0  # times a higher tier's request took its slot at a step boundary
+
+    @classmethod
+    def of(cls, request: ImageRequest, num_steps: int) -> RequestState:
+        """The scheduler's view of `request`, prepared to denoise in `num_steps` steps."""
+        return cls(
+            request_id=request.request_id,
+            resolution=(request.height, request.width),
+            num_steps=num_steps,
+            arrival_time=request.arrival_time,
+            deadline=request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None,
+            tier=request.tier,
+            tenant=request.tenant,
+            weight=request.tenant_weight,
+        )
 
     @property
     def remaining_steps(self) -> int:

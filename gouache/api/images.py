@@ -99,8 +99,7 @@ async def register_template(request: Request, ctx: ApiContext = Depends(get_cont
         params = params.at_upload_size(*_upload_size(image), ctx.limits)
     _check_model(ctx, params)
     tenant = _tenant(request)
-    [job] = params.to_requests(api_id, ctx.engine.info, arrival, image, tenant=tenant)
-    job.register_template = True
+    [job] = params.to_requests(api_id, ctx.engine.info, arrival, image, tenant=tenant, register_template=True)
     handle = await _submit(ctx, tenant, [job])
     ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     try:

@@ -282,10 +282,11 @@ class ImageParams(BaseModel):
 
     def to_requests(
         self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None,
-        references: tuple[bytes, ...] = (), tenant: Tenant = ANONYMOUS,
+        references: tuple[bytes, ...] = (), tenant: Tenant = ANONYMOUS, register_template: bool = False,
     ) -> list[ImageRequest]:
         """The n ImageRequests of this API request, with the model's defaults filled in, in the
-        service tier `tenant` asked for (403 if its key may not use it).
+        service tier `tenant` asked for (403 if its key may not use it); `register_template`: a
+        POST /v1/templates, which records the template instead of editing it.
 
         Image i gets seed (seed + i) mod 2**32, so every seed in the response is one the API
         takes back, and sent back with n=1 it makes that image again.
@@ -343,6 +344,7 @@ class ImageParams(BaseModel):
                 loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),
                 controlnet_mode=self.controlnet_mode,
+                register_template=register_template,
                 **self._edit_fields(info, image, mask, references),
                 image=image,
                 mask=mask,

@@ -40,7 +40,7 @@ from gouache.runner.model_runner import ModelRunner
 from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
-from gouache.sched.tiers import queue_limit, refusal, tier_rank
+from gouache.sched.tiers import queue_limit, refusal
 from gouache.sched.scheduler import Scheduler
 from gouache.techniques import unserved
 
@@ -169,7 +169,7 @@ class AsyncEngine(AdapterCalls):
         self._check_capacity(requests)
         controls = await self.check_adapters(requests[0])
         decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
-        api_id = requests[0].request_id.rsplit("-", 1)[0]
+        api_id = requests[0].api_id
         handle = RequestHandle(api_id, len(requests), self._loop, lambda: self._cancel(api_id))
         with self._lock:
             if self._dead:  # it died during the awaits above: `_on_death` would not see these
@@ -218,9 +218,8 @@ class AsyncEngine(AdapterCalls):
         first = requests[0]
         tier, limit = first.service_tier, queue_limit(first.service_tier, self.config.max_queue_len,
                                                       self.config.tier_queue_share)
-        in_flight = ((tier_rank(i.request.service_tier), i.request.tenant, i.request.tenant_weight)
-                     for i in self._images.values())
-        refused = refusal(tier_rank(tier), first.tenant, first.tenant_weight, len(requests), in_flight, limit)
+        in_flight = ((i.request.tier, i.request.tenant, i.request.tenant_weight) for i in self._images.values())
+        refused = refusal(first.tier, first.tenant, first.tenant_weight, len(requests), in_flight, limit)
         if refused is None:
             return
         if refused.tenant_share:

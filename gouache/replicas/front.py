@@ -40,7 +40,6 @@ from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, ProgressEvent
 from gouache.replicas.calls import Calls, Deadlines, ReplicaLostError, tell
 from gouache.replicas.process import decode, replica_main
 from gouache.sched.router import ROUTERS, BatchStepCost, MeasuredEditCost, ReplicaLoad, RouteRequest, Router
-from gouache.sched.tiers import tier_rank
 from gouache.sim.costs import linear_step_cost
 
 if TYPE_CHECKING:
@@ -284,10 +283,10 @@ class ReplicaSet:
         ratio = 1.0
         if first.is_edit and self.router.reads_masks:
             ratio = await asyncio.to_thread(computed_share, first, self.configs[1].templates, self.max_upload_pixels)
-        tier = tier_rank(first.service_tier)
+        tier = first.tier
         views = {i: RouteRequest(r.request_id, r.width * r.height, r.num_inference_steps, ratio, tier)
                  for i, r in enumerate(requests)}
-        api_id = first.request_id.rsplit("-", 1)[0]
+        api_id = first.api_id
         whole = RouteRequest(api_id, sum(v.pixels for v in views.values()), first.num_inference_steps, ratio, tier)
         chosen = alive[self.router.route(whole, [r.load(self.max_batch) for r in alive])]
         # a full replica passes the request on to the others, least loaded first, and so does one

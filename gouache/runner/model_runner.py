@@ -24,7 +24,6 @@ from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, Template
 from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.request import ImageRequest, RequestState
 from gouache.sched.plan import Batch
-from gouache.sched.tiers import tier_rank
 from gouache.techniques import applies
 from gouache.runner.families import Family, make_family
 from gouache.runner.compiled import CompiledDenoiser
@@ -116,17 +115,7 @@ class ModelRunner:
             state.template = TemplateUse(key, self.family.token_mask(state), text_digest(state.cond, state.rows),
                                          request.register_template)
         self.states[request.request_id] = state
-        deadline = request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None
-        return RequestState(
-            request_id=request.request_id,
-            resolution=(request.height, request.width),
-            num_steps=len(state.timesteps),
-            arrival_time=request.arrival_time,
-            deadline=deadline,
-            tier=tier_rank(request.service_tier),
-            tenant=request.tenant,
-            weight=request.tenant_weight,
-        )
+        return RequestState.of(request, len(state.timesteps))
 
     def warm_up(self, default_size: int) -> None:
         """Compile the forwards of the sizes the server expects (--compile-sizes, else the model's

@@ -19,20 +19,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gouache.config import DEFAULT_QUEUE_SHARES
-from gouache.request import TIERS, RequestState
+from gouache.request import RequestState
 
 # The tenant weights served (`gouache.api.tenants` refuses a keys file with others). A request's
 # work (steps x megapixels) is about 1e3 at most (200 steps of 2048 px), so at the smallest
 # weight a fair-queue tag grows about 1e9 a request: finite for longer than any server runs; and
 # `tenant_limit`'s limit x weight stays finite (a weight of 1e308 made it inf: an OverflowError).
 MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
-
-
-def tier_rank(name: str) -> int:
-    """The rank of a tier's name (ValueError naming the tiers for any other)."""
-    if name not in TIERS:
-        raise ValueError(f"unknown service tier {name!r}; the tiers are {', '.join(TIERS)}")
-    return TIERS.index(name)
 
 
 def work(state: RequestState) -> float:

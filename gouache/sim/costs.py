@@ -14,7 +14,7 @@ from gouache.request import RequestState
 from gouache.sched.interface import Resolution, StepTimePredictor
 from gouache.sched.plan import Batch
 from gouache.sched.router import RouteRequest
-from gouache.sched.tiers import tier_rank
+from gouache.request import tier_rank
 from gouache.sim.workloads import SimRequest
 
 # seconds of one step of a batch (its members now) on its devices

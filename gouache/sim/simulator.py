@@ -60,7 +60,8 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.sched.tiers import queue_limit, refusal, tier_rank
+from gouache.request import tier_rank
+from gouache.sched.tiers import queue_limit, refusal
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.workloads import SimRequest
 from gouache.stats import percentile

@@ -51,7 +51,7 @@ class SimRequest:
     steps: int  # denoising steps
     slo_s: float | None = None  # deadline relative to arrival; None = no SLO
     mask_ratio: float | None = None  # edit: repainted fraction of the image; None = generation
-    tier: str = "default"  # service tier (`gouache.sched.tiers.TIERS`)
+    tier: str = "default"  # service tier (`gouache.request.TIERS`)
     tenant: str = ""  # who sent it (fair share within its tier)
     weight: float = 1.0  # its tenant's weight
 

@@ -11,7 +11,8 @@ from gouache.request import RequestStatus
 from gouache.sched.plan import Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
-from gouache.sched.tiers import MAX_WEIGHT, MIN_WEIGHT, FairQueue, make_room, queue_order, tenant_limit, tier_rank
+from gouache.request import tier_rank
+from gouache.sched.tiers import MAX_WEIGHT, MIN_WEIGHT, FairQueue, make_room, queue_order, tenant_limit
 
 from .factories import groups, make_state, run_step
 from .test_patched_slo import Linear
