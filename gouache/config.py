@@ -246,7 +246,7 @@ class EngineConfig:
     max_upload_pixels: int = 4096 * 4096  # Pillow's decompression-bomb limit for edit uploads
     # the largest patch side in pixels under patched batching (UNets); each forward cuts its images
     # into the largest patches up to this that fit all of them; None: DEFAULT_PATCH_PIXELS. Refused for DiTs.
-    patch_size: int | None = None
+    patch_pixels: int | None = None
     executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
@@ -274,7 +274,7 @@ class EngineConfig:
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
         _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
-        _check(self.patch_size is None or self.patch_size > 0, f"patch_size must be positive, got {self.patch_size}")
+        _check(self.patch_pixels is None or self.patch_pixels > 0, f"--patch-size must be positive, got {self.patch_pixels}")
         _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
         _check(self.executor != "uniproc" or self.devices == 1,

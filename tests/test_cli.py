@@ -165,7 +165,7 @@ def test_serve_refuses_the_flags_its_policy_would_ignore(policy, built_configs, 
 def test_serve_passes_the_flags_its_policy_reads(built_configs):
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "orca"])
-    assert built_configs["scheduler"].cost_model is None and built_configs["engine"].patch_size is None
+    assert built_configs["scheduler"].cost_model is None and built_configs["engine"].patch_pixels is None
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "round-knapsack", "--cost-model", "c.json", "--round-s", "2"])
     assert built_configs["scheduler"].round_s == 2.0 and built_configs["scheduler"].cost_model == "c.json"
@@ -178,7 +178,7 @@ def test_serve_passes_the_flags_its_policy_reads(built_configs):
     assert built_configs["scheduler"].round_s == 0.5
     with pytest.raises(_EngineBuilt):
         main(["serve", "--policy", "patched", "--patch-size", "64"])
-    assert built_configs["engine"].patch_size == 64
+    assert built_configs["engine"].patch_pixels == 64
     assert built_configs["engine"].tier_queue_share == (("flex", 0.5),)
     assert built_configs["engine"].paused_host_bytes == 0
     with pytest.raises(_EngineBuilt):

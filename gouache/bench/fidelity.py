@@ -90,7 +90,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     controlnets = ControlNetConfig(control.directory, control.workers) if control else ControlNetConfig()
     engine = build_engine(
         ModelConfig(model, quantize=setup.quantize),
-        EngineConfig(max_queue_len=max(len(prompts), 1), patch_size=setup.patch_size, torch_threads=torch_threads,
+        EngineConfig(max_queue_len=max(len(prompts), 1), patch_pixels=setup.patch_size, torch_threads=torch_threads,
                      block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse,
                                                   predictor=setup.block_cache_predictor),
                      controlnets=controlnets),

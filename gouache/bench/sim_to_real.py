@@ -83,7 +83,7 @@ async def live_run(args, policy: str, trace: list[SimRequest], model) -> LiveRun
 
     sched = SchedulerConfig(policy=policy, max_batch_size=args.max_batch_size, cost_model=args.cost_model,
                             round_s=args.round_s)
-    engine_config = EngineConfig(patch_size=args.patch_size, torch_threads=args.torch_threads)
+    engine_config = EngineConfig(patch_pixels=args.patch_size, torch_threads=args.torch_threads)
     engine = build_engine(ModelConfig(args.model), engine_config, sched)
     out, arrivals = LiveRun(), {}
     _observe(engine, model, out, arrivals)

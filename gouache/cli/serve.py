@@ -72,7 +72,7 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
                         "device memory until they resume; worth it on a GPU (0: they stay; default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=EngineConfig.request_timeout_s,
                    help="seconds before an unfinished request fails with 504 (default: %(default)s)")
-    p.add_argument("--patch-size", type=int, default=EngineConfig.patch_size, action=Given,
+    p.add_argument("--patch-size", type=int, default=EngineConfig.patch_pixels, action=Given,
                    help="the largest patch side in pixels; only with the patching policies "
                         f"({_policies_where('mixes_resolutions')}) and UNet models: each forward cuts its images "
                         "into the largest patches up to this that fit every one of them, so every size the model "
@@ -285,7 +285,7 @@ def engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
         ModelConfig(args.model, args.dtype, args.device, args.quantize),
         EngineConfig(max_queue_len=args.max_queue_len, tier_queue_share=args.tier_queue_share,
                      request_timeout_s=args.request_timeout, image_workers=args.image_workers,
-                     patch_size=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
+                     patch_pixels=args.patch_size, torch_threads=args.torch_threads, executor=args.executor,
                      devices=args.devices, ray_address=args.ray_address, ray_placement=args.ray_placement,
                      ray_resource=args.ray_resource, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20, paused_host_bytes=args.paused_host_mb << 20,

@@ -66,7 +66,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     refuse(refused_flag(flags, family.name, UNSERVED.get(family.name, {})))
     if engine_config.compile.enabled and family.name in UNCOMPILED:
         raise ValueError(f"--compile is not served for {family.name} models: {UNCOMPILED[family.name]}")
-    if engine_config.patch_size is not None and not family.patches:
+    if engine_config.patch_pixels is not None and not family.patches:
         raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
                          "tokens into one sequence; patches are for UNet models")
     if engine_config.block_cache.predictor:  # a wrong file is refused now, not in each worker
@@ -75,7 +75,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
         load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
     info = model_info(pipe, model_id(model_config.model))
     if sched_config.max_batch_size is None:
-        probe = probe_max_batch(ModelRunner(pipe, engine_config.patch_size), (info.default_size, info.default_size),
+        probe = probe_max_batch(ModelRunner(pipe, engine_config.patch_pixels), (info.default_size, info.default_size),
                                 info.default_guidance)
         log.info("%s, measured on %s at %d px", probe.describe(), model_config.device, info.default_size)
         sched_config = replace(sched_config, max_batch_size=probe.max_batch)
@@ -103,7 +103,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     """The worker processes (`multiproc`) or actors (`ray`) of `engine_config.devices` devices."""
     from gouache.executor.worker import WorkerSpec
 
-    spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_size,
+    spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_pixels,
                       engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
                       engine_config.loras, engine_config.controlnets, model_config.quantize, engine_config.compile)
     if engine_config.executor == "ray":

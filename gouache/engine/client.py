@@ -82,7 +82,7 @@ class AsyncEngine(AdapterCalls):
         self.metrics = metrics or Metrics()
         # prepares and decodes; under uniproc, also runs the steps (and holds the template store and
         # reads adapters as requests arrive; workers read theirs at a request's first step there)
-        self.runner = ModelRunner(pipe, engine_config.patch_size, engine_config.block_cache, engine_config.templates,
+        self.runner = ModelRunner(pipe, engine_config.patch_pixels, engine_config.block_cache, engine_config.templates,
                                   engine_config.loras, prefetch_loras=executor is None,
                                   controlnets=engine_config.controlnets,
                                   conditioning_bytes=engine_config.conditioning_bytes,
@@ -97,8 +97,7 @@ class AsyncEngine(AdapterCalls):
         except ValueError:
             self.pool.shutdown()
             raise
-        one_device = caches_blocks(policy, self.pool.num_devices)
-        parallel = None if one_device else "this server's scheduling policy"
+        parallel = None if caches_blocks(policy, self.pool.num_devices) else "this server's scheduling policy"
         info = replace(info, deadlines=policy.uses_deadlines, tier_slo_ms=policy.config.tier_slo_ms,
                        unserved=tuple(unserved(dict(info.unserved), parallel).items()),
                        max_batch=policy.config.max_batch_size,

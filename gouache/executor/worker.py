@@ -57,7 +57,7 @@ class RunOutput:
     steps: dict[str, int] = field(default_factory=dict)  # each stepped member's denoising steps done
 
 
-def aligned_blocks(num_devices: int) -> list[tuple[int, ...]]:
+def group_blocks(num_devices: int) -> list[tuple[int, ...]]:
     """Every aligned power-of-two block of two or more devices, smallest first: the process
     groups a pool of `num_devices` can need (2N - 1 blocks with the singletons)."""
     blocks, k = [], 2
@@ -83,7 +83,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method,
                             rank=rank, world_size=world, timeout=timeout)
     groups = {}
-    for block in aligned_blocks(world):
+    for block in group_blocks(world):
         # A group does not inherit the world's timeout (torch's default is 30 min): without it a
         # worker waiting in a step's collective on a hung peer would wait that long, and be
         # taken for hung with it at the executor's reply deadline.

@@ -186,15 +186,15 @@ class ModelRunner:
         request's that arrived (and `lora`, the step's report); `group`: the devices of a step
         of degree > 1. The block cache and templates run at degree 1 only (ranks must not
         decide apart)."""
-        one_device = batch.degree == 1
-        templates = self.templates if one_device and any(s.template for s in states) else None
+        whole = batch.degree == 1  # the step runs on this device alone
+        templates = self.templates if whole and any(s.template for s in states) else None
         compiled = self.family.compiled
         return Forward((
             ParallelLayer(self.pipe, batch.degree, group, self.family.device),
             LoraLayer(self.loras, adapters, lora, compiled.slots if compiled is not None else None),
             ControlNetLayer(self.controls, self.family),
             TemplateLayer(templates, self.family),
-            BlockCacheLayer(self.cache if one_device else None),
+            BlockCacheLayer(self.cache if whole else None),
             LayoutLayer(self.family),
         ), compiled)
 

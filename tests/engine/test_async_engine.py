@@ -204,7 +204,7 @@ def test_an_edit_that_repaints_nothing_returns_the_original_without_a_step(pipes
 
 def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
     pipe = pipes("tiny-sdxl")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_size=32), make_policy(SchedulerConfig(policy="patched")))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_pixels=32), make_policy(SchedulerConfig(policy="patched")))
     steps = record_steps(engine)
     assert engine.info.size_step == 16  # the model's own: each forward picks patches that cut its sizes
 
@@ -264,7 +264,7 @@ def test_the_largest_patch_that_fits_every_image_of_a_forward_is_used(pipes):
 
 def test_a_patch_size_is_refused_for_a_dit_which_would_ignore_it():
     with pytest.raises(ValueError, match="--patch-size would be ignored: sd3 models"):
-        build_engine(ModelConfig("tiny-sd3"), EngineConfig(patch_size=32), SchedulerConfig(policy="patched"))
+        build_engine(ModelConfig("tiny-sd3"), EngineConfig(patch_pixels=32), SchedulerConfig(policy="patched"))
 
 
 class _Fixed:
@@ -279,7 +279,7 @@ class _Fixed:
 
 def test_unattainable_deadline_is_an_explicit_error(pipes):
     pipe = pipes("tiny-sdxl")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_size=32),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_pixels=32),
                          make_policy(SchedulerConfig(policy="patched-slo"), _Fixed()), predictor=_Fixed())
 
     async def scenario():

@@ -34,7 +34,7 @@ def make_engine(pipes, policy: str, predictor=None, name: str = "tiny-sdxl") -> 
     pipe = pipes(name)
     if predictor is None and policy in ("patched-slo", "round-knapsack"):
         predictor = cost_model_of_64px()
-    return AsyncEngine(pipe, model_info(pipe, name), EngineConfig(patch_size=32),
+    return AsyncEngine(pipe, model_info(pipe, name), EngineConfig(patch_pixels=32),
                        make_policy(SchedulerConfig(policy=policy, round_s=0.05), predictor), predictor=predictor)
 
 

@@ -1,4 +1,4 @@
-"""A model family adapter: how one diffusers pipeline's denoiser is driven step by step.
+"""A model family: how one diffusers pipeline's denoiser is driven step by step.
 
 The adapter calls the pipeline's own public pieces (encode_prompt, prepare_latents, the
 scheduler, the VAE) so results match the plain pipeline, and batches the denoiser forward

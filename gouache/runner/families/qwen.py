@@ -87,9 +87,9 @@ class QwenImageFamily(PackedFamily):
     @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False, blocks=None) -> list[torch.Tensor]:
         """One forward per token layout (`forward`)."""
-        return per_group(states, self.layout, self.forward)
+        return per_group(states, self.forward_key, self.forward)
 
-    def layout(self, state: DenoiseState) -> tuple:
+    def forward_key(self, state: DenoiseState) -> tuple:
         """What a forward's requests must share: their token grids (one RoPE a forward)."""
         return self.token_shape(state)
 
@@ -125,7 +125,7 @@ class QwenImageFamily(PackedFamily):
         }, {})
 
     def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
-        if len({self.layout(s) for s in states}) > 1:
+        if len({self.forward_key(s) for s in states}) > 1:
             return None  # several forwards: adapters apply per forward
         return super().row_maps(states, False)
 
@@ -191,7 +191,7 @@ class QwenImageEditFamily(QwenImageFamily):
         return self.conditioning.text((request.prompt, request.negative_prompt, rows == 2, self._text_key, digest),
                                       encode)
 
-    def layout(self, state: DenoiseState) -> tuple:
+    def forward_key(self, state: DenoiseState) -> tuple:
         return self.token_shape(state), tuple(map(tuple, state.cond["reference_shapes"].tolist()))
 
     def tokens(self, state: DenoiseState) -> torch.Tensor:
