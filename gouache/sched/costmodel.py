@@ -98,8 +98,8 @@ class BatchCostModel:
         keys = [composition_key(c) for c, _ in samples]
         self.report = evaluate(self.predictor, X, y, holdout, seed, groups=keys)
         self.predictor = self.predictor.unfitted().fit(X, y)
-        for composition, seconds in samples:
-            self.record(composition, seconds)
+        for composition, took in samples:
+            self.record(composition, took)
         return self.report
 
     def predict(self, composition: Composition) -> float:

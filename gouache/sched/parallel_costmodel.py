@@ -79,9 +79,9 @@ class ParallelCostModel:
     def __init__(self, table: Mapping[int | Sequence[int], Mapping[int, float]], source: str = ""):
         self.table: dict[Resolution, dict[int, float]] = {}
         for res, row in table.items():
-            for k, seconds in row.items():
-                if k < 1 or k & (k - 1) or seconds <= 0:
-                    raise ValueError(f"{res}: degrees must be powers of two and times positive, got k={k}, {seconds} s")
+            for k, took in row.items():
+                if k < 1 or k & (k - 1) or took <= 0:
+                    raise ValueError(f"{res}: degrees must be powers of two and times positive, got k={k}, {took} s")
             self.table[as_resolution(res)] = {int(k): float(s) for k, s in sorted(row.items())}
         self.source = source  # where the numbers came from: a profile run, or a derivation
 

@@ -36,11 +36,11 @@ def plan_loads(masked_s: Sequence[float], full_s: Sequence[float], load_s: Seque
     if not len(masked_s) == len(full_s) == len(load_s):
         raise ValueError("masked_s, full_s and load_s need one entry per block")
     frontier = [_State(0.0, 0.0, None, False)]
-    for c_masked, c_full, l in zip(masked_s, full_s, load_s):
+    for c_masked, c_full, c_load in zip(masked_s, full_s, load_s):
         states = []
         for state in frontier:
             states.append(_State(state.comp + c_full, state.load, state, False))
-            states.append(_State(max(state.load + l, state.comp) + c_masked, state.load + l, state, True))
+            states.append(_State(max(state.load + c_load, state.comp) + c_masked, state.load + c_load, state, True))
         frontier = _pareto(states)
     best = min(frontier, key=lambda s: s.comp)
     use, state = [], best

@@ -18,7 +18,7 @@ from tests.runner.test_patch_ops import TOL, conditioning, max_diff, per_image_f
 
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-sdxl"])
 @pytest.mark.parametrize("shapes", [[(8, 8), (8, 12)], [(8, 8), (8, 8)]], ids=["patches", "whole-images"])
-def test_an_unchanged_image_is_reused_and_its_batch_mate_stays_exact(unets, model, shapes):
+def test_an_unchanged_image_is_reused_and_its_batch_mate_stays_exact(unets, model, shapes):  # noqa: F811 (the imported fixture)
     unet = unets[model]
     cache = BlockCache(BlockCacheConfig(max_reuse=3))
     request = CachedForward(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
@@ -39,7 +39,7 @@ def test_an_unchanged_image_is_reused_and_its_batch_mate_stays_exact(unets, mode
     assert (again[1] - exact[1]).abs().max() <= TOL
 
 
-def test_blocks_are_restored_and_unwrapped_attributes_reach_the_model(unets):
+def test_blocks_are_restored_and_unwrapped_attributes_reach_the_model(unets):  # noqa: F811 (the imported fixture)
     unet = unets["tiny-sd"]
     before = [getattr(parent, name) for parent, name, _ in cacheable_blocks(unet)]
     cache_pass = BlockCache().begin([("a", 0)], [1], [0.1], "image")

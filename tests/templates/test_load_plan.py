@@ -9,9 +9,9 @@ from gouache.templates.load_plan import plan_loads
 def simulate(use, masked, full, load):
     """Finish time of a given choice: loads in order on their own stream, compute waits for them."""
     comp = loaded = 0.0
-    for u, c_m, c_f, l in zip(use, masked, full, load):
+    for u, c_m, c_f, c_l in zip(use, masked, full, load):
         if u:
-            loaded += l
+            loaded += c_l
             comp = max(comp, loaded) + c_m
         else:
             comp += c_f
