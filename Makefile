@@ -11,7 +11,7 @@ PORT ?= 8000
 MODEL ?= shapes-unet
 POLICY ?= orca
 
-.PHONY: install install-test browser serve test bench clean
+.PHONY: install install-test browser serve test test-fast bench clean
 
 install: $(VENV)/.installed-stamp
 install-test: $(TEST_VENV)/.installed-stamp
@@ -52,6 +52,12 @@ browser:
 
 test: install-test browser
 	$(TEST_PY) -m pytest -q --durations=20
+
+# The subset to run while working (under 3 minutes on 2 CPU cores, against about 12 for `test`):
+# no test marked slow (it starts processes: servers, multiproc or Ray workers, compiles, the
+# browser; or takes over ~3 s) or gpu. No browser setup: the browser tests are all slow.
+test-fast: install-test
+	$(TEST_PY) -m pytest -q --durations=20 -m "not slow and not gpu"
 
 bench: install
 	$(VENV)/bin/gouache bench serve

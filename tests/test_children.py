@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.api.test_lifecycle import _running
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +37,7 @@ def child(ready) -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_a_child_starts_with_torch_imported_and_exits_when_its_starter_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

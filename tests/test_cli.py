@@ -14,6 +14,7 @@ from gouache.cli import build_parser, main
 from gouache.sched.policies import POLICIES
 
 
+@pytest.mark.slow
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("serve", "generate", "edit", "models", "export-model", "train", "profile", "simulate", "reproduce", "bench"):
@@ -95,6 +96,7 @@ def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path, capsys):
     assert prep > 0 and post > 0
 
 
+@pytest.mark.slow
 def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
     cost = tmp_path / "cost.json"
     assert main(["profile", "--model", "tiny-sd3", "--sizes", "64,96", "--samples", "8",
@@ -307,12 +309,14 @@ def test_models_lists_the_full_size_benchmark_architectures(capsys):
         assert "full-size" in next(line for line in lines if line.startswith(name + " "))
 
 
+@pytest.mark.slow
 def test_torch_importing_commands_print_no_torchvision_warning():
     run = subprocess.run([sys.executable, "-m", "gouache.cli", "models"], capture_output=True, text=True, check=True)
     assert "tiny-sdxl" in run.stdout
     assert "torchvision" not in run.stderr
 
 
+@pytest.mark.slow
 def test_the_start_log_of_make_serve_holds_no_library_line(tmp_path):
     """Before: every start printed torchao's failures to load CUDA kernels built for another torch
     (diffusers and transformers import torchao whenever it is installed). torchao is now the
@@ -343,6 +347,7 @@ def test_bench_serve_refuses_policies_it_cannot_start(policies, message, capsys)
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_router_without_replicas_and_reports_a_replica_that_cannot_start(capsys, tmp_path):
     assert _refused(capsys, ["serve", "--router", "mask-aware"], "--router")
     assert _refused(capsys, ["serve", "--replicas", "0"], "replicas must be >= 1")

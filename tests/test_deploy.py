@@ -208,6 +208,7 @@ def test_kustomizations_name_files_that_exist_and_use_every_manifest():
     assert loose == used, f"not in a kustomization: {sorted(map(str, loose - used))}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) is not installed")
 def test_kubectl_kustomize_renders_the_base_with_every_component(tmp_path):
     base = os.path.relpath(K8S, tmp_path)  # kustomize takes relative paths only
@@ -241,6 +242,7 @@ def test_image_runs_as_a_non_root_user(image):
     assert any(f"--uid {image_uid(image)}" in rest for name, rest in dockerfile(image) if name == "RUN")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("image", DOCKERFILES)
 def test_image_passes_hadolint(image):
     hadolint = shutil.which("hadolint", path=Path(sys.executable).parent) or shutil.which("hadolint")

@@ -31,6 +31,7 @@ def probe(choice: str) -> tuple[str, int]:
     return kept, int(held_mib)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_freed_block_stays_resident_unless_system_is_chosen():
     kept, held_mib = probe("keep")

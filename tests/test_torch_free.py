@@ -4,6 +4,10 @@ they can be tested, and run, without it."""
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 CODE = """
 import importlib, pkgutil, sys
 import gouache.sched, gouache.sim

@@ -16,6 +16,8 @@ from PIL import Image
 from gouache.cli import main
 from tests.api.helpers import running_server_process
 
+pytestmark = pytest.mark.slow
+
 EDGES = ("5e-324", "-5e-324", "1e308", "-1e308", "1.7976931348623157e308", "NaN", "Infinity", "-Infinity", "-0.0",
          "0", "-1", "2147483648", "18446744073709551616", "1e40")
 # the field, and the other fields it needs to be read at all

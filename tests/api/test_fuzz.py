@@ -6,6 +6,8 @@ import pytest
 
 from gouache.bench.fuzz import fuzz, serves_after, start_server
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -18,6 +18,8 @@ from tests.api.corpus import EDITS, malformed_requests
 from tests.api.helpers import open_image, running_server
 from tests.engine.test_text_loras import text_lora
 
+pytestmark = pytest.mark.slow
+
 SIZE_STEP = 16  # tiny-sdxl
 
 

@@ -10,6 +10,7 @@ from gouache.bench.workflows import CASES, parse_mixes
 from gouache.cli import main
 
 
+@pytest.mark.slow
 def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
     assert main(["make-lora", "--model", "tiny-sd", "--out", str(tmp_path / "ink.safetensors")]) == 0
     out = tmp_path / "adapters.json"

@@ -68,6 +68,7 @@ def run_fidelity(tmp_path, *options):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_on_the_trained_unet_a_two_step_candidate_scores_visibly_worse(tmp_path):
     report = run_fidelity(tmp_path, "--candidate-steps", "2")
     assert report["command"] is not None and (tmp_path / "fidelity.png").stat().st_size > 1000
@@ -77,12 +78,14 @@ def test_on_the_trained_unet_a_two_step_candidate_scores_visibly_worse(tmp_path)
     assert candidate["object_position"] < reference["object_position"] - 0.2  # 58 % against 100 % when written
 
 
+@pytest.mark.slow
 def test_on_the_trained_unet_patched_batching_is_an_exact_candidate(tmp_path):
     report = run_fidelity(tmp_path, "--sizes", "128x128,64x128,96x96", "--steps", "6", "--candidate-policy", "patched")
     assert report["acceptable"] and report["ssim_mean"] > 0.999
     assert report["candidate_alignment"] == report["reference_alignment"]
 
 
+@pytest.mark.slow
 def test_a_block_cache_candidate_reports_its_reuse_and_steady_step_times(tmp_path):
     report = run_fidelity(tmp_path, "--candidate-block-cache", "0.2", "--step-repeats", "2")
     candidate, reference = report["candidate"], report["reference"]
@@ -94,6 +97,7 @@ def test_a_block_cache_candidate_reports_its_reuse_and_steady_step_times(tmp_pat
     assert report["ssim_mean"] < 1.0  # approximate: the images differ
 
 
+@pytest.mark.slow
 def test_a_controlnet_candidate_in_async_mode_is_measured_against_sync(tmp_path):
     from gouache.cli import main
 

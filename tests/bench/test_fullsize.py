@@ -10,6 +10,7 @@ import torch
 from gouache.cli import main
 
 
+@pytest.mark.slow
 def test_quick_run_measures_every_section(tmp_path):
     out = tmp_path / "fullsize.json"
     assert main(["bench", "fullsize", "--quick", "--models", "tiny-sdxl,tiny-sd3", "--out", str(out)]) == 0

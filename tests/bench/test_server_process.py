@@ -4,7 +4,11 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from gouache.bench.server_process import ServerWatch
+
+pytestmark = pytest.mark.slow
 
 # A parent whose child starts a grandchild; both print their pid once they exist. The parent
 # exits when its stdin closes and leaves the two behind, as a server that leaks workers does.

@@ -72,6 +72,7 @@ def test_tally_counts_every_outcome_once_and_times_only_completed_requests():
     assert report["latency_p50_s"] == 2.5 and report["latency_p95_s"] == pytest.approx(3.85)
 
 
+@pytest.mark.slow
 def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
     out = tmp_path / "soak.json"
     parser = argparse.ArgumentParser()

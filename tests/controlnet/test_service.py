@@ -18,6 +18,8 @@ from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from tests.controlnet.test_model import image, request, run
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-4
 
 

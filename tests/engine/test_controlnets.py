@@ -154,6 +154,7 @@ def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
     assert "UNet models" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_service_serves_sync_and_async_requests_and_stops_with_the_engine(pipes, control_dir):
     pipe = pipes("tiny-sd")
     config = EngineConfig(controlnets=ControlNetConfig(str(control_dir), workers=1, torch_threads=1))
@@ -184,6 +185,7 @@ def test_the_service_serves_sync_and_async_requests_and_stops_with_the_engine(pi
         ControlNetConfig(str(control_dir), mode="async")
 
 
+@pytest.mark.slow
 def test_controlnets_under_worker_processes(control_dir):
     """multiproc workers run the UNet; their residuals come from the service this engine started."""
     from gouache.config import ModelConfig

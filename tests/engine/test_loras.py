@@ -107,6 +107,7 @@ def test_a_loading_bound_is_refused_where_every_step_runs_sequence_parallel(lora
         build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
 
 
+@pytest.mark.slow
 def test_adapters_under_a_worker_process(lora_dir):
     """A multiproc worker reads the adapters itself; registration warms it."""
     config = EngineConfig(executor="multiproc", devices=1, loras=LoraConfig(str(lora_dir)))

@@ -60,6 +60,7 @@ def test_prompts_of_other_lengths_and_transposed_sizes_in_one_step_equal_each_al
         assert (together[r.request_id] - run(runner, [r])[r.request_id]).abs().max() <= 1e-4, r.request_id
 
 
+@pytest.mark.slow
 def test_a_compiled_step_equals_the_eager_one_on_the_warmed_graph(pipes):
     """Under --compile the text pads to a bucket of tokens, so prompts of other lengths than the
     warm-up's meet its graph (no compile while serving)."""
@@ -106,6 +107,7 @@ def edit_reference(pipe, request: ImageRequest, images: list[np.ndarray]) -> tor
                 output_type="latent").images
 
 
+@pytest.mark.slow
 def test_instruction_edits_of_other_sizes_equal_qwen_image_edit_in_one_step(pipes):
     """Each upload is read by the VL encoder and enters as reference tokens at a megapixel: edits
     of two sizes share a patched step, each equal to QwenImageEditPipeline."""
@@ -119,6 +121,7 @@ def test_instruction_edits_of_other_sizes_equal_qwen_image_edit_in_one_step(pipe
         assert (latents[request.request_id] - edit_reference(pipe, request, [image])).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_an_edit_of_two_images_equals_qwen_image_edit_plus(pipes):
     from tests.engine.test_exactness import run_engine
 
@@ -131,6 +134,7 @@ def test_an_edit_of_two_images_equals_qwen_image_edit_plus(pipes):
     assert (expected - one).abs().max() > 1e-3  # the second image counts
 
 
+@pytest.mark.slow
 def test_a_masked_edit_equals_qwen_image_edit_inpaint_at_its_megapixel(pipes):
     """The inpaint pipeline edits at its reference's megapixel size: there the engine's masked
     edit (the sampled original its reference) is that pipeline's."""

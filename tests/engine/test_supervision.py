@@ -266,6 +266,7 @@ async def ending(handle, started: asyncio.Event | None = None) -> tuple[str, str
     raise AssertionError("the request's events ended without an image or an error")
 
 
+@pytest.mark.slow
 def test_fixed_sp_2_stops_when_a_worker_dies_and_every_request_ends():
     """Issue 32, item 3. Before: the request on the dead worker failed, the others (and any new
     one) waited until the request timeout, and the engine said ok: fixed-sp-2 needs an aligned

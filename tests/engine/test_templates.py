@@ -108,6 +108,7 @@ def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path, mod
     assert tokens["computed"] / (tokens["computed"] + tokens["replayed"]) == pytest.approx((24 // 16 + 1) ** 2 / every)
 
 
+@pytest.mark.slow
 def test_templates_under_worker_processes_and_next_to_other_requests(pipes, tmp_path):
     """A multiproc worker holds its own store: a recorder and a replay there, batched with a
     block-cached generation and a plain one under patched (mixed sizes)."""

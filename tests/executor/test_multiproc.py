@@ -89,6 +89,7 @@ def assert_equal_latents(got, expected):
         assert got[rid].abs().mean() > 0.1  # non-trivial latents
 
 
+@pytest.mark.slow
 def test_round_knapsack_on_two_workers_equals_one_device(two_workers):
     first, second = request("first", seed=1), request("second", seed=2, steps=4)
     pooled, alone = Loop(two_workers), Loop()
@@ -158,10 +159,12 @@ def check_a_dead_worker(executor) -> None:
     assert "next" in loop.latents and set(loop.degrees["next"]) == {1}
 
 
+@pytest.mark.slow
 def test_degrees_change_between_rounds_and_latents_follow_their_requests(two_workers):
     check_scripted_rounds(two_workers)
 
 
+@pytest.mark.slow
 def test_compiled_workers_equal_one_eager_device_and_split_steps_run_eagerly():
     """Workers that compile (warmed up before they serve): the scripted rounds' latents equal one
     eager device's, each one-device step ran compiled and each step on both devices eagerly."""
@@ -177,6 +180,7 @@ def test_compiled_workers_equal_one_eager_device_and_split_steps_run_eagerly():
     assert pooled.metrics.compile_recompiles._value.get() == 0
 
 
+@pytest.mark.slow
 def test_a_dead_worker_fails_its_requests_and_the_rest_are_served():
     executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1), 2)
     try:
@@ -231,6 +235,7 @@ def check_a_worker_hung_in_a_collective(executor, deadline_s: float, pid: int) -
     assert "next" in loop.latents and set(loop.degrees["next"]) == {1} and loop.scheduler.lost == {1}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", [check_a_hung_worker, check_a_worker_hung_in_a_collective])
 def test_a_hung_worker_is_taken_for_dead_at_its_deadline_and_the_rest_are_served(check):
     """Before: a worker that stopped answering (alive, stuck) held its step forever; the round
@@ -251,6 +256,7 @@ def test_a_reply_deadline_within_the_collective_timeout_is_refused():
         MultiprocExecutor(WorkerSpec(MODEL), 2, collective_timeout_s=60.0, reply_deadline_s=30.0)
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_while_idle_is_lost_before_the_next_plan_uses_it():
     """Before: the engine learned of the death only when a step failed on it, so the next request
     (alone: on both devices) failed although device 0 could serve it."""
@@ -271,6 +277,7 @@ def test_a_worker_that_dies_while_idle_is_lost_before_the_next_plan_uses_it():
         executor.shutdown()
 
 
+@pytest.mark.slow
 def test_profile_measures_degrees_and_the_handoff_for_the_simulator(tmp_path):
     from gouache.cli import main
     from gouache.sched.costmodel import load
@@ -287,6 +294,7 @@ def test_profile_measures_degrees_and_the_handoff_for_the_simulator(tmp_path):
                  "--sizes", "64,96", "--requests", "10", "--rate", "2", "--steps", "5"]) == 0
 
 
+@pytest.mark.slow
 def test_bench_parallel_reports_executor_overhead_collectives_and_handoffs(tmp_path):
     import json
 
@@ -326,6 +334,7 @@ def test_round_knapsack_plans_only_the_degrees_its_cost_model_prices():
     assert policy.degrees(4) == {1, 2} and make_policy(SchedulerConfig(policy="fixed-sp-2")).degrees(4) == {2}
 
 
+@pytest.mark.slow
 def test_requests_with_different_loras_share_a_sequence_parallel_forward(two_workers, lora_dir):
     """docs/architecture.md, "The compatibility table": lora with parallel is exact under
     Ulysses too (a DiT's batch of degree 2; the CFG halves are in tests/parallel/test_cfg.py)."""
@@ -336,6 +345,7 @@ def test_requests_with_different_loras_share_a_sequence_parallel_forward(two_wor
     assert_equal_latents(split, alone)
 
 
+@pytest.mark.slow
 def test_a_parked_state_lives_in_its_workers_host_memory_and_moves_on_with_a_handoff(two_workers):
     """A paused request parked on device 0's worker (pickled there, off its device), then run
     on device 1: the hand-off carries the parked state, worker 1 restores it, and the request

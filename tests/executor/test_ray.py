@@ -11,6 +11,8 @@ import pytest
 from gouache.executor.worker import WorkerSpec
 from tests.executor.test_multiproc import MODEL, check_a_dead_worker, check_a_hung_worker, check_scripted_rounds
 
+pytestmark = pytest.mark.slow
+
 ray = pytest.importorskip("ray", reason="the ray executor needs the gouache[ray] extra")
 
 

@@ -61,6 +61,7 @@ def test_ray_options_are_checked_with_reasons():
         EngineConfig(executor="ray", ray_address="auto", ray_resource="CPU")
 
 
+@pytest.mark.slow
 def test_devices_or_replicas_that_the_nodes_could_never_hold_are_refused_at_once(cluster):
     from gouache.executor.ray_executor import RayExecutor
     from gouache.executor.worker import WorkerSpec
@@ -85,6 +86,7 @@ def alive_actors() -> list[dict]:
     return [a for a in ray._private.state.actors(actor_state_name="ALIVE").values()]
 
 
+@pytest.mark.slow
 def test_replicas_on_their_own_nodes_survive_a_node_loss_and_a_new_node_takes_a_replacement(cluster, tmp_path):
     from gouache.api.server import create_app
     from gouache.replicas.front import ReplicaSet

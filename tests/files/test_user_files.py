@@ -29,6 +29,7 @@ def pipe():
     return load_pipeline("tiny-sd")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "controlnet"])
 def test_an_adapter_rewritten_in_place_while_it_is_read_never_kills_the_process(tmp_path, kind):
     # before files were read whole, safetensors mapped them: a truncated mapping is SIGBUS (6 of 6 runs)

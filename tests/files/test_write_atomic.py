@@ -20,6 +20,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_leaves_the_old_file_or_the_new_one_whole(tmp_path):
     path = tmp_path / "costmodel.json"
     old = b"\x01" * (64 << 20)

@@ -104,6 +104,7 @@ def test_builds_are_bit_identical_whatever_the_global_rng(pipes, name):
     assert state_digest(BUILDERS[name]()) == state_digest(pipes[name])
 
 
+@pytest.mark.slow
 def test_another_process_builds_the_same_weights(pipes):
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])\n"

@@ -15,6 +15,8 @@ from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 from tests.lora.random_files import random_loras
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-sd"
 STEPS = 3
 

@@ -23,6 +23,8 @@ from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DMode
 from gouache.models.zoo import SEED_DENOISER, load_pipeline, seeded
 from gouache.parallel.ulysses import ulysses
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-4
 TIMEOUT_S = 120  # per spawn
 BATCH = 2  # rows differ in noise, timestep and text, as CFG rows do

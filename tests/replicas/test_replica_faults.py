@@ -18,6 +18,8 @@ from gouache.replicas.calls import Deadlines
 from gouache.replicas.front import ReplicaSet
 from tests.replicas.test_replicas import MODEL, Front, request
 
+pytestmark = pytest.mark.slow
+
 LONG_STEPS = 400  # outlasts every scenario here: a request that is still denoising when the fault comes
 
 
@@ -126,22 +128,28 @@ def test_a_hung_replica_is_killed_its_request_fails_and_the_other_serves_on():
 
 def test_a_submit_to_a_stopped_replica_passes_to_the_other_and_is_aborted_there():
     """The submit's deadline passes; the request is served by the other replica, and the stopped
-    one, once resumed, drops it (the abort that followed the submit) instead of running it."""
+    one, once resumed, drops it (the abort that followed the submit) instead of running it. A
+    third request, routed to the resumed replica behind the dropped submit and its abort, shows
+    that it got past them: had it kept the first request, that one would be in flight or
+    finished there by the time the third one's image is back."""
     deadlines = Deadlines(submit_s=1.0, ping_s=60.0)  # no ping finds it hung: only the submit's deadline acts
     front = start_front(deadlines)
     try:
         async def scenario():
             replicas = front.set
             os.kill(replicas.replicas[0].process.pid, signal.SIGSTOP)
+            # round-robin: r0 to the stopped replica (then on to the other), r1 to the other,
+            # "behind" to the resumed one
             images = [await asyncio.wait_for((await replicas.submit(request(f"r{i}", 64))).images(), 30)
                       for i in range(2)]
             os.kill(replicas.replicas[0].process.pid, signal.SIGCONT)
-            await asyncio.sleep(2.0)  # had it kept the request, it would be running it, or done
-            return images, (await asyncio.wait_for(replicas.status(), 5))["replicas"][0]
+            images.append(await asyncio.wait_for((await replicas.submit(request("behind", 64))).images(), 30))
+            return images, (await asyncio.wait_for(replicas.status(), 5))["replicas"]
 
-        images, resumed = front.run(scenario(), timeout=90)
-        assert [len(i) for i in images] == [1, 1]
-        assert resumed["alive"] and resumed["requests"] == [] and resumed["finished"] == 0
+        images, (resumed, other) = front.run(scenario(), timeout=90)
+        assert [len(i) for i in images] == [1, 1, 1]
+        assert resumed["alive"] and resumed["requests"] == [] and other["requests"] == []
+        assert (resumed["finished"], other["finished"]) == (1, 2)  # "behind" there; r0 and r1 here
     finally:
         stop_for_good(front)
 

@@ -100,6 +100,7 @@ async def serve(replicas: ReplicaSet, load: list[list[ImageRequest]]) -> tuple[l
     return outcomes, placed, ratios
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 def test_two_replicas_serve_a_mixed_load_under_each_router(front, router):
     front.set.router = make_router(router)
@@ -136,6 +137,7 @@ def test_only_an_edit_that_replays_a_template_counts_its_mask():
     assert computed_share(request("g", 64)[0], TemplateConfig(default=True), 4096) == 1.0
 
 
+@pytest.mark.slow
 def test_serve_mask_aware_with_a_template_cost_model_routes_on_it():
     config = (ModelConfig(MODEL), EngineConfig(torch_threads=1, templates=TemplateConfig(cost_model=UNET_MASK_COSTS)),
               SchedulerConfig(max_batch_size=4), ReplicaConfig(replicas=2, router="mask-aware"))
@@ -156,6 +158,7 @@ def test_an_unknown_router_is_refused_with_the_names_it_could_be():
         make_router("round-robinn")
 
 
+@pytest.mark.slow
 def test_status_lists_each_replica(front):
     front.run(serve(front.set, [request("status", 64)]))
     status = front.run(front.set.status())
@@ -164,6 +167,7 @@ def test_status_lists_each_replica(front):
     assert all("steps" in r and r["requests"] == [] for r in status["replicas"])
 
 
+@pytest.mark.slow
 def test_metrics_label_every_engine_family_per_replica(front):
     text = front.run(front.set.render_metrics()).decode()
     for replica in ("0", "1"):
@@ -185,6 +189,7 @@ def test_merged_exposition_keeps_api_families_and_labels_engine_ones():
     assert text.count("# TYPE gouache_images_total counter") == 1
 
 
+@pytest.mark.slow
 def test_a_dead_replica_fails_only_its_requests_and_the_next_one_is_served():
     config = (ModelConfig(MODEL), EngineConfig(torch_threads=1), SchedulerConfig(), ReplicaConfig(2, "round-robin"))
     front = Front(ReplicaSet(*config))
@@ -209,6 +214,7 @@ def test_a_dead_replica_fails_only_its_requests_and_the_next_one_is_served():
         front.close()
 
 
+@pytest.mark.slow
 def test_gouache_serve_with_two_replicas_behind_the_mask_aware_router_serves_edits_and_generations():
     with running_server("--model", MODEL, "--replicas", "2", "--router", "mask-aware") as url:
         openai = client(url)
@@ -233,6 +239,7 @@ def test_gouache_serve_with_two_replicas_behind_the_mask_aware_router_serves_edi
     assert len(per_replica) == 2 and sum(per_replica) == 7
 
 
+@pytest.mark.slow
 def test_one_controlnet_service_serves_two_replicas_each_with_its_own_template_store(tmp_path):
     """The front starts the service; each replica's engine connects to it (none starts its own).
     Each replica's template store has a subdirectory of --template-dir to itself."""

@@ -76,6 +76,7 @@ def warm_cache(tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.mark.slow
 def test_a_whole_kernel_passes_and_every_truncation_of_it_is_damaged(warm_cache, tmp_path):
     kernel = max(kernels(warm_cache), key=lambda p: p.stat().st_size)
     assert compile_cache.damaged(kernel) is None
@@ -87,6 +88,7 @@ def test_a_whole_kernel_passes_and_every_truncation_of_it_is_damaged(warm_cache,
     assert "no ELF header" in compile_cache.damaged(tmp_path / "k.so")
 
 
+@pytest.mark.slow
 def test_a_start_on_a_cache_with_truncated_kernels_moves_them_aside_and_compiles(warm_cache, tmp_path):
     """The found item: on 52af312 every later `--compile` start failed with 'file too short'."""
     cache = tmp_path / "cache"
@@ -111,6 +113,7 @@ def test_a_kernel_whose_build_lock_is_held_is_left_alone(tmp_path):
     assert not kernel.exists() and len(list((tmp_path / compile_cache.DAMAGED).iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_processes_compiling_at_once_on_one_empty_cache_all_equal_eager(tmp_path):
     children = [compile_in_child(tmp_path) for _ in range(3)]
     assert [result(c) for c in children] == [{"failed": 0, "eager": {}, "compiled": 1, "equal": True}] * 3

@@ -81,6 +81,7 @@ def assert_equal(eager: dict, compiled: dict) -> None:
         assert (latents - compiled[rid]).abs().max() <= TOL, rid
 
 
+@pytest.mark.slow
 def test_compiled_steps_equal_eager_padded_or_not_and_never_recompile(runners):
     eager, compiled = runners
     requests = [request("a"), request("b", guidance=1.0, seed=2), request("c", guidance=1.0, seed=3)]
@@ -96,6 +97,7 @@ def test_compiled_steps_equal_eager_padded_or_not_and_never_recompile(runners):
     assert report.graphs == 0 and report.recompiles == 0
 
 
+@pytest.mark.slow
 def test_a_merged_lora_is_read_by_the_compiled_graph(runners):
     eager, compiled = runners
     one = [request("ink", loras=(("ink", 1.0),), guidance=1.0)]
@@ -105,6 +107,7 @@ def test_a_merged_lora_is_read_by_the_compiled_graph(runners):
     assert report.compiled == 2 and report.recompiles == 0  # merged in place: the graph's inputs
 
 
+@pytest.mark.slow
 def test_segmented_adapters_run_in_a_graph_of_their_own_that_serves_any_sets_of_their_ranks(runners):
     eager, compiled = runners
 
@@ -132,6 +135,7 @@ def test_segmented_adapters_run_in_a_graph_of_their_own_that_serves_any_sets_of_
     assert report.eager == {"rows": 1}  # past the last bucket: the slots apply eagerly
 
 
+@pytest.mark.slow
 def test_a_hook_added_after_compiling_is_honoured_by_running_eagerly(runners, pipe):
     eager, compiled = runners
     out = eager.family.denoiser.proj_out if hasattr(eager.family.denoiser, "proj_out") else eager.family.denoiser.conv_out
@@ -150,6 +154,7 @@ def test_a_hook_added_after_compiling_is_honoured_by_running_eagerly(runners, pi
     assert report.compiled == 1 and report.recompiles == 0
 
 
+@pytest.mark.slow
 def test_a_weight_changed_in_place_is_seen_without_recompiling(runners, pipe):
     eager, compiled = runners
     weight = next(p for p in compiled.family.denoiser.parameters() if p.dim() > 1)
@@ -165,6 +170,7 @@ def test_a_weight_changed_in_place_is_seen_without_recompiling(runners, pipe):
     assert report.compiled == 1 and report.recompiles == 0
 
 
+@pytest.mark.slow
 def test_steps_whose_techniques_the_graph_does_not_hold_run_eagerly(runners):
     eager, compiled = runners
     cached = [ImageRequest("bc", "a red circle", SIZE, SIZE, 4, 1.0, seed=1, block_cache=0.5)]

@@ -296,6 +296,7 @@ def test_load_rejects_unknown_kinds(tmp_path):
         load(tmp_path / "x.json")
 
 
+@pytest.mark.slow
 def test_cost_models_do_not_import_torch():
     code = (
         "import sys, gouache.sched.costmodel, gouache.sched.predictors; "

@@ -117,6 +117,7 @@ def test_an_idle_fleet_gives_each_request_its_unloaded_latency():
     assert summarize(run, setup, 4)["p95_over_unloaded"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_compressed_hours_and_a_sampled_cell_agree_with_a_fuller_simulation():
     """A small fleet simulated whole (every cell, hours 8x shorter), four times over, against
     the approximation (one cell, hours 96x shorter), 48 times over so both samples are as large:
@@ -146,6 +147,7 @@ def test_the_search_finds_the_threshold_of_a_monotone_ratio():
     assert search_devices(lambda s: {n: 100 / n for n in s}, {20: 5.0}, 2.0, resolution=1) == 50  # bracketed upwards
 
 
+@pytest.mark.slow
 def test_the_experiment_writes_its_table_plot_and_device_count(tmp_path):
     data = fleet_day_experiment(tmp_path, small(workers=2, routers=("least-requests", "mask-aware"),
                                                 policies=("orca", "patched-slo")))

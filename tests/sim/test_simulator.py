@@ -238,6 +238,7 @@ def test_orca_queues_less_than_fcfs_static_under_moderate_poisson_load():
     assert orca.queueing_mean_s < 0.25 * fcfs.queueing_mean_s
 
 
+@pytest.mark.slow
 def test_ten_thousand_requests_all_finish():  # ~270k simulated steps, ~3.5 s on 2 cores
     cost = linear_step_cost(per_forward_s=0.025, per_megapixel_s=0.08)
     requests = make_workload(WorkloadSpec(num_requests=10_000, rate=0.2, sizes=PATCHEDSERVE_SIZES, seed=1))

@@ -156,6 +156,7 @@ def test_blocks_the_plan_computes_in_full_take_every_token_and_stay_exact(pipe, 
     assert (replayed - exact).abs().max() <= TOL
 
 
+@pytest.mark.slow
 def test_the_model_digest_is_the_same_in_every_process_and_tells_models_apart():
     # a restart adopts its store's files only for the same model: the digest must not vary run
     # to run (diffusers' configs list their defaulted keys in set order)

@@ -20,6 +20,7 @@ def trained_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
     for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"), ("dit", "shapes-dit"),
                        ("lora", "loras/shapes-unet/palette")):
@@ -32,6 +33,7 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
         assert (trained_dir / f"train_{kind}.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_lora_writes_an_adapter_the_server_reads(trained_dir):
     from gouache.lora.files import Target, read_lora
     from gouache.models.zoo import load_pipeline
@@ -45,6 +47,7 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
     assert any(layer.down.ndim == 4 for layer in lora.layers.values())  # convolutions too (LoCon)
 
 
+@pytest.mark.slow
 def test_controlnet_writes_a_directory_the_server_takes(trained_dir):
     from gouache.controlnet.runtime import ControlRuntime
     from gouache.config import ControlNetConfig
@@ -57,6 +60,7 @@ def test_controlnet_writes_a_directory_the_server_takes(trained_dir):
     assert runtime.load("layout")["loaded"]
 
 
+@pytest.mark.slow
 def test_the_vae_stores_its_latent_scale_and_shift(trained_dir):
     vae = trained.load_vae(trained_dir)
     report = json.loads((trained_dir / "train_vae.json").read_text())
@@ -71,6 +75,7 @@ def weights_after(out, workers, trained_dir):
     return load_file(str(out / "shapes-unet.safetensors"))
 
 
+@pytest.mark.slow
 def test_the_same_seed_and_workers_train_the_same_weights(trained_dir, tmp_path):
     first = load_file(str(trained_dir / "shapes-unet.safetensors"))
     again = weights_after(tmp_path / "again", 2, trained_dir)
