@@ -45,7 +45,8 @@ from gouache.data.shapes import caption, sample_scene
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="shapes-unet", help="built-in model name or local directory (default: %(default)s)")
+    p.add_argument("--model", default="shapes-unet",
+                   help="built-in model name or local directory (default: %(default)s)")
     p.add_argument("--lora-dir", default=None, help="directory of --lora (default: the model's trained adapters)")
     p.add_argument("--lora", default="palette", help="the adapter whose bound, latency and fidelity are measured "
                                                      "(default: %(default)s)")
@@ -57,13 +58,15 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=7, help="requests per latency case, the cases in turn; medians "
                                                          "(default: %(default)s)")
     p.add_argument("--fidelity", type=int, default=24, help="prompts of the fidelity comparison (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=32, help="requests of the throughput load, 0: none (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests of the throughput load, 0: none (default: %(default)s)")
     p.add_argument("--adapters", type=int, default=50, help="random adapters of the load (default: %(default)s)")
     p.add_argument("--zipf", type=float, default=1.0, help="popularity exponent of the adapters (default: %(default)s)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: 3 / plain request latency)")
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
     workflows.add_arguments(p)
-    p.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/adapters/adapters_<model>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON to write (default: benchmarks/results/adapters/adapters_<model>.json)")
 
 
 def run(args) -> int:
@@ -268,7 +271,8 @@ async def _serve(args, info, steps: int, directory: str, batching: str, load) ->
 
         def job(k, adapter, prompt):
             return lambda: [ImageRequest(f"load-{k}-0", prompt, args.size, args.size, steps, info.default_guidance, k,
-                                         loras=((f"a{adapter}", 1.0),) if adapters else (), arrival_time=time.monotonic())]
+                                         loras=((f"a{adapter}", 1.0),) if adapters else (),
+                                         arrival_time=time.monotonic())]
 
         measured = await run_load(engine, [(gap, job(k, a, p)) for k, (gap, a, p) in enumerate(load)])
         modes = {s.labels["mode"]: s.value for m in engine.metrics.registry.collect() if m.name == "gouache_lora_steps"
@@ -283,29 +287,31 @@ def report(result: dict) -> str:
     lines = [f"{result['model']} at {result['size']} px, {result['steps']} steps, adapter {result['lora']!r}: "
              f"bound K = {result['bound']} (cosine < {result['threshold']})", "",
              f"plain request {lat['none_s']:.3f} s; adapter in host memory {lat['cached_ratio']:.2f}x", "",
-             "| emulated read (share of plain) | read s | synchronous / plain | BAL at K / plain |", "|---|---|---|---|"]
+             "| emulated read (share of plain) | read s | synchronous / plain | BAL at K / plain |",
+             "|---|---|---|---|"]
     lines += [f"| {r['load_share']:g} | {r['read_s']:.3f} | {r['sync_ratio']:.2f} | {r['bal_ratio']:.2f} |"
               for r in lat["rows"]]
     if "fidelity" in result:
         fid = result["fidelity"]
-        lines += ["", f"Fidelity, {fid['prompts']} prompts: the checker finds {fid['sync_seen']:.0%} of the shapes in the "
-                      f"style's colour with the adapter from step 0, {fid['base_seen']:.0%} without it.", "",
+        lines += ["", f"Fidelity, {fid['prompts']} prompts: the checker finds {fid['sync_seen']:.0%} of the shapes "
+                      f"in the style's colour with the adapter from step 0, {fid['base_seen']:.0%} without it.", "",
                   "| adapter arrives at step | style seen | kept vs synchronous | SSIM vs synchronous mean (min) |",
                   "|---|---|---|---|"]
-        lines += [f"| {r['bound']} | {r['effect_seen']:.0%} | {'n/a' if r['kept'] is None else format(r['kept'], '.2f')} "
+        lines += [f"| {r['bound']} | {r['effect_seen']:.0%} "
+                  f"| {'n/a' if r['kept'] is None else format(r['kept'], '.2f')} "
                   f"| {r['ssim_mean']:.3f} ({r['ssim_min']:.3f}) |" for r in fid["rows"]]
     if "workflows" in result:
         lines += workflows.report(result["workflows"])
     if "throughput" in result:
         tp = result["throughput"]
-        lines += ["", f"Throughput, {tp['requests']} requests over {tp['distinct_adapters']} of {tp['adapters']} adapters "
-                      f"(Zipf {tp['zipf']:g}), Poisson {tp['rate_per_s']:.2f}/s:", "",
+        lines += ["", f"Throughput, {tp['requests']} requests over {tp['distinct_adapters']} of {tp['adapters']} "
+                      f"adapters (Zipf {tp['zipf']:g}), Poisson {tp['rate_per_s']:.2f}/s:", "",
                   "| batching | requests/s | mean latency s | p90 s | steps by mode |", "|---|---|---|---|---|"]
         lines += [f"| {name} | {r['per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['p90_latency_s']:.2f} | "
                   f"{', '.join(f'{m} {int(n)}' for m, n in sorted(r['steps_by_mode'].items()))} |"
                   for name, r in tp["runs"].items()]
-        lines += ["", f"mixed / per-adapter: throughput {tp['throughput_ratio']:.2f}, mean latency {tp['latency_ratio']:.2f}; "
-                      f"mixed / no adapters: throughput {tp['throughput_vs_none']:.2f}"]
+        lines += ["", f"mixed / per-adapter: throughput {tp['throughput_ratio']:.2f}, mean latency "
+                      f"{tp['latency_ratio']:.2f}; mixed / no adapters: throughput {tp['throughput_vs_none']:.2f}"]
     return "\n".join(lines)
 
 

@@ -88,7 +88,8 @@ def run(args) -> int:
     command = "gouache bench baselines " + " ".join(sys.argv[3:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command.strip(), "model": args.model, "machine": f"{os.cpu_count()} CPU cores",
+    out.write_text(json.dumps({"command": command.strip(), "model": args.model,
+                               "machine": f"{os.cpu_count()} CPU cores",
                                "sizes": args.sizes, "steps": args.steps, "burst": args.burst, "rate": args.rate,
                                "duration_s": args.duration, "results": rows}, indent=2) + "\n")
     out.with_suffix(".md").write_text(f"`{command.strip()}` on {os.cpu_count()} CPU cores\n\n{table}\n")

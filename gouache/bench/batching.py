@@ -136,7 +136,8 @@ def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
             forced = None
             if len(set(letters)) == 1:
                 forced = median_s(lambda: bench.one_forward(layout, whole_batches=False), args.repeats, sync)
-        split_merge = median_s(lambda: layout.merge(layout.split(bench.samples)), args.repeats, sync) if patches else None
+        split_merge = (median_s(lambda: layout.merge(layout.split(bench.samples)), args.repeats, sync)
+                       if patches else None)
         rows.append(_row(mix, len(letters), len(set(letters)), grouped, patched, split_merge, patches, forced))
     return rows
 
@@ -164,13 +165,13 @@ def _device_name(device: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     method = rows[0]["method"]
-    lines = [f"| mix | images | resolutions | grouped ms | {method} ms | {method} / grouped | forced {method} / grouped "
-             "| split+merge ms |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| mix | images | resolutions | grouped ms | {method} ms | {method} / grouped "
+             f"| forced {method} / grouped | split+merge ms |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         split_merge = "-" if r["split_merge_ms"] is None else f"{r['split_merge_ms']:.2f}"
         forced = "-" if r.get("forced_vs_grouped") is None else f"{r['forced_vs_grouped']:.2f}"
-        lines.append(f"| {r['mix']} | {r['images']} | {r['resolutions']} | {r['grouped_ms']:.1f} | {r['patched_ms']:.1f} | "
-                     f"{r['patched_vs_grouped']:.2f} | {forced} | {split_merge} |")
+        lines.append(f"| {r['mix']} | {r['images']} | {r['resolutions']} | {r['grouped_ms']:.1f} | "
+                     f"{r['patched_ms']:.1f} | {r['patched_vs_grouped']:.2f} | {forced} | {split_merge} |")
     return "\n".join(lines)
 
 

@@ -60,7 +60,8 @@ def add_arguments(p) -> None:
                                                              "(default: %(default)s)")
     p.add_argument("--templates", type=int, default=4, help="templates the load edits (default: %(default)s)")
     p.add_argument("--rate", type=float, default=None,
-                   help="Poisson arrivals per second of the load (default: 3x what fcfs-static sustains, from the sweep)")
+                   help="Poisson arrivals per second of the load (default: 3x what fcfs-static sustains, "
+                        "from the sweep)")
     p.add_argument("--policy", default="orca", help="gouache's policy under the load (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
     p.add_argument("--out", default=None,
@@ -340,7 +341,8 @@ def report(result: dict) -> str:
              "transformer "
              f"blocks {100 * result['transformer_share']:.0f} % of a full step",
              "", "| mask | tokens | full step ms | template step ms | ratio | bound | request ratio "
-             "| disk step ms | disk / memory | same prompt ms | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| disk step ms | disk / memory | same prompt ms | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["latency"]:
         lines.append(f"| {r['ratio']:g} | {r['token_ratio']:.2f} | {r['full_step_ms']:.1f} | {r['replay_step_ms']:.1f} "
                      f"| {r['step_ratio']:.2f} | {r['bound']:.2f} | {r['request_ratio']:.2f} "
@@ -350,7 +352,8 @@ def report(result: dict) -> str:
     if fidelity:
         lines += ["", f"Fidelity, {fidelity['edits']} recolour edits against the exact edit (alignment "
                       f"{100 * fidelity['exact_alignment']:.0f} %):", "",
-                  "| template registered with | masked SSIM mean (min) | unmasked = template | alignment | acceptable |",
+                  "| template registered with | masked SSIM mean (min) | unmasked = template | alignment "
+                  "| acceptable |",
                   "|---|---|---|---|---|"]
         for variant, label in (("same_seed", "the edit's seed"), ("other_seed", "another seed")):
             f = fidelity[variant]
@@ -364,7 +367,8 @@ def report(result: dict) -> str:
                   "|---|---|---|---|"]
         for label, r in load["runs"].items():
             lines.append(f"| {label} | {r['edits_per_s']:.2f} | {r['mean_latency_s']:.2f} | {r['p90_latency_s']:.2f} |")
-        lines.append(f"\nthroughput ratio {load['throughput_ratio']:.2f}, mean latency ratio {load['latency_ratio']:.2f}")
+        lines.append(f"\nthroughput ratio {load['throughput_ratio']:.2f}, "
+                     f"mean latency ratio {load['latency_ratio']:.2f}")
     return "\n".join(lines)
 
 

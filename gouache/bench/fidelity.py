@@ -311,7 +311,8 @@ def add_arguments(p) -> None:
     p.add_argument("--step-repeats", type=int, default=3,
                    help="denoising runs of one steady batch per setup, taking turns, for the step-time ratio "
                         "(the median of each setup's) (default: %(default)s)")
-    p.add_argument("--sheet-rows", type=int, default=8, help="prompts shown on the contact sheet (default: %(default)s)")
+    p.add_argument("--sheet-rows", type=int, default=8,
+                   help="prompts shown on the contact sheet (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/fidelity.json",
                    help="JSON path; the table (.md) and contact sheet (.png) go beside it (default: %(default)s)")
 
@@ -327,7 +328,8 @@ def setups(args) -> tuple[Setup, Setup]:
     if not chosen:
         default_steps = args.steps or (TINY_DEFAULT_STEPS if args.model in BUILTIN_MODELS else None)
         if default_steps is None:
-            raise ValueError("give --steps (or a --candidate-* option): a directory model's default steps are unknown here")
+            raise ValueError("give --steps (or a --candidate-* option): a directory model's default steps are "
+                             "unknown here")
         return reference, replace(reference, label="candidate", steps=max(default_steps // 2, 1))
     candidate = replace(
         reference, label="candidate",
@@ -384,7 +386,8 @@ def run(args) -> int:
     if args.controlnet:
         from gouache.train.controlnet import controlnet_dir
 
-        control = Control(args.controlnet, args.controlnet_dir or str(controlnet_dir(args.model)), args.controlnet_workers)
+        control = Control(args.controlnet, args.controlnet_dir or str(controlnet_dir(args.model)),
+                          args.controlnet_workers)
     reference = generate(args.model, reference_setup, prompts, args.torch_threads, control)
     candidate = generate(args.model, candidate_setup, prompts, args.torch_threads, control)
     summary = compare(reference, candidate, prompts)

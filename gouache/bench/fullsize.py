@@ -60,15 +60,17 @@ from gouache.bench.fullsize_sections import QUANTIZED, device_sync, emit, measur
 
 VARIANTS = ("eager", "compiled", *QUANTIZED)
 SECTIONS = ("mfu", "patched", "template", "lora", "lora_loading", "block_cache", "park", "controlnet")
+# summary key: --out's {section}
 FILES = {"mfu": "mfu", "patched_over_grouped": "batching", "template_over_full": "edit", "lora": "lora",
          "lora_loading": "lora_loading",
-         "block_cache": "block_cache", "park": "park", "controlnet": "controlnet", "ulysses": "ulysses"}  # summary key: --out's {section}
+         "block_cache": "block_cache", "park": "park", "controlnet": "controlnet", "ulysses": "ulysses"}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--models", default="sdxl-arch,sd3-arch",
                    help="comma-separated; a UNet and a DiT (default: %(default)s)")
-    p.add_argument("--variants", default="eager", help=f"comma-separated, of {', '.join(VARIANTS)} (default: %(default)s)")
+    p.add_argument("--variants", default="eager",
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: %(default)s)")
     p.add_argument("--sizes", default=None, help="square sizes in pixels, smallest and largest first and last "
                                                 "(default: 256,512; --quick: 128,256)")
     p.add_argument("--mixes", default=None, help="mixed batches' sizes, '+'-joined, comma-separated, two images "
@@ -81,7 +83,8 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: one GPU, without the ulysses rows "
                                                   "(default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: smaller sizes, one repeat, one rank, one mask (default: off)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: smaller sizes, one repeat, one rank, one mask (default: off)")
     p.add_argument("--skip", default=None,
                    help=f"comma-separated sections left out, of {', '.join(SECTIONS)}, ulysses (default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="compiled kernels kept here")
@@ -181,7 +184,8 @@ def _child(args, one: str, rows: dict, progress, model: str | None = None) -> No
     process aborting at shutdown took a whole run's rows with it once); an error is final."""
     command = [sys.executable, "-m", "gouache.cli", "bench", "fullsize", "--one", one,
                "--models", model or one, "--variants", args.variants,
-               "--sizes", ",".join(map(str, args.sizes)), "--mixes", ",".join("+".join(map(str, m)) for m in args.mixes),
+               "--sizes", ",".join(map(str, args.sizes)),
+               "--mixes", ",".join("+".join(map(str, m)) for m in args.mixes),
                "--masks", ",".join(map(str, args.masks)),
                "--ranks", ",".join(map(str, args.ranks)), "--share", str(args.share),
                "--repeats", str(args.repeats), "--torch-threads", str(args.torch_threads), "--device", args.device]
@@ -242,7 +246,8 @@ def device_name(device: str) -> str:
 
 def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
     """The issue's keys, from each model's raw rows."""
-    summary: dict = {"device": device_name(args.device), "peak_tflops": {"bf16": peak["bfloat16"], "fp32": peak["float32"]},
+    summary: dict = {"device": device_name(args.device),
+                     "peak_tflops": {"bf16": peak["bfloat16"], "fp32": peak["float32"]},
                      "torch_threads": args.torch_threads, "repeats": args.repeats, "quick": args.quick}
     for key in ("mfu", "patched_over_grouped", "template_over_full", "lora", "block_cache"):
         summary[key] = {}
@@ -277,7 +282,8 @@ def format_tables(summary: dict) -> str:
 
     def table(title: str, header: list[str], rows: list[list]) -> None:
         lines.extend([f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)])
-        lines.extend("| " + " | ".join(str(c) if isinstance(c, (str, int)) else f"{c:.2f}" for c in row) + " |" for row in rows)
+        lines.extend("| " + " | ".join(str(c) if isinstance(c, (str, int)) else f"{c:.2f}" for c in row) + " |"
+                     for row in rows)
         lines.append("")
 
     rows = [[model, size, v, cell["ms"], cell["tflops"], cell["mfu"]]
@@ -296,8 +302,9 @@ def format_tables(summary: dict) -> str:
         table(title, ["model", "row", *columns], [[model, name, *(row.get(k, "") for k in columns)]
                                                   for model, name, row in cells])
     if "lora_loading" in summary:
-        rows = [[model, f"{c['size']} px, {c['steps']} steps", f"{c['rank']} ({c['file_mb']:.1f} MiB)", c["seconds"]["none"],
-                 c["in memory_over_none"], c["sync_over_none"], f"{c['bal_over_none']:.2f} (by step {c['bound']})"]
+        rows = [[model, f"{c['size']} px, {c['steps']} steps", f"{c['rank']} ({c['file_mb']:.1f} MiB)",
+                 c["seconds"]["none"], c["in memory_over_none"], c["sync_over_none"],
+                 f"{c['bal_over_none']:.2f} (by step {c['bound']})"]
                 for model, c in summary["lora_loading"].items()]
         table("a request whose adapter is not in memory / without adapter (whole schedule)",
               ["model", "request", "rank (file)", "none s", "in memory", "read sync", "read async (BAL)"], rows)
@@ -307,11 +314,13 @@ def format_tables(summary: dict) -> str:
         table("a paused request parked in host memory (eager)", ["model", "size", "MiB", "park ms", "step ms",
                                                                   "restore ms (resumed step - step)"], rows)
     if "controlnet" in summary:
-        rows = [[model, f"{c['size']} px", c["ms"]["plain"], c["sync"], c["async"]] for model, c in summary["controlnet"].items()]
+        rows = [[model, f"{c['size']} px", c["ms"]["plain"], c["sync"], c["async"]]
+                for model, c in summary["controlnet"].items()]
         table("ControlNet service (one thread each) / plain step", ["model", "size", "plain ms", "sync", "async"], rows)
     if "ulysses" in summary:
         u = summary["ulysses"]
         table(f"Ulysses, {u['model']} at {u['size']} px", ["case", "ms"], [[case, ms] for case, ms in u["ms"].items()])
-        lines.append(f"degree 2 over degree 1 on one thread: {u['speedup_over_one_thread']:.2f}x; over one process on two "
-                     f"threads: {u['over_two_threads']:.2f} of its time; collectives {100 * u['collective_share']:.0f} %")
+        lines.append(f"degree 2 over degree 1 on one thread: {u['speedup_over_one_thread']:.2f}x; "
+                     f"over one process on two threads: {u['over_two_threads']:.2f} of its time; "
+                     f"collectives {100 * u['collective_share']:.0f} %")
     return "\n".join(lines)

@@ -173,7 +173,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="shapes-unet", help="the model served (default: shapes-unet, with its adapters)")
     p.add_argument("--size", type=int, default=64, help="the server's --max-size, and the valid request's size after "
                                                         "the cases (default: 64)")
-    p.add_argument("--seed", type=int, default=0, help="hypothesis' seed, for a run that can be repeated (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="hypothesis' seed, for a run that can be repeated (default: %(default)s)")
     p.add_argument("--serve-args", default="", help="more `gouache serve` flags, e.g. \"--policy patched-slo "
                                                      "--cost-model FILE\" to reach slo_ms (default: none)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/fuzz_cpu.json"),
@@ -195,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         server.wait(60)
     bad = [f for r in results for f in r.failures]
     report = table(results)
-    command = (f"gouache bench fuzz --examples {args.examples} --model {args.model} --size {args.size} --seed {args.seed}"
+    command = (f"gouache bench fuzz --examples {args.examples} --model {args.model} --size {args.size} "
+               f"--seed {args.seed}"
                + (f" --serve-args {shlex.quote(args.serve_args)}" if args.serve_args else ""))
     summary = (f"{sum(r.cases for r in results)} cases in {time.monotonic() - began:.0f} s; server alive and serving "
                f"a valid request after: {alive}; 5xx or dropped: {len(bad)}")

@@ -55,7 +55,8 @@ def compare(setups: dict) -> list[dict]:
             for decider in ("threshold", "predictor"):
                 row[decider] = best_at(deciders.get(decider, []), target)
             both = row["threshold"] and row["predictor"]
-            row["reused_gain_points"] = 100 * (row["predictor"]["reused"] - row["threshold"]["reused"]) if both else None
+            row["reused_gain_points"] = (100 * (row["predictor"]["reused"] - row["threshold"]["reused"])
+                                         if both else None)
             row["decide_share_max"] = max((r["decide_share"] for r in deciders.get("predictor", [])), default=None)
             rows.append(row)
     return rows
@@ -75,8 +76,8 @@ def table(rows: list[dict]) -> str:
         gain = "-" if r["reused_gain_points"] is None else f"{r['reused_gain_points']:+.0f}"
         share = "-" if r["decide_share_max"] is None else f"{100 * r['decide_share_max']:.2f} %"
         units = "image" if r["units"] == "image" else ("patch" if "unet" in r["model"] else "token")
-        lines.append(f"| {r['model']} | {units} | {r['ssim_target']} | {_cell(r['threshold'])} | {_cell(r['predictor'])} "
-                     f"| {gain} | {share} |")
+        lines.append(f"| {r['model']} | {units} | {r['ssim_target']} | {_cell(r['threshold'])} "
+                     f"| {_cell(r['predictor'])} | {gain} | {share} |")
     return "\n".join(lines)
 
 

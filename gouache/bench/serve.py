@@ -43,11 +43,15 @@ class Sample:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny-sdxl", help="model each server serves (default: %(default)s)")
-    p.add_argument("--policies", default="orca,fcfs-static", help="comma-separated policies to compare (default: %(default)s)")
-    p.add_argument("--rate", type=float, default=1.0, help="mean arrivals in requests/s, Poisson (default: %(default)s)")
+    p.add_argument("--policies", default="orca,fcfs-static",
+                   help="comma-separated policies to compare (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=1.0,
+                   help="mean arrivals in requests/s, Poisson (default: %(default)s)")
     p.add_argument("--requests", type=int, default=40, help="requests per policy (default: %(default)s)")
-    p.add_argument("--sizes", default="256x256,384x384,256x384", help="comma-separated WxH in pixels, drawn uniformly (default: %(default)s)")
-    p.add_argument("--steps", default="10,20,30", help="comma-separated step counts, drawn uniformly (default: %(default)s)")
+    p.add_argument("--sizes", default="256x256,384x384,256x384",
+                   help="comma-separated WxH in pixels, drawn uniformly (default: %(default)s)")
+    p.add_argument("--steps", default="10,20,30",
+                   help="comma-separated step counts, drawn uniformly (default: %(default)s)")
     p.add_argument("--max-batch-size", type=int, default=8, help="each server's images per step (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival trace (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/serve.json", help="JSON output path (default: %(default)s)")
@@ -121,7 +125,8 @@ def scrape(base_url: str) -> dict:
         name, _, value = line.partition(" ")
         values[name] = float(value) if value and not line.startswith("#") else values.get(name)
     out = {}
-    for key, metric in (("engine_queueing_mean_s", "gouache_queueing_seconds"), ("step_overhead_mean_ms", "gouache_step_overhead_seconds"),
+    for key, metric in (("engine_queueing_mean_s", "gouache_queueing_seconds"),
+                        ("step_overhead_mean_ms", "gouache_step_overhead_seconds"),
                         ("step_latency_mean_ms", "gouache_step_latency_seconds")):
         count = values.get(f"{metric}_count") or 0.0
         mean = values.get(f"{metric}_sum", 0.0) / count if count else float("nan")
@@ -176,9 +181,9 @@ def bench_policy(model: str, policy: str, trace: list[TraceItem], max_batch: int
 
 def format_table(rows: list[dict]) -> str:
     cols = [("policy", "policy", "{}"), ("done", "completed", "{}"), ("tput r/s", "throughput_rps", "{:.3f}"),
-            ("p50 s", "latency_p50_s", "{:.2f}"), ("p95 s", "latency_p95_s", "{:.2f}"), ("p99 s", "latency_p99_s", "{:.2f}"),
-            ("queue mean s", "queueing_mean_s", "{:.2f}"), ("queue p95 s", "queueing_p95_s", "{:.2f}"),
-            ("overhead ms/step", "step_overhead_mean_ms", "{:.2f}")]
+            ("p50 s", "latency_p50_s", "{:.2f}"), ("p95 s", "latency_p95_s", "{:.2f}"),
+            ("p99 s", "latency_p99_s", "{:.2f}"), ("queue mean s", "queueing_mean_s", "{:.2f}"),
+            ("queue p95 s", "queueing_p95_s", "{:.2f}"), ("overhead ms/step", "step_overhead_mean_ms", "{:.2f}")]
     lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         lines.append("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in cols) + " |")
@@ -202,9 +207,9 @@ def run(args) -> int:
     table = format_table(rows)
     print(table)
     command = "gouache bench serve " + " ".join(sys.argv[3:])
-    result = {"command": command.strip(), "model": args.model, "rate": args.rate, "sizes": args.sizes, "steps": args.steps,
-              "max_batch_size": args.max_batch_size, "machine": f"{os.cpu_count()} CPU cores", "trace": [asdict(t) for t in trace],
-              "results": rows}
+    result = {"command": command.strip(), "model": args.model, "rate": args.rate, "sizes": args.sizes,
+              "steps": args.steps, "max_batch_size": args.max_batch_size, "machine": f"{os.cpu_count()} CPU cores",
+              "trace": [asdict(t) for t in trace], "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     Path(args.out).with_suffix(".md").write_text(f"`{command.strip()}`\n\n{table}\n")

@@ -52,16 +52,20 @@ def add_arguments(p) -> None:
     p.add_argument("--patch-size", type=int, default=None,
                    help="the largest patch side in pixels for patching policies, UNet models (default: the server's)")
     p.add_argument("--requests", type=int, default=30, help="requests per policy (default: %(default)s)")
-    p.add_argument("--rate", type=float, default=0.5, help="mean arrivals in requests/s, Poisson (default: %(default)s)")
+    p.add_argument("--rate", type=float, default=0.5,
+                   help="mean arrivals in requests/s, Poisson (default: %(default)s)")
     p.add_argument("--sizes", default="256,384", help="comma-separated square sides in pixels (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="denoising steps per request (default: %(default)s)")
-    p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = scale x standalone latency (default: %(default)s)")
+    p.add_argument("--slo-scale", type=float, default=5.0,
+                   help="SLO = scale x standalone latency (default: %(default)s)")
     p.add_argument("--max-batch-size", type=int, default=4, help="images per step (default: %(default)s)")
-    p.add_argument("--round-s", type=float, default=0.5, help="round length of round-knapsack in seconds (default: %(default)s)")
+    p.add_argument("--round-s", type=float, default=0.5,
+                   help="round length of round-knapsack in seconds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival trace (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of torch in the live engine: the number the cost model was profiled with")
-    p.add_argument("--out", default="benchmarks/results/sim_to_real.json", help="JSON output path (default: %(default)s)")
+    p.add_argument("--out", default="benchmarks/results/sim_to_real.json",
+                   help="JSON output path (default: %(default)s)")
 
 
 @dataclass

@@ -53,26 +53,39 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny-sdxl", help="model each server serves (default: %(default)s)")
     p.add_argument("--policies", default="orca,patched,patched-slo,round-knapsack,fcfs-static",
                    help="comma-separated policies, one server each (default: %(default)s)")
-    p.add_argument("--cost-model", default=None, help=f"step-cost JSON, passed only to {', '.join(COST_MODEL_POLICIES)} (default: none)")
-    p.add_argument("--load", type=float, default=2.0, help="arrival rate as a multiple of the measured capacity (default: %(default)s)")
-    p.add_argument("--duration-s", type=float, default=600.0, help="seconds of Poisson arrivals per policy (default: %(default)s)")
-    p.add_argument("--sizes", default="256x256,384x384", help="comma-separated WxH in pixels, drawn uniformly (default: %(default)s)")
-    p.add_argument("--steps", default="10,20,30", help="comma-separated step counts, drawn uniformly (default: %(default)s)")
+    p.add_argument("--cost-model", default=None,
+                   help=f"step-cost JSON, passed only to {', '.join(COST_MODEL_POLICIES)} (default: none)")
+    p.add_argument("--load", type=float, default=2.0,
+                   help="arrival rate as a multiple of the measured capacity (default: %(default)s)")
+    p.add_argument("--duration-s", type=float, default=600.0,
+                   help="seconds of Poisson arrivals per policy (default: %(default)s)")
+    p.add_argument("--sizes", default="256x256,384x384",
+                   help="comma-separated WxH in pixels, drawn uniformly (default: %(default)s)")
+    p.add_argument("--steps", default="10,20,30",
+                   help="comma-separated step counts, drawn uniformly (default: %(default)s)")
     p.add_argument("--mix", default="plain=0.2,edit=0.1,stream=0.1,stream_cancel=0.1,delete=0.1,disconnect=0.1,"
                                     "lora=0.1,controlnet=0.1,template=0.1",
                    help=f"kind=weight, kinds: {', '.join(KINDS)} (default: %(default)s)")
     p.add_argument("--rewrite-s", type=float, default=5.0, action=Given,
                    help="seconds between in-place rewrites of one LoRA file during the load; 0: none "
                         "(default: %(default)s)")
-    p.add_argument("--capacity-requests", type=int, default=12, help="plain requests of the capacity measurement (default: %(default)s)")
-    p.add_argument("--capacity-concurrency", type=int, default=2, help="concurrent clients of the capacity measurement (default: %(default)s)")
-    p.add_argument("--max-requests", type=int, default=20000, help="cap on the trace's length in requests (default: %(default)s)")
+    p.add_argument("--capacity-requests", type=int, default=12,
+                   help="plain requests of the capacity measurement (default: %(default)s)")
+    p.add_argument("--capacity-concurrency", type=int, default=2,
+                   help="concurrent clients of the capacity measurement (default: %(default)s)")
+    p.add_argument("--max-requests", type=int, default=20000,
+                   help="cap on the trace's length in requests (default: %(default)s)")
     p.add_argument("--max-batch-size", type=int, default=8, help="each server's images per step (default: %(default)s)")
-    p.add_argument("--max-queue-len", type=int, default=64, help="the server's images in flight before 429 (default: %(default)s)")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="the server's request timeout in seconds; its 504 comes after this (default: %(default)s)")
-    p.add_argument("--grace-s", type=float, default=30.0, help="seconds: a request unanswered this long after the 504 is lost (default: %(default)s)")
-    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples of RSS, fds and /health (default: %(default)s)")
-    p.add_argument("--shutdown-timeout-s", type=float, default=30.0, help="seconds to wait for exit after SIGTERM (default: %(default)s)")
+    p.add_argument("--max-queue-len", type=int, default=64,
+                   help="the server's images in flight before 429 (default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="the server's request timeout in seconds; its 504 comes after this (default: %(default)s)")
+    p.add_argument("--grace-s", type=float, default=30.0,
+                   help="seconds: a request unanswered this long after the 504 is lost (default: %(default)s)")
+    p.add_argument("--sample-s", type=float, default=5.0,
+                   help="seconds between samples of RSS, fds and /health (default: %(default)s)")
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="seconds to wait for exit after SIGTERM (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and mix (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/soak.json", help="JSON output path (default: %(default)s)")
 
@@ -168,19 +181,22 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
         shutdown = terminate(proc, watch, args.shutdown_timeout_s)
     log = log_path.read_text(errors="replace")
     return {"policy": policy, "capacity_rps": capacity, "capacity_median_latency_s": median_s,
-            "offered_rps": args.load * capacity, "load_wall_s": wall, "lora_rewrites": rewriter.rewrites, **tally(outcomes),
-            **_resources(watch.samples, load_start.t_s, args.duration_s), **shutdown,
+            "offered_rps": args.load * capacity, "load_wall_s": wall, "lora_rewrites": rewriter.rewrites,
+            **tally(outcomes), **_resources(watch.samples, load_start.t_s, args.duration_s), **shutdown,
             "after_drain": after_drain, "server_errors_total": server_errors,
-            "caches_end_mb": None if caches is None else {k: v / 2**20 for k, v in caches.items()}, "server_log": str(log_path),
-            "server_log_tracebacks": log.count("Traceback"), "timeline": [asdict(s) for s in watch.samples]}
+            "caches_end_mb": None if caches is None else {k: v / 2**20 for k, v in caches.items()},
+            "server_log": str(log_path), "server_log_tracebacks": log.count("Traceback"),
+            "timeline": [asdict(s) for s in watch.samples]}
 
 
 # -- the command -----------------------------------------------------------------------------
 
-COLUMNS = [("policy", "policy", "{}"), ("capacity req/s", "capacity_rps", "{:.2f}"), ("offered req/s", "offered_rps", "{:.2f}"),
+COLUMNS = [("policy", "policy", "{}"), ("capacity req/s", "capacity_rps", "{:.2f}"),
+           ("offered req/s", "offered_rps", "{:.2f}"),
            ("sent", "sent", "{}"), ("images", "images", "{}"), ("errors", "error", "{}"), ("429", "status_429", "{}"),
            ("cancelled", "cancelled", "{}"), ("lost", "lost", "{}"), ("p50 s", "latency_p50_s", "{:.2f}"),
-           ("p95 s", "latency_p95_s", "{:.2f}"), ("p99 s", "latency_p99_s", "{:.2f}"), ("RSS warm MiB", "rss_warm_mb", "{:.0f}"),
+           ("p95 s", "latency_p95_s", "{:.2f}"), ("p99 s", "latency_p99_s", "{:.2f}"),
+           ("RSS warm MiB", "rss_warm_mb", "{:.0f}"),
            ("RSS end MiB", "rss_end_mb", "{:.0f}"), ("RSS growth %", "rss_growth_pct", "{:+.1f}"),
            ("caches end MiB", "caches_end_mb", "{:.0f}"),
            ("fds start", "fds_start", "{}"), ("fds end", "fds_end", "{}"), ("/health not 200", "health_not_ok", "{}"),
@@ -203,8 +219,8 @@ def format_table(rows: list[dict]) -> str:
         lost = ", ".join(f"{why} {n}" for why, n in sorted(row["lost_by_reason"].items())) or "none"
         leaked = "; ".join(f"{p['pid']} {p['cmdline'][:80]}" for p in row["leaked"]) or "none"
         caches = ", ".join(f"{name} {mb:.0f} MiB" for name, mb in (row["caches_end_mb"] or {}).items()) or "unknown"
-        lines.append(f"\n{row['policy']}: errors by code: {errors}; lost: {lost}; leaked: {leaked}; caches at the end: {caches}; "
-                     f"tracebacks in the server log: {row['server_log_tracebacks']}")
+        lines.append(f"\n{row['policy']}: errors by code: {errors}; lost: {lost}; leaked: {leaked}; "
+                     f"caches at the end: {caches}; tracebacks in the server log: {row['server_log_tracebacks']}")
     return "\n".join(lines)
 
 
@@ -216,7 +232,8 @@ def _command() -> str:
 
 def _write(args, rows: list[dict]) -> str:
     table = format_table(rows)
-    result = {"command": _command(), "args": {k: v for k, v in vars(args).items() if k != "given"}, "machine": f"{os.cpu_count()} CPU cores", "results": rows}
+    result = {"command": _command(), "args": {k: v for k, v in vars(args).items() if k != "given"},
+              "machine": f"{os.cpu_count()} CPU cores", "results": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -227,7 +244,8 @@ def _write(args, rows: list[dict]) -> str:
 def run(args) -> int:
     policies = args.policies.split(",")
     if set(policies) - set(POLICIES):
-        raise ValueError(f"unknown policies {sorted(set(policies) - set(POLICIES))}; known: {', '.join(sorted(POLICIES))}")
+        raise ValueError(f"unknown policies {sorted(set(policies) - set(POLICIES))}; "
+                         f"known: {', '.join(sorted(POLICIES))}")
     planned = set(policies) & set(COST_MODEL_POLICIES)
     if args.cost_model is None and planned:
         raise ValueError(f"{' and '.join(sorted(planned))} need --cost-model (JSON from `gouache profile`)")

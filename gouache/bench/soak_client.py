@@ -52,7 +52,8 @@ def _fields(item: SoakItem, model: str) -> dict:
     if item.kind == "lora":
         fields["loras"] = [{"name": f"l{item.seed % LORAS}", "scale": 0.8}]
     elif item.kind == "controlnet":
-        fields["controlnets"] = [{"name": f"c{item.seed % CONTROLNETS}", "image": control_image(item.width, item.height)}]
+        fields["controlnets"] = [{"name": f"c{item.seed % CONTROLNETS}",
+                                  "image": control_image(item.width, item.height)}]
     return fields
 
 
@@ -136,7 +137,8 @@ def _request(client: httpx.AsyncClient, item: SoakItem, model: str, disconnect_s
     return simple.get(item.kind, _stream)(client, item, model)
 
 
-async def send(client: httpx.AsyncClient, item: SoakItem, model: str, deadline_s: float, disconnect_s: float) -> Outcome:
+async def send(client: httpx.AsyncClient, item: SoakItem, model: str, deadline_s: float,
+               disconnect_s: float) -> Outcome:
     start = time.perf_counter()
     try:
         async with asyncio.timeout(deadline_s):
@@ -173,7 +175,8 @@ async def measure_capacity(base_url: str, items: list[SoakItem], model: str, con
     return len(latencies) / elapsed, percentile(latencies, 50)
 
 
-async def drive(base_url: str, trace: list[SoakItem], model: str, deadline_s: float, disconnect_s: float) -> list[Outcome]:
+async def drive(base_url: str, trace: list[SoakItem], model: str, deadline_s: float,
+                disconnect_s: float) -> list[Outcome]:
     async with _client(base_url) as client:
         bar = tqdm(total=len(trace), desc="requests", unit="req", disable=os.environ.get("CI") == "true")
         start = time.perf_counter()

@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
                    help="side in pixels of the template rows' edits (default: %(default)s)")
     p.add_argument("--mask", type=float, default=0.2, help="mask ratio of the template rows (default: %(default)s)")
     p.add_argument("--batches", default="1,8", help="request counts of the step rows (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=7, help="timed steps per row and variant, median (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed steps per row and variant, median (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="compiled kernels kept here, so a rerun compiles in seconds (default: torch's own)")

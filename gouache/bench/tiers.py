@@ -31,17 +31,18 @@ run to run on a shared CPU, and the load with it. The SLOs come from the same me
   (target: within 10 %): priority's and default's latency (p50 and p95), flex's refusals ("flex
   gets the 429s first"). Flex's latency is not compared: a flex request runs on what the higher
   tiers leave over, a small difference of two large quantities, which a cost error of the
-  profile's own scatter (3 %) moves by tens of percent (docs/tiers.md). A simulated step costs its predicted forward times the live run's
-  engine step over predicted forward, summed over its steps: a step of the engine loop is the
-  forward, the sampler steps, the composer and the loop's own work, and it runs while the
-  stage threads encode prompts and decode images on the same cores, so their cost is inside
-  the steps measured, not added beside them. With `--calibrate-steps` (the default, as in
-  `gouache serve`) the live policy plans with the cost model scaled online by the measured
-  steps, so the simulated one plans with it times the same factor. `simulated_sampled_steps`
-  draws each simulated step's factor from the live steps' own ratios instead (seeded), so
-  that the simulated steps vary as the live ones did. `simulated_stages_serial` keeps the previous
-  accounting for comparison: every cost times the median forward over predicted, and each
-  request's stage work charged to the device between steps (`simulate(stage_cost=...)`).
+  profile's own scatter (3 %) moves by tens of percent (docs/tiers.md). A simulated step costs
+  its predicted forward times the live run's engine step over predicted forward, summed over its
+  steps: a step of the engine loop is the forward, the sampler steps, the composer and the
+  loop's own work, and it runs while the stage threads encode prompts and decode images on the
+  same cores, so their cost is inside the steps measured, not added beside them. With
+  `--calibrate-steps` (the default, as in `gouache serve`) the live policy plans with the cost
+  model scaled online by the measured steps, so the simulated one plans with it times the same
+  factor. `simulated_sampled_steps` draws each simulated step's factor from the live steps' own
+  ratios instead (seeded), so that the simulated steps vary as the live ones did.
+  `simulated_stages_serial` keeps the previous accounting for comparison: every cost times the
+  median forward over predicted, and each request's stage work charged to the device between
+  steps (`simulate(stage_cost=...)`).
 
 Writes JSON and a markdown table.
 """
@@ -73,7 +74,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", default="256,384", help="comma-separated square sides in pixels (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="denoising steps per request (default: %(default)s)")
     p.add_argument("--load", type=float, default=2.0, help="overload arrival rate / capacity (default: %(default)s)")
-    p.add_argument("--duration-s", type=float, default=300.0, help="seconds of overload arrivals (default: %(default)s)")
+    p.add_argument("--duration-s", type=float, default=300.0,
+                   help="seconds of overload arrivals (default: %(default)s)")
     p.add_argument("--side-duration-s", type=float, default=120.0,
                    help="seconds of arrivals of the fairness and isolation runs (default: %(default)s)")
     p.add_argument("--isolation-repeats", type=int, default=1,
@@ -401,9 +403,10 @@ def _agreement(data: dict) -> str:
 
 def report(data: dict) -> str:
     iso = data["isolation"]
-    return (f"`{data['command']}`\n\nCapacity {data['capacity_rps']:.2f} requests/s (measured alone on the live engine; "
-            f"the cost model predicts {data['capacity_rps_predicted']:.2f}); "
-            f"SLOs: priority {data['slo_s']['priority']:.2f} s, default {data['slo_s']['default']:.2f} s, flex none.\n\n"
+    return (f"`{data['command']}`\n\nCapacity {data['capacity_rps']:.2f} requests/s "
+            f"(measured alone on the live engine; the cost model predicts {data['capacity_rps_predicted']:.2f}); "
+            f"SLOs: priority {data['slo_s']['priority']:.2f} s, default {data['slo_s']['default']:.2f} s, "
+            "flex none.\n\n"
             + markdown_table(data["rows"])
             + f"\nPriority p95, overload / idle: {data['priority_p95_over_idle']:.2f} (target <= 1.3); "
             f"lost: {data['lost']}. "
@@ -419,7 +422,8 @@ def report(data: dict) -> str:
                if len(data.get("isolation_pair_changes", ())) > 1 else "") + ".\n\n"
             + _agreement(data) +
             f"Simulated, end of denoising: every step x {data['live_step_over_predicted']:.2f} (the live engine's "
-            "steps over their predicted forwards, summed; stage work inside them):\n\n" + markdown_table(data["simulated"])
+            "steps over their predicted forwards, summed; stage work inside them):\n\n"
+            + markdown_table(data["simulated"])
             + ("\nThe same, each step's cost drawn from the live steps' own ratios (seeded):\n\n"
                + markdown_table(data["simulated_sampled_steps"]) if data.get("simulated_sampled_steps") else "")
             + (f"\nThe same, planned with the cost model as profiled (the engine's steps still x "
