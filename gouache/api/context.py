@@ -14,7 +14,7 @@ from gouache.api.tenants import TenantBook
 if TYPE_CHECKING:
     from gouache.api.engine import Engine
     from gouache.api.file_store import FileStore
-    from gouache.api.protocol import Limits
+    from gouache.api.request_fields import Limits
     from gouache.config import ServerConfig
     from gouache.engine.handle import RequestHandle
 

@@ -1,136 +1,40 @@
 """Request and response bodies of the images API: OpenAI's fields plus gouache's extensions.
 
-Checks that depend on the served model or the server's limits read a `Limits` from the pydantic
-validation context, so JSON bodies and multipart forms share one set of rules and messages.
+Checks that depend on the served model or the server's limits read a `Limits`
+(`gouache.api.request_fields`, with the single fields' bounds) from the pydantic validation
+context, so JSON bodies and multipart forms share one set of rules and messages.
 JSON is validated strictly (`n: "2"` is an error); form fields arrive as strings and are
 validated in lax mode (`n=2` in a form is the string "2").
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 import math
 import re
 import secrets
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from gouache.adapter_names import NAME as LORA_NAME
+from gouache.api.request_fields import (
+    IGNORED_FIELDS, MAX_CONTROLNETS, MAX_GUIDANCE, MAX_LORAS, MAX_PROMPT_CHARS, MAX_SEED, ControlNetRef, Limits,
+    LoraRef, limits_of,
+)
 from gouache.api.tenants import ANONYMOUS, Tenant
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
-from gouache.model_info import img2img_start, unpriced_message
+from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
 from gouache.techniques import TECHNIQUES, refused_pair
 
 if TYPE_CHECKING:
-    from gouache.config import ServerConfig
     from gouache.model_info import ModelInfo
 
-MAX_SEED = 2**32 - 1  # seeds are 32-bit like most diffusion front ends
-MAX_PROMPT_CHARS = 32_000  # OpenAI's limit for GPT image models
-MAX_GUIDANCE = 50.0  # beyond this every model produces noise; almost surely a mistake
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
 TEMPLATE_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-MAX_LORAS = 8  # adapters one request may apply
-MAX_LORA_SCALE = 4.0  # |scale|; past it an adapter swamps the model: almost surely a mistake
-MAX_CONTROLNETS = 4  # ControlNets one request may apply
-MAX_CONTROLNET_SCALE = 4.0  # diffusers' pipelines use 0..2; past 4 the control swamps the prompt
-# OpenAI fields that official clients send and gouache accepts but cannot honour, with why; the
-# API logs each once per process. Fields whose value would change the image in a way gouache
-# does not (`background: "transparent"`) are refused instead.
-IGNORED_FIELDS = {
-    "quality": "the model's steps decide quality; send num_inference_steps",
-    "style": "only DALL-E 3 has styles",
-    "moderation": "gouache does no content moderation",
-    "input_fidelity": "an edit keeps the pixels outside its mask exactly, whatever the fidelity",
-    "user": "gouache keeps no per-user records",
-    "safety_identifier": "gouache keeps no per-user records",
-}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask of this server: ServerConfig's bounds and the model's size rules."""
-
-    max_n: int = 10
-    max_steps: int = 200
-    min_size: int = 64
-    max_size: int = 2048
-    max_pixels: int = 2048 * 2048
-    size_step: int = 8  # width and height must be multiples of this
-    default_size: int = 1024  # pixels per side for size "auto" or absent
-    sizes: tuple[tuple[int, int], ...] | None = None  # the only (height, width) allowed, if restricted
-
-    @classmethod
-    def of(cls, config: ServerConfig, info: ModelInfo) -> Limits:
-        return cls(
-            max_n=config.max_n,
-            max_steps=config.max_steps,
-            min_size=config.min_size,
-            max_size=config.max_size,
-            max_pixels=config.max_pixels,
-            size_step=info.size_step,
-            default_size=info.default_size,
-            sizes=info.sizes,
-        )
-
-    def check_size(self, width: int, height: int) -> None:
-        """Raise ValueError (which pydantic reports against `size`) if width x height is not allowed."""
-        if width % self.size_step or height % self.size_step:
-            raise ValueError(f"width and height must be multiples of {self.size_step} pixels")
-        if not (self.min_size <= width <= self.max_size and self.min_size <= height <= self.max_size):
-            raise ValueError(f"width and height must be between {self.min_size} and {self.max_size} pixels")
-        if width * height > self.max_pixels:
-            raise ValueError(f"width*height must be at most {self.max_pixels} pixels")
-        if self.sizes is not None and (height, width) not in self.sizes:
-            raise ValueError(unpriced_message(self.sizes, height, width))
-
-
-def _limits(info: ValidationInfo) -> Limits:
-    limits = (info.context or {}).get("limits")
-    return limits if isinstance(limits, Limits) else Limits()
-
-
-class LoraRef(BaseModel):
-    """One adapter of a request: a file of the server's --lora-dir, by name, and its weight."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=f"^{LORA_NAME}$")
-    scale: float = Field(1.0, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE, allow_inf_nan=False)
-
-
-class ControlNetRef(BaseModel):
-    """One ControlNet of a request: a directory of the server's --controlnet-dir by name, its
-    conditioning image (base64 PNG, JPEG or WebP, optionally a data URL, of the request's size)
-    and its weight."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=f"^{LORA_NAME}$")
-    image: str = Field(min_length=1)
-    scale: float = Field(1.0, ge=0, le=MAX_CONTROLNET_SCALE, allow_inf_nan=False)
-    _data: bytes = PrivateAttr(b"")
-
-    @model_validator(mode="after")
-    def _decode(self) -> ControlNetRef:
-        encoded = self.image.split(",", 1)[1] if self.image.startswith("data:") else self.image
-        try:
-            self._data = base64.b64decode(encoded, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("image must be a base64-encoded PNG, JPEG or WebP (or a data URL of one)") from None
-        return self
-
-    @property
-    def data(self) -> bytes:
-        return self._data
 
 
 class ImageParams(BaseModel):
@@ -241,7 +145,7 @@ class ImageParams(BaseModel):
     @field_validator("n")
     @classmethod
     def _n_in_range(cls, n: int, info: ValidationInfo) -> int:
-        max_n = _limits(info).max_n
+        max_n = limits_of(info).max_n
         if not 1 <= n <= max_n:
             raise ValueError(f"must be between 1 and {max_n}")
         return n
@@ -249,7 +153,7 @@ class ImageParams(BaseModel):
     @field_validator("num_inference_steps")
     @classmethod
     def _steps_in_range(cls, steps: int | None, info: ValidationInfo) -> int | None:
-        max_steps = _limits(info).max_steps
+        max_steps = limits_of(info).max_steps
         if steps is not None and not 1 <= steps <= max_steps:
             raise ValueError(f"must be between 1 and {max_steps}")
         return steps
@@ -257,7 +161,7 @@ class ImageParams(BaseModel):
     @field_validator("size")
     @classmethod
     def _size_allowed(cls, size: str, info: ValidationInfo) -> str:
-        limits = _limits(info)
+        limits = limits_of(info)
         if size == "auto":
             return cls._auto_size(limits)
         match = _SIZE.fullmatch(size)
@@ -354,7 +258,6 @@ class ImageParams(BaseModel):
             for i in range(self.n)
         ]
 
-
     def _asked(self) -> dict[str, str]:
         """The techniques (`gouache.techniques`) this request's fields ask for, each with the field
         that asks: server defaults aside, which apply only where they compose."""
@@ -413,7 +316,8 @@ class ImageEditRequest(ImageParams):
                                       "template_cache is false; drop one of them.", "template_id")
         asked = self.template_cache or self.template_id is not None  # served: `to_requests` checked it
         template_id = self.template_id
-        if template_id is None and info.serves("template") and image is not None:  # the same upload is the same template
+        # the same upload is the same template
+        if template_id is None and info.serves("template") and image is not None:
             template_id = "blake2b-" + hashlib.blake2b(image, digest_size=16).hexdigest()
         return {"template_cache": True if asked else self.template_cache, "template_id": template_id,
                 "strength": self.strength}
@@ -445,7 +349,8 @@ class ImageEditRequest(ImageParams):
         steps = self.num_inference_steps or info.default_steps
         if img2img_start(info.family, steps, self.strength) >= steps:
             refuse(f"{self.strength:g} of {steps} steps runs none of them ({info.family} models run "
-                   f"int(steps x strength)); send a strength of at least {math.ceil(1000 / steps) / 1000:g} or more steps")
+                   f"int(steps x strength)); send a strength of at least {math.ceil(1000 / steps) / 1000:g} "
+                   "or more steps")
 
     @classmethod
     def _auto_size(cls, limits: Limits) -> str:

@@ -26,7 +26,8 @@ from gouache.api.body_limit import BodyLimitMiddleware
 from gouache.api.context import ApiContext
 from gouache.api.errors import install_error_handlers
 from gouache.api.file_store import FileStore
-from gouache.api.protocol import ImageGenerationRequest, Limits
+from gouache.api.protocol import ImageGenerationRequest
+from gouache.api.request_fields import Limits
 from gouache.api.tenants import TenantBook
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel
 
 from gouache.runner.layout import PatchLayout
-from gouache.runner.pack_dit import packed_sd3_forward
 from gouache.runner.pack_flux import packed_flux_forward
+from gouache.runner.pack_sd3 import packed_sd3_forward
 from gouache.runner.patch_ops import patched_unet_forward
 
 TEXT_TOKENS = {"unet": 77, "sd3": 333, "flux": 512}  # the pipelines' defaults

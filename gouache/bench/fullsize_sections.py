@@ -1,5 +1,6 @@
 """What a `gouache bench fullsize` child measures of one model (or Ulysses), section by section,
-each emitted as it ends; the sections are described in `gouache.bench.fullsize`."""
+each emitted as it ends; the sections are described in `gouache.bench.fullsize`. The adapters'
+sections (LoRA, LoRA loading, ControlNet) are in `gouache.bench.fullsize_adapters`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gouache.bench.fullsize_adapters import controlnet, lora, lora_loading
 
 STARTED = time.perf_counter()  # a child's log says when each section ended
 QUANTIZED = ("int8", "fp8")  # variants over a quantized copy of the denoiser (`variant_pipes`)
@@ -65,7 +68,8 @@ def measure(model: str, args) -> None:
     emit({"family": "unet" if unet else "dit", "sizes": args.sizes, "variants": args.variants.split(",")})  # loaded
     _denoiser_sections(pipe, unet, args)  # its runners (and their templates) freed on return
     if unet and "controlnet" not in args.skip:
-        emit({"controlnet": _controlnet(pipe, args.sizes[0], args)})
+        emit({"controlnet": controlnet(pipe, args.sizes[0], args.repeats, args.torch_threads,
+                                        device_sync(args.device))})
 
 
 def _denoiser_sections(pipe, unet: bool, args) -> None:
@@ -85,7 +89,8 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
             names[rank] = [f"r{rank}-{i}" for i in range(4)]
             for i, name in enumerate(names[rank]):
                 save_file(random_lora(pipe, rank=rank, seed=100 * rank + i), str(loras / f"{name}.safetensors"))
-        runners, pipes = {}, variant_pipes(pipe, args.variants.split(","))  # the copies made before any runner hooks pipe
+        # the copies made before any runner hooks pipe
+        runners, pipes = {}, variant_pipes(pipe, args.variants.split(","))
         # a template in the GPU's memory, as a GPU server would hold a hot one (sd3-arch records 12 GB at 1024 px)
         templates = TemplateConfig(host_bytes=8 << 30, device_bytes=(64 << 30) if args.device.startswith("cuda") else 0)
         for variant in args.variants.split(","):
@@ -110,11 +115,11 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
             template = _template(bench, large, args.masks, steps)
             emit({"template": template, "template_bytes": bench.runners["eager"].held().templates})  # per tier
         if "lora" not in args.skip:
-            emit({"lora": _lora(bench, small, names)})
+            emit({"lora": lora(bench, small, names)})
         if "lora_loading" not in args.skip:
             rank = max(names)
-            emit({"lora_loading": _lora_loading(pipe, loras, names[rank][0], rank, small, args.quick, bench.repeats,
-                                                device_sync(args.device))})
+            emit({"lora_loading": lora_loading(pipe, loras, names[rank][0], rank, small, args.quick, bench.repeats,
+                                               device_sync(args.device))})
         if "block_cache" not in args.skip:
             # a GPU's budget: at 1024 px sdxl-arch's per-patch rows passed 8 GiB and were all evicted (H200)
             budget = (64 << 30) if args.device.startswith("cuda") else 8 << 30
@@ -189,91 +194,6 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
     return rows
 
 
-def _lora(bench, size: int, names: dict[int, list[str]]) -> dict:
-    """Four requests with four adapters each their own (segmented), then with one adapter all
-    (merged: the runtime merges it in its first step), each against no adapter beside it; nothing
-    merged outside the merged row. A row's `mode` is how the runtime applied its adapters."""
-    from gouache.bench.interleaved import STEPS
-
-    bench.schedule = STEPS  # a whole schedule ahead: the runtime merges a shared adapter when it pays
-    modes: dict[str, set[str]] = {}
-
-    def unmerged() -> None:
-        for runner in bench.runners.values():
-            runner.loras.merged.set(())
-
-    def timed(label: str, *batches: tuple[str, ...]) -> None:
-        seen = modes.setdefault(label, set())
-        bench.timed(label, list(batches), observe=lambda variant, out: seen.add(out.lora.mode or "none"))
-
-    plain = bench.prepare([(size, {})] * 4)
-    rows = {}
-    for rank, four in names.items():
-        mixed = bench.prepare([(size, {"loras": ((name, 1.0),)}) for name in four])
-        unmerged()
-        timed("no LoRA", plain)
-        timed(f"segmented rank {rank}", mixed)
-        rows[f"segmented rank {rank}"] = {v: bench.ratio(v, f"segmented rank {rank}", "no LoRA") for v in bench.variants}
-        timed(f"per adapter rank {rank}", *((rid,) for rid in mixed))  # a forward per adapter, summed
-        rows[f"per adapter rank {rank}"] = {v: bench.ratio(v, f"per adapter rank {rank}", "no LoRA")
-                                            for v in bench.variants}
-        bench.release(mixed)
-    first = next(iter(names.values()))[0]
-    merged = bench.prepare([(size, {"loras": ((first, 1.0),)})] * 4)
-    unmerged()
-    timed("no LoRA", plain)
-    timed("merged", merged)
-    rows["merged"] = {v: bench.ratio(v, "merged", "no LoRA") for v in bench.variants}
-    for label, row in rows.items():
-        row["mode"] = ",".join(sorted(modes[label]))
-    unmerged()
-    bench.release(plain, merged)
-    return rows
-
-
-def _lora_loading(pipe, directory: Path, name: str, rank: int, size: int, quick: bool, repeats: int, sync) -> dict:
-    """One request of a whole schedule at `size`, its adapter `name` read from its file when it
-    starts: synchronously (`LoraConfig.bound` 0: before its first step) and with bounded
-    asynchronous loading (KATZ §6: joining by step `bound`, a quarter of the schedule), each on a
-    new runner whose store holds nothing; against the same request without adapter and with its
-    adapter already in host memory. Eager, medians of `repeats` after one untimed, the cases in
-    turn. The file is this machine's: after the first read, the page cache's."""
-    from gouache.bench.interleaved import request
-    from gouache.config import LoraConfig
-    from gouache.runner.model_runner import ModelRunner
-    from gouache.sched.plan import Batch
-
-    steps = 4 if quick else 20
-    bound = steps // 4
-    warm = ModelRunner(pipe, loras=LoraConfig(str(directory)))
-    warm.loras.store.load(name).result()
-
-    def cold(bound: int) -> ModelRunner:  # a new store: nothing read yet
-        return ModelRunner(pipe, loras=LoraConfig(str(directory), bound=bound))
-
-    cases = {"none": (lambda: warm, ()), "in memory": (lambda: warm, ((name, 1.0),)),
-             "sync": (lambda: cold(0), ((name, 1.0),)), "bal": (lambda: cold(bound), ((name, 1.0),))}
-    times: dict[str, list[float]] = {case: [] for case in cases}
-    for rep in range(1 + repeats):
-        for case, (runner_of, adapters) in cases.items():
-            runner, rid = runner_of(), f"loading-{case}-{rep}"
-            start = time.perf_counter()
-            runner.prepare(request(rid, size, rep, steps, loras=adapters))
-            while not runner.states[rid].done:
-                out = runner.execute(Batch((rid,)))
-                if out.failed:
-                    raise RuntimeError(f"LoRA loading ({case}): {out.failed}")
-            sync()
-            if rep:
-                times[case].append(time.perf_counter() - start)
-            runner.release(rid)
-            runner.loras.merged.set(())  # the shared pipeline's weights as loaded, for the next case
-    seconds = {case: statistics.median(t) for case, t in times.items()}
-    return {"size": size, "steps": steps, "bound": bound, "rank": rank,
-            "file_mb": (directory / f"{name}.safetensors").stat().st_size / 2**20, "seconds": seconds,
-            **{f"{case}_over_none": seconds[case] / seconds["none"] for case in ("in memory", "sync", "bal")}}
-
-
 def _block_cache(bench, size: int, mix: list[int], share: float, unet: bool, budget: int) -> dict:
     from gouache.block_cache.store import BlockCache
     from gouache.config import BlockCacheConfig
@@ -288,7 +208,8 @@ def _block_cache(bench, size: int, mix: list[int], share: float, unet: bool, bud
         counts["computed"] += out.block_cache.computed
 
     rows = {}
-    cases = [("image", [(size, {})] * 2, False), ("patch" if unet else "token", [(s, {}) for s in mix for _ in range(2)], True)]
+    cases = [("image", [(size, {})] * 2, False),
+             ("patch" if unet else "token", [(s, {}) for s in mix for _ in range(2)], True)]
     for unit, specs, patched in cases:
         exact = bench.prepare(specs)
         cached = bench.prepare([(s, {**fields, "block_cache": 0.5}) for s, fields in specs])
@@ -355,54 +276,6 @@ def fixed_share(period: int):
     return FixedShare
 
 
-def _controlnet(pipe, size: int, args) -> dict:
-    """Wall seconds of a step: plain, and with a full-size ControlNet served sync and async (the
-    service and the base runner on one thread each), interleaved."""
-    import numpy as np
-    import torch
-
-    from gouache.bench.interleaved import request
-    from gouache.config import ControlNetConfig
-    from gouache.controlnet.model import Base, random_controlnet
-    from gouache.controlnet.service import ControlService
-    from gouache.runner.model_runner import ModelRunner
-    from gouache.sched.plan import Batch
-
-    torch.set_num_threads(1)
-    sync = device_sync(args.device)
-    directory = Path(tempfile.mkdtemp(prefix="gouache-fullsize-controlnet-"))
-    service, runners = None, {}
-    times: dict[str, list[float]] = {"plain": [], "sync": [], "async": []}
-    try:
-        random_controlnet(pipe, seed=0, std=0.02).save_pretrained(str(directory / "net"))
-        service = ControlService(1, str(directory), Base.of(pipe), 16 << 30, threads=1)
-        image = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
-        for mode in times:
-            config = None if mode == "plain" else ControlNetConfig(str(directory), 1, mode, service=service.address)
-            runners[mode] = runner = ModelRunner(pipe, controlnets=config)
-            fields = {} if mode == "plain" else {"controlnets": (("net", b"", 1.0),)}
-            runner.prepare(request(mode, size, 0, 3 + args.repeats, **fields),
-                           **({} if mode == "plain" else {"controls": [image]}))
-        for rep in range(2 + args.repeats):  # two steps warm the service (and load the net)
-            for mode, runner in runners.items():
-                start = time.perf_counter()
-                out = runner.execute(Batch((mode,)))
-                sync()
-                if out.failed:
-                    raise RuntimeError(f"ControlNet {mode}: {out.failed}")
-                if rep >= 2:
-                    times[mode].append(1e3 * (time.perf_counter() - start))
-    finally:
-        for runner in runners.values():
-            runner.controls.close()
-        if service is not None:
-            service.shutdown()
-        shutil.rmtree(directory, ignore_errors=True)
-        torch.set_num_threads(args.torch_threads)
-    ms = {mode: statistics.median(t) for mode, t in times.items()}
-    return {"size": size, "threads": 1, "ms": ms, "sync": ms["sync"] / ms["plain"], "async": ms["async"] / ms["plain"]}
-
-
 def measure_ulysses(args) -> dict:
     """One request at the largest size: degree 1 in this process (one thread, then two) and
     degree 2 over two worker processes of one thread each, interleaved."""
@@ -432,7 +305,8 @@ def measure_ulysses(args) -> dict:
         for rep in range(2 + args.repeats):
             for case in times:
                 torch.set_num_threads(2 if case == "degree 1, 2 threads" else 1)
-                target, batch = (pool, Batch(("spread",), (0, 1))) if case == "degree 2" else (local, Batch(("alone",), (0,)))
+                target, batch = ((pool, Batch(("spread",), (0, 1))) if case == "degree 2"
+                                 else (local, Batch(("alone",), (0,))))
                 start = time.perf_counter()
                 out = target.submit(batch).result()
                 seconds = time.perf_counter() - start

@@ -2,11 +2,7 @@
 
 It is an `Engine` to the API (gouache.api.engine). Each replica runs an `AsyncEngine` in its
 own process (`gouache.replicas.process`, which also describes the messages). The set keeps
-the router's view of every replica from the events passing through it: each image is waiting
-until its first step and running after it, with its steps still to run, until its image or its
-error. Edits that replay a template get their repaint ratio measured here when the router reads
-it (least-tokens, mask-aware); other edits compute every token and count as whole images. With
-`--template-cost-model` the mask-aware router prices steps with that measured model.
+the router's view of every replica (`gouache.replicas.routing`) from the events passing through it.
 
 A replica that exits is noticed within `_WATCH_S`, one that hangs (alive, not answering) by
 its missed pings (`Deadlines`): its requests end with an explicit WorkerFailureError and nothing
@@ -24,7 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -33,85 +29,22 @@ import zmq.asyncio
 from gouache.children import processes
 from gouache.engine.adapters import start_control_service
 from gouache.engine.handle import RequestHandle
-from gouache.engine.imaging import repaint_ratio
 from gouache.errors import EngineStoppedError, GouacheError, QueueFullError, ShuttingDownError, WorkerFailureError
 from gouache.metrics import Metrics, merged_exposition
 from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, ProgressEvent
 from gouache.replicas.calls import Calls, Deadlines, ReplicaLostError, tell
 from gouache.replicas.process import decode, replica_main
-from gouache.sched.router import ROUTERS, BatchStepCost, MeasuredEditCost, ReplicaLoad, RouteRequest, Router
-from gouache.sim.costs import linear_step_cost
+from gouache.replicas.routing import ReplicaView, SentRequest, computed_share, make_router, route_step_cost
+from gouache.sched.router import RouteRequest
 
 if TYPE_CHECKING:
-    from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig, TemplateConfig
+    from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerConfig
     from gouache.model_info import ModelInfo
     from gouache.request import ImageRequest
 
 log = logging.getLogger(__name__)
 
 _WATCH_S = 0.25  # how often the replicas' processes are checked
-# The mask-aware router's step cost without `--template-cost-model`: the simulator's linear
-# stand-in (20 ms a forward, 80 ms a megapixel, an edit counting its repainted pixels). Routing
-# only compares replicas, so the shape matters, not the scale.
-ROUTER_STEP_COST = linear_step_cost(per_forward_s=0.020, per_megapixel_s=0.080)
-
-
-def make_router(name: str, step_cost: BatchStepCost = ROUTER_STEP_COST.batch_step_time) -> Router:
-    """The router `name`; mask-aware prices a batch's step with `step_cost`."""
-    if name not in ROUTERS:
-        raise ValueError(f"router must be one of {', '.join(sorted(ROUTERS))}, got {name!r}")
-    return ROUTERS[name](step_cost) if name == "mask-aware" else ROUTERS[name]()
-
-
-def route_step_cost(templates: TemplateConfig, info: ModelInfo) -> BatchStepCost:
-    """What the mask-aware router prices a step with: the measured template-edit model of
-    `--template-cost-model` (the one each replica's load plan runs on) for this model's tokens and
-    rows, else the linear stand-in."""
-    if templates.cost_model is None:
-        return ROUTER_STEP_COST.batch_step_time
-    from gouache.sched.costmodel import load_mask_model  # scikit-learn: a second to import, only here
-
-    return MeasuredEditCost(load_mask_model(templates.cost_model), info.token_pixels,
-                            info.cfg_rows(info.default_guidance))
-
-
-def computed_share(request: ImageRequest, templates: TemplateConfig, max_pixels: int) -> float:
-    """The share of an image's tokens its steps compute, as the router counts them: an edit that
-    replays a template computes its mask (its repaint ratio); a generation, and an edit that does
-    not replay (`template_cache` false, or absent under a server without `--template-cache`),
-    compute every token, as diffusers' inpaint pipelines do."""
-    replays = templates.default if request.template_cache is None else request.template_cache
-    if not request.is_edit or not replays or request.register_template:
-        return 1.0
-    return repaint_ratio(request.image, request.mask, max_pixels)
-
-
-@dataclass
-class _Request:
-    """One API request sent to a replica, as the router sees it: one entry per image."""
-
-    handle: RequestHandle
-    images: dict[int, RouteRequest]  # image index -> its view; gone when the image is done
-    started: set[int] = field(default_factory=set)  # images that have run a step
-
-
-@dataclass
-class _Replica:
-    index: int
-    process: Any  # a multiprocessing.Process, or a RayReplica under ray
-    commands: zmq.asyncio.Socket
-    alive: bool = True
-    requests: dict[str, _Request] = field(default_factory=dict)  # by API id
-    missed_pings: int = 0  # pings in a row it did not answer in time
-    joining: bool = False  # under ray: a replacement not ready yet (not routed to, not pinged)
-    nodes: list[str] = field(default_factory=list)  # under ray: each device's Ray node id, the replica's own first
-
-    def load(self, max_batch: int) -> ReplicaLoad:
-        load = ReplicaLoad(max_batch=max_batch)
-        for request in self.requests.values():
-            for index, view in request.images.items():
-                (load.running if index in request.started else load.waiting).append(view)
-        return load
 
 
 class ReplicaSet:
@@ -130,7 +63,7 @@ class ReplicaSet:
         self.metrics = Metrics()  # the API's own families; the engines' come from the replicas
         self.info: ModelInfo | None = None  # the replicas' model, once started
         self.died: asyncio.Event | None = None
-        self.replicas: list[_Replica] = []
+        self.replicas: list[ReplicaView] = []
         self._calls = Calls()
         self._counts = {"finished": 0, "failed": 0}
         self._draining = False
@@ -183,7 +116,7 @@ class ReplicaSet:
             commands = self._context.socket(zmq.PUSH)
             process = self._launch(index, self._bind(commands, f"commands-{index}"), messages)
             process.start()
-            self.replicas.append(_Replica(index, process, commands))
+            self.replicas.append(ReplicaView(index, process, commands))
         try:
             await asyncio.wait_for(self._await_ready(), self.start_timeout_s)
         except TimeoutError:
@@ -302,11 +235,12 @@ class ReplicaSet:
                 refused = error
         raise refused
 
-    async def _submit_to(self, replica: _Replica, api_id: str, requests: list[ImageRequest],
+    async def _submit_to(self, replica: ReplicaView, api_id: str, requests: list[ImageRequest],
                          views: dict[int, RouteRequest]) -> RequestHandle:
         loop = asyncio.get_running_loop()
         handle = RequestHandle(api_id, len(requests), loop, lambda: self._abort(replica, api_id))
-        replica.requests[api_id] = _Request(handle, dict(views))  # before the call: events may follow its reply at once
+        # before the call: events may follow its reply at once
+        replica.requests[api_id] = SentRequest(handle, dict(views))
         try:
             await self._call(replica, "submit", api_id, requests, timeout_s=self.deadlines.submit_s)
         except BaseException:
@@ -372,15 +306,15 @@ class ReplicaSet:
 
     # -- talking to replicas ---------------------------------------------------------------
 
-    def _alive(self) -> list[_Replica]:
+    def _alive(self) -> list[ReplicaView]:
         return [r for r in self.replicas if r.alive]
 
-    async def _call(self, replica: _Replica, kind: str, *args: Any, timeout_s: float) -> Any:
+    async def _call(self, replica: ReplicaView, kind: str, *args: Any, timeout_s: float) -> Any:
         """Send a command and wait for its reply within `timeout_s`; raise the GouacheError it
         answered with, or ReplicaLostError."""
         return await self._calls.call(replica.index, replica.commands, kind, *args, timeout_s=timeout_s)
 
-    def _abort(self, replica: _Replica, api_id: str) -> None:
+    def _abort(self, replica: ReplicaView, api_id: str) -> None:
         replica.requests.pop(api_id, None)
         if replica.alive:
             tell(replica.commands, ("abort", api_id))
@@ -397,7 +331,7 @@ class ReplicaSet:
             elif kind == "failed":
                 self._not_joined(self.replicas[index], f"did not start: {rest[0]}")
 
-    def _on_event(self, replica: _Replica, api_id: str, event: Any) -> None:
+    def _on_event(self, replica: ReplicaView, api_id: str, event: Any) -> None:
         request = replica.requests.get(api_id)
         if request is None:  # aborted here already
             return
@@ -443,7 +377,7 @@ class ReplicaSet:
                     self._lose(replica, f"stopped answering ({replica.missed_pings} pings in a row unanswered "
                                         f"within {deadlines.ping_s:g} s) and was killed")
 
-    def _lose(self, replica: _Replica, reason: str) -> None:
+    def _lose(self, replica: ReplicaView, reason: str) -> None:
         """`replica` is gone for `reason`: fail its requests and its calls, route nothing more to it."""
         replica.alive = False
         left = len(self._alive())
@@ -456,7 +390,7 @@ class ReplicaSet:
         elif self._host is not None:
             self._replace(replica)
 
-    def _replace(self, lost: _Replica) -> None:
+    def _replace(self, lost: ReplicaView) -> None:
         """Under ray: give a lost replica's placement back and start one in its place. Ray places
         it when the cluster has room (at once, or when a node joins); it joins the router once its
         model is loaded (`_joined`)."""
@@ -467,24 +401,24 @@ class ReplicaSet:
         commands = self._context.socket(zmq.PUSH)
         process = self._launch(index, self._bind(commands, f"commands-{index}"), self._messages_at)
         process.start()
-        self.replicas.append(_Replica(index, process, commands, alive=False, joining=True))
+        self.replicas.append(ReplicaView(index, process, commands, alive=False, joining=True))
         log.info("replica %d starts in place of replica %d; it serves once placed and loaded", index, lost.index)
 
-    def _joined(self, replica: _Replica, info: ModelInfo) -> None:
+    def _joined(self, replica: ReplicaView, info: ModelInfo) -> None:
         replica.nodes = replica.process.placed()
         replica.joining, replica.alive = False, True
         self.max_batch = min(self.max_batch or info.max_batch, info.max_batch)
         log.info("replica %d joined on %s; %d replicas serving", replica.index, replica.nodes[0][:8],
                  len(self._alive()))
 
-    def _not_joined(self, replica: _Replica, reason: str) -> None:
+    def _not_joined(self, replica: ReplicaView, reason: str) -> None:
         """A replacement that ended before it was ready is not replaced again: a model that does
         not load would fail every time."""
         replica.joining = False
         replica.process.kill()
         log.error("replica %d %s while starting; it is not replaced", replica.index, reason)
 
-    def _fail_replica(self, replica: _Replica, error: GouacheError) -> None:
+    def _fail_replica(self, replica: ReplicaView, error: GouacheError) -> None:
         for request in replica.requests.values():
             self._counts["failed"] += len(request.images)
             request.handle.push(ErrorEvent(error.kind, error.message, error.status))

@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from gouache.api.errors import from_validation_errors
 from gouache.api.file_store import FileStore
-from gouache.api.protocol import MAX_SEED, ImageEditRequest, ImageGenerationRequest, Limits
+from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
+from gouache.api.request_fields import MAX_SEED, Limits
 from gouache.errors import InvalidRequestError
 from gouache.techniques import unserved
 from tests.api.fake_engine import FAKE_INFO

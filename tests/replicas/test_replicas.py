@@ -19,7 +19,8 @@ from gouache.config import EngineConfig, ModelConfig, ReplicaConfig, SchedulerCo
 from gouache.errors import GouacheError
 from gouache.metrics import Metrics, merged_exposition
 from gouache.model_info import ModelInfo
-from gouache.replicas.front import ROUTER_STEP_COST, ReplicaSet, computed_share, make_router, route_step_cost
+from gouache.replicas.front import ReplicaSet
+from gouache.replicas.routing import ROUTER_STEP_COST, computed_share, make_router, route_step_cost
 from gouache.request import ImageRequest
 from gouache.sched.costmodel import load_mask_model
 from gouache.sched.router import ROUTERS, MeasuredEditCost, RouteRequest

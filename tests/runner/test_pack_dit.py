@@ -9,8 +9,9 @@ from diffusers import FluxPipeline, SD3Transformer2DModel
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
 from gouache.models.zoo import load_pipeline
-from gouache.runner.pack_dit import Packing, packed_sd3_forward
+from gouache.runner.pack_dit import Packing
 from gouache.runner.pack_flux import packed_flux_forward
+from gouache.runner.pack_sd3 import packed_sd3_forward
 
 TOL = 1e-4
 TEXT_LEN = 24  # any length works; real prompts give 333 (SD3) or 512 (Flux) tokens

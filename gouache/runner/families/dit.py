@@ -12,8 +12,9 @@ from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cacheable_blocks
 from gouache.runner.describe import UNSERVED
 from gouache.runner.families.base import Family, by_state, cat_cond, per_group, row_timesteps
-from gouache.runner.pack_dit import Packing, packed_sd3_forward
+from gouache.runner.pack_dit import Packing
 from gouache.runner.pack_flux import packed_flux_forward
+from gouache.runner.pack_sd3 import packed_sd3_forward
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
 
