@@ -47,7 +47,7 @@ def minimal_feasible_degree(
 def deadline_allocations(
     request: RoundRequest, step_time: StepTime, now: float, max_degree: int
 ) -> list[Allocation] | None:
-    """§4.2.1: min sum_j A_j x T(A_j) subject to sum_j T(A_j) <= D - now, over the remaining steps.
+    """TetriServe §4.2.1: min sum_j A_j x T(A_j) subject to sum_j T(A_j) <= D - now, over the remaining steps.
 
     Steps are interchangeable, so a plan is how many steps run at each degree. The linear
     relaxation has one constraint besides the step count, so an optimum mixes at most two

@@ -19,8 +19,7 @@ One round of τ seconds over N devices is decided in five steps, each in its own
 
 `plan_round` ties them together over a list; `plan_classes` over requests grouped and sorted by
 class (`round_classes`), reading only the requests it must: the round-knapsack policy calls it
-with the scheduler's queue. Nothing here imports torch, and `gouache.sched.knapsack` re-exports
-the whole API.
+with the scheduler's queue. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,19 +27,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
-from gouache.sched.batching import batch_joiners, batch_step, selective_batching
+from gouache.sched.batching import batch_joiners, batch_step
 from gouache.sched.class_knapsack import class_knapsack
-from gouache.sched.deadline_plans import deadline_allocations, minimal_feasible_degree, round_options
-from gouache.sched.deadline_plans import fastest_degree as _fastest  # noqa: F401 (tests/sched/round_list.py reads it here)
-from gouache.sched.elastic import elastic_scale_up, scale_up
-from gouache.sched.group_knapsack import Knapsack, group_knapsack
+from gouache.sched.elastic import scale_up
 from gouache.sched.placement import place
 from gouache.sched.round_classes import RequestClass, by_deadline, by_order, merged, of_requests
 from gouache.sched.rounds import (
-    Allocation,
     BatchStepTime,
     RoundAllocation,
-    RoundOption,
     RoundDecision,
     RoundRequest,
     StepTable,
@@ -50,27 +44,6 @@ from gouache.sched.rounds import (
     steps_in_round,
     survives,
 )
-
-__all__ = [
-    "Allocation",
-    "BatchStepTime",
-    "RoundAllocation",
-    "RoundOption",
-    "RoundDecision",
-    "RoundRequest",
-    "StepTime",
-    "deadline_allocations",
-    "elastic_scale_up",
-    "group_knapsack",
-    "Knapsack",
-    "minimal_feasible_degree",
-    "place",
-    "plan_classes",
-    "plan_round",
-    "round_options",
-    "selective_batching",
-]
-
 
 def plan_round(
     requests: Sequence[RoundRequest],

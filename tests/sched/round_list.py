@@ -8,13 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-from gouache.sched.knapsack import (  # the helpers the list version shares with the planner today
-    Allocation, _Bounds, _fastest, _late, deadline_allocations, elastic_scale_up, group_knapsack, place, round_options,
-    selective_batching,
-)
-from gouache.sched.batching import batch_step
+from gouache.sched.batching import batch_step, selective_batching
+from gouache.sched.deadline_plans import deadline_allocations, round_options
+from gouache.sched.deadline_plans import fastest_degree as _fastest
+from gouache.sched.elastic import elastic_scale_up
+from gouache.sched.group_knapsack import group_knapsack
+from gouache.sched.knapsack import _Bounds, _late  # the helpers the list version shares with the planner today
+from gouache.sched.placement import place
 from gouache.sched.rounds import (
-    BatchStepTime, RoundAllocation, RoundDecision, RoundOption, RoundRequest, StepTable, StepTime, cached,
+    Allocation, BatchStepTime, RoundAllocation, RoundDecision, RoundOption, RoundRequest, StepTable, StepTime, cached,
     max_degree, steps_in_round,
 )
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import heapq
 import math
 
-from gouache.sched.knapsack import group_knapsack, place
+from gouache.sched.group_knapsack import group_knapsack
+from gouache.sched.placement import place
 from gouache.sched.rounds import (
     Allocation,
     RoundAllocation,

@@ -4,19 +4,13 @@ import random
 
 import pytest
 
-from gouache.sched.knapsack import (
-    Knapsack,
-    RoundOption,
-    RoundRequest,
-    deadline_allocations,
-    elastic_scale_up,
-    group_knapsack,
-    minimal_feasible_degree,
-    place,
-    plan_round,
-    round_options,
-    selective_batching,
-)
+from gouache.sched.batching import selective_batching
+from gouache.sched.deadline_plans import deadline_allocations, minimal_feasible_degree, round_options
+from gouache.sched.elastic import elastic_scale_up
+from gouache.sched.group_knapsack import Knapsack, group_knapsack
+from gouache.sched.knapsack import plan_round
+from gouache.sched.placement import place
+from gouache.sched.rounds import RoundOption, RoundRequest
 
 from . import round_reference as reference
 

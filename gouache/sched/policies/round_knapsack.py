@@ -163,7 +163,7 @@ def shortest_round(step_time: StepTime, resolutions: Iterable[Hashable], num_dev
     """τ = steps x the largest T_min(resolution): the shortest round in which every resolution
     completes `steps` steps at its fastest degree. Any shorter and the largest resolution gets
     q = 0 at every degree, so it never runs. At this length that resolution's steps also end
-    exactly on round boundaries, the paper's rule of fitting τ to the step times (§4.2.2), for
+    exactly on round boundaries, TetriServe's rule of fitting τ to the step times (§4.2.2), for
     the requests that can least afford the idle tail of a round."""
     if steps < 1:
         raise ValueError(f"steps per round must be >= 1, got {steps}")
