@@ -18,11 +18,12 @@ interleaved within each run so that a slow spell hits them all, each cell being 
 many calls; the table gives the median over runs and, at the largest queue, the range of the
 runs. Compare rows within one table.
 
-    python -m gouache.bench.overhead [out.json]
+    gouache bench overhead [--out out.json] [--runs N]   (or python -m gouache.bench.overhead ...)
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import importlib.util
 import io
@@ -188,4 +189,6 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    run_overhead(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/overhead.json")
+    parser = argparse.ArgumentParser(prog="python -m gouache.bench.overhead", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -8,6 +8,7 @@ batch, so a short request that arrives during a long one waits for all of it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 from gouache.request import RequestState
 from gouache.sched.interface import Devices, Policy
@@ -24,5 +25,6 @@ class FcfsStaticPolicy(Policy):
         if not waiting:
             return Plan()
         resolution = waiting[0].resolution
-        batch = [s.request_id for s in waiting if s.resolution == resolution][: self.config.max_batch_size]
+        same = (s.request_id for s in waiting if s.resolution == resolution)
+        batch = list(islice(same, self.config.max_batch_size))  # reads the queue only up to a full batch
         return one_step([batch], batch)
