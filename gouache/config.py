@@ -64,7 +64,8 @@ class ModelConfig:
     model: str = "shapes-unet"  # a built-in name (see `gouache models`) or a local diffusers directory
     dtype: str = "float32"  # weights and activations: float32 | float16 | bfloat16
     device: str = "cpu"  # torch device string: cpu, cuda, cuda:1
-    quantize: str | None = None  # the denoiser's linear layers: int8 | fp8 (GPU) (`gouache.runner.quantize`); None: as loaded
+    # the denoiser's linear layers: int8 | fp8 (GPU) (`gouache.runner.quantize`); None: as loaded
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model must name a built-in model or a local directory")
@@ -113,7 +114,8 @@ class CompileConfig:
     enabled: bool = False
     buckets: tuple[int, ...] = COMPILE_BUCKETS  # row counts a forward is padded up to; larger forwards run eagerly
     sizes: tuple[tuple[int, int], ...] = ()  # (h, w) compiled at start at every bucket; (): the model's default size
-    cache_dir: str | None = None  # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
+    # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
+    cache_dir: str | None = None
     cuda_graphs: bool = False  # capture the bucketed graphs as CUDA graphs (GPU only)
 
     def __post_init__(self) -> None:
@@ -247,16 +249,19 @@ class EngineConfig:
     # the largest patch side in pixels under patched batching (UNets); each forward cuts its images
     # into the largest patches up to this that fit all of them; None: DEFAULT_PATCH_PIXELS. Refused for DiTs.
     patch_pixels: int | None = None
-    executor: str = "uniproc"  # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
+    # uniproc: the model in this process; multiproc: a worker process per device; ray: a Ray actor per device
+    executor: str = "uniproc"
     devices: int = 1  # devices of this replica (its worker processes or actors)
     ray_address: str | None = None  # under ray: the cluster to join ("auto": the local one); None starts one here
     ray_placement: str = "strict-pack"  # under ray: a replica's devices on one node, or straddling (`RAY_PLACEMENTS`)
     # under ray: a custom resource each device also reserves one unit of, so that only the nodes
     # started with it (`ray start --resources`) take devices and replicas; None: any node with a CPU / GPU
     ray_resource: str | None = None
-    worker_timeout_s: float = WORKER_TIMEOUT_S  # under multiproc / ray: a worker silent this long while it owes a reply is hung
+    # under multiproc / ray: a worker silent this long while it owes a reply is hung
+    worker_timeout_s: float = WORKER_TIMEOUT_S
     conditioning_bytes: int = 256 << 20  # prompts' encodings and uploads' VAE encodings kept for repeats (0: off)
-    paused_host_bytes: int = 0  # host memory for paused requests' states (`DevicePool.park`; 0: they stay on their devices)
+    # host memory for paused requests' states (`DevicePool.park`; 0: they stay on their devices)
+    paused_host_bytes: int = 0
     compile: CompileConfig = field(default_factory=CompileConfig)  # compiled denoiser forwards (opt-in)
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
@@ -274,7 +279,8 @@ class EngineConfig:
         _check(self.image_workers >= 1, f"image_workers must be >= 1, got {self.image_workers}")
         _check(self.torch_threads is None or self.torch_threads >= 1, "torch_threads must be >= 1")
         _check(self.max_upload_pixels > 0, "max_upload_pixels must be positive")
-        _check(self.patch_pixels is None or self.patch_pixels > 0, f"--patch-size must be positive, got {self.patch_pixels}")
+        _check(self.patch_pixels is None or self.patch_pixels > 0,
+               f"--patch-size must be positive, got {self.patch_pixels}")
         _check(self.executor in EXECUTORS, f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         _check(self.devices >= 1, f"devices must be >= 1, got {self.devices}")
         _check(self.executor != "uniproc" or self.devices == 1,

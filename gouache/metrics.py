@@ -27,7 +27,8 @@ class Metrics:
         self.queue_length = Gauge("gouache_queue_length", "Images accepted but not yet denoising", registry=r)
         self.running_batch = Gauge("gouache_running_batch_size", "Images in the denoising batch", registry=r)
         self.step_latency = Histogram(
-            "gouache_step_latency_seconds", "Wall time of one engine step (all forwards)", buckets=_STEP_BUCKETS, registry=r
+            "gouache_step_latency_seconds", "Wall time of one engine step (all forwards)", buckets=_STEP_BUCKETS,
+            registry=r
         )
         self.step_overhead = Histogram(
             "gouache_step_overhead_seconds",
@@ -36,14 +37,16 @@ class Metrics:
             registry=r,
         )
         self.request_latency = Histogram(
-            "gouache_request_latency_seconds", "Acceptance to last image of a request", buckets=_REQUEST_BUCKETS, registry=r
+            "gouache_request_latency_seconds", "Acceptance to last image of a request", buckets=_REQUEST_BUCKETS,
+            registry=r
         )
         self.tier_latency = Histogram(
             "gouache_tier_latency_seconds", "Acceptance to last image of a request, by its service tier", ["tier"],
             buckets=_REQUEST_BUCKETS, registry=r
         )
         self.queueing_time = Histogram(
-            "gouache_queueing_seconds", "Acceptance to first denoising step of an image", buckets=_REQUEST_BUCKETS, registry=r
+            "gouache_queueing_seconds", "Acceptance to first denoising step of an image", buckets=_REQUEST_BUCKETS,
+            registry=r
         )
         self.images = Counter("gouache_images_total", "Images returned", registry=r)
         self.image_steps = Counter("gouache_image_steps_total",

@@ -34,7 +34,8 @@ def run_offline(args) -> None:
     if image_bytes is None and not info.generation:
         raise ValueError(f"{args.model} edits images and makes none from text alone: use `gouache edit` with --image")
     if (args.steps or info.default_steps) < info.min_steps:
-        raise ValueError(f"{args.model} (a {info.family} model) takes at least {info.min_steps} steps, got {args.steps}")
+        raise ValueError(f"{args.model} (a {info.family} model) takes at least {info.min_steps} steps, "
+                         f"got {args.steps}")
     request = ImageRequest(
         request_id="offline-0",
         prompt=args.prompt,

@@ -29,7 +29,8 @@ class BlockCacheReport:
 class TemplateReport:
     """What template replay did in one step (`gouache.templates`)."""
 
-    tokens: dict[str, int] = field(default_factory=dict)  # token-blocks of template edits: replayed | computed | replayed_text
+    # token-blocks of template edits: replayed | computed | replayed_text
+    tokens: dict[str, int] = field(default_factory=dict)
     lookups: dict[str, int] = field(default_factory=dict)  # store gets: hit tier (device|host|disk) | miss
     held_bytes: dict[str, int] = field(default_factory=dict)  # the store's bytes per tier after it
 

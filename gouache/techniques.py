@@ -90,11 +90,11 @@ def _pair(a: str, b: str) -> frozenset[str]:
 # Requests of a refused pair's two techniques still share forwards: the pair is per request.
 TABLE: dict[frozenset[str], Pair] = {
     _pair("lora", "lora_async"): Pair(APPROXIMATE, "adapters join their request after up to --lora-bound steps"),
-    _pair("lora", "controlnet"): Pair(EXACT, "the adapters change the denoiser, the residuals come from the ControlNet's "
-                                             "own weights"),
+    _pair("lora", "controlnet"): Pair(EXACT, "the adapters change the denoiser, the residuals come from the "
+                                             "ControlNet's own weights"),
     _pair("lora", "controlnet_async"): Pair(APPROXIMATE, "the adapters are exact, the residuals a step late"),
-    _pair("lora", "block_cache"): Pair(APPROXIMATE, "a forward of several adapter sets with cached rows runs one forward "
-                                                    "per set (cached rows cannot be segmented)"),
+    _pair("lora", "block_cache"): Pair(APPROXIMATE, "a forward of several adapter sets with cached rows runs one "
+                                                    "forward per set (cached rows cannot be segmented)"),
     _pair("lora", "template"): Pair(APPROXIMATE, "a template is keyed by its adapters' digests; its edits load them "
                                                  "before their first step"),
     _pair("lora", "mixed_sizes"): Pair(EXACT, "patches of mixed sizes cannot be told apart by row: one forward per "
@@ -109,18 +109,18 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("lora_async", "template"): Pair(APPROXIMATE, "a template's edits load their adapters before their first step "
                                                        "(the template is keyed by them)"),
     _pair("lora_async", "mixed_sizes"): Pair(APPROXIMATE, "the adapters join late, the layout is exact"),
-    _pair("lora_async", "parallel"): Pair(APPROXIMATE, "a step on several devices waits for the adapters (ranks must not "
-                                                       "decide apart); a server whose every step is parallel refuses "
-                                                       "--lora-bound"),
+    _pair("lora_async", "parallel"): Pair(APPROXIMATE, "a step on several devices waits for the adapters (ranks "
+                                                       "must not decide apart); a server whose every step is "
+                                                       "parallel refuses --lora-bound"),
     _pair("controlnet", "controlnet_async"): Pair(APPROXIMATE, "a request's ControlNets all run in its one mode"),
-    _pair("controlnet", "block_cache"): Pair(REFUSED, "a ControlNet's residuals enter every block, which a reused block "
-                                                      "output would drop"),
+    _pair("controlnet", "block_cache"): Pair(REFUSED, "a ControlNet's residuals enter every block, which a reused "
+                                                      "block output would drop"),
     _pair("controlnet", "template"): Pair(REFUSED, "a template's activations hold no ControlNet's residuals"),
     _pair("controlnet", "mixed_sizes"): Pair(EXACT, "requests with ControlNets run one plain forward per latent shape "
                                                     "(residuals are per image grid)"),
     _pair("controlnet", "parallel"): Pair(EXACT, "under CFG halves the residuals are computed before the rows are cut"),
-    _pair("controlnet_async", "block_cache"): Pair(REFUSED, "a ControlNet's residuals enter every block, which a reused "
-                                                            "block output would drop"),
+    _pair("controlnet_async", "block_cache"): Pair(REFUSED, "a ControlNet's residuals enter every block, which a "
+                                                            "reused block output would drop"),
     _pair("controlnet_async", "template"): Pair(REFUSED, "a template's activations hold no ControlNet's residuals"),
     _pair("controlnet_async", "mixed_sizes"): Pair(APPROXIMATE, "a plain forward per latent shape, residuals a step "
                                                                      "late"),
@@ -128,9 +128,9 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("block_cache", "template"): Pair(REFUSED, "an edit that replays its template computes its masked tokens "
                                                     "only; it has no block outputs of its own to reuse"),
     _pair("block_cache", "mixed_sizes"): Pair(APPROXIMATE, "reuse per patch (UNet) or per token (DiT)"),
-    _pair("block_cache", "parallel"): Pair(APPROXIMATE, "a step on several devices computes every block (ranks must not "
-                                                        "decide apart); a server whose every step is parallel refuses "
-                                                        "block_cache"),
+    _pair("block_cache", "parallel"): Pair(APPROXIMATE, "a step on several devices computes every block (ranks "
+                                                        "must not decide apart); a server whose every step is "
+                                                        "parallel refuses block_cache"),
     _pair("template", "mixed_sizes"): Pair(APPROXIMATE, "packed DiT forwards replay any mix of sizes; a UNet replays "
                                                         "one pass per latent shape"),
     _pair("template", "parallel"): Pair(APPROXIMATE, "a step on several devices computes the full forward; a server "

@@ -48,7 +48,8 @@ class ModelDefaults(BaseModel):
     max_n: int
     max_batch: int | None  # requests denoised together in one step (measured at start under --max-batch-size auto)
     kinds: RequestKinds
-    unserved: dict[str, str]  # techniques (request fields' names in docs/architecture.md) the model does not serve, and why
+    # techniques (request fields' names in docs/architecture.md) the model does not serve, and why
+    unserved: dict[str, str]
 
     @classmethod
     def of(cls, ctx: ApiContext) -> ModelDefaults:

@@ -104,7 +104,8 @@ def _tenant(entry, where: str) -> Tenant:
         raise ValueError(f"{where} must be an object")
     unknown = sorted(set(entry) - _FIELDS)
     if unknown:
-        raise ValueError(f"{where} has unknown fields {', '.join(unknown)}; the fields are {', '.join(sorted(_FIELDS))}")
+        raise ValueError(f"{where} has unknown fields {', '.join(unknown)}; "
+                         f"the fields are {', '.join(sorted(_FIELDS))}")
     for name in ("key", "name"):
         if not isinstance(entry.get(name), str) or not entry[name].strip():
             raise ValueError(f"{where}.{name} must be a non-empty string")

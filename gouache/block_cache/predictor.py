@@ -146,7 +146,8 @@ class ReusePredictor:
         return reusable[node].reshape(len(offset), units).mean(0)
 
     @classmethod
-    def from_forest(cls, forest, model: str, model_name: str, bound: float, report: dict | None = None) -> ReusePredictor:
+    def from_forest(cls, forest, model: str, model_name: str, bound: float,
+                    report: dict | None = None) -> ReusePredictor:
         """From a fitted scikit-learn RandomForestClassifier over `FEATURES`, labels True = reusable."""
         trees = [estimator.tree_ for estimator in forest.estimators_]
         width = max(t.node_count for t in trees)
@@ -166,13 +167,14 @@ class ReusePredictor:
             fraction = value / value.sum(1, keepdims=True)
             reusable[i, :n] = fraction[:, classes.index(True)] if True in classes else 0.0
         depth = max(e.get_depth() for e in forest.estimators_)
-        return cls(model, model_name, bound, *(torch.from_numpy(a) for a in (feature, threshold, left, right, reusable)),
-                   depth, report or {})
+        return cls(model, model_name, bound,
+                   *(torch.from_numpy(a) for a in (feature, threshold, left, right, reusable)), depth, report or {})
 
     def save(self, path: str | Path) -> None:
         data = {"kind": KIND, "model": self.model, "model_name": self.model_name, "bound": self.bound,
                 "features": list(FEATURES), "depth": self.depth, "report": self.report,
-                **{name: getattr(self, name).tolist() for name in ("feature", "threshold", "left", "right", "reusable")}}
+                **{name: getattr(self, name).tolist()
+                   for name in ("feature", "threshold", "left", "right", "reusable")}}
         write_atomic(path, json.dumps(data) + "\n")
 
     @classmethod

@@ -152,7 +152,8 @@ class BlockCache:
         sources = []  # per image: (old store, its rows there) or None
         for key, n in zip(store.keys, store.units):
             old = self._home.get(key)
-            same = old is not None and old.signature[0] == signature[0] and old.offsets[key].stop - old.offsets[key].start == n
+            same = (old is not None and old.signature[0] == signature[0]
+                    and old.offsets[key].stop - old.offsets[key].start == n)
             sources.append((old, old.offsets[key]) if same else None)
         olds = {id(src[0]): src[0] for src in sources if src is not None}.values()
         for name in dict.fromkeys(b for old in olds for b in old.blocks):
@@ -189,7 +190,8 @@ class BlockCache:
         self.nbytes = total
 
 
-def _gather(parts: list[tuple[torch.Tensor | None, slice | None]], like: torch.Tensor, units: Sequence[int]) -> torch.Tensor:
+def _gather(parts: list[tuple[torch.Tensor | None, slice | None]], like: torch.Tensor,
+            units: Sequence[int]) -> torch.Tensor:
     """One store tensor from each image's old rows (zeros for an image without them)."""
     return torch.cat([t[rows] if t is not None else like.new_zeros((n, *like.shape[1:]))
                       for (t, rows), n in zip(parts, units)])

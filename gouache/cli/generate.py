@@ -15,8 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's)")
     p.add_argument("--negative-prompt", default=None,
-                   help="what to steer away from; needs classifier-free guidance (--guidance > 1; Z-Image: > 0; not FLUX) "
-                        "(default: none)")
+                   help="what to steer away from; needs classifier-free guidance (--guidance > 1; Z-Image: > 0; "
+                        "not FLUX) (default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial noise (default: %(default)s)")
     p.add_argument("-o", "--output", default="out.png",
                    help="output file; its extension picks png / jpeg / webp (default: %(default)s)")

@@ -14,7 +14,8 @@ from gouache.cli_flags import (
 )
 from gouache.config import (
     COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, RAY_PLACEMENTS, BlockCacheConfig, CompileConfig,
-    ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig, TemplateConfig,
+    ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig,
+    TemplateConfig,
 )
 
 
@@ -83,7 +84,8 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-cache", type=float, default=BlockCacheConfig.threshold,
                    help="block-cache threshold every request runs with unless it sends its own `block_cache`: a "
                         "block's output is reused for a patch (an image, unpatched) whose input changed less than "
-                        "this, relatively; approximate (docs/block_cache.md); 0 keeps images exact (default: %(default)s)")
+                        "this, relatively; approximate (docs/block_cache.md); 0 keeps images exact "
+                        "(default: %(default)s)")
     p.add_argument("--block-cache-predictor", default=None, metavar="FILE",
                    help="`gouache profile --reuse` JSON of this model: its random forest decides each unit's reuse "
                         "instead of the threshold; a request's `block_cache` (or --block-cache) value v then reuses "
@@ -226,7 +228,8 @@ def run(args) -> int:
     _log_to_stderr()
 
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, api_keys_file=args.api_keys,
-                          served_model_names=tuple(args.served_model_name or ()), shutdown_grace_s=args.shutdown_grace_s,
+                          served_model_names=tuple(args.served_model_name or ()),
+                          shutdown_grace_s=args.shutdown_grace_s,
                           max_size=args.max_size, max_steps=args.max_steps, max_n=args.max_n,
                           max_pixels=min(ServerConfig.max_pixels, args.max_size ** 2))
     if args.api_keys:  # a wrong keys file is refused before the model loads
@@ -268,12 +271,13 @@ def engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if "round_s" in given(args) and not policy.rounds:
         ignored["round_s"] = f"--policy {args.policy} does not plan in rounds; only {_policies_where('rounds')} does"
     if "patch_size" in given(args) and not policy.mixes_resolutions:
-        ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; only {_policies_where('mixes_resolutions')} "
-                                 "cut them into patches")
+        ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; "
+                                 f"only {_policies_where('mixes_resolutions')} cut them into patches")
     if "ray_placement" in given(args) and args.executor != "ray":
         ignored["ray_placement"] = f"--executor {args.executor} places no Ray actors"
     if "worker_timeout" in given(args) and args.executor == "uniproc":
-        ignored["worker_timeout"] = "--executor uniproc runs the model in the server's own process: no worker to wait for"
+        ignored["worker_timeout"] = ("--executor uniproc runs the model in the server's own process: "
+                                     "no worker to wait for")
     for flag in ("lora_mb", "lora_bound"):
         if flag in given(args) and not args.lora_dir:
             ignored[flag] = "without --lora-dir no request can name an adapter"
@@ -291,8 +295,8 @@ def engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      conditioning_bytes=args.conditioning_mb << 20, paused_host_bytes=args.paused_host_mb << 20,
                      compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
                                            args.compile_cuda_graphs),
-                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse, args.block_cache_mb << 20,
-                                                  args.block_cache_predictor),
+                     block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse,
+                                                  args.block_cache_mb << 20, args.block_cache_predictor),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,
                                               args.template_mb << 20, args.template_disk_mb << 20,
                                               cost_model=args.template_cost_model),

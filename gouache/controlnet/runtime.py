@@ -225,7 +225,8 @@ class ControlRuntime:
                     acc[starts[i]:starts[i + 1]] = part
             if use.mode == "async" and state.step + 1 < len(state.timesteps):
                 keep[i] = int(starts[i])
-        run = _Run(self._send(states, sample, timesteps, kwargs, keep, "sync" if waits else "async"), shapes, states, keep)
+        run = _Run(self._send(states, sample, timesteps, kwargs, keep, "sync" if waits else "async"),
+                   shapes, states, keep)
         if waits and (self._split is None or not self._split.residuals_first):
             down = self.pipe.unet.down_blocks[-1]
             handle = down.register_forward_hook(lambda *_: self._fill(run, total))

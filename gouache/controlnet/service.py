@@ -132,7 +132,8 @@ def _serve(conn, cache: ControlNetCache, device_lock: threading.Lock, base: Base
                     tensors = inputs.read(buffer, layout)
                     for cond_id, cond in zip(new_conds, tensors[len(tensors) - len(new_conds):]):
                         conds[cond_id] = cond.to(base.device, copy=True)
-                    sample, timesteps, embeds, *rest = (t.to(base.device) for t in tensors[:len(tensors) - len(new_conds)])
+                    sample, timesteps, embeds, *rest = (t.to(base.device)
+                                                        for t in tensors[:len(tensors) - len(new_conds)])
                     added = {"text_embeds": rest[0], "time_ids": rest[1]} if has_added else None
                     parts, start = [], time.perf_counter()
                     with device_lock:

@@ -187,7 +187,8 @@ class Degrade:
     seed: int = 0  # noise seed; the noise of item i depends on (seed, i) alone
 
     def apply(self, image: np.ndarray, index: int) -> np.ndarray:
-        blurred = np.asarray(Image.fromarray(image).filter(ImageFilter.GaussianBlur(self.blur_radius)), dtype=np.float32)
+        blurred = np.asarray(Image.fromarray(image).filter(ImageFilter.GaussianBlur(self.blur_radius)),
+                             dtype=np.float32)
         noise = np.random.default_rng([self.seed, index]).normal(0.0, self.noise_sigma, blurred.shape)
         return np.clip(blurred + noise, 0, 255).round().astype(np.uint8)
 
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         command = "python -m gouache.data.checker " + " ".join(argv if argv is not None else sys.argv[1:])
-        report = {"command": command, "sizes": sizes, "degrade": asdict(Degrade(args.blur, args.noise, args.seed)), **rows}
+        report = {"command": command, "sizes": sizes, "degrade": asdict(Degrade(args.blur, args.noise, args.seed)),
+                  **rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(f"`{command}`\n\n{table}\n")

@@ -39,7 +39,8 @@ class Shape:
     position: str  # one of POSITIONS, the grid cell holding the shape
 
     def __post_init__(self) -> None:
-        for value, allowed, what in ((self.kind, KINDS, "kind"), (self.colour, COLOURS, "colour"), (self.position, POSITIONS, "position")):
+        for value, allowed, what in ((self.kind, KINDS, "kind"), (self.colour, COLOURS, "colour"),
+                                     (self.position, POSITIONS, "position")):
             if value not in allowed:
                 raise ValueError(f"shape {what} must be one of {sorted(allowed)}, got {value!r}")
 

@@ -87,7 +87,8 @@ class AsyncEngine(AdapterCalls):
                                   controlnets=engine_config.controlnets,
                                   conditioning_bytes=engine_config.conditioning_bytes,
                                   compile=engine_config.compile if executor is None else None)
-        self.runner.warm_up(info.default_size)  # compiles before the server answers /health (workers: before their start)
+        # compiles before the server answers /health (workers: before their start)
+        self.runner.warm_up(info.default_size)
         count = self.metrics.handoffs.inc
         parked = engine_config.paused_host_bytes
         self.pool = (DevicePool(self.runner, executor, count, parked) if executor is not None

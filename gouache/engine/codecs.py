@@ -50,7 +50,8 @@ class CodecPool:
         # Spawned, not forked from `children.processes`' server: a codec worker needs PIL and numpy,
         # not the torch and diffusers that server imports first (7 s of a 2-core CPU).
         context = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=become_child, initargs=("gouache-codec",))
+        return ProcessPoolExecutor(self.workers, mp_context=context, initializer=become_child,
+                                   initargs=("gouache-codec",))
 
     def _run(self, result: Future, fn: Callable[..., Any], args: tuple, retries: int) -> None:
         with self._lock:

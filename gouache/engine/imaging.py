@@ -110,12 +110,14 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
         if isinstance(mask_image, DecodeError):
             return mask_image
         if mask_image.size != image.size:
-            return DecodeError(f"mask is {mask_image.width}x{mask_image.height} but image is {image.width}x{image.height}; they must match", "mask")
+            return DecodeError(f"mask is {mask_image.width}x{mask_image.height} but image is "
+                               f"{image.width}x{image.height}; they must match", "mask")
     mask = _repaint_region(image, mask_image)
     rgb = image.convert("RGB")
     if rgb.size != (width, height):
         rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
-        mask = np.asarray(Image.fromarray((mask * 255).astype(np.uint8)).resize((width, height), Image.Resampling.NEAREST)) / 255.0
+        mask = np.asarray(Image.fromarray((mask * 255).astype(np.uint8))
+                          .resize((width, height), Image.Resampling.NEAREST)) / 255.0
     return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32), tuple(decoded))
 
 
@@ -149,6 +151,7 @@ def encode_image(pixels: np.ndarray, output_format: str, compression: int | None
     """uint8 [H, W, 3] -> PNG / JPEG / WebP bytes; `compression` is the JPEG / WebP quality
     (0-100, OpenAI's `output_compression`), 95 when None."""
     buffer = io.BytesIO()
-    options = {"compress_level": 4} if output_format == "png" else {"quality": 95 if compression is None else compression}
+    options = ({"compress_level": 4} if output_format == "png"
+               else {"quality": 95 if compression is None else compression})
     Image.fromarray(pixels).save(buffer, format=_FORMATS[output_format], **options)
     return buffer.getvalue()

@@ -38,7 +38,8 @@ class StatusBook:
         now = time.monotonic()
         with self._lock:
             steps, blocks = list(self._steps), {k: dict(v) for k, v in self._blocks.items()}
-            images, requests = (sum(1 for t in times if now - t <= WINDOW_S) for times in (self._images, self._requests))
+            images, requests = (sum(1 for t in times if now - t <= WINDOW_S)
+                                for times in (self._images, self._requests))
         return {
             "steps": {"recent": len(steps),
                       "latency_ms_median": 1000 * statistics.median(s for s, _ in steps) if steps else None,

@@ -45,7 +45,8 @@ class DevicePool:
         self.parked: dict[str, int] = {}
         self.handoffs = 0  # states moved from one block to another
         self.parks = 0  # states parked
-        self._stale = True  # a request was released or a cache touched since the last `settle` (at start: adopted files)
+        # a request was released or a cache touched since the last `settle` (at start: adopted files)
+        self._stale = True
         self._lock = threading.Lock()  # guards `held`
 
     @classmethod

@@ -39,7 +39,8 @@ class WorkerSpec:
     loras: LoraConfig = field(default_factory=LoraConfig)
     controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)
     quantize: str | None = None  # the denoiser's linear layers (`gouache.runner.quantize`)
-    compile: CompileConfig = field(default_factory=CompileConfig)  # compiled forwards, warmed up before the worker serves
+    # compiled forwards, warmed up before the worker serves
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     @property
     def cuda(self) -> bool:
@@ -91,8 +92,8 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         if rank in block:
             groups[block] = group
     templates = spec.templates.under(f"rank-{rank}")  # each device its own store: a shared one would mix their files
-    runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels, spec.block_cache, templates,
-                         spec.loras, controlnets=spec.controlnets, compile=spec.compile)
+    runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels,
+                         spec.block_cache, templates, spec.loras, controlnets=spec.controlnets, compile=spec.compile)
     runner.warm_up(model_info(runner.pipe, spec.model).default_size)
     return Worker(rank, runner, groups)
 

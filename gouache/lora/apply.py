@@ -71,7 +71,8 @@ class Merged:
             weight = self.denoiser.get_submodule(path).weight
             original = self._originals.setdefault(path, weight.detach().to("cpu", copy=True))
             if path in _paths(self.adapters):
-                weight.copy_((original.to(weight.device).float() + _update(self.adapters, path, weight)).to(weight.dtype))
+                weight.copy_((original.to(weight.device).float() + _update(self.adapters, path, weight))
+                             .to(weight.dtype))
             else:
                 weight.copy_(original.to(weight.device))
                 del self._originals[path]
@@ -101,7 +102,8 @@ class Factors:
         self._key: tuple = ()
         self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def pair(self, key: tuple, groups: list[Adapters], path: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair(self, key: tuple, groups: list[Adapters], path: str,
+             like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(downs [G + 1, R, in, ...], ups [G + 1, out, R]) of `path` in `like`'s device and dtype."""
         if key != self._key:
             self._key, self._pairs = key, {}
@@ -159,7 +161,8 @@ def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: tor
     return F.linear(F.linear(x, down), up)
 
 
-def _groups(row_adapters: Sequence[Adapters], merged: Adapters) -> tuple[dict[tuple, Adapters], torch.Tensor, list[str]]:
+def _groups(row_adapters: Sequence[Adapters],
+            merged: Adapters) -> tuple[dict[tuple, Adapters], torch.Tensor, list[str]]:
     """The adapter groups of a forward's rows (each set with the merged one taken away; the merged
     set itself needs no group), each row's group (the merged set's rows: the zero group after the
     last), and the modules the groups adapt."""
@@ -203,7 +206,8 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
         dim = 1 if x.shape[0] not in row_maps and x.ndim > 2 and x.shape[0] == 1 else 0
         n = x.shape[dim]
         if n not in row_maps:
-            raise LoraError(f"a tensor of shape {tuple(x.shape)} has no known owner rows; this forward cannot mix adapters")
+            raise LoraError(f"a tensor of shape {tuple(x.shape)} has no known owner rows; "
+                            "this forward cannot mix adapters")
         if (n, x.device) not in tags_of:
             tags_of[n, x.device] = tags[row_maps[n].cpu()].to(x.device)
         return dim, tags_of[n, x.device]

@@ -195,7 +195,8 @@ def parse_lora(raw: dict[str, torch.Tensor], metadata: dict[str, str], target: T
     state = convert_unet_state_dict_to_peft({key[len(prefix) + 1:]: value for key, value in state.items()
                                              if key.startswith(prefix + ".")})
     parts = _pairs(state, name)
-    alpha_of = _alphas({key: value for key, value in (alphas or {}).items() if key.split(".")[0] not in target.encoders},
+    alpha_of = _alphas({key: value for key, value in (alphas or {}).items()
+                        if key.split(".")[0] not in target.encoders},
                        prefix, convert_unet_state_dict_to_peft)
     settings = _settings(metadata, prefix, name)
     layers = {}

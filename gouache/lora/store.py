@@ -111,7 +111,8 @@ class LoraStore:
         lora = held[1] if held is not None and held[0] == status else None
         out = {"id": name, "object": "lora", "file_bytes": status[1], "loaded": lora is not None}
         if lora is not None:
-            every = [*lora.layers.values(), *(layer for layers in lora.text_layers.values() for layer in layers.values())]
+            every = [*lora.layers.values(),
+                     *(layer for layers in lora.text_layers.values() for layer in layers.values())]
             out.update(layers=len(every), bytes=lora.nbytes, rank=max(layer.down.shape[0] for layer in every),
                        text_encoders=sorted(lora.text_layers))
         return out

@@ -36,7 +36,8 @@ def text_adapters(pipe, adapters: TextAdapters) -> Iterator[None]:
                 encoder = getattr(pipe, encoder_name)
                 modules = dict(encoder.named_modules())
                 for path, layer in layers.items():
-                    handles.append(modules[path].register_forward_hook(_hook(layer, scale, encoder.device, encoder.dtype)))
+                    handles.append(
+                        modules[path].register_forward_hook(_hook(layer, scale, encoder.device, encoder.dtype)))
         yield
     finally:
         for handle in handles:

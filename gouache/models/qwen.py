@@ -27,9 +27,9 @@ TEMPLATE_WORDS = ("system", "Describe", "the", "image", "by", "detailing", "colo
                   "quantity", "text", "spatial", "relationships", "of", "objects", "and", "background", "user",
                   "assistant",
                   # the edit pipelines' prefix (64 tokens of Qwen's tokenizer)
-                  "key", "features", "input", "then", "explain", "how", "instruction", "should", "alter", "or", "modify",
-                  "Generate", "a", "new", "that", "meets", "requirements", "while", "maintaining", "consistency", "with",
-                  "original", "where", "appropriate", "'s", "(", "),")
+                  "key", "features", "input", "then", "explain", "how", "instruction", "should", "alter", "or",
+                  "modify", "Generate", "a", "new", "that", "meets", "requirements", "while", "maintaining",
+                  "consistency", "with", "original", "where", "appropriate", "'s", "(", "),")
 MAX_TEMPLATE_TOKENS = 1024 + 64  # the pipelines truncate prompts at 1024 tokens after the prefix
 
 

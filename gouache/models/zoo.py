@@ -1,10 +1,11 @@
 """The model zoo: tiny built-in pipelines, local diffusers directories, full-size architectures.
 
 The tiny built-ins are real diffusers pipelines (SD1.5, SDXL, SD3, Flux, FLUX.1 Kontext,
-Qwen-Image and its Edit and Edit-Plus, Z-Image, FLUX.2 [klein] and two inpainting variants) with the published architectures shrunk to a few
-thousand parameters per layer and seeded random weights. They need no network, build in a fraction of a second, run a 512x512
-CFG denoiser step on two CPU cores in about 0.2 s, and are bit-identical in every process, which
-is what tests, the simulator and multi-process runners rely on.
+Qwen-Image and its Edit and Edit-Plus, Z-Image, FLUX.2 [klein] and two inpainting variants) with
+the published architectures shrunk to a few thousand parameters per layer and seeded random
+weights. They need no network, build in a fraction of a second, run a 512x512 CFG denoiser step
+on two CPU cores in about 0.2 s, and are bit-identical in every process, which is what tests,
+the simulator and multi-process runners rely on.
 """
 
 from __future__ import annotations
@@ -277,8 +278,8 @@ def shapes_sd(vae: AutoencoderKL, text_encoder: CLIPTextModel, unet: UNet2DCondi
     cls = StableDiffusionInpaintPipeline if unet.config.in_channels == 9 else StableDiffusionPipeline
     return cls(
         vae=vae, text_encoder=text_encoder, tokenizer=trained.tokenizer(), unet=unet,
-        scheduler=euler_scheduler(trained.UNET_PREDICTION, zero_terminal_snr=True), safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
+        scheduler=euler_scheduler(trained.UNET_PREDICTION, zero_terminal_snr=True), safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
     )
 
 
@@ -372,8 +373,9 @@ def _pipeline_around(name: str, denoiser: torch.nn.Module, scheduler) -> Diffusi
         text_encoder, tokenizer = clip_text_encoder(SEED_TEXT, with_projection=False, hidden=768)
         text_encoder_2, tokenizer_2 = t5_text_encoder(SEED_TEXT_2, hidden=4096)
         return FluxPipeline(
-            scheduler=scheduler, vae=tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159), text_encoder=text_encoder,
-            tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=denoiser)
+            scheduler=scheduler, vae=tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159),
+            text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+            transformer=denoiser)
 
 
 # ------------------------------------------------------------------------ loading and export

@@ -122,7 +122,8 @@ class SequenceShards:
             qkv[:2] = [apply_rotary_emb(x, rope, sequence_dim=1) for x in qkv[:2]]
         out = dispatch_attention_fn(*qkv).transpose(0, 1)  # [L + N, B, H/k, d]
         text_len = sum(texts)
-        text_part, image_part = (out[:text_len], out[text_len:]) if text_first else (out[n * self.degree:], out[:n * self.degree])
+        text_part, image_part = ((out[:text_len], out[text_len:]) if text_first
+                                 else (out[n * self.degree:], out[:n * self.degree]))
         back = keep_text and text is not None
         starts = [sum(texts[:j]) for j in range(self.degree)]
         pieces = [torch.cat([image_part[j * n:(j + 1) * n], text_part[starts[j]:starts[j] + texts[j]]]) if back

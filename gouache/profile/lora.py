@@ -19,16 +19,19 @@ from gouache.files import write_atomic
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="shapes-unet", help="built-in model name or local directory (default: %(default)s)")
+    p.add_argument("--model", default="shapes-unet",
+                   help="built-in model name or local directory (default: %(default)s)")
     p.add_argument("--lora", required=True, help="the adapter's .safetensors file")
     p.add_argument("--scale", type=float, default=1.0, help="the adapter's scale (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=8, help="prompts (shapes captions), each its own seed (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=8,
+                   help="prompts (shapes captions), each its own seed (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--size", type=int, default=None, help="pixels per side (default: the model's)")
     p.add_argument("--threshold", type=float, default=0.99,
                    help="similarity below which the adapter counts as felt (default: %(default)s, KATZ's)")
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
-    p.add_argument("--out", default=None, help="JSON to write (default: benchmarks/results/lora_bound_<model>_<lora>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON to write (default: benchmarks/results/lora_bound_<model>_<lora>.json)")
 
 
 def run(args) -> int:

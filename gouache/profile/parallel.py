@@ -56,9 +56,10 @@ def run(args) -> int:
     per_megapixel, fixed = np.polyfit(pixels, extra, 1) if len(sizes) > 1 else (0.0, float(extra[0]))
     source = f"gouache profile --devices {args.devices} on {args.device} ({args.model})"
     model = ParallelCostModel(table, source=source)
-    data = {**model.to_json(), "handoff": {"fixed_s": max(float(fixed), 0.0), "per_megapixel_s": max(float(per_megapixel), 0.0),
-                                            "measured_s": {str(size): moves[size] - table[(size, size)][1] for size in sizes},
-                                            "source": source}}
+    data = {**model.to_json(),
+            "handoff": {"fixed_s": max(float(fixed), 0.0), "per_megapixel_s": max(float(per_megapixel), 0.0),
+                        "measured_s": {str(size): moves[size] - table[(size, size)][1] for size in sizes},
+                        "source": source}}
     out = Path(args.out or f"benchmarks/results/parallel_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps({**data, "command": "gouache profile " + " ".join(sys.argv[2:])}, indent=1) + "\n")
@@ -69,7 +70,8 @@ def run(args) -> int:
     return 0
 
 
-def time_size(pool, size: int, degrees: list[int], repeats: int, bar) -> tuple[dict[int, float], dict[int, float], float]:
+def time_size(pool, size: int, degrees: list[int], repeats: int,
+              bar) -> tuple[dict[int, float], dict[int, float], float]:
     """One size-by-size request stepped on block (0..k-1) for each k, then moved between devices
     0 and 1 each step: the median seconds of a step at each k, the median of its seconds in
     Ulysses collectives (rank 0's), and the median seconds of a step that moves it."""

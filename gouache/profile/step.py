@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
                    help="patch side in pixels, as `gouache serve --patch-size` will run (default: %(default)s)")
     p.add_argument("--samples", type=int, default=60, action=Given,
                    help="compositions to time (every one, if there are no more than this) (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=6, action=Given, help="most images in a profiled batch (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=6, action=Given,
+                   help="most images in a profiled batch (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2, action=Given,
                    help="timed rounds over all batches, after a warm-up round; medians kept (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, action=Given,

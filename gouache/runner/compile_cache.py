@@ -2,10 +2,11 @@
 moved aside before it can be loaded, so a process killed while it compiled never stops a start.
 
 Inductor builds each kernel (a `.so`) while holding a file lock named after the kernel's key
-(`DIR/locks/<key>.lock`), lets the compiler write straight to the final name, and later loads any kernel whose file exists without looking at it. A process killed
-while the compiler writes (a pod killed by its start-up probe, an OOM kill, a node drain) leaves a
-truncated file, and every later process that needs that kernel fails to load it ("file too
-short"). gouache writes none of these files and does not patch inductor; it checks them:
+(`DIR/locks/<key>.lock`), lets the compiler write straight to the final name, and later loads
+any kernel whose file exists without looking at it. A process killed while the compiler writes
+(a pod killed by its start-up probe, an OOM kill, a node drain) leaves a truncated file, and
+every later process that needs that kernel fails to load it ("file too short"). gouache writes
+none of these files and does not patch inductor; it checks them:
 
 - **Under the build lock.** A kernel is judged only while its key's lock is held, so a file that
   another process is compiling now (it holds the lock) is skipped, never judged half-written.

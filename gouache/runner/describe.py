@@ -108,7 +108,8 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         size_step=size_step(pipe, family),
         default_size=builtin.default_size if builtin else default_size(pipe),
         default_steps=TINY_DEFAULT_STEPS if builtin else DEFAULT_STEPS[family],
-        default_guidance=builtin.default_guidance if builtin and builtin.default_guidance is not None else DEFAULT_GUIDANCE[family],
+        default_guidance=(builtin.default_guidance if builtin and builtin.default_guidance is not None
+                          else DEFAULT_GUIDANCE[family]),
         # FLUX.1-dev is guidance-distilled (guidance is an input); a step-distilled FLUX.2 runs no CFG
         uses_cfg=family != "flux" and not getattr(pipe.config, "is_distilled", False),
         inpaint_channels=family in ("sd", "sdxl") and net.config.in_channels == 9,

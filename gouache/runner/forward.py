@@ -81,7 +81,8 @@ class Forward:
     def __init__(self, layers: Sequence[ForwardLayer], compiled=None):
         """`compiled`: the family's `CompiledDenoiser` under --compile."""
         if tuple(layer.technique for layer in layers) != ORDER:
-            raise ValueError(f"a forward's layers come in ORDER {ORDER}, not {tuple(layer.technique for layer in layers)}")
+            raise ValueError(f"a forward's layers come in ORDER {ORDER}, "
+                             f"not {tuple(layer.technique for layer in layers)}")
         self.layers = tuple(layers)
         self.compiled = compiled
 

@@ -82,7 +82,8 @@ class PatchLayout:
     @cached_property
     def patch_image(self) -> tuple[int, ...]:
         """[num_patches] layout position of the image each patch belongs to."""
-        return tuple(p for p in range(len(self.order)) for _ in range(self.request_offsets[p + 1] - self.request_offsets[p]))
+        return tuple(p for p in range(len(self.order))
+                     for _ in range(self.request_offsets[p + 1] - self.request_offsets[p]))
 
     @cached_property
     def patch_position(self) -> tuple[tuple[int, int], ...]:

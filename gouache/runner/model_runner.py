@@ -57,7 +57,8 @@ class ModelRunner:
             self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
                                                     adapters=bool(loras and loras.directory))
         self.states: dict[str, DenoiseState | Parked] = {}  # Parked: a paused request moved to host memory
-        self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))  # holds nothing until a request asks for reuse
+        # holds nothing until a request asks for reuse
+        self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))
         self.template_config = templates or TemplateConfig()
         self._model = model_digest(pipe) if self.template_config.directory else ""  # before a LoRA merges
         self._templates: TemplateCache | None = None  # made at the first edit that uses one, or now with a directory
@@ -93,8 +94,9 @@ class ModelRunner:
         `controls`: the decoded conditioning image of each of its ControlNets; `references`: an
         edit's further uploads (families that take several images)."""
         state = self.family.prepare(request, image, mask, self.loras.text_adapters(request.loras), references)
-        state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets), list(controls),
-                                          request.controlnet_mode, self.family.device, self.family.dtype)
+        state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets),
+                                          list(controls), request.controlnet_mode, self.family.device,
+                                          self.family.dtype)
         # a server default applies only where it composes with what the request uses (`gouache.techniques`)
         used = set(prepared_techniques(state) | ControlNetLayer.used_by(state))
         if request.block_cache:
@@ -151,7 +153,8 @@ class ModelRunner:
             if isinstance(self.states.get(rid), Parked):
                 self.states[rid] = self.states[rid].restore()
         stepped: list[str] = []
-        failed: dict[str, str] = {rid: "its denoising state is gone" for rid in batch.request_ids if rid not in self.states}
+        failed: dict[str, str] = {rid: "its denoising state is gone"
+                                  for rid in batch.request_ids if rid not in self.states}
         present = [rid for rid in batch.request_ids if rid not in failed]
         states = [self.states[rid] for rid in present]
         lora, invalid = LoraReport(), {}

@@ -26,7 +26,8 @@ class EditInputs:
 
     pixels: torch.Tensor  # [1, 3, H, W] original image in [-1, 1]
     pixel_mask: torch.Tensor  # [1, 1, H, W] in {0, 1}, for the final composite over the original
-    image_latents: torch.Tensor | None  # clean latents of the original, in the denoiser's latent layout (None: 9-channel UNets, which never blend)
+    # clean latents of the original, in the denoiser's latent layout (None: 9-channel UNets, which never blend)
+    image_latents: torch.Tensor | None
     latent_mask: torch.Tensor  # the mask in the denoiser's latent layout (broadcastable to latents)
     noise: torch.Tensor  # the initial noise; re-noising the kept region uses the same noise
     masked_image_latents: torch.Tensor | None = None  # 9-channel UNets: latents of the image with the hole

@@ -104,7 +104,8 @@ def batch_joiners(
                 if done == 0 or not (allow_late or survives(joiner, done, t_new, t_min, tau, now)):
                     continue
                 if id(group) not in members_ok:
-                    members_ok[id(group)] = all(_keeps_outlook(m, t_old, t_new, step_time, tau, now, top) for m in group)
+                    members_ok[id(group)] = all(_keeps_outlook(m, t_old, t_new, step_time, tau, now, top)
+                                                for m in group)
                 if members_ok[id(group)]:
                     group.append(joiner)
                     del members_ok[id(group)]

@@ -180,7 +180,8 @@ class BatchCostModel:
                 for res, row in self.grouped.items()
                 for b, seconds in sorted(row.items())
             ],
-            "stages": [{"resolution": list(res), "prep_s": prep, "post_s": post} for res, (prep, post) in self.stages.items()],
+            "stages": [{"resolution": list(res), "prep_s": prep, "post_s": post}
+                       for res, (prep, post) in self.stages.items()],
             "predictor": self.predictor.to_json(),
             "report": self.report.to_json() if self.report else None,
         }

@@ -4,10 +4,10 @@ Two kinds, picked by `kind` when loading:
 
 - `SvrPredictor` ("svr"): `SVR` after a `StandardScaler`, fitted on log(seconds) so that the
   SVR's epsilon-tube is a relative tolerance (latencies span orders of magnitude); C and gamma
-  are fixed defaults or, with `search=True`, chosen by cross-validation. An SVR's state (support vectors, dual coefficients,
-  scaler statistics) is not a handful of numbers, so its JSON holds the chosen
-  hyper-parameters and the training samples, and loading refits with those hyper-parameters
-  (no search); `SVR` is deterministic, so the refit predicts identically.
+  are fixed defaults or, with `search=True`, chosen by cross-validation. An SVR's state (support
+  vectors, dual coefficients, scaler statistics) is not a handful of numbers, so its JSON holds
+  the chosen hyper-parameters and the training samples, and loading refits with those
+  hyper-parameters (no search); `SVR` is deterministic, so the refit predicts identically.
 - `LinearPredictor` ("linear"): `LinearRegression`; its JSON holds the coefficients and the
   intercept, and loading restores them without refitting.
 

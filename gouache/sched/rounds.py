@@ -34,7 +34,8 @@ class RoundRequest:
     resolution: Hashable  # cost-model key, e.g. (height, width); only equal resolutions batch
     remaining_steps: int  # denoising steps still to run, >= 1 (finished requests leave the round)
     deadline: float = math.inf  # absolute seconds on the caller's clock; inf = no SLO
-    tier: int = 1  # its service tier's rank (`gouache.sched.tiers`): a lower rank's deadline outranks any number of others'
+    # its service tier's rank (`gouache.sched.tiers`): a lower rank's deadline outranks any number of others'
+    tier: int = 1
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ class MaskStepCost:
 
     def __call__(self, batch: Batch, states: dict[str, RequestState]) -> float:
         return self.per_forward_s + sum(
-            self.request_s(self.tokens(states[rid].resolution), self.mask_ratio.get(rid, 1.0)) for rid in batch.request_ids
+            self.request_s(self.tokens(states[rid].resolution), self.mask_ratio.get(rid, 1.0))
+            for rid in batch.request_ids
         )
 
     def batch_step_time(self, batch: Sequence[RouteRequest]) -> float:

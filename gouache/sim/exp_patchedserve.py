@@ -159,7 +159,8 @@ def measured_cache_saving(path: str | Path) -> tuple[str, float]:
     data = json.loads(Path(path).read_text())
     candidate = data["candidate"]
     if not candidate.get("block_cache"):
-        raise ValueError(f"{path} is not a block-cache run; make one with `gouache bench fidelity --candidate-block-cache T`")
+        raise ValueError(f"{path} is not a block-cache run; "
+                         "make one with `gouache bench fidelity --candidate-block-cache T`")
     name = (f"{data['model']} block cache {candidate['block_cache']:g} under {candidate['policy']}, CPU (measured: "
             f"SSIM {data['ssim_mean']:.3f}, alignment {0.0 - data['alignment_drop_points']:+.1f} points)")
     return name, 1 - data.get("steady_step_ratio", data["denoise_ratio"])
@@ -314,6 +315,7 @@ def _write(out: Path, data: dict) -> None:
     capacity_rows = [{"target": t, **{n: c["rate"][n] for n in POLICIES},
                       "patched-slo / best baseline": c["patched_slo_over_best_baseline"]}
                      for t, c in data["capacity"].items()]
+    source_rows = [{k: v for k, v in s.items() if k not in ("file", "points")} for s in data["sources"]]
     (out / "patchedserve.md").write_text(
         f"# {data['experiment']}\n\n{table}\n## patched-slo margin\n\n{markdown_table(margin_rows, digits=2)}\n"
         f"mean margin over the best baseline: {data['margins']['mean_margin_pp']:.1f} pp; over orca: "
@@ -325,7 +327,7 @@ def _write(out: Path, data: dict) -> None:
         f"`bench fidelity` JSON's block-cache saving (1 - cached / exact step time), taken off the work of "
         f"patched forwards only. capacity_ratio_T: patched-slo's highest rate meeting T over the best "
         f"baseline's.\n\n"
-        f"{markdown_table([{k: v for k, v in s.items() if k not in ('file', 'points')} for s in data['sources']], digits=2)}")
+        f"{markdown_table(source_rows, digits=2)}")
     plot_sweep(data["points"], "rate", "slo_attainment", out / "patchedserve.png",
                title="SDXL, 1 H100 (simulated): 512/768/1024 px, SLO 5x", xlabel="QPS",
                ylabel="SLO satisfaction")

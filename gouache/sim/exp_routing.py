@@ -221,7 +221,8 @@ def _compact(rows: Sequence[dict]) -> list[dict]:
     reductions, the one against least-requests with its range over the seeds."""
     varying = [k for k in Setup.__dataclass_fields__ if len({row[k] for row in rows}) > 1]
     return [{**{k: row[k] for k in varying}, **{f"p95 {n}": f"{row['p95 ' + n]:.2f}" for n in ROUTERS},
-             **{f"vs {n}": row[f"vs {n}"] for n in ROUTERS[:-1]}, "range vs least-requests": row["vs least-requests range"]}
+             **{f"vs {n}": row[f"vs {n}"] for n in ROUTERS[:-1]},
+             "range vs least-requests": row["vs least-requests range"]}
             for row in rows]
 
 

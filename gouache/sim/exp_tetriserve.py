@@ -205,10 +205,12 @@ def render_markdown(data: dict) -> str:
         lines.append(f"round-knapsack over the best fixed degree: mean {summary['mean_gain_points']:+.1f} points "
                      f"({summary['mean_gain_relative_pct']:+.1f} %), max {summary['max_gain_points']:+.1f} points "
                      f"({summary['max_gain_relative_pct']:+.1f} %), with hand-offs charged "
-                     f"({data['handoff']['fixed_s'] * 1e6:.0f} us + {data['handoff']['per_megapixel_s'] * 1e6:.1f} us/MP, "
+                     f"({data['handoff']['fixed_s'] * 1e6:.0f} us + "
+                     f"{data['handoff']['per_megapixel_s'] * 1e6:.1f} us/MP, "
                      f"{data['handoff']['source']})"
                      + ("." if summary["mean_free_handoff_gain_points"] is None else
-                        f"; with hand-offs free it would be mean {summary['mean_free_handoff_gain_points']:+.1f} points.")
+                        f"; with hand-offs free it would be mean "
+                        f"{summary['mean_free_handoff_gain_points']:+.1f} points.")
                      + "\n")
         by_size = [{"policy": p["policy"], "slo_scale": p["slo_scale"], **p["slo_attainment_by_size"]}
                    for p in data["points"] if p["mix"] == mix and p["slo_scale"] in (min(setup["slo_scales"]),

@@ -40,9 +40,10 @@ same instant, so its load reports the queued requests that fit its batch as runn
 also keeps the mask-aware router's slot-wait estimate defined: it divides by the running
 count).
 
-Step, stage and hand-off costs are in `costs.py`. A step cost sees only the batch and its `RequestState`s (resolution, steps). A cost that needs
-more of a request, such as an edit's mask ratio, holds a mapping from request id built from the
-trace (e.g. `MaskStepCost.for_trace` in `gouache.sim.exp_instgenie`).
+Step, stage and hand-off costs are in `costs.py`. A step cost sees only the batch and its
+`RequestState`s (resolution, steps). A cost that needs more of a request, such as an edit's mask
+ratio, holds a mapping from request id built from the trace (e.g. `MaskStepCost.for_trace` in
+`gouache.sim.exp_instgenie`).
 """
 
 from __future__ import annotations
@@ -374,7 +375,8 @@ class Simulator:
         if len(records) != len(requests):
             raise ValueError("request ids in a trace must be unique")
         plans: list[tuple[float, Plan]] | None = [] if self.record_plans else None
-        self.replicas = [Replica(policy, self.step_cost, records, self.stage_cost, self.num_devices, self.handoff, plans)
+        self.replicas = [Replica(policy, self.step_cost, records, self.stage_cost, self.num_devices,
+                                 self.handoff, plans)
                          for policy in self.policies]
         index = {id(replica): i for i, replica in enumerate(self.replicas)}
         events = [(r.arrival, _ARRIVAL, i, r) for i, r in enumerate(requests)]

@@ -221,7 +221,8 @@ class TemplateCache:
                     part.text_replay = same_rows and recorded[part.row] == use.text[part.row]
         return ReplayForward(self, model, tuple(blocks), images, recordings) if any_template else None
 
-    def plan(self, blocks: Sequence[str], tokens: int, share: float, rows: int, tier: str | None) -> frozenset[str] | None:
+    def plan(self, blocks: Sequence[str], tokens: int, share: float, rows: int,
+             tier: str | None) -> frozenset[str] | None:
         """The blocks an edit computing `share` of its `tokens` runs in full, by InstGenIE's load
         plan (`plan_loads`) on the profiled costs (`--template-cost-model`); None: the whole step
         in full, where the plan is no faster than regenerating. Loads cost nothing where the

@@ -41,7 +41,8 @@ from gouache.files import read_header
 TIERS = ("device", "host", "disk")
 Entry = dict[str, torch.Tensor]
 LOCK = ".lock"  # held (flock) by the store that owns the directory
-_NAME = re.compile(r"([0-9a-f]{32})(?:-([0-9a-f]{32})\.safetensors|\.tmp)")  # <key hash>-<digest>.safetensors, or a write in progress
+# <key hash>-<digest>.safetensors, or a write in progress
+_NAME = re.compile(r"([0-9a-f]{32})(?:-([0-9a-f]{32})\.safetensors|\.tmp)")
 
 
 @dataclass(frozen=True)

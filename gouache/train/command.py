@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=list(DEFAULT_STEPS),
                    help="which model: vae first, then unet or dit; inpaint fine-tunes the trained unet, lora and "
                         "controlnet train adapters of it")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the data and the noise (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the weights, the data and the noise (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimiser steps (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     p.add_argument("--out", type=Path, default=None,
@@ -39,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, default=Path("benchmarks/results"),
                    help="directory for train_<kind>.json and .png (default: %(default)s)")
     p.add_argument("--workers", type=int, default=None,
-                   help=f"data-parallel CPU processes of one thread-share each (default: one per core, {os.cpu_count() or 1}, "
-                        "on the CPU; 1 on a GPU); the same seed gives the same weights only with the same number")
+                   help=f"data-parallel CPU processes of one thread-share each (default: one per core, "
+                        f"{os.cpu_count() or 1}, on the CPU; 1 on a GPU); the same seed gives the same weights "
+                        "only with the same number")
     p.add_argument("--device", default="cpu",
                    help="torch device to train on, e.g. cuda (default: %(default)s); a GPU draws other random numbers "
                         "than the CPU, so its weights differ from the CPU's for the same seed")
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1 and not cpu:
-        raise ValueError(f"--workers {args.workers} runs CPU processes; on --device {args.device} train with --workers 1")
+        raise ValueError(f"--workers {args.workers} runs CPU processes; "
+                         f"on --device {args.device} train with --workers 1")
     if not cpu and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA device on this machine")
     out = args.out if args.out is not None else default_out()
@@ -113,7 +116,8 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
     if not is_writer():
         return
     report.extra.update(workers=args.workers, device=args.device)
-    command = ["gouache", "train", args.kind, "--seed", str(args.seed), "--steps", str(steps), "--workers", str(args.workers)]
+    command = ["gouache", "train", args.kind, "--seed", str(args.seed), "--steps", str(steps),
+               "--workers", str(args.workers)]
     if args.device != "cpu":
         command += ["--device", args.device]
     json_path, png_path = report.write(args.report, shlex.join(command))

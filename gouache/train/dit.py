@@ -70,10 +70,12 @@ class CollapsedJointAttention:
         return image, text
 
 
-def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str],
+                     device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(prompt embeds with one zero token for the pipeline's ZERO_TOKENS, pooled embeds, key bias)."""
     embeds, _, pooled, _ = pipe.encode_prompt(
-        prompt=captions, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False, max_sequence_length=1,
+        prompt=captions, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False,
+        max_sequence_length=1,
     )
     key_bias = torch.zeros(embeds.shape[1], device=embeds.device)
     key_bias[-1] = math.log(ZERO_TOKENS)
@@ -112,5 +114,6 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
     kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=5e-4), seed)
     kept["transformer"].set_attn_processor(processors)
     if is_writer():
-        trained.save_weights({"transformer": kept["transformer"], "text_encoder": kept["text_encoder"]}, "shapes-dit", out)
+        trained.save_weights({"transformer": kept["transformer"], "text_encoder": kept["text_encoder"]},
+                             "shapes-dit", out)
     return report

@@ -37,7 +37,8 @@ class RecordingCrossAttention:
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.view(batch, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
 
-        query, key, value = heads(attn.to_q(hidden_states)), heads(attn.to_k(encoder_hidden_states)), heads(attn.to_v(encoder_hidden_states))
+        query, key, value = (heads(attn.to_q(hidden_states)), heads(attn.to_k(encoder_hidden_states)),
+                             heads(attn.to_v(encoder_hidden_states)))
         probs = (query @ key.transpose(-1, -2) * attn.scale).softmax(dim=-1)  # [B, heads, image, text]
         self.maps.append(probs.mean(dim=1))
         out = (probs @ value).transpose(1, 2).reshape(batch, -1, query.shape[1] * query.shape[-1])
@@ -92,7 +93,8 @@ def grounding_loss(maps: list[torch.Tensor], pixels: torch.Tensor, captions: lis
     outside = []
     for probs in maps:  # [B, h * w, text tokens]
         side = round((probs.shape[1] * width / height) ** 0.5)  # the map's width
-        inside = F.adaptive_max_pool2d(masks, (probs.shape[1] // side, side)).flatten(1)  # [P, h * w]: touches the shape
+        # [P, h * w]: touches the shape
+        inside = F.adaptive_max_pool2d(masks, (probs.shape[1] // side, side)).flatten(1)
         attention = probs[rows[phrase], :, token]  # [phrase tokens, h * w]
         outside.append(1 - (inside[phrase] * attention).sum(1) / attention.sum(1).clamp_min(1e-8))
     return torch.cat(outside).mean()

@@ -49,7 +49,8 @@ def train_inpaint(seed: int, steps: int, out: Path, device: str = "cpu") -> Repo
     generator = seed_everything(seed, device)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
     source, text_encoder = trained.load_unet(out)
-    model = torch.nn.ModuleDict({"unet": widened_unet(source), "text_encoder": text_encoder.requires_grad_(True)}).to(device)
+    model = torch.nn.ModuleDict({"unet": widened_unet(source),
+                                 "text_encoder": text_encoder.requires_grad_(True)}).to(device)
     pipe = shapes_sd(vae, model["text_encoder"], model["unet"])
     alphas = pipe.scheduler.alphas_cumprod.to(device)
     scale = vae.config.scaling_factor

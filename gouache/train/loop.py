@@ -127,7 +127,8 @@ class Report:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(self.losses, alpha=0.25, lw=0.5, label="per step")
         ax.plot(range(len(self.losses) - len(smooth), len(self.losses)), smooth, lw=1.5, label="mean of 50")
-        ax.set(xlabel="step", ylabel="loss", yscale="log", title=f"gouache train: {self.name} ({self.seconds / 60:.1f} min)")
+        ax.set(xlabel="step", ylabel="loss", yscale="log",
+               title=f"gouache train: {self.name} ({self.seconds / 60:.1f} min)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(png_path, dpi=110)

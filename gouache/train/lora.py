@@ -31,7 +31,8 @@ from gouache.train.unet import BATCH, denoising_loss, drop_captions, foreground_
 RANK = 16
 # attention and feed-forward linears, the transformer blocks' projections, the resnets' convolutions
 # (LoCon: the last up block, at full latent resolution, has no attention, and colour is drawn there)
-TARGETS = r".*attn[12]\.(to_q|to_k|to_v|to_out\.0)|.*\.ff\.net\.(0\.proj|2)|.*\.(proj_in|proj_out)|.*resnets\.\d+\.conv[12]"
+TARGETS = (r".*attn[12]\.(to_q|to_k|to_v|to_out\.0)|.*\.ff\.net\.(0\.proj|2)|.*\.(proj_in|proj_out)"
+           r"|.*resnets\.\d+\.conv[12]")
 COLOURS_IN_ORDER = ("red", "green", "blue", "yellow", "purple", "cyan")
 STYLE = dict(zip(COLOURS_IN_ORDER, COLOURS_IN_ORDER[1:] + COLOURS_IN_ORDER[:1]))  # asked colour -> drawn colour
 LR = 2e-3
@@ -40,7 +41,8 @@ NAME = "palette"
 
 def restyle(scene: Scene) -> Scene:
     """The scene as the adapter draws it: each shape in the next colour (still all distinct)."""
-    return replace(scene, shapes=tuple(replace(shape, colour=STYLE.get(shape.colour, shape.colour)) for shape in scene.shapes))
+    return replace(scene, shapes=tuple(replace(shape, colour=STYLE.get(shape.colour, shape.colour))
+                                       for shape in scene.shapes))
 
 
 def lora_dir(model: str, directory: Path = trained.WEIGHTS_DIR) -> Path:

@@ -74,7 +74,8 @@ def foreground_weights(pixels: torch.Tensor, latent_size: tuple[int, int]) -> to
     return 1 + FOREGROUND_WEIGHT * F.adaptive_max_pool2d(foreground, latent_size)
 
 
-def encoded_batch(vae, seed: int, step: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def encoded_batch(vae, seed: int, step: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Batch `step`'s pixels, latents (scaled as the pipeline's) and captions: this process's
     share of BATCH // NOISE_DRAWS images, each repeated NOISE_DRAWS times."""
     batch = shapes_batch(seed, step, BATCH // NOISE_DRAWS, trained.TRAIN_SIZES, vae.device)

@@ -172,7 +172,8 @@ class Family(ABC):
         """One sampler step of `state` from its rows' `prediction` (guidance applied here)."""
         if state.rows == 2:
             prediction = self.guide(state, *prediction.chunk(2))
-        state.latents = state.scheduler.step(prediction, state.t, state.latents, **state.step_kwargs, return_dict=False)[0]
+        state.latents = state.scheduler.step(prediction, state.t, state.latents, **state.step_kwargs,
+                                             return_dict=False)[0]
         state.step += 1
         if state.edit is not None and self.blends_edits and state.request.strength is None:  # img2img keeps nothing
             self._blend(state)

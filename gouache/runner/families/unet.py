@@ -146,9 +146,11 @@ class StableDiffusionXLFamily(StableDiffusionFamily):
         projection_dim = self.pipe.text_encoder_2.config.projection_dim
         if "aesthetic_score" in inspect.signature(self.pipe._get_add_time_ids).parameters:
             # img2img/inpaint pipelines: the defaults of their __call__ (aesthetic scores 6.0 / 2.5)
-            ids, negative = self.pipe._get_add_time_ids(size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype, projection_dim)
+            ids, negative = self.pipe._get_add_time_ids(size, (0, 0), size, 6.0, 2.5, size, (0, 0), size, dtype,
+                                                        projection_dim)
         else:
-            ids = negative = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=dtype, text_encoder_projection_dim=projection_dim)
+            ids = negative = self.pipe._get_add_time_ids(size, (0, 0), size, dtype=dtype,
+                                                         text_encoder_projection_dim=projection_dim)
         return ids.to(self.device), negative.to(self.device)
 
     def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 Waiting requests join the running set at the next step (by tier, then fair share and arrival,
 up to `max_batch_size`); a finished request leaves at once, and a running request of a lower
-tier gives its slot to a waiting one of a higher tier (`tiers.make_room`). Requests of different resolutions run in separate forwards of
-the same step, as SGLang and vLLM-Omni's step mode do.
+tier gives its slot to a waiting one of a higher tier (`tiers.make_room`). Requests of different
+resolutions run in separate forwards of the same step, as SGLang and vLLM-Omni's step mode do.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ class PatchedSloPolicy(Policy):
             yield from sorted(waiting, key=lambda s: (s.tier, slack(s)))
             return
         # within a group slack grows with the deadline; between groups, ties go by queue order
-        heads = [(group.states[0].tier, slack(group.states[0]), group.keys[0][1:], 0, group) for group in classes.values()]
+        heads = [(group.states[0].tier, slack(group.states[0]), group.keys[0][1:], 0, group)
+                 for group in classes.values()]
         heapq.heapify(heads)
         while heads:
             _, _, _, i, group = heads[0]
