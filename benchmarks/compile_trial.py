@@ -3,9 +3,10 @@
 For each model and batch size: the eager forward and the compiled one (inductor, and inductor
 with `freezing`, which folds the weights into the graph as constants), median milliseconds
 over repeats after the compile, the first call's seconds (the compile: cold, each trial in an
-empty inductor cache), and the largest difference from eager. Then whether a compiled forward sees a weight changed in place after it
-was compiled, as merging a LoRA adapter does, and whether that recompiles. Prints a table,
-writes JSON. Each mode compiles in a process of its own (inductor's settings are global).
+empty inductor cache), and the largest difference from eager. Then whether a compiled forward
+sees a weight changed in place after it was compiled, as merging a LoRA adapter does, and
+whether that recompiles. Prints a table, writes JSON. Each mode compiles in a process of its own
+(inductor's settings are global).
 
     .venv/bin/python benchmarks/compile_trial.py [--models shapes-unet,shapes-dit] [--size 128]
 """
@@ -92,7 +93,8 @@ def main() -> None:
         print(json.dumps(trial(args.one[0], args.size, args.one[1], args.repeats)))
         return
     results = {}
-    print(f"| model | mode | batch | eager ms | compiled ms | compiled / eager | compile s | max diff |  ({args.size} px)")
+    print("| model | mode | batch | eager ms | compiled ms | compiled / eager | compile s | "
+          f"max diff |  ({args.size} px)")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for model in args.models.split(","):
         for mode in MODES:

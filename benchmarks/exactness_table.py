@@ -26,7 +26,8 @@ def main(out: str, *xmls: str) -> None:
     results = {Path(x).stem: cases(Path(x)) for x in xmls if Path(x).is_file()}
     dtypes = list(results)
     names = list(dict.fromkeys(n for rows in results.values() for n in rows))
-    lines = ["| case | " + " | ".join(f"{d} max latent difference" for d in dtypes) + " |", "|---" * (1 + len(dtypes)) + "|"]
+    lines = ["| case | " + " | ".join(f"{d} max latent difference" for d in dtypes) + " |",
+             "|---" * (1 + len(dtypes)) + "|"]
     for name in names:
         cells = []
         for d in dtypes:

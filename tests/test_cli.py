@@ -16,8 +16,10 @@ from gouache.sched.policies import POLICIES
 
 @pytest.mark.slow
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "generate", "edit", "models", "export-model", "train", "profile", "simulate", "reproduce", "bench"):
+    out = subprocess.run([sys.executable, "-m", "gouache.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for command in ("serve", "generate", "edit", "models", "export-model", "train", "profile", "simulate",
+                    "reproduce", "bench"):
         assert command in out
 
 
@@ -32,7 +34,8 @@ def test_exported_model_directory_serves_the_same_images(tmp_path):
     directory = tmp_path / "tiny-sd3"
     assert main(["export-model", "tiny-sd3", str(directory)]) == 0
     for model, name in (("tiny-sd3", "a.png"), (str(directory), "b.png")):
-        assert main(["generate", "fox", "--model", model, "--size", "32x32", "--steps", "2", "-o", str(tmp_path / name)]) == 0
+        assert main(["generate", "fox", "--model", model, "--size", "32x32", "--steps", "2",
+                     "-o", str(tmp_path / name)]) == 0
     assert Image.open(tmp_path / "a.png").tobytes() == Image.open(tmp_path / "b.png").tobytes()
 
 
@@ -42,8 +45,8 @@ def test_edit_offline_keeps_pixels_outside_the_mask(tmp_path):
     mask.paste((0, 0, 0, 0), (0, 0, 32, 64))  # repaint the left half
     original.save(tmp_path / "in.png")
     mask.save(tmp_path / "mask.png")
-    args = ["edit", "a cat", "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png"), "--size", "64x64",
-            "--steps", "2", "-o", str(tmp_path / "out.png")]
+    args = ["edit", "a cat", "--image", str(tmp_path / "in.png"), "--mask", str(tmp_path / "mask.png"),
+            "--size", "64x64", "--steps", "2", "-o", str(tmp_path / "out.png")]
     assert main(args) == 0
     out = Image.open(tmp_path / "out.png")
     assert out.crop((32, 0, 64, 64)).tobytes() == original.crop((32, 0, 64, 64)).tobytes()
@@ -103,8 +106,8 @@ def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
                  "--max-batch", "2", "--repeats", "1", "--out", str(cost)]) == 0
     out = tmp_path / "s2r.json"
     args = ["bench", "sim-to-real", "--model", "tiny-sd3", "--cost-model", str(cost), "--sizes", "64",
-            "--requests", "3", "--rate", "5", "--steps", "2", "--max-batch-size", "2", "--policies", "patched,round-knapsack",
-            "--slo-scale", "100", "--out", str(out)]
+            "--requests", "3", "--rate", "5", "--steps", "2", "--max-batch-size", "2",
+            "--policies", "patched,round-knapsack", "--slo-scale", "100", "--out", str(out)]
     assert main(args) == 0
     data = json.loads(out.read_text())
     for policy in ("patched", "round-knapsack"):
@@ -112,7 +115,8 @@ def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
         assert len(run["live"]) == len(run["simulated"]) == 3  # generous SLOs: nothing dropped
         assert all(v > 0 for v in [*run["live"].values(), *run["simulated"].values()])
         assert run["live_forward_over_predicted_median"] > 0 and run["live_prep_median_s"] > 0
-    assert [(r["policy"], r["source"]) for r in data["rows"]][:2] == [("patched", "live engine"), ("patched", "simulator")]
+    assert ([(r["policy"], r["source"]) for r in data["rows"]][:2]
+            == [("patched", "live engine"), ("patched", "simulator")])
     speed = data["runs"]["patched"]["live_forward_over_predicted_median"]
     assert data["rows"][2]["source"] == f"simulator, steps x {speed:.2f}"
     assert len(data["runs"]["patched"]["simulated_at_live_speed"]) == 3
@@ -187,8 +191,8 @@ def test_serve_passes_the_flags_its_policy_reads(built_configs):
         main(["serve", "--policy", "orca", "--paused-host-mb", "512"])
     assert built_configs["engine"].paused_host_bytes == 512 << 20
     with pytest.raises(_EngineBuilt):
-        main(["serve", "--policy", "patched-slo", "--cost-model", "c.json", "--tier-slo-ms", "priority=2000,default=9000",
-              "--tier-queue-share", "flex=0.25,default=0.75"])
+        main(["serve", "--policy", "patched-slo", "--cost-model", "c.json",
+              "--tier-slo-ms", "priority=2000,default=9000", "--tier-queue-share", "flex=0.25,default=0.75"])
     assert built_configs["scheduler"].tier_slo_ms == (("priority", 2000.0), ("default", 9000.0))
     assert built_configs["engine"].tier_queue_share == (("flex", 0.25), ("default", 0.75))
 

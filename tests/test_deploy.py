@@ -178,7 +178,8 @@ def check_schema(where: str, obj: dict) -> None:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as error:
-            pytest.fail(f"{where}: {obj['kind']} at {'.'.join(map(str, error.path))}: {error.message} (Kubernetes {version})")
+            pytest.fail(f"{where}: {obj['kind']} at {'.'.join(map(str, error.path))}: {error.message} "
+                        f"(Kubernetes {version})")
 
 
 def test_every_manifest_matches_the_kubernetes_schemas():

@@ -26,7 +26,8 @@ print((resident() - before) >> 20)
 
 def probe(choice: str) -> tuple[str, int]:
     env = {**os.environ, "GOUACHE_MALLOC": choice}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True,
+                         timeout=120)
     kept, held_mib = out.stdout.split()
     return kept, int(held_mib)
 

@@ -48,7 +48,8 @@ class Layer:
 
 
 def test_a_made_up_technique_is_followed_by_every_reader_of_the_table(watermark):
-    assert "| `watermark` | `--watermark` | yes | no: the step runs eagerly | a made-up watermark" in techniques.markdown()
+    assert ("| `watermark` | `--watermark` | yes | no: the step runs eagerly | a made-up watermark"
+            in techniques.markdown())
     assert "| `lora` + `watermark` | refused | made up with lora |" in techniques.markdown()
 
     uses = {"lora": {"lora"}, "layout": {"watermark"}}

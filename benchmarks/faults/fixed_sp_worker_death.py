@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3, help="sent at once before the kill")
     parser.add_argument("--steps", type=int, default=60, help="denoising steps per request: the kill lands mid-run")
     parser.add_argument("--kill-rank", type=int, default=1, help="the device whose worker is killed")
-    parser.add_argument("--bound-s", type=float, default=60.0, help="every request must be answered this soon after the kill")
+    parser.add_argument("--bound-s", type=float, default=60.0,
+                        help="every request must be answered this soon after the kill")
     parser.add_argument("--out", type=Path, help="also write the runs as JSON here")
     parser.add_argument("serve", nargs="*", help="more `gouache serve` flags, after --")
     args = parser.parse_args(argv)

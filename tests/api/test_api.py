@@ -42,8 +42,8 @@ async def test_n2_gets_consecutive_seeds_and_ids(client: httpx.AsyncClient, engi
 
 
 async def test_extensions_and_non_square_size(client: httpx.AsyncClient, engine: FakeEngine):
-    fields = {"size": "512x256", "negative_prompt": "blur", "num_inference_steps": 3, "guidance_scale": 2, "slo_ms": 500,
-              "block_cache": 0.1}
+    fields = {"size": "512x256", "negative_prompt": "blur", "num_inference_steps": 3, "guidance_scale": 2,
+              "slo_ms": 500, "block_cache": 0.1}
     response = await client.post(GENERATIONS, json={"prompt": "fox", "output_format": "webp", **fields})
     assert response.status_code == 200, response.text
     image = open_image(response.json()["data"][0]["b64_json"])
@@ -218,7 +218,8 @@ async def test_edit_without_size_keeps_the_upload_size(client: httpx.AsyncClient
     body = response.json()
     assert body["size"] == "96x64" and open_image(body["data"][0]["b64_json"]).size == (96, 64)
     assert (engine.submitted[0].width, engine.submitted[0].height, engine.submitted[0].mask) == (96, 64, None)
-    streamed = await client.post(EDITS, data={**data, "stream": "true"}, files=[("image", ("in.png", png(96, 64), "image/png"))])
+    streamed = await client.post(EDITS, data={**data, "stream": "true"},
+                                 files=[("image", ("in.png", png(96, 64), "image/png"))])
     assert parse_sse(streamed.text)[-1][1]["size"] == "96x64"
 
 

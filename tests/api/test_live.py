@@ -89,7 +89,8 @@ def test_delete_aborts_a_stream(live_url: str, engine: FakeEngine):
     name, data = parse_sse(text)[-1]
     assert name == "error" and data["error"]["code"] == "cancelled"
     assert engine.aborted == [api_id]
-    assert engine.metrics.registry.get_sample_value("gouache_errors_total", {"kind": "cancelled"}) == 1  # once, not also as abandoned
+    # once, not also as abandoned
+    assert engine.metrics.registry.get_sample_value("gouache_errors_total", {"kind": "cancelled"}) == 1
 
 
 def test_stream_client_disconnect_aborts(live_url: str, engine: FakeEngine):

@@ -79,7 +79,8 @@ def test_openai_client_asks_for_a_lora(server_url):
     assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/loras").json()["data"]] == ["ink", "wording"]
     wording = client(server_url).images.generate(prompt="a red fox", size="64x64",
                                                  extra_body={**fields, "loras": [{"name": "wording"}]})
-    assert wording.data[0].b64_json not in (plain.data[0].b64_json, ink.data[0].b64_json)  # the prompt's encoding changed
+    # the prompt's encoding changed
+    assert wording.data[0].b64_json not in (plain.data[0].b64_json, ink.data[0].b64_json)
     registered = httpx.post(f"{server_url}/v1/loras", json={"name": "wording"}).json()
     assert registered["text_encoders"] == ["text_encoder", "text_encoder_2"]
     with pytest.raises(openai.BadRequestError, match="unknown LoRA 'nope'"):
@@ -96,8 +97,8 @@ def test_openai_client_asks_for_controlnets_with_a_lora(server_url):
     assert [entry["id"] for entry in httpx.get(f"{server_url}/v1/controlnets").json()["data"]] == ["edges"]
     with pytest.raises(openai.BadRequestError, match="must be the image's size, 64x64"):
         client(server_url).images.generate(prompt="a red fox", size="64x64", extra_body={
-            "controlnets": [{"name": "edges", "image": base64.b64encode(rgba_png(np.zeros((32, 32, 4), np.uint8)).read())
-                             .decode()}]})
+            "controlnets": [{"name": "edges",
+                             "image": base64.b64encode(rgba_png(np.zeros((32, 32, 4), np.uint8)).read()).decode()}]})
 
 
 def test_openai_client_edit_keeps_pixels_outside_the_mask(server_url):
@@ -155,7 +156,8 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server_url):
         assert response.status_code == 400 and response.json()["error"]["param"] == "image"
         unsized = http.post(EDITS, data={"prompt": "x"}, files=files)  # its own size is too large too
         assert unsized.status_code == 400 and unsized.json()["error"]["param"] == "size"
-        ok = http.post("/v1/images/generations", json={"prompt": "still alive", "size": "64x64", "num_inference_steps": 2})
+        ok = http.post("/v1/images/generations",
+                       json={"prompt": "still alive", "size": "64x64", "num_inference_steps": 2})
         assert ok.status_code == 200 and len(ok.json()["data"]) == 1
         assert http.get("/health").json()["status"] == "ok"
 
@@ -184,7 +186,8 @@ def test_an_instruction_edit_model_through_the_openai_client():
 
 
 
-@pytest.mark.parametrize(("model", "family", "no_cfg"), [("tiny-qwen-image", "qwenimage", 1.0), ("tiny-zimage", "zimage", 0.0)])
+@pytest.mark.parametrize(("model", "family", "no_cfg"),
+                         [("tiny-qwen-image", "qwenimage", 1.0), ("tiny-zimage", "zimage", 0.0)])
 def test_a_newer_family_through_the_openai_client(model, family, no_cfg):
     """Qwen-Image and Z-Image: generations of two sizes, a masked edit keeping the pixels outside
     its mask, an img2img; a negative prompt where guidance runs no CFG is a 400 naming the bound;
@@ -204,7 +207,8 @@ def test_a_newer_family_through_the_openai_client(model, family, no_cfg):
                                           extra_body={**steps, "strength": 0.5})
         with pytest.raises(openai.BadRequestError, match=f"'{model}' .a {family} model. does not serve block_cache"):
             client(url).images.generate(prompt="a red fox", size="64x64", extra_body={"block_cache": 0.1})
-        with pytest.raises(openai.BadRequestError, match=f"turns classifier-free guidance off; send one above {no_cfg:g}"):
+        with pytest.raises(openai.BadRequestError,
+                           match=f"turns classifier-free guidance off; send one above {no_cfg:g}"):
             client(url).images.generate(prompt="a red fox", size="64x64",
                                         extra_body={"negative_prompt": "blurry", "guidance_scale": no_cfg})
     assert card["family"] == family and set(card["unserved"]) == {"block_cache", "template"}

@@ -22,7 +22,8 @@ def test_progress_event_on_the_wire():
 
 
 def test_completed_and_error_events_on_the_wire():
-    name, data = encode_event(ImageEvent(index=0, image=b"png", seed=7), SHAPE).decode().removesuffix("\n\n").split("\n")
+    name, data = (encode_event(ImageEvent(index=0, image=b"png", seed=7), SHAPE).decode().removesuffix("\n\n")
+                  .split("\n"))
     assert name == "event: image_generation.completed" and data.startswith("data: {") and ": " not in data[6:]
     completed = json.loads(data.removeprefix("data: "))
     assert {k: completed[k] for k in ("type", "b64_json", "seed", "index", "size", "output_format", "background")} == {

@@ -138,7 +138,8 @@ async def test_each_key_is_its_tenant_with_its_tiers_and_limits(engine: FakeEngi
     async with client_of(engine, config) as client:
         alpha = await client.post("/v1/images/generations", headers=auth("sk-alpha"),
                                   json={**body, "service_tier": "priority"})
-        beta = await client.post("/v1/images/generations", headers=auth("sk-beta"), json={**body, "service_tier": "auto"})
+        beta = await client.post("/v1/images/generations", headers=auth("sk-beta"),
+                                 json={**body, "service_tier": "auto"})
         forbidden = await client.post("/v1/images/generations", headers=auth("sk-beta"),
                                       json={**body, "service_tier": "priority"})
         unknown = await client.post("/v1/images/generations", headers=auth("sk-delta"), json=body)

@@ -14,8 +14,9 @@ from gouache.cli import main
 def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
     assert main(["make-lora", "--model", "tiny-sd", "--out", str(tmp_path / "ink.safetensors")]) == 0
     out = tmp_path / "adapters.json"
-    assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "ink", "--size", "64",
-                 "--steps", "3", "--repeats", "1", "--fidelity", "2", "--requests", "6", "--rate", "1000", "--adapters", "3",
+    assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "ink",
+                 "--size", "64", "--steps", "3", "--repeats", "1", "--fidelity", "2", "--requests", "6",
+                 "--rate", "1000", "--adapters", "3",
                  "--load-shares", "0.5", "--mixes", "0C/0L,1C/1L", "--controlnet-workers", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert len(result["similarity"]) == 3 and 0 <= result["bound"] <= 3

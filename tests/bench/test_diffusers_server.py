@@ -36,7 +36,8 @@ def send_together(client, bodies):
     return answers
 
 
-@pytest.mark.parametrize(("mode", "calls"), [("static", [("a", "b", "c"), ("d",)]), ("serial", [("a",), ("b",), ("c",), ("d",)])])
+@pytest.mark.parametrize(("mode", "calls"), [("static", [("a", "b", "c"), ("d",)]),
+                                             ("serial", [("a",), ("b",), ("c",), ("d",)])])
 def test_static_batching_groups_same_size_requests_within_the_window(mode, calls):
     pipe = Pipe()
     client = TestClient(make_app(pipe, mode, window_s=1.0, max_batch=8))

@@ -151,5 +151,6 @@ def test_a_block_cache_predictor_candidate_reports_its_reuse_and_its_decisions_t
 def test_a_predictor_without_a_candidate_block_cache_is_refused(tmp_path, capsys):
     from gouache.cli import main
 
-    assert main(["bench", "fidelity", "--candidate-block-cache-predictor", "x.json", "--out", str(tmp_path / "f.json")]) == 2
+    assert main(["bench", "fidelity", "--candidate-block-cache-predictor", "x.json",
+                 "--out", str(tmp_path / "f.json")]) == 2
     assert "--candidate-block-cache-predictor would be ignored" in capsys.readouterr().err

@@ -86,8 +86,9 @@ def test_a_quantized_variant_runs_a_quantized_copy_of_the_denoiser_alone():
 
 
 def test_arguments_out_of_range_are_refused(capsys):
-    for argv, what in ((["--sizes", "200,512"], "--sizes"), (["--mixes", "256"], "--mixes"), (["--masks", "0"], "--masks"),
-                       (["--share", "1"], "--share"), (["--share", "0.4"], "--share"), (["--skip", "nothing"], "--skip"),
+    for argv, what in ((["--sizes", "200,512"], "--sizes"), (["--mixes", "256"], "--mixes"),
+                       (["--masks", "0"], "--masks"), (["--share", "1"], "--share"), (["--share", "0.4"], "--share"),
+                       (["--skip", "nothing"], "--skip"),
                        (["--compile-cache", "/tmp/x"], "--compile-cache"),
                        (["--variants", "compiled"], "--variants"), (["--device", "tpu"], "--device"),
                        (["--variants", "eager,fp8"], "fp8")):

@@ -17,7 +17,8 @@ def test_trace_is_drawn_from_the_seed_and_only_its_times_scale_with_the_rate():
     assert slow != make_trace(1.0, 60, SIZES, [2, 4], UNIFORM, seed=4, max_requests=1000)
     assert len(fast) > len(slow) and all(item.at <= 60 for item in fast)
     for a, b in zip(slow, fast):
-        assert (a.kind, a.width, a.height, a.steps, a.seed, a.cut) == (b.kind, b.width, b.height, b.steps, b.seed, b.cut)
+        assert ((a.kind, a.width, a.height, a.steps, a.seed, a.cut)
+                == (b.kind, b.width, b.height, b.steps, b.seed, b.cut))
         assert b.at == pytest.approx(a.at / 2, abs=1e-4)
     assert len(make_trace(100.0, 60, SIZES, [2], UNIFORM, seed=3, max_requests=7)) == 7
 
@@ -58,7 +59,8 @@ def test_judge_gives_each_request_exactly_one_result(kind, seen, result, code):
 def test_tally_counts_every_outcome_once_and_times_only_completed_requests():
     outcomes = [Outcome("plain", "images", 200, None, s) for s in (1.0, 2.0, 3.0, 4.0)]
     outcomes += [Outcome("plain", "error", 429, "queue_full", 0.1), Outcome("edit", "error", 429, "queue_full", 0.1),
-                 Outcome("stream", "error", 200, "timeout", 9.0), Outcome("delete", "cancelled", 200, "cancelled", 2.0, 200),
+                 Outcome("stream", "error", 200, "timeout", 9.0),
+                 Outcome("delete", "cancelled", 200, "cancelled", 2.0, 200),
                  Outcome("disconnect", "cancelled", None, None, 0.5), Outcome("stream", "lost", None, "timeout", 99.0)]
     report = tally(outcomes)
     assert report["sent"] == 10 == sum(report[result] for result in RESULTS)
@@ -90,7 +92,8 @@ def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
     row = result["results"][0]
     assert row["lost"] == 0, row["lost_by_reason"]
     assert row["sent"] == sum(row[r] for r in RESULTS) == sum(sum(k.values()) for k in row["results_by_kind"].values())
-    assert 0 < row["sent"] <= 24 and row["capacity_rps"] > 0 and row["offered_rps"] == pytest.approx(2 * row["capacity_rps"])
+    assert (0 < row["sent"] <= 24 and row["capacity_rps"] > 0
+            and row["offered_rps"] == pytest.approx(2 * row["capacity_rps"]))
     assert {"load_start", "end"} <= {sample["mark"] for sample in row["timeline"]}
     for key in ("rss_warm_mb", "rss_end_mb", "rss_growth_pct", "fds_start", "fds_end", "exit_code", "leaked",
                 "children_seen", "latency_p99_s", "errors_by_code", "server_errors_total", "after_drain"):

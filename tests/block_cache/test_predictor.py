@@ -43,8 +43,8 @@ def test_the_forest_as_arrays_equals_scikit_learns_predict_proba_and_survives_it
     for i, (f, t) in enumerate(zip(tree.feature[:8], tree.threshold[:8])):
         if f >= 0:
             on[i, f], on[8 + i, f] = np.float32(t), np.nextafter(np.float32(t), np.float32(np.inf))
-    np.testing.assert_allclose(predictor.probability(on), forest.predict_proba(on)[:, list(forest.classes_).index(True)],
-                               atol=1e-6)
+    np.testing.assert_allclose(predictor.probability(on),
+                               forest.predict_proba(on)[:, list(forest.classes_).index(True)], atol=1e-6)
     predictor.save(tmp_path / "p.json")
     loaded = ReusePredictor.load(tmp_path / "p.json", "model")
     assert np.array_equal(loaded.probability(X[400:]), ours)
@@ -85,7 +85,8 @@ def test_the_features_of_a_large_unit_read_a_sample_that_estimates_its_change():
     generator = torch.Generator().manual_seed(0)
     then = torch.randn(3, 320, 32, 32, generator=generator)
     x = then + torch.tensor([0.01, 0.1, 1.0]).reshape(3, 1, 1, 1) * torch.randn(then.shape, generator=generator)
-    assert SAMPLE <= sample(x).shape[1] <= 2 * SAMPLE and torch.equal(sample(x[:, :1, :4, :4]), x[:, :1, :4, :4].flatten(1))
+    assert (SAMPLE <= sample(x).shape[1] <= 2 * SAMPLE
+            and torch.equal(sample(x[:, :1, :4, :4]), x[:, :1, :4, :4].flatten(1)))
     features = unit_features(then, x, np.zeros((3, 3), np.float32), 0)
     full = (x - then).flatten(1).abs().mean(1) / then.flatten(1).abs().mean(1)
     np.testing.assert_allclose(features[:, 0], full.numpy(), rtol=0.05, atol=0)

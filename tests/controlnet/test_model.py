@@ -62,7 +62,8 @@ def reference(pipe, model, control_dir, names, images, scales, r):
     nets = [ControlNetModel.from_pretrained(str(control_dir / n)) for n in names]
     cls = getattr(diffusers, PIPELINES[model])
     theirs = cls.from_pipe(pipe, controlnet=nets[0] if len(nets) == 1 else nets)
-    out = theirs(prompt=r.prompt, image=[Image.fromarray(i) for i in images] if len(nets) > 1 else Image.fromarray(images[0]),
+    out = theirs(prompt=r.prompt,
+                 image=[Image.fromarray(i) for i in images] if len(nets) > 1 else Image.fromarray(images[0]),
                  controlnet_conditioning_scale=scales if len(nets) > 1 else scales[0], height=r.height, width=r.width,
                  num_inference_steps=STEPS, guidance_scale=r.guidance_scale,
                  generator=torch.Generator().manual_seed(r.seed), output_type="latent")

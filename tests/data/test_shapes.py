@@ -3,7 +3,9 @@ import random
 import numpy as np
 import pytest
 
-from gouache.data.shapes import BACKGROUNDS, COLOURS, Scene, Shape, ShapesDataset, caption, parse_caption, render, sample_scene
+from gouache.data.shapes import (
+    BACKGROUNDS, COLOURS, Scene, Shape, ShapesDataset, caption, parse_caption, render, sample_scene,
+)
 
 
 def test_dataset_items_depend_on_seed_and_index_alone():
@@ -12,7 +14,8 @@ def test_dataset_items_depend_on_seed_and_index_alone():
         image_a, caption_a, scene_a, size_a = a.item(index)
         image_b, caption_b, scene_b, size_b = b.item(index)
         assert np.array_equal(image_a, image_b) and (caption_a, scene_a, size_a) == (caption_b, scene_b, size_b)
-    assert a.item(0)[1] != ShapesDataset(4, [(64, 64)]).item(0)[1] or a.item(1)[1] != ShapesDataset(4, [(64, 64)]).item(1)[1]
+    assert (a.item(0)[1] != ShapesDataset(4, [(64, 64)]).item(0)[1]
+            or a.item(1)[1] != ShapesDataset(4, [(64, 64)]).item(1)[1])
 
 
 def test_caption_round_trips_over_many_scenes():

@@ -22,12 +22,14 @@ from gouache.sched.policies import make_policy
 
 def make_engine(pipes, policy="orca", **engine_kwargs) -> AsyncEngine:
     pipe = pipes("tiny-sdxl")
-    return AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(**engine_kwargs), make_policy(SchedulerConfig(policy=policy)))
+    return AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(**engine_kwargs),
+                       make_policy(SchedulerConfig(policy=policy)))
 
 
 def images(api_id: str, n: int = 1, steps: int = 4, size: int = 64, **kwargs) -> list[ImageRequest]:
     now = time.monotonic()
-    return [ImageRequest(f"{api_id}-{i}", "a fox", size, size, steps, 5.0, seed=i, arrival_time=now, **kwargs) for i in range(n)]
+    return [ImageRequest(f"{api_id}-{i}", "a fox", size, size, steps, 5.0, seed=i, arrival_time=now, **kwargs)
+            for i in range(n)]
 
 
 def png(array: np.ndarray) -> bytes:
@@ -204,7 +206,8 @@ def test_an_edit_that_repaints_nothing_returns_the_original_without_a_step(pipes
 
 def test_patched_engine_serves_mixed_sizes_in_one_forward(pipes):
     pipe = pipes("tiny-sdxl")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_pixels=32), make_policy(SchedulerConfig(policy="patched")))
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(patch_pixels=32),
+                         make_policy(SchedulerConfig(policy="patched")))
     steps = record_steps(engine)
     assert engine.info.size_step == 16  # the model's own: each forward picks patches that cut its sizes
 
@@ -231,7 +234,8 @@ def test_patched_serves_every_size_the_model_takes_equal_to_one_forward_per_size
     sizes = ((64, 64), (96, 96), (128, 64), (64, 128), (128, 128))
     results = {}
     for policy in ("patched", "orca"):
-        engine = AsyncEngine(pipe, model_info(pipe, "shapes-unet"), EngineConfig(), make_policy(SchedulerConfig(policy=policy)))
+        engine = AsyncEngine(pipe, model_info(pipe, "shapes-unet"), EngineConfig(),
+                             make_policy(SchedulerConfig(policy=policy)))
         assert engine.info.size_step == 32
         steps = record_steps(engine)
 
@@ -326,7 +330,8 @@ def test_the_engine_scales_its_cost_model_by_the_steps_it_measures(pipes):
 def test_round_knapsack_serves_live_one_shape_per_step(pipes):
     pipe = pipes("tiny-sdxl")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sdxl"), EngineConfig(),
-                         make_policy(SchedulerConfig(policy="round-knapsack", round_s=0.1), _Fixed()), predictor=_Fixed())
+                         make_policy(SchedulerConfig(policy="round-knapsack", round_s=0.1), _Fixed()),
+                         predictor=_Fixed())
     steps = record_steps(engine)
     shapes = {"a-0": 64, "a-1": 64, "b-0": 96, "c-0": 64}
 

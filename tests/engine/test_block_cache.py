@@ -28,7 +28,8 @@ def test_whole_image_reuse_keeps_the_unchanged_image_and_computes_the_other(pipe
               (("a", 1), ("b", 2))]
     states = [runner.states[s.request_id] for s in states]
     first = family.predict(states, blocks=CachedForward.of(states, cache))
-    states[1].latents = states[1].latents + torch.randn(states[1].latents.shape, generator=torch.Generator().manual_seed(9))
+    states[1].latents = states[1].latents + torch.randn(states[1].latents.shape,
+                                                        generator=torch.Generator().manual_seed(9))
     again = family.predict(states, blocks=CachedForward.of(states, cache))
     exact = family.predict(states)
     assert cache.reused > 0 and torch.equal(again[0], first[0])
@@ -45,8 +46,9 @@ def run(pipe, requests, policy="patched", config=None) -> tuple[dict[str, torch.
         for state in report.finished:
             results[state.request_id] = runner.states.pop(state.request_id).latents
 
-    core = EngineCore(DevicePool.in_process(runner), scheduler, metrics, keep, lambda reasons, invalid: pytest.fail(str(reasons)),
-                      pytest.fail, lambda error: pytest.fail(str(error)))
+    core = EngineCore(DevicePool.in_process(runner), scheduler, metrics, keep,
+                      lambda reasons, invalid: pytest.fail(str(reasons)), pytest.fail,
+                      lambda error: pytest.fail(str(error)))
     for r in requests:
         scheduler.add(runner.prepare(r))
     while scheduler.has_work():
@@ -176,9 +178,11 @@ def test_a_predictor_is_refused_where_every_step_is_sequence_parallel_and_a_wron
     from gouache.engine.build import build_engine
 
     (tmp_path / "broken.json").write_text("{")
-    config = EngineConfig(executor="multiproc", devices=2, block_cache=BlockCacheConfig(predictor=str(tmp_path / "x.json")))
+    config = EngineConfig(executor="multiproc", devices=2,
+                          block_cache=BlockCacheConfig(predictor=str(tmp_path / "x.json")))
     with pytest.raises(ValueError, match="--block-cache-predictor would be ignored: every step of --policy fixed-sp-2"):
         build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
-    config = EngineConfig(executor="multiproc", devices=1, block_cache=BlockCacheConfig(predictor=str(tmp_path / "broken.json")))
+    config = EngineConfig(executor="multiproc", devices=1,
+                          block_cache=BlockCacheConfig(predictor=str(tmp_path / "broken.json")))
     with pytest.raises(ValueError, match="cannot read it"):
         build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="orca"))

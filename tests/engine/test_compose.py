@@ -31,7 +31,8 @@ from tests.lora.random_files import random_loras
 MODEL = "tiny-sd"
 STEPS = 2
 ONE_DEVICE = [name for name, cls in POLICIES.items() if cls.min_devices == 1]
-SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes", "img2img", "conditioning")  # in one process, here
+# in one process, here
+SERVED = ("lora", "controlnet", "block_cache", "template", "mixed_sizes", "img2img", "conditioning")
 SERVER_CHOSEN = {"mixed_sizes", "conditioning"}  # the batch's layout; the conditioning cache of the batched runs
 TOLERANCE = 1e-4  # fp32 on the CPU: another batch layout rounds otherwise (docs/architecture.md, invariant 2)
 
@@ -99,7 +100,8 @@ class Alone:
         key = replace(request, request_id="alone", arrival_time=0.0)
         name = repr(key)
         if name not in self.done:
-            self.done[name] = serve(self.pipe, self.directories, "orca", {0: [(key, inputs)]}, conditioning=False)["alone"]
+            self.done[name] = serve(self.pipe, self.directories, "orca", {0: [(key, inputs)]},
+                                    conditioning=False)["alone"]
         return self.done[name]
 
 
@@ -171,7 +173,8 @@ ASKED = {"controlnet_async": "controlnets"}  # the field named for it: controlne
 
 
 def test_refused_pairs_are_refused_at_admission_naming_both_fields():
-    refused = [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items() if entry.verdict == REFUSED]
+    refused = [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items()
+               if entry.verdict == REFUSED]
     per_request = [(a, b) for a, b in refused if TECHNIQUES[a].per_request and TECHNIQUES[b].per_request]
     assert len(per_request) == 10
     for a, b in per_request:

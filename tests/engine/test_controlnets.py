@@ -45,7 +45,8 @@ def b64(image: np.ndarray) -> str:
 
 def test_requests_with_controlnets_through_the_api(pipes, control_dir):
     pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"),
+                         EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
                          make_policy(SchedulerConfig(policy="orca")))
     rng = np.random.default_rng(0)
     edges, depth, wide = (rng.integers(0, 255, shape, dtype=np.uint8) for shape in ((64, 64, 3),) * 2 + ((64, 96, 3),))
@@ -54,7 +55,8 @@ def test_requests_with_controlnets_through_the_api(pipes, control_dir):
     bad = {"unknown": [{**net, "name": "nope"}], "escape": [{**net, "name": "../edges"}],
            "broken": [{**net, "name": "broken"}], "not a controlnet": [{**net, "name": "empty"}],
            "model": [{**net, "name": "other-model"}], "size": [{**net, "image": b64(wide)}],
-           "not base64": [{**net, "image": "%%%"}], "not an image": [{**net, "image": base64.b64encode(b"hi").decode()}],
+           "not base64": [{**net, "image": "%%%"}],
+           "not an image": [{**net, "image": base64.b64encode(b"hi").decode()}],
            "scale": [{**net, "scale": -1}], "field": [{**net, "weight": 1}], "no image": [{"name": "edges"}],
            "too many": [net] * 5, "type": "edges", "async without service": ([net], "async")}
 
@@ -77,14 +79,16 @@ def test_requests_with_controlnets_through_the_api(pipes, control_dir):
             mode_alone = await http.post("/v1/images/generations", json={**body, "controlnet_mode": "sync"})
             cached = await http.post("/v1/images/generations", json={**body, "controlnets": [net], "block_cache": 0.1})
             edit = await http.post("/v1/images/edits", files={"image": ("i.png", png(depth), "image/png")},
-                                   data={"prompt": "a fox", "num_inference_steps": "3", "controlnets": json.dumps([net])})
+                                   data={"prompt": "a fox", "num_inference_steps": "3",
+                                         "controlnets": json.dumps([net])})
             template = await http.post("/v1/images/edits", files={"image": ("i.png", png(depth), "image/png")},
-                                       data={"prompt": "a fox", "controlnets": json.dumps([net]), "template_cache": "true"})
+                                       data={"prompt": "a fox", "controlnets": json.dumps([net]),
+                                             "template_cache": "true"})
             after = await http.post("/v1/images/generations", json=body)
             metrics = await http.get("/metrics")
         await engine.aclose()
-        return (listed, registered, refused_registration, plain, controlled, refused, mode_alone, cached, edit, template,
-                after, metrics)
+        return (listed, registered, refused_registration, plain, controlled, refused, mode_alone, cached, edit,
+                template, after, metrics)
 
     (listed, registered, refused_registration, plain, controlled, refused, mode_alone, cached, edit, template, after,
      metrics) = run(scenario())
@@ -124,7 +128,8 @@ def test_controlnet_flags_without_a_directory_are_refused():
 
 def test_transformer_models_refuse_controlnets(pipes, control_dir):
     pipe = pipes("tiny-sd3")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd3"), EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd3"),
+                         EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
                          make_policy(SchedulerConfig(policy="orca")))
 
     async def scenario():
@@ -211,5 +216,6 @@ def test_controlnets_under_worker_processes(control_dir):
         assert registered["loaded"]
     local, remote = ([pixels(out[0].image) for out in outs[k]] for k in (0, 1))
     assert np.abs(local[0] - local[1]).max() > 10  # the ControlNet changes the image
-    for ours, theirs in zip(local, remote):  # the service's residuals equal the worker's own (to rounding: threads differ)
+    # the service's residuals equal the worker's own (to rounding: threads differ)
+    for ours, theirs in zip(local, remote):
         assert np.abs(ours - theirs).max() <= 1

@@ -33,7 +33,8 @@ class FlatCost:
         return 0.1 * len(resolutions)
 
 
-def request(rid: str, seed: int, steps: int, width: int = 64, height: int = 64, guidance: float = 5.0, prompt="a red fox"):
+def request(rid: str, seed: int, steps: int, width: int = 64, height: int = 64, guidance: float = 5.0,
+            prompt="a red fox"):
     return ImageRequest(rid, prompt, width, height, steps, guidance, seed, negative_prompt=None)
 
 
@@ -63,7 +64,8 @@ def run_engine(pipe, arrivals: dict[int, list], policy: str = "orca", runner: Mo
             pytest.fail(f"dropped {plan.drop}")
 
     core = EngineCore(pool or DevicePool.in_process(runner), scheduler, Metrics(), keep_finished,
-                      lambda reasons, invalid: pytest.fail(str(reasons)), no_drops, lambda error: pytest.fail(str(error)))
+                      lambda reasons, invalid: pytest.fail(str(reasons)), no_drops,
+                      lambda error: pytest.fail(str(error)))
     step = 0
     while step <= max(arrivals) or scheduler.has_work():
         for item in arrivals.get(step, []):

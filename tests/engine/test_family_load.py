@@ -29,7 +29,8 @@ def png(array: np.ndarray) -> bytes:
 def kinds(info) -> list[ImageRequest]:
     """One request of each kind the model takes (`ModelInfo`), two steps each."""
     rng = np.random.default_rng(0)
-    upload, other = png(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)), png(rng.integers(0, 255, (80, 64, 3), dtype=np.uint8))
+    upload, other = (png(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)),
+                     png(rng.integers(0, 255, (80, 64, 3), dtype=np.uint8)))
     mask = np.full((64, 64, 4), 255, np.uint8)
     mask[16:48, 16:48, 3] = 0  # transparent: repaint
     now = time.monotonic()

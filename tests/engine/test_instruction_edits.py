@@ -30,9 +30,11 @@ def kontext_inpaint_reference(pipe, request: ImageRequest, image: np.ndarray, ma
     cls = diffusers.FluxKontextInpaintPipeline
     inpaint = cls(**{k: v for k, v in pipe.components.items() if k in cls._get_signature_keys(cls)[0]})
     inpaint.set_progress_bar_config(disable=True)
-    return inpaint(prompt=request.prompt, image=Image.fromarray(image), mask_image=Image.fromarray((mask * 255).astype(np.uint8)),
+    return inpaint(prompt=request.prompt, image=Image.fromarray(image),
+                   mask_image=Image.fromarray((mask * 255).astype(np.uint8)),
                    height=request.height, width=request.width, num_inference_steps=request.num_inference_steps,
-                   guidance_scale=request.guidance_scale, strength=1.0, generator=torch.Generator().manual_seed(request.seed),
+                   guidance_scale=request.guidance_scale, strength=1.0,
+                   generator=torch.Generator().manual_seed(request.seed),
                    output_type="latent", _auto_resize=False, max_area=request.height * request.width).images
 
 

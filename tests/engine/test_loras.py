@@ -78,8 +78,9 @@ def test_requests_with_adapters_through_the_api(pipes, lora_dir):
         assert response.status_code == 400, (why, response.text)
         assert response.json()["error"]["param"].startswith("loras"), why
     assert "unknown LoRA 'nope'" in refused["unknown"].json()["error"]["message"]
-    assert "gouache applies LoRAs to the unet and text_encoder of this model" in refused["model"].json()["error"]["message"] or \
-        "no module" in refused["model"].json()["error"]["message"]
+    assert ("gouache applies LoRAs to the unet and text_encoder of this model"
+            in refused["model"].json()["error"]["message"]
+            or "no module" in refused["model"].json()["error"]["message"])
     assert edit.status_code == 200, edit.text
     assert not_json.status_code == 400 and not_json.json()["error"]["param"] == "loras"
     assert after.status_code == 200 and after.json()["data"][0]["b64_json"] == images[0]  # unmerged again

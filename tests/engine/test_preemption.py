@@ -132,7 +132,8 @@ def test_flex_requests_get_429_first_under_load(pipes):
     from tests.engine.test_async_engine import images
 
     pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(max_queue_len=4, tier_queue_share=(("flex", 0.5),)),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"),
+                         EngineConfig(max_queue_len=4, tier_queue_share=(("flex", 0.5),)),
                          make_policy(SchedulerConfig(policy="orca")))
 
     async def scenario():

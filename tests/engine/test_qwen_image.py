@@ -149,7 +149,8 @@ def test_a_masked_edit_equals_qwen_image_edit_inpaint_at_its_megapixel(pipes):
     cls = diffusers.QwenImageEditInpaintPipeline
     inpaint = cls(**{k: v for k, v in pipe.components.items() if k in cls._get_signature_keys(cls)[0]})
     inpaint.set_progress_bar_config(disable=True)
-    expected = inpaint(prompt="a cat", image=Image.fromarray(image), mask_image=Image.fromarray((mask * 255).astype(np.uint8)),
+    expected = inpaint(prompt="a cat", image=Image.fromarray(image),
+                       mask_image=Image.fromarray((mask * 255).astype(np.uint8)),
                        negative_prompt=" ", true_cfg_scale=4.0, height=1024, width=1024, num_inference_steps=2,
                        strength=1.0, generator=torch.Generator().manual_seed(3), output_type="latent").images
     assert (latents["masked"] - expected).abs().max() <= 1e-4

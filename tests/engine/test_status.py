@@ -51,7 +51,8 @@ def test_status_shows_a_running_request_and_then_the_steps_it_took(pipes):
     assert request["size"] == "64x96" and request["status"] == "running" and 2 < request["step"] < 120
     assert request["steps"] == 120 and running["running"] == 1 and running["model"] == "tiny-sd"
     assert after["requests"] == [] and after["finished"] == 1 and after["images_per_s"] > 0
-    assert after["steps"]["recent"] == RECENT_STEPS and 0 < after["steps"]["overhead_ms_median"] < after["steps"]["latency_ms_median"]
+    assert (after["steps"]["recent"] == RECENT_STEPS
+            and 0 < after["steps"]["overhead_ms_median"] < after["steps"]["latency_ms_median"])
     assert after["devices"]["0"]["requests"] == 1 and after["devices"]["0"]["step_ms"] > 0
 
 

@@ -85,7 +85,8 @@ def test_a_registered_template_serves_edits_through_the_api(pipes, tmp_path, mod
             ignored = [await http.post("/v1/templates", data={**form, field: value},
                                        files={"image": ("t.png", png(original), "image/png")})
                        for field, value in (("output_format", "jpeg"), ("block_cache", "0.1"))]
-            both = await http.post("/v1/images/edits", data={**form, "template_id": "model-photo", "block_cache": "0.1"},
+            both = await http.post("/v1/images/edits",
+                                   data={**form, "template_id": "model-photo", "block_cache": "0.1"},
                                    files={"image": ("t.png", png(original), "image/png")})
             edit = await http.post("/v1/images/edits", data={**form, "template_id": "model-photo"}, files={
                 "image": ("t.png", png(original), "image/png"), "mask": ("m.png", png(mask), "image/png")})
@@ -176,7 +177,8 @@ def test_a_template_id_sent_with_another_image_records_that_image(pipes, tmp_pat
             for api_id, image, kwargs in (("record", first, {"template_id": "photo"}),
                                           ("other", second, {"template_id": "photo"}),
                                           ("exact", second, {"template_cache": False})):
-                edit = images(api_id, image=png(image), mask=png(mask), template_cache=kwargs.get("template_cache", True),
+                edit = images(api_id, image=png(image), mask=png(mask),
+                              template_cache=kwargs.get("template_cache", True),
                               template_id=kwargs.get("template_id"))
                 yield (await (await engine.submit(edit)).images())[0]
         finally:

@@ -56,7 +56,8 @@ def test_guidance_zero_runs_no_cfg_and_equals_the_pipeline(pipes):
 
 
 @pytest.mark.parametrize(("flag", "config"), [
-    ("--block-cache would be ignored: zimage models serve no", EngineConfig(block_cache=BlockCacheConfig(threshold=0.1))),
+    ("--block-cache would be ignored: zimage models serve no",
+     EngineConfig(block_cache=BlockCacheConfig(threshold=0.1))),
     ("--compile is not served for zimage models", EngineConfig(compile=CompileConfig(enabled=True))),
 ])
 def test_what_the_family_does_not_serve_is_refused_at_start(flag, config):

@@ -154,7 +154,8 @@ def test_an_adapter_file_spoilt_after_admission_fails_its_request_as_its_own_inp
         path.write_bytes(path.read_bytes()[:100])  # then caught half-written by the loads
     control = np.zeros((64, 64, 3), np.uint8)
     runner.prepare(ImageRequest("lora", "a cat", 64, 64, 2, 4.0, seed=1, loras=(("x", 1.0),)))
-    runner.prepare(ImageRequest("control", "a cat", 64, 64, 2, 4.0, seed=1, controlnets=(("c", b"", 1.0),)), controls=[control])
+    runner.prepare(ImageRequest("control", "a cat", 64, 64, 2, 4.0, seed=1, controlnets=(("c", b"", 1.0),)),
+                   controls=[control])
     runner.prepare(ImageRequest("plain", "a cat", 64, 64, 2, 4.0, seed=1))
     assert runner.loras.store.load("x").exception(timeout=60) is not None  # the loader thread read it (and failed)
     out = runner.execute(Batch(("lora", "control", "plain")))

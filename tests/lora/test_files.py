@@ -30,7 +30,8 @@ def test_kohya_keys_and_their_alphas_become_the_same_layer(pipe):
     down, up = layer_pair(pipe)
     peft = parse_lora({f"unet.{Q}.lora_A.weight": down, f"unet.{Q}.lora_B.weight": up}, {}, Target.of(pipe), "peft")
     key = "lora_unet_" + Q.replace(".", "_")
-    kohya = parse_lora({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(1.0)},
+    kohya = parse_lora({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up,
+                        f"{key}.alpha": torch.tensor(1.0)},
                        {}, Target.of(pipe), "kohya")
     assert list(peft.layers) == list(kohya.layers) == [Q]
     assert torch.equal(peft.layers[Q].down, kohya.layers[Q].down) and torch.equal(peft.layers[Q].up, kohya.layers[Q].up)
@@ -123,7 +124,8 @@ def test_text_encoder_layers_of_a_transformer_family_are_refused_naming_what_app
     pipe = load_pipeline("tiny-sd3")
     raw = {"text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 32),
            "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 2)}
-    with pytest.raises(LoraError, match="has layers for text_encoder; gouache applies LoRAs to the transformer of this"):
+    with pytest.raises(LoraError,
+                       match="has layers for text_encoder; gouache applies LoRAs to the transformer of this"):
         parse_lora(raw, {}, Target.of(pipe), "clip")
 
 

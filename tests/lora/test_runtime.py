@@ -16,7 +16,8 @@ from gouache.sched.plan import Batch
 
 TOL = 1e-4
 STEPS = 3
-GRAIN = r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ff|img_mlp|txt_mlp)\.net\.(0\.proj|2)|feed_forward\.w\d|x_embedder.*)"
+GRAIN = (r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ff|img_mlp|txt_mlp)\.net\.(0\.proj|2)|feed_forward\.w\d"
+         r"|x_embedder.*)")
 
 
 @pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image",

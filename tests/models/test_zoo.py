@@ -138,7 +138,8 @@ def test_a_qwen_image_edit_directory_naming_transformers_processor_loads_with_go
     """Real Qwen-Image-Edit directories name transformers' Qwen2VLProcessor, which transformers
     builds only with torchvision: gouache's QwenVLProcessor loads in its place, its settings kept."""
     export_model("tiny-qwen-image-edit", str(tmp_path / "edit"))
-    for path, key, value in ((tmp_path / "edit" / "model_index.json", "processor", ["transformers", "Qwen2VLProcessor"]),
+    for path, key, value in ((tmp_path / "edit" / "model_index.json", "processor",
+                              ["transformers", "Qwen2VLProcessor"]),
                              (tmp_path / "edit" / "processor" / "processor_config.json", "processor_class",
                               "Qwen2VLProcessor")):
         config = json.loads(path.read_text())
@@ -247,5 +248,6 @@ def test_every_shapes_caption_word_is_one_token():
     for word in WORDS:
         assert len(tok(word, add_special_tokens=False).input_ids) == 1, word
         assert len(tok(f"a {word}", add_special_tokens=False).input_ids) == 2, word
-    longest = "a purple triangle at the bottom right, a yellow square at the top left and a green circle in the center on a black background"
+    longest = ("a purple triangle at the bottom right, a yellow square at the top left and a green circle in the "
+               "center on a black background")
     assert len(tok(longest).input_ids) == 28 <= tok.model_max_length

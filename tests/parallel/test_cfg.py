@@ -149,7 +149,8 @@ def test_the_parallel_pairs_compose_as_the_table_says(two_workers, control_dir, 
     asks = {"lora": ({"loras": (("ink", 0.8),)}, {}),
             "controlnet": ({"controlnets": (("edges", b"", 0.8),)}, {"controls": [cond]}),
             "block_cache": ({"block_cache": 0.5}, {}),
-            "template": ({"image": b"-", "template_cache": True, "template_id": "shirt"}, {"image": image, "mask": mask}),
+            "template": ({"image": b"-", "template_cache": True, "template_id": "shirt"},
+                         {"image": image, "mask": mask}),
             "img2img": ({"image": b"-", "strength": 1.0}, {"image": image})}  # all STEPS steps, from the upload
     kinds = [(t,) for t in asks] + [("lora", "controlnet"), ()]
 

@@ -177,7 +177,8 @@ def four_ranks(rank: int, tmp: str) -> None:
     start(rank, 4, tmp)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
     groups, deltas = {2: pairs[rank // 2], 4: dist.group.WORLD}, {}
-    with pytest.raises(ValueError, match="not in the Ulysses group"), ulysses(MODELS["tiny-sd3"](), pairs[1 - rank // 2]):
+    with (pytest.raises(ValueError, match="not in the Ulysses group"),
+          ulysses(MODELS["tiny-sd3"](), pairs[1 - rank // 2])):
         pass
     for name, build in MODELS.items():
         model = build()

@@ -17,8 +17,9 @@ def test_profile_reuse_records_images_and_patches_and_writes_a_predictor_a_runne
     from gouache.runner.model_runner import ModelRunner
 
     out = tmp_path / "reuse.json"
-    assert main(["profile", "--reuse", "--model", "tiny-sd", "--requests", "2", "--reuse-steps", "3", "--sizes", "64,96",
-                 "--patch-size", "32", "--bound", "0.5", "--trees", "4", "--depth", "3", "--out", str(out)]) == 0
+    assert main(["profile", "--reuse", "--model", "tiny-sd", "--requests", "2", "--reuse-steps", "3",
+                 "--sizes", "64,96", "--patch-size", "32", "--bound", "0.5", "--trees", "4", "--depth", "3",
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())["report"]
     samples = np.load(out.with_suffix(".npz"))
     features, errors = samples["features"], samples["errors"]

@@ -138,7 +138,8 @@ def test_segmented_adapters_run_in_a_graph_of_their_own_that_serves_any_sets_of_
 @pytest.mark.slow
 def test_a_hook_added_after_compiling_is_honoured_by_running_eagerly(runners, pipe):
     eager, compiled = runners
-    out = eager.family.denoiser.proj_out if hasattr(eager.family.denoiser, "proj_out") else eager.family.denoiser.conv_out
+    out = (eager.family.denoiser.proj_out if hasattr(eager.family.denoiser, "proj_out")
+           else eager.family.denoiser.conv_out)
     handle = out.register_forward_hook(lambda module, args, output: output + 0.5)
     try:
         expected, _ = steps(eager, [request("h", guidance=1.0)], [("h",)])
@@ -202,7 +203,8 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
     assert forward().eager_reason(Step([State(), State((1, 4, 4, 4))], True)) == "mixed_sizes"
     assert forward().eager_reason(Step([State(), State()], True)) is None  # one size: a plain batch
     assert forward(2).eager_reason(Step([State()], False)) == "parallel"
-    assert forward().eager_reason(Step([State(), State(cond={"reference": torch.zeros(1, 4, 8)})], False)) == "reference"
+    assert (forward().eager_reason(Step([State(), State(cond={"reference": torch.zeros(1, 4, 8)})], False))
+            == "reference")
     assert forward().eager_reason(Step([State(), State(strength=0.5)], False)) is None  # img2img changes no forward
 
 

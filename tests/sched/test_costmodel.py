@@ -125,7 +125,8 @@ def test_plain_forward_table_survives_json(tmp_path):
     model.record({(512, 512): 1}, 0.11)
     save(model, tmp_path / "m.json")
     loaded = load(tmp_path / "m.json")
-    assert loaded.grouped == {(512, 512): {1: 0.1, 3: 0.2}} and loaded.grouped_time((512, 512), 2) == pytest.approx(0.15)
+    assert (loaded.grouped == {(512, 512): {1: 0.1, 3: 0.2}}
+            and loaded.grouped_time((512, 512), 2) == pytest.approx(0.15))
     with pytest.raises(ValueError, match="batch >= 1"):
         model.record_grouped(512, 0, 0.1)
 

@@ -98,8 +98,8 @@ def random_states(rng, n, prefix="w", started=False):
     """Few shapes, step counts and deadlines, so slacks tie often; every 4th-ish without an SLO."""
     states = []
     for i in range(n):
-        state = make_state(f"{prefix}{i}", resolution=rng.choice([(256, 256), (512, 512), (512, 768)]), steps=rng.choice([4, 10]),
-                           arrival=float(i))
+        state = make_state(f"{prefix}{i}", resolution=rng.choice([(256, 256), (512, 512), (512, 768)]),
+                           steps=rng.choice([4, 10]), arrival=float(i))
         state.steps_done = rng.randint(0, state.num_steps - 1) if started else 0
         state.deadline = None if rng.random() < 0.25 else rng.choice([2.0, 3.0, 5.0, rng.uniform(0.5, 30)])
         states.append(state)
@@ -142,7 +142,8 @@ def reference_plan(policy, waiting, running, now):
     return [[s.request_id for s in batch]] if batch else [], admit, drop
 
 
-@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByResolution()], ids=["linear", "extra", "by-resolution"])
+@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByResolution()],
+                         ids=["linear", "extra", "by-resolution"])
 def test_order_and_plan_equal_the_plain_sorted_by_slack_policy(predictor):
     rng = random.Random(13)
     for _ in range(200):
@@ -156,7 +157,8 @@ def test_order_and_plan_equal_the_plain_sorted_by_slack_policy(predictor):
         assert (groups(plan), plan.admit, plan.drop) == reference_plan(policy, waiting, running, now)
 
 
-@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByResolution()], ids=["linear", "extra", "by-resolution"])
+@pytest.mark.parametrize("predictor", [Linear(), Linear(extra=0.01), ByResolution()],
+                         ids=["linear", "extra", "by-resolution"])
 def test_the_scheduler_queue_gives_the_order_and_plan_of_a_full_sort(predictor):
     """Given the scheduler's queue (`sched.waiting`, groups merged by their heads), the policy
     reads the candidates in the order, and makes the plan, of sorting every waiting request
@@ -180,6 +182,7 @@ def test_the_scheduler_queue_gives_the_order_and_plan_of_a_full_sort(predictor):
         assert listed == sorted(queue.values(), key=lambda s: (s.tier, s.fair_tag, s.arrival_time))
         plain = sorted(listed, key=lambda s: (s.tier, reference_slack(policy, s, now)))
         assert [s.request_id for s in policy.by_slack(queue.ordered, now)] == [s.request_id for s in plain]
-        plan, reference = policy.plan(queue.ordered, running, now, Devices(1, (0,))), policy.plan(listed, running, now, Devices(1, (0,)))
+        plan, reference = (policy.plan(queue.ordered, running, now, Devices(1, (0,))),
+                           policy.plan(listed, running, now, Devices(1, (0,))))
         assert (groups(plan), plan.admit, plan.drop, plan.pause) == (groups(reference), reference.admit, reference.drop,
                                                                      reference.pause)

@@ -16,7 +16,8 @@ TOL = 1e-4
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=["tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-sd", "tiny-sdxl", "tiny-sd-inpaint"])
+@pytest.fixture(scope="module",
+                params=["tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-sd", "tiny-sdxl", "tiny-sd-inpaint"])
 def pipe(request):
     return load_pipeline(request.param)
 

@@ -22,8 +22,8 @@ def trained_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
-    for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"), ("dit", "shapes-dit"),
-                       ("lora", "loras/shapes-unet/palette")):
+    for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"),
+                       ("dit", "shapes-dit"), ("lora", "loras/shapes-unet/palette")):
         assert trained.weights_path(name, trained_dir).is_file()
         report = json.loads((trained_dir / f"train_{kind}.json").read_text())
         workers = 2 if kind == "unet" else 1
@@ -40,7 +40,8 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
     from gouache.train.lora import RANK
 
     path = trained_dir / "loras" / "shapes-unet" / "palette.safetensors"
-    lora = read_lora(path, Target.of(load_pipeline("shapes-unet")), "palette")  # the built-in's architecture, any weights
+    # the built-in's architecture, any weights
+    lora = read_lora(path, Target.of(load_pipeline("shapes-unet")), "palette")
     report = json.loads((trained_dir / "train_lora.json").read_text())
     assert len(lora.layers) == report["extra"]["layers"] and report["extra"]["rank"] == RANK
     assert all(layer.scale == 1.0 and layer.down.shape[0] == RANK for layer in lora.layers.values())
@@ -71,7 +72,8 @@ def test_the_vae_stores_its_latent_scale_and_shift(trained_dir):
 def weights_after(out, workers, trained_dir):
     out.mkdir()
     (out / "shapes-vae.safetensors").write_bytes((trained_dir / "shapes-vae.safetensors").read_bytes())
-    assert main(["train", "unet", "--steps", "2", "--workers", str(workers), "--out", str(out), "--report", str(out)]) == 0
+    assert main(["train", "unet", "--steps", "2", "--workers", str(workers), "--out", str(out),
+                 "--report", str(out)]) == 0
     return load_file(str(out / "shapes-unet.safetensors"))
 
 

@@ -18,9 +18,11 @@ def test_one_token_with_log_n_bias_equals_the_pipelines_n_zero_tokens():
     latents = torch.randn(2, 4, 8, 12)
     timestep = torch.tensor([900.0, 120.0])
     with torch.no_grad():
-        full, _, pooled, _ = pipe.encode_prompt(prompt=CAPTIONS, prompt_2=None, prompt_3=None, do_classifier_free_guidance=False)
+        full, _, pooled, _ = pipe.encode_prompt(prompt=CAPTIONS, prompt_2=None, prompt_3=None,
+                                                do_classifier_free_guidance=False)
         assert full.shape[1] == trained.TEXT_LENGTH + ZERO_TOKENS
-        reference = transformer(hidden_states=latents, encoder_hidden_states=full, pooled_projections=pooled, timestep=timestep).sample
+        reference = transformer(hidden_states=latents, encoder_hidden_states=full, pooled_projections=pooled,
+                                timestep=timestep).sample
         embeds, collapsed_pooled, key_bias = collapsed_inputs(pipe, CAPTIONS)
         torch.testing.assert_close(embeds, full[:, : trained.TEXT_LENGTH + 1])
         torch.testing.assert_close(collapsed_pooled, pooled)

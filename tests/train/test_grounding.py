@@ -11,7 +11,8 @@ from gouache.models import trained
 from gouache.train.grounding import grounding_loss, phrase_tokens, record_cross_attention
 
 SCENE = Scene(
-    shapes=(Shape("circle", "red", "top left"), Shape("square", "blue", "center"), Shape("triangle", "green", "bottom")),
+    shapes=(Shape("circle", "red", "top left"), Shape("square", "blue", "center"),
+            Shape("triangle", "green", "bottom")),
     background="white",
 )
 
@@ -64,7 +65,8 @@ def test_recording_changes_no_output_and_keeps_one_map_per_cross_attention():
     torch.manual_seed(0)
     unet = trained.unet()
     unet.set_attn_processor(AttnProcessor2_0())
-    latents, embeds, t = torch.randn(2, 4, 8, 12), torch.randn(2, trained.TEXT_LENGTH, trained.TEXT_HIDDEN), torch.tensor([999, 10])
+    latents, embeds, t = (torch.randn(2, 4, 8, 12), torch.randn(2, trained.TEXT_LENGTH, trained.TEXT_HIDDEN),
+                          torch.tensor([999, 10]))
     with torch.no_grad():
         plain = unet(latents, t, encoder_hidden_states=embeds).sample
         recorder = record_cross_attention(unet)

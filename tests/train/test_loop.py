@@ -21,7 +21,8 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
 def test_weights_round_trip_through_fp16_safetensors(tmp_path):
     torch.manual_seed(0)
     vae = trained.vae()
-    trained.save_weights({"vae": vae}, "shapes-vae", tmp_path, metadata={"scaling_factor": "2.0", "shift_factor": "0.5"})
+    trained.save_weights({"vae": vae}, "shapes-vae", tmp_path,
+                         metadata={"scaling_factor": "2.0", "shift_factor": "0.5"})
     loaded = trained.load_vae(tmp_path)
     assert (loaded.config.scaling_factor, loaded.config.shift_factor) == (2.0, 0.5)
     for (name, a), b in zip(vae.state_dict().items(), loaded.state_dict().values()):

@@ -41,7 +41,8 @@ def test_each_encoded_image_is_drawn_at_several_noise_levels(pipe):
     pixels, latents, captions = encoded_batch(pipe.vae, 0, 3, torch.Generator().manual_seed(0))
     images = BATCH // NOISE_DRAWS
     assert len(pixels) == len(latents) == len(captions) == BATCH
-    assert torch.equal(latents[:images], latents[images:2 * images]) and captions[:images] == captions[images:2 * images]
+    assert (torch.equal(latents[:images], latents[images:2 * images])
+            and captions[:images] == captions[images:2 * images])
     assert torch.equal(pixels[:images], pixels[images:])
     assert latents.shape[1] == 4 and not torch.equal(latents[0], latents[1])
 

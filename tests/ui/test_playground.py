@@ -176,7 +176,8 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
          and [f["state"] for f in figures(browser)] == ["done"])
     screenshot("img2img")
     redrawn = pixels(figures(browser)[0]["src"])
-    distance = {name: np.abs(image.astype(int) - upload).mean() for name, image in (("img2img", redrawn), ("whole", whole))}
+    distance = {name: np.abs(image.astype(int) - upload).mean()
+                for name, image in (("img2img", redrawn), ("whole", whole))}
     assert distance["img2img"] < 0.5 * distance["whole"], distance  # the picture shows through
     assert console_errors(browser) == []
 
@@ -196,7 +197,8 @@ def unpainted_edit(browser, url: str, model: str, uploads: list, prompt: str, na
     wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
     screenshot(name)
     data = {"prompt": prompt, "seed": "3", "num_inference_steps": "2", "size": "64x64"}
-    files = [("image" if i == 0 else "image[]", (path.name, path.read_bytes(), "image/png")) for i, path in enumerate(uploads)]
+    files = [("image" if i == 0 else "image[]", (path.name, path.read_bytes(), "image/png"))
+             for i, path in enumerate(uploads)]
     answer = httpx.post(f"{url}/v1/images/edits", data=data, files=files, timeout=120).json()
     return pixels(figures(browser)[0]["src"]), open_image(answer["data"][0]["b64_json"]).convert("RGB"), form
 
