@@ -47,7 +47,8 @@ _MAX_FORM_FIELDS = 64  # far more than the API has; stops field floods before va
 _NOT_FOR_TEMPLATES = ("mask", "n", "stream", "partial_images", "template_cache", "response_format", "output_format",
                       "output_compression", "block_cache", "strength")
 _UPLOADS = {"image": "the image to edit (PNG, JPEG or WebP); `image[]` too, for models that take several",
-            "mask": "where to repaint (OpenAI's rule): its fully transparent pixels, or without transparency its white ones"}
+            "mask": "where to repaint (OpenAI's rule): its fully transparent pixels, or without transparency its "
+                    "white ones"}
 
 
 @router.post("/v1/images/generations", openapi_extra=json_body(ImageGenerationRequest))
@@ -195,7 +196,8 @@ async def _submit(ctx: ApiContext, tenant: Tenant, jobs: list[ImageRequest]) -> 
 
 def _check_model(ctx: ApiContext, params: ImageParams) -> None:
     if params.model is not None and params.model not in ctx.model_ids:
-        message = f"The model '{params.model}' does not exist; this server serves {', '.join(map(repr, ctx.model_ids))}."
+        message = (f"The model '{params.model}' does not exist; "
+                   f"this server serves {', '.join(map(repr, ctx.model_ids))}.")
         raise UnknownModelError(message, "model")
 
 
@@ -238,7 +240,8 @@ def _only_upload(form: FormData, names: tuple[str, ...], param: str) -> UploadFi
     but the first dropped (an edit's several images are read apart, by `edit_images`)."""
     values = [value for name in names for value in form.getlist(name)]
     if len(values) > 1:
-        raise InvalidRequestError(f"Invalid value for '{param}': {len(values)} files were sent; an edit takes one {param}.", param)
+        raise InvalidRequestError(f"Invalid value for '{param}': {len(values)} files were sent; "
+                                  f"an edit takes one {param}.", param)
     return values[0] if values else None
 
 

@@ -35,7 +35,8 @@ class DenoiserBench:
         unit = 2 if self.family == "flux" else 1  # Flux works on 2x2-packed token grids
         channels = c.in_channels
         self.samples = [self._rand(channels, h // unit, w // unit) for h, w in shapes]
-        self.timestep = torch.rand(n, generator=self.gen).to(self.device, self.dtype) * (1 if self.family == "flux" else 999)
+        self.timestep = (torch.rand(n, generator=self.gen).to(self.device, self.dtype)
+                         * (1 if self.family == "flux" else 999))
         text_dim = c.cross_attention_dim if self.family == "unet" else c.joint_attention_dim
         self.text = self._rand(n, TEXT_TOKENS[self.family], text_dim)
         if self.family == "unet":

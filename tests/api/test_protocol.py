@@ -15,7 +15,8 @@ from gouache.errors import InvalidRequestError
 from gouache.techniques import unserved
 from tests.api.fake_engine import FAKE_INFO
 
-LIMITS = Limits(max_n=4, max_steps=50, min_size=64, max_size=1024, max_pixels=512 * 1024, size_step=16, default_size=512)
+LIMITS = Limits(max_n=4, max_steps=50, min_size=64, max_size=1024, max_pixels=512 * 1024, size_step=16,
+                default_size=512)
 CONTEXT = {"limits": LIMITS}
 
 
@@ -52,7 +53,8 @@ def test_limits_come_from_context():
 def test_form_values_are_parsed_from_strings():
     fields = {"prompt": "p", "n": "2", "stream": "true", "guidance_scale": "7.5", "seed": "9", "size": "512x256"}
     params = ImageEditRequest.model_validate(fields, context=CONTEXT)
-    assert (params.n, params.stream, params.guidance_scale, params.seed, params.width_height) == (2, True, 7.5, 9, (512, 256))
+    assert ((params.n, params.stream, params.guidance_scale, params.seed, params.width_height)
+            == (2, True, 7.5, 9, (512, 256)))
 
 
 def test_to_requests_fills_defaults_and_seeds():
@@ -125,7 +127,8 @@ def test_a_negative_prompt_with_guidance_reaches_the_image_requests():
 
 def test_partial_images_need_stream():
     assert "needs stream=true" in _json_error('{"prompt": "p", "partial_images": 2}').message
-    streamed = ImageGenerationRequest.model_validate({"prompt": "p", "partial_images": 2, "stream": True}, context=CONTEXT)
+    streamed = ImageGenerationRequest.model_validate({"prompt": "p", "partial_images": 2, "stream": True},
+                                                     context=CONTEXT)
     assert streamed.to_requests("a", FAKE_INFO, 0.0)[0].partial_images == 2
 
 
@@ -139,7 +142,8 @@ def test_values_gouache_cannot_honour_are_refused(body: str, param: str):
 
 
 def test_output_compression_reaches_the_image_requests():
-    params = ImageGenerationRequest.model_validate({"prompt": "p", "output_format": "webp", "output_compression": 30}, context=CONTEXT)
+    params = ImageGenerationRequest.model_validate({"prompt": "p", "output_format": "webp",
+                                                    "output_compression": 30}, context=CONTEXT)
     assert params.to_requests("a", FAKE_INFO, 0.0)[0].output_compression == 30
 
 
@@ -148,7 +152,8 @@ def test_edit_size_auto_is_the_upload_size():
     assert params.size == "auto" and params.at_upload_size(96, 64, LIMITS).width_height == (96, 64)
     with pytest.raises(InvalidRequestError) as refused:
         params.at_upload_size(100, 64, LIMITS)
-    assert refused.value.param == "size" and "100x64" in refused.value.message and "multiples of 16" in refused.value.message
+    assert (refused.value.param == "size" and "100x64" in refused.value.message
+            and "multiples of 16" in refused.value.message)
     sized = ImageEditRequest.model_validate({"prompt": "p", "size": "128x64"}, context=CONTEXT)
     assert sized.width_height == (128, 64)
 

@@ -155,7 +155,9 @@ def test_serve_mask_aware_with_a_template_cost_model_routes_on_it():
 
 
 def test_an_unknown_router_is_refused_with_the_names_it_could_be():
-    with pytest.raises(ValueError, match="router must be one of least-requests, least-tokens, mask-aware, round-robin, got .round-robinn."):
+    with pytest.raises(ValueError,
+                       match="router must be one of least-requests, least-tokens, mask-aware, round-robin, "
+                             "got .round-robinn."):
         make_router("round-robinn")
 
 

@@ -71,7 +71,8 @@ def reference_flux(model, inputs: dict, i: int) -> torch.Tensor:
     c, h, w = x.shape
     one = {k: inputs[k][i : i + 1] for k in ("timestep", "guidance", "encoder_hidden_states", "pooled_projections")}
     img_ids = FluxPipeline._prepare_latent_image_ids(1, h, w, x.device, x.dtype)
-    out = model(hidden_states=x.flatten(1).T[None], txt_ids=inputs["txt_ids"], img_ids=img_ids, **one, return_dict=False)[0]
+    out = model(hidden_states=x.flatten(1).T[None], txt_ids=inputs["txt_ids"], img_ids=img_ids, **one,
+                return_dict=False)[0]
     return out[0].T.reshape(c, h, w)
 
 

@@ -246,7 +246,8 @@ class FluxFamily(PackedFamily):
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
         outputs = packed_flux_forward(
             self.pipe.transformer, grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
-            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches, blocks,
+            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches,
+            blocks,
         )
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 
