@@ -32,7 +32,8 @@ from gouache.sched.scheduler import check_devices
 from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy, shortest_round
 from gouache.sim.report import markdown_table, result_to_dict, summary_row, write_json
 from gouache.sim.costs import LinearHandoff, PredictedStepCost, linear_step_cost, load_handoff, standalone_latency
-from gouache.sim.simulator import SimResult, simulate
+from gouache.sim.results import SimResult
+from gouache.sim.simulator import simulate
 from gouache.sim.workloads import MIXES, SimRequest, WorkloadSpec, make_workload, read_trace
 
 _COLUMNS = ["policy", "slo_attainment", "latency_p50_s", "latency_p95_s", "latency_p99_s", "queueing_mean_s",

@@ -56,7 +56,8 @@ from gouache.sim.diurnal import DAY_S, DayMix, Diurnal, FleetTrace, fleet_day_tr
 from gouache.sim.exp_instgenie import COST_MODELS
 from gouache.sim.fleet_cost import FleetStepCost
 from gouache.sim.report import write_json
-from gouache.sim.simulator import Admission, SimResult, simulate
+from gouache.sim.results import SimResult
+from gouache.sim.simulator import Admission, simulate
 
 ROUTERS = ("least-requests", "mask-aware")
 POLICIES = ("orca", "patched-slo")

@@ -31,7 +31,8 @@ from gouache.sched.router import (
 )
 from gouache.sim.exp_instgenie import COST_MODELS, SIZE, STEPS, MaskStepCost, capacity_rps, edit_trace
 from gouache.sim.report import markdown_table, write_json
-from gouache.sim.simulator import RequestRecord, Replica, Simulator, route_request
+from gouache.sim.results import RequestRecord
+from gouache.sim.simulator import Replica, Simulator, route_request
 from gouache.sim.workloads import SimRequest
 
 ROUTERS = ("round-robin", "assigned-tokens", "least-requests", "least-tokens", "mask-aware")

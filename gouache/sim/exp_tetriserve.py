@@ -36,7 +36,8 @@ from gouache.sched.policies.round_knapsack import shortest_round
 from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.costs import HandoffCost, LinearHandoff, PredictedStepCost
-from gouache.sim.simulator import SimResult, simulate
+from gouache.sim.results import SimResult
+from gouache.sim.simulator import simulate
 from gouache.sim.workloads import TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
 
 FIXED_SP = ("fixed-sp-1", "fixed-sp-2", "fixed-sp-4", "fixed-sp-8")

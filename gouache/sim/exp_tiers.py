@@ -38,7 +38,8 @@ from gouache.sched.router import LeastRequestsRouter
 from gouache.request import TIERS
 from gouache.sim.costs import LinearStepCost
 from gouache.sim.report import markdown_table, write_json
-from gouache.sim.simulator import Admission, SimResult, simulate
+from gouache.sim.results import SimResult
+from gouache.sim.simulator import Admission, simulate
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, SimRequest, tiered_trace
 
 TENANTS = ("alpha", "beta", "gamma")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from gouache.sim.simulator import SimResult
+from gouache.sim.results import SimResult
 
 
 def summary_row(result: SimResult, **params) -> dict:

@@ -455,7 +455,8 @@ def test_plan_round_decides_as_before_on_the_benchmark_round_at_ten_thousand():
     from tests.sched import round_list
 
     requests, model, tau, now = round_case(10_000)
-    assert plan_round(requests, model.seconds, 8, tau, now) == round_list.plan_round(requests, model.seconds, 8, tau, now)
+    expected = round_list.plan_round(requests, model.seconds, 8, tau, now)
+    assert plan_round(requests, model.seconds, 8, tau, now) == expected
 
 
 def test_a_saturated_knapsack_is_left_alone_by_any_later_group():

@@ -150,13 +150,14 @@ def test_the_policy_reading_the_queue_by_class_plans_as_over_the_whole_list():
 
     for case in range(150):
         n = rng.choice([1, 2, 4, 8])
-        config = SchedulerConfig(policy="round-knapsack", round_s=rng.choice([0.2, 0.5]), max_batch_size=rng.choice([2, 8]),
-                                 run_late=rng.random() < 0.7)
+        config = SchedulerConfig(policy="round-knapsack", round_s=rng.choice([0.2, 0.5]),
+                                 max_batch_size=rng.choice([2, 8]), run_late=rng.random() < 0.7)
         by_class, by_list = make_policy(config, Table()), make_policy(config, Table())
         now, deadlines = rng.uniform(0, 50), []
         queue, running = WaitingQueue(), []
         for i in range(rng.randint(1, 80)):
-            state = make_state(f"r{i}", rng.choice(list(table)), steps=rng.choice([5, 20, 30]), arrival=now - rng.random())
+            state = make_state(f"r{i}", rng.choice(list(table)), steps=rng.choice([5, 20, 30]),
+                               arrival=now - rng.random())
             state.tier = rng.choice([0, 1, 1, 2])
             state.deadline = rng.choice([None, now + rng.uniform(0.1, 12), *deadlines[-1:]])
             deadlines.append(state.deadline)

@@ -135,7 +135,8 @@ class RoundKnapsackPolicy(Policy):
     def degrees(self, num_devices: int) -> set[int]:
         """The degrees the cost model prices for some size (a degree it has no time for is never planned)."""
         sizes = self.predictor.sizes(False) or ()
-        return {k for k in degrees(max_degree(num_devices)) if any(math.isfinite(self.step_time(res, k)) for res in sizes)}
+        return {k for k in degrees(max_degree(num_devices))
+                if any(math.isfinite(self.step_time(res, k)) for res in sizes)}
 
     def _one_image(self, resolution: Resolution, k: int) -> float:
         return self.predictor.step_time([resolution], patched=False, degree=k)
