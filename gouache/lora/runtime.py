@@ -94,16 +94,21 @@ class LoraRuntime:
         self._device = next(denoiser.parameters()).device
         self._factors = Factors()  # the running batch's adapter groups, stacked per module
 
-    def use(self, adapters: tuple[tuple[str, float], ...], synchronous: bool = False) -> LoraUse | None:
-        return LoraUse(tuple(adapters), 0 if synchronous else self.config.bound) if adapters else None
+    def use(self, adapters: tuple[tuple[str, float], ...]) -> LoraUse | None:
+        """A request's adapters (its `loras` field), loaded within the server's bound; None without any."""
+        return LoraUse(tuple(adapters), self.config.bound) if adapters else None
 
-    def text_adapters(self, adapters: tuple[tuple[str, float], ...]) -> list[tuple[Lora, float]]:
+    def key(self, use: LoraUse | None) -> Key:
+        """What identifies a request's adapters now: (name, scale, file digest) each."""
+        return tuple((name, scale, self.store.digest(name)) for name, scale in (use.adapters if use else ()))
+
+    def text_adapters(self, use: LoraUse | None) -> list[tuple[Lora, float]]:
         """The request's adapters that have text-encoder layers, read now: its prompt is encoded
         while it is prepared (the others load while it waits and runs). A file that cannot be
         read now is left out here: its load fails the request at its first step, as the
         request's own input (`arrived`)."""
         out = []
-        for name, scale in adapters:
+        for name, scale in use.adapters if use else ():
             try:
                 if self.store.check(name):
                     out.append((self.store.load(name).result(), scale))

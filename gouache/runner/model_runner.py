@@ -93,7 +93,8 @@ class ModelRunner:
         """Text encoding and initial latents; returns the scheduler's view of the request.
         `controls`: the decoded conditioning image of each of its ControlNets; `references`: an
         edit's further uploads (families that take several images)."""
-        state = self.family.prepare(request, image, mask, self.loras.text_adapters(request.loras), references)
+        loras = self.loras.use(request.loras)
+        state = self.family.prepare(request, image, mask, self.loras.text_adapters(loras), references)
         state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets),
                                           list(controls), request.controlnet_mode, self.family.device,
                                           self.family.dtype)
@@ -106,14 +107,14 @@ class ModelRunner:
             used.add("template")
         if request.block_cache is None and not applies("block_cache", used):
             state.request = replace(request, block_cache=0.0)
-        state.lora = self.loras.use(request.loras, synchronous=uses_template)  # a template records or replays with them
+        # a template records or replays with its adapters: they load before its first step
+        state.lora = replace(loras, bound=0) if loras is not None and uses_template else loras
         if state.lora is not None and self.prefetch_loras:
             self.loras.start(request.request_id, state.lora)  # read while it waits and its first steps run
         if uses_template:
             content = content_id(image)
-            loras = tuple((name, scale, self.loras.store.digest(name)) for name, scale in request.loras)
             key = template_key(request.template_id or content, content, request.height, request.width,
-                               len(state.timesteps), state.rows, loras)
+                               len(state.timesteps), state.rows, self.loras.key(loras))
             state.template = TemplateUse(key, self.family.token_mask(state), text_digest(state.cond, state.rows),
                                          request.register_template)
         self.states[request.request_id] = state
