@@ -265,8 +265,8 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)  # compiled denoiser forwards (opt-in)
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)  # per-request block reuse (opt-in)
     templates: TemplateConfig = field(default_factory=TemplateConfig)  # mask-aware edits of templates (opt-in)
-    loras: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
-    controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)  # ControlNets per request
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters per request
+    controlnet: ControlNetConfig = field(default_factory=ControlNetConfig)  # ControlNets per request
 
     def __post_init__(self) -> None:
         _check(1 <= self.max_queue_len <= MAX_QUEUE_LEN,
@@ -289,8 +289,8 @@ class EngineConfig:
                f"worker_timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {self.worker_timeout_s}")
         _check(self.conditioning_bytes >= 0, f"conditioning_bytes must be >= 0, got {self.conditioning_bytes}")
         _check(self.paused_host_bytes >= 0, f"paused_host_bytes must be >= 0, got {self.paused_host_bytes}")
-        _check(self.executor == "uniproc" or self.controlnets.reply_timeout_s < self.worker_timeout_s,
-               f"the ControlNet service's reply timeout ({self.controlnets.reply_timeout_s:g} s) must be less than "
+        _check(self.executor == "uniproc" or self.controlnet.reply_timeout_s < self.worker_timeout_s,
+               f"the ControlNet service's reply timeout ({self.controlnet.reply_timeout_s:g} s) must be less than "
                f"the worker timeout ({self.worker_timeout_s:g} s): a worker waiting on the service must give up first")
         _check(self.ray_address is None or self.executor == "ray",
                f"a Ray address is read only by the ray executor, not {self.executor!r}")
@@ -303,7 +303,7 @@ class EngineConfig:
                "(the Ray this server starts has one node, without custom resources)")
         _check(self.ray_resource is None or (self.ray_resource.strip() and self.ray_resource not in ("CPU", "GPU")),
                f"ray_resource must name a custom resource of the cluster's nodes, got {self.ray_resource!r}")
-        _check(not (self.controlnets.workers and self.executor == "ray"),
+        _check(not (self.controlnet.workers and self.executor == "ray"),
                "the ControlNet service listens on this machine's Unix sockets, which Ray actors elsewhere cannot "
                "reach: run --controlnet-workers with --executor uniproc or multiproc")
 

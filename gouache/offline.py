@@ -46,20 +46,20 @@ def run_offline(args) -> None:
         seed=args.seed,
         negative_prompt=args.negative_prompt,
         output_format=output_format,
+        image=image_bytes,
+        mask=Path(args.mask).read_bytes() if getattr(args, "mask", None) else None,
     )
-    image = mask = None
-    if image_bytes is not None:
-        mask_bytes = Path(args.mask).read_bytes() if args.mask else None
-        decoded = decode_edit(image_bytes, mask_bytes, width, height, 4096 * 4096)
-        if isinstance(decoded, DecodeError):
-            raise ValueError(decoded.message)
-        image, mask = decoded.image, decoded.mask
+    upload = None
+    if request.is_edit:
+        upload = decode_edit(request, 4096 * 4096)
+        if isinstance(upload, DecodeError):
+            raise ValueError(upload.message)
     runner = ModelRunner(pipe)
     if request.negative_prompt and not runner.family.uses_cfg(request):
         refuse_ignored({"negative_prompt": f"{args.model} at guidance {request.guidance_scale} runs without "
                                            "classifier-free guidance (FLUX is guidance-distilled; Z-Image needs "
                                            "--guidance > 0, the others --guidance > 1)"})
-    state = runner.prepare(request, image, mask)
+    state = runner.prepare(request, upload)
     for _ in tqdm(range(state.num_steps), desc="denoising", unit="step", disable=os.environ.get("CI") == "true"):
         failed = runner.execute(Batch((request.request_id,))).failed
         if failed:

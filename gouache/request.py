@@ -9,15 +9,28 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-TIERS = ("priority", "default", "flex")  # service tiers; a tier's rank is its index: lower ranks go first
+class Tier(enum.IntEnum):
+    """A service tier (OpenAI's `service_tier`) as its rank: lower ranks are served first. The
+    API names it once (`Tier.named`); metrics, queue shares and status read its `label`."""
+
+    PRIORITY = 0
+    DEFAULT = 1
+    FLEX = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def named(cls, label: str) -> Tier:
+        """The tier of a name (ValueError naming the tiers for any other)."""
+        if label not in TIERS:
+            raise ValueError(f"unknown service tier {label!r}; the tiers are {', '.join(TIERS)}")
+        return cls[label.upper()]
 
 
-def tier_rank(name: str) -> int:
-    """The rank of a tier's name (ValueError naming the tiers for any other)."""
-    if name not in TIERS:
-        raise ValueError(f"unknown service tier {name!r}; the tiers are {', '.join(TIERS)}")
-    return TIERS.index(name)
-DEFAULT_TIER = "default"
+TIERS = tuple(tier.label for tier in Tier)  # the tiers' names, highest first
+DEFAULT_TIER = Tier.DEFAULT.label
 
 
 @dataclass
@@ -50,7 +63,7 @@ class ImageRequest:
     # edit without a mask: img2img, the upload noised to this share of the schedule and denoised
     # from there (1: all of it); None: the whole picture repainted from noise
     strength: float | None = None
-    service_tier: str = "default"  # priority | default | flex (`gouache.sched.tiers`)
+    tier: Tier = Tier.DEFAULT  # its service tier (`gouache.sched.tiers`)
     tenant: str = ""  # the API key's name ("" without tenants)
     tenant_weight: float = 1.0  # its tenant's share of the tier among the tenants waiting in it
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it
@@ -63,11 +76,6 @@ class ImageRequest:
     def api_id(self) -> str:
         """The id of the API request whose images this is one of."""
         return self.request_id.rsplit("-", 1)[0]
-
-    @property
-    def tier(self) -> int:
-        """Its service tier's rank (`TIERS`): lower ranks are served first."""
-        return tier_rank(self.service_tier)
 
 
 def preview_steps(total_steps: int, partial_images: int) -> set[int]:
@@ -96,7 +104,7 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     first_step_time: float | None = None  # when its first step started (queueing time ends)
     devices: tuple[int, ...] = ()  # its devices in the last plan that could place it; () if it had none
-    tier: int = 1  # its service tier's rank (`gouache.request.TIERS`): lower ranks are served first
+    tier: int = Tier.DEFAULT  # its service tier's rank (`Tier`): lower ranks are served first
     tenant: str = ""  # who sent it, for fair queuing within a tier
     weight: float = 1.0  # its tenant's share within the tier
     fair_tag: float = 0.0  # its start tag in its tier's fair queue (set by the scheduler on arrival)

@@ -149,7 +149,7 @@ async def _serve(
     handle = await _submit(ctx, tenant, jobs)
     ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     headers = {"x-request-id": api_id}
-    answered = functools.partial(_observe_latency, ctx, jobs[0].service_tier, arrival)
+    answered = functools.partial(_observe_latency, ctx, jobs[0].tier.label, arrival)
     if params.stream:
         shape = StreamShape(kind, params.size, params.output_format)
         on_close = lambda: ctx.inflight.finish(api_id)  # noqa: E731
@@ -179,7 +179,7 @@ async def _submit(ctx: ApiContext, tenant: Tenant, jobs: list[ImageRequest]) -> 
     """Submit a request within its tenant's limits (429 past them, the others unaffected); the
     caller frees its slot when it is answered. Counted by tenant, tier and result."""
     count = ctx.engine.metrics.tenant_requests.labels
-    tier = jobs[0].service_tier
+    tier = jobs[0].tier.label
     try:
         ctx.tenants.acquire(tenant)
     except TenantLimitError:

@@ -26,7 +26,7 @@ from gouache.api.tenants import ANONYMOUS, Tenant
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD
 from gouache.errors import InvalidRequestError
 from gouache.model_info import img2img_start
-from gouache.request import ImageRequest
+from gouache.request import ImageRequest, Tier
 from gouache.techniques import TECHNIQUES, refused_pair
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ class ImageParams(BaseModel):
                 output_compression=self.output_compression,
                 partial_images=self.partial_images,
                 slo_ms=slo_ms,
-                service_tier=tier,
+                tier=Tier.named(tier),
                 tenant=tenant.name,
                 tenant_weight=tenant.weight,
                 block_cache=self.block_cache,

@@ -118,7 +118,7 @@ class Bench:
         self._ids = 0
 
     def runner(self, bound: int = 0, read_s: float = 0.0, gate: threading.Event | None = None,
-               directory: Path | None = None, controlnets=None):
+               directory: Path | None = None, controlnet=None):
         """A runner whose adapter reads take `read_s` longer, or wait for `gate` (cold: a new
         store), with the adapters of `directory` (default: the bench's) and `controlnets`."""
         from gouache.lora.store import LoraStore
@@ -133,8 +133,8 @@ class Bench:
                 return super()._read(*args)
 
         directory = directory or self.directory
-        runner = ModelRunner(self.pipe, loras=LoraConfig(str(directory), bound=bound), controlnets=controlnets)
-        runner.loras.store = SlowStore(directory, self.pipe)
+        runner = ModelRunner(self.pipe, lora=LoraConfig(str(directory), bound=bound), controlnet=controlnet)
+        runner.lora_runtime.store = SlowStore(directory, self.pipe)
         return runner
 
     def generate(self, runner, prompt: str, seed: int, loras=(), controls=(), on_step=None) -> tuple[np.ndarray, float]:
@@ -262,7 +262,7 @@ async def _serve(args, info, steps: int, directory: str, batching: str, load) ->
 
     adapters = batching != "none"
     config = EngineConfig(max_queue_len=len(load) + 1, torch_threads=args.torch_threads,
-                          loras=LoraConfig(directory, batching=batching if adapters else "mixed"))
+                          lora=LoraConfig(directory, batching=batching if adapters else "mixed"))
     engine = build_engine(ModelConfig(args.model), config, SchedulerConfig(policy="orca"))
     await engine.start()
     try:

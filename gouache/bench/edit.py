@@ -44,6 +44,7 @@ from gouache.bench.results import write_results
 from gouache.data.checker import check
 from gouache.data.shapes import COLOURS, Scene, caption, cell_box, render, sample_scene
 from gouache.profile.edits import centred_mask
+from gouache.uploads import EditMask, Upload
 
 RATIOS = "0.05,0.1,0.2,0.4,0.6,0.8"
 
@@ -114,8 +115,8 @@ class Bench:
         self.tokens = self.grid**2
         self._ids = 0  # request ids: each edit its own
         blank = np.zeros((size, size, 3), np.uint8)
-        probe = self.runner.family.prepare(self._request("probe", "a red circle"), blank,
-                                           np.ones((size, size), np.float32))
+        probe = self.runner.family.prepare(self._request("probe", "a red circle"),
+                                           Upload(blank, EditMask.whole(size, size)))
         self.text_rows = probe.cond["prompt_embeds"].shape[1] if not self.runner.family.patches else 0
         # an edit's reference tokens (FLUX.1 Kontext) run beside its own, and replay from the template
         self.reference_tokens = self.runner.family.token_count(probe) - self.tokens
@@ -140,7 +141,7 @@ class Bench:
         from gouache.sched.plan import Batch
 
         start = time.perf_counter()
-        runner.prepare(request, image, mask)
+        runner.prepare(request, Upload(image, EditMask(mask)))
         step_s = []
         for _ in range(self.steps):
             output = runner.execute(Batch((request.request_id,)))

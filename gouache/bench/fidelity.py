@@ -93,7 +93,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
         EngineConfig(max_queue_len=max(len(prompts), 1), patch_pixels=setup.patch_size, torch_threads=torch_threads,
                      block_cache=BlockCacheConfig(setup.block_cache, setup.block_cache_max_reuse,
                                                   predictor=setup.block_cache_predictor),
-                     controlnets=controlnets),
+                     controlnet=controlnets),
         SchedulerConfig(policy=setup.policy, max_batch_size=setup.max_batch_size, cost_model=setup.cost_model),
     )
     info = engine.info

@@ -22,7 +22,7 @@ def lora(bench, size: int, names: dict[int, list[str]]) -> dict:
 
     def unmerged() -> None:
         for runner in bench.runners.values():
-            runner.loras.merged.set(())
+            runner.lora_runtime.merged.set(())
 
     def timed(label: str, *batches: tuple[str, ...]) -> None:
         seen = modes.setdefault(label, set())
@@ -68,11 +68,11 @@ def lora_loading(pipe, directory: Path, name: str, rank: int, size: int, quick: 
 
     steps = 4 if quick else 20
     bound = steps // 4
-    warm = ModelRunner(pipe, loras=LoraConfig(str(directory)))
+    warm = ModelRunner(pipe, lora=LoraConfig(str(directory)))
     warm.loras.store.load(name).result()
 
     def cold(bound: int) -> ModelRunner:  # a new store: nothing read yet
-        return ModelRunner(pipe, loras=LoraConfig(str(directory), bound=bound))
+        return ModelRunner(pipe, lora=LoraConfig(str(directory), bound=bound))
 
     cases = {"none": (lambda: warm, ()), "in memory": (lambda: warm, ((name, 1.0),)),
              "sync": (lambda: cold(0), ((name, 1.0),)), "bal": (lambda: cold(bound), ((name, 1.0),))}
@@ -90,7 +90,7 @@ def lora_loading(pipe, directory: Path, name: str, rank: int, size: int, quick: 
             if rep:
                 times[case].append(time.perf_counter() - start)
             runner.release(rid)
-            runner.loras.merged.set(())  # the shared pipeline's weights as loaded, for the next case
+            runner.lora_runtime.merged.set(())  # the shared pipeline's weights as loaded, for the next case
     seconds = {case: statistics.median(t) for case, t in times.items()}
     return {"size": size, "steps": steps, "bound": bound, "rank": rank,
             "file_mb": (directory / f"{name}.safetensors").stat().st_size / 2**20, "seconds": seconds,
@@ -120,7 +120,7 @@ def controlnet(pipe, size: int, repeats: int, torch_threads: int, sync) -> dict:
         image = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
         for mode in times:
             config = None if mode == "plain" else ControlNetConfig(str(directory), 1, mode, service=service.address)
-            runners[mode] = runner = ModelRunner(pipe, controlnets=config)
+            runners[mode] = runner = ModelRunner(pipe, controlnet=config)
             fields = {} if mode == "plain" else {"controlnets": (("net", b"", 1.0),)}
             runner.prepare(request(mode, size, 0, 3 + repeats, **fields),
                            **({} if mode == "plain" else {"controls": [image]}))

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from gouache.bench.fullsize_adapters import controlnet, lora, lora_loading
+from gouache.uploads import EditMask, Upload
 
 STARTED = time.perf_counter()  # a child's log says when each section ended
 QUANTIZED = ("int8", "fp8")  # variants over a quantized copy of the denoiser (`variant_pipes`)
@@ -101,10 +102,10 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
                                         sizes=((small, small),), cache_dir=args.compile_cache,
                                         cuda_graphs=args.device.startswith("cuda"))
             runners[variant] = runner = ModelRunner(
-                pipes[variant], loras=LoraConfig(str(loras)), templates=templates, compile=compile)
+                pipes[variant], lora=LoraConfig(str(loras)), templates=templates, compile=compile)
             runner.warm_up(small)
-            for name in runner.loras.store.names():
-                runner.loras.store.load(name).result()
+            for name in runner.lora_runtime.store.names():
+                runner.lora_runtime.store.load(name).result()
         bench = Interleaved(runners, args.repeats, steps, device_sync(args.device))
         print(f"runners and adapters ready at {time.perf_counter() - STARTED:.0f} s", file=sys.stderr, flush=True)
         if "mfu" not in args.skip:
@@ -175,7 +176,7 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
     token = bench.runners["eager"].family.token_pixels
     blank = np.zeros_like(centred_mask(size, token, masks[0])[0])
     edit = {"image": b"-", "prompt": "a red circle", "template_id": "fullsize"}  # one prompt: its text rows replay too
-    register = bench.prepare([(size, {**edit, "register_template": True})], image, blank)
+    register = bench.prepare([(size, {**edit, "register_template": True})], Upload(image, EditMask(blank)))
     for _ in range(steps):  # the template: every step's activations recorded
         for runner in bench.runners.values():
             out = runner.execute(Batch(register))
@@ -185,8 +186,8 @@ def _template(bench, size: int, masks: list[float], steps: int) -> dict:
     rows = {}
     for ratio in masks:
         mask, share = centred_mask(size, token, ratio)
-        replay = bench.prepare([(size, {**edit, "template_cache": True})], image, mask)
-        full = bench.prepare([(size, {**edit, "template_cache": False})], image, mask)
+        replay = bench.prepare([(size, {**edit, "template_cache": True})], Upload(image, EditMask(mask)))
+        full = bench.prepare([(size, {**edit, "template_cache": False})], Upload(image, EditMask(mask)))
         bench.together({f"template edit {ratio}": ([replay], False), f"full edit {ratio}": ([full], False)})
         bench.release(replay, full)
         rows[str(ratio)] = {"tokens": share, **{v: bench.ratio(v, f"template edit {ratio}", f"full edit {ratio}")

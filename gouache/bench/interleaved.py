@@ -10,6 +10,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from gouache.uploads import Upload
+
 STEPS = 30  # a request's schedule, unless the bench asks for another
 
 
@@ -35,13 +37,13 @@ class Interleaved:
     def variants(self) -> list[str]:
         return list(self.runners)
 
-    def prepare(self, specs: list[tuple[int, dict]], *upload) -> tuple[str, ...]:
+    def prepare(self, specs: list[tuple[int, dict]], upload: Upload | None = None) -> tuple[str, ...]:
         """Requests of (size, fields) prepared in every runner under the same ids; `upload`: an
-        edit's (image, mask)."""
+        edit's."""
         ids = tuple(f"r{next(self._ids)}" for _ in specs)
         for runner in self.runners.values():
             for rid, (size, fields) in zip(ids, specs):
-                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), *upload)
+                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), upload)
         return ids
 
     def release(self, *groups: tuple[str, ...]) -> None:

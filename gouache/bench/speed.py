@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.uploads import EditMask, Upload
+
 VARIANTS = ("eager", "compiled", "compiled+int8")
 DEFAULT_MODELS = "shapes-unet,shapes-dit,tiny-sdxl,tiny-flux"
 
@@ -134,11 +136,11 @@ def measure(model: str, args) -> dict:
         rows = 2 if make_family(pipe, None).uses_cfg(request("probe", large, 0)) else 1
         compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2)})),
                                 sizes=((large, large),), cache_dir=args.compile_cache) if variant != "eager" else None
-        runners[variant] = runner = ModelRunner(pipe, loras=LoraConfig(loras), templates=TemplateConfig(),
+        runners[variant] = runner = ModelRunner(pipe, lora=LoraConfig(loras), templates=TemplateConfig(),
                                                 compile=compile)
         runner.warm_up(large)
-        for name in runner.loras.store.names():
-            runner.loras.store.load(name).result()
+        for name in runner.lora_runtime.store.names():
+            runner.lora_runtime.store.load(name).result()
     bench = Interleaved(runners, args.repeats, steps)
     for b in batches:
         ids = bench.prepare([(large, {})] * b)
@@ -159,13 +161,14 @@ def measure(model: str, args) -> dict:
     image = picture(sample_scene(random.Random(1)), edit, seed=1)
     mask, _ = centred_mask(edit, runners["eager"].family.token_pixels, args.mask)
     register = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "register_template": True})],
-                             image, np.zeros_like(mask))
+                             Upload(image, EditMask(np.zeros_like(mask))))
     for _ in range(steps):  # the template: every step's activations recorded
         for variant in variants:
             runners[variant].execute(Batch(register))
     bench.release(register)
-    replay = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})], image, mask)
-    full = bench.prepare([(edit, {"image": b"-", "template_cache": False})], image, mask)
+    replay = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})],
+                            Upload(image, EditMask(mask)))
+    full = bench.prepare([(edit, {"image": b"-", "template_cache": False})], Upload(image, EditMask(mask)))
     bench.together({"template edit": ([replay], False), "full edit": ([full], False)})
     bench.release(replay, full)
     ratios = {variant: {

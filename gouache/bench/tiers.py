@@ -158,7 +158,7 @@ async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None)
     from gouache.engine.build import build_engine
     from gouache.errors import DeadlineUnattainableError, QueueFullError
     from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
-    from gouache.request import ImageRequest
+    from gouache.request import ImageRequest, Tier
     from gouache.sim.costs import PredictedStepCost
 
     sched = SchedulerConfig(policy="patched-slo", max_batch_size=args.max_batch_size, cost_model=args.cost_model,
@@ -186,7 +186,7 @@ async def live_run(args, trace: list[SimRequest], model, tier_slo_ms, book=None)
         arrival = time.monotonic()
         tenant = None if book is None else book.named(r.tenant)
         request = ImageRequest(f"{r.request_id}-0", "a red fox", r.width, r.height, r.steps, 5.0, seed=1,
-                               arrival_time=arrival, slo_ms=slo.get(r.tier), service_tier=r.tier, tenant=r.tenant,
+                               arrival_time=arrival, slo_ms=slo.get(r.tier), tier=Tier.named(r.tier), tenant=r.tenant,
                                tenant_weight=r.weight)
         try:
             if tenant is not None:

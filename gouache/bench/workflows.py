@@ -91,8 +91,8 @@ def workflows(bench, args, bound: int) -> dict:
             for c, n in mixes:
                 for case in CASES:
                     runner = bench.runner(0 if case == "sequential" else bound, directory=directory,
-                                          controlnets=configs[case])
-                    runner.loras.merged.set(())
+                                          controlnet=configs[case])
+                    runner.lora_runtime.merged.set(())
                     controls = [(name, images[i], 1.0) for i, name in enumerate(nets[:c])]
                     seconds = bench.generate(runner, prompt, k, [(lora, 1.0) for lora in loras[:n]], controls)[1]
                     runner.controls.close()

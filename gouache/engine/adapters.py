@@ -21,17 +21,17 @@ def start_control_service(base: Callable[[], object], config: EngineConfig) -> t
     """The ControlNet service `config` asks for, started for the model `base()` describes, and
     the config its clients read (with the service's address); (None, config) where it asks for
     none, has one running, or the model takes no ControlNets (its requests are refused)."""
-    controlnets = config.controlnets
-    if not (controlnets.workers and controlnets.directory) or controlnets.service is not None:
+    controlnet = config.controlnet
+    if not (controlnet.workers and controlnet.directory) or controlnet.service is not None:
         return None, config
     from gouache.controlnet.service import ControlService
 
     model = base()
     if model is None:
         return None, config
-    service = ControlService(controlnets.workers, controlnets.directory, model, controlnets.model_bytes,
-                             controlnets.torch_threads)
-    return service, replace(config, controlnets=replace(controlnets, service=service.address))
+    service = ControlService(controlnet.workers, controlnet.directory, model, controlnet.model_bytes,
+                             controlnet.torch_threads)
+    return service, replace(config, controlnet=replace(controlnet, service=service.address))
 
 
 class AdapterCalls:
@@ -41,7 +41,7 @@ class AdapterCalls:
         """Raise InvalidRequestError unless the request's adapters can serve it; its ControlNets'
         conditioning images, decoded."""
         for name, _ in request.loras:
-            await self._adapter_call(self.runner.loras.store.check, name)
+            await self._adapter_call(self.runner.lora_runtime.store.check, name)
         if not request.controlnets:
             return []
         names = [name for name, _, _ in request.controlnets]
@@ -55,13 +55,13 @@ class AdapterCalls:
 
     async def list_loras(self) -> list[dict]:
         """GET /v1/loras: the adapter directory, and which adapters sit in host memory."""
-        store = self.runner.loras.store
+        store = self.runner.lora_runtime.store
         return await self._adapter_call(lambda: [store.describe(name) for name in store.names()])
 
     async def register_lora(self, name: str) -> dict:
         """POST /v1/loras: check an adapter against the model and read it into every device's
         host memory, so its first request finds it there."""
-        await self._adapter_call(self.runner.loras.store.check, name)
+        await self._adapter_call(self.runner.lora_runtime.store.check, name)
         loaded = (await self._adapter_call(self.pool.executor.collective_rpc, "load_lora", (name,)))[0]
         self.pool.touch()  # /metrics says what host memory holds now, not at the next step
         return loaded

@@ -59,7 +59,7 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     flags = {"--block-cache": engine_config.block_cache.threshold > 0,
              "--block-cache-predictor": bool(engine_config.block_cache.predictor),
              "--template-cache": templates.default, "--template-cost-model": bool(templates.cost_model),
-             "--lora-bound": engine_config.loras.bound > 0}
+             "--lora-bound": engine_config.lora.bound > 0}
     refuse(refused_flag(flags, "", {}, parallel))  # the policy's refusals, before the model loads
     pipe = quantize(load_pipeline(model_config.model, model_config.dtype, model_config.device), model_config.quantize)
     family = family_class(pipe)
@@ -105,7 +105,7 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
 
     spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_pixels,
                       engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
-                      engine_config.loras, engine_config.controlnets, model_config.quantize, engine_config.compile)
+                      engine_config.lora, engine_config.controlnet, model_config.quantize, engine_config.compile)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 

@@ -23,7 +23,7 @@ from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, PoolLost, StepReport
 from gouache.engine.handle import RequestHandle
 from gouache.engine.heap_trim import HeapTrimmer
-from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image
+from gouache.engine.imaging import DecodeError, decode_edit, encode_image
 from gouache.engine.stages import Stage
 from gouache.engine.status import StatusBook
 from gouache.errors import (
@@ -43,6 +43,7 @@ from gouache.sched.plan import Plan
 from gouache.sched.tiers import queue_limit, refusal
 from gouache.sched.scheduler import Scheduler
 from gouache.techniques import unserved
+from gouache.uploads import Upload
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,8 @@ class AsyncEngine(AdapterCalls):
         # prepares and decodes; under uniproc, also runs the steps (and holds the template store and
         # reads adapters as requests arrive; workers read theirs at a request's first step there)
         self.runner = ModelRunner(pipe, engine_config.patch_pixels, engine_config.block_cache, engine_config.templates,
-                                  engine_config.loras, prefetch_loras=executor is None,
-                                  controlnets=engine_config.controlnets,
+                                  engine_config.lora, prefetch_loras=executor is None,
+                                  controlnet=engine_config.controlnet,
                                   conditioning_bytes=engine_config.conditioning_bytes,
                                   compile=engine_config.compile if executor is None else None)
         # compiles before the server answers /health (workers: before their start)
@@ -199,7 +200,7 @@ class AsyncEngine(AdapterCalls):
         stats = self.stats()
         with self._lock:
             requests = [{"id": rid, "size": f"{e.request.width}x{e.request.height}", "status": e.status.value,
-                         "step": e.step, "steps": e.request.num_inference_steps, "service_tier": e.request.service_tier,
+                         "step": e.step, "steps": e.request.num_inference_steps, "service_tier": e.request.tier.label,
                          "tenant": e.request.tenant}
                         for rid, e in self._images.items()]
         return {"status": stats.status, "model": self.info.name, "waiting": stats.waiting, "running": stats.running,
@@ -216,7 +217,7 @@ class AsyncEngine(AdapterCalls):
         first; a lower tier's queue never keeps a higher tier out), or past its tenant's share
         of its tier's places while other tenants have requests of the tier (`tiers.tenant_limit`)."""
         first = requests[0]
-        tier, limit = first.service_tier, queue_limit(first.service_tier, self.config.max_queue_len,
+        tier, limit = first.tier.label, queue_limit(first.tier.label, self.config.max_queue_len,
                                                       self.config.tier_queue_share)
         in_flight = ((i.request.tier, i.request.tenant, i.request.tenant_weight) for i in self._images.values())
         refused = refusal(first.tier, first.tenant, first.tenant_weight, len(requests), in_flight, limit)
@@ -234,25 +235,22 @@ class AsyncEngine(AdapterCalls):
         if self.info.sizes is not None and (request.height, request.width) not in self.info.sizes:
             raise InvalidRequestError(unpriced_message(self.info.sizes, request.height, request.width), "size")
 
-    async def _decode_edit(self, request: ImageRequest) -> DecodedEdit:
+    async def _decode_edit(self, request: ImageRequest) -> Upload:
         result = await asyncio.wrap_future(self.codecs.submit(
-            decode_edit, request.image, request.mask, request.width, request.height, self.config.max_upload_pixels,
-            request.references, self.info.size_step,
-        ))
+            decode_edit, request, self.config.max_upload_pixels, self.info.size_step))
         if isinstance(result, DecodeError):
             raise InvalidRequestError(result.message, param=result.param)
         return result
 
-    def _prepare(self, request: ImageRequest, decoded: DecodedEdit | None, controls: list[np.ndarray]) -> None:
+    def _prepare(self, request: ImageRequest, upload: Upload | None, controls: list[np.ndarray]) -> None:
         if request.request_id not in self._images:  # aborted before preparation
             return
-        image, mask, references = (decoded.image, decoded.mask, decoded.references) if decoded else (None, None, ())
-        if request.register_template:  # the template's own activations: every token kept, none repainted
-            mask = np.zeros_like(mask)
-        elif mask is not None and not mask.any():  # nothing to repaint: the answer is the original, no model run
-            self._deliver_unchanged(request, image)
+        if upload is not None and request.register_template:  # the template's own activations
+            upload = upload.for_template()
+        elif upload is not None and upload.repaints_nothing:  # the answer is the original, no model run
+            self._deliver_unchanged(request, upload.image)
             return
-        state = self.runner.prepare(request, image, mask, controls, references)
+        state = self.runner.prepare(request, upload, controls)
         self.runner.conditioning.take_report().record(self.metrics)
         with self._lock:  # under the lock, so that an abort reaches the engine's inbox after the add
             entry = self._images.get(request.request_id)
@@ -313,7 +311,7 @@ class AsyncEngine(AdapterCalls):
             if entry is not None and state is not None:
                 entry.status = RequestStatus.PAUSED
                 entry.handle.push(PausedEvent(entry.index, state.steps_done, state.num_steps))
-                self.metrics.pauses.labels(entry.request.service_tier).inc()
+                self.metrics.pauses.labels(entry.request.tier.label).inc()
 
     def _on_step_failure(self, reasons: dict[str, str], invalid: dict[str, str]) -> None:
         """Requests whose step failed: a 400 naming the field where their own input failed them

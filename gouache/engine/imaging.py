@@ -1,8 +1,8 @@
 """CPU-heavy image work that runs in worker processes: upload decoding and output encoding;
 and the one cheap read the API does itself, an upload's size from its header.
 
-Imports only Pillow and NumPy so that worker processes start fast and never touch the model.
-Errors come back as values, since exception pickling across processes loses fields.
+Imports only Pillow, NumPy and torch-free modules of ours so that worker processes start fast and
+never touch the model. Errors come back as values, since exception pickling across processes loses fields.
 """
 
 from __future__ import annotations
@@ -14,16 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
+from gouache.request import ImageRequest
+from gouache.uploads import EditMask, Upload
+
 _FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _UNREADABLE = (UnidentifiedImageError, OSError, ValueError, SyntaxError)  # what Pillow raises on bad bytes
 _TURNED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
-
-
-@dataclass
-class DecodedEdit:
-    image: np.ndarray  # uint8 [H, W, 3] at the requested size
-    mask: np.ndarray  # float32 [H, W] at the requested size; 1 = repaint
-    references: tuple[np.ndarray, ...] = ()  # uint8 [h, w, 3] each, the further uploads at their own sizes
 
 
 @dataclass
@@ -88,12 +84,12 @@ def _repaint_region(image: Image.Image, mask: Image.Image | None) -> np.ndarray:
     return (np.asarray(mask.convert("L")) >= 128).astype(np.float32)
 
 
-def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height: int, max_pixels: int,
-                references: tuple[bytes, ...] = (), min_side: int = 1) -> DecodedEdit | DecodeError:
-    """Decode, validate and resize an edit's image and mask to width x height; its further uploads
-    (`references`) keep their sizes, each at least `min_side` pixels a side."""
+def decode_edit(request: ImageRequest, max_pixels: int, min_side: int = 1) -> Upload | DecodeError:
+    """Decode, validate and resize an edit's image and mask to the request's size; its further
+    uploads (`references`) keep their sizes, each at least `min_side` pixels a side."""
+    width, height = request.width, request.height
     decoded = []
-    for k, data in enumerate(references, 2):
+    for k, data in enumerate(request.references, 2):
         reference = _open(data, "image", max_pixels)
         if isinstance(reference, DecodeError):
             return DecodeError(f"image {k}: {reference.message}", "image")
@@ -101,12 +97,12 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
             return DecodeError(f"image {k} is {reference.width}x{reference.height}; each side must be at least "
                                f"{min_side} pixels", "image")
         decoded.append(np.asarray(reference.convert("RGB"), dtype=np.uint8))
-    image = _open(image_bytes, "image", max_pixels)
+    image = _open(request.image, "image", max_pixels)
     if isinstance(image, DecodeError):
         return image
     mask_image = None
-    if mask_bytes is not None:
-        mask_image = _open(mask_bytes, "mask", max_pixels)
+    if request.mask is not None:
+        mask_image = _open(request.mask, "mask", max_pixels)
         if isinstance(mask_image, DecodeError):
             return mask_image
         if mask_image.size != image.size:
@@ -118,7 +114,7 @@ def decode_edit(image_bytes: bytes, mask_bytes: bytes | None, width: int, height
         rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
         mask = np.asarray(Image.fromarray((mask * 255).astype(np.uint8))
                           .resize((width, height), Image.Resampling.NEAREST)) / 255.0
-    return DecodedEdit(np.asarray(rgb, dtype=np.uint8), mask.astype(np.float32), tuple(decoded))
+    return Upload(np.asarray(rgb, dtype=np.uint8), EditMask(mask.astype(np.float32)), tuple(decoded))
 
 
 def decode_controls(images: list[bytes], width: int, height: int, max_pixels: int) -> list[np.ndarray] | DecodeError:
@@ -137,11 +133,11 @@ def decode_controls(images: list[bytes], width: int, height: int, max_pixels: in
     return out
 
 
-def repaint_ratio(image_bytes: bytes, mask_bytes: bytes | None, max_pixels: int) -> float:
+def repaint_ratio(request: ImageRequest, max_pixels: int) -> float:
     """The fraction of an edit's image that it repaints, at the upload's size (routers read it);
     1.0 when an upload cannot be read, which the engine then refuses with the reason."""
-    image = _open(image_bytes, "image", max_pixels)
-    mask = None if mask_bytes is None else _open(mask_bytes, "mask", max_pixels)
+    image = _open(request.image, "image", max_pixels)
+    mask = None if request.mask is None else _open(request.mask, "mask", max_pixels)
     if isinstance(image, DecodeError) or isinstance(mask, DecodeError):
         return 1.0
     return float(_repaint_region(image, mask).mean())

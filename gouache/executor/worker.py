@@ -36,8 +36,8 @@ class WorkerSpec:
     torch_threads: int | None = None
     block_cache: BlockCacheConfig = field(default_factory=BlockCacheConfig)
     templates: TemplateConfig = field(default_factory=TemplateConfig)
-    loras: LoraConfig = field(default_factory=LoraConfig)
-    controlnets: ControlNetConfig = field(default_factory=ControlNetConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    controlnet: ControlNetConfig = field(default_factory=ControlNetConfig)
     quantize: str | None = None  # the denoiser's linear layers (`gouache.runner.quantize`)
     # compiled forwards, warmed up before the worker serves
     compile: CompileConfig = field(default_factory=CompileConfig)
@@ -93,7 +93,7 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
             groups[block] = group
     templates = spec.templates.under(f"rank-{rank}")  # each device its own store: a shared one would mix their files
     runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels,
-                         spec.block_cache, templates, spec.loras, controlnets=spec.controlnets, compile=spec.compile)
+                         spec.block_cache, templates, spec.lora, controlnet=spec.controlnet, compile=spec.compile)
     runner.warm_up(model_info(runner.pipe, spec.model).default_size)
     return Worker(rank, runner, groups)
 
@@ -125,8 +125,8 @@ class Worker:
 
     def load_lora(self, name: str) -> dict:
         """Read an adapter into this device's host memory (POST /v1/loras); what it holds of it."""
-        self.runner.loras.store.load(name).result()
-        return self.runner.loras.store.describe(name)
+        self.runner.lora_runtime.store.load(name).result()
+        return self.runner.lora_runtime.store.describe(name)
 
     def load_controlnet(self, name: str) -> dict:
         """Load a ControlNet where this device runs them (POST /v1/controlnets)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gouache.uploads import EditMask, Upload
 
 RATIOS = "0.1,0.2,0.4,0.6,0.8,1.0"
 
@@ -109,7 +110,7 @@ class Edits:
         from gouache.sched.plan import Batch
 
         for request in requests:
-            self.runner.prepare(request, self.image, mask)
+            self.runner.prepare(request, Upload(self.image, EditMask(mask)))
         ids = tuple(r.request_id for r in requests)
         seconds = []
         for _ in range(requests[0].num_inference_steps):

@@ -53,7 +53,7 @@ def run(args) -> int:
         raise ValueError(f"--lora must be an existing .safetensors file, got {args.lora!r}")
     pipe = load_pipeline(args.model)
     info = model_info(pipe, args.model)
-    runner = ModelRunner(pipe, loras=LoraConfig(str(path.parent)))
+    runner = ModelRunner(pipe, lora=LoraConfig(str(path.parent)))
     steps, size = args.steps or info.default_steps, args.size or info.default_size
     rng = random.Random(0)
     prompts = [caption(sample_scene(rng)) for _ in range(args.prompts)]
@@ -100,7 +100,7 @@ def trajectory(runner, info, prompt: str, seed: int, size: int, steps: int, lora
     rid = f"profile-{seed}-{len(loras)}"
     runner.prepare(ImageRequest(rid, prompt, size, size, steps, info.default_guidance, seed, loras=loras))
     for name, _ in loras:
-        runner.loras.store.load(name).result()  # the adapter from the first step on
+        runner.lora_runtime.store.load(name).result()  # the adapter from the first step on
     out = []
     for _ in range(steps):
         step = runner.execute(Batch((rid,)))

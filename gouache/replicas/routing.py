@@ -58,7 +58,7 @@ def computed_share(request: ImageRequest, templates: TemplateConfig, max_pixels:
     replays = templates.default if request.template_cache is None else request.template_cache
     if not request.is_edit or not replays or request.register_template:
         return 1.0
-    return repaint_ratio(request.image, request.mask, max_pixels)
+    return repaint_ratio(request, max_pixels)
 
 
 @dataclass

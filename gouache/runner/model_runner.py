@@ -35,6 +35,7 @@ from gouache.templates.layer import TemplateLayer
 from gouache.templates.replay import (
     TemplateCache, TemplateUse, content_id, template_key, text_digest,
 )
+from gouache.uploads import Upload
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ class ModelRunner:
     by the engine thread between steps, or by a stage once the request left the scheduler."""
 
     def __init__(self, pipe, patch_pixels: int | None = None, block_cache: BlockCacheConfig | None = None,
-                 templates: TemplateConfig | None = None, loras: LoraConfig | None = None, prefetch_loras: bool = True,
-                 controlnets: ControlNetConfig | None = None, conditioning_bytes: int = 0,
+                 templates: TemplateConfig | None = None, lora: LoraConfig | None = None, prefetch_loras: bool = True,
+                 controlnet: ControlNetConfig | None = None, conditioning_bytes: int = 0,
                  compile: CompileConfig | None = None):
         self.pipe = pipe
         self.conditioning = ConditioningCache(conditioning_bytes)  # prompts' and uploads' encodings, for repeats
@@ -55,17 +56,17 @@ class ModelRunner:
         self.compile_config = compile or CompileConfig()
         if self.compile_config.enabled:
             self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
-                                                    adapters=bool(loras and loras.directory))
+                                                    adapters=bool(lora and lora.directory))
         self.states: dict[str, DenoiseState | Parked] = {}  # Parked: a paused request moved to host memory
         # holds nothing until a request asks for reuse
         self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))
         self.template_config = templates or TemplateConfig()
         self._model = model_digest(pipe) if self.template_config.directory else ""  # before a LoRA merges
         self._templates: TemplateCache | None = None  # made at the first edit that uses one, or now with a directory
-        self.loras = LoraRuntime(loras or LoraConfig(), pipe, self.family.denoiser,
+        self.lora_runtime = LoraRuntime(lora or LoraConfig(), pipe, self.family.denoiser,
                                  merges=quantized(self.family.denoiser) is None)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
-        self.controls = ControlRuntime(controlnets or ControlNetConfig(), pipe)
+        self.controls = ControlRuntime(controlnet or ControlNetConfig(), pipe)
         if self.template_config.directory:  # claimed (and an earlier run's files adopted) before serving
             _ = self.templates
 
@@ -80,7 +81,7 @@ class ModelRunner:
         cache holds."""
         self.cache.settle()
         templates = self._templates.store.held() if self._templates is not None else {}
-        return CacheBytes(self.cache.nbytes, self.loras.store.nbytes, templates)
+        return CacheBytes(self.cache.nbytes, self.lora_runtime.store.nbytes, templates)
 
     def close(self) -> None:
         """Let go of what outlives a forward: the ControlNet service's connections, the template directory."""
@@ -88,13 +89,13 @@ class ModelRunner:
         if self._templates is not None:
             self._templates.store.close()
 
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                controls: list[np.ndarray] = (), references: tuple[np.ndarray, ...] = ()) -> RequestState:
+    def prepare(self, request: ImageRequest, upload: Upload | None = None,
+                controls: list[np.ndarray] = ()) -> RequestState:
         """Text encoding and initial latents; returns the scheduler's view of the request.
-        `controls`: the decoded conditioning image of each of its ControlNets; `references`: an
-        edit's further uploads (families that take several images)."""
-        loras = self.loras.use(request.loras)
-        state = self.family.prepare(request, image, mask, self.loras.text_adapters(loras), references)
+        `upload`: an edit's decoded uploads; `controls`: the decoded conditioning image of each
+        of its ControlNets."""
+        loras = self.lora_runtime.use(request.loras)
+        state = self.family.prepare(request, upload, self.lora_runtime.text_adapters(loras))
         state.control = self.controls.use(tuple((name, scale) for name, _, scale in request.controlnets),
                                           list(controls), request.controlnet_mode, self.family.device,
                                           self.family.dtype)
@@ -110,11 +111,11 @@ class ModelRunner:
         # a template records or replays with its adapters: they load before its first step
         state.lora = replace(loras, bound=0) if loras is not None and uses_template else loras
         if state.lora is not None and self.prefetch_loras:
-            self.loras.start(request.request_id, state.lora)  # read while it waits and its first steps run
+            self.lora_runtime.start(request.request_id, state.lora)  # read while it waits and its first steps run
         if uses_template:
-            content = content_id(image)
+            content = content_id(upload.image)
             key = template_key(request.template_id or content, content, request.height, request.width,
-                               len(state.timesteps), state.rows, self.loras.key(loras))
+                               len(state.timesteps), state.rows, self.lora_runtime.key(loras))
             state.template = TemplateUse(key, self.family.token_mask(state), text_digest(state.cond, state.rows),
                                          request.register_template)
         self.states[request.request_id] = state
@@ -159,7 +160,7 @@ class ModelRunner:
         present = [rid for rid in batch.request_ids if rid not in failed]
         states = [self.states[rid] for rid in present]
         lora, invalid = LoraReport(), {}
-        adapters = self.loras.arrived(states, batch.degree > 1, failed, lora)
+        adapters = self.lora_runtime.arrived(states, batch.degree > 1, failed, lora)
         invalid.update((rid, "loras") for rid in present if rid in failed)  # an adapter that did not load
         forward = self.forward(batch, states, adapters, lora, group)
         forward.check(Step(states, batch.patched))
@@ -176,7 +177,7 @@ class ModelRunner:
         self.cache.settle()
         output = StepOutput(request_ids=stepped, forward_s=time.perf_counter() - start, failed=failed, invalid=invalid,
                             collective_s=forward.layer("parallel").collective_s,
-                            block_cache=self.cache.take_report(), lora=self.loras.take_report(lora),
+                            block_cache=self.cache.take_report(), lora=self.lora_runtime.take_report(lora),
                             controlnet=self.controls.take_report())
         if self.family.compiled is not None:
             output.compile = self.family.compiled.take_report()
@@ -195,7 +196,7 @@ class ModelRunner:
         compiled = self.family.compiled
         return Forward((
             ParallelLayer(self.pipe, batch.degree, group, self.family.device),
-            LoraLayer(self.loras, adapters, lora, compiled.slots if compiled is not None else None),
+            LoraLayer(self.lora_runtime, adapters, lora, compiled.slots if compiled is not None else None),
             ControlNetLayer(self.controls, self.family),
             TemplateLayer(templates, self.family),
             BlockCacheLayer(self.cache if whole else None),
@@ -255,7 +256,7 @@ class ModelRunner:
     def release_caches(self, request_id: str) -> None:
         """Forget the request's block-cache history, template role and adapter loads on this device."""
         self.cache.release(request_id)
-        self.loras.release(request_id)
+        self.lora_runtime.release(request_id)
         self.controls.release(request_id)
         if self._templates is not None:
             self._templates.release(request_id)

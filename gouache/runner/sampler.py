@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from gouache.lora.runtime import LoraUse
     from gouache.request import ImageRequest
     from gouache.templates.replay import TemplateUse
+    from gouache.uploads import EditMask
 
 
 @dataclass
@@ -25,12 +26,17 @@ class EditInputs:
     """An edit's original image and mask, in pixel and latent space. Mask value 1 = repaint."""
 
     pixels: torch.Tensor  # [1, 3, H, W] original image in [-1, 1]
-    pixel_mask: torch.Tensor  # [1, 1, H, W] in {0, 1}, for the final composite over the original
+    mask: EditMask  # where it repaints (its pixel form makes the final composite over the original)
+    # the rest is set with the initial latents (`Family.finish_edit`):
     # clean latents of the original, in the denoiser's latent layout (None: 9-channel UNets, which never blend)
-    image_latents: torch.Tensor | None
-    latent_mask: torch.Tensor  # the mask in the denoiser's latent layout (broadcastable to latents)
-    noise: torch.Tensor  # the initial noise; re-noising the kept region uses the same noise
+    image_latents: torch.Tensor | None = None
+    latent_mask: torch.Tensor | None = None  # the mask's latent form in the denoiser's layout (broadcasts to latents)
+    noise: torch.Tensor | None = None  # the initial noise; re-noising the kept region uses the same noise
     masked_image_latents: torch.Tensor | None = None  # 9-channel UNets: latents of the image with the hole
+
+    def hole(self) -> torch.Tensor:
+        """The original with its repainted region zeroed (what a 9-channel UNet encodes)."""
+        return self.pixels * (self.mask.pixel(self.pixels.device, self.pixels.dtype) < 0.5)
 
 
 @dataclass

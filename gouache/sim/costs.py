@@ -14,7 +14,7 @@ from gouache.request import RequestState
 from gouache.sched.interface import Resolution, StepTimePredictor
 from gouache.sched.plan import Batch
 from gouache.sched.router import RouteRequest
-from gouache.request import tier_rank
+from gouache.request import Tier
 from gouache.sim.workloads import SimRequest
 
 # seconds of one step of a batch (its members now) on its devices
@@ -127,7 +127,7 @@ def state_of(request: SimRequest) -> RequestState:
         num_steps=request.steps,
         arrival_time=request.arrival,
         deadline=request.deadline,
-        tier=tier_rank(request.tier),
+        tier=Tier.named(request.tier),
         tenant=request.tenant,
         weight=request.weight,
     )

@@ -60,7 +60,7 @@ from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.request import tier_rank
+from gouache.request import Tier
 from gouache.sched.tiers import queue_limit, refusal
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.results import RequestRecord, SimResult
@@ -82,7 +82,7 @@ class Admission:
 
     def admits(self, request: SimRequest, replica: Replica) -> bool:
         held = (*replica.scheduler.waiting.values(), *replica.scheduler.running.values())
-        return refusal(tier_rank(request.tier), request.tenant, request.weight, 1,
+        return refusal(Tier.named(request.tier), request.tenant, request.weight, 1,
                        ((s.tier, s.tenant, s.weight) for s in held),
                        queue_limit(request.tier, self.max_in_flight, self.shares)) is None
 
@@ -346,7 +346,7 @@ def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest
         pixels=request.width * request.height,
         steps=request.steps if steps is None else steps,
         mask_ratio=1.0 if request.mask_ratio is None else request.mask_ratio,
-        tier=tier_rank(request.tier),
+        tier=Tier.named(request.tier),
     )
 
 

@@ -106,7 +106,7 @@ def test_a_service_tier_reaches_the_image_requests_with_its_deadline():
                             ({"service_tier": "flex"}, "flex", None)):
         params = ImageGenerationRequest.model_validate({"prompt": "p", **body}, context=CONTEXT)
         [request] = params.to_requests("a", info, 0.0)
-        assert (request.service_tier, request.slo_ms) == (tier, slo), body
+        assert (request.tier.label, request.slo_ms) == (tier, slo), body
 
 
 def test_block_cache_is_refused_where_every_step_runs_sequence_parallel():

@@ -155,7 +155,7 @@ async def test_each_key_is_its_tenant_with_its_tiers_and_limits(engine: FakeEngi
         await held, await other
         metrics = (await client.get("/metrics", headers=auth("sk-alpha"))).text
     assert alpha.status_code == beta.status_code == 200
-    assert [(r.tenant, r.service_tier, r.tenant_weight) for r in engine.submitted[:2]] == [
+    assert [(r.tenant, r.tier.label, r.tenant_weight) for r in engine.submitted[:2]] == [
         ("alpha", "priority", 2.0), ("beta", "default", 1.0)]
     assert forbidden.status_code == 403 and forbidden.json()["error"]["param"] == "service_tier"
     assert unknown.status_code == 401

@@ -72,7 +72,7 @@ def reference(pipe, model, control_dir, names, images, scales, r):
 
 @pytest.mark.parametrize("names", [("edges",), ("edges", "depth")], ids=["one", "multi"])
 def test_output_equals_diffusers_controlnet_pipeline(pipe, model, control_dir, names):
-    runner = ModelRunner(pipe, controlnets=ControlNetConfig(str(control_dir)))
+    runner = ModelRunner(pipe, controlnet=ControlNetConfig(str(control_dir)))
     scales = [0.7, 1.3][: len(names)]
     nets = [(n, image(k), s) for k, (n, s) in enumerate(zip(names, scales))]
     r = request("a", nets)
@@ -84,7 +84,7 @@ def test_output_equals_diffusers_controlnet_pipeline(pipe, model, control_dir, n
 
 
 def test_a_batch_of_mixed_controlnets_equals_each_request_alone(pipe, control_dir):
-    runner = ModelRunner(pipe, controlnets=ControlNetConfig(str(control_dir)))
+    runner = ModelRunner(pipe, controlnet=ControlNetConfig(str(control_dir)))
     mix = [(request("plain"), []),
            (request("edges", [("edges", None, 1.0)], seed=2), [("edges", image(1), 1.0)]),
            (request("both", [("depth", None, 0.5), ("edges", None, 2.0)], seed=3),
@@ -99,7 +99,7 @@ def test_a_batch_of_mixed_controlnets_equals_each_request_alone(pipe, control_di
 
 
 def test_controlnets_that_do_not_fit_are_refused(pipe, control_dir, tmp_path):
-    runtime = ModelRunner(pipe, controlnets=ControlNetConfig(str(control_dir))).controls
+    runtime = ModelRunner(pipe, controlnet=ControlNetConfig(str(control_dir))).controls
     with pytest.raises(UnknownControlNet, match="no nothing/config.json"):
         runtime.check("nothing")
     with pytest.raises(ControlNetError, match="must match"):
@@ -111,7 +111,7 @@ def test_controlnets_that_do_not_fit_are_refused(pipe, control_dir, tmp_path):
     (tmp_path / "gray" / "config.json").write_text(json.dumps({**config, "conditioning_channels": 1}))
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{")
-    other = ModelRunner(pipe, controlnets=ControlNetConfig(str(tmp_path))).controls
+    other = ModelRunner(pipe, controlnet=ControlNetConfig(str(tmp_path))).controls
     with pytest.raises(ControlNetError, match="cross_attention_dim is 999"):
         other.check("wide")
     with pytest.raises(ControlNetError, match="1-channel conditioning"):

@@ -38,7 +38,7 @@ def service(pipe, control_dir):
 def runner(pipe, control_dir, service=None, mode="sync"):
     config = ControlNetConfig(str(control_dir), workers=2 if service else 0, mode=mode,
                               service=service.address if service else None)
-    return ModelRunner(pipe, controlnets=config)
+    return ModelRunner(pipe, controlnet=config)
 
 
 def runs(outputs: list) -> dict[str, int]:

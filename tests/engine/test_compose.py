@@ -23,6 +23,7 @@ from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from gouache.sched.policies import POLICIES
 from gouache.techniques import EXACT, REFUSED, TABLE, TECHNIQUES, markdown, pair
+from gouache.uploads import EditMask, Upload
 from tests.api.fake_engine import FAKE_INFO
 from tests.api.test_protocol import CONTEXT
 from tests.engine.test_exactness import run_engine
@@ -61,12 +62,12 @@ def member(rid: str, uses: tuple[str, ...], seed: int, size: int = 64, lora: str
         request = replace(request, block_cache=0.5)
     if "img2img" in uses:
         request = replace(request, image=b"-", strength=0.7)
-        inputs["image"] = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+        inputs["upload"] = Upload(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
     if "template" in uses:
         request = replace(request, image=b"-", template_cache=True, template_id=f"shirt-{size}")
         mask = np.zeros((size, size), np.float32)
         mask[: size // 2] = 1.0
-        inputs.update(image=rng.integers(0, 255, (size, size, 3), dtype=np.uint8), mask=mask)
+        inputs["upload"] = Upload(rng.integers(0, 255, (size, size, 3), dtype=np.uint8), EditMask(mask))
     return request, inputs
 
 
@@ -79,7 +80,7 @@ def serve(pipe, directories, policy: str, arrivals: dict[int, list[tuple[ImageRe
     """Final latents of every request, `arrivals[k]` joining before step k, on a fresh runner
     (with the conditioning cache, which the runs alone go without)."""
     loras, controls = directories
-    runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(loras), controlnets=ControlNetConfig(controls),
+    runner = ModelRunner(pipe, patch_pixels=32, lora=LoraConfig(loras), controlnet=ControlNetConfig(controls),
                          conditioning_bytes=(64 << 20) if conditioning else 0, block_cache=block_cache)
     try:
         latents = run_engine(pipe, arrivals, policy, runner)
@@ -205,7 +206,7 @@ def test_a_refused_pair_never_reaches_a_forward(pipes, directories):
     """The composer's last guard: a patched batch on several devices (mixed_sizes with parallel,
     which no policy plans) is refused before anything runs, as is a request that asks for a
     ControlNet and the block cache past admission."""
-    runner = ModelRunner(pipes(MODEL), controlnets=ControlNetConfig(directories[1]))
+    runner = ModelRunner(pipes(MODEL), controlnet=ControlNetConfig(directories[1]))
     request, inputs = member("a", (), seed=0)
     runner.prepare(request, **inputs)
     with pytest.raises(ValueError, match="mixed_sizes and parallel do not compose"):
@@ -220,7 +221,7 @@ def test_a_refused_pair_never_reaches_a_forward(pipes, directories):
 def test_a_server_default_applies_only_where_it_composes(pipes, directories):
     """--block-cache's threshold does not apply to a ControlNet request (it would be refused)."""
     runner = ModelRunner(pipes(MODEL), block_cache=BlockCacheConfig(threshold=0.5),
-                         controlnets=ControlNetConfig(directories[1]))
+                         controlnet=ControlNetConfig(directories[1]))
     request, inputs = member("c", ("controlnet",), seed=0)
     runner.prepare(request, **inputs)
     assert runner.states["c"].request.block_cache == 0.0

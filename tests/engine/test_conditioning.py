@@ -16,6 +16,7 @@ from gouache.runner.describe import model_info
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
+from gouache.uploads import EditMask, Upload
 from tests.engine.test_async_engine import images, run
 from tests.engine.test_templates import samples
 
@@ -50,7 +51,7 @@ def test_a_repeated_prompt_and_upload_hit_and_give_the_same_latents(pipes, name)
 
     def final_latents(runner: ModelRunner) -> dict[str, torch.Tensor]:
         for request in (first, second):
-            runner.prepare(request, upload, mask)
+            runner.prepare(request, Upload(upload, EditMask(mask)))
         for _ in range(2):
             assert not runner.execute(Batch(("a", "b"))).failed
         return {rid: runner.states[rid].latents for rid in ("a", "b")}

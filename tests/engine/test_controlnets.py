@@ -46,7 +46,7 @@ def b64(image: np.ndarray) -> str:
 def test_requests_with_controlnets_through_the_api(pipes, control_dir):
     pipe = pipes("tiny-sd")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"),
-                         EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
+                         EngineConfig(controlnet=ControlNetConfig(str(control_dir))),
                          make_policy(SchedulerConfig(policy="orca")))
     rng = np.random.default_rng(0)
     edges, depth, wide = (rng.integers(0, 255, shape, dtype=np.uint8) for shape in ((64, 64, 3),) * 2 + ((64, 96, 3),))
@@ -129,7 +129,7 @@ def test_controlnet_flags_without_a_directory_are_refused():
 def test_transformer_models_refuse_controlnets(pipes, control_dir):
     pipe = pipes("tiny-sd3")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd3"),
-                         EngineConfig(controlnets=ControlNetConfig(str(control_dir))),
+                         EngineConfig(controlnet=ControlNetConfig(str(control_dir))),
                          make_policy(SchedulerConfig(policy="orca")))
 
     async def scenario():
@@ -162,7 +162,7 @@ def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_service_serves_sync_and_async_requests_and_stops_with_the_engine(pipes, control_dir):
     pipe = pipes("tiny-sd")
-    config = EngineConfig(controlnets=ControlNetConfig(str(control_dir), workers=1, torch_threads=1))
+    config = EngineConfig(controlnet=ControlNetConfig(str(control_dir), workers=1, torch_threads=1))
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), config, make_policy(SchedulerConfig(policy="orca")))
     service = engine.control_service
     rng = np.random.default_rng(1)
@@ -200,7 +200,7 @@ def test_controlnets_under_worker_processes(control_dir):
     outs = {}
     for workers in (0, 1):
         config = EngineConfig(executor="multiproc", devices=1,
-                              controlnets=ControlNetConfig(str(control_dir), workers=workers, torch_threads=1))
+                              controlnet=ControlNetConfig(str(control_dir), workers=workers, torch_threads=1))
         engine = build_engine(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
 
         async def scenario():

@@ -8,6 +8,7 @@ import pytest
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 
 from tests.engine.conftest import guidance_kwargs
 
@@ -21,7 +22,7 @@ def test_edit_repaints_only_the_mask(pipes, name):
     mask[16:48, 32:80] = 1.0
     runner = ModelRunner(pipes(name))
     request = ImageRequest("e", "a cat", 96, 64, 3, 4.0, seed=1, image=b"-")
-    state = runner.prepare(request, original, mask)
+    state = runner.prepare(request, Upload(original, EditMask(mask)))
     for _ in range(state.num_steps):
         runner.execute(Batch(("e",)))
     out = runner.decode("e")
@@ -53,7 +54,7 @@ def test_an_edit_equals_diffusers_inpaint_pipeline_seed_for_seed(pipes, name):
     mask[16:48, 32:80] = 1.0
     runner = ModelRunner(pipe)
     request = ImageRequest("e", "a cat", 96, 64, 3, 4.0, seed=1, image=b"-")
-    runner.prepare(request, original, mask)
+    runner.prepare(request, Upload(original, EditMask(mask)))
     for _ in range(3):
         runner.execute(Batch(("e",)))
     cls = getattr(diffusers, INPAINT_PIPELINES[name])
@@ -102,12 +103,13 @@ def test_img2img_equals_diffusers_img2img_pipeline_seed_for_seed_in_a_batch_of_o
     mask[16:48, 32:80] = 1.0
     img2img = [ImageRequest(f"s{strength}", "a cat", 96, 64, 4, 4.0, seed=1, image=b"-", strength=strength)
                for strength in (0.5, 0.8, 1.0)]
-    arrivals = {0: [(img2img[0], {"image": original}), ImageRequest("generation", "a dog", 64, 64, 3, 4.0, seed=2)],
-                1: [(img2img[1], {"image": original}), (img2img[2], {"image": original}),
+    arrivals = {0: [(img2img[0], {"upload": Upload(original)}),
+                    ImageRequest("generation", "a dog", 64, 64, 3, 4.0, seed=2)],
+                1: [(img2img[1], {"upload": Upload(original)}), (img2img[2], {"upload": Upload(original)}),
                     (ImageRequest("masked", "a cat", 96, 64, 3, 4.0, seed=3, image=b"-"),
-                     {"image": original, "mask": mask})]}
+                     {"upload": Upload(original, EditMask(mask))})]}
     latents = run_engine(pipe, arrivals, policy)
-    steps = {r.request_id: len(ModelRunner(pipe).family.prepare(r, original).timesteps) for r in img2img}
+    steps = {r.request_id: len(ModelRunner(pipe).family.prepare(r, Upload(original)).timesteps) for r in img2img}
     assert steps == ({"s0.5": 2, "s0.8": 3, "s1.0": 4} if name in ("tiny-sd", "tiny-sdxl")
                      else {"s0.5": 2, "s0.8": 4, "s1.0": 4})
     for request in img2img:
@@ -129,9 +131,9 @@ def test_sdxl_img2img_normalises_by_the_vaes_latent_statistics_as_its_pipeline_d
     original = np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8)
     request = ImageRequest("e", "a cat", 64, 64, 4, 4.0, seed=5, image=b"-", strength=0.5)
     runner = ModelRunner(pipe)
-    state = runner.prepare(request, original)
+    state = runner.prepare(request, Upload(original))
     plain = ModelRunner(load_pipeline("tiny-sdxl"))
-    plain.prepare(request, original)
+    plain.prepare(request, Upload(original))
     assert (plain.states["e"].latents - runner.states["e"].latents).abs().max() > 0.1  # the statistics matter
     for _ in range(state.num_steps):
         runner.execute(Batch(("e",)))

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from gouache.request import ImageRequest
+from gouache.uploads import EditMask, Upload
 from tests.engine.conftest import as_state_latents
 from tests.engine.test_exactness import run_engine
 
@@ -55,9 +56,9 @@ def test_edits_of_one_and_two_images_equal_the_pipeline_in_a_mixed_batch(pipes, 
     two = ImageRequest("two", "put the second in the first", 96, 64, 3, 4.0, seed=2, image=b"-")
     generation = ImageRequest("generation", "make it blue", 96, 64, 3, 4.0, seed=1)
     masked = ImageRequest("masked", "a cat", 96, 64, 2, 4.0, seed=3, image=b"-")
-    arrivals = {0: [(one, {"image": images["wide"]}), generation],
-                1: [(two, {"image": images["wide"], "references": (images["other"],)}),
-                    (masked, {"image": images["wide"], "mask": mask})]}
+    arrivals = {0: [(one, {"upload": Upload(images["wide"])}), generation],
+                1: [(two, {"upload": Upload(images["wide"], references=(images["other"],))}),
+                    (masked, {"upload": Upload(images["wide"], EditMask(mask))})]}
     latents = run_engine(pipe, arrivals, policy)
     expected = {"one": klein_reference(pipe, one, [images["wide"]]),
                 "two": klein_reference(pipe, two, [images["wide"], images["other"]]),
@@ -76,7 +77,7 @@ def test_a_masked_edit_with_a_second_upload_takes_it_as_its_image_reference(pipe
     mask = np.zeros((64, 96), np.float32)
     mask[16:48, 32:80] = 1.0
     masked = ImageRequest("masked", "a cat", 96, 64, 2, 4.0, seed=3, image=b"-")
-    latents = run_engine(pipe, {0: [(masked, {"image": images["wide"], "mask": mask,
-                                              "references": (images["other"],)})]})
+    latents = run_engine(pipe, {0: [(masked, {"upload": Upload(images["wide"], EditMask(mask),
+                                                               (images["other"],))})]})
     expected = inpaint_reference(pipe, masked, images["wide"], mask, images["other"])
     assert (latents["masked"] - expected).abs().max() <= 1e-4

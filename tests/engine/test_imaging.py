@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image
 
-from gouache.engine.imaging import DecodeError, DecodedEdit, decode_edit, encode_image, read_size
+from gouache.engine.imaging import DecodeError, decode_edit, encode_image, read_size
+from gouache.request import ImageRequest
+from gouache.uploads import Upload
 
 KEY = (10, 20, 30)  # a PNG colour key (tRNS): pixels of exactly this colour are transparent
 MAX_PIXELS = 1 << 20
@@ -36,21 +38,25 @@ def _keyed_rgb() -> tuple[bytes, np.ndarray]:
     return _png(pixels, transparency=KEY), keyed
 
 
-def _decode(image: bytes, mask: bytes | None = None, width: int = 8, height: int = 8) -> DecodedEdit:
-    decoded = decode_edit(image, mask, width, height, MAX_PIXELS)
-    assert isinstance(decoded, DecodedEdit), decoded
+def _edit(image: bytes, mask: bytes | None = None, width: int = 8, height: int = 8) -> ImageRequest:
+    return ImageRequest("e", "a cat", width, height, 2, 4.0, seed=0, image=image, mask=mask)
+
+
+def _decode(image: bytes, mask: bytes | None = None, width: int = 8, height: int = 8) -> Upload:
+    decoded = decode_edit(_edit(image, mask, width, height), MAX_PIXELS)
+    assert isinstance(decoded, Upload), decoded
     return decoded
 
 
 def test_rgb_image_with_colour_key_and_no_mask_repaints_the_keyed_pixels():
     image, keyed = _keyed_rgb()
-    assert np.array_equal(_decode(image).mask, keyed.astype(np.float32))
+    assert np.array_equal(_decode(image).mask.pixels, keyed.astype(np.float32))
 
 
 def test_rgb_mask_with_colour_key_repaints_the_keyed_pixels():
     mask, keyed = _keyed_rgb()
     image = _png(np.zeros((8, 8, 3), np.uint8))
-    assert np.array_equal(_decode(image, mask).mask, keyed.astype(np.float32))
+    assert np.array_equal(_decode(image, mask).mask.pixels, keyed.astype(np.float32))
 
 
 def test_greyscale_mask_with_colour_key_repaints_the_keyed_pixels():
@@ -58,7 +64,7 @@ def test_greyscale_mask_with_colour_key_repaints_the_keyed_pixels():
     pixels[3:6, 2:4] = 0
     mask = _png(pixels, transparency=0)
     image = _png(np.zeros((8, 8, 3), np.uint8))
-    assert np.array_equal(_decode(image, mask).mask, (pixels == 0).astype(np.float32))
+    assert np.array_equal(_decode(image, mask).mask.pixels, (pixels == 0).astype(np.float32))
 
 
 def test_rgba_image_without_mask_repaints_its_transparent_pixels():
@@ -66,19 +72,19 @@ def test_rgba_image_without_mask_repaints_its_transparent_pixels():
     pixels[:2, :, 3] = 0
     pixels[2:4, :, 3] = 128  # half transparent is kept, as OpenAI does
     decoded = _decode(_png(pixels))
-    assert np.array_equal(decoded.mask, (pixels[..., 3] == 0).astype(np.float32))
+    assert np.array_equal(decoded.mask.pixels, (pixels[..., 3] == 0).astype(np.float32))
     assert decoded.image.shape == (8, 8, 3)
 
 
 def test_opaque_image_without_mask_is_repainted_whole():
-    assert np.array_equal(_decode(_png(np.zeros((8, 8, 3), np.uint8))).mask, np.ones((8, 8), np.float32))
+    assert np.array_equal(_decode(_png(np.zeros((8, 8, 3), np.uint8))).mask.pixels, np.ones((8, 8), np.float32))
 
 
 def test_mask_without_transparency_repaints_its_white_pixels():
     pixels = np.zeros((8, 8), np.uint8)
     pixels[4:] = 255
     image = _png(np.zeros((8, 8, 3), np.uint8))
-    assert np.array_equal(_decode(image, _png(pixels)).mask, (pixels == 255).astype(np.float32))
+    assert np.array_equal(_decode(image, _png(pixels)).mask.pixels, (pixels == 255).astype(np.float32))
 
 
 def test_palette_and_la_masks_use_their_transparency():
@@ -91,15 +97,15 @@ def test_palette_and_la_masks_use_their_transparency():
     la = np.stack([np.full((8, 8), 255, np.uint8), np.where(indices == 1, 0, 255).astype(np.uint8)], axis=-1)
     image = _png(np.zeros((8, 8, 3), np.uint8))
     for mask in (buffer.getvalue(), _png(la)):
-        assert np.array_equal(_decode(image, mask).mask, (indices == 1).astype(np.float32))
+        assert np.array_equal(_decode(image, mask).mask.pixels, (indices == 1).astype(np.float32))
 
 
 def test_image_and_mask_are_resized_to_the_request():
     pixels = np.full((8, 8, 4), 255, np.uint8)
     pixels[2:5, 1:6, 3] = 0
     decoded = _decode(_png(pixels), width=16, height=8)
-    assert decoded.image.shape == (8, 16, 3) and decoded.mask.shape == (8, 16)
-    assert np.array_equal(decoded.mask[:, ::2], (pixels[..., 3] == 0).astype(np.float32))
+    assert decoded.image.shape == (8, 16, 3) and decoded.mask.pixels.shape == (8, 16)
+    assert np.array_equal(decoded.mask.pixels[:, ::2], (pixels[..., 3] == 0).astype(np.float32))
 
 
 @pytest.mark.parametrize(
@@ -108,12 +114,12 @@ def test_image_and_mask_are_resized_to_the_request():
      (_png(np.zeros((8, 8, 3), np.uint8)), _png(np.zeros((4, 4), np.uint8)), "mask")],
 )  # fmt: skip
 def test_bad_uploads_name_their_field(image: bytes, mask: bytes | None, param: str):
-    decoded = decode_edit(image, mask, 8, 8, MAX_PIXELS)
+    decoded = decode_edit(_edit(image, mask), MAX_PIXELS)
     assert isinstance(decoded, DecodeError) and decoded.param == param
 
 
 def test_too_many_pixels_is_an_error_not_a_decode():
-    decoded = decode_edit(_png(np.zeros((64, 64, 3), np.uint8)), None, 8, 8, max_pixels=1000)
+    decoded = decode_edit(_edit(_png(np.zeros((64, 64, 3), np.uint8))), max_pixels=1000)
     assert isinstance(decoded, DecodeError) and decoded.param == "image" and "1000" in decoded.message
 
 
@@ -140,4 +146,4 @@ def test_an_exif_turned_photo_is_decoded_upright_and_its_size_read_upright():
     decoded = _decode(photo, _png(mask), width=4, height=8)
     assert read_size(photo, "image") == (4, 8)
     assert decoded.image.shape == (8, 4, 3) and decoded.image[0, 3].tolist() == [255, 255, 255]
-    assert decoded.mask[:, 2:].all() and not decoded.mask[:, :2].any()
+    assert decoded.mask.pixels[:, 2:].all() and not decoded.mask.pixels[:, :2].any()

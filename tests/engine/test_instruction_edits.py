@@ -11,6 +11,7 @@ from PIL import Image
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 from tests.engine.test_exactness import run_engine
 
 MODEL = "tiny-flux-kontext"
@@ -49,8 +50,8 @@ def test_an_instruction_edit_equals_diffusers_kontext_pipeline_in_a_mixed_batch(
     same_size = ImageRequest("generation", "make it blue", 96, 64, 3, 2.5, seed=1)
     other_size = ImageRequest("square", "a cat", 64, 64, 2, 2.5, seed=2, image=b"-")
     masked = ImageRequest("masked", "a cat", 96, 64, 3, 2.5, seed=3, image=b"-")
-    arrivals = {0: [(edit, {"image": wide}), same_size],
-                1: [(other_size, {"image": square}), (masked, {"image": wide, "mask": mask})]}
+    arrivals = {0: [(edit, {"upload": Upload(wide)}), same_size],
+                1: [(other_size, {"upload": Upload(square)}), (masked, {"upload": Upload(wide, EditMask(mask))})]}
     latents = run_engine(pipe, arrivals, policy)
     expected = {"edit": kontext_reference(pipe, edit, wide), "generation": kontext_reference(pipe, same_size, None),
                 "square": kontext_reference(pipe, other_size, square),
@@ -79,13 +80,13 @@ def test_instruction_edits_with_adapters_equal_themselves_alone_in_a_batch_of_ot
     def item(rid: str, lora: str | None, edit: bool):
         request = ImageRequest(rid, "make it blue", 64, 64, 2, 2.5, seed=2, image=b"-" if edit else None,
                                loras=((lora, 1.0),) if lora else ())
-        return request, ({"image": image} if edit else {})
+        return request, ({"upload": Upload(image)} if edit else {})
 
     batch = [item("edit-ink", "ink", True), item("edit-paper", "paper", True), item("gen-ink", "ink", False),
              item("edit-plain", None, True)]
 
     def runner() -> ModelRunner:
-        return ModelRunner(pipe, loras=LoraConfig(str(tmp_path)))
+        return ModelRunner(pipe, lora=LoraConfig(str(tmp_path)))
 
     alone = {request.request_id: run_engine(pipe, {0: [(request, inputs)]}, "orca", runner())[request.request_id]
              for request, inputs in batch}
@@ -103,8 +104,9 @@ def test_edits_of_transposed_sizes_in_one_patched_step_equal_each_alone(pipes):
     the packed forward (a plain forward of both gave the tall edit the wide one's: 0.019 off)."""
     pipe = pipes(MODEL)
     wide = np.random.default_rng(0).integers(0, 255, (64, 96, 3), dtype=np.uint8)
-    uploads = {"wide": (ImageRequest("wide", "a", 96, 64, 2, 2.5, seed=1, image=b"-"), wide),
-               "tall": (ImageRequest("tall", "a", 64, 96, 2, 2.5, seed=1, image=b"-"), wide.transpose(1, 0, 2).copy())}
+    uploads = {"wide": (ImageRequest("wide", "a", 96, 64, 2, 2.5, seed=1, image=b"-"), Upload(wide)),
+               "tall": (ImageRequest("tall", "a", 64, 96, 2, 2.5, seed=1, image=b"-"),
+                        Upload(wide.transpose(1, 0, 2).copy()))}
 
     def run(ids: tuple[str, ...]) -> dict[str, torch.Tensor]:
         runner = ModelRunner(pipe)

@@ -36,7 +36,7 @@ def lora_dir(pipes, tmp_path):
 
 def test_requests_with_adapters_through_the_api(pipes, lora_dir):
     pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(loras=LoraConfig(str(lora_dir))),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(lora=LoraConfig(str(lora_dir))),
                          make_policy(SchedulerConfig(policy="orca")))
     body = {"prompt": "a fox", "size": "64x64", "num_inference_steps": 3, "seed": 5}
     bad = {"unknown": [{"name": "nope"}], "escape": [{"name": "../ink"}], "suffix": [{"name": "ink.safetensors"}],
@@ -103,7 +103,7 @@ def test_lora_flags_without_a_directory_are_refused():
 
 
 def test_a_loading_bound_is_refused_where_every_step_runs_sequence_parallel(lora_dir):
-    config = EngineConfig(executor="multiproc", devices=2, loras=LoraConfig(str(lora_dir), bound=3))
+    config = EngineConfig(executor="multiproc", devices=2, lora=LoraConfig(str(lora_dir), bound=3))
     with pytest.raises(ValueError, match="--lora-bound would be ignored: every step of --policy fixed-sp-2"):
         build_engine(ModelConfig("tiny-sd3"), config, SchedulerConfig(policy="fixed-sp-2"))
 
@@ -111,7 +111,7 @@ def test_a_loading_bound_is_refused_where_every_step_runs_sequence_parallel(lora
 @pytest.mark.slow
 def test_adapters_under_a_worker_process(lora_dir):
     """A multiproc worker reads the adapters itself; registration warms it."""
-    config = EngineConfig(executor="multiproc", devices=1, loras=LoraConfig(str(lora_dir)))
+    config = EngineConfig(executor="multiproc", devices=1, lora=LoraConfig(str(lora_dir)))
     engine = build_engine(ModelConfig("tiny-sd"), config, SchedulerConfig(policy="orca"))
     from tests.engine.test_async_engine import images
 
@@ -136,7 +136,7 @@ def test_an_adapter_registered_while_nothing_runs_shows_in_the_metrics(pipes, lo
     import time
 
     pipe = pipes("tiny-sd")
-    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(loras=LoraConfig(str(lora_dir))),
+    engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(lora=LoraConfig(str(lora_dir))),
                          make_policy(SchedulerConfig(policy="orca")))
 
     async def scenario():
@@ -151,4 +151,4 @@ def test_an_adapter_registered_while_nothing_runs_shows_in_the_metrics(pipes, lo
         return before, after
 
     before, after = run(scenario())
-    assert before == 0 and after == engine.runner.loras.store.nbytes > 0
+    assert before == 0 and after == engine.runner.lora_runtime.store.nbytes > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gouache.config import SchedulerConfig
-from gouache.request import ImageRequest
+from gouache.request import ImageRequest, Tier
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
 from tests.engine.test_exactness import FAMILIES, FlatCost, run_engine
@@ -17,7 +17,7 @@ CASES = [(name, "orca") for name in FAMILIES] + [(name, policy) for name in ("ti
 
 
 def request(rid: str, tier: str, seed: int, steps: int = 4, width: int = 64, **fields) -> ImageRequest:
-    return ImageRequest(rid, "a red fox", width, 64, steps, 5.0, seed, service_tier=tier, **fields)
+    return ImageRequest(rid, "a red fox", width, 64, steps, 5.0, seed, tier=Tier.named(tier), **fields)
 
 
 @pytest.mark.parametrize("parked", [False, True], ids=["on-device", "parked"])
@@ -65,7 +65,7 @@ def test_a_paused_request_keeps_what_its_techniques_hold(pipes, tmp_path, techni
     fields = {"loras": (("ink", 1.0),)} if technique == "lora" else {"block_cache": 0.5}
 
     def runner() -> ModelRunner:
-        return ModelRunner(pipe, loras=LoraConfig(str(tmp_path)), block_cache=BlockCacheConfig(max_reuse=2))
+        return ModelRunner(pipe, lora=LoraConfig(str(tmp_path)), block_cache=BlockCacheConfig(max_reuse=2))
 
     flex = request("flex", "flex", seed=3, steps=6, **fields)
     alone = run_engine(pipe, {0: [flex]}, "orca", runner())["flex"]
@@ -97,12 +97,12 @@ def test_a_served_flex_request_is_paused_for_a_priority_one_and_says_so(pipes):
 
     async def scenario():
         await engine.start()
-        flex = await engine.submit(images("flex", steps=40, service_tier="flex"))
+        flex = await engine.submit(images("flex", steps=40, tier=Tier.FLEX))
         events, statuses = [], []
         async for event in flex:
             events.append(event)
             if isinstance(event, ProgressEvent) and event.step == 1:
-                priority = await engine.submit(images("priority", steps=2, service_tier="priority"))
+                priority = await engine.submit(images("priority", steps=2, tier=Tier.PRIORITY))
             if isinstance(event, PausedEvent):
                 statuses.append(await engine.status())
         await priority.images()
@@ -140,7 +140,7 @@ def test_flex_requests_get_429_first_under_load(pipes):
         await engine.start()
         first = await engine.submit(images("default", n=2, steps=20))
         with pytest.raises(QueueFullError, match="flex requests' limit 2"):
-            await engine.submit(images("flex", service_tier="flex"))
+            await engine.submit(images("flex", tier=Tier.FLEX))
         second = await engine.submit(images("more", n=2, steps=2))  # the default tier's limit is 4
         await first.images()
         await second.images()
@@ -226,7 +226,7 @@ def test_a_paused_controlnet_or_template_request_resumes_as_it_would_have_gone_o
     random_controlnet(pipe, seed=0, std=0.2).save_pretrained(str(tmp_path / "edges"))
 
     def runner() -> ModelRunner:
-        return ModelRunner(pipe, patch_pixels=32, controlnets=ControlNetConfig(str(tmp_path)))
+        return ModelRunner(pipe, patch_pixels=32, controlnet=ControlNetConfig(str(tmp_path)))
 
     def serve(first: bool, paused: bool, uses: tuple[str, ...] = (technique,)) -> torch.Tensor:
         """The flex request's latents: the first edit of its image, or the second (a replay)."""

@@ -17,6 +17,7 @@ from gouache.engine.build import build_engine
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 
 MODEL = "tiny-qwen-image"
 
@@ -116,7 +117,8 @@ def test_instruction_edits_of_other_sizes_equal_qwen_image_edit_in_one_step(pipe
     pipe, images = pipes("tiny-qwen-image-edit"), uploads()
     wide = ImageRequest("wide", "make it blue", 96, 64, 2, 4.0, seed=1, image=b"-")
     tall = ImageRequest("tall", "make it red", 64, 80, 2, 4.0, seed=2, image=b"-")
-    latents = run_engine(pipe, {0: [(wide, {"image": images["wide"]}), (tall, {"image": images["other"]})]}, "patched")
+    arrivals = {0: [(wide, {"upload": Upload(images["wide"])}), (tall, {"upload": Upload(images["other"])})]}
+    latents = run_engine(pipe, arrivals, "patched")
     for request, image in ((wide, images["wide"]), (tall, images["other"])):
         assert (latents[request.request_id] - edit_reference(pipe, request, [image])).abs().max() <= 1e-4
 
@@ -127,7 +129,7 @@ def test_an_edit_of_two_images_equals_qwen_image_edit_plus(pipes):
 
     pipe, images = pipes("tiny-qwen-image-edit-plus"), uploads()
     two = ImageRequest("two", "put the second in the first", 96, 64, 2, 4.0, seed=1, image=b"-")
-    latents = run_engine(pipe, {0: [(two, {"image": images["wide"], "references": (images["other"],)})]})
+    latents = run_engine(pipe, {0: [(two, {"upload": Upload(images["wide"], references=(images["other"],))})]})
     expected = edit_reference(pipe, two, [images["wide"], images["other"]])
     assert (latents["two"] - expected).abs().max() <= 1e-4
     one = edit_reference(pipe, two, [images["wide"]])
@@ -145,7 +147,7 @@ def test_a_masked_edit_equals_qwen_image_edit_inpaint_at_its_megapixel(pipes):
     mask = np.zeros((1024, 1024), np.float32)
     mask[256:768, 256:768] = 1.0
     request = ImageRequest("masked", "a cat", 1024, 1024, 2, 4.0, seed=3, image=b"-")
-    latents = run_engine(pipe, {0: [(request, {"image": image, "mask": mask})]})
+    latents = run_engine(pipe, {0: [(request, {"upload": Upload(image, EditMask(mask))})]})
     cls = diffusers.QwenImageEditInpaintPipeline
     inpaint = cls(**{k: v for k, v in pipe.components.items() if k in cls._get_signature_keys(cls)[0]})
     inpaint.set_progress_bar_config(disable=True)

@@ -10,6 +10,7 @@ from gouache.engine.stages import Stage
 from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
+from gouache.uploads import EditMask, Upload
 
 
 def test_a_batched_stage_takes_every_waiting_job_and_isolates_a_failing_one():
@@ -44,7 +45,7 @@ def test_decoding_images_together_equals_decoding_each_alone():
     for i, (h, w) in enumerate(sizes):
         image = np.full((h, w, 3), 40 * i, np.uint8) if i == 3 else None
         runner.prepare(ImageRequest(f"r{i}", "a cat", w, h, 2, 4.0, seed=i, image=b"-" if image is not None else None),
-                       image, mask if image is not None else None)
+                       None if image is None else Upload(image, EditMask(mask)))
     ids = [f"r{i}" for i in range(len(sizes))]
     together = runner.decode_many([(rid, None) for rid in ids] + [("gone", None)])
     assert together[-1] is None  # a request released meanwhile

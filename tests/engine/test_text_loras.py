@@ -84,7 +84,7 @@ def diffusers_latents(model: str, lora_dir, name: str, scale: float) -> torch.Te
 
 @pytest.mark.parametrize(("name", "scale"), [("both", 0.8), ("kohya", 1.3)])
 def test_text_encoder_layers_equal_diffusers_load_lora_weights_beside_a_request_without(model, lora_dir, name, scale):
-    runner = ModelRunner(load_pipeline(model), loras=LoraConfig(str(lora_dir)), conditioning_bytes=1 << 26)
+    runner = ModelRunner(load_pipeline(model), lora=LoraConfig(str(lora_dir)), conditioning_bytes=1 << 26)
     ours = serve(runner, [request("with", [(name, scale)]), request("without")])
     plain = serve(ModelRunner(load_pipeline(model)), [request("plain")])["plain"]
     expected = diffusers_latents(model, lora_dir, name, scale)
@@ -94,7 +94,7 @@ def test_text_encoder_layers_equal_diffusers_load_lora_weights_beside_a_request_
 
 
 def test_encodings_are_cached_per_text_adapter_set(model, lora_dir):
-    runner = ModelRunner(load_pipeline(model), loras=LoraConfig(str(lora_dir)), conditioning_bytes=1 << 26)
+    runner = ModelRunner(load_pipeline(model), lora=LoraConfig(str(lora_dir)), conditioning_bytes=1 << 26)
     runner.conditioning.take_report()
     conds = {}
     for rid, loras in (("a", [("kohya", 1.0)]), ("b", [("kohya", 1.0)]), ("c", [("kohya", 0.5)]), ("d", [])):
@@ -104,4 +104,4 @@ def test_encodings_are_cached_per_text_adapter_set(model, lora_dir):
     assert counts[("text", "hit")] == 1 and counts[("text", "miss")] == 3
     assert torch.equal(conds["a"], conds["b"])
     assert not torch.equal(conds["a"], conds["c"]) and not torch.equal(conds["c"], conds["d"])
-    assert runner.loras.store.describe("kohya")["layers"] == len(kohya_text_lora(runner.pipe, 2)) // 3
+    assert runner.lora_runtime.store.describe("kohya")["layers"] == len(kohya_text_lora(runner.pipe, 2)) // 3

@@ -77,7 +77,7 @@ def lora_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_workers(lora_dir):
-    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1, loras=LoraConfig(str(lora_dir))), 2)
+    executor = MultiprocExecutor(WorkerSpec(MODEL, torch_threads=1, lora=LoraConfig(str(lora_dir))), 2)
     yield executor
     executor.shutdown()
 

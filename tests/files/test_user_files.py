@@ -147,8 +147,8 @@ def test_an_adapter_file_spoilt_after_admission_fails_its_request_as_its_own_inp
 
     save_file(random_lora(pipe, seed=1), tmp_path / "x.safetensors")
     random_controlnet(pipe, seed=1).save_pretrained(str(tmp_path / "c"))
-    runner = ModelRunner(pipe, loras=LoraConfig(str(tmp_path)), controlnets=ControlNetConfig(str(tmp_path)))
-    runner.loras.store.check("x")  # admitted: the file was whole then
+    runner = ModelRunner(pipe, lora=LoraConfig(str(tmp_path)), controlnet=ControlNetConfig(str(tmp_path)))
+    runner.lora_runtime.store.check("x")  # admitted: the file was whole then
     runner.controls.check("c")
     for path in (tmp_path / "x.safetensors", tmp_path / "c" / SAFETENSORS):
         path.write_bytes(path.read_bytes()[:100])  # then caught half-written by the loads
@@ -157,7 +157,8 @@ def test_an_adapter_file_spoilt_after_admission_fails_its_request_as_its_own_inp
     runner.prepare(ImageRequest("control", "a cat", 64, 64, 2, 4.0, seed=1, controlnets=(("c", b"", 1.0),)),
                    controls=[control])
     runner.prepare(ImageRequest("plain", "a cat", 64, 64, 2, 4.0, seed=1))
-    assert runner.loras.store.load("x").exception(timeout=60) is not None  # the loader thread read it (and failed)
+    # the loader thread read it (and failed)
+    assert runner.lora_runtime.store.load("x").exception(timeout=60) is not None
     out = runner.execute(Batch(("lora", "control", "plain")))
     assert out.request_ids == ["plain"] and out.invalid == {"lora": "loras", "control": "controlnets"}
     assert "not a readable safetensors file" in out.failed["lora"] and "could not be loaded" in out.failed["control"]

@@ -43,8 +43,8 @@ def request(rid, loras=(), size=(64, 64), seed=1, prompt="a cat"):
 
 def run(runner: ModelRunner, requests: list[ImageRequest], patched=False):
     """Each request's STEPS steps in batches of all of them, its adapters read beforehand."""
-    for name in runner.loras.store.names():
-        runner.loras.store.load(name).result()
+    for name in runner.lora_runtime.store.names():
+        runner.lora_runtime.store.load(name).result()
     for r in requests:
         runner.prepare(r)
     ids = tuple(r.request_id for r in requests)
@@ -60,7 +60,7 @@ def run(runner: ModelRunner, requests: list[ImageRequest], patched=False):
 
 
 def test_merged_output_equals_diffusers_load_lora_weights_and_fuse_lora(model, lora_dir):
-    runner = ModelRunner(load_pipeline(model), loras=LoraConfig(str(lora_dir)))
+    runner = ModelRunner(load_pipeline(model), lora=LoraConfig(str(lora_dir)))
     ours, modes = run(runner, [request("a", [("ink", 0.8)])])
     assert modes == ["merged"] * STEPS
     reference = load_pipeline(model)
@@ -74,7 +74,7 @@ def test_merged_output_equals_diffusers_load_lora_weights_and_fuse_lora(model, l
 
 
 def test_a_batch_of_mixed_adapters_equals_each_request_alone(pipe, lora_dir):
-    runner = ModelRunner(pipe, loras=LoraConfig(str(lora_dir)))
+    runner = ModelRunner(pipe, lora=LoraConfig(str(lora_dir)))
     mix = [request("none"), request("ink", [("ink", 1.0)]), request("both", [("ink", 0.5), ("paper", 1.0)], seed=2),
            request("paper", [("paper", -1.0)], seed=3), request("grain", [("grain", 1.0), ("ink", 0.5)], seed=4)]
     together, modes = run(runner, mix)
@@ -83,13 +83,13 @@ def test_a_batch_of_mixed_adapters_equals_each_request_alone(pipe, lora_dir):
     for r in mix:
         alone, _ = run(runner, [request(r.request_id, r.loras, seed=r.seed)])
         assert (together[r.request_id] - alone[r.request_id]).abs().max() <= TOL, r.request_id
-    runner.loras.merged.set(())
+    runner.lora_runtime.merged.set(())
     for name, weight in runner.family.denoiser.state_dict().items():
         assert (weight - weights[name]).abs().max() <= 1e-6, name  # unmerged back to the base weights
 
 
 def test_mixed_sizes_and_adapters_in_one_packed_or_patched_forward(pipe, lora_dir):
-    runner = ModelRunner(pipe, patch_pixels=32, loras=LoraConfig(str(lora_dir)))
+    runner = ModelRunner(pipe, patch_pixels=32, lora=LoraConfig(str(lora_dir)))
     mix = [request("small", [("ink", 1.0)], size=(64, 64)), request("wide", [("paper", 1.0)], size=(64, 128)),
            request("plain", size=(64, 128), seed=4), request("grain", [("grain", 1.0)], size=(128, 64), seed=5)]
     together, modes = run(runner, mix, patched=True)
@@ -103,9 +103,9 @@ def test_mixed_sizes_and_adapters_in_one_packed_or_patched_forward(pipe, lora_di
 
 def test_bounded_loading_with_bound_zero_equals_synchronous_loading(pipe, lora_dir):
     gate = threading.Event()
-    runner = ModelRunner(pipe, loras=LoraConfig(str(lora_dir), bound=0))
-    read = runner.loras.store._read
-    runner.loras.store._read = lambda *args: gate.wait() and read(*args)  # the file read holds until released
+    runner = ModelRunner(pipe, lora=LoraConfig(str(lora_dir), bound=0))
+    read = runner.lora_runtime.store._read
+    runner.lora_runtime.store._read = lambda *args: gate.wait() and read(*args)  # the file read holds until released
     try:
         runner.prepare(request("late", [("ink", 1.0)]))
         runner.prepare(request("other", seed=5))
@@ -113,40 +113,40 @@ def test_bounded_loading_with_bound_zero_equals_synchronous_loading(pipe, lora_d
     finally:
         gate.set()
     assert out.request_ids == ["other"] and out.lora.waiting == 1  # at its bound, still loading: it waits
-    runner.loras.store._pool.submit(lambda: None).result()  # the load has ended
+    runner.lora_runtime.store._pool.submit(lambda: None).result()  # the load has ended
     for _ in range(STEPS):
         out = runner.execute(Batch(("late",)))
         assert out.request_ids == ["late"]
-    synchronous, _ = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir))), [request("late", [("ink", 1.0)])])
+    synchronous, _ = run(ModelRunner(pipe, lora=LoraConfig(str(lora_dir))), [request("late", [("ink", 1.0)])])
     assert (runner.states["late"].latents - synchronous["late"]).abs().max() <= TOL
 
 
 def test_before_its_bound_a_request_runs_without_its_adapters_and_takes_them_on_arrival(pipe, lora_dir):
     gate = threading.Event()
-    runner = ModelRunner(pipe, loras=LoraConfig(str(lora_dir), bound=2))
-    read = runner.loras.store._read
-    runner.loras.store._read = lambda *args: gate.wait() and read(*args)
+    runner = ModelRunner(pipe, lora=LoraConfig(str(lora_dir), bound=2))
+    read = runner.lora_runtime.store._read
+    runner.lora_runtime.store._read = lambda *args: gate.wait() and read(*args)
     try:
         runner.prepare(request("bal", [("ink", 1.0)]))
         first = runner.execute(Batch(("bal",)))
     finally:
         gate.set()
-    assert first.request_ids == ["bal"] and first.lora.without == 1 and runner.loras.merged.adapters == ()
-    runner.loras.store._pool.submit(lambda: None).result()
+    assert first.request_ids == ["bal"] and first.lora.without == 1 and runner.lora_runtime.merged.adapters == ()
+    runner.lora_runtime.store._pool.submit(lambda: None).result()
     second = runner.execute(Batch(("bal",)))
     assert second.lora.without == 0 and second.lora.mode == "merged"
     runner.execute(Batch(("bal",)))
     late = runner.states["bal"].latents
     plain, _ = run(ModelRunner(pipe), [request("bal")])
-    synchronous, _ = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir))), [request("bal", [("ink", 1.0)])])
+    synchronous, _ = run(ModelRunner(pipe, lora=LoraConfig(str(lora_dir))), [request("bal", [("ink", 1.0)])])
     assert 0 < (late - synchronous["bal"]).abs().max()  # its first step ran without the adapter
     assert (late - synchronous["bal"]).abs().max() < (plain["bal"] - synchronous["bal"]).abs().max()
 
 
 def test_per_adapter_batching_runs_a_forward_per_set_with_the_same_result(pipe, lora_dir):
     mix = [request("none"), request("ink", [("ink", 1.0)]), request("paper", [("paper", 0.5)], seed=3)]
-    mixed, _ = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir))), mix)
-    split, modes = run(ModelRunner(pipe, loras=LoraConfig(str(lora_dir), batching="per-adapter")), mix)
+    mixed, _ = run(ModelRunner(pipe, lora=LoraConfig(str(lora_dir))), mix)
+    split, modes = run(ModelRunner(pipe, lora=LoraConfig(str(lora_dir), batching="per-adapter")), mix)
     assert modes == ["split"] * STEPS
     for r in mix:
         assert (mixed[r.request_id] - split[r.request_id]).abs().max() <= TOL, r.request_id

@@ -13,6 +13,7 @@ from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 from tests.lora.random_files import random_loras
 
 pytestmark = pytest.mark.slow
@@ -35,8 +36,8 @@ def lora_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_workers(control_dir, lora_dir):
-    spec = WorkerSpec(MODEL, torch_threads=1, controlnets=ControlNetConfig(str(control_dir)),
-                      loras=LoraConfig(str(lora_dir)))
+    spec = WorkerSpec(MODEL, torch_threads=1, controlnet=ControlNetConfig(str(control_dir)),
+                      lora=LoraConfig(str(lora_dir)))
     executor = MultiprocExecutor(spec, 2)
     yield executor
     executor.shutdown()
@@ -82,8 +83,8 @@ def steps(runner: ModelRunner, load, executor=None, modes: list | None = None) -
 
 def test_cfg_parallel_equals_one_device(two_workers, control_dir):
     config = ControlNetConfig(str(control_dir))
-    alone, _ = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), requests())
-    split, collectives = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), requests(), two_workers)
+    alone, _ = steps(ModelRunner(load_pipeline(MODEL), controlnet=config), requests())
+    split, collectives = steps(ModelRunner(load_pipeline(MODEL), controlnet=config), requests(), two_workers)
     for rid in alone:
         assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
         assert alone[rid].abs().mean() > 0.1
@@ -93,8 +94,8 @@ def test_cfg_parallel_equals_one_device(two_workers, control_dir):
 def test_a_request_without_guidance_runs_whole_on_both_devices(two_workers, control_dir):
     config = ControlNetConfig(str(control_dir))
     load = requests(guidance=(4.0, 1.0))  # one request with a single row
-    alone, _ = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), load)
-    split, collectives = steps(ModelRunner(load_pipeline(MODEL), controlnets=config), requests((4.0, 1.0)),
+    alone, _ = steps(ModelRunner(load_pipeline(MODEL), controlnet=config), load)
+    split, collectives = steps(ModelRunner(load_pipeline(MODEL), controlnet=config), requests((4.0, 1.0)),
                                two_workers)
     for rid in alone:
         assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
@@ -122,9 +123,9 @@ def adapters_alone_and_split(model: str, lora_dir, executor) -> tuple[dict, dict
                 for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
 
     config = LoraConfig(str(lora_dir))
-    alone, _ = steps(ModelRunner(load_pipeline(model), loras=config), load())
+    alone, _ = steps(ModelRunner(load_pipeline(model), lora=config), load())
     modes = []
-    split, collectives = steps(ModelRunner(load_pipeline(model), loras=config), load(), executor, modes)
+    split, collectives = steps(ModelRunner(load_pipeline(model), lora=config), load(), executor, modes)
     return alone, split, modes, collectives
 
 
@@ -150,8 +151,9 @@ def test_the_parallel_pairs_compose_as_the_table_says(two_workers, control_dir, 
             "controlnet": ({"controlnets": (("edges", b"", 0.8),)}, {"controls": [cond]}),
             "block_cache": ({"block_cache": 0.5}, {}),
             "template": ({"image": b"-", "template_cache": True, "template_id": "shirt"},
-                         {"image": image, "mask": mask}),
-            "img2img": ({"image": b"-", "strength": 1.0}, {"image": image})}  # all STEPS steps, from the upload
+                         {"upload": Upload(image, EditMask(mask))}),
+            # all STEPS steps, from the upload
+            "img2img": ({"image": b"-", "strength": 1.0}, {"upload": Upload(image)})}
     kinds = [(t,) for t in asks] + [("lora", "controlnet"), ()]
 
     def load():
@@ -164,8 +166,8 @@ def test_the_parallel_pairs_compose_as_the_table_says(two_workers, control_dir, 
         return out
 
     # the split run's driver prepares with the conditioning cache (conditioning with parallel), the other without
-    runners = [ModelRunner(load_pipeline(MODEL), loras=LoraConfig(str(lora_dir)),
-                           controlnets=ControlNetConfig(str(control_dir)), conditioning_bytes=budget)
+    runners = [ModelRunner(load_pipeline(MODEL), lora=LoraConfig(str(lora_dir)),
+                           controlnet=ControlNetConfig(str(control_dir)), conditioning_bytes=budget)
                for budget in (0, 64 << 20)]
     alone, _ = steps(runners[0], load())
     split, _ = steps(runners[1], load(), two_workers)

@@ -251,7 +251,7 @@ def test_one_controlnet_service_serves_two_replicas_each_with_its_own_template_s
     from gouache.models.zoo import load_pipeline
 
     random_controlnet(load_pipeline(MODEL), std=0.2).save_pretrained(str(tmp_path / "edges"))
-    engine = EngineConfig(torch_threads=1, controlnets=ControlNetConfig(str(tmp_path), workers=1),
+    engine = EngineConfig(torch_threads=1, controlnet=ControlNetConfig(str(tmp_path), workers=1),
                           templates=TemplateConfig(directory=str(tmp_path / "templates")))
     config = (ModelConfig(MODEL), engine, SchedulerConfig(), ReplicaConfig(2, "round-robin"))
     front = Front(ReplicaSet(*config))

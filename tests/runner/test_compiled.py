@@ -43,8 +43,8 @@ def lora_dir(model, tmp_path_factory):
 def runners(pipe, lora_dir):
     """An eager runner and a compiled one of the same pipeline, the compiled one warmed up."""
     loras = LoraConfig(str(lora_dir))
-    eager = ModelRunner(pipe, loras=loras)
-    compiled = ModelRunner(pipe, loras=loras, compile=CompileConfig(enabled=True, buckets=(2,)))
+    eager = ModelRunner(pipe, lora=loras)
+    compiled = ModelRunner(pipe, lora=loras, compile=CompileConfig(enabled=True, buckets=(2,)))
     compiled.warm_up(SIZE)
     report = compiled.family.compiled.take_report()
     assert report.graphs >= 1 and report.recompiles == 0 and report.warmup_s > 0
@@ -53,8 +53,8 @@ def runners(pipe, lora_dir):
 
 def steps(runner: ModelRunner, requests: list[ImageRequest], batches: list[tuple[str, ...]]):
     """Prepare `requests`, run one step of each batch; the latents and the compile report."""
-    for name in runner.loras.store.names():
-        runner.loras.store.load(name).result()
+    for name in runner.lora_runtime.store.names():
+        runner.lora_runtime.store.load(name).result()
     for r in requests:
         runner.prepare(r)
     report = CompileReport()

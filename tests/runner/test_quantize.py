@@ -13,6 +13,7 @@ from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.quantize import quantize, quantized
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 from tests.lora.random_files import random_loras
 
 STEPS = 3
@@ -25,9 +26,9 @@ def lora_dir(tmp_path_factory):
 
 def run(pipe, lora_dir, loras_of: dict[str, tuple]) -> tuple[dict, list[str]]:
     """STEPS steps of one batch of requests (id -> adapters); their latents and the LoRA modes."""
-    runner = ModelRunner(pipe, loras=LoraConfig(str(lora_dir)))
-    for name in runner.loras.store.names():
-        runner.loras.store.load(name).result()
+    runner = ModelRunner(pipe, lora=LoraConfig(str(lora_dir)))
+    for name in runner.lora_runtime.store.names():
+        runner.lora_runtime.store.load(name).result()
     for seed, (rid, loras) in enumerate(loras_of.items()):
         runner.prepare(ImageRequest(rid, "a cat", 64, 64, STEPS, 4.0, seed=seed, loras=loras))
     modes = []
@@ -103,13 +104,13 @@ def test_templates_and_controlnets_run_on_int8_weights(tmp_path):
     for rid, fields, edit_mask in (("record", {"register_template": True}, np.zeros_like(mask)),
                                    ("replay", {"template_cache": True}, mask)):
         runner.prepare(ImageRequest(rid, "a cat", 64, 64, STEPS, 4.0, seed=0, image=b"-", template_id="t", **fields),
-                       image, edit_mask)
+                       Upload(image, EditMask(edit_mask)))
         for _ in range(STEPS):
             out = runner.execute(Batch((rid,)))
             assert not out.failed
     assert out.templates.tokens["replayed"] > 0
     random_controlnet(fp32, seed=0).save_pretrained(str(tmp_path / "controlnets" / "edges"))
-    controlled = ModelRunner(int8, controlnets=ControlNetConfig(str(tmp_path / "controlnets")))
+    controlled = ModelRunner(int8, controlnet=ControlNetConfig(str(tmp_path / "controlnets")))
     controlled.prepare(ImageRequest("c", "a cat", 64, 64, STEPS, 4.0, seed=0, controlnets=(("edges", b"-", 1.0),)),
                        controls=[np.full((64, 64, 3), 255, np.uint8)])
     out = controlled.execute(Batch(("c",)))

@@ -11,13 +11,13 @@ from gouache.request import RequestStatus
 from gouache.sched.plan import Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
-from gouache.request import tier_rank
+from gouache.request import Tier
 from gouache.sched.tiers import MAX_WEIGHT, MIN_WEIGHT, FairQueue, make_room, queue_order, tenant_limit
 
 from .factories import groups, make_state, run_step
 from .test_patched_slo import Linear
 
-PRIORITY, DEFAULT, FLEX = (tier_rank(name) for name in ("priority", "default", "flex"))
+PRIORITY, DEFAULT, FLEX = (Tier.named(name) for name in ("priority", "default", "flex"))
 
 
 def tiered(rid, tier, arrival=0.0, steps=4, tenant="", weight=1.0, resolution=(256, 256), deadline=None):
@@ -36,8 +36,9 @@ def patched_slo(max_batch: int, running) -> Scheduler:
 
 def test_tier_names_rank_in_order_and_an_unknown_one_names_the_tiers():
     assert (PRIORITY, DEFAULT, FLEX) == (0, 1, 2)
+    assert [tier.label for tier in (PRIORITY, DEFAULT, FLEX)] == ["priority", "default", "flex"]
     with pytest.raises(ValueError, match="the tiers are priority, default, flex"):
-        tier_rank("gold")
+        Tier.named("gold")
 
 
 def test_make_room_pauses_only_for_a_higher_tier():

@@ -11,6 +11,7 @@ from gouache.models.zoo import load_pipeline
 from gouache.runner.model_runner import ModelRunner
 from gouache.models.digest import model_digest
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 
 TOL = 1e-4
 STEPS = 3
@@ -37,7 +38,7 @@ def edit(rid: str, template: bool = True, prompt: str = "a cat", seed: int = 1, 
 
 def run(runner: ModelRunner, requests: list[tuple[ImageRequest, np.ndarray, np.ndarray]], patched=False):
     for request, image, mask in requests:
-        runner.prepare(request, image, mask)
+        runner.prepare(request, Upload(image, EditMask(mask)))
     ids = tuple(r.request_id for r, _, _ in requests)
     for _ in range(STEPS):
         out = runner.execute(Batch(ids, patched=patched))

@@ -25,6 +25,7 @@ from gouache.runner.describe import CFG_FROM, UNSERVED
 from gouache.runner.layout import PatchLayout
 from gouache.runner.sampler import DenoiseState, EditInputs
 from gouache.templates.replay import ReplayForward
+from gouache.uploads import Upload
 
 
 class Family(ABC):
@@ -64,11 +65,10 @@ class Family(ABC):
     # -- preparation (prep thread) --------------------------------------------------------
 
     @torch.no_grad()
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                text: TextAdapters = (), references: tuple[np.ndarray, ...] = ()) -> DenoiseState:
+    def prepare(self, request: ImageRequest, upload: Upload | None = None, text: TextAdapters = ()) -> DenoiseState:
         """Text encoding (with `text`, the request's text-encoder adapters), sampler, initial
-        noise and (for edits) the original's latents. `references`: an edit's further uploads,
-        which only families that take several images read (admission keeps them from others)."""
+        noise and (for edits) the original's latents. An upload's further images (`references`)
+        are read only by the families that take several (admission keeps them from others)."""
         scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
         generator = torch.Generator(device="cpu").manual_seed(request.seed)
         rows = 2 if self.uses_cfg(request) else 1
@@ -82,15 +82,14 @@ class Family(ABC):
                 state.cond = self.encode_text(request, rows)
             finally:
                 self._text_key = ()
-        if image is None and self.needs_image:  # a generation repaints all of a blank image
-            image = np.zeros((request.height, request.width, 3), np.uint8)
-        pixels = pixel_mask = None
-        if image is not None:
-            pixels, pixel_mask = self._edit_tensors(image, mask)
+        if upload is None and self.needs_image:  # a generation repaints all of a blank image
+            upload = Upload.blank(request.height, request.width)
+        if upload is not None:
+            state.edit = EditInputs(self.edit_pixels(upload.image), upload.region())
         state.timesteps = self.set_timesteps(state)  # before the noise: init_noise_sigma depends on it
         if request.strength is not None:
             self._start_img2img(state)
-        state.latents = self.initial_latents(state, pixels, pixel_mask)
+        state.latents = self.initial_latents(state)
         if request.strength is not None:  # the original, noised to where its schedule starts
             state.latents = self.renoise(scheduler, state.edit.image_latents, state.edit.noise, state.timesteps[0])
         if self.passes_step_kwargs:  # reads only the scheduler class's signature
@@ -129,17 +128,21 @@ class Family(ABC):
     def uses_cfg(self, request: ImageRequest) -> bool:
         return request.guidance_scale > CFG_FROM.get(self.name, 1.0)
 
-    def _edit_tensors(self, image: np.ndarray, mask: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def edit_pixels(self, image: np.ndarray) -> torch.Tensor:
+        """An upload's uint8 [H, W, 3] as [1, 3, H, W] in [-1, 1] on the device."""
         pixels = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].to(self.device, torch.float32) / 127.5 - 1.0
-        if mask is None:
-            mask = np.ones(image.shape[:2], dtype=np.float32)
-        pixel_mask = torch.from_numpy((mask >= 0.5).astype(np.float32))[None, None].to(self.device)
-        return pixels.to(self.dtype), pixel_mask.to(self.dtype)
+        return pixels.to(self.dtype)
 
-    def make_edit(self, pixels, pixel_mask, image_latents, noise, latent_hw) -> EditInputs:
-        """Latent-space edit data: the mask is resized (nearest) to the latent grid."""
-        latent_mask = torch.nn.functional.interpolate(pixel_mask, size=latent_hw)
-        return EditInputs(pixels, pixel_mask, image_latents, latent_mask, noise)
+    def finish_edit(self, state: DenoiseState, image_latents, noise: torch.Tensor, latent_hw) -> None:
+        """An edit's latent-space data: its original's latents and its initial noise, and its mask
+        at the latent grid `latent_hw`, laid out as the latents are, in the noise's dtype."""
+        edit = state.edit
+        edit.image_latents, edit.noise = image_latents, noise
+        edit.latent_mask = self.latent_layout(edit.mask.latent(latent_hw, self.device, noise.dtype))
+
+    def latent_layout(self, grid: torch.Tensor) -> torch.Tensor:
+        """A [1, 1, h, w] tensor at the latent grid laid out to broadcast against the latents."""
+        return grid
 
     # -- denoising (engine thread) --------------------------------------------------------
 
@@ -225,7 +228,7 @@ class Family(ABC):
         image = (image.float() / 2 + 0.5).clamp(0, 1)
         if state.edit is not None:
             original = (state.edit.pixels.float() / 2 + 0.5).clamp(0, 1)
-            m = state.edit.pixel_mask.float()
+            m = state.edit.mask.pixel(self.device, torch.float32)
             image = original * (1 - m) + image * m
         return (image[0].permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
 
@@ -236,8 +239,9 @@ class Family(ABC):
         """Conditioning tensors with `rows` rows each ([negative, positive] with CFG)."""
 
     @abstractmethod
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
-        """Initial noise from the request's generator; sets state.edit for edits."""
+    def initial_latents(self, state: DenoiseState) -> torch.Tensor:
+        """Initial noise from the request's generator; an edit's latent-space data with it
+        (`finish_edit`), from its original's pixels (`state.edit.pixels`)."""
 
     @abstractmethod
     def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
@@ -285,9 +289,15 @@ class Family(ABC):
     def token_pixels(self) -> int:
         """Pixels per side of one token of `token_mask`."""
 
-    @abstractmethod
     def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        """[tokens] bool, raster order: the tokens an edit's mask repaints (a UNet's token is a latent pixel)."""
+        """[tokens] bool, in the forward's order: the image's tokens in raster order that an edit's
+        mask repaints (a UNet's token is a latent pixel), then its reference's, if any, none
+        repainted (a template replays them: FLUX.1 Kontext's reference is its original)."""
+        r = state.request
+        tokens = state.edit.mask.tokens((r.height // self.vae_scale, r.width // self.vae_scale),
+                                        self.token_pixels // self.vae_scale, self.device)
+        references = self.token_count(state) - len(tokens)
+        return torch.cat([tokens, tokens.new_zeros(references)]) if references else tokens
 
     @abstractmethod
     def token_count(self, state: DenoiseState) -> int:

@@ -17,6 +17,7 @@ from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.pack_sd3 import packed_sd3_forward
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
+from gouache.uploads import Upload
 
 
 class FlowFamily(Family):
@@ -82,10 +83,6 @@ class FlowFamily(Family):
 class StableDiffusion3Family(FlowFamily):
     name = "sd3"
 
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        patch = self.pipe.transformer.config.patch_size  # a token is repainted if any of its latent pixels is
-        return torch.nn.functional.max_pool2d(state.edit.latent_mask[0], patch).flatten() > 0
-
     def token_count(self, state: DenoiseState) -> int:
         patch = self.pipe.transformer.config.patch_size
         return (state.latents.shape[2] // patch) * (state.latents.shape[3] // patch)
@@ -120,14 +117,14 @@ class StableDiffusion3Family(FlowFamily):
         timesteps, _ = retrieve_timesteps(state.scheduler, state.request.num_inference_steps, self.device, **kwargs)
         return timesteps
 
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+    def initial_latents(self, state: DenoiseState) -> torch.Tensor:
         r = state.request
-        if pixels is not None:
-            image_latents = self.encode_original(state, pixels)
+        if state.edit is not None:
+            image_latents = self.encode_original(state, state.edit.pixels)
         channels = self.pipe.transformer.config.in_channels
         noise = self.pipe.prepare_latents(1, channels, r.height, r.width, self.dtype, self.device, state.generator)
-        if pixels is not None:
-            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, noise.shape[2:])
+        if state.edit is not None:
+            self.finish_edit(state, image_latents, noise, noise.shape[2:])
         return noise
 
     def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
@@ -171,14 +168,12 @@ class PackedFamily(FlowFamily):
         return calculate_shift(h * w, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                                config.get("base_shift", 0.5), config.get("max_shift", 1.15))
 
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
-        if pixels is not None:
-            image_latents = self.pack(self.encode_original(state, pixels))
-        channels = self.pipe.transformer.config.in_channels // 4
-        noise = self.noise(state, channels)
-        if pixels is not None:
-            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, self.latent_hw(state.request))
-            state.edit.latent_mask = self.pack_mask(state.edit.latent_mask.expand(-1, channels, -1, -1))
+    def initial_latents(self, state: DenoiseState) -> torch.Tensor:
+        if state.edit is not None:
+            image_latents = self.pack(self.encode_original(state, state.edit.pixels))
+        noise = self.noise(state, self.pipe.transformer.config.in_channels // 4)
+        if state.edit is not None:
+            self.finish_edit(state, image_latents, noise, self.latent_hw(state.request))
         return noise
 
     @abstractmethod
@@ -191,12 +186,9 @@ class PackedFamily(FlowFamily):
         b, c, h, w = latents.shape
         return self.pipe._pack_latents(latents, b, c, h, w)
 
-    def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """A [1, C, h, w] latent mask packed as the latents are."""
-        return self.pack(mask)
-
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        return state.edit.latent_mask[0].amax(-1) > 0  # packed [1, tokens, C]
+    def latent_layout(self, grid: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are, one copy per latent channel."""
+        return self.pack(grid.expand(-1, self.pipe.transformer.config.in_channels // 4, -1, -1))
 
     def token_count(self, state: DenoiseState) -> int:
         return state.latents.shape[1]
@@ -273,18 +265,17 @@ class FluxKontextFamily(FluxFamily):
     replay a template replay it as the template's unmasked tokens."""
 
     @torch.no_grad()
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                text=(), references=()) -> DenoiseState:
+    def prepare(self, request: ImageRequest, upload: Upload | None = None, text=()) -> DenoiseState:
         """A masked edit is `FluxKontextInpaintPipeline`'s: FLUX.1's blending, the original its
         own reference."""
-        if image is None or request.strength is not None:
-            return super().prepare(request, image, mask, text)
+        if upload is None or request.strength is not None:
+            return super().prepare(request, upload, text)
         # the encoding draws nothing: the noise is a generation's
-        state = super().prepare(request, None if mask is None else image, mask, text)
+        state = super().prepare(request, upload.masked(), text)
         if state.edit is not None:  # a masked edit encoded its original already
             reference = state.edit.image_latents
         else:
-            reference = self.pack(self.encode_original(state, self._edit_tensors(image, None)[0]))
+            reference = self.pack(self.encode_original(state, self.edit_pixels(upload.image)))
         h, w = self.latent_hw(request)
         ids = self.pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, self.dtype)
         ids[..., 0] = 1
@@ -310,12 +301,6 @@ class FluxKontextFamily(FluxFamily):
 
     def token_count(self, state: DenoiseState) -> int:
         return state.latents.shape[1] * (2 if "reference" in state.cond else 1)
-
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        """The image's tokens the mask repaints, then its reference's, none repainted: a template
-        replays them (its original is the reference)."""
-        mask = super().token_mask(state)
-        return torch.cat([mask, torch.zeros_like(mask)]) if "reference" in state.cond else mask
 
     def noise(self, state: DenoiseState, channels: int) -> torch.Tensor:
         r = state.request

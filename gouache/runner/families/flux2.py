@@ -22,6 +22,7 @@ from gouache.request import ImageRequest
 from gouache.runner.families.base import per_group, row_timesteps
 from gouache.runner.families.dit import PackedFamily
 from gouache.runner.sampler import DenoiseState
+from gouache.uploads import Upload
 
 REFERENCE_AREA = 1024 * 1024  # a larger reference is scaled down to this many pixels, as the pipeline does
 
@@ -34,12 +35,11 @@ class Flux2Family(PackedFamily):
         return request.guidance_scale > 1.0 and not self.pipe.config.is_distilled
 
     @torch.no_grad()
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                text=(), references: tuple[np.ndarray, ...] = ()) -> DenoiseState:
+    def prepare(self, request: ImageRequest, upload: Upload | None = None, text=()) -> DenoiseState:
         """A masked edit blends as FLUX.1's do; any edit's uploads become its reference tokens."""
-        state = super().prepare(request, None if mask is None else image, mask, text)
-        if image is not None:
-            pictures = [self._condition(picture) for picture in (image, *references)]
+        state = super().prepare(request, upload and upload.masked(), text)
+        if upload is not None:
+            pictures = [self._condition(picture) for picture in (upload.image, *upload.references)]
             latents = [self.pipe._encode_vae_image(p, state.generator) for p in pictures]  # the mode: no draw
             ids = self.pipe._prepare_image_ids(latents).to(self.device)
             state.cond["reference"] = torch.cat([self.pipe._pack_latents(x) for x in latents], dim=1)
@@ -85,8 +85,9 @@ class Flux2Family(PackedFamily):
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe._pack_latents(latents)
 
-    def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        return self.pack(self.pipe._patchify_latents(mask))
+    def latent_layout(self, grid: torch.Tensor) -> torch.Tensor:
+        channels = self.pipe.transformer.config.in_channels // 4
+        return self.pack(self.pipe._patchify_latents(grid.expand(-1, channels, -1, -1)))
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """The pipeline's latent output: unpacked by the ids, de-normalised, unpatchified."""

@@ -24,6 +24,7 @@ from gouache.runner.conditioning import pixels_digest
 from gouache.runner.families.base import pad_cat, per_group, row_timesteps
 from gouache.runner.families.dit import PackedFamily
 from gouache.runner.sampler import DenoiseState
+from gouache.uploads import Upload
 
 # What the pipeline's true CFG needs and a request may leave out: its examples' negative prompt
 DEFAULT_NEGATIVE = " "
@@ -149,15 +150,14 @@ class QwenImageEditFamily(QwenImageFamily):
         self.plus = isinstance(self.pipe, QwenImageEditPlusPipeline)
 
     @torch.no_grad()
-    def prepare(self, request: ImageRequest, image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                text=(), references: tuple[np.ndarray, ...] = ()) -> DenoiseState:
-        if image is None:
-            image = np.zeros((request.height, request.width, 3), np.uint8)
-        pictures = [Image.fromarray(picture) for picture in (image, *references)]
+    def prepare(self, request: ImageRequest, upload: Upload | None = None, text=()) -> DenoiseState:
+        if upload is None:
+            upload = Upload(np.zeros((request.height, request.width, 3), np.uint8))
+        pictures = [Image.fromarray(picture) for picture in (upload.image, *upload.references)]
         vision_area = EDIT_PLUS_VISION_AREA if self.plus else REFERENCE_AREA
         self._vision = [self.pipe.image_processor.resize(p, *_dimensions(vision_area, p)) for p in pictures]
         try:
-            state = super().prepare(request, None if mask is None else image, mask, text)
+            state = super().prepare(request, upload.masked(), text)
         finally:
             self._vision = []
         latents, shapes = [], []

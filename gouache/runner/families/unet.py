@@ -42,21 +42,20 @@ class StableDiffusionFamily(Family):
         state.scheduler.set_timesteps(state.request.num_inference_steps, device=self.device)
         return state.scheduler.timesteps
 
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+    def initial_latents(self, state: DenoiseState) -> torch.Tensor:
         r = state.request
         shape = (1, self.pipe.vae.config.latent_channels, r.height // self.vae_scale, r.width // self.vae_scale)
         # The inpaint pipelines encode the original before drawing the noise when they blend it
         # back (4 channels); a 9-channel UNet at strength 1 needs no such latents, and its
         # pipeline draws the noise first, then encodes the image with the hole.
         image_latents = None
-        if pixels is not None and not self.native_inpaint:
-            image_latents = self.encode_original(state, pixels)
+        if state.edit is not None and not self.native_inpaint:
+            image_latents = self.encode_original(state, state.edit.pixels)
         noise = randn_tensor(shape, generator=state.generator, device=self.device, dtype=self.dtype)
-        if pixels is not None:
-            state.edit = self.make_edit(pixels, pixel_mask, image_latents, noise, shape[2:])
+        if state.edit is not None:
+            self.finish_edit(state, image_latents, noise, shape[2:])
             if self.native_inpaint:
-                hole = pixels * (pixel_mask < 0.5)
-                state.edit.masked_image_latents = self.encode_pixels(hole, state.generator)
+                state.edit.masked_image_latents = self.encode_pixels(state.edit.hole(), state.generator)
         return noise * state.scheduler.init_noise_sigma
 
     @property
@@ -69,9 +68,6 @@ class StableDiffusionFamily(Family):
 
     def template_blocks(self) -> list[str]:
         return [key for _, _, key in unet_template_blocks(self.unet)]
-
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        return state.edit.latent_mask[0, 0].flatten() > 0  # a UNet's token is a latent pixel
 
     def token_count(self, state: DenoiseState) -> int:
         return state.latents.shape[2] * state.latents.shape[3]

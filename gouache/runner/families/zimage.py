@@ -51,19 +51,16 @@ class ZImageFamily(FlowFamily):
         state.scheduler.set_begin_index(0)
         return timesteps
 
-    def initial_latents(self, state: DenoiseState, pixels, pixel_mask) -> torch.Tensor:
+    def initial_latents(self, state: DenoiseState) -> torch.Tensor:
         """float32 noise after the original's sample, as ZImageInpaintPipeline draws them."""
         r = state.request
-        if pixels is not None:
-            image_latents = self.encode_original(state, pixels).float()
+        if state.edit is not None:
+            image_latents = self.encode_original(state, state.edit.pixels).float()
         noise = self.pipe.prepare_latents(1, self.denoiser.in_channels, r.height, r.width, torch.float32, self.device,
                                           state.generator)
-        if pixels is not None:
-            state.edit = self.make_edit(pixels, pixel_mask.float(), image_latents, noise, noise.shape[2:])
+        if state.edit is not None:
+            self.finish_edit(state, image_latents, noise, noise.shape[2:])
         return noise
-
-    def token_mask(self, state: DenoiseState) -> torch.Tensor:
-        return torch.nn.functional.max_pool2d(state.edit.latent_mask[0], 2).flatten() > 0
 
     def token_count(self, state: DenoiseState) -> int:
         return (state.latents.shape[2] // 2) * (state.latents.shape[3] // 2)
