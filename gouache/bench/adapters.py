@@ -172,7 +172,7 @@ class Bench:
         shared machine's drift falls on all of them alike."""
         prompt, loras = "a red circle in the center on a white background", ((self.lora, 1.0),)
         warm = self.runner()
-        warm.loras.store.load(self.lora).result()
+        warm.lora_runtime.store.load(self.lora).result()
         cases = {"none": (lambda: warm, ()), "cached": (lambda: warm, loras)}
         for share in shares:
             cases[f"sync {share}"] = (lambda share=share: self.runner(0, share * none_s), loras)
@@ -181,7 +181,7 @@ class Bench:
         runs: dict[str, list[float]] = {case: [] for case in cases}
         for k in range(repeats):
             for case, (runner_of, adapters) in cases.items():
-                warm.loras.merged.set(())  # every case starts from a server with nothing merged
+                warm.lora_runtime.merged.set(())  # every case starts from a server with nothing merged
                 runs[case].append(self.generate(runner_of(), prompt, k, adapters)[1])
         seconds = {case: statistics.median(times) for case, times in runs.items()}
         plain = seconds["none"]
@@ -195,7 +195,7 @@ class Bench:
         """The adapter from step 0 against the adapter arriving at step K (BAL's worst case)."""
         loras = ((self.lora, 1.0),)
         base, sync = self.runner(), self.runner()
-        sync.loras.store.load(self.lora).result()
+        sync.lora_runtime.store.load(self.lora).result()
         images = {"base": [], "sync": []}
         for k, scene in enumerate(scenes):
             images["base"].append(self.generate(base, caption(scene), k)[0])

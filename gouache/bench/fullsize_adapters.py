@@ -69,7 +69,7 @@ def lora_loading(pipe, directory: Path, name: str, rank: int, size: int, quick: 
     steps = 4 if quick else 20
     bound = steps // 4
     warm = ModelRunner(pipe, lora=LoraConfig(str(directory)))
-    warm.loras.store.load(name).result()
+    warm.lora_runtime.store.load(name).result()
 
     def cold(bound: int) -> ModelRunner:  # a new store: nothing read yet
         return ModelRunner(pipe, lora=LoraConfig(str(directory), bound=bound))

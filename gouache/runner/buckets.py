@@ -1,0 +1,105 @@
+"""The shapes a compiled model's graphs are built for (issue 59, docs/speed.md "Techniques in the
+graph"): a step's forward is padded up to the smallest bucket of its kind that holds it, so
+its graph's shapes depend on the bucket only, never on which requests share the step.
+
+A kind is what a step's size is counted in: `rows` (a plain forward: requests times their CFG
+rows), `tokens` (a packed DiT forward: every row's image, reference and text tokens), `patches`
+(a patched UNet forward at `--patch-size`), `computed` (a template replay's computed tokens)
+and `units` (the block cache's computed images, patches or tokens). Each kind's buckets run
+from the smallest step of that kind to the largest the server admits, in a geometric series
+whose ratio the graph budget sets: with `n` buckets over [lo, hi] no step pads by more than a
+factor (hi / lo) ** (1 / (n - 1)). A step past the largest bucket runs eagerly.
+
+Plain values only: the start-up code and the tests choose buckets without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_GRAPHS = 32  # graphs a model compiles at most, over every kind (--compile-graphs)
+TOKEN_ALIGN = 64  # token buckets are multiples of this (vLLM-Omni pads packed sequences to 64-row buckets)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The sizes one kind of step takes on this server: from `lo` to `hi`, in multiples of `align`."""
+
+    kind: str
+    lo: int
+    hi: int
+    align: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.lo <= self.hi or self.align < 1:
+            raise ValueError(f"a {self.kind} range needs 1 <= lo <= hi and align >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The buckets of every kind a server compiles, smallest first."""
+
+    by_kind: dict[str, tuple[int, ...]]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.by_kind.values())
+
+    def bucket(self, kind: str, size: int) -> int | None:
+        """The smallest bucket of `kind` that holds a step of `size`; None past the largest (or a
+        kind without buckets): the step runs eagerly."""
+        return next((b for b in self.by_kind.get(kind, ()) if b >= size), None)
+
+    def describe(self) -> str:
+        """One line for the start log: each kind's buckets."""
+        return "; ".join(f"{kind} {', '.join(map(str, b))}" for kind, b in self.by_kind.items())
+
+
+def series(r: Range, count: int) -> tuple[int, ...]:
+    """At most `count` buckets covering [r.lo, r.hi], multiples of `align`, the last holding hi.
+    Built by splitting: starting from hi alone, the bucket that pads its smallest step the most
+    is split at the geometric mean of that step and itself, until `count` buckets or every
+    aligned size its own. So the series for count + 1 holds the one for count, and no step
+    pads more when the budget grows."""
+    if count < 1:
+        raise ValueError(f"a {r.kind} range needs at least one bucket, got {count}")
+    buckets = [_up(r.hi, r.align)]
+    while len(buckets) < count:
+        firsts = [r.lo, *(b + 1 for b in buckets[:-1])]  # the smallest step each bucket takes
+        open_ = [k for k, (b, first) in enumerate(zip(buckets, firsts)) if _up(first, r.align) < b]
+        if not open_:
+            break
+        k = max(open_, key=lambda i: buckets[i] / firsts[i])
+        split = _up(math.isqrt(firsts[k] * buckets[k] - 1) + 1, r.align)  # ceil(sqrt(first * bucket))
+        buckets.insert(k, min(max(split, _up(firsts[k], r.align)), buckets[k] - r.align))
+    return tuple(buckets)
+
+
+def choose(ranges: list[Range], graphs: int = DEFAULT_GRAPHS) -> Buckets:
+    """Buckets for each range within `graphs` graphs in all: every kind gets at least one, and
+    the rest go where they cut padding most (the kind whose series ratio is largest gets the
+    next bucket), so a wide range gets more buckets than a narrow one."""
+    if len({r.kind for r in ranges}) != len(ranges):
+        raise ValueError(f"one range per kind, got {[r.kind for r in ranges]}")
+    if graphs < len(ranges):
+        raise ValueError(f"{graphs} graphs cannot give each of {len(ranges)} kinds of step a bucket; "
+                         f"raise --compile-graphs to at least {len(ranges)}")
+    counts = {r.kind: 1 for r in ranges}
+    for _ in range(graphs - len(ranges)):
+        # kinds that one more bucket would split further (an aligned range runs out of sizes)
+        open_ = [r for r in ranges if len(series(r, counts[r.kind] + 1)) > counts[r.kind]]
+        if not open_:
+            break
+        widest = max(open_, key=lambda r: (padding(r, series(r, counts[r.kind])), r.kind))
+        counts[widest.kind] += 1
+    return Buckets({r.kind: series(r, counts[r.kind]) for r in ranges})
+
+
+def padding(r: Range, buckets: tuple[int, ...]) -> float:
+    """The most a step of the range pads by (bucket / step) with `buckets`."""
+    firsts = [r.lo, *(b + 1 for b in buckets[:-1])]  # the smallest step each bucket takes
+    return max(b / first for b, first in zip(buckets, firsts))
+
+
+def _up(n: int, align: int) -> int:
+    return -(-n // align) * align
