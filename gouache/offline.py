@@ -17,9 +17,9 @@ _EXTENSIONS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 
 def run_offline(args) -> None:
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline, model_id
     from gouache.runner.describe import model_info
+    from gouache.runner.model_runner import ModelRunner
 
     output_format = _EXTENSIONS.get(Path(args.output).suffix.lower())
     if output_format is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+
 class Tier(enum.IntEnum):
     """A service tier (OpenAI's `service_tier`) as its rank: lower ranks are served first. The
     API names it once (`Tier.named`); metrics, queue shares and status read its `label`."""

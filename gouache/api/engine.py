@@ -8,9 +8,9 @@ if TYPE_CHECKING:
     import asyncio
 
     from gouache.engine.handle import RequestHandle
-    from gouache.outputs import EngineStats
     from gouache.metrics import Metrics
     from gouache.model_info import ModelInfo
+    from gouache.outputs import EngineStats
     from gouache.request import ImageRequest
 
 

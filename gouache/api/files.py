@@ -9,7 +9,6 @@ from fastapi.responses import Response
 from gouache.api.context import ApiContext, get_context
 from gouache.api.errors import NotFoundError
 
-
 router = APIRouter()
 
 

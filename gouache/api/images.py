@@ -25,7 +25,12 @@ from gouache.api.context import ApiContext, get_context
 from gouache.api.errors import NotFoundError
 from gouache.api.openapi import form_body, json_body
 from gouache.api.protocol import (
-    MEDIA_TYPES, ImageData, ImageEditRequest, ImageGenerationRequest, ImageParams, ImagesResponse,
+    MEDIA_TYPES,
+    ImageData,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    ImageParams,
+    ImagesResponse,
 )
 from gouache.api.request_fields import IGNORED_FIELDS
 from gouache.api.streaming import ImageEventStream, StreamShape

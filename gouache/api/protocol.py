@@ -19,8 +19,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gouache.api.request_fields import (
-    IGNORED_FIELDS, MAX_CONTROLNETS, MAX_GUIDANCE, MAX_LORAS, MAX_PROMPT_CHARS, MAX_SEED, ControlNetRef, Limits,
-    LoraRef, limits_of,
+    IGNORED_FIELDS,
+    MAX_CONTROLNETS,
+    MAX_GUIDANCE,
+    MAX_LORAS,
+    MAX_PROMPT_CHARS,
+    MAX_SEED,
+    ControlNetRef,
+    Limits,
+    LoraRef,
+    limits_of,
 )
 from gouache.api.tenants import ANONYMOUS, Tenant
 from gouache.config import MAX_BLOCK_CACHE_THRESHOLD

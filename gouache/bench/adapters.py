@@ -121,8 +121,8 @@ class Bench:
                directory: Path | None = None, controlnet=None):
         """A runner whose adapter reads take `read_s` longer, or wait for `gate` (cold: a new
         store), with the adapters of `directory` (default: the bench's) and `controlnets`."""
-        from gouache.lora.store import LoraStore
         from gouache.config import LoraConfig
+        from gouache.lora.store import LoraStore
         from gouache.runner.model_runner import ModelRunner
 
         class SlowStore(LoraStore):  # storage slower than the page cache, emulated

@@ -82,9 +82,9 @@ def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
     """The engine's own step path on prepared requests of a pipeline (CFG rows included)."""
     import torch
 
+    from gouache.models.zoo import load_pipeline
     from gouache.request import ImageRequest
     from gouache.runner.model_runner import ModelRunner
-    from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)

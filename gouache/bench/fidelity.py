@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from gouache.bench.prompts import Control, Prompt, controls, make_prompts
 from gouache.cli_flags import Given, given, parse_size, refuse_ignored
 from gouache.data.checker import Check, check
-from gouache.bench.prompts import Control, Prompt, controls, make_prompts
 
 SSIM_ACCEPTABLE = 0.95  # mean SSIM against the reference at or above which a candidate may ship
 ALIGNMENT_POINTS = 2.0  # ... if its "all ok" alignment is at most this many points below the reference's
@@ -130,10 +130,10 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
     import torch
 
     from gouache.config import BlockCacheConfig
-    from gouache.request import ImageRequest
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
+    from gouache.request import ImageRequest
     from gouache.runner.describe import model_info
+    from gouache.runner.model_runner import ModelRunner
     from gouache.runner.quantize import quantize
     from gouache.sched.plan import Batch
     from gouache.sched.policies import POLICIES

@@ -33,16 +33,16 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gouache.stats import median_s
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.interface import Devices
 from gouache.sched.policies import make_policy
 from gouache.sched.waiting import WaitingQueue
+from gouache.sim.costs import standalone_latency
 from gouache.sim.exp_patchedserve import SdxlH100Assumptions
 from gouache.sim.report import markdown_table, write_json
-from gouache.sim.costs import standalone_latency
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload
+from gouache.stats import median_s
 
 WAITING = (10, 100, 1_000, 10_000)
 POLICIES = ("fcfs-static", "orca", "patched", "patched-slo", "fixed-sp-1")

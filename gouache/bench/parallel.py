@@ -37,13 +37,13 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import torch
 
-    from gouache.profile.parallel import time_size
     from gouache.executor.multiproc import MultiprocExecutor
     from gouache.executor.pool import DevicePool
     from gouache.executor.worker import WorkerSpec
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
     from gouache.parallel.ulysses import check_degree
+    from gouache.profile.parallel import time_size
+    from gouache.runner.model_runner import ModelRunner
     from gouache.sched.rounds import degrees as degrees_of
     from gouache.sched.rounds import max_degree
 

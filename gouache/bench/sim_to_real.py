@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gouache.sim.report import markdown_table, write_json
 from gouache.sim.costs import PredictedStepCost, standalone_latency
+from gouache.sim.report import markdown_table, write_json
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import SimRequest, WorkloadSpec, make_workload
 from gouache.stats import percentile

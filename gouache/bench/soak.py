@@ -39,8 +39,8 @@ from pathlib import Path
 import httpx
 
 from gouache.bench.server_process import ServerWatch, server_process, terminate
-from gouache.bench.soak_client import drive, measure_capacity
 from gouache.bench.soak_adapters import Rewriter, make_adapters
+from gouache.bench.soak_client import drive, measure_capacity
 from gouache.bench.soak_trace import ADAPTER_KINDS, KINDS, make_trace, parse_mix, tally
 from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.sched.policies import POLICIES

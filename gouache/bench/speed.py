@@ -111,9 +111,9 @@ def measure(model: str, args) -> dict:
     from gouache.data.shapes import sample_scene
     from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
+    from gouache.profile.edits import centred_mask
     from gouache.runner.families import make_family
     from gouache.runner.model_runner import ModelRunner
-    from gouache.profile.edits import centred_mask
     from gouache.runner.quantize import quantize
     from gouache.sched.plan import Batch
 

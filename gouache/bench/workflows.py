@@ -61,10 +61,10 @@ def workflows(bench, args, bound: int) -> dict:
     """Median request latency of each mix and case, relative to 0C/0L served sequentially."""
     from safetensors.torch import save_file
 
-    from gouache.controlnet.service import ControlService
-    from gouache.controlnet.model import Base, random_controlnet
-    from gouache.lora.files import random_lora
     from gouache.config import ControlNetConfig
+    from gouache.controlnet.model import Base, random_controlnet
+    from gouache.controlnet.service import ControlService
+    from gouache.lora.files import random_lora
 
     mixes = parse_mixes(args.mixes)
     directory = Path(tempfile.mkdtemp(prefix="gouache-workflows-"))

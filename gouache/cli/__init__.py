@@ -15,8 +15,10 @@ def commands() -> dict[str, tuple[ModuleType, str]]:
     """command -> (its module, its line in `gouache --help`), in that help's order. Imported here,
     not at the top, so that importing `gouache.cli` stays light."""
     from gouache.cli import bench, edit, export_model, generate, make_controlnet, make_lora, models, serve
-    from gouache.profile import lora as profile_lora, step as profile
-    from gouache.sim import command as simulate, reproduce
+    from gouache.profile import lora as profile_lora
+    from gouache.profile import step as profile
+    from gouache.sim import command as simulate
+    from gouache.sim import reproduce
     from gouache.train import command as train
 
     return {

@@ -9,8 +9,21 @@ from types import ModuleType
 def kinds() -> dict[str, tuple[ModuleType, str]]:
     """kind -> (its module, its line in `gouache bench --help`), in that help's order."""
     from gouache.bench import (
-        adapters, baselines, batching, edit, fidelity, fullsize, fuzz, overhead, parallel, reuse_compare, serve,
-        sim_to_real, soak, speed, tiers,
+        adapters,
+        baselines,
+        batching,
+        edit,
+        fidelity,
+        fullsize,
+        fuzz,
+        overhead,
+        parallel,
+        reuse_compare,
+        serve,
+        sim_to_real,
+        soak,
+        speed,
+        tiers,
     )
 
     return {

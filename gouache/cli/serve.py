@@ -9,12 +9,32 @@ import os
 
 from gouache.cli.model_args import add_model_args
 from gouache.cli_flags import (
-    Given, GivenBool, batch_size_arg, counts_arg, given, mib_arg, refuse_ignored, sizes_arg, tier_share_arg,
+    Given,
+    GivenBool,
+    batch_size_arg,
+    counts_arg,
+    given,
+    mib_arg,
+    refuse_ignored,
+    sizes_arg,
+    tier_share_arg,
     tier_slo_arg,
 )
 from gouache.config import (
-    COMPILE_BUCKETS, CONTROLNET_MODES, DEFAULT_PATCH_PIXELS, EXECUTORS, RAY_PLACEMENTS, BlockCacheConfig, CompileConfig,
-    ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, ReplicaConfig, SchedulerConfig, ServerConfig,
+    COMPILE_BUCKETS,
+    CONTROLNET_MODES,
+    DEFAULT_PATCH_PIXELS,
+    EXECUTORS,
+    RAY_PLACEMENTS,
+    BlockCacheConfig,
+    CompileConfig,
+    ControlNetConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    ReplicaConfig,
+    SchedulerConfig,
+    ServerConfig,
     TemplateConfig,
 )
 

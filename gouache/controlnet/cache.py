@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gouache.controlnet.model import Base, check_config
 from gouache.adapter_names import CONFIG, ControlNetError, UnknownControlNet, controlnet_names, controlnet_path
+from gouache.controlnet.model import Base, check_config
 from gouache.files import Signature, Snapshot, digest, read_file, signature
 
 # the weight files diffusers' `save_pretrained` writes, in the order it looks for them

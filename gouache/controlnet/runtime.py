@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gouache.controlnet.cache import ControlNetCache
-from gouache.controlnet.model import Base, Embeddings, residual_shapes, residuals, supports_controlnets
 from gouache.adapter_names import ControlNetError
 from gouache.config import ControlNetConfig
+from gouache.controlnet.cache import ControlNetCache
+from gouache.controlnet.model import Base, Embeddings, residual_shapes, residuals, supports_controlnets
 from gouache.outputs import ControlNetReport
 
 

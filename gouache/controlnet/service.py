@@ -28,10 +28,10 @@ from multiprocessing import connection, shared_memory
 
 import torch
 
-from gouache.controlnet.cache import ControlNetCache
-from gouache.controlnet.model import Base, Embeddings, residuals
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable
 from gouache.config import ServiceAddress
+from gouache.controlnet.cache import ControlNetCache
+from gouache.controlnet.model import Base, Embeddings, residuals
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from gouache.controlnet.model import Base
 from gouache.config import COMPILE_BUCKETS, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from gouache.controlnet.model import Base
 from gouache.engine.adapters import start_control_service
 from gouache.engine.client import AsyncEngine, caches_blocks
 from gouache.executor.base import Executor
@@ -33,9 +33,9 @@ def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_c
     from gouache.models.zoo import load_pipeline, model_id
     from gouache.runner.batch_probe import probe_max_batch
     from gouache.runner.describe import UNCOMPILED, UNSERVED, model_info
+    from gouache.runner.families import family_class
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.quantize import quantize
-    from gouache.runner.families import family_class
     from gouache.sched.costmodel import BatchCostModel, load_mask_model
     from gouache.sched.costmodel import load as load_cost_model
     from gouache.sched.parallel_costmodel import ParallelCostModel

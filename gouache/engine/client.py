@@ -27,21 +27,27 @@ from gouache.engine.imaging import DecodeError, decode_edit, encode_image
 from gouache.engine.stages import Stage
 from gouache.engine.status import StatusBook
 from gouache.errors import (
-    DeadlineUnattainableError, EngineStoppedError, GouacheError, InvalidRequestError, QueueFullError,
-    RequestTimeoutError, ShuttingDownError, WorkerFailureError,
+    DeadlineUnattainableError,
+    EngineStoppedError,
+    GouacheError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTimeoutError,
+    ShuttingDownError,
+    WorkerFailureError,
 )
+from gouache.executor.base import Executor
+from gouache.executor.pool import DevicePool
 from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo, unpriced_message
 from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, PausedEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus, preview_steps
-from gouache.executor.base import Executor
-from gouache.executor.pool import DevicePool
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Policy, StepTimePredictor
 from gouache.sched.plan import Plan
-from gouache.sched.tiers import queue_limit, refusal
 from gouache.sched.scheduler import Scheduler
+from gouache.sched.tiers import queue_limit, refusal
 from gouache.techniques import unserved
 from gouache.uploads import Upload
 

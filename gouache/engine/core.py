@@ -25,11 +25,11 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 
+from gouache.executor.base import WorkerDied
+from gouache.executor.pool import DevicePool
 from gouache.metrics import Metrics
 from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import RequestState
-from gouache.executor.base import WorkerDied
-from gouache.executor.pool import DevicePool
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.scheduler import Run, Scheduler
 

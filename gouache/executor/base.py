@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+
 class WorkerDied(RuntimeError):
     """A worker process (device) is gone; calls on it fail with this."""
 

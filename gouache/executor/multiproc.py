@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-
 from gouache.children import become_child, processes
 from gouache.config import WORKER_TIMEOUT_S
 from gouache.executor.base import Executor, Gather, ReplyWatch, WorkerDied, free_port, open_gather

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from gouache.config import LoraConfig
 from gouache.lora.apply import Adapters, Factors, Merged, RowSlots, adapters_key, segmented
 from gouache.lora.files import Lora, LoraError
 from gouache.lora.store import LoraStore
-from gouache.config import LoraConfig
 from gouache.outputs import LoraReport
 
 Key = tuple[tuple[str, float, str], ...]  # an adapter set: (name, scale, file digest) each

@@ -6,12 +6,21 @@ seeded random weights."""
 from __future__ import annotations
 
 from diffusers import (
-    AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline,
-    QwenImagePipeline, QwenImageTransformer2DModel,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
 )
 from transformers import (
-    PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLProcessor, Qwen3Config,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    ProcessorMixin,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLProcessor,
+    Qwen3Config,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -17,14 +17,28 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import (
-    AutoencoderKL, DiffusionPipeline, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
-    FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
-    StableDiffusionInpaintPipeline, StableDiffusionPipeline, StableDiffusionXLInpaintPipeline,
-    StableDiffusionXLPipeline, UNet2DConditionModel,
+    AutoencoderKL,
+    DiffusionPipeline,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
 )
 from transformers import (
-    CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast,
-    T5Config, T5EncoderModel,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
 )
 
 from gouache.errors import UnknownModelError
@@ -32,11 +46,17 @@ from gouache.models import trained
 from gouache.models.arch import ARCH_CONFIGS, build_arch, default_dtype
 from gouache.models.flux2 import build_tiny_flux2_klein
 from gouache.models.qwen import QwenVLProcessor, build_tiny_qwen_image, build_tiny_qwen_image_edit
-from gouache.models.zimage import build_tiny_zimage
 from gouache.models.seeds import (
-    SEED_DENOISER, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3, SEED_VAE, seeded, torch_dtype,
+    SEED_DENOISER,
+    SEED_TEXT,
+    SEED_TEXT_2,
+    SEED_TEXT_3,
+    SEED_VAE,
+    seeded,
+    torch_dtype,
 )
 from gouache.models.tokenizer import build_tokenizer
+from gouache.models.zimage import build_tiny_zimage
 
 CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt to
 T5_MAX_LENGTH = 77  # tokenizer limit; pipelines pad T5 prompts to their `max_sequence_length`

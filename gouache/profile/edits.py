@@ -27,11 +27,11 @@ def run(args) -> int:
     import torch
 
     from gouache.config import TemplateConfig
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
     from gouache.runner.describe import model_info
-    from gouache.templates.unet import unet_template_blocks
+    from gouache.runner.model_runner import ModelRunner
     from gouache.sched.costmodel import MaskCostModel, save
+    from gouache.templates.unet import unet_template_blocks
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -38,9 +38,9 @@ def run(args) -> int:
     import torch
 
     from gouache.config import LoraConfig
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
     from gouache.runner.describe import model_info
+    from gouache.runner.model_runner import ModelRunner
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

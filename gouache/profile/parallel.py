@@ -29,9 +29,9 @@ def run(args) -> int:
     from gouache.executor.multiproc import MultiprocExecutor
     from gouache.executor.pool import DevicePool
     from gouache.executor.worker import WorkerSpec
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
     from gouache.parallel.ulysses import check_degree
+    from gouache.runner.model_runner import ModelRunner
     from gouache.sched.parallel_costmodel import ParallelCostModel
     from gouache.sched.rounds import degrees as degrees_of
     from gouache.sched.rounds import max_degree

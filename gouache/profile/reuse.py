@@ -29,12 +29,12 @@ def run(args) -> int:
     from gouache.cli_flags import given, refuse_ignored
     from gouache.config import BlockCacheConfig
     from gouache.data.shapes import caption, sample_scene
+    from gouache.models.digest import model_digest
     from gouache.models.zoo import load_pipeline
     from gouache.request import ImageRequest
     from gouache.runner.describe import model_info
     from gouache.runner.model_runner import ModelRunner
     from gouache.sched.plan import Batch
-    from gouache.models.digest import model_digest
 
     if args.requests < 2 or args.reuse_steps < 2:
         raise ValueError(f"--requests and --reuse-steps must be >= 2 (a unit needs a step before), "

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gouache.stats import median_s
 from gouache.cli_flags import Given, given, refuse_ignored
 from gouache.config import DEFAULT_PATCH_PIXELS
+from gouache.stats import median_s
 
 
 def add_arguments(p) -> None:
@@ -137,8 +137,8 @@ def run(args) -> int:
         return profile_parallel.run(args)
     import torch
 
-    from gouache.runner.model_runner import ModelRunner
     from gouache.models.zoo import load_pipeline
+    from gouache.runner.model_runner import ModelRunner
     from gouache.sched.costmodel import save
 
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gouache.engine.imaging import repaint_ratio
-from gouache.sched.router import ROUTERS, BatchStepCost, MeasuredEditCost, ReplicaLoad, RouteRequest, Router
+from gouache.sched.router import ROUTERS, BatchStepCost, MeasuredEditCost, ReplicaLoad, Router, RouteRequest
 from gouache.sim.costs import linear_step_cost
 
 if TYPE_CHECKING:

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import torch
 from diffusers import (
-    DiffusionPipeline, Flux2KleinPipeline, Flux2Transformer2DModel, FluxKontextPipeline, FluxTransformer2DModel,
-    QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
-    UNet2DConditionModel, ZImageTransformer2DModel,
+    DiffusionPipeline,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
+    FluxKontextPipeline,
+    FluxTransformer2DModel,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+    ZImageTransformer2DModel,
 )
 
 from gouache.errors import UnknownModelError
 from gouache.model_info import ModelInfo
 from gouache.models.zoo import BUILTIN_MODELS, DEFAULT_GUIDANCE, DEFAULT_STEPS, TINY_DEFAULT_STEPS
-
 
 # Techniques (`gouache.techniques`) a family does not serve, each with why: admission refuses a
 # request that asks for one, the server a flag that would apply one (docs/architecture.md)

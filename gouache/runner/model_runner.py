@@ -9,31 +9,35 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from gouache.block_cache.layer import BlockCacheLayer
-from gouache.controlnet.layer import ControlNetLayer
-from gouache.controlnet.runtime import ControlRuntime
-from gouache.forward_layers import Step
 from gouache.adapter_names import ControlNetError, ControlNetUnavailable, LoraError
-from gouache.lora.layer import LoraLayer
-from gouache.models.digest import model_digest
-from gouache.lora.runtime import LoraRuntime
-from gouache.parallel.layer import ParallelLayer
+from gouache.block_cache.layer import BlockCacheLayer
 from gouache.block_cache.predictor import reuse_pass
 from gouache.block_cache.store import BlockCache, BlockCacheConfig
 from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
+from gouache.controlnet.layer import ControlNetLayer
+from gouache.controlnet.runtime import ControlRuntime
+from gouache.forward_layers import Step
+from gouache.lora.layer import LoraLayer
+from gouache.lora.runtime import LoraRuntime
+from gouache.models.digest import model_digest
 from gouache.outputs import CacheBytes, LoraReport, StepOutput
+from gouache.parallel.layer import ParallelLayer
 from gouache.request import ImageRequest, RequestState
-from gouache.sched.plan import Batch
-from gouache.techniques import applies
-from gouache.runner.families import Family, make_family
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
-from gouache.runner.quantize import quantized
+from gouache.runner.families import Family, make_family
 from gouache.runner.forward import Forward, LayoutLayer, prepared_techniques
+from gouache.runner.quantize import quantized
 from gouache.runner.sampler import DenoiseState, Parked
+from gouache.sched.plan import Batch
+from gouache.techniques import applies
 from gouache.templates.layer import TemplateLayer
 from gouache.templates.replay import (
-    TemplateCache, TemplateUse, content_id, template_key, text_digest,
+    TemplateCache,
+    TemplateUse,
+    content_id,
+    template_key,
+    text_digest,
 )
 from gouache.uploads import Upload
 

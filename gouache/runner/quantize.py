@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+
 def quantize(pipe, kind: str | None):
     """`pipe` with its denoiser's linear layers quantized to `kind` in place (None: as it is)."""
     if kind is None:
@@ -24,7 +25,9 @@ def quantize(pipe, kind: str | None):
     if kind == "fp8" and pipe.device.type != "cuda":  # ModelConfig refuses it first for a server
         raise ValueError("--quantize fp8 needs a GPU with float8 units (H100 or later); on the CPU use --quantize int8")
     from torchao.quantization import (
-        Float8DynamicActivationFloat8WeightConfig, Int8WeightOnlyConfig, quantize_,
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8WeightOnlyConfig,
+        quantize_,
     )
 
     config = Int8WeightOnlyConfig() if kind == "int8" else Float8DynamicActivationFloat8WeightConfig()

@@ -24,7 +24,15 @@ from typing import Any
 
 from gouache.files import write_atomic
 from gouache.sched.cost_fields import (
-    MAX_STEP_S, composition_entry, entries, field, integer, number, resolution_entry, seconds, side,
+    MAX_STEP_S,
+    composition_entry,
+    entries,
+    field,
+    integer,
+    number,
+    resolution_entry,
+    seconds,
+    side,
 )
 from gouache.sched.interface import Resolution, as_resolution
 from gouache.sched.parallel_costmodel import ParallelCostModel

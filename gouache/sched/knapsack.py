@@ -45,6 +45,7 @@ from gouache.sched.rounds import (
     survives,
 )
 
+
 def plan_round(
     requests: Sequence[RoundRequest],
     step_time: StepTime,

@@ -27,11 +27,11 @@ from gouache.config import SchedulerConfig
 from gouache.sched.costmodel import BatchCostModel, load
 from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sched.policies import POLICIES, make_policy
+from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy, shortest_round
 from gouache.sched.router import ROUTERS
 from gouache.sched.scheduler import check_devices
-from gouache.sched.policies.round_knapsack import RoundKnapsackPolicy, shortest_round
-from gouache.sim.report import markdown_table, result_to_dict, summary_row, write_json
 from gouache.sim.costs import LinearHandoff, PredictedStepCost, linear_step_cost, load_handoff, standalone_latency
+from gouache.sim.report import markdown_table, result_to_dict, summary_row, write_json
 from gouache.sim.results import SimResult
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import MIXES, SimRequest, WorkloadSpec, make_workload, read_trace

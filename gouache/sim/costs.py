@@ -10,11 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gouache.request import RequestState
+from gouache.request import RequestState, Tier
 from gouache.sched.interface import Resolution, StepTimePredictor
 from gouache.sched.plan import Batch
 from gouache.sched.router import RouteRequest
-from gouache.request import Tier
 from gouache.sim.workloads import SimRequest
 
 # seconds of one step of a batch (its members now) on its devices

@@ -39,9 +39,9 @@ from __future__ import annotations
 import math
 import sys
 import time
-from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

@@ -38,7 +38,12 @@ from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from gouache.sched.router import (
-    LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RoundRobinRouter, RouteRequest, Router,
+    LeastRequestsRouter,
+    LeastTokensRouter,
+    MaskAwareRouter,
+    RoundRobinRouter,
+    Router,
+    RouteRequest,
 )
 from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.simulator import simulate

@@ -32,8 +32,8 @@ from gouache.request import RequestState
 from gouache.sched.costmodel import BatchCostModel, load
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
-from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.costs import PredictedStepCost, standalone_latency
+from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, WorkloadSpec, make_workload
 

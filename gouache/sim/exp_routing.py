@@ -27,7 +27,13 @@ import numpy as np
 from gouache.config import SchedulerConfig
 from gouache.sched.policies import make_policy
 from gouache.sched.router import (
-    LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, ReplicaLoad, RoundRobinRouter, RouteRequest, Router,
+    LeastRequestsRouter,
+    LeastTokensRouter,
+    MaskAwareRouter,
+    ReplicaLoad,
+    RoundRobinRouter,
+    Router,
+    RouteRequest,
 )
 from gouache.sim.exp_instgenie import COST_MODELS, SIZE, STEPS, MaskStepCost, capacity_rps, edit_trace
 from gouache.sim.report import markdown_table, write_json

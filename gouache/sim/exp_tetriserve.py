@@ -31,11 +31,11 @@ import numpy as np
 
 from gouache.config import SchedulerConfig
 from gouache.sched.interface import StepTimePredictor
+from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sched.policies import make_policy
 from gouache.sched.policies.round_knapsack import shortest_round
-from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
-from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.costs import HandoffCost, LinearHandoff, PredictedStepCost
+from gouache.sim.report import markdown_table, plot_sweep, summary_row, write_json
 from gouache.sim.results import SimResult
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import TETRISERVE_SIZES, TETRISERVE_SLO_S, WorkloadSpec, make_workload

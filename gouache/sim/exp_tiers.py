@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from gouache.config import SchedulerConfig
+from gouache.request import TIERS
 from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter
-from gouache.request import TIERS
 from gouache.sim.costs import LinearStepCost
 from gouache.sim.report import markdown_table, write_json
 from gouache.sim.results import SimResult

@@ -53,14 +53,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-
 from gouache.config import DEFAULT_QUEUE_SHARES
-from gouache.request import RequestState
+from gouache.request import RequestState, Tier
 from gouache.sched.interface import Policy
 from gouache.sched.plan import Plan
 from gouache.sched.router import ReplicaLoad, Router, RouteRequest
 from gouache.sched.scheduler import Run, Scheduler
-from gouache.request import Tier
 from gouache.sched.tiers import queue_limit, refusal
 from gouache.sim.costs import HandoffCost, StageCost, StepCost, state_of
 from gouache.sim.results import RequestRecord, SimResult

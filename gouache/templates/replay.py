@@ -45,11 +45,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from gouache.templates.load_plan import plan_loads
-from gouache.templates.store import TemplateStore
+from gouache.attention import attention_modules
 from gouache.config import TemplateConfig
 from gouache.outputs import TemplateReport
-from gouache.attention import attention_modules
+from gouache.templates.load_plan import plan_loads
+from gouache.templates.store import TemplateStore
 
 MASK = "mask"  # the recorder's own mask [tokens] (uint8) in each step entry: its tokens hold its edit, not the template
 TEXT = "text_digest"  # [rows, 16] uint8 in each step entry: the recorder's `text_digest` per row

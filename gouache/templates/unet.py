@@ -30,7 +30,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
 from gouache.attention import attend_each
-from gouache.templates.replay import TemplatePass, ReplayForward
+from gouache.templates.replay import ReplayForward, TemplatePass
 
 
 @functools.lru_cache(maxsize=16)

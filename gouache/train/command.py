@@ -105,8 +105,8 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
     from gouache.train.controlnet import train_controlnet
     from gouache.train.dit import train_dit
     from gouache.train.inpaint import train_inpaint
-    from gouache.train.lora import train_lora
     from gouache.train.loop import is_writer
+    from gouache.train.lora import train_lora
     from gouache.train.unet import train_unet
     from gouache.train.vae import train_vae
 

@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import httpx
-
 from PIL import Image
 
 

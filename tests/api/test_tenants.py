@@ -15,10 +15,16 @@ import pytest
 
 from gouache.api.server import create_app
 from gouache.api.tenants import (
-    ANONYMOUS, MAX_CONCURRENT, MAX_RATE_PER_S, MIN_RATE_PER_S, Tenant, TenantBook, parse_tenants,
+    ANONYMOUS,
+    MAX_CONCURRENT,
+    MAX_RATE_PER_S,
+    MIN_RATE_PER_S,
+    Tenant,
+    TenantBook,
+    parse_tenants,
 )
-from gouache.errors import TenantLimitError, TierForbiddenError
 from gouache.config import ServerConfig
+from gouache.errors import TenantLimitError, TierForbiddenError
 from tests.api.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.anyio

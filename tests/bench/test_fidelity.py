@@ -135,8 +135,8 @@ def test_flags_that_cannot_work_are_refused(tmp_path, capsys):
 
 
 def test_a_block_cache_predictor_candidate_reports_its_reuse_and_its_decisions_time(tmp_path):
-    from gouache.models.zoo import load_pipeline
     from gouache.models.digest import model_digest
+    from gouache.models.zoo import load_pipeline
     from tests.block_cache.test_predictor import split_on_change
 
     path = tmp_path / "split.json"

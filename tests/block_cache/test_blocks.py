@@ -6,11 +6,11 @@ a halo, GroupNorm or attention reads them."""
 import pytest
 import torch
 
+from gouache.block_cache.blocks import CachedForward, cacheable_blocks, cached_blocks
 from gouache.block_cache.store import BlockCache
 from gouache.config import BlockCacheConfig
-from gouache.block_cache.blocks import CachedForward, cacheable_blocks, cached_blocks
-from gouache.runner.layout import PatchLayout
 from gouache.models.zoo import load_pipeline
+from gouache.runner.layout import PatchLayout
 from gouache.runner.patch_ops import patched_unet_forward
 from tests.runner.test_pack_dit import make_inputs, reference_flux, reference_sd3, run_packed
 from tests.runner.test_patch_ops import TOL, conditioning, max_diff, per_image_forward, random_samples, unets  # noqa: F401

@@ -12,9 +12,9 @@ from PIL import Image
 
 from gouache.adapter_names import ControlNetError, UnknownControlNet
 from gouache.config import ControlNetConfig
+from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 
 TOL = 1e-4
@@ -56,7 +56,6 @@ def run(runner: ModelRunner, requests: list[tuple[ImageRequest, list]], patched=
 
 def reference(pipe, model, control_dir, names, images, scales, r):
     import diffusers
-
     from diffusers import ControlNetModel
 
     nets = [ControlNetModel.from_pretrained(str(control_dir / n)) for n in names]

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from gouache.controlnet.service import ControlService
-from gouache.controlnet.model import Base
 from gouache.config import ControlNetConfig
+from gouache.controlnet.model import Base
+from gouache.controlnet.service import ControlService
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from tests.controlnet.test_model import image, request, run

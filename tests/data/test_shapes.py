@@ -4,7 +4,15 @@ import numpy as np
 import pytest
 
 from gouache.data.shapes import (
-    BACKGROUNDS, COLOURS, Scene, Shape, ShapesDataset, caption, parse_caption, render, sample_scene,
+    BACKGROUNDS,
+    COLOURS,
+    Scene,
+    Shape,
+    ShapesDataset,
+    caption,
+    parse_caption,
+    render,
+    sample_scene,
 )
 
 

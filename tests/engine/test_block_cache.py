@@ -85,7 +85,8 @@ def test_the_block_cache_frees_and_reports_what_finished_requests_held_once_idle
     from gouache.config import EngineConfig
     from gouache.engine.client import AsyncEngine
     from gouache.runner.describe import model_info
-    from tests.engine.test_async_engine import images, run as run_async
+    from tests.engine.test_async_engine import images
+    from tests.engine.test_async_engine import run as run_async
 
     pipe = pipes("tiny-sd")
     engine = AsyncEngine(pipe, model_info(pipe, "tiny-sd"), EngineConfig(), make_policy(SchedulerConfig(policy="orca")))

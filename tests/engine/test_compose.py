@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from gouache.controlnet.model import random_controlnet
 from gouache.api.protocol import ImageEditRequest, ImageGenerationRequest
 from gouache.config import BlockCacheConfig, ControlNetConfig, LoraConfig, TemplateConfig
+from gouache.controlnet.model import random_controlnet
 from gouache.errors import InvalidRequestError
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner

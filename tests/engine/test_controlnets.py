@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gouache.controlnet.model import random_controlnet
 from gouache.api.server import create_app
 from gouache.config import ControlNetConfig, EngineConfig, SchedulerConfig, ServerConfig
+from gouache.controlnet.model import random_controlnet
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
 from gouache.runner.describe import model_info
@@ -147,8 +147,8 @@ def test_transformer_models_refuse_controlnets(pipes, control_dir):
 
 
 def test_make_controlnet_writes_a_directory_the_server_takes(tmp_path, capsys):
-    from gouache.controlnet.runtime import ControlRuntime
     from gouache.cli import main
+    from gouache.controlnet.runtime import ControlRuntime
     from gouache.models.zoo import load_pipeline
 
     assert main(["make-controlnet", "--model", "tiny-sdxl", "--out", str(tmp_path / "pose"), "--seed", "3"]) == 0

@@ -9,7 +9,6 @@ from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from gouache.uploads import EditMask, Upload
-
 from tests.engine.conftest import guidance_kwargs
 
 

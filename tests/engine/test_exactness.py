@@ -10,9 +10,8 @@ from gouache.executor.pool import DevicePool
 from gouache.metrics import Metrics
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import POLICIES, make_policy
-
+from gouache.sched.scheduler import Scheduler
 from tests.engine.conftest import DTYPE, as_state_latents, guidance_kwargs
 
 FAMILIES = ["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-zimage", "tiny-flux2-klein"]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from safetensors.torch import save_file
 
-from gouache.lora.files import random_lora
 from gouache.api.server import create_app
 from gouache.config import EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
 from gouache.engine.build import build_engine
 from gouache.engine.client import AsyncEngine
+from gouache.lora.files import random_lora
 from gouache.runner.describe import model_info
 from gouache.sched.policies import make_policy
 from tests.engine.test_async_engine import png, run

@@ -14,11 +14,11 @@ from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.pool import DevicePool
 from gouache.executor.worker import WorkerSpec
 from gouache.metrics import Metrics
+from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.models.zoo import load_pipeline
-from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.interface import Policy
+from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler

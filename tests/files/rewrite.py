@@ -11,9 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+from gouache.adapter_names import ControlNetError, LoraError
 from gouache.controlnet.cache import SAFETENSORS, ControlNetCache
 from gouache.controlnet.model import Base, random_controlnet
-from gouache.adapter_names import ControlNetError, LoraError
 from gouache.files import digest
 from gouache.lora.files import random_lora
 from gouache.lora.store import LoraStore

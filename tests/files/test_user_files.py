@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save, save_file
 
+from gouache.adapter_names import ControlNetError, LoraError
 from gouache.controlnet.cache import SAFETENSORS, ControlNetCache
 from gouache.controlnet.model import Base, random_controlnet
-from gouache.adapter_names import ControlNetError, LoraError
 from gouache.files import FileChanging, digest, header_of, read_file, read_header
 from gouache.lora.files import random_lora
 from gouache.lora.store import LoraStore

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gouache.lora.apply import Merged
 from gouache.adapter_names import LoraError, UnknownLora, lora_path
+from gouache.lora.apply import Merged
 from gouache.lora.files import METADATA_KEY, Target, parse_lora, random_lora, read_lora
 from gouache.lora.runtime import Costs, choose
 from gouache.models.zoo import load_pipeline

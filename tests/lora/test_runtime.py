@@ -7,11 +7,11 @@ import threading
 import pytest
 from safetensors.torch import save_file
 
-from gouache.lora.files import random_lora
 from gouache.config import LoraConfig
+from gouache.lora.files import random_lora
+from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 
 TOL = 1e-4

@@ -14,10 +14,10 @@ from PIL import Image
 
 from gouache.errors import UnknownModelError
 from gouache.models.arch import build_arch
+from gouache.models.tokenizer import build_tokenizer
 from gouache.models.zoo import BUILDERS, BUILTIN_MODELS, export_model, load_pipeline
 from gouache.runner.describe import denoiser, model_info
 from gouache.runner.families import make_family
-from gouache.models.tokenizer import build_tokenizer
 
 SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux packs 2x2)
 

@@ -5,13 +5,13 @@ guidance in the batch runs whole on both; ControlNet residuals are cut with the 
 import numpy as np
 import pytest
 
-from gouache.controlnet.model import random_controlnet
 from gouache.config import ControlNetConfig, LoraConfig
+from gouache.controlnet.model import random_controlnet
 from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.worker import WorkerSpec
+from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
-from gouache.models.zoo import load_pipeline
 from gouache.sched.plan import Batch
 from gouache.uploads import EditMask, Upload
 from tests.lora.random_files import random_loras

@@ -246,8 +246,8 @@ def test_gouache_serve_with_two_replicas_behind_the_mask_aware_router_serves_edi
 def test_one_controlnet_service_serves_two_replicas_each_with_its_own_template_store(tmp_path):
     """The front starts the service; each replica's engine connects to it (none starts its own).
     Each replica's template store has a subdirectory of --template-dir to itself."""
-    from gouache.controlnet.model import random_controlnet
     from gouache.config import ControlNetConfig, TemplateConfig
+    from gouache.controlnet.model import random_controlnet
     from gouache.models.zoo import load_pipeline
 
     random_controlnet(load_pipeline(MODEL), std=0.2).save_pretrained(str(tmp_path / "edges"))

@@ -9,20 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gouache.config import CompileConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
-from gouache.engine.build import build_engine
-from gouache.outputs import CompileReport
-from gouache.request import ImageRequest
-from gouache.runner.compiled import CompiledDenoiser
 from gouache.block_cache.layer import BlockCacheLayer
+from gouache.config import CompileConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from gouache.controlnet.layer import ControlNetLayer
+from gouache.engine.build import build_engine
 from gouache.forward_layers import Step
 from gouache.lora.layer import LoraLayer
+from gouache.outputs import CompileReport
 from gouache.parallel.layer import ParallelLayer
+from gouache.request import ImageRequest
+from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.forward import Forward, LayoutLayer
-from gouache.templates.layer import TemplateLayer
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
+from gouache.templates.layer import TemplateLayer
 from tests.lora.random_files import random_loras
 
 TOL = 1e-4

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from diffusers import FluxPipeline, SD3Transformer2DModel

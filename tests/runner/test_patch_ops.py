@@ -4,8 +4,8 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
-from gouache.runner.layout import PatchLayout
 from gouache.models.zoo import load_pipeline, seeded
+from gouache.runner.layout import PatchLayout
 from gouache.runner.patch_ops import HaloConv2d, PatchGroupNorm, PatchIndex, patch_unet, patched_unet_forward
 
 TOL = 1e-4  # fp32; the patched forward sums in a different order, so it is ~1e-6 off, not 0

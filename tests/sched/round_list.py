@@ -16,8 +16,17 @@ from gouache.sched.group_knapsack import group_knapsack
 from gouache.sched.knapsack import _Bounds, _late  # the helpers the list version shares with the planner today
 from gouache.sched.placement import place
 from gouache.sched.rounds import (
-    Allocation, BatchStepTime, RoundAllocation, RoundDecision, RoundOption, RoundRequest, StepTable, StepTime, cached,
-    max_degree, steps_in_round,
+    Allocation,
+    BatchStepTime,
+    RoundAllocation,
+    RoundDecision,
+    RoundOption,
+    RoundRequest,
+    StepTable,
+    StepTime,
+    cached,
+    max_degree,
+    steps_in_round,
 )
 
 

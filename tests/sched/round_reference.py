@@ -12,8 +12,8 @@ from gouache.sched.placement import place
 from gouache.sched.rounds import (
     Allocation,
     RoundAllocation,
-    RoundOption,
     RoundDecision,
+    RoundOption,
     degrees,
     max_degree,
     steps_in_round,

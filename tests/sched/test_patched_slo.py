@@ -4,8 +4,8 @@ import pytest
 
 from gouache.config import SchedulerConfig
 from gouache.sched.interface import Devices
-from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
 
 from .factories import groups, make_state, run_step
 

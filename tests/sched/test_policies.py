@@ -2,8 +2,8 @@ import pytest
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestStatus
-from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
 
 from .factories import groups, make_state, run_step
 

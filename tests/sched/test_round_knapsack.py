@@ -5,8 +5,8 @@ import math
 import pytest
 
 from gouache.config import SchedulerConfig
-from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
+from gouache.sched.scheduler import Scheduler
 from gouache.sim.costs import LinearStepCost
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import SimRequest

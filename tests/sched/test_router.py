@@ -1,7 +1,12 @@
 import pytest
 
 from gouache.sched.router import (
-    LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, MeasuredEditCost, ReplicaLoad, RoundRobinRouter,
+    LeastRequestsRouter,
+    LeastTokensRouter,
+    MaskAwareRouter,
+    MeasuredEditCost,
+    ReplicaLoad,
+    RoundRobinRouter,
     RouteRequest,
 )
 

@@ -7,11 +7,10 @@ import math
 import pytest
 
 from gouache.config import MAX_QUEUE_LEN, EngineConfig, SchedulerConfig
-from gouache.request import RequestStatus
+from gouache.request import RequestStatus, Tier
 from gouache.sched.plan import Plan
 from gouache.sched.policies import make_policy
 from gouache.sched.scheduler import Scheduler
-from gouache.request import Tier
 from gouache.sched.tiers import MAX_WEIGHT, MIN_WEIGHT, FairQueue, make_room, queue_order, tenant_limit
 
 from .factories import groups, make_state, run_step

@@ -7,8 +7,8 @@ import pytest
 
 from gouache.config import SchedulerConfig
 from gouache.request import RequestState
-from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.interface import Devices, Policy
+from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.policies.round_knapsack import pool_of, shortest_round

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from gouache.cli import main
+from gouache.sched.plan import Batch
 from gouache.sched.router import RouteRequest
 from gouache.sim import exp_fleet_day, exp_fleet_day_error, reproduce
+from gouache.sim.costs import state_of
 from gouache.sim.diurnal import DayMix, Diurnal, fleet_day_trace, truncated_pareto
 from gouache.sim.exp_fleet_day import FleetDaySetup, fleet_day_experiment, run_cell, search_devices, summarize
-from gouache.sched.plan import Batch
-from gouache.sim.costs import state_of
 from gouache.sim.fleet_cost import CONTROLNET_STEP_RATIO, LORA_STEP_RATIO, FleetStepCost
 from gouache.sim.workloads import SimRequest
 

@@ -8,12 +8,12 @@ from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.costmodel import MaskCostModel
 from gouache.sched.plan import Batch
-from gouache.sched.scheduler import Scheduler
 from gouache.sched.policies import make_policy
 from gouache.sched.router import LeastRequestsRouter, LeastTokensRouter, MaskAwareRouter, RoundRobinRouter, RouteRequest
+from gouache.sched.scheduler import Scheduler
+from gouache.sim.costs import linear_step_cost, standalone_latency
 from gouache.sim.exp_instgenie import FluxEditAssumptions, MaskStepCost, instgenie_experiment
 from gouache.sim.exp_patchedserve import SdxlH100Assumptions, patchedserve_experiment
-from gouache.sim.costs import linear_step_cost, standalone_latency
 from gouache.sim.simulator import Simulator, simulate
 from gouache.sim.workloads import PATCHEDSERVE_SIZES, SimRequest, WorkloadSpec, make_workload
 

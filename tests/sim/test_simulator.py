@@ -9,12 +9,19 @@ from gouache.request import RequestState
 from gouache.sched.interface import Policy
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.policies import make_policy
-from gouache.sim.report import markdown_table, plot_sweep, result_to_dict, summary_row
 from gouache.sim.costs import linear_step_cost, standalone_latency
+from gouache.sim.report import markdown_table, plot_sweep, result_to_dict, summary_row
 from gouache.sim.simulator import simulate
 from gouache.sim.workloads import (
-    PATCHEDSERVE_SIZES, TETRISERVE_SIZES, SimRequest, WorkloadSpec, inter_arrival_cv, make_workload,
-    read_trace, size_probabilities, write_trace,
+    PATCHEDSERVE_SIZES,
+    TETRISERVE_SIZES,
+    SimRequest,
+    WorkloadSpec,
+    inter_arrival_cv,
+    make_workload,
+    read_trace,
+    size_probabilities,
+    write_trace,
 )
 
 # 512² costs 1 s of pixels and 1024² costs 4 s: 0.262144 MP × 15625/4096 s/MP = 1.0

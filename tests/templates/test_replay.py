@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from gouache.config import TemplateConfig
-from gouache.request import ImageRequest
-from gouache.models.zoo import load_pipeline
-from gouache.runner.model_runner import ModelRunner
 from gouache.models.digest import model_digest
+from gouache.models.zoo import load_pipeline
+from gouache.request import ImageRequest
+from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from gouache.uploads import EditMask, Upload
 
@@ -162,10 +162,9 @@ def test_blocks_the_plan_computes_in_full_take_every_token_and_stay_exact(pipe, 
 def test_the_model_digest_is_the_same_in_every_process_and_tells_models_apart():
     # a restart adopts its store's files only for the same model: the digest must not vary run
     # to run (diffusers' configs list their defaulted keys in set order)
+    import os
     import subprocess
     import sys
-
-    import os
 
     code = ("from gouache.models.zoo import load_pipeline; from gouache.models.digest import model_digest; "
             "print(model_digest(load_pipeline('tiny-sd')))")

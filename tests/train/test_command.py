@@ -50,8 +50,8 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
 
 @pytest.mark.slow
 def test_controlnet_writes_a_directory_the_server_takes(trained_dir):
-    from gouache.controlnet.runtime import ControlRuntime
     from gouache.config import ControlNetConfig
+    from gouache.controlnet.runtime import ControlRuntime
     from gouache.models.zoo import load_pipeline
 
     report = json.loads((trained_dir / "train_controlnet.json").read_text())

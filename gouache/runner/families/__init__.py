@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from gouache.runner.conditioning import ConditioningCache
+from gouache.runner.describe import family_of, instruction_edits
 from gouache.runner.families.base import Family
 from gouache.runner.families.dit import FluxFamily, FluxKontextFamily, StableDiffusion3Family
 from gouache.runner.families.flux2 import Flux2Family
 from gouache.runner.families.qwen import QwenImageEditFamily, QwenImageFamily
-from gouache.runner.families.zimage import ZImageFamily
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
-from gouache.runner.conditioning import ConditioningCache
-from gouache.runner.describe import family_of, instruction_edits
+from gouache.runner.families.zimage import ZImageFamily
 
 FAMILIES: dict[str, type[Family]] = {
     f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily,

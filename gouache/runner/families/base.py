@@ -14,11 +14,11 @@ from collections.abc import Callable, Hashable
 import numpy as np
 import torch
 
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.config import DEFAULT_PATCH_PIXELS
 from gouache.lora.text import TextAdapters, text_adapters, text_key
 from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
-from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import CFG_FROM, UNSERVED

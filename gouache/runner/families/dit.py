@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward, cacheable_blocks
+from gouache.request import ImageRequest
 from gouache.runner.describe import UNSERVED
 from gouache.runner.families.base import Family, by_state, cat_cond, per_group, row_timesteps
 from gouache.runner.pack_dit import Packing

@@ -7,8 +7,8 @@ import inspect
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from gouache.request import ImageRequest
 from gouache.block_cache.blocks import CachedForward
+from gouache.request import ImageRequest
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patched_unet_forward
 from gouache.runner.sampler import DenoiseState

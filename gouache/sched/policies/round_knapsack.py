@@ -30,8 +30,8 @@ from gouache.request import RequestState
 from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Devices, Policy, Resolution, StepTimePredictor
 from gouache.sched.knapsack import plan_classes
-from gouache.sched.round_classes import RequestClass, of_requests
 from gouache.sched.plan import Batch, Plan
+from gouache.sched.round_classes import RequestClass, of_requests
 from gouache.sched.rounds import RoundRequest, StepTime, cached, degrees, max_degree
 
 
