@@ -113,14 +113,14 @@ class QwenImageFamily(PackedFamily):
         if self.compiled is not None:  # a graph per text bucket, not per prompt length
             longest = -(-longest // TEXT_BUCKET) * TEXT_BUCKET
         text = pad_cat([e for s in states for e in s.cond["prompt_embeds"]], longest)
-        mask = None
+        valid = None  # True at each row's real text tokens
         if bool((lengths < longest).any()):
-            mask = torch.arange(longest, device=self.device)[None] < lengths.to(self.device)[:, None]
+            valid = torch.arange(longest, device=self.device)[None] < lengths.to(self.device)[:, None]
         return ({
             "hidden_states": torch.cat([torch.cat([self.tokens(s)] * s.rows) for s in states]),
             "timestep": row_timesteps(states).to(self.dtype) / 1000,
             "encoder_hidden_states": text,
-            "encoder_hidden_states_mask": mask,
+            "encoder_hidden_states_mask": valid,
             # one list for every row (a forward's rows share one layout): what the compiled graph was traced with
             "img_shapes": [self.img_shapes(states[0])] * len(text),
         }, {})
