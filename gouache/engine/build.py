@@ -27,6 +27,19 @@ def refuse(why: str | None) -> None:
 
 
 def build_engine(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
+    """The engine of a server: the model loaded, checked against the flags, measured (the batch
+    probe) and compiled (the warm-up). In one process (`uniproc`) that is done in a thread of its
+    own on the step thread's torch threads, so that the main thread keeps no OpenMP team
+    (`gouache.threads`: a second team on the machine's CPUs slowed every step 2-3x)."""
+    if engine_config.executor != "uniproc":
+        return _build(model_config, engine_config, sched_config)
+    from gouache.threads import in_thread, step_threads
+
+    return in_thread(lambda: _build(model_config, engine_config, sched_config),
+                     step_threads(engine_config.torch_threads), "gouache-start")
+
+
+def _build(model_config: ModelConfig, engine_config: EngineConfig, sched_config: SchedulerConfig) -> AsyncEngine:
     import torch
 
     from gouache.block_cache.predictor import reuse_pass

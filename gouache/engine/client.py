@@ -49,6 +49,7 @@ from gouache.sched.plan import Plan
 from gouache.sched.scheduler import Scheduler
 from gouache.sched.tiers import queue_limit, refusal
 from gouache.techniques import unserved
+from gouache.threads import step_threads
 from gouache.uploads import Upload
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ class AsyncEngine(AdapterCalls):
         if priced is not None:  # the policy cannot plan a size its cost model never saw
             info = replace(info, sizes=tuple(sorted(priced)))
         self.info = info
-        self.core = EngineCore(
-            self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure, self._on_plan, self._on_death
-        )
+        self.core = EngineCore(self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure,
+                               self._on_plan, self._on_death,
+                               threads=step_threads(engine_config.torch_threads) if executor is None else None)
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure, batched=True)
         self.codecs = CodecPool(engine_config.image_workers)

@@ -32,6 +32,7 @@ from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import RequestState
 from gouache.sched.plan import Batch, Plan
 from gouache.sched.scheduler import Run, Scheduler
+from gouache.threads import own
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,12 @@ class EngineCore:
 
     def __init__(self, pool: DevicePool, scheduler: Scheduler, metrics: Metrics,
                  on_step: Callable[[StepReport], None], on_failure: Callable[[dict[str, str], dict[str, str]], None],
-                 on_plan: Callable[[Plan], None], on_death: Callable[[BaseException], None]):
+                 on_plan: Callable[[Plan], None], on_death: Callable[[BaseException], None],
+                 threads: int | None = None):
+        """`threads`: the intra-op threads the loop thread runs torch on, where it runs the steps
+        (`gouache.threads`; None: the count it starts with)."""
         self.pool = pool
+        self.threads = threads
         self.scheduler = scheduler
         self.metrics = metrics
         self.on_step = on_step  # called in the loop thread after every step
@@ -106,6 +111,8 @@ class EngineCore:
     # -- the loop --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.threads is not None:
+            own(self.threads)
         try:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work())

@@ -13,6 +13,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from gouache.threads import single
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +42,7 @@ class Stage:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        single()  # the step thread is the one that runs torch on several threads (`gouache.threads`)
         while (job := self.jobs.get()) is not None:
             if not self.batched:
                 self._one(job)

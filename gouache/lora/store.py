@@ -23,6 +23,7 @@ from pathlib import Path
 from gouache.adapter_names import LoraError, UnknownLora, lora_names, lora_path
 from gouache.files import Signature, read_file, read_header, signature
 from gouache.lora.files import Lora, Target, header_tensors, lora_of_bytes, parse_lora
+from gouache.threads import single
 
 
 @dataclass
@@ -56,7 +57,7 @@ class LoraStore:
         self._checked: dict[str, tuple[Signature, tuple[str, ...]]] = {}
         self._digests: dict[str, tuple[Signature, str]] = {}  # name -> (file status, digest) read by `digest`
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gouache-lora")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gouache-lora", initializer=single)
 
     def path(self, name: str) -> Path:
         return lora_path(self.directory, name)

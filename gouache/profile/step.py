@@ -140,17 +140,19 @@ def run(args) -> int:
     from gouache.models.zoo import load_pipeline
     from gouache.runner.model_runner import ModelRunner
     from gouache.sched.costmodel import save
+    from gouache.threads import own, single, step_threads
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    threads = step_threads(args.torch_threads)
+    single()  # as in the server, only the step thread runs torch on several threads (`gouache.threads`)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
     runner = ModelRunner(pipe, args.patch_size)
     if "patch_size" in given(args) and not runner.family.patches:
         refuse_ignored({"patch_size": f"{runner.family.name} models pack mixed sizes' tokens; patches are for UNets"})
-    prep, engine, post = (ThreadPoolExecutor(1, f"gouache-{name}") for name in ("prep", "engine", "post"))
+    prep, post = (ThreadPoolExecutor(1, f"gouache-{name}", initializer=single) for name in ("prep", "post"))
+    engine = ThreadPoolExecutor(1, "gouache-engine", initializer=own, initargs=(threads,))
     with prep, engine, post:
         pool, prep_s = prep.submit(_prepare_pool, runner, sizes, args.max_batch, sync).result()
         model = engine.submit(_time_steps, runner, pool, sizes, args, sync).result()
@@ -161,7 +163,7 @@ def run(args) -> int:
     save(model, out)
     report = model.report
     summary = {"command": "gouache profile " + " ".join(sys.argv[2:]), "model": args.model, "device": args.device,
-               "torch_threads": torch.get_num_threads(), "samples": report.n_train + report.n_test,
+               "torch_threads": threads, "samples": report.n_train + report.n_test,
                "fit": report.to_json()}
     out.with_suffix(".report.json").write_text(json.dumps(summary, indent=2))
     print(f"test MAPE {report.test_mape:.1f} %, worst held-out error {report.test_max_rel_error:.1%}, "

@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load, save
 
 from gouache.files import read_header
+from gouache.threads import single
 
 TIERS = ("device", "host", "disk")
 Entry = dict[str, torch.Tensor]
@@ -68,7 +69,7 @@ class TemplateStore:
         self._memory: dict[str, OrderedDict[str, Entry]] = {"device": OrderedDict(), "host": OrderedDict()}
         self._disk: OrderedDict[str, _File] = OrderedDict()
         self._lock = threading.RLock()
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="gouache-store")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="gouache-store", initializer=single)
         self._reads: dict[str, Future] = {}
         self._bytes = dict.fromkeys(TIERS, 0)  # what each tier holds
         self.hits = dict.fromkeys(TIERS, 0)
