@@ -35,12 +35,17 @@ def step_threads(configured: int | None) -> int:
 
 def single() -> None:
     """Run this thread's torch operators on itself alone (no OpenMP team of its own)."""
-    torch.set_num_threads(1)
+    own(1)
 
 
 def own(threads: int) -> None:
-    """Run this thread's torch operators on `threads` threads (a thread starts with the count
-    the last `set_num_threads` of any thread left)."""
+    """Run this thread's torch operators on `threads` threads, whatever other threads set.
+
+    A thread's count is set from a process-wide value the first time the thread asks for it
+    (`get_num_threads` or its first parallel operator), and `set_num_threads` writes that value
+    too: a thread that set its count before asking would take the count of whichever thread set
+    it last. Asking first fixes the thread's own count, then setting it holds."""
+    torch.get_num_threads()
     torch.set_num_threads(threads)
 
 
