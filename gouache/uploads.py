@@ -40,11 +40,6 @@ class EditMask:
     def repaints_nothing(self) -> bool:
         return not self.pixels.any()
 
-    @property
-    def ratio(self) -> float:
-        """The share of the image it repaints."""
-        return float(self.pixels.mean())
-
     def pixel(self, device, dtype) -> torch.Tensor:
         """[1, 1, H, W] in {0, 1} on `device`."""
         import torch
