@@ -351,6 +351,8 @@ def test_autoscalers_scale_the_deployment_on_a_gauge_gouache_exports():
     keda = resource("ScaledObject")["spec"]
     assert keda["scaleTargetRef"]["name"] == name
     assert 1 <= keda["minReplicaCount"] <= keda["maxReplicaCount"]
+    # the two autoscalers are alternatives: either one keeps the same replica range
+    assert (keda["minReplicaCount"], keda["maxReplicaCount"]) == (hpa["minReplicas"], hpa["maxReplicas"])
     for trigger in keda["triggers"]:
         assert trigger["type"] == "prometheus"
         assert trigger["metadata"]["serverAddress"].startswith("http")
