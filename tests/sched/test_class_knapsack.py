@@ -10,7 +10,7 @@ from gouache.sched.group_knapsack import Knapsack, group_knapsack
 from gouache.sched.round_classes import of_requests
 from gouache.sched.rounds import Allocation, RoundOption, cached, max_degree
 
-from .test_knapsack import odd_step_time, random_groups, random_round, step_time
+from .round_cases import odd_step_time, random_groups, random_round, step_time
 
 
 def urgent_splits(classes, cost, n, tau, now):
