@@ -22,6 +22,7 @@ from gouache.cli_flags import (
 )
 from gouache.config import (
     COMPILE_BUCKETS,
+    COMPILE_GRAPHS,
     CONTROLNET_MODES,
     DEFAULT_PATCH_PIXELS,
     EXECUTORS,
@@ -152,6 +153,10 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-buckets", type=counts_arg, default=COMPILE_BUCKETS,
                    help="row counts a compiled forward is padded up to; larger forwards run eagerly (default: "
                         f"{','.join(map(str, COMPILE_BUCKETS))})")
+    p.add_argument("--compile-graphs", type=int, default=COMPILE_GRAPHS,
+                   help="graphs a compiled model warms up at most: a row graph per --compile-sizes size and "
+                        "bucket, the rest to packed DiT forwards of mixed sizes in token buckets (default: "
+                        "%(default)s)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled kernels in DIR, so a restart compiles in seconds (default: torch's own, "
                         "per user in the temporary directory)")
@@ -314,7 +319,7 @@ def engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      ray_resource=args.ray_resource, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20, paused_host_bytes=args.paused_host_mb << 20,
                      compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
-                                           args.compile_cuda_graphs),
+                                           args.compile_cuda_graphs, args.compile_graphs),
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse,
                                                   args.block_cache_mb << 20, args.block_cache_predictor),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,

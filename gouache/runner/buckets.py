@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_GRAPHS = 32  # graphs a model compiles at most, over every kind (--compile-graphs)
 TOKEN_ALIGN = 64  # token buckets are multiples of this (vLLM-Omni pads packed sequences to 64-row buckets)
 
 
@@ -75,7 +74,7 @@ def series(r: Range, count: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def choose(ranges: list[Range], graphs: int = DEFAULT_GRAPHS) -> Buckets:
+def choose(ranges: list[Range], graphs: int) -> Buckets:
     """Buckets for each range within `graphs` graphs in all: every kind gets at least one, and
     the rest go where they cut padding most (the kind whose series ratio is largest gets the
     next bucket), so a wide range gets more buckets than a narrow one."""

@@ -36,6 +36,7 @@ padded input shape, beside the eager module it was compiled from.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -89,14 +90,17 @@ class CompiledDenoiser:
         self.denoiser = denoiser
         self.slots = RowSlots(denoiser) if adapters else None  # hooks in place before the structure is taken
         self.buckets = tuple(sorted(config.buckets))
-        mode = "reduce-overhead" if config.cuda_graphs else None
-        self._compiled = torch.compile(denoiser, dynamic=False, mode=mode)
+        self._mode = "reduce-overhead" if config.cuda_graphs else None
+        self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
         self._failed: dict[tuple, str] = {}  # input shapes whose graph failed to compile: why (they run eagerly)
         self.warm = False  # set once warm_up ended: graphs compiled after it are recompiles
         self._report = CompileReport()
         self._step: _Step | None = None  # the step running, if any
+        # techniques (`gouache.techniques`) this model's graphs hold though the table's `compiles`
+        # says no in general (`mixed_sizes` where the family runs packed pieces: `Family.compile`)
+        self.holds: frozenset[str] = frozenset()
 
     # -- the forward ---------------------------------------------------------------------
 
@@ -104,39 +108,52 @@ class CompiledDenoiser:
         """The denoiser's first output for `rows` (one row per forward row) and `shared` inputs:
         compiled where the step allows it and the padded shape is compiled, else eager."""
         n = _rows(rows)
-        reason = self._eager_reason(n)
-        if reason is None:
-            padded = self.bucket(n)
-            inputs = _pad(rows, padded - n)
-            key = _key(inputs, shared)
-            if key not in self._ready and key not in self._failed:
+        padded = self.bucket(n)
+        inputs = rows if padded is None else _pad(rows, padded - n)
+
+        def compiled() -> torch.Tensor:
+            with self._bind(n, padded):
+                return self._compiled(**inputs, **shared, return_dict=False)[0][:n]
+
+        def eager() -> torch.Tensor:
+            with self._bind(n, n):
+                return self.denoiser(**rows, **shared, return_dict=False)[0]
+
+        if padded is None:
+            return self.run(None, eager, past="rows")
+        return self.run(Graph(_key(inputs, shared), compiled, _describe(inputs)), eager)
+
+    def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None) -> torch.Tensor:
+        """`graph` run compiled where the step allows it and its graph compiled, else `eager()`;
+        None with `past`: why the forward has no graph (it is past its kind's largest bucket)."""
+        reason = self._eager_reason(past)
+        if reason is None and graph is not None:
+            if graph.key not in self._ready and graph.key not in self._failed:
                 log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
-                            "to compile it at start", _describe(inputs))
-            if key not in self._failed:
-                with self._bind(n, padded):
-                    out = self._compiled_forward(key, inputs, shared)
+                            "to compile it at start", graph.what)
+            if graph.key not in self._failed:
+                out = self._compiled_forward(graph)
                 if out is not None:
                     self._count(None)
-                    return out[:n]
+                    return out
             reason = COMPILE_FAILED
         self._count(reason)
-        with self._bind(n, n):
-            return self.denoiser(**rows, **shared, return_dict=False)[0]
+        return eager()
 
     def _bind(self, rows: int, padded: int) -> contextlib.AbstractContextManager:
         return self.slots.bind(rows, padded) if self.slots is not None else contextlib.nullcontext()
 
-    def bucket(self, rows: int) -> int:
-        """The padded row count of a forward of `rows` rows."""
-        return next(b for b in self.buckets if b >= rows)
+    def bucket(self, rows: int) -> int | None:
+        """The padded row count of a forward of `rows` rows (None past the largest bucket)."""
+        return next((b for b in self.buckets if b >= rows), None)
 
-    def _eager_reason(self, rows: int) -> str | None:
+    def _eager_reason(self, past: str | None) -> str | None:
         if self._step is None:
             return "outside a step"
         if self._step.reason is not None:
             return self._step.reason
-        if rows > self.buckets[-1]:
-            return "rows"
+        if past is not None:
+            return past
         if torch.is_grad_enabled():
             return "grad"
         return self._structure.changed(self.denoiser)
@@ -169,61 +186,85 @@ class CompiledDenoiser:
 
     # -- compiling -----------------------------------------------------------------------
 
-    def warm_up(self, examples: list[tuple[Inputs, Inputs]], progress: Callable[[str], None] = log.info) -> None:
-        """Compile the graphs of every bucket for each of `examples` ((rows, shared) inputs of a
-        forward the server expects; its rows repeated or cut to each bucket) before serving,
-        saying how far it got."""
+    def row_graphs(self, examples: list[tuple[Inputs, Inputs]]) -> list[Graph]:
+        """The graphs of every row bucket for each of `examples` ((rows, shared) inputs of a
+        forward the server expects; its rows repeated or cut to each bucket)."""
+        graphs = []
+        for rows, shared in examples:
+            for b in self.buckets:
+                inputs = _resize(rows, b)
+                graphs.append(Graph(_key(inputs, shared),
+                                    functools.partial(self._call_compiled, inputs, shared), _describe(inputs)))
+        return graphs
+
+    def _call_compiled(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
+        return self._compiled(**inputs, **shared, return_dict=False)[0]
+
+    def warm_up(self, graphs: list[Graph], progress: Callable[[str], None] = log.info) -> None:
+        """Compile `graphs` (the forwards the server expects: `row_graphs`, a family's packed
+        pieces) before serving, saying how far it got."""
         start = time.perf_counter()
-        todo = [(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets]
-        for i, (inputs, shared) in enumerate(todo, 1):
-            key = _key(inputs, shared)
-            if key not in self._ready and key not in self._failed:
+        for i, graph in enumerate(graphs, 1):
+            if graph.key not in self._ready and graph.key not in self._failed:
                 began = time.perf_counter()
                 with torch.no_grad():
-                    done = self._compiled_forward(key, inputs, shared) is not None
+                    done = self._compiled_forward(graph) is not None
                 took = f"{time.perf_counter() - began:.1f} s"
-                progress(f"compiled forward {i}/{len(todo)} ({_describe(inputs)}) in {took}" if done else
-                         f"forward {i}/{len(todo)} ({_describe(inputs)}) failed to compile in {took}: it runs eagerly")
+                progress(f"compiled forward {i}/{len(graphs)} ({graph.what}) in {took}" if done else
+                         f"forward {i}/{len(graphs)} ({graph.what}) failed to compile in {took}: it runs eagerly")
         self.warm = True
         self._report.warmup_s += time.perf_counter() - start
 
-    def _compiled_forward(self, key: tuple, inputs: Inputs, shared: Inputs) -> torch.Tensor | None:
-        """The compiled forward's first output, or None when its graph failed to compile or load:
-        the shape then runs eagerly from now on, logged once and counted."""
+    def _compiled_forward(self, graph: Graph) -> torch.Tensor | None:
+        """The compiled forward's output, or None when its graph failed to compile or load: the
+        key then runs eagerly from now on, logged once and counted."""
         try:
-            out = self._run_swept(inputs, shared)
+            out = self._run_swept(graph.run)
         except _compile_errors() as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
-            self._failed[key] = f"{type(e).__name__}: {lines[0] if lines else ''}"
+            self._failed[graph.key] = f"{type(e).__name__}: {lines[0] if lines else ''}"
             log.error("a compiled forward (%s) failed to compile; it runs eagerly from now on: %s",
-                      _describe(inputs), self._failed[key])
+                      graph.what, self._failed[graph.key])
             self._report.failed += 1
             return None
-        self._ready.add(key)
+        self._ready.add(graph.key)
         return out
 
-    def _run_swept(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
+    def _run_swept(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`_run`, tried once more when it failed and a sweep of the compile cache moved a damaged
         kernel aside (so the retry compiles it anew)."""
         try:
-            return self._run(inputs, shared)
+            return self._run(run)
         except _compile_errors():
             if not compile_cache.sweep(self.cache):
                 raise
-        return self._run(inputs, shared)
+        return self._run(run)
 
-    def _run(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
-        """The compiled forward's first output, counting the graphs dynamo compiles for it (a new
-        shape, or any guard that failed): after the warm-up, recompiles."""
+    def _run(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()`, counting the graphs dynamo compiles for it (a new shape, or any guard that
+        failed): after the warm-up, recompiles."""
         import torch._dynamo.utils
 
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        out = self._compiled(**inputs, **shared, return_dict=False)[0]
+        out = run()
         new = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         self._report.graphs += new
         if self.warm:
             self._report.recompiles += new
         return out
+
+    def compile(self, fn: Callable) -> Callable:
+        """`fn` compiled as the denoiser is (a family's packed pieces)."""
+        return torch.compile(fn, dynamic=False, mode=self._mode)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A compiled forward of one key (its static shapes): `run()` runs it compiled; `what` names it in logs."""
+
+    key: tuple
+    run: Callable[[], torch.Tensor]
+    what: str
 
 
 @dataclass

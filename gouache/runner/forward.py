@@ -106,6 +106,8 @@ class Forward:
         used = set().union(*(self.uses(step, s) for s in step.states))
         if len({s.latents.shape for s in step.states}) == 1:
             used.discard("mixed_sizes")  # a patched step of one shape runs as the model's own batch
+        if self.compiled is not None:
+            used -= self.compiled.holds  # what this model's graphs hold beyond the table
         return next((name for name in TECHNIQUES if name in used and not TECHNIQUES[name].compiles), None)
 
     @torch.no_grad()

@@ -59,8 +59,8 @@ class ModelRunner:
         self.family: Family = make_family(pipe, patch_pixels, self.conditioning)
         self.compile_config = compile or CompileConfig()
         if self.compile_config.enabled:
-            self.family.compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
-                                                    adapters=bool(lora and lora.directory))
+            self.family.compile(CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
+                                                 adapters=bool(lora and lora.directory)), self.compile_config)
         self.states: dict[str, DenoiseState | Parked] = {}  # Parked: a paused request moved to host memory
         # holds nothing until a request asks for reuse
         self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))
@@ -134,8 +134,12 @@ class ModelRunner:
         sizes = self.compile_config.sizes or ((default_size, default_size),)
         states = [self.family.prepare(ImageRequest(f"warm-up-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0))
                   for h, w in sizes]
-        examples = [self.family.forward_inputs([state]) for state in states]
-        compiled.warm_up(examples, lambda line: log.info("warm-up: %s", line))
+        graphs = compiled.row_graphs([self.family.forward_inputs([state]) for state in states])
+        if self.family.pieces is not None:
+            graphs += self.family.pieces.graphs(states[0].cond["prompt_embeds"].shape[1])
+        log.info("warm-up: %d graphs (%s)", len(graphs), self.family.pieces.buckets.describe()
+                 if self.family.pieces is not None else "rows only")
+        compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line))
 
     def uses_template(self, request: ImageRequest) -> bool:
         """Whether the edit reuses a template: a registration does; an edit as it says (the API

@@ -150,14 +150,15 @@ class Packing:
         order = torch.tensor(self.order, device=encoder_hidden_states.device)
         return encoder_hidden_states[order].flatten(0, 1)[:, None]
 
-    def attend(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None = None):
+    def attend(self, image: QKV, text: QKV | None, text_first: bool, rope: list | None = None,
+               padding: tuple[int, int] = (0, 0)):
         """Joint attention per image. image: [S_img, H, d] each (under a subset, q of the computed
         rows only); text: [S_txt, H, d] each or None -> ([S_img or computed rows, H*d],
-        [S_txt, H*d] or None)."""
+        [S_txt, H*d] or None), each followed by its `padding` rows of zeros (a bucket's)."""
         computed = None if self.subset is None else self.subset.computed
         if computed is not None:
             return self._attend_queries(image, text, text_first, rope, computed)
-        image_out, text_out = [], []  # one part per size; a single part is used as it is
+        image_out, text_out = [], []  # one part per size (and padding); a single part is used as it is
         for g, group in enumerate(self.groups):
             qkv = [x[group.image_rows].unflatten(0, (group.count, -1)) for x in image]
             if text is not None:  # in the model's own token order: Flux puts text first, SD3 last
@@ -169,6 +170,9 @@ class Packing:
             text_part, image_part = self._split(out, text is not None, text_first)
             image_out.append(image_part.flatten(0, 1))
             text_out.append(text_part.flatten(0, 1))
+        for parts, rows in zip((image_out, text_out), padding):
+            if rows:
+                parts.append(parts[0].new_zeros(rows, parts[0].shape[1]))
         joined = [parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (image_out, text_out)]
         return joined[0], (joined[1] if text is not None else None)
 

@@ -4,7 +4,8 @@ import itertools
 
 import pytest
 
-from gouache.runner.buckets import DEFAULT_GRAPHS, Buckets, Range, choose, series
+from gouache.config import COMPILE_GRAPHS
+from gouache.runner.buckets import Buckets, Range, choose, series
 
 
 def test_a_series_splits_the_bucket_that_pads_most_at_its_geometric_mean():
@@ -25,7 +26,7 @@ def test_aligned_buckets_are_multiples_of_the_alignment_and_the_last_holds_the_l
 
 def test_the_budget_holds_over_every_kind_and_each_kind_gets_a_bucket():
     ranges = [Range("rows", 1, 32), Range("tokens", 80, 5000, 64), Range("computed", 16, 1024, 16)]
-    for graphs in (3, 4, 7, 16, DEFAULT_GRAPHS, 100):
+    for graphs in (3, 4, 7, 16, COMPILE_GRAPHS, 100):
         buckets = choose(ranges, graphs)
         assert len(buckets) <= graphs and set(buckets.by_kind) == {"rows", "tokens", "computed"}
         for r in ranges:  # the largest step of every kind compiles
@@ -62,7 +63,7 @@ def test_a_narrow_range_stops_taking_buckets_once_each_size_has_one():
 
 @pytest.mark.parametrize("bad", [lambda: Range("rows", 0, 4), lambda: Range("rows", 5, 4),
                                  lambda: Range("rows", 1, 4, align=0), lambda: series(Range("rows", 1, 4), 0),
-                                 lambda: choose([Range("rows", 1, 4), Range("rows", 1, 8)]),
+                                 lambda: choose([Range("rows", 1, 4), Range("rows", 1, 8)], 8),
                                  lambda: choose([Range("rows", 1, 4), Range("tokens", 64, 128)], 1)])
 def test_impossible_ranges_and_budgets_say_what_to_fix(bad):
     with pytest.raises(ValueError, match="range|graphs|kind"):

@@ -41,7 +41,7 @@ CHILD = textwrap.dedent("""
     compiled = CompiledDenoiser(model, CompileConfig(enabled=True, buckets=(2,), cache_dir=sys.argv[1]),
                                 torch.device("cpu"))
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
-    compiled.warm_up([({"sample": x}, {"scale": 2.0})], progress=lambda line: None)
+    compiled.warm_up(compiled.row_graphs([({"sample": x}, {"scale": 2.0})]), progress=lambda line: None)
     with torch.no_grad(), compiled.step(None):
         out = compiled({"sample": x}, {"scale": 2.0})
         eager = model(x, 2.0)[0]

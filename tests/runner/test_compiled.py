@@ -188,9 +188,9 @@ def test_steps_whose_techniques_the_graph_does_not_hold_run_eagerly(runners):
 
 
 def test_eager_reason_names_the_first_technique_that_does_not_compile():
-    def forward(degree=1) -> Forward:
+    def forward(degree=1, compiled=None) -> Forward:
         return Forward((ParallelLayer(None, degree, None, None), LoraLayer(None, {}, None), ControlNetLayer(None, None),
-                        TemplateLayer(None, None), BlockCacheLayer(None), LayoutLayer(None)))
+                        TemplateLayer(None, None), BlockCacheLayer(None), LayoutLayer(None)), compiled)
 
     class State:  # what the layers' `uses` read
         def __init__(self, shape=(1, 4, 8, 8), lora=None, cond=None, strength=None):
@@ -202,6 +202,9 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
     assert forward().eager_reason(Step([State(), State()], False)) is None
     assert forward().eager_reason(Step([State(), State((1, 4, 4, 4))], True)) == "mixed_sizes"
     assert forward().eager_reason(Step([State(), State()], True)) is None  # one size: a plain batch
+    # a model whose packed forward runs in compiled pieces (`CompiledDenoiser.holds`)
+    packed = SimpleNamespace(holds=frozenset({"mixed_sizes"}))
+    assert forward(compiled=packed).eager_reason(Step([State(), State((1, 4, 4, 4))], True)) is None
     assert forward(2).eager_reason(Step([State()], False)) == "parallel"
     assert (forward().eager_reason(Step([State(), State(cond={"reference": torch.zeros(1, 4, 8)})], False))
             == "reference")

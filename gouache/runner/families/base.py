@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gouache.block_cache.blocks import CachedForward, cached_blocks
-from gouache.config import DEFAULT_PATCH_PIXELS
+from gouache.config import DEFAULT_PATCH_PIXELS, CompileConfig
 from gouache.lora.text import TextAdapters, text_adapters, text_key
 from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
@@ -23,6 +23,7 @@ from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import CFG_FROM, UNSERVED
 from gouache.runner.layout import PatchLayout
+from gouache.runner.pieces import PackedPieces
 from gouache.runner.sampler import DenoiseState, EditInputs
 from gouache.templates.replay import ReplayForward
 from gouache.uploads import Upload
@@ -55,7 +56,20 @@ class Family(ABC):
                              f"model, got {self.patch_pixels}")
         self.patch = self.patch_pixels // self.vae_scale  # the largest patch side in latent pixels
         self.compiled: CompiledDenoiser | None = None  # the compiled forward, under --compile
+        self.pieces: PackedPieces | None = None  # its packed forward of mixed sizes in compiled pieces, if any
         self._text_key: tuple = ()  # the text-encoder adapters of the prompt being encoded (`text_key`)
+
+    def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
+        """Run the denoiser through `compiled` (--compile), and the packed forward of mixed sizes
+        in compiled pieces where the family has them (`make_pieces`)."""
+        self.compiled = compiled
+        self.pieces = self.make_pieces(compiled, config)
+        if self.pieces is not None:
+            compiled.holds = frozenset({"mixed_sizes"})
+
+    def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> PackedPieces | None:
+        """The family's packed forward in compiled pieces (`gouache.runner.pieces`), if it has one."""
+        return None
 
     @property
     def patch_factor(self) -> int:

@@ -9,12 +9,17 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from gouache.block_cache.blocks import CachedForward, cacheable_blocks
+from gouache.config import CompileConfig
 from gouache.request import ImageRequest
+from gouache.runner.buckets import Buckets
+from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.describe import UNSERVED
 from gouache.runner.families.base import Family, by_state, cat_cond, per_group, row_timesteps
 from gouache.runner.pack_dit import Packing
 from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.pack_sd3 import packed_sd3_forward
+from gouache.runner.pieces import token_buckets
+from gouache.runner.pieces_sd3 import SD3Pieces, supports
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
 from gouache.uploads import Upload
@@ -138,11 +143,23 @@ class StableDiffusion3Family(FlowFamily):
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
-        outputs = packed_sd3_forward(
-            self.pipe.transformer, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
-            cat_cond(states, "pooled"), whole_batches, blocks,
-        )
+        inputs = (samples, row_timesteps(states), cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled"))
+        outputs = None
+        if self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in samples}) > 1:
+            outputs = self.pieces.forward(*inputs)
+        if outputs is None:
+            outputs = packed_sd3_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
         return by_state(outputs, states)
+
+    def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> SD3Pieces | None:
+        transformer = self.pipe.transformer
+        if not supports(transformer):
+            return None
+        sizes = config.sizes
+        row_graphs = len(compiled.buckets) * max(1, len(sizes))
+        tokens = [h * w // self.token_pixels ** 2 for h, w in sizes]
+        return SD3Pieces(transformer, compiled, token_buckets(compiled.buckets, tokens, config.graphs - row_graphs)
+                         or Buckets({}))
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         return self.unscale(latents)

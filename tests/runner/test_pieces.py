@@ -1,0 +1,89 @@
+"""Packed DiT forwards as compiled pieces (`gouache.runner.pieces`, `pieces_sd3`): the layout as
+data (padding indices, buckets per row bucket), and on tiny-sd3 a compiled packed step equal to
+the eager one, one graph serving every mix its bucket holds (no recompile), and a step past the
+largest bucket run eagerly, saying why. One token bucket of one row bucket: compiling is slow on
+2 cores."""
+
+import pytest
+import torch
+
+from gouache.config import CompileConfig
+from gouache.models.zoo import load_pipeline
+from gouache.outputs import CompileReport
+from gouache.request import ImageRequest
+from gouache.runner.model_runner import ModelRunner
+from gouache.runner.pack_dit import Packing
+from gouache.runner.pieces import TokenLayout, token_buckets
+from gouache.sched.plan import Batch
+
+TOL = 1e-4
+
+
+def test_a_layout_pads_its_rows_to_the_bucket_with_slot_zero():
+    packing = Packing.build([(2, 2), (1, 2)], text_len=3, device=torch.device("cpu"))
+    layout = TokenLayout.of(packing, rows=4, tokens=8)
+    # packed order: the 1x2 image (caller 1) first, then the 2x2 one; two padding rows
+    assert layout.image_index.tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert layout.text_index.tolist() == [1, 1, 1, 0, 0, 0] + [0] * 6
+    assert layout.image(torch.ones(6, 2)).shape == (8, 2) and layout.image(torch.ones(6, 2))[6:].eq(0).all()
+    assert layout.slots(torch.tensor([5.0, 7.0])).tolist() == [5.0, 7.0, 7.0, 7.0]  # valid values, dropped
+    with pytest.raises(ValueError, match="cannot hold"):
+        TokenLayout.of(packing, rows=1, tokens=8)
+    with pytest.raises(ValueError, match="cannot hold"):
+        TokenLayout.of(packing, rows=2, tokens=5)
+
+
+def test_token_buckets_cover_each_row_bucket_within_the_budget():
+    assert token_buckets((1, 2, 4), [64], 8) is None  # one size: no mix to pack
+    buckets = token_buckets((1, 2, 4), [16, 64], 8)
+    assert set(buckets.by_kind) == {"tokens x2", "tokens x4"}  # a packed forward has two rows at least
+    assert len(buckets) <= 8
+    # every step a row bucket takes fits its largest token bucket: 2 rows of 64, 4 rows of 64
+    assert buckets.by_kind["tokens x2"][-1] >= 128 and buckets.by_kind["tokens x4"][-1] >= 256
+    assert token_buckets((1, 2, 4), [16, 64], 1) is None  # fewer graphs than row buckets to cover
+
+
+def _step(runner: ModelRunner, sizes: list[int], tag: str) -> tuple[dict, CompileReport]:
+    ids = []
+    for i, size in enumerate(sizes):
+        rid = f"{tag}-{i}"
+        runner.prepare(ImageRequest(rid, f"a red circle {tag} {i}", size, size, 4, 4.0, seed=i))
+        ids.append(rid)
+    out = runner.execute(Batch(tuple(ids), patched=True))
+    assert not out.failed and sorted(out.request_ids) == sorted(ids)
+    latents = {rid: runner.states[rid].latents.clone() for rid in ids}
+    for rid in ids:
+        runner.release(rid)
+    return latents, out.compile
+
+
+@pytest.fixture(scope="module")
+def runners():
+    pipe = load_pipeline("tiny-sd3")
+    # two requests of 64 and 96 px with CFG: 4 rows; one row graph per size, one token bucket
+    config = CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64), (96, 96)), graphs=3)
+    compiled = ModelRunner(pipe, compile=config)
+    compiled.warm_up(64)
+    report = compiled.family.compiled.take_report()
+    assert report.failed == 0 and report.recompiles == 0
+    assert compiled.family.pieces.buckets.by_kind == {"tokens x4": (192,)}  # 4 rows of 36 tokens at most
+    return ModelRunner(pipe), compiled
+
+
+def test_a_packed_step_runs_compiled_and_equals_the_eager_one(runners):
+    eager, compiled = runners
+    for sizes, tag in (([64, 96], "a"), ([96, 64], "b")):  # two mixes, one bucket
+        want, _ = _step(eager, sizes, tag)
+        got, report = _step(compiled, sizes, tag)
+        assert report.compiled == 1 and report.eager == {} and report.recompiles == 0, report
+        for rid in want:
+            assert (want[rid] - got[rid]).abs().max().item() <= TOL, rid
+
+
+def test_a_packed_step_past_the_largest_bucket_runs_eagerly_and_says_why(runners):
+    eager, compiled = runners
+    want, _ = _step(eager, [64, 96, 64], "c")  # 6 rows: past the row bucket of 4
+    got, report = _step(compiled, [64, 96, 64], "c")
+    assert report.eager == {"rows": 1} and report.compiled == 0
+    for rid in want:
+        assert (want[rid] - got[rid]).abs().max().item() <= TOL, rid
