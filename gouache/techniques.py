@@ -56,7 +56,9 @@ TECHNIQUES = {t.name: t for t in (
               "threshold or by the reuse predictor (--block-cache-predictor)",
               flags=("--block-cache", "--block-cache-predictor"), several_devices="the block cache does not apply"),
     Technique("mixed_sizes", "--policy", True, False,
-              "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens"),
+              "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens",
+              compiled="SD3 and FLUX.1: yes, in compiled pieces per row and token bucket, attention between "
+                       "them (`gouache.runner.pieces`); other models: no, the step runs eagerly"),
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
     Technique("reference", "image", True, True,

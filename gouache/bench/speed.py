@@ -55,6 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=7,
                    help="timed steps per row and variant, median (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
+    p.add_argument("--compile-graphs", type=int, default=16,
+                   help="graphs a compiled variant warms up at most: a row graph per size and bucket, the rest "
+                        "token buckets of packed DiT forwards (default: %(default)s)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="compiled kernels kept here, so a rerun compiles in seconds (default: torch's own)")
     p.add_argument("--out", default="benchmarks/results/speed_cpu.json",
@@ -78,7 +81,7 @@ def run(args) -> int:
         command = [sys.executable, "-m", "gouache.cli", "bench", "speed", "--one", model, "--variants", args.variants,
                    "--size", str(args.size), "--template-size", str(args.template_size), "--mask", str(args.mask),
                    "--batches", args.batches, "--repeats", str(args.repeats),
-                   "--torch-threads", str(args.torch_threads)]
+                   "--torch-threads", str(args.torch_threads), "--compile-graphs", str(args.compile_graphs)]
         if args.compile_cache:
             command += ["--compile-cache", args.compile_cache]
         child = subprocess.run(command, capture_output=True, text=True)
@@ -134,8 +137,11 @@ def measure(model: str, args) -> dict:
     for variant in variants:
         pipe = base if variant != "compiled+int8" else quantize(load_pipeline(model), "int8")
         rows = 2 if make_family(pipe, None).uses_cfg(request("probe", large, 0)) else 1
-        compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2)})),
-                                sizes=((large, large),), cache_dir=args.compile_cache) if variant != "eager" else None
+        # the row buckets of every row's step (3: the mixed sizes'), the mixed sizes compiled: a DiT's
+        # packed forward then runs in compiled pieces (`gouache.runner.pieces`)
+        compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2, 3)})),
+                                sizes=tuple((s, s) for s in sizes.values()), cache_dir=args.compile_cache,
+                                graphs=args.compile_graphs) if variant != "eager" else None
         runners[variant] = runner = ModelRunner(pipe, lora=LoraConfig(loras), templates=TemplateConfig(),
                                                 compile=compile)
         runner.warm_up(large)

@@ -111,7 +111,7 @@ def packed_flux_forward(
                               guidance=guidance, pooled_projections=pooled_projections,
                               encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids,
                               img_ids=layout_ids(shapes[0], txt_ids), return_dict=False)[0]
-        return [_own(x, shapes[0]) for x in out]
+        return [own_grid(x, shapes[0]) for x in out]
     packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
     all_rows = torch.cat([packing.text_index, packing.image_index])
     swaps = [(transformer, "pos_embed", PackedRotary(transformer.pos_embed, packing)),
@@ -135,10 +135,10 @@ def packed_flux_forward(
             img_ids=txt_ids.new_zeros(1, 3),  # PackedRotary makes every image's own ids
             return_dict=False,
         )[0]  # [S_img, 1, C]
-    return [_own(part[:, 0], shape) for part, shape in zip(packing.unpack(out), shapes)]
+    return [own_grid(part[:, 0], shape) for part, shape in zip(packing.unpack(out), shapes)]
 
 
-def _own(tokens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def own_grid(tokens: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """An image's output [tokens, C] of a layout as its own grid [C, h, w] (a reference's dropped)."""
     h, w = shape[-2:]
     return tokens[: h * w].T.reshape(-1, h, w)

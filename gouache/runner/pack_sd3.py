@@ -139,8 +139,7 @@ def packed_sd3_forward(
     p = transformer.config.patch_size
     shapes = [(x.shape[1] // p, x.shape[2] // p) for x in samples]
     packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
-    # [C, h, w] -> [h/p * w/p, C, p, p]: one DiT patch per row, raster order
-    rows = [x.unflatten(1, (-1, p)).unflatten(3, (-1, p)).permute(1, 3, 0, 2, 4).flatten(0, 1) for x in samples]
+    rows = [patch_rows(x, p) for x in samples]
     blocks = transformer.transformer_blocks
     swaps = [(transformer, "pos_embed", PackedPosEmbed(transformer.pos_embed, packing)),
              (transformer, "norm_out", PackedContinuousNorm(transformer.norm_out, packing)),
@@ -154,5 +153,14 @@ def packed_sd3_forward(
             pooled_projections=pooled_projections,
             return_dict=False,
         )[0]  # [S_img, C_out, p, p]
-    return [part.unflatten(0, shape).permute(2, 0, 3, 1, 4).flatten(1, 2).flatten(2, 3)
-            for part, shape in zip(packing.unpack(out), shapes)]
+    return [latent_grid(part, shape) for part, shape in zip(packing.unpack(out), shapes)]
+
+
+def patch_rows(x: torch.Tensor, p: int) -> torch.Tensor:
+    """A latent [C, h, w] as one DiT patch per row [h/p * w/p, C, p, p], raster order."""
+    return x.unflatten(1, (-1, p)).unflatten(3, (-1, p)).permute(1, 3, 0, 2, 4).flatten(0, 1)
+
+
+def latent_grid(rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """An image's patch rows [h * w, C, p, p] as its latent [C, h * p, w * p]."""
+    return rows.unflatten(0, shape).permute(2, 0, 3, 1, 4).flatten(1, 2).flatten(2, 3)

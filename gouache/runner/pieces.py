@@ -23,10 +23,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
+from torch import nn
 
-from gouache.attention import QKV
+from gouache.attention import QKV, project
+from gouache.config import CompileConfig
 from gouache.runner.buckets import TOKEN_ALIGN, Buckets, Range, choose
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.pack_dit import Packing
@@ -79,6 +82,13 @@ def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(n - len(x), *x.shape[1:])]) if n > len(x) else x
 
 
+def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequence[int]) -> Buckets:
+    """The token buckets a compiled model's packed pieces get: the graphs `--compile-graphs`
+    leaves after a row graph per size and row bucket (none: every packed step runs eagerly)."""
+    row_graphs = len(compiled.buckets) * max(1, len(config.sizes))
+    return token_buckets(compiled.buckets, image_tokens, config.graphs - row_graphs) or Buckets({})
+
+
 def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int) -> Buckets | None:
     """Token buckets for each row bucket of a packed forward (kind `tokens x{rows}`), within
     `graphs` graphs: a step of r rows (above the row bucket below) holds between r and
@@ -100,14 +110,36 @@ def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graph
 class PackedPieces:
     """A family's packed forward as compiled pieces, run through its `CompiledDenoiser` (which
     says whether the step may run compiled, counts it, and runs it eagerly where a graph fails).
-    A family's subclass gives `pieces` (the compiled functions' driver), and `example` and
-    `inputs` (a packing and inputs of a bucket's shapes, for the warm-up)."""
+    A family's subclass gives its model's `first`, `between` and `last` piece functions (the
+    carry between them: image rows x, text rows c, the slots' temb, and what a block's end
+    takes from its start besides attention: Flux's single-stream MLP, else None), `rows` (the
+    layout's per-row tensors every piece takes) and, for the warm-up, `example` and `inputs`."""
 
-    def __init__(self, compiled: CompiledDenoiser, buckets: Buckets):
-        self.compiled, self.buckets = compiled, buckets
+    text_first = False  # the model's joint token order: Flux puts text first, SD3 last
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], compiled: CompiledDenoiser, buckets: Buckets,
+                 first: Callable, between: Callable, last: Callable):
+        self.model, self.blocks, self.compiled, self.buckets = model, list(blocks), compiled, buckets
+        self._first, self._between, self._last = map(compiled.compile, (first, between, last))
+
+    def pieces(self, layout: TokenLayout, *inputs) -> torch.Tensor:
+        """The forward's output rows [tokens, ...] from its padded inputs: N + 1 compiled pieces
+        around N attention breaks."""
+        rows = self.rows(layout)
+        x, c, temb, image, text, carry = self._first(self.model, self.blocks[0], *inputs, *rows)
+        for done, block in pairwise(self.blocks):
+            attended = layout.attend(image, text, self.text_first)
+            x, c, image, text, carry = self._between(done, block, x, c, temb, *attended, carry, *rows)
+        return self._last(self.model, self.blocks[-1], x, c, temb, *layout.attend(image, text, self.text_first),
+                          carry, *rows)
+
+    def rows(self, layout: TokenLayout) -> tuple[torch.Tensor, ...]:
+        """The layout's per-row tensors every piece takes: each row's slot, and what else the
+        model reads per row (Flux: its RoPE)."""
+        return layout.image_index, layout.text_index
 
     def run(self, packing: Packing, inputs: Callable[[TokenLayout], tuple]) -> torch.Tensor | None:
-        """The image rows [tokens, ...] of `packing`'s forward, its pieces compiled at its bucket
+        """The output rows [tokens, ...] of `packing`'s forward, its pieces compiled at its bucket
         (`inputs` gives their padded inputs from the layout); None where the step runs eagerly
         (counted, with why: its techniques, past the largest bucket of rows or tokens, a graph
         that failed)."""
@@ -140,10 +172,6 @@ class PackedPieces:
     def describe(bucket: tuple[int, int]) -> str:
         return f"packed {bucket[0]} rows, {bucket[1]} tokens"
 
-    def pieces(self, layout: TokenLayout, *inputs) -> torch.Tensor:
-        """The forward's image rows [tokens, ...] from its padded inputs."""
-        raise NotImplementedError
-
     def example(self, rows: int, tokens: int, text_len: int) -> Packing:
         """A packing of `rows` rows whose image tokens fill at most `tokens`, `text_len` text rows each."""
         raise NotImplementedError
@@ -152,3 +180,54 @@ class PackedPieces:
         """Warm-up inputs of `layout`'s shapes (values do not matter)."""
         raise NotImplementedError
 
+
+# -- what the pieces of MMDiT joint blocks (SD3's, Flux's double-stream) share ------------------
+
+def zero(norm: nn.Module, temb: torch.Tensor, chunks: int = 6) -> tuple[torch.Tensor, ...]:
+    """An AdaLayerNormZero's (or its single-stream kind's) modulations per slot [rows, D]."""
+    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+
+
+def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [R, D] * (1 + scale) + shift, each row its slot's (`index`)."""
+    return x * (1 + scale)[index] + shift[index]
+
+
+def continuous(norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """An AdaLayerNormContinuous over rows, its modulation gathered by `index`."""
+    scale, shift = norm.linear(norm.silu(temb).to(x.dtype)).chunk(2, dim=1)
+    return modulate(norm.norm(x), scale, shift, index)
+
+
+def joint_qkv(block: nn.Module, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, image_index: torch.Tensor,
+              text_index: torch.Tensor) -> tuple[QKV, QKV]:
+    """A joint block's attention inputs: its image and text rows' q, k, v [rows, H, d]."""
+    attn = block.attn
+    shift, scale = zero(block.norm1, temb)[:2]
+    x = modulate(block.norm1.norm(x), scale, shift, image_index)
+    if getattr(block, "context_pre_only", False):
+        c = continuous(block.norm1_context, c, temb, text_index)
+    else:
+        c_shift, c_scale = zero(block.norm1_context, temb)[:2]
+        c = modulate(block.norm1_context.norm(c), c_scale, c_shift, text_index)
+    image = project(x, attn.heads, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
+    text = project(c, attn.heads, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+                   (attn.norm_added_q, attn.norm_added_k))
+    return image, text
+
+
+def joint_finish(block: nn.Module, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, image_out: torch.Tensor,
+                 text_out: torch.Tensor, image_index: torch.Tensor, text_index: torch.Tensor):
+    """A joint block's rows after its attention: (x, c), c None after a block that keeps no text
+    (SD3's last)."""
+    attn = block.attn
+    _, _, gate, shift_mlp, scale_mlp, gate_mlp = zero(block.norm1, temb)
+    x = x + gate[image_index] * attn.to_out[1](attn.to_out[0](image_out))
+    ff = block.ff(modulate(block.norm2(x), scale_mlp, shift_mlp, image_index))
+    x = x + gate_mlp[image_index] * ff
+    if getattr(block, "context_pre_only", False):
+        return x, None
+    _, _, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = zero(block.norm1_context, temb)
+    c = c + c_gate[text_index] * attn.to_add_out(text_out)
+    ff = block.ff_context(modulate(block.norm2_context(c), c_scale_mlp, c_shift_mlp, text_index))
+    return x, c + c_gate_mlp[text_index] * ff

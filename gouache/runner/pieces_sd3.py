@@ -1,22 +1,21 @@
-"""SD3's packed forward as compiled pieces (`runner/pieces.py` says how): rows [tokens, D] and
-text rows [rows * L, D], every AdaLN modulation computed per slot and gathered by each row's
-slot, in the order of the model's own block (`JointTransformerBlock`), so each row's values are
+"""SD3's packed forward as compiled pieces (`runner/pieces.py` says how): image rows [tokens, D]
+and text rows [rows * L, D] through the model's joint blocks, every modulation computed per slot
+and gathered by each row's slot, in the order of the model's own block, so each row's values are
 those of its image's own forward. SD3.5's second (image-only) attention is not a piece yet: a
 model with it runs its packed steps eagerly (`supports`)."""
 
 from __future__ import annotations
 
 import math
-from itertools import pairwise
 
 import torch
 from torch import nn
 
-from gouache.attention import QKV, project
 from gouache.runner.buckets import Buckets
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.pack_dit import Packing
-from gouache.runner.pieces import PackedPieces, TokenLayout
+from gouache.runner.pack_sd3 import latent_grid, patch_rows
+from gouache.runner.pieces import PackedPieces, TokenLayout, continuous, joint_finish, joint_qkv
 
 
 def supports(transformer: nn.Module) -> bool:
@@ -25,54 +24,6 @@ def supports(transformer: nn.Module) -> bool:
     blocks = transformer.transformer_blocks
     return bool(transformer.pos_embed.pos_embed_max_size) and not any(
         b.use_dual_attention or b._chunk_size is not None for b in blocks)
-
-
-def _zero(norm: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """An AdaLayerNormZero's six modulations per slot [rows, D]."""
-    return norm.linear(norm.silu(temb)).chunk(6, dim=1)
-
-
-def _modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale)[index] + shift[index]
-
-
-def _continuous(norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """An AdaLayerNormContinuous over rows, its modulation gathered by `index`."""
-    scale, shift = norm.linear(norm.silu(temb).to(x.dtype)).chunk(2, dim=1)
-    return _modulate(norm.norm(x), scale, shift, index)
-
-
-def _qkv(block: nn.Module, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, image_index: torch.Tensor,
-         text_index: torch.Tensor) -> tuple[QKV, QKV]:
-    """A block's attention inputs: its image and text rows' q, k, v [rows, H, d]."""
-    attn = block.attn
-    shift, scale = _zero(block.norm1, temb)[:2]
-    x = _modulate(block.norm1.norm(x), scale, shift, image_index)
-    if block.context_pre_only:
-        c = _continuous(block.norm1_context, c, temb, text_index)
-    else:
-        c_shift, c_scale = _zero(block.norm1_context, temb)[:2]
-        c = _modulate(block.norm1_context.norm(c), c_scale, c_shift, text_index)
-    image = project(x, attn.heads, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k))
-    text = project(c, attn.heads, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
-                   (attn.norm_added_q, attn.norm_added_k))
-    return image, text
-
-
-def _finish(block: nn.Module, x: torch.Tensor, c: torch.Tensor, temb: torch.Tensor, image_out: torch.Tensor,
-            text_out: torch.Tensor, image_index: torch.Tensor, text_index: torch.Tensor):
-    """A block's rows after its attention: (x, c), c None after a block that keeps no text."""
-    attn = block.attn
-    _, _, gate, shift_mlp, scale_mlp, gate_mlp = _zero(block.norm1, temb)
-    x = x + gate[image_index] * attn.to_out[1](attn.to_out[0](image_out))
-    ff = block.ff(_modulate(block.norm2(x), scale_mlp, shift_mlp, image_index))
-    x = x + gate_mlp[image_index] * ff
-    if block.context_pre_only:
-        return x, None
-    _, _, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _zero(block.norm1_context, temb)
-    c = c + c_gate[text_index] * attn.to_add_out(text_out)
-    ff = block.ff_context(_modulate(block.norm2_context(c), c_scale_mlp, c_shift_mlp, text_index))
-    return x, c + c_gate_mlp[text_index] * ff
 
 
 def first(transformer: nn.Module, block: nn.Module, patches: torch.Tensor, pos: torch.Tensor, text: torch.Tensor,
@@ -85,34 +36,32 @@ def first(transformer: nn.Module, block: nn.Module, patches: torch.Tensor, pos: 
     x = (x + pos).to(x.dtype)
     temb = transformer.time_text_embed(timestep, pooled)
     c = transformer.context_embedder(text)
-    return x, c, temb, *_qkv(block, x, c, temb, image_index, text_index)
+    return x, c, temb, *joint_qkv(block, x, c, temb, image_index, text_index), None
 
 
-def between(done: nn.Module, block: nn.Module, x, c, temb, image_out, text_out, image_index, text_index):
+def between(done: nn.Module, block: nn.Module, x, c, temb, image_out, text_out, carry, image_index, text_index):
     """The end of one block and the next one's attention inputs."""
-    x, c = _finish(done, x, c, temb, image_out, text_out, image_index, text_index)
-    return x, c, *_qkv(block, x, c, temb, image_index, text_index)
+    x, c = joint_finish(done, x, c, temb, image_out, text_out, image_index, text_index)
+    return x, c, *joint_qkv(block, x, c, temb, image_index, text_index), None
 
 
-def last(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, image_index, text_index):
+def last(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry, image_index, text_index):
     """The last block's end and the output rows [tokens, p * p * C_out]."""
-    x, _ = _finish(done, x, c, temb, image_out, text_out, image_index, text_index)
-    return transformer.proj_out(_continuous(transformer.norm_out, x, temb, image_index))
+    x, _ = joint_finish(done, x, c, temb, image_out, text_out, image_index, text_index)
+    return transformer.proj_out(continuous(transformer.norm_out, x, temb, image_index))
 
 
 class SD3Pieces(PackedPieces):
     """SD3's packed forward in pieces: `forward` takes what `packed_sd3_forward` takes."""
 
     def __init__(self, transformer: nn.Module, compiled: CompiledDenoiser, buckets: Buckets):
-        super().__init__(compiled, buckets)
-        self.transformer = transformer
-        self._first, self._between, self._last = map(compiled.compile, (first, between, last))
+        super().__init__(transformer, transformer.transformer_blocks, compiled, buckets, first, between, last)
         self._pos: dict[tuple[int, int], torch.Tensor] = {}  # a token grid's sincos rows
 
     def forward(self, samples: list[torch.Tensor], timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor) -> list[torch.Tensor] | None:
         """Per sample [C, h, w], its prediction [C_out, h, w]; None where the step runs eagerly."""
-        p = self.transformer.config.patch_size
+        p = self.model.config.patch_size
         shapes = [(x.shape[1] // p, x.shape[2] // p) for x in samples]
         packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
 
@@ -127,19 +76,9 @@ class SD3Pieces(PackedPieces):
         rows = out[:packing.image_rows].unflatten(1, (p, p, -1)).permute(0, 3, 1, 2)  # [S_img, C_out, p, p]
         return [latent_grid(part, shape) for part, shape in zip(packing.unpack(rows), shapes)]
 
-    def pieces(self, layout: TokenLayout, patches, pos, text, timestep, pooled) -> torch.Tensor:
-        blocks = self.transformer.transformer_blocks
-        index = layout.image_index, layout.text_index
-        x, c, temb, image, text_qkv = self._first(self.transformer, blocks[0], patches, pos, text, timestep, pooled,
-                                                  *index)
-        for done, block in pairwise(blocks):
-            attended = layout.attend(image, text_qkv, text_first=False)
-            x, c, image, text_qkv = self._between(done, block, x, c, temb, *attended, *index)
-        return self._last(self.transformer, blocks[-1], x, c, temb, *layout.attend(image, text_qkv, False), *index)
-
     def positions(self, layout: TokenLayout) -> torch.Tensor:
         """Each image row's sincos embedding [tokens, D], in packed order (padding: zeros)."""
-        embed = self.transformer.pos_embed
+        embed = self.model.pos_embed
         parts = []
         for group in layout.packing.groups:
             if group.shape not in self._pos:
@@ -149,11 +88,11 @@ class SD3Pieces(PackedPieces):
         return layout.image(torch.cat(parts))
 
     def example(self, rows: int, tokens: int, text_len: int) -> Packing:
-        side = min(math.isqrt(tokens // rows), self.transformer.pos_embed.pos_embed_max_size)
-        return Packing.build([(side, side)] * rows, text_len, self.transformer.device)
+        side = min(math.isqrt(tokens // rows), self.model.pos_embed.pos_embed_max_size)
+        return Packing.build([(side, side)] * rows, text_len, self.model.device)
 
     def inputs(self, layout: TokenLayout) -> tuple:
-        config, device, dtype = self.transformer.config, self.transformer.device, self.transformer.dtype
+        config, device, dtype = self.model.config, self.model.device, self.model.dtype
         p = config.patch_size
         return (torch.zeros(layout.tokens, config.in_channels, p, p, device=device, dtype=dtype),
                 self.positions(layout),
@@ -162,12 +101,3 @@ class SD3Pieces(PackedPieces):
                 torch.full((layout.rows,), 500.0, device=device, dtype=dtype),
                 torch.zeros(layout.rows, config.pooled_projection_dim, device=device, dtype=dtype))
 
-
-def patch_rows(x: torch.Tensor, p: int) -> torch.Tensor:
-    """A latent [C, h, w] as one DiT patch per row [h/p * w/p, C, p, p], raster order."""
-    return x.unflatten(1, (-1, p)).unflatten(3, (-1, p)).permute(1, 3, 0, 2, 4).flatten(0, 1)
-
-
-def latent_grid(rows: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """An image's patch rows [h * w, C, p, p] as its latent [C, h * p, w * p]."""
-    return rows.unflatten(0, shape).permute(2, 0, 3, 1, 4).flatten(1, 2).flatten(2, 3)

@@ -11,15 +11,16 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 from gouache.block_cache.blocks import CachedForward, cacheable_blocks
 from gouache.config import CompileConfig
 from gouache.request import ImageRequest
-from gouache.runner.buckets import Buckets
+from gouache.runner import pieces_flux, pieces_sd3
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.describe import UNSERVED
 from gouache.runner.families.base import Family, by_state, cat_cond, per_group, row_timesteps
 from gouache.runner.pack_dit import Packing
 from gouache.runner.pack_flux import packed_flux_forward
 from gouache.runner.pack_sd3 import packed_sd3_forward
-from gouache.runner.pieces import token_buckets
-from gouache.runner.pieces_sd3 import SD3Pieces, supports
+from gouache.runner.pieces import budget
+from gouache.runner.pieces_flux import FluxPieces
+from gouache.runner.pieces_sd3 import SD3Pieces
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
 from gouache.uploads import Upload
@@ -68,6 +69,10 @@ class FlowFamily(Family):
     def token_layout(self, state: DenoiseState) -> tuple[int, ...]:
         """The state's tokens in a packed forward (`Packing.shapes`)."""
         return self.token_shape(state)
+
+    def layout_tokens(self, sizes: tuple[tuple[int, int], ...]) -> list[int]:
+        """The token counts an image of each of `sizes` (h, w) takes in a packed forward."""
+        return [h * w // self.token_pixels ** 2 for h, w in sizes]
 
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         config = self.pipe.vae.config
@@ -152,14 +157,9 @@ class StableDiffusion3Family(FlowFamily):
         return by_state(outputs, states)
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> SD3Pieces | None:
-        transformer = self.pipe.transformer
-        if not supports(transformer):
+        if not pieces_sd3.supports(self.pipe.transformer):
             return None
-        sizes = config.sizes
-        row_graphs = len(compiled.buckets) * max(1, len(sizes))
-        tokens = [h * w // self.token_pixels ** 2 for h, w in sizes]
-        return SD3Pieces(transformer, compiled, token_buckets(compiled.buckets, tokens, config.graphs - row_graphs)
-                         or Buckets({}))
+        return SD3Pieces(self.pipe.transformer, compiled, budget(compiled, config, self.layout_tokens(config.sizes)))
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         return self.unscale(latents)
@@ -253,12 +253,19 @@ class FluxFamily(PackedFamily):
         grids = [self.token_grid(s) for s in states]
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
-        outputs = packed_flux_forward(
-            self.pipe.transformer, grids, row_timesteps(states).to(self.dtype) / 1000, guidance,
-            cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), first.cond["text_ids"], whole_batches,
-            blocks,
-        )
+        inputs = (grids, row_timesteps(states).to(self.dtype) / 1000, guidance, cat_cond(states, "pooled"),
+                  cat_cond(states, "prompt_embeds"), first.cond["text_ids"])
+        outputs = None
+        if self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in grids}) > 1:
+            outputs = self.pieces.forward(*inputs)
+        if outputs is None:
+            outputs = packed_flux_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
+
+    def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> FluxPieces | None:
+        if not pieces_flux.supports(self.pipe.transformer):
+            return None
+        return FluxPieces(self.pipe.transformer, compiled, budget(compiled, config, self.layout_tokens(config.sizes)))
 
     def token_grid(self, state: DenoiseState) -> torch.Tensor:
         """Packed latents [1, h*w, C] (raster order) as a grid [C, h, w] of tokens."""
@@ -315,6 +322,9 @@ class FluxKontextFamily(FluxFamily):
     def token_layout(self, state: DenoiseState) -> tuple[int, ...]:
         shape = self.token_shape(state)
         return (2, *shape) if "reference" in state.cond else shape
+
+    def layout_tokens(self, sizes: tuple[tuple[int, int], ...]) -> list[int]:
+        return [n * t for t in super().layout_tokens(sizes) for n in (1, 2)]  # an edit's reference doubles them
 
     def token_count(self, state: DenoiseState) -> int:
         return state.latents.shape[1] * (2 if "reference" in state.cond else 1)
