@@ -84,7 +84,8 @@ def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequence[int]) -> Buckets:
     """The token buckets a compiled model's packed pieces get: the graphs `--compile-graphs`
-    leaves after a row graph per size and row bucket (none: every packed step runs eagerly)."""
+    leaves after a row graph per size and row bucket (none, where the sizes compiled make no
+    mix or no graph is left: packed steps then run eagerly, reason `mixed_sizes`)."""
     row_graphs = len(compiled.buckets) * max(1, len(config.sizes))
     return token_buckets(compiled.buckets, image_tokens, config.graphs - row_graphs) or Buckets({})
 

@@ -157,9 +157,10 @@ class StableDiffusion3Family(FlowFamily):
         return by_state(outputs, states)
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> SD3Pieces | None:
-        if not pieces_sd3.supports(self.pipe.transformer):
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes))
+        if not buckets or not pieces_sd3.supports(self.pipe.transformer):
             return None
-        return SD3Pieces(self.pipe.transformer, compiled, budget(compiled, config, self.layout_tokens(config.sizes)))
+        return SD3Pieces(self.pipe.transformer, compiled, buckets)
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         return self.unscale(latents)
@@ -263,9 +264,10 @@ class FluxFamily(PackedFamily):
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> FluxPieces | None:
-        if not pieces_flux.supports(self.pipe.transformer):
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes))
+        if not buckets or not pieces_flux.supports(self.pipe.transformer):
             return None
-        return FluxPieces(self.pipe.transformer, compiled, budget(compiled, config, self.layout_tokens(config.sizes)))
+        return FluxPieces(self.pipe.transformer, compiled, buckets)
 
     def token_grid(self, state: DenoiseState) -> torch.Tensor:
         """Packed latents [1, h*w, C] (raster order) as a grid [C, h, w] of tokens."""
