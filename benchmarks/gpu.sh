@@ -20,13 +20,15 @@
 #       differences in exactness_GPU.{json,md};
 #   compile-sdxl, compile-sd3: compiled with CUDA graphs vs eager at 512 px, step and MFU (compile_; the
 #       H200 took 2 min to compile sdxl-arch's 512 px graphs);
+#   pieces-sd3, pieces-flux: packed forwards of mixed sizes in compiled pieces (CUDA graphs per piece, attention
+#       eager between them) against eager and grouped compiled forwards, 512+1024 (pieces_; never run on a GPU yet);
 #   batching-sdxl, batching-sd3: the bare denoisers' mixed-size forwards (`gouache bench batching`, denoiser_batching_);
 #   profile-sdxl, profile-sd3: a cost model of the patched forward (`gouache profile --device cuda`), for
 #       `gouache reproduce --only patchedserve` (costmodel_).
 set -uo pipefail
 out=${1:-benchmarks/results/gpu}
 shift || true
-parts=${*:-fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 batching-sdxl batching-sd3}
+parts=${*:-fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 pieces-sd3 pieces-flux batching-sdxl batching-sd3}
 gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+[0-9]+\b', n)
 print((m.group(0) if m else n.split()[-1]).lower())")
 mkdir -p "$out"
@@ -60,6 +62,9 @@ for spec in $parts; do
     compile-*)
       gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512 \
         --skip patched,template,lora,lora_loading,block_cache,park,controlnet --repeats 3 --out "$out/compile_${model}_${gpu}.json" ;;
+    pieces-*)
+      gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512,1024 --mixes 512+1024 \
+        --skip mfu,template,lora,lora_loading,block_cache,park,controlnet --repeats 3 --out "$out/pieces_${model}_${gpu}.json" ;;
     exactness)
       xml=$(mktemp -d)
       for dtype in float32 bfloat16; do
