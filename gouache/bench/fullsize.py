@@ -88,6 +88,9 @@ def add_arguments(p) -> None:
     p.add_argument("--skip", default=None,
                    help=f"comma-separated sections left out, of {', '.join(SECTIONS)}, ulysses (default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="compiled kernels kept here")
+    p.add_argument("--compile-graphs", type=int, default=8,
+                   help="graphs the compiled variant warms up at most: a row graph per size and bucket, the rest "
+                        "token buckets of a DiT's packed forward of the mixes (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/fullsize_cpu.json",
                    help="JSON path; the tables (.md) go beside it; with {section} in it, a file per section "
                         "(default: %(default)s)")
@@ -192,6 +195,7 @@ def _child(args, one: str, rows: dict, progress, model: str | None = None) -> No
     command += ["--skip", ",".join(args.skip)] if args.skip else []
     command += ["--quick"] if args.quick else []
     command += ["--compile-cache", args.compile_cache] if args.compile_cache else []
+    command += ["--compile-graphs", str(args.compile_graphs)]
     for attempt in range(2):
         start = time.perf_counter()
         rows.clear()

@@ -103,7 +103,8 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
                 eight = "lora" not in args.skip or "patched" not in args.skip  # LoRA's rows, a mix's
                 compile = CompileConfig(enabled=True, buckets=(2, 8) if eight else (2,),
                                         sizes=tuple((s, s) for s in sorted({small, *mixed})),
-                                        cache_dir=args.compile_cache, cuda_graphs=args.device.startswith("cuda"))
+                                        cache_dir=args.compile_cache, cuda_graphs=args.device.startswith("cuda"),
+                                        graphs=args.compile_graphs)
             runners[variant] = runner = ModelRunner(
                 pipes[variant], lora=LoraConfig(str(loras)), templates=templates, compile=compile)
             runner.warm_up(small)
