@@ -96,12 +96,14 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
         templates = TemplateConfig(host_bytes=8 << 30, device_bytes=(64 << 30) if args.device.startswith("cuda") else 0)
         for variant in args.variants.split(","):
             compile = None
-            if variant == "compiled":  # what a plain step of the mfu (2 rows) and LoRA or mix rows (8) need; the
+            if variant == "compiled":  # what a plain step of the mfu (2 rows) and the rows below need; the
                 # largest size at one request compiles in its first (untimed) step; with the mixes' sizes
                 # compiled too, a DiT's packed forward runs in compiled pieces (`gouache.runner.pieces`)
                 mixed = sorted({s for mix in args.mixes for s in mix}) if "patched" not in args.skip else []
-                eight = "lora" not in args.skip or "patched" not in args.skip  # LoRA's rows, a mix's
-                compile = CompileConfig(enabled=True, buckets=(2, 8) if eight else (2,),
+                # LoRA's rows (8); a mix's (8) and its sizes' apart (4: the grouped forwards unpadded)
+                buckets = (2, *((4,) if "patched" not in args.skip else ()),
+                           *((8,) if "lora" not in args.skip or "patched" not in args.skip else ()))
+                compile = CompileConfig(enabled=True, buckets=buckets,
                                         sizes=tuple((s, s) for s in sorted({small, *mixed})),
                                         cache_dir=args.compile_cache, cuda_graphs=args.device.startswith("cuda"),
                                         graphs=args.compile_graphs)
