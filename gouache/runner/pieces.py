@@ -15,12 +15,11 @@ CPU it beat a dense segment mask and `flex_attention` by 2-4x (`benchmarks/segme
 So a forward of N blocks runs N + 1 compiled pieces (the embeddings and the first block's
 projections; the end of one block and the projections of the next, N - 1 times; the last
 block's end and the output), and equal blocks share one graph (dynamo's inlined modules take
-a block's weights as inputs): a bucket compiles 3-4 graphs whatever the model's depth.
+a block's weights as inputs): a bucket compiles 3-5 graphs whatever the model's depth.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -33,8 +32,6 @@ from gouache.config import CompileConfig
 from gouache.runner.buckets import TOKEN_ALIGN, Buckets, Range, choose
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.pack_dit import Packing
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,8 +89,8 @@ def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequ
 
 def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int) -> Buckets | None:
     """Token buckets for each row bucket of a packed forward (kind `tokens x{rows}`), within
-    `graphs` graphs: a step of r rows (above the row bucket below) holds between r and
-    r * max tokens. None where the sizes compiled give no mix (fewer than two token counts) or
+    `graphs` graphs: a step at row bucket r (more rows than the bucket below, b) holds between
+    (b + 1) * min and r * max tokens. None where the sizes compiled give no mix (fewer than two token counts) or
     the budget cannot give each row bucket one."""
     if len(set(image_tokens)) < 2:
         return None
