@@ -118,13 +118,15 @@ class CompileConfig:
     # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
     cache_dir: str | None = None
     cuda_graphs: bool = False  # capture the bucketed graphs as CUDA graphs (GPU only)
-    # graphs warmed up at most: a row graph per size and bucket first, what is left to packed token buckets
-    graphs: int = COMPILE_GRAPHS
+    # graphs warmed up at most: a row graph per size and bucket first, what is left to packed token
+    # buckets (None: COMPILE_GRAPHS; a given budget is refused where no packed forward runs in pieces)
+    graphs: int | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.buckets) and all(b >= 1 for b in self.buckets),
                f"compile buckets must be row counts >= 1, got {self.buckets}")
-        _check(self.graphs >= 1, f"compile graphs must be >= 1, got {self.graphs}")
+        _check(self.graphs is None or self.graphs >= 1, f"compile graphs must be >= 1, got {self.graphs}")
+        _check(self.enabled or self.graphs is None, "--compile-graphs bounds compiled forwards: add --compile")
         _check(self.enabled or not (self.sizes or self.cuda_graphs or self.cache_dir),
                "compile sizes, cache and CUDA graphs apply to compiled forwards: add --compile")
 

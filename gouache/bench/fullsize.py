@@ -88,9 +88,9 @@ def add_arguments(p) -> None:
     p.add_argument("--skip", default=None,
                    help=f"comma-separated sections left out, of {', '.join(SECTIONS)}, ulysses (default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="compiled kernels kept here")
-    p.add_argument("--compile-graphs", type=int, default=8,
+    p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs the compiled variant warms up at most: a row graph per size and bucket, the rest "
-                        "token buckets of a DiT's packed forward of the mixes (default: %(default)s)")
+                        "token buckets of a DiT's packed forward of the mixes (default: 8)")
     p.add_argument("--out", default="benchmarks/results/fullsize_cpu.json",
                    help="JSON path; the tables (.md) go beside it; with {section} in it, a file per section "
                         "(default: %(default)s)")
@@ -119,6 +119,8 @@ def _settings(args) -> None:
         raise ValueError(f"--share is the share of units reused, one in n (0.5, 0.33, 0.25, ...); got {args.share}")
     if args.compile_cache and "compiled" not in variants:
         raise ValueError("--compile-cache keeps compiled kernels: it needs --variants eager,compiled")
+    if args.compile_graphs is not None and "compiled" not in variants:
+        raise ValueError("--compile-graphs bounds the compiled variant's graphs: it needs --variants eager,compiled")
     unknown = set(args.skip) - {*SECTIONS, "ulysses"}
     if unknown:
         raise ValueError(f"--skip takes {', '.join(SECTIONS)}, ulysses; got {', '.join(sorted(unknown))}")
@@ -195,7 +197,7 @@ def _child(args, one: str, rows: dict, progress, model: str | None = None) -> No
     command += ["--skip", ",".join(args.skip)] if args.skip else []
     command += ["--quick"] if args.quick else []
     command += ["--compile-cache", args.compile_cache] if args.compile_cache else []
-    command += ["--compile-graphs", str(args.compile_graphs)]
+    command += ["--compile-graphs", str(args.compile_graphs)] if args.compile_graphs is not None else []
     for attempt in range(2):
         start = time.perf_counter()
         rows.clear()

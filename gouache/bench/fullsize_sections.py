@@ -106,7 +106,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
                 compile = CompileConfig(enabled=True, buckets=buckets,
                                         sizes=tuple((s, s) for s in sorted({small, *mixed})),
                                         cache_dir=args.compile_cache, cuda_graphs=args.device.startswith("cuda"),
-                                        graphs=args.compile_graphs)
+                                        graphs=args.compile_graphs or 8)
             runners[variant] = runner = ModelRunner(
                 pipes[variant], lora=LoraConfig(str(loras)), templates=templates, compile=compile)
             runner.warm_up(small)

@@ -55,9 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=7,
                    help="timed steps per row and variant, median (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
-    p.add_argument("--compile-graphs", type=int, default=16,
+    p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs a compiled variant warms up at most: a row graph per size and bucket, the rest "
-                        "token buckets of packed DiT forwards (default: %(default)s)")
+                        "token buckets of packed DiT forwards (default: 16)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="compiled kernels kept here, so a rerun compiles in seconds (default: torch's own)")
     p.add_argument("--out", default="benchmarks/results/speed_cpu.json",
@@ -71,6 +71,8 @@ def run(args) -> int:
     if unknown or "eager" not in variants:
         raise ValueError(f"--variants takes eager (always, the baseline) and any of {', '.join(VARIANTS[1:])}; "
                          f"got {args.variants!r}")
+    if args.compile_graphs is not None and variants == ["eager"]:
+        raise ValueError("--compile-graphs bounds compiled variants' graphs: add compiled to --variants")
     if not 0 < args.mask <= 1:
         raise ValueError(f"--mask is the share of the image an edit repaints, in (0, 1]; got {args.mask}")
     if args.one:
@@ -81,7 +83,9 @@ def run(args) -> int:
         command = [sys.executable, "-m", "gouache.cli", "bench", "speed", "--one", model, "--variants", args.variants,
                    "--size", str(args.size), "--template-size", str(args.template_size), "--mask", str(args.mask),
                    "--batches", args.batches, "--repeats", str(args.repeats),
-                   "--torch-threads", str(args.torch_threads), "--compile-graphs", str(args.compile_graphs)]
+                   "--torch-threads", str(args.torch_threads)]
+        if args.compile_graphs is not None:
+            command += ["--compile-graphs", str(args.compile_graphs)]
         if args.compile_cache:
             command += ["--compile-cache", args.compile_cache]
         child = subprocess.run(command, capture_output=True, text=True)
@@ -141,7 +145,7 @@ def measure(model: str, args) -> dict:
         # packed forward then runs in compiled pieces (`gouache.runner.pieces`)
         compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2, 3)})),
                                 sizes=tuple((s, s) for s in sizes.values()), cache_dir=args.compile_cache,
-                                graphs=args.compile_graphs) if variant != "eager" else None
+                                graphs=args.compile_graphs or 16) if variant != "eager" else None
         runners[variant] = runner = ModelRunner(pipe, lora=LoraConfig(loras), templates=TemplateConfig(),
                                                 compile=compile)
         runner.warm_up(large)

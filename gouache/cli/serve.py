@@ -153,10 +153,10 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-buckets", type=counts_arg, default=COMPILE_BUCKETS,
                    help="row counts a compiled forward is padded up to; larger forwards run eagerly (default: "
                         f"{','.join(map(str, COMPILE_BUCKETS))})")
-    p.add_argument("--compile-graphs", type=int, default=COMPILE_GRAPHS,
-                   help="graphs a compiled model warms up at most: a row graph per --compile-sizes size and "
-                        "bucket, the rest to packed DiT forwards of mixed sizes in token buckets (default: "
-                        "%(default)s)")
+    p.add_argument("--compile-graphs", type=int, default=None,
+                   help="graphs a compiled SD3 or FLUX.1 model warms up at most: a row graph per --compile-sizes "
+                        "size and bucket, the rest to packed forwards of mixed sizes in token buckets (default: "
+                        f"{COMPILE_GRAPHS})")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled kernels in DIR, so a restart compiles in seconds (default: torch's own, "
                         "per user in the temporary directory)")

@@ -79,6 +79,8 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, sched_config:
     refuse(refused_flag(flags, family.name, UNSERVED.get(family.name, {})))
     if engine_config.compile.enabled and family.name in UNCOMPILED:
         raise ValueError(f"--compile is not served for {family.name} models: {UNCOMPILED[family.name]}")
+    if engine_config.compile.graphs is not None:
+        refuse(family.unused_graphs(engine_config.compile))
     if engine_config.patch_pixels is not None and not family.patches:
         raise ValueError(f"--patch-size would be ignored: {family.name} models take mixed sizes by packing their "
                          "tokens into one sequence; patches are for UNet models")

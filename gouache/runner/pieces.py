@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gouache.attention import QKV, project
-from gouache.config import CompileConfig
+from gouache.config import COMPILE_GRAPHS, CompileConfig
 from gouache.runner.buckets import TOKEN_ALIGN, Buckets, Range, choose
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.pack_dit import Packing
@@ -84,7 +84,8 @@ def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequ
     leaves after a row graph per size and row bucket (none, where the sizes compiled make no
     mix or no graph is left: packed steps then run eagerly, reason `mixed_sizes`)."""
     row_graphs = len(compiled.buckets) * max(1, len(config.sizes))
-    return token_buckets(compiled.buckets, image_tokens, config.graphs - row_graphs) or Buckets({})
+    graphs = COMPILE_GRAPHS if config.graphs is None else config.graphs
+    return token_buckets(compiled.buckets, image_tokens, graphs - row_graphs) or Buckets({})
 
 
 def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int) -> Buckets | None:

@@ -90,6 +90,7 @@ def test_arguments_out_of_range_are_refused(capsys):
                        (["--masks", "0"], "--masks"), (["--share", "1"], "--share"), (["--share", "0.4"], "--share"),
                        (["--skip", "nothing"], "--skip"),
                        (["--compile-cache", "/tmp/x"], "--compile-cache"),
+                       (["--compile-graphs", "4"], "--compile-graphs"),
                        (["--variants", "compiled"], "--variants"), (["--device", "tpu"], "--device"),
                        (["--variants", "eager,fp8"], "fp8")):
         assert main(["bench", "fullsize", *argv]) == 2

@@ -24,7 +24,7 @@ def test_every_row_and_ratio_is_measured_and_tabled():
     assert all(f"| tiny-sd | {name} |" in table for name in ratios)
 
 
-def test_a_mask_outside_zero_to_one_is_refused():
+def test_a_mask_outside_zero_to_one_and_a_graph_budget_without_compiling_are_refused():
     import pytest
 
     from gouache.bench.speed import run
@@ -34,3 +34,5 @@ def test_a_mask_outside_zero_to_one_is_refused():
     for mask in ("0", "-0.2", "1.5"):
         with pytest.raises(ValueError, match="--mask"):
             run(parser.parse_args(["--mask", mask]))
+    with pytest.raises(ValueError, match="--compile-graphs"):  # no compiled variant to bound
+        run(parser.parse_args(["--variants", "eager", "--compile-graphs", "4"]))

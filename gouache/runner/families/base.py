@@ -71,6 +71,18 @@ class Family(ABC):
         """The family's packed forward in compiled pieces (`gouache.runner.pieces`), if it has one."""
         return None
 
+    @classmethod
+    def unused_graphs(cls, config: CompileConfig) -> str | None:
+        """Why a --compile-graphs given to this family's server would change nothing (None: it
+        bounds the token buckets of its packed pieces)."""
+        if cls.make_pieces is Family.make_pieces:
+            return (f"--compile-graphs would be ignored: it bounds the graphs of packed forwards of mixed sizes, "
+                    f"which {cls.name} models do not compile (SD3 and FLUX.1 models do)")
+        if len({h * w for h, w in config.sizes}) < 2:
+            return ("--compile-graphs would be ignored: packed forwards of mixed sizes compile where "
+                    "--compile-sizes lists sizes of two or more pixel counts")
+        return None
+
     @property
     def patch_factor(self) -> int:
         """What a patch's latent side must be a multiple of (for a UNet: its downsamplings)."""
