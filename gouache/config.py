@@ -121,6 +121,9 @@ class CompileConfig:
     # graphs warmed up at most: a row graph per size and bucket first, what is left to packed token
     # buckets (None: COMPILE_GRAPHS; a given budget is refused where no packed forward runs in pieces)
     graphs: int | None = None
+    # a shape first met while serving runs eagerly while a child process compiles it (`gouache.runner.background`);
+    # off: it compiles in its step, which waits for it
+    background: bool = True
 
     def __post_init__(self) -> None:
         _check(bool(self.buckets) and all(b >= 1 for b in self.buckets),

@@ -361,3 +361,13 @@ def test_serve_refuses_a_router_without_replicas_and_reports_a_replica_that_cann
 def test_reproduce_refuses_batching_costs_without_the_patchedserve_experiment(capsys, tmp_path):
     assert _refused(capsys, ["reproduce", "--only", "tetriserve", "--batching-costs", str(tmp_path / "b.json"),
                              "--out", str(tmp_path)], "--batching-costs")
+
+
+def test_serve_takes_the_background_compile_flag_only_with_compile(built_configs, capsys):
+    assert _refused(capsys, ["serve", "--no-compile-background"], "--compile-background")
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--compile"])
+    assert built_configs["engine"].compile.background
+    with pytest.raises(_EngineBuilt):
+        main(["serve", "--compile", "--no-compile-background"])
+    assert not built_configs["engine"].compile.background

@@ -149,7 +149,7 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
                         "default: off)")
     p.add_argument("--compile-sizes", type=sizes_arg, default=(),
                    help="WxH sizes (comma-separated) compiled at start at every bucket; a size first met later "
-                        "compiles in its step (default: the model's default size)")
+                        "runs eagerly until it is compiled (--compile-background) (default: the model's default size)")
     p.add_argument("--compile-buckets", type=counts_arg, default=COMPILE_BUCKETS,
                    help="row counts a compiled forward is padded up to; larger forwards run eagerly (default: "
                         f"{','.join(map(str, COMPILE_BUCKETS))})")
@@ -160,6 +160,10 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled kernels in DIR, so a restart compiles in seconds (default: torch's own, "
                         "per user in the temporary directory)")
+    p.add_argument("--compile-background", action=GivenBool, default=CompileConfig.background,
+                   help="a shape first met while serving runs eagerly while a child process compiles it into the "
+                        "compile cache at the lowest CPU priority, then loads from there in seconds; "
+                        "--no-compile-background compiles it in its step, which waits for it (default: on)")
     p.add_argument("--compile-cuda-graphs", action="store_true",
                    help="capture the bucketed compiled forwards as CUDA graphs (GPU only; default: off)")
 
@@ -298,6 +302,8 @@ def engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
     if "patch_size" in given(args) and not policy.mixes_resolutions:
         ignored["patch_size"] = (f"--policy {args.policy} runs whole latents; "
                                  f"only {_policies_where('mixes_resolutions')} cut them into patches")
+    if "compile_background" in given(args) and not args.compile:
+        ignored["compile_background"] = "without --compile nothing compiles"
     if "ray_placement" in given(args) and args.executor != "ray":
         ignored["ray_placement"] = f"--executor {args.executor} places no Ray actors"
     if "worker_timeout" in given(args) and args.executor == "uniproc":
@@ -319,7 +325,7 @@ def engine_configs(args) -> tuple[ModelConfig, EngineConfig, SchedulerConfig]:
                      ray_resource=args.ray_resource, worker_timeout_s=args.worker_timeout,
                      conditioning_bytes=args.conditioning_mb << 20, paused_host_bytes=args.paused_host_mb << 20,
                      compile=CompileConfig(args.compile, args.compile_buckets, args.compile_sizes, args.compile_cache,
-                                           args.compile_cuda_graphs, args.compile_graphs),
+                                           args.compile_cuda_graphs, args.compile_graphs, args.compile_background),
                      block_cache=BlockCacheConfig(args.block_cache, args.block_cache_max_reuse,
                                                   args.block_cache_mb << 20, args.block_cache_predictor),
                      templates=TemplateConfig(args.template_cache, args.template_dir, args.template_gpu_mb << 20,

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from gouache.config import COMPILE_BUCKETS, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from gouache.controlnet.model import Base
 from gouache.engine.adapters import start_control_service
 from gouache.engine.client import AsyncEngine, caches_blocks
 from gouache.executor.base import Executor
+from gouache.runner.background import Recipe
 from gouache.sched.calibration import Calibrated
 from gouache.sched.policies import POLICIES, make_policy
 from gouache.sched.scheduler import check_devices
 from gouache.techniques import refused_flag
+
+if TYPE_CHECKING:
+    from gouache.executor.worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +103,8 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, sched_config:
                                                          2 if info.uses_cfg else 1))
     policy = make_policy(sched_config, predictor)
     if engine_config.executor == "uniproc":
-        return AsyncEngine(pipe, info, engine_config, policy, predictor=predictor)
+        recipe = Recipe("gouache.executor.worker:compiled_denoiser", worker_spec(model_config, engine_config))
+        return AsyncEngine(pipe, info, engine_config, policy, predictor=predictor, recipe=recipe)
     from gouache.parallel.ulysses import check_degree
 
     for degree in policy.degrees(engine_config.devices):
@@ -116,11 +122,7 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, sched_config:
 
 def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Executor:
     """The worker processes (`multiproc`) or actors (`ray`) of `engine_config.devices` devices."""
-    from gouache.executor.worker import WorkerSpec
-
-    spec = WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_pixels,
-                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
-                      engine_config.lora, engine_config.controlnet, model_config.quantize, engine_config.compile)
+    spec = worker_spec(model_config, engine_config)
     if engine_config.executor == "ray":
         from gouache.executor.ray_executor import RayExecutor
 
@@ -129,6 +131,15 @@ def make_executor(model_config: ModelConfig, engine_config: EngineConfig) -> Exe
     from gouache.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(spec, engine_config.devices, reply_deadline_s=engine_config.worker_timeout_s)
+
+
+def worker_spec(model_config: ModelConfig, engine_config: EngineConfig) -> WorkerSpec:
+    """What a process loads to run the server's model as the server does."""
+    from gouache.executor.worker import WorkerSpec
+
+    return WorkerSpec(model_config.model, model_config.dtype, model_config.device, engine_config.patch_pixels,
+                      engine_config.torch_threads, engine_config.block_cache, engine_config.templates,
+                      engine_config.lora, engine_config.controlnet, model_config.quantize, engine_config.compile)
 
 
 def cover(config: CompileConfig, max_batch: int, rows: int) -> CompileConfig:

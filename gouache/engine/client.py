@@ -42,6 +42,7 @@ from gouache.metrics import Metrics
 from gouache.model_info import ModelInfo, unpriced_message
 from gouache.outputs import EngineStats, ErrorEvent, ImageEvent, PartialImageEvent, PausedEvent, ProgressEvent
 from gouache.request import ImageRequest, RequestStatus, preview_steps
+from gouache.runner.background import Recipe
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.calibration import Calibrated
 from gouache.sched.interface import Policy, StepTimePredictor
@@ -76,11 +77,12 @@ class _Image:
 class AsyncEngine(AdapterCalls):
     def __init__(self, pipe, info: ModelInfo, engine_config: EngineConfig, policy: Policy,
                  metrics: Metrics | None = None, predictor: StepTimePredictor | None = None,
-                 executor: Executor | None = None, control_service=None):
+                 executor: Executor | None = None, control_service=None, recipe: Recipe | None = None):
         """`policy` plans the steps (`make_policy`; `predictor` is its cost model, if it plans with
         one); `executor` runs them (default: `uniproc`, on `pipe` in this process); `pipe`
         itself prepares and decodes. A ControlNet service the config asks for and whose address
-        it lacks is started here, and stopped with the engine."""
+        it lacks is started here, and stopped with the engine. `recipe`: how a child process builds
+        the compiled denoiser, to compile shapes first met while serving (`gouache.runner.background`)."""
         self.control_service = control_service
         # a cost model the engine corrects by its steps' measured times (`--calibrate-steps`)
         self.calibration = predictor if isinstance(predictor, Calibrated) else None
@@ -94,7 +96,7 @@ class AsyncEngine(AdapterCalls):
                                   engine_config.lora, prefetch_loras=executor is None,
                                   controlnet=engine_config.controlnet,
                                   conditioning_bytes=engine_config.conditioning_bytes,
-                                  compile=engine_config.compile if executor is None else None)
+                                  compile=engine_config.compile if executor is None else None, recipe=recipe)
         # compiles before the server answers /health (workers: before their start)
         self.runner.warm_up(info.default_size)
         count = self.metrics.handoffs.inc

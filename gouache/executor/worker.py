@@ -10,7 +10,7 @@ degree next round on any block that receives its state (the hand-off).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -19,6 +19,8 @@ import torch.distributed as dist
 from gouache.config import BlockCacheConfig, CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
 from gouache.outputs import CacheBytes, StepOutput
 from gouache.request import preview_steps
+from gouache.runner.background import Recipe
+from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.quantize import quantize
 from gouache.runner.sampler import DenoiseState
@@ -92,10 +94,25 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
         if rank in block:
             groups[block] = group
     templates = spec.templates.under(f"rank-{rank}")  # each device its own store: a shared one would mix their files
+    recipe = Recipe("gouache.executor.worker:compiled_denoiser", replace(spec, device=device))
     runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels,
-                         spec.block_cache, templates, spec.lora, controlnet=spec.controlnet, compile=spec.compile)
+                         spec.block_cache, templates, spec.lora, controlnet=spec.controlnet, compile=spec.compile,
+                         recipe=recipe)
     runner.warm_up(model_info(runner.pipe, spec.model).default_size)
     return Worker(rank, runner, groups)
+
+
+def compiled_denoiser(spec: WorkerSpec) -> CompiledDenoiser:
+    """The compiled denoiser of a runner of `spec`, built again in the child process that compiles
+    a server's new shapes into its cache (`gouache.runner.background`): the same model, dtype,
+    device, quantization, patch size and adapter hooks; nothing that reads or writes the
+    server's files (templates) or connects to its services (ControlNet)."""
+    from gouache.models.zoo import load_pipeline
+
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    pipe = quantize(load_pipeline(spec.model, spec.dtype, spec.device), spec.quantize)
+    return ModelRunner(pipe, spec.patch_pixels, lora=spec.lora, compile=spec.compile).family.compiled
 
 
 class Worker:

@@ -18,10 +18,12 @@ padded input shape, beside the eager module it was compiled from.
   by the compiled graph as inputs: they need no recompile. (Inductor's `freezing`, which folds
   weights into the graph, would keep the old ones: it is never turned on.)
 - **Warm-up.** `warm_up` compiles the shapes the server expects (its sizes at every bucket)
-  before it says it is healthy. A shape first met later is compiled in its step, which waits
-  for it (a background compile would trace the module while the step's techniques install
-  their hooks on it); such graphs are counted (`gouache_compile_recompiles_total`) and
-  logged: a steady load of the warmed sizes makes none.
+  before it says it is healthy. A shape first met later runs eagerly (reason `compiling`) while
+  a child process compiles it into the cache (`gouache.runner.background`), then compiles in its
+  next step from there; without a `background` compiler it compiles in its step, which waits
+  for it. A thread of this process could not compile it: it would trace the module while the
+  step's techniques install their hooks on it. Such graphs are counted
+  (`gouache_compile_recompiles_total`) and logged: a steady load of the warmed sizes makes none.
 - **A compile failure is not a crash.** A forward whose graph fails to compile or load (a kernel
   left damaged in the cache by a killed process, an unsupported operator) first has the cache
   swept (`gouache.runner.compile_cache`: damaged kernels moved aside) and is tried once more if
@@ -50,10 +52,12 @@ from gouache.config import CompileConfig
 from gouache.lora.apply import RowSlots
 from gouache.outputs import CompileReport
 from gouache.runner import compile_cache
+from gouache.runner.background import BackgroundCompiler
 
 log = logging.getLogger(__name__)
 
 COMPILE_FAILED = "compile_failed"  # the eager reason of a shape whose graph failed to compile
+COMPILING = "compiling"  # the eager reason of a shape a child process compiles (`gouache.runner.background`)
 Inputs = dict  # keyword arguments of the denoiser; tensors (and dicts of them, lists) with one row per forward row
 
 
@@ -101,6 +105,12 @@ class CompiledDenoiser:
         # techniques (`gouache.techniques`) this model's graphs hold though the table's `compiles`
         # says no in general (`mixed_sizes` where the family runs packed pieces: `Family.compile`)
         self.holds: frozenset[str] = frozenset()
+        self.background: BackgroundCompiler | None = None  # compiles shapes first met while serving
+
+    def close(self) -> None:
+        """Stop a background compile (`gouache.runner.background`) that is running."""
+        if self.background is not None:
+            self.background.close()
 
     # -- the forward ---------------------------------------------------------------------
 
@@ -121,24 +131,35 @@ class CompiledDenoiser:
 
         if padded is None:
             return self.run(None, eager, past="rows")
-        return self.run(Graph(_key(inputs, shared), compiled, _describe(inputs)), eager)
+        return self.run(Graph(_key(inputs, shared), compiled, _describe(inputs), (inputs, shared)), eager)
 
     def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None) -> torch.Tensor:
         """`graph` run compiled where the step allows it and its graph compiled, else `eager()`;
         None with `past`: why the forward has no graph (it is past its kind's largest bucket)."""
         reason = self._eager_reason(past)
         if reason is None and graph is not None:
-            if graph.key not in self._ready and graph.key not in self._failed:
-                log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
-                            "to compile it at start", graph.what)
-            if graph.key not in self._failed:
+            reason = COMPILE_FAILED if graph.key in self._failed else self._compiles(graph)
+            if reason is None:
                 out = self._compiled_forward(graph)
                 if out is not None:
                     self._count(None)
                     return out
-            reason = COMPILE_FAILED
+                reason = COMPILE_FAILED
         self._count(reason)
         return eager()
+
+    def _compiles(self, graph: Graph) -> str | None:
+        """Why `graph`, not compiled yet, runs eagerly now (None: it compiles in this step)."""
+        if graph.key in self._ready:
+            return None
+        if self.warm and self.background is not None and graph.forward is not None:
+            if not self.background.ready(graph.key, graph.forward):
+                return COMPILING
+            log.info("loading a forward first met while serving (%s), compiled in the background", graph.what)
+            return None
+        log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
+                    "to compile it at start", graph.what)
+        return None
 
     def _bind(self, rows: int, padded: int) -> contextlib.AbstractContextManager:
         return self.slots.bind(rows, padded) if self.slots is not None else contextlib.nullcontext()
@@ -189,13 +210,12 @@ class CompiledDenoiser:
     def row_graphs(self, examples: list[tuple[Inputs, Inputs]]) -> list[Graph]:
         """The graphs of every row bucket for each of `examples` ((rows, shared) inputs of a
         forward the server expects; its rows repeated or cut to each bucket)."""
-        graphs = []
-        for rows, shared in examples:
-            for b in self.buckets:
-                inputs = _resize(rows, b)
-                graphs.append(Graph(_key(inputs, shared),
-                                    functools.partial(self._call_compiled, inputs, shared), _describe(inputs)))
-        return graphs
+        return [self.graph(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets]
+
+    def graph(self, rows: Inputs, shared: Inputs) -> Graph:
+        """The graph of a forward of `rows` (padded to a bucket already) and `shared` inputs."""
+        return Graph(_key(rows, shared), functools.partial(self._call_compiled, rows, shared), _describe(rows),
+                     (rows, shared))
 
     def _call_compiled(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
         return self._compiled(**inputs, **shared, return_dict=False)[0]
@@ -260,11 +280,14 @@ class CompiledDenoiser:
 
 @dataclass(frozen=True)
 class Graph:
-    """A compiled forward of one key (its static shapes): `run()` runs it compiled; `what` names it in logs."""
+    """A compiled forward of one key (its static shapes): `run()` runs it compiled; `what` names
+    it in logs; `forward`: its (rows, shared) denoiser inputs, which a child process can compile
+    it from (`gouache.runner.background`; None: a family's piece, compiled in this process only)."""
 
     key: tuple
     run: Callable[[], torch.Tensor]
     what: str
+    forward: tuple[Inputs, Inputs] | None = None
 
 
 @dataclass

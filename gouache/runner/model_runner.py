@@ -23,6 +23,7 @@ from gouache.models.digest import model_digest
 from gouache.outputs import CacheBytes, LoraReport, StepOutput
 from gouache.parallel.layer import ParallelLayer
 from gouache.request import ImageRequest, RequestState
+from gouache.runner.background import BackgroundCompiler, Recipe
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.families import Family, make_family
@@ -53,14 +54,20 @@ class ModelRunner:
     def __init__(self, pipe, patch_pixels: int | None = None, block_cache: BlockCacheConfig | None = None,
                  templates: TemplateConfig | None = None, lora: LoraConfig | None = None, prefetch_loras: bool = True,
                  controlnet: ControlNetConfig | None = None, conditioning_bytes: int = 0,
-                 compile: CompileConfig | None = None):
+                 compile: CompileConfig | None = None, recipe: Recipe | None = None):
+        """`recipe`: how a child process builds this runner's compiled denoiser, to compile shapes
+        first met while serving off the serving path (`gouache.runner.background`; None, or
+        `CompileConfig.background` off: they compile in their step)."""
         self.pipe = pipe
         self.conditioning = ConditioningCache(conditioning_bytes)  # prompts' and uploads' encodings, for repeats
         self.family: Family = make_family(pipe, patch_pixels, self.conditioning)
         self.compile_config = compile or CompileConfig()
         if self.compile_config.enabled:
-            self.family.compile(CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
-                                                 adapters=bool(lora and lora.directory)), self.compile_config)
+            compiled = CompiledDenoiser(self.family.denoiser, self.compile_config, self.family.device,
+                                        adapters=bool(lora and lora.directory))
+            if recipe is not None and self.compile_config.background:
+                compiled.background = BackgroundCompiler(recipe, compiled.cache)
+            self.family.compile(compiled, self.compile_config)
         self.states: dict[str, DenoiseState | Parked] = {}  # Parked: a paused request moved to host memory
         # holds nothing until a request asks for reuse
         self.cache = BlockCache(block_cache, reuse_pass(block_cache, pipe))
@@ -88,8 +95,11 @@ class ModelRunner:
         return CacheBytes(self.cache.nbytes, self.lora_runtime.store.nbytes, templates)
 
     def close(self) -> None:
-        """Let go of what outlives a forward: the ControlNet service's connections, the template directory."""
+        """Let go of what outlives a forward: the ControlNet service's connections, the template
+        directory, a background compile."""
         self.controls.close()
+        if self.family.compiled is not None:
+            self.family.compiled.close()
         if self._templates is not None:
             self._templates.store.close()
 
