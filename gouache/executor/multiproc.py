@@ -165,4 +165,5 @@ def _worker_main(rank: int, world: int, port: int, spec: WorkerSpec, collective_
             conn.send(reply)
         except (OSError, EOFError):
             break
+    worker.runner.close()
     dist.destroy_process_group()

@@ -65,7 +65,7 @@ class BackgroundCompiler:
         self._running: set[tuple] = set()  # keys the running child compiles
         self._done: set[tuple] = set()  # keys a child ended: their kernels are in the cache (or it failed)
         self._child: subprocess.Popen | None = None
-        self._files = Path(tempfile.mkdtemp(prefix="gouache-compile-"))  # each child's job and log
+        self._files: Path | None = None  # the children's job and log, made with the first child
 
     def ready(self, key: tuple, forward: Forward) -> bool:
         """Whether a child has compiled `key`'s forward (the server then compiles it from the
@@ -98,14 +98,22 @@ class BackgroundCompiler:
             self._done.update(self._running)
             self._running, self._child = set(), None
         if self._queued:
+            self._files = self._files or Path(tempfile.mkdtemp(prefix="gouache-compile-"))
             job = self._files / "job.pt"
-            torch.save({"recipe": self.recipe, "forwards": [_move(f, "cpu") for f in self._queued.values()],
-                        "devices": [str(_device(f)) for f in self._queued.values()]}, job)
-            self._running, self._queued = set(self._queued), {}
-            with open(self._files / "log", "w") as out:
-                self._child = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out, stderr=out,
-                                               stdin=subprocess.DEVNULL,
-                                               env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.cache)})
+            try:
+                torch.save({"recipe": self.recipe, "forwards": [_move(f, "cpu") for f in self._queued.values()],
+                            "devices": [str(_device(f)) for f in self._queued.values()]}, job)
+                with open(self._files / "log", "w") as out:
+                    self._child = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out, stderr=out,
+                                                   stdin=subprocess.DEVNULL,
+                                                   env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.cache)})
+            except OSError as e:  # a full disk, no processes left: the shapes compile in their step
+                log.warning("could not start a background compile (%s): %d forwards compile in their next step",
+                            e, len(self._queued))
+                self._done.update(self._queued)
+            else:
+                self._running = set(self._queued)
+            self._queued = {}
 
     def close(self) -> None:
         """Stop a running child (what it compiled so far stays in the cache) and remove its files."""
@@ -113,7 +121,8 @@ class BackgroundCompiler:
             self._child.kill()
             self._child.wait()
         self._child = None
-        shutil.rmtree(self._files, ignore_errors=True)
+        if self._files is not None:
+            shutil.rmtree(self._files, ignore_errors=True)
 
 
 def main(job: str) -> None:
