@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -99,10 +100,11 @@ class BackgroundCompiler:
             self._running, self._child = set(), None
         if self._queued:
             self._files = self._files or Path(tempfile.mkdtemp(prefix="gouache-compile-"))
-            job = self._files / "job.pt"
+            job = self._files / "job.pickle"
             try:
-                torch.save({"recipe": self.recipe, "forwards": [_move(f, "cpu") for f in self._queued.values()],
-                            "devices": [str(_device(f)) for f in self._queued.values()]}, job)
+                job.write_bytes(pickle.dumps({"recipe": self.recipe,
+                                              "forwards": [_move(f, "cpu") for f in self._queued.values()],
+                                              "devices": [str(_device(f)) for f in self._queued.values()]}))
                 with open(self._files / "log", "w") as out:
                     self._child = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out, stderr=out,
                                                    stdin=subprocess.DEVNULL,
@@ -133,7 +135,7 @@ def main(job: str) -> None:
     (`__mp_main__`), so a forked child's kernels never matched the server's."""
     become_child("gouache-compile")
     os.nice(NICE)
-    work = torch.load(job, weights_only=False)
+    work = pickle.loads(Path(job).read_bytes())  # written by the server that started this child
     compiled = work["recipe"].build()
     graphs = [compiled.graph(*_move(f, d)) for f, d in zip(work["forwards"], work["devices"], strict=True)]
     compiled.warm_up(graphs, progress=print)
