@@ -36,7 +36,7 @@ from gouache.children import become_child
 
 log = logging.getLogger(__name__)
 
-NICE = 19  # the child's CPU priority: it takes what the server's steps leave
+NICE = 19  # the child's CPU priority where SCHED_IDLE is not there
 
 
 @dataclass(frozen=True)
@@ -134,11 +134,20 @@ def main(job: str) -> None:
     the first module that reaches it, which in a forked child is the server's main script
     (`__mp_main__`), so a forked child's kernels never matched the server's."""
     become_child("gouache-compile")
-    os.nice(NICE)
+    _yield_cpu()
     work = pickle.loads(Path(job).read_bytes())  # written by the server that started this child
     compiled = work["recipe"].build()
     graphs = [compiled.graph(*_move(f, d)) for f, d in zip(work["forwards"], work["devices"], strict=True)]
     compiled.warm_up(graphs, progress=print)
+
+
+def _yield_cpu() -> None:
+    """Run (and let the compiler processes this child starts run) only on CPU time the server
+    leaves: Linux's SCHED_IDLE, else the lowest nice level."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(NICE)
 
 
 def _map(value, fn: Callable[[torch.Tensor], object]):
