@@ -113,7 +113,9 @@ class CompileConfig:
     """Compiled denoiser forwards (`gouache.runner.compiled`)."""
 
     enabled: bool = False
-    buckets: tuple[int, ...] = COMPILE_BUCKETS  # row counts a forward is padded up to; larger forwards run eagerly
+    # row counts warmed up (a graph of dynamic rows serves those between; padded up to under CUDA graphs);
+    # larger forwards run eagerly
+    buckets: tuple[int, ...] = COMPILE_BUCKETS
     sizes: tuple[tuple[int, int], ...] = ()  # (h, w) compiled at start at every bucket; (): the model's default size
     # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
     cache_dir: str | None = None

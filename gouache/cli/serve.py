@@ -144,15 +144,16 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
                         "float8 units; LoRA adapters then run segmented beside them; approximate, and slower than "
                         "bf16 in eager mode (fp8 3-6x on an H200; docs/speed.md; default: off)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=CompileConfig.enabled,
-                   help="run the denoiser compiled (torch.compile) where a step's techniques allow it, padded to "
-                        "--compile-buckets rows; compiles at start before /health says ok (docs/speed.md; "
-                        "default: off)")
+                   help="run the denoiser compiled (torch.compile) where a step's techniques allow it, one graph "
+                        "of dynamic rows per size up to the last of --compile-buckets; compiles at start before "
+                        "/health says ok (docs/speed.md; default: off)")
     p.add_argument("--compile-sizes", type=sizes_arg, default=(),
                    help="WxH sizes (comma-separated) compiled at start at every bucket; a size first met later "
                         "runs eagerly until it is compiled (--compile-background) (default: the model's default size)")
     p.add_argument("--compile-buckets", type=counts_arg, default=COMPILE_BUCKETS,
-                   help="row counts a compiled forward is padded up to; larger forwards run eagerly (default: "
-                        f"{','.join(map(str, COMPILE_BUCKETS))})")
+                   help="row counts the warm-up runs each compiled size at (one graph serves the rows between "
+                        "them; under CUDA graphs forwards are padded up to them); forwards past the last run "
+                        f"eagerly (default: {','.join(map(str, COMPILE_BUCKETS))})")
     p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs a compiled SD3 or FLUX.1 model warms up at most: a row graph per --compile-sizes "
                         "size and bucket, the rest to packed forwards of mixed sizes in token buckets (default: "

@@ -296,6 +296,11 @@ class RowSlots:
         if self._binds == 0:
             raise LoraError("no forward applied this step's adapters")
 
+    @property
+    def active(self) -> bool:
+        """Whether the step running segments adapters (its forwards bind them)."""
+        return self._pending is not None
+
     @contextlib.contextmanager
     def bind(self, rows: int, padded: int) -> Iterator[None]:
         """Within: each adapted module's slot holds the pairs of a forward of `rows` rows padded

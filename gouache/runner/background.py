@@ -106,8 +106,8 @@ class BackgroundCompiler:
                                               "forwards": [_move(f, "cpu") for f in self._queued.values()],
                                               "devices": [str(_device(f)) for f in self._queued.values()]}))
                 with open(self._files / "log", "w") as out:
-                    self._child = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out, stderr=out,
-                                                   stdin=subprocess.DEVNULL,
+                    self._child = subprocess.Popen([*_niced(), sys.executable, "-m", __name__, str(job)],
+                                                   stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                                    env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.cache)})
             except OSError as e:  # a full disk, no processes left: the shapes compile in their step
                 log.warning("could not start a background compile (%s): %d forwards compile in their next step",
@@ -139,6 +139,14 @@ def main(job: str) -> None:
     compiled = work["recipe"].build()
     graphs = [compiled.graph(*_move(f, d)) for f, d in zip(work["forwards"], work["devices"], strict=True)]
     compiled.warm_up(graphs, progress=print)
+
+
+def _niced() -> list[str]:
+    """The command prefix that starts the child at the lowest nice level already: its interpreter
+    and imports (seconds of CPU, before `_yield_cpu` runs) would otherwise take the server's
+    cores at its own priority."""
+    nice = shutil.which("nice")
+    return [nice, "-n", str(NICE)] if nice else []
 
 
 def _yield_cpu() -> None:

@@ -1,11 +1,17 @@
 """Compiled denoiser forwards (`--compile`): `torch.compile` of the denoiser, one graph per
 padded input shape, beside the eager module it was compiled from.
 
-- **Buckets.** Continuous batching changes the row count every step. A forward's rows are
-  padded (its last row repeated) up to the next bucket (`CompileConfig.buckets`, vLLM's capture
-  sizes are the pattern) and the padding is cut from the output, so a steady load meets a few
-  shapes only. Rows are independent in every family's denoiser, so padding changes no row's
-  output. Static shapes measured better than dynamic ones on the CPU (docs/speed.md).
+- **Rows.** Continuous batching changes the row count every step. A forward of one row runs
+  its own static graph; a forward of more rows runs a graph whose row dimension is dynamic
+  (`torch._dynamo.mark_dynamic`), every other dimension static, so one graph serves every row
+  count of a size (dynamo splits it where a kernel's choice depends on the rows: a UNet's
+  convolutions at 16), unpadded. The buckets (`CompileConfig.buckets`, vLLM's capture sizes are
+  the pattern) then name which row counts the warm-up runs (so that each split is compiled) and
+  bound the rows a forward runs compiled. Under CUDA graphs (static shapes), for inputs with a
+  Python list per row (Qwen-Image's `img_shapes`) and for segmented adapters (grouped
+  convolutions of one group per row), rows are padded (the last repeated)
+  up to the bucket and the padding cut from the output instead. Rows are independent in every
+  family's denoiser, so neither changes a row's output.
 - **Adapters in the graph.** Under a server with adapters, `RowSlots` (`gouache.lora.apply`)
   hooks every Linear and Conv2d before compiling; a step with several adapter sets binds each
   module's per-row pairs, padded with the rows, and the graph reads them as inputs. A new
@@ -96,6 +102,7 @@ class CompiledDenoiser:
         self.buckets = tuple(sorted(config.buckets))
         self._mode = "reduce-overhead" if config.cuda_graphs else None
         self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
+        self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
         self._failed: dict[tuple, str] = {}  # input shapes whose graph failed to compile: why (they run eagerly)
@@ -119,11 +126,14 @@ class CompiledDenoiser:
         compiled where the step allows it and the padded shape is compiled, else eager."""
         n = _rows(rows)
         padded = self.bucket(n)
-        inputs = rows if padded is None else _pad(rows, padded - n)
+        if padded is not None and not self._dynamic(rows):
+            inputs = _pad(rows, padded - n)
+        else:
+            inputs = rows
 
         def compiled() -> torch.Tensor:
-            with self._bind(n, padded):
-                return self._compiled(**inputs, **shared, return_dict=False)[0][:n]
+            with self._bind(n, _rows(inputs)):
+                return self._call_compiled(inputs, shared)[:n]
 
         def eager() -> torch.Tensor:
             with self._bind(n, n):
@@ -131,7 +141,15 @@ class CompiledDenoiser:
 
         if padded is None:
             return self.run(None, eager, past="rows")
-        return self.run(Graph(_key(inputs, shared), compiled, _describe(inputs), (inputs, shared)), eager)
+        return self.run(Graph(_key(inputs, shared, padded), compiled, _describe(inputs, padded), (inputs, shared)),
+                        eager)
+
+    def _dynamic(self, rows: Inputs) -> bool:
+        """Whether a forward of `rows` runs a graph of dynamic rows (else its rows are padded to
+        their bucket): more than one row, not under CUDA graphs, no Python list per row, and no
+        segmented adapters (their grouped convolutions take the row count as a constant)."""
+        return (self.dynamic_rows and _rows(rows) > 1 and not _has_list(rows)
+                and not (self.slots is not None and self.slots.active))
 
     def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None) -> torch.Tensor:
         """`graph` run compiled where the step allows it and its graph compiled, else `eager()`;
@@ -165,7 +183,8 @@ class CompiledDenoiser:
         return self.slots.bind(rows, padded) if self.slots is not None else contextlib.nullcontext()
 
     def bucket(self, rows: int) -> int | None:
-        """The padded row count of a forward of `rows` rows (None past the largest bucket)."""
+        """The bucket of a forward of `rows` rows: the row count its graph is named and warmed up
+        by, and padded to where its rows are not dynamic (None past the largest bucket)."""
         return next((b for b in self.buckets if b >= rows), None)
 
     def _eager_reason(self, past: str | None) -> str | None:
@@ -208,17 +227,35 @@ class CompiledDenoiser:
     # -- compiling -----------------------------------------------------------------------
 
     def row_graphs(self, examples: list[tuple[Inputs, Inputs]]) -> list[Graph]:
-        """The graphs of every row bucket for each of `examples` ((rows, shared) inputs of a
-        forward the server expects; its rows repeated or cut to each bucket)."""
-        return [self.graph(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets]
+        """The graphs of each of `examples` ((rows, shared) inputs of one request the server
+        expects) at every row bucket that holds its rows (its rows repeated to the bucket): a
+        model whose requests take two rows (CFG) warms no one-row graph, which a rare forward of
+        one row compiles when first met. With dynamic rows most of them are the graph of a
+        smaller bucket, which the warm-up runs once more; the others are where dynamo splits the
+        rows."""
+        return [self.graph(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets
+                if b >= _rows(rows)]
 
     def graph(self, rows: Inputs, shared: Inputs) -> Graph:
-        """The graph of a forward of `rows` (padded to a bucket already) and `shared` inputs."""
-        return Graph(_key(rows, shared), functools.partial(self._call_compiled, rows, shared), _describe(rows),
-                     (rows, shared))
+        """The graph of a forward of `rows` (at its bucket's row count, or any count in that
+        bucket where rows are dynamic) and `shared` inputs."""
+        bucket = self.bucket(_rows(rows))
+        return Graph(_key(rows, shared, bucket), functools.partial(self._call_compiled, rows, shared),
+                     _describe(rows, bucket), (rows, shared))
 
     def _call_compiled(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
-        return self._compiled(**inputs, **shared, return_dict=False)[0]
+        if not self._dynamic(inputs):
+            return self._compiled(**inputs, **shared, return_dict=False)[0]
+        from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+        n = _rows(inputs)
+        try:
+            return self._compiled(**_mark_rows(inputs), **shared, return_dict=False)[0]
+        except ConstraintViolationError as e:  # the model's forward takes its row count as a constant
+            log.warning("this denoiser's graph fixes its row count; its rows are padded to their bucket from now on "
+                        "(%s)", str(e).splitlines()[0])
+            self.dynamic_rows = False
+        return self._compiled(**_pad(inputs, self.bucket(n) - n), **shared, return_dict=False)[0][:n]
 
     def warm_up(self, graphs: list[Graph], progress: Callable[[str], None] = log.info) -> None:
         """Compile `graphs` (the forwards the server expects: `row_graphs`, a family's packed
@@ -356,17 +393,41 @@ def _resize(rows: Inputs, n: int) -> Inputs:
             if isinstance(value, dict) else value for name, value in rows.items()}
 
 
-def _key(*parts: Inputs) -> tuple:
-    """The shapes, dtypes and devices of inputs: what a static graph is compiled for."""
+def _has_list(rows: Inputs) -> bool:
+    return any(isinstance(v, list) or isinstance(v, dict) and _has_list(v) for v in rows.values())
+
+
+def _mark_rows(rows: Inputs) -> Inputs:
+    """`rows` (views of them) with their row dimension dynamic in the graph compiled for them."""
+    from torch._dynamo import mark_dynamic
+
+    out = {}
+    for name, value in rows.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value.view_as(value)
+            mark_dynamic(out[name], 0)
+        else:
+            out[name] = _mark_rows(value) if isinstance(value, dict) else value
+    return out
+
+
+def _key(rows: Inputs, shared: Inputs, bucket: int | None = None) -> tuple:
+    """What a graph is compiled for: the shapes, dtypes and devices of its inputs, the rows'
+    leading dimension counted as their `bucket` (a graph of dynamic rows serves every row count
+    of it)."""
+    return _shapes(rows, bucket) + _shapes(shared, None)
+
+
+def _shapes(inputs: Inputs, rows: int | None) -> tuple:
     out = []
-    for inputs in parts:
-        for name, value in sorted(inputs.items()):
-            if isinstance(value, torch.Tensor):
-                out.append((name, tuple(value.shape), value.dtype, value.device))
-            elif isinstance(value, dict):
-                out.append((name, _key(value)))
-            else:
-                out.append((name, _frozen(value)))
+    for name, value in sorted(inputs.items()):
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.shape) if rows is None else (rows, *value.shape[1:])
+            out.append((name, shape, value.dtype, value.device))
+        elif isinstance(value, dict):
+            out.append((name, _shapes(value, rows)))
+        else:
+            out.append((name, _frozen(value)))
     return tuple(out)
 
 
@@ -378,6 +439,6 @@ def _frozen(value):
     return tuple(map(_frozen, value)) if isinstance(value, list | tuple) else value
 
 
-def _describe(inputs: Inputs) -> str:
+def _describe(inputs: Inputs, bucket: int | None) -> str:
     first = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
-    return "x".join(map(str, first.shape))
+    return "x".join(map(str, (first.shape[0] if bucket is None else bucket, *first.shape[1:])))

@@ -1,13 +1,16 @@
 """Compiled denoiser forwards (`gouache.runner.compiled`): a compiled step equals the eager one
-(merged and segmented LoRA adapters included), a step whose module was changed by a hook or whose techniques
-the graph does not hold runs eagerly and says why, padding to a bucket changes no row, and a
-warmed load never recompiles. One graph per model (one bucket of 2 rows at 64 px: a one-row
-forward is padded to it; a UNet and a DiT): compiling is slow on 2 cores."""
+(merged and segmented LoRA adapters included), a step whose module was changed by a hook or
+whose techniques the graph does not hold runs eagerly and says why, padding to a bucket changes
+no row, one graph of dynamic rows serves every row count, and a warmed load never recompiles.
+One graph per model (one bucket of 2 rows at 64 px: a one-row forward is padded to it; a UNet
+and a DiT): compiling is slow on 2 cores."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from gouache.block_cache.layer import BlockCacheLayer
 from gouache.config import CompileConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
@@ -221,3 +224,57 @@ def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pip
                      SchedulerConfig(policy="round-knapsack"))
     with pytest.raises(ValueError, match="add --compile"):
         CompileConfig(cache_dir="/tmp/x")
+
+
+class RowWise(nn.Module):
+    """A denoiser of independent rows; `grouped`: one convolution group per row, which takes the
+    row count as a constant (as segmented adapters' grouped convolutions do)."""
+
+    def __init__(self, grouped: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.grouped = nn.Linear(8, 8), grouped
+
+    def forward(self, sample, scale, return_dict=True):
+        x = torch.nn.functional.gelu(self.proj(sample)) * scale
+        if self.grouped:
+            n = x.shape[0]
+            x = torch.nn.functional.conv1d(x.reshape(1, n, 8), torch.ones(n, 1, 1), groups=n).view(n, 8)
+        return (x,)
+
+
+def run_rows(compiled: CompiledDenoiser, counts) -> int:
+    """Forwards of each row count, each equal to eager; the graphs dynamo compiled for them."""
+    import torch._dynamo.utils
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in counts:
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
+        with torch.no_grad(), compiled.step(None):
+            out = compiled({"sample": x}, {"scale": 2.0})
+        assert out.shape == (n, 8) and (out - compiled.denoiser(x, 2.0)[0]).abs().max() <= TOL
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
+def test_one_graph_of_dynamic_rows_serves_every_row_count_unpadded(tmp_path):
+    compiled = CompiledDenoiser(RowWise(), CompileConfig(enabled=True, buckets=(1, 2, 4, 8), cache_dir=str(tmp_path)),
+                                torch.device("cpu"))
+    # a request of two rows (CFG) warms no one-row graph
+    assert [g.what for g in compiled.row_graphs([({"sample": torch.randn(2, 8)}, {"scale": 2.0})])] == \
+        ["2x8", "4x8", "8x8"]
+    graphs = compiled.row_graphs([({"sample": torch.randn(1, 8)}, {"scale": 2.0})])
+    assert [g.what for g in graphs] == ["1x8", "2x8", "4x8", "8x8"]
+    compiled.warm_up(graphs, progress=lambda line: None)
+    assert compiled.take_report().graphs == 2  # one row (static), and every count from 2 on
+    assert run_rows(compiled, [1, 2, 3, 5, 7, 8]) == 0
+    report = compiled.take_report()
+    assert report.compiled == 6 and report.recompiles == 0
+
+
+def test_a_denoiser_that_takes_its_row_count_as_a_constant_pads_its_rows_instead(tmp_path, caplog):
+    compiled = CompiledDenoiser(RowWise(grouped=True), CompileConfig(enabled=True, buckets=(4,),
+                                                                     cache_dir=str(tmp_path)), torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="gouache.runner.compiled"):
+        assert run_rows(compiled, [3]) == 2  # the dynamic graph refused, then the padded one of 4 rows
+    assert "padded to their bucket from now on" in caplog.text and not compiled.dynamic_rows
+    assert run_rows(compiled, [2, 4]) == 0 and compiled.take_report().compiled == 3
