@@ -61,8 +61,10 @@ class PatchIndex:
     """A layout's index tensors, built once per layout and device (not per forward), and its
     resolution groups for self-attention."""
 
-    def __init__(self, layout: PatchLayout):
-        self.layout = layout
+    def __init__(self, layout: PatchLayout, masked: bool = False):
+        """`masked`: attention reads the layout as data only (`PatchAttnProcessor`), as a
+        compiled graph of any mix must."""
+        self.layout, self.masked = layout, masked
         self._by_device = {torch.device("cpu"): PatchTensors.build(layout)}
         # Per resolution group: (first patch, image count, patches per image).
         self.groups = [(layout.request_offsets[pos], k, per) for pos, k, per in layout.groups]
@@ -229,7 +231,26 @@ class PatchAttnProcessor:
                                          *args, **kwargs)
         if subset is not None and encoder_hidden_states is None:
             subset.full(attn, hidden_states)  # the cache records what later steps' reused patches show
+        if self.index.masked:
+            return self._attend_masked(attn, hidden_states, encoder_hidden_states, temb, *args, **kwargs)
         return self._attend(attn, hidden_states, encoder_hidden_states, temb, *args, **kwargs)
+
+    def _attend_masked(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states, temb, *args,
+                       **kwargs) -> torch.Tensor:
+        """Attention with the layout as data, no per-group Python: cross-attention per patch, each
+        with its image's text (exact per patch); self-attention over every token of the batch at
+        once, masked to its own image's tokens (keys in any order give the same output), so the
+        batch's mix is a tensor (each patch's image), not a shape. Its cost grows with the
+        square of the batch's tokens, where `_attend`'s grows with each image's."""
+        idx = self.index.tensors(hidden_states.device)
+        if encoder_hidden_states is not None:
+            text = encoder_hidden_states.index_select(0, idx.caller)
+            return self.inner(attn, hidden_states, text, None, temb, *args, **kwargs)
+        n, t = hidden_states.shape[:2]
+        image = idx.image.repeat_interleave(t)
+        mask = (image[:, None] == image[None, :]).unsqueeze(0)  # [1, n * t, n * t]
+        y = self.inner(attn, hidden_states.reshape(1, n * t, -1), None, mask, temb, *args, **kwargs)
+        return y.reshape(n, t, -1)
 
     def _attend_computed(self, attn: Attention, rows: torch.Tensor, full: torch.Tensor, computed: torch.Tensor, temb,
                          *args, **kwargs) -> torch.Tensor:
@@ -264,10 +285,10 @@ class PatchAttnProcessor:
 
 
 @contextlib.contextmanager
-def patch_unet(unet: nn.Module, layout: PatchLayout) -> Iterator[PatchIndex]:
+def patch_unet(unet: nn.Module, layout: PatchLayout, masked: bool = False) -> Iterator[PatchIndex]:
     """Make `unet` run on `layout`'s patch batch, with each image's text once (caller order);
-    restore its modules and processors on exit."""
-    index = PatchIndex(layout)
+    restore its modules and processors on exit. `masked`: attention as `PatchIndex` says."""
+    index = PatchIndex(layout, masked)
     attention = [m for m in unet.modules() if isinstance(m, Attention)]
     swaps = _module_swaps(unet, index, skip={id(m) for m in attention if not m.is_cross_attention})
     processors = [(m, m.processor) for m in attention]
@@ -311,6 +332,7 @@ def patched_unet_forward(
     added_cond_kwargs: dict[str, torch.Tensor] | None = None,
     whole_batches: bool = True,
     cache: CachedForward | None = None,
+    masked: bool = False,
 ) -> list[torch.Tensor]:
     """One UNet forward over every image of `layout`, cut into patches.
 
@@ -319,7 +341,8 @@ def patched_unet_forward(
     Returns the UNet's output as [C_out, h, w] per image, in caller order. Images all of one
     size need no patches: they run as the UNet's own batch, unless `whole_batches` is False
     (benchmarks timing the patch machinery itself). With a `cache`, blocks reuse cached outputs
-    per patch (per image when unpatched).
+    per patch (per image when unpatched). `masked`: attention reads the layout as data only
+    (`PatchAttnProcessor._attend_masked`).
     """
     if whole_batches and len({x.shape for x in samples}) == 1:
         with cached_blocks(unet, cache and cache.begin()):
@@ -332,7 +355,7 @@ def patched_unet_forward(
     cache_pass = cache and cache.begin(
         [b - a for a, b in zip(layout.request_offsets, layout.request_offsets[1:])], layout.order,
         f"patch{layout.patch}")
-    with patch_unet(unet, layout) as index, cached_blocks(unet, cache_pass, "patch", index):
+    with patch_unet(unet, layout, masked) as index, cached_blocks(unet, cache_pass, "patch", index):
         caller = index.tensors(x.device).caller
 
         def per_patch(t: torch.Tensor) -> torch.Tensor:  # repeat an image's conditioning
