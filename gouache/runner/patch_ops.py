@@ -248,8 +248,8 @@ class PatchAttnProcessor:
             return self.inner(attn, hidden_states, text, None, temb, *args, **kwargs)
         n, t = hidden_states.shape[:2]
         image = idx.image.repeat_interleave(t)
-        mask = (image[:, None] == image[None, :]).unsqueeze(0)  # [1, n * t, n * t]
-        y = self.inner(attn, hidden_states.reshape(1, n * t, -1), None, mask, temb, *args, **kwargs)
+        same_image = (image[:, None] == image[None, :]).unsqueeze(0)  # [1, n * t, n * t]
+        y = self.inner(attn, hidden_states.reshape(1, n * t, -1), None, same_image, temb, *args, **kwargs)
         return y.reshape(n, t, -1)
 
     def _attend_computed(self, attn: Attention, rows: torch.Tensor, full: torch.Tensor, computed: torch.Tensor, temb,
