@@ -1,21 +1,21 @@
 """A patched UNet forward as one compiled graph, the layout as data (issue 59, "Layout as data").
 
-The server's patched forward (`gouache/runner/patch_ops.py`) runs eagerly under `--compile`:
-its self-attention regroups each resolution's patches in Python, so a static graph would be one
-per mix. With `masked=True` attention reads the layout as tensors only (each patch's image; a
-same-image mask over the batch's tokens), the halo exchange and per-image GroupNorm already
-do, so one graph can serve every mix of a patch side, its patch and image counts dynamic
-(`torch._dynamo.mark_dynamic`). This trial times, per mix of sizes (two CFG rows each):
+The server's eager patched forward (`gouache/runner/patch_ops.py`) regroups each resolution's
+patches in Python for attention, so a static graph would be one per mix. With `as_data=True`
+attention reads the layout as tensors only (each image's segment of tokens and text, attended
+in `attend_segments`, which dynamo does not trace), as the halo exchange and the per-image
+GroupNorm already do, so one graph can serve every mix of a patch side, its patch and image
+counts dynamic (`torch._dynamo.mark_dynamic`): the way the server compiles it
+(`CompiledDenoiser.patched`). This trial times, per mix of sizes (two CFG rows each):
 
 - `patched eager`: the server's eager patched forward (attention per resolution group);
-- `patched compiled`: `masked=True` under `torch.compile`, one graph per patch side (and where
+- `patched compiled`: `as_data=True` under `torch.compile`, one graph per patch side (and where
   dynamo splits the counts), the first call's compile seconds and graphs given;
 - `grouped eager` / `grouped compiled`: one forward per size, compiled with dynamic rows as the
   server's plain steps are (`gouache.runner.compiled`).
 
 Each way's largest difference from per-image forwards is checked against the exactness
-tolerance. Medians of `--repeats` after a first call. Prints a table, writes JSON. Not wired
-into the server yet: the trial says whether it should be (docs/speed.md).
+tolerance. Medians of `--repeats` after a first call. Prints a table, writes JSON.
 
     .venv-test/bin/python benchmarks/patched_compile.py [--model shapes-unet] [--out ...]
 """
@@ -77,11 +77,11 @@ class Ways:
     def patched_compiled(self, samples, t, text):
         layout = layout_of(samples, self.factor, self.top)
         x = layout.split(samples)
-        with patch_unet(self.unet, layout, masked=True) as index:
+        with patch_unet(self.unet, layout, as_data=True) as index:
             idx = index.tensors(x.device)
             per_patch = t.index_select(0, idx.caller)
             for tensor, dim in ((x, 0), (per_patch, 0), (idx.neighbours, 1), (idx.image, 0), (idx.caller, 0),
-                                (idx.per_image, 0), (idx.order, 0), (text, 0)):
+                                (idx.per_image, 0), (idx.offsets, 0), (idx.order, 0), (text, 0)):
                 torch._dynamo.mark_dynamic(tensor, dim)
             return layout.merge(self.body(x, per_patch, text))
 

@@ -12,6 +12,12 @@ padded input shape, beside the eager module it was compiled from.
   convolutions of one group per row), rows are padded (the last repeated)
   up to the bucket and the padding cut from the output instead. Rows are independent in every
   family's denoiser, so neither changes a row's output.
+- **Patched UNets** (`patched`). A patched forward of mixed sizes runs the UNet with the
+  patched operators installed (`gouache.runner.patch_ops`), its attention reading the layout as
+  tensors (`attend_segments`, an operator dynamo does not trace), its patch and image counts
+  dynamic: one graph serves every mix of a patch side (two, where dynamo splits the
+  convolutions at 16 patches), named by its patch bucket (`patch_bucket`). The warm-up leaves
+  them to the background compiler (`warm_up`'s `later`): a patched graph compiles slowly.
 - **Adapters in the graph.** Under a server with adapters, `RowSlots` (`gouache.lora.apply`)
   hooks every Linear and Conv2d before compiling; a step with several adapter sets binds each
   module's per-row pairs, padded with the rows, and the graph reads them as inputs. A new
@@ -36,8 +42,8 @@ padded input shape, beside the eager module it was compiled from.
   the sweep moved something; if it still fails, its shape runs eagerly from then on, logged once
   with the reason and counted as `compile_failed`, at warm-up or later.
 - **The step's path.** The composer says per step whether its techniques allow the compiled
-  forward (`step(reason)`: a patched layout, a block cache, a template, a ControlNet or a
-  parallel split runs eagerly, `gouache.techniques`); the step's path and reason go to
+  forward (`step(reason)`: a block cache, a template, a ControlNet or a parallel split runs
+  eagerly, `gouache.techniques`); the step's path and reason go to
   `/metrics` (`CompileReport`).
 """
 
@@ -47,7 +53,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +65,7 @@ from gouache.lora.apply import RowSlots
 from gouache.outputs import CompileReport
 from gouache.runner import compile_cache
 from gouache.runner.background import BackgroundCompiler
+from gouache.runner.layout import PatchLayout
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +92,11 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     """What a graph that fails to compile or to load its kernels raises."""
     import torch._dynamo.exc
     import torch._inductor.exc
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
-    return torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError, ImportError, OSError
+    # ConstraintViolationError: a dimension marked dynamic that the graph turns out to fix
+    return (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError, ConstraintViolationError,
+            ImportError, OSError)
 
 
 class CompiledDenoiser:
@@ -102,6 +112,7 @@ class CompiledDenoiser:
         self.buckets = tuple(sorted(config.buckets))
         self._mode = "reduce-overhead" if config.cuda_graphs else None
         self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
+        self.cuda_graphs = config.cuda_graphs
         self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
@@ -143,6 +154,20 @@ class CompiledDenoiser:
             return self.run(None, eager, past="rows")
         return self.run(Graph(_key(inputs, shared, padded), compiled, _describe(inputs, padded), (inputs, shared)),
                         eager)
+
+    def patched(self, layout: PatchLayout, rows: Inputs, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A patched UNet's output patches over `layout` (`gouache.runner.patch_ops`; `rows`: its
+        `patch_inputs`, one row per patch but the text, one per image), compiled where the step
+        allows it, else `eager()`. Its graph takes the layout as data (the halo sources, each
+        patch's image, the attention segments), its patch and image counts dynamic: one graph
+        serves every mix of a patch side, named by its patch bucket (`patch_bucket`) as a graph
+        of dynamic rows is by its row bucket. Not under CUDA graphs (static shapes), nor with
+        segmented adapters bound (their grouped convolutions take the row count as a constant)."""
+        if self.cuda_graphs:
+            return self.run(None, eager, past="mixed_sizes")
+        if self.slots is not None and self.slots.active:
+            return self.run(None, eager, past="segmented adapters")
+        return self.run(self.graph(rows, {}, layout), eager)
 
     def _dynamic(self, rows: Inputs) -> bool:
         """Whether a forward of `rows` runs a graph of dynamic rows (else its rows are padded to
@@ -236,9 +261,15 @@ class CompiledDenoiser:
         return [self.graph(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets
                 if b >= _rows(rows)]
 
-    def graph(self, rows: Inputs, shared: Inputs) -> Graph:
+    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | None = None) -> Graph:
         """The graph of a forward of `rows` (at its bucket's row count, or any count in that
-        bucket where rows are dynamic) and `shared` inputs."""
+        bucket where rows are dynamic) and `shared` inputs; with a `layout`, of a patched UNet's
+        forward over it (`patched`)."""
+        if layout is not None:
+            bucket = patch_bucket(layout.num_patches)
+            return Graph(("patched", layout.patch) + _key(rows, shared, bucket),
+                         functools.partial(self._call_patched, layout, rows, shared),
+                         f"patched, {bucket}-{2 * bucket - 1} patches of side {layout.patch}", (rows, shared, layout))
         bucket = self.bucket(_rows(rows))
         return Graph(_key(rows, shared, bucket), functools.partial(self._call_compiled, rows, shared),
                      _describe(rows, bucket), (rows, shared))
@@ -257,9 +288,30 @@ class CompiledDenoiser:
             self.dynamic_rows = False
         return self._compiled(**_pad(inputs, self.bucket(n) - n), **shared, return_dict=False)[0][:n]
 
-    def warm_up(self, graphs: list[Graph], progress: Callable[[str], None] = log.info) -> None:
+    def _call_patched(self, layout: PatchLayout, rows: Inputs, shared: Inputs) -> torch.Tensor:
+        from torch._dynamo import mark_dynamic
+        from torch.fx.experimental import _config as shapes
+
+        from gouache.runner.patch_ops import patch_unet
+
+        # without duck sizing, two counts that happen to be equal in the mix traced (patches and
+        # images, say) do not become one symbol, which the next mix would fail
+        with patch_unet(self.denoiser, layout, as_data=True) as index, shapes.patch(use_duck_shape=False):
+            idx = index.tensors(rows["sample"].device)
+            mark_dynamic(idx.neighbours, 1)
+            for tensor in (idx.image, idx.caller, idx.per_image, idx.offsets, idx.order):
+                mark_dynamic(tensor, 0)
+            return self._compiled(**_mark_rows(rows), **shared, return_dict=False)[0]
+
+    def warm_up(self, graphs: list[Graph], progress: Callable[[str], None] = log.info,
+                later: Sequence[Graph] = ()) -> None:
         """Compile `graphs` (the forwards the server expects: `row_graphs`, a family's packed
-        pieces) before serving, saying how far it got."""
+        pieces) before serving, saying how far it got. `later`: forwards it is likely to meet
+        that are slow to compile (a patched UNet's), compiled after the warm-up in the
+        background compiler's child (their steps run eagerly, reason `compiling`, until each is
+        in the cache), else with `graphs`."""
+        if self.background is None:
+            graphs, later = [*graphs, *later], ()
         start = time.perf_counter()
         for i, graph in enumerate(graphs, 1):
             if graph.key not in self._ready and graph.key not in self._failed:
@@ -271,6 +323,12 @@ class CompiledDenoiser:
                          f"forward {i}/{len(graphs)} ({graph.what}) failed to compile in {took}: it runs eagerly")
         self.warm = True
         self._report.warmup_s += time.perf_counter() - start
+        later = [graph for graph in later if graph.key not in self._ready]
+        for graph in later:
+            self.background.ready(graph.key, graph.forward)
+        if later:
+            progress(f"{len(later)} more forwards compile in the background: "
+                     + ", ".join(graph.what for graph in later))
 
     def _compiled_forward(self, graph: Graph) -> torch.Tensor | None:
         """The compiled forward's output, or None when its graph failed to compile or load: the
@@ -356,6 +414,13 @@ class _Structure:
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return "hooks"
         return None
+
+
+def patch_bucket(patches: int) -> int:
+    """The bucket a patched forward of `patches` patches is named and warmed up by: the power
+    of two at or below it (a bucket holds 8-15 patches, 16-31, ...: a UNet's convolutions split
+    dynamo's graph at 16)."""
+    return 1 << (patches.bit_length() - 1)
 
 
 def _rows(rows: Inputs) -> int:

@@ -147,9 +147,11 @@ class ModelRunner:
         graphs = compiled.row_graphs([self.family.forward_inputs([state]) for state in states])
         if self.family.pieces is not None:
             graphs += self.family.pieces.graphs(states[0].cond["prompt_embeds"].shape[1])
-        log.info("warm-up: %d graphs (%s)", len(graphs), self.family.pieces.buckets.describe()
-                 if self.family.pieces is not None else "rows only")
-        compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line))
+        patched = self.family.patched_graphs(states)
+        log.info("warm-up: %d graphs (%s)%s", len(graphs), self.family.pieces.buckets.describe()
+                 if self.family.pieces is not None else "rows only",
+                 f", then {len(patched)} of patched forwards of mixed sizes" if patched else "")
+        compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line), later=patched)
 
     def uses_template(self, request: ImageRequest) -> bool:
         """Whether the edit reuses a template: a registration does; an edit as it says (the API

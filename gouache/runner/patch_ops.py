@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
+from gouache.attention import attend_segments, check_plain
 from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.runner.layout import PatchLayout
 
@@ -42,6 +43,7 @@ class PatchTensors:
     image: torch.Tensor  # [n] layout position of each patch's image: segment ids for GroupNorm
     caller: torch.Tensor  # [n] caller index of each patch's image: which conditioning row it gets
     per_image: torch.Tensor  # [num_images] patches per image, in layout order
+    offsets: torch.Tensor  # [num_images + 1] first patch of each image in layout order, then num_patches
     order: torch.Tensor  # [num_images] caller index of each layout position
 
     @classmethod
@@ -51,7 +53,8 @@ class PatchTensors:
         neighbours[neighbours < 0] = n
         image = torch.tensor(layout.patch_image, dtype=torch.long)
         order = torch.tensor(layout.order, dtype=torch.long)
-        return cls(neighbours, image, order[image], torch.tensor(layout.request_offsets).diff(), order)
+        offsets = torch.tensor(layout.request_offsets, dtype=torch.long)
+        return cls(neighbours, image, order[image], offsets.diff(), offsets, order)
 
     def to(self, device: torch.device) -> PatchTensors:
         return PatchTensors(*(getattr(self, f.name).to(device) for f in fields(self)))
@@ -61,10 +64,10 @@ class PatchIndex:
     """A layout's index tensors, built once per layout and device (not per forward), and its
     resolution groups for self-attention."""
 
-    def __init__(self, layout: PatchLayout, masked: bool = False):
-        """`masked`: attention reads the layout as data only (`PatchAttnProcessor`), as a
+    def __init__(self, layout: PatchLayout, as_data: bool = False):
+        """`as_data`: attention reads the layout as tensors only (`PatchAttnProcessor`), as a
         compiled graph of any mix must."""
-        self.layout, self.masked = layout, masked
+        self.layout, self.as_data = layout, as_data
         self._by_device = {torch.device("cpu"): PatchTensors.build(layout)}
         # Per resolution group: (first patch, image count, patches per image).
         self.groups = [(layout.request_offsets[pos], k, per) for pos, k, per in layout.groups]
@@ -231,26 +234,31 @@ class PatchAttnProcessor:
                                          *args, **kwargs)
         if subset is not None and encoder_hidden_states is None:
             subset.full(attn, hidden_states)  # the cache records what later steps' reused patches show
-        if self.index.masked:
-            return self._attend_masked(attn, hidden_states, encoder_hidden_states, temb, *args, **kwargs)
+        if self.index.as_data:
+            return self._attend_as_data(attn, hidden_states, encoder_hidden_states)
         return self._attend(attn, hidden_states, encoder_hidden_states, temb, *args, **kwargs)
 
-    def _attend_masked(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states, temb, *args,
-                       **kwargs) -> torch.Tensor:
-        """Attention with the layout as data, no per-group Python: cross-attention per patch, each
-        with its image's text (exact per patch); self-attention over every token of the batch at
-        once, masked to its own image's tokens (keys in any order give the same output), so the
-        batch's mix is a tensor (each patch's image), not a shape. Its cost grows with the
-        square of the batch's tokens, where `_attend`'s grows with each image's."""
+    def _attend_as_data(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states) -> torch.Tensor:
+        """Attention with the layout as data, no per-group Python: the projections over every
+        token of the batch at once, each image's queries over its own tokens (self-attention:
+        its patches' tokens are contiguous) or its own text (cross-attention: each image's text
+        projected once), by `attend_segments`, whose segment cuts are tensors. So a compiled
+        graph of this forward serves every mix of its patch count."""
         idx = self.index.tensors(hidden_states.device)
-        if encoder_hidden_states is not None:
-            text = encoder_hidden_states.index_select(0, idx.caller)
-            return self.inner(attn, hidden_states, text, None, temb, *args, **kwargs)
         n, t = hidden_states.shape[:2]
-        image = idx.image.repeat_interleave(t)
-        same_image = (image[:, None] == image[None, :]).unsqueeze(0)  # [1, n * t, n * t]
-        y = self.inner(attn, hidden_states.reshape(1, n * t, -1), None, same_image, temb, *args, **kwargs)
-        return y.reshape(n, t, -1)
+        x = hidden_states.flatten(0, 1)
+        q_cuts = idx.offsets * t
+        if encoder_hidden_states is None:
+            context, kv_cuts = x, q_cuts
+        else:
+            text = encoder_hidden_states.index_select(0, idx.order)  # layout order
+            context = text.flatten(0, 1)
+            kv_cuts = torch.arange(len(text) + 1, device=x.device) * text.shape[1]
+        heads = attn.heads
+        q, k, v = (proj(y).unflatten(-1, (heads, -1)) for proj, y in ((attn.to_q, x), (attn.to_k, context),
+                                                                     (attn.to_v, context)))
+        out = attn.to_out[1](attn.to_out[0](attend_segments(q, k, v, q_cuts, kv_cuts)))
+        return (out / attn.rescale_output_factor).unflatten(0, (n, t))
 
     def _attend_computed(self, attn: Attention, rows: torch.Tensor, full: torch.Tensor, computed: torch.Tensor, temb,
                          *args, **kwargs) -> torch.Tensor:
@@ -285,11 +293,14 @@ class PatchAttnProcessor:
 
 
 @contextlib.contextmanager
-def patch_unet(unet: nn.Module, layout: PatchLayout, masked: bool = False) -> Iterator[PatchIndex]:
+def patch_unet(unet: nn.Module, layout: PatchLayout, as_data: bool = False) -> Iterator[PatchIndex]:
     """Make `unet` run on `layout`'s patch batch, with each image's text once (caller order);
-    restore its modules and processors on exit. `masked`: attention as `PatchIndex` says."""
-    index = PatchIndex(layout, masked)
+    restore its modules and processors on exit. `as_data`: attention as `PatchIndex` says."""
+    index = PatchIndex(layout, as_data)
     attention = [m for m in unet.modules() if isinstance(m, Attention)]
+    if as_data:
+        for m in attention:
+            check_plain(m)
     swaps = _module_swaps(unet, index, skip={id(m) for m in attention if not m.is_cross_attention})
     processors = [(m, m.processor) for m in attention]
     try:
@@ -332,7 +343,7 @@ def patched_unet_forward(
     added_cond_kwargs: dict[str, torch.Tensor] | None = None,
     whole_batches: bool = True,
     cache: CachedForward | None = None,
-    masked: bool = False,
+    as_data: bool = False,
 ) -> list[torch.Tensor]:
     """One UNet forward over every image of `layout`, cut into patches.
 
@@ -341,29 +352,41 @@ def patched_unet_forward(
     Returns the UNet's output as [C_out, h, w] per image, in caller order. Images all of one
     size need no patches: they run as the UNet's own batch, unless `whole_batches` is False
     (benchmarks timing the patch machinery itself). With a `cache`, blocks reuse cached outputs
-    per patch (per image when unpatched). `masked`: attention reads the layout as data only
-    (`PatchAttnProcessor._attend_masked`).
+    per patch (per image when unpatched). `as_data`: attention reads the layout as tensors only
+    (`PatchAttnProcessor._attend_as_data`).
     """
     if whole_batches and len({x.shape for x in samples}) == 1:
         with cached_blocks(unet, cache and cache.begin()):
             return list(unet(torch.stack(samples), timestep, encoder_hidden_states,
                              added_cond_kwargs=added_cond_kwargs, return_dict=False)[0])
+    inputs = patch_inputs(layout, samples, timestep, encoder_hidden_states, added_cond_kwargs)
+    return layout.merge(run_patches(unet, layout, inputs, cache, as_data))
+
+
+def patch_inputs(layout: PatchLayout, samples: list[torch.Tensor], timestep: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor, added_cond_kwargs: dict[str, torch.Tensor] | None = None) -> dict:
+    """The UNet's keyword inputs over `layout`'s patches (`patched_unet_forward`'s arguments):
+    the patches, each image's timestep and added conditioning repeated per patch, its text once
+    per image (caller order)."""
+    x = layout.split(samples)
+    caller = torch.tensor(layout.order, device=x.device)[torch.tensor(layout.patch_image, device=x.device)]
+
+    def per_patch(t: torch.Tensor) -> torch.Tensor:  # repeat an image's conditioning
+        return t if t.ndim == 0 else t.index_select(0, caller.to(t.device))
+
+    added = {k: per_patch(v) for k, v in (added_cond_kwargs or {}).items()} or None
+    return {"sample": x, "timestep": per_patch(torch.as_tensor(timestep, device=x.device)),
+            "encoder_hidden_states": encoder_hidden_states, "added_cond_kwargs": added}
+
+
+def run_patches(unet: nn.Module, layout: PatchLayout, inputs: dict, cache: CachedForward | None = None,
+                as_data: bool = False) -> torch.Tensor:
+    """The UNet's output patches [num_patches, C_out, s, s] from `patch_inputs`."""
     factor = 2 ** getattr(unet, "num_upsamplers", 0)
     if layout.patch % factor:
         raise ValueError(f"patch side {layout.patch} must be a multiple of {factor} for this UNet's levels")
-    x = layout.split(samples)
     cache_pass = cache and cache.begin(
         [b - a for a, b in zip(layout.request_offsets, layout.request_offsets[1:])], layout.order,
         f"patch{layout.patch}")
-    with patch_unet(unet, layout, masked) as index, cached_blocks(unet, cache_pass, "patch", index):
-        caller = index.tensors(x.device).caller
-
-        def per_patch(t: torch.Tensor) -> torch.Tensor:  # repeat an image's conditioning
-            return t if t.ndim == 0 else t.index_select(0, caller.to(t.device))
-
-        added = {k: per_patch(v) for k, v in (added_cond_kwargs or {}).items()} or None
-        out = unet(
-            x, per_patch(torch.as_tensor(timestep, device=x.device)), encoder_hidden_states,
-            added_cond_kwargs=added, return_dict=False,
-        )[0]
-    return layout.merge(out)
+    with patch_unet(unet, layout, as_data) as index, cached_blocks(unet, cache_pass, "patch", index):
+        return unet(**inputs, return_dict=False)[0]

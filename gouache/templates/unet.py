@@ -25,11 +25,10 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from torch import nn
 
-from gouache.attention import attend_each
+from gouache.attention import attend_each, check_plain
 from gouache.templates.replay import ReplayForward, TemplatePass
 
 
@@ -144,10 +143,8 @@ class RowsAttnProcessor:
 @contextlib.contextmanager
 def _processors(attentions: list[nn.Module], processor) -> Iterator[None]:
     saved = [attn.processor for attn in attentions]
-    for attn, original in zip(attentions, saved):
-        plain = attn.group_norm is None and attn.spatial_norm is None and attn.norm_cross is None
-        if type(original) is not AttnProcessor2_0 or attn.residual_connection or not plain:
-            raise ValueError(f"mask-aware UNet edits support AttnProcessor2_0 only, not {type(original).__name__}")
+    for attn in attentions:
+        check_plain(attn)
     try:
         for attn in attentions:
             attn.set_processor(processor)

@@ -54,16 +54,18 @@ def runners(pipe, lora_dir):
     return eager, compiled
 
 
-def steps(runner: ModelRunner, requests: list[ImageRequest], batches: list[tuple[str, ...]]):
-    """Prepare `requests`, run one step of each batch; the latents and the compile report."""
+def steps(runner: ModelRunner, requests: list[ImageRequest], batches: list[tuple[str, ...] | Batch]):
+    """Prepare `requests`, run one step of each batch (its ids, or a `Batch`); the latents and
+    the compile report."""
     for name in runner.lora_runtime.store.names():
         runner.lora_runtime.store.load(name).result()
     for r in requests:
         runner.prepare(r)
     report = CompileReport()
-    for ids in batches:
-        out = runner.execute(Batch(ids))
-        assert not out.failed and sorted(out.request_ids) == sorted(ids)
+    for batch in batches:
+        batch = batch if isinstance(batch, Batch) else Batch(batch)
+        out = runner.execute(batch)
+        assert not out.failed and sorted(out.request_ids) == sorted(batch.request_ids)
         report.compiled += out.compile.compiled
         report.graphs += out.compile.graphs
         report.recompiles += out.compile.recompiles
@@ -180,14 +182,31 @@ def test_steps_whose_techniques_the_graph_does_not_hold_run_eagerly(runners):
     cached = [ImageRequest("bc", "a red circle", SIZE, SIZE, 4, 1.0, seed=1, block_cache=0.5)]
     _, report = steps(compiled, cached, [("bc",)])
     assert report.eager == {"block_cache": 1}
+    if compiled.family.patches:
+        return  # a patched UNet's mixed sizes compile (below)
     sizes = [request("s64", guidance=1.0), ImageRequest("s32", "a square", 32, 32, 4, 1.0, seed=2)]
-    expected, _ = steps(eager, sizes, [])
-    for r in sizes:
-        compiled.prepare(r)
-    out = compiled.execute(Batch(("s64", "s32"), patched=True))
-    assert not out.failed and out.compile.eager == {"mixed_sizes": 1}
-    for r in sizes:
-        compiled.release(r.request_id)
+    _, report = steps(compiled, sizes, [Batch(("s64", "s32"), patched=True)])
+    assert report.eager == {"mixed_sizes": 1}  # a packed DiT forward compiles where --compile-sizes mix
+
+
+@pytest.mark.slow
+def test_a_patched_unet_runs_one_graph_for_every_mix_of_its_patch_side(runners):
+    """The layout as data (`CompiledDenoiser.patched`): mixes of other patch and image counts run
+    the graph the first compiled, equal to eager patched steps; 16 patches or more take a graph
+    of their own (dynamo splits a UNet's convolutions there: `patch_bucket`)."""
+    eager, compiled = runners
+    if not compiled.family.patches:
+        pytest.skip("packed DiT pieces: tests/runner/test_pieces.py")
+    small = [ImageRequest(f"s32-{i}", "a square", 32, 32, 4, 4.0, seed=2 + i) for i in range(3)]
+    sizes = [request("s64"), request("t64", seed=5), *small]
+    # 8x8 and 4x4 latents in patches of 4, two rows each: 10, 12, 14 patches; then 18
+    mixes = [("s64", "s32-0"), ("s64", "s32-0", "s32-1"), ("s64", "s32-0", "s32-1", "s32-2")]
+    for batches, graphs in ((mixes, 1), ([("s64", "t64", "s32-0")], 1)):
+        patched = [Batch(ids, patched=True) for ids in batches]
+        expected, _ = steps(eager, sizes, patched)
+        got, report = steps(compiled, sizes, patched)
+        assert_equal(expected, got)
+        assert report.compiled == len(batches) and report.eager == {} and report.graphs == graphs
 
 
 def test_eager_reason_names_the_first_technique_that_does_not_compile():

@@ -61,16 +61,16 @@ def random_samples(unet, shapes, seed: int = 1) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("model", ["tiny-sd", "tiny-sdxl", "tiny-sd-inpaint"])
-@pytest.mark.parametrize("masked", [False, True], ids=["per-group", "masked"])
-def test_patched_forward_equals_per_image_forward(unets, model, case, masked):
-    """Attention per resolution group, or (`masked`: the layout as data) over the whole batch
-    masked to each image's own tokens."""
+@pytest.mark.parametrize("as_data", [False, True], ids=["per-group", "as-data"])
+def test_patched_forward_equals_per_image_forward(unets, model, case, as_data):
+    """Attention per resolution group, or (`as_data`) over the whole batch's projections with
+    each image's segment of tokens and text as tensors."""
     unet, (shapes, patch) = unets[model], CASES[case]
     samples = random_samples(unet, shapes)
     cond = conditioning(unet, len(shapes))
     with torch.no_grad():
-        out = patched_unet_forward(unet, PatchLayout.build(shapes, patch), samples, *cond, whole_batches=not masked,
-                                   masked=masked)
+        out = patched_unet_forward(unet, PatchLayout.build(shapes, patch), samples, *cond, whole_batches=not as_data,
+                                   as_data=as_data)
         assert max_diff(out, per_image_forward(unet, samples, *cond)) <= TOL
 
 

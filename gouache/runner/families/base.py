@@ -19,7 +19,7 @@ from gouache.config import DEFAULT_PATCH_PIXELS, CompileConfig
 from gouache.lora.text import TextAdapters, text_adapters, text_key
 from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
-from gouache.runner.compiled import CompiledDenoiser
+from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import CFG_FROM, UNSERVED
 from gouache.runner.layout import PatchLayout
@@ -66,6 +66,11 @@ class Family(ABC):
         self.pieces = self.make_pieces(compiled, config)
         if self.pieces is not None:
             compiled.holds = frozenset({"mixed_sizes"})
+
+    def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
+        """The compiled patched forwards of mixed sizes that mixes of `states` (one per size the
+        server compiles) make, where the family's patched forward compiles whole (a UNet's)."""
+        return []
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> PackedPieces | None:
         """The family's packed forward in compiled pieces (`gouache.runner.pieces`), if it has one."""

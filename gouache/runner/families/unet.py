@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from gouache.block_cache.blocks import CachedForward
+from gouache.config import CompileConfig
 from gouache.request import ImageRequest
+from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
-from gouache.runner.patch_ops import patched_unet_forward
+from gouache.runner.patch_ops import patch_inputs, patched_unet_forward, run_patches
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
 from gouache.templates.unet import masked_blocks, unet_template_blocks
@@ -88,11 +91,41 @@ class StableDiffusionFamily(Family):
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [row for s in states for row in self._model_input(s)]
-        outputs = patched_unet_forward(
-            self.unet, self.layout(samples), samples, row_timesteps(states),
-            cat_cond(states, "prompt_embeds"), self.added_cond(states), whole_batches, blocks,
-        )
+        layout = self.layout(samples)
+        args = (row_timesteps(states), cat_cond(states, "prompt_embeds"), self.added_cond(states))
+        if self.compiled is not None and blocks is None and whole_batches and len({x.shape for x in samples}) > 1:
+            inputs = patch_inputs(layout, samples, *args)
+            patches = self.compiled.patched(layout, inputs, lambda: run_patches(self.unet, layout, inputs))
+            outputs = layout.merge(patches)
+        else:
+            outputs = patched_unet_forward(self.unet, layout, samples, *args, whole_batches, blocks)
         return by_state(outputs, states)
+
+    def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
+        """The patched forwards that mixes of `states` (one a size) make, to compile before they
+        are met: every pair of sizes and all of them together, repeated to each row bucket, one
+        graph a patch side and patch bucket."""
+        compiled = self.compiled
+        if compiled is None or "mixed_sizes" not in compiled.holds or len(states) < 2:
+            return []
+        mixes = [list(pair) for pair in itertools.combinations(states, 2)] + ([states] if len(states) > 2 else [])
+        graphs: dict[tuple, Graph] = {}
+        for mix, rows in itertools.product(mixes, compiled.buckets):
+            members = list(itertools.islice(itertools.cycle(mix), max(len(mix), -(-rows // mix[0].rows))))
+            samples = [row for s in members for row in self._model_input(s)]
+            layout = self.layout(samples)
+            inputs = patch_inputs(layout, samples, row_timesteps(members), cat_cond(members, "prompt_embeds"),
+                                  self.added_cond(members))
+            graph = compiled.graph(inputs, {}, layout)
+            graphs.setdefault(graph.key, graph)
+        return list(graphs.values())
+
+    def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), but under
+        CUDA graphs (static shapes)."""
+        super().compile(compiled, config)
+        if not config.cuda_graphs:
+            compiled.holds = frozenset({"mixed_sizes"})
 
     def _model_input(self, state: DenoiseState) -> torch.Tensor:
         x = state.scheduler.scale_model_input(torch.cat([state.latents] * state.rows), state.t)
