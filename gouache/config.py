@@ -120,8 +120,9 @@ class CompileConfig:
     # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
     cache_dir: str | None = None
     cuda_graphs: bool = False  # capture the bucketed graphs as CUDA graphs (GPU only)
-    # graphs warmed up at most: a row graph per size and bucket first, what is left to packed token
-    # buckets (None: COMPILE_GRAPHS; a given budget is refused where no packed forward runs in pieces)
+    # graphs warmed up at most: a row graph per size and bucket first, what is left to forwards of mixed
+    # sizes: packed token buckets, a UNet's patched graphs (None: COMPILE_GRAPHS; a given budget is
+    # refused where no such forward compiles)
     graphs: int | None = None
     # a shape first met while serving runs eagerly while a child process compiles it (`gouache.runner.background`);
     # off: it compiles in its step, which waits for it

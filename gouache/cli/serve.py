@@ -155,8 +155,9 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
                         "them; under CUDA graphs forwards are padded up to them); forwards past the last run "
                         f"eagerly (default: {','.join(map(str, COMPILE_BUCKETS))})")
     p.add_argument("--compile-graphs", type=int, default=None,
-                   help="graphs a compiled SD3 or FLUX.1 model warms up at most: a row graph per --compile-sizes "
-                        "size and bucket, the rest to packed forwards of mixed sizes in token buckets (default: "
+                   help="graphs a compiled model warms up at most: a row graph per --compile-sizes size and "
+                        "bucket, the rest to forwards of mixed sizes (an SD3 or FLUX.1 model's packed forwards in "
+                        "token buckets, a UNet's patched forwards per patch side and bucket; default: "
                         f"{COMPILE_GRAPHS})")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="keep compiled kernels in DIR, so a restart compiles in seconds (default: torch's own, "

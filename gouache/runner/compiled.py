@@ -118,6 +118,7 @@ class CompiledDenoiser:
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
         self._failed: dict[tuple, str] = {}  # input shapes whose graph failed to compile: why (they run eagerly)
         self.warm = False  # set once warm_up ended: graphs compiled after it are recompiles
+        self._later: set[tuple] = set()  # keys the warm-up left to the background compiler: not recompiles
         self._report = CompileReport()
         self._step: _Step | None = None  # the step running, if any
         # techniques (`gouache.techniques`) this model's graphs hold though the table's `compiles`
@@ -325,6 +326,7 @@ class CompiledDenoiser:
         self._report.warmup_s += time.perf_counter() - start
         later = [graph for graph in later if graph.key not in self._ready]
         for graph in later:
+            self._later.add(graph.key)
             self.background.ready(graph.key, graph.forward)
         if later:
             progress(f"{len(later)} more forwards compile in the background: "
@@ -334,7 +336,7 @@ class CompiledDenoiser:
         """The compiled forward's output, or None when its graph failed to compile or load: the
         key then runs eagerly from now on, logged once and counted."""
         try:
-            out = self._run_swept(graph.run)
+            out = self._run_swept(graph.run, foreseen=graph.key in self._later)
         except _compile_errors() as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
             self._failed[graph.key] = f"{type(e).__name__}: {lines[0] if lines else ''}"
@@ -345,26 +347,27 @@ class CompiledDenoiser:
         self._ready.add(graph.key)
         return out
 
-    def _run_swept(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _run_swept(self, run: Callable[[], torch.Tensor], foreseen: bool = False) -> torch.Tensor:
         """`_run`, tried once more when it failed and a sweep of the compile cache moved a damaged
         kernel aside (so the retry compiles it anew)."""
         try:
-            return self._run(run)
+            return self._run(run, foreseen)
         except _compile_errors():
             if not compile_cache.sweep(self.cache):
                 raise
-        return self._run(run)
+        return self._run(run, foreseen)
 
-    def _run(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _run(self, run: Callable[[], torch.Tensor], foreseen: bool = False) -> torch.Tensor:
         """`run()`, counting the graphs dynamo compiles for it (a new shape, or any guard that
-        failed): after the warm-up, recompiles."""
+        failed): after the warm-up, recompiles, but for those it left to the background
+        compiler (`foreseen`)."""
         import torch._dynamo.utils
 
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         out = run()
         new = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         self._report.graphs += new
-        if self.warm:
+        if self.warm and not foreseen:
             self._report.recompiles += new
         return out
 

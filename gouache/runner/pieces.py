@@ -83,9 +83,14 @@ def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequ
     """The token buckets a compiled model's packed pieces get: the graphs `--compile-graphs`
     leaves after a row graph per size and row bucket (none, where the sizes compiled make no
     mix or no graph is left: packed steps then run eagerly, reason `mixed_sizes`)."""
+    return token_buckets(compiled.buckets, image_tokens, graphs_left(compiled, config)) or Buckets({})
+
+
+def graphs_left(compiled: CompiledDenoiser, config: CompileConfig) -> int:
+    """The graphs `--compile-graphs` leaves to forwards of mixed sizes (packed pieces, a patched
+    UNet's) after a row graph per size and row bucket."""
     row_graphs = len(compiled.buckets) * max(1, len(config.sizes))
-    graphs = COMPILE_GRAPHS if config.graphs is None else config.graphs
-    return token_buckets(compiled.buckets, image_tokens, graphs - row_graphs) or Buckets({})
+    return (COMPILE_GRAPHS if config.graphs is None else config.graphs) - row_graphs
 
 
 def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int) -> Buckets | None:

@@ -6,11 +6,13 @@ The server side runs in a child process too (a compile cache directory is proces
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from torch import nn
 from gouache.config import CompileConfig
 from gouache.executor.worker import WorkerSpec, compiled_denoiser
 from gouache.models.zoo import load_pipeline
+from gouache.request import ImageRequest
 from gouache.runner.background import BackgroundCompiler, Recipe
+from gouache.runner.compiled import Graph
 from gouache.runner.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +51,7 @@ SERVER = textwrap.dedent("""
     import torch
     import torch._dynamo.utils
     from gouache.runner.background import BackgroundCompiler, Recipe
+from gouache.runner.compiled import Graph
     from tests.runner.test_background import tiny
 
     compiled = tiny(sys.argv[1])
@@ -69,13 +74,19 @@ SERVER = textwrap.dedent("""
 """)
 
 
+def serve(script: str, cache: Path) -> dict:
+    """Run a server `script` (in a process of its own: the compile cache directory is
+    process-wide) on compile cache `cache`; what it printed last, as JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run([sys.executable, "-c", script, str(cache)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_a_new_shape_runs_eagerly_while_a_child_compiles_it_then_compiled_from_the_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    done = subprocess.run([sys.executable, "-c", SERVER, str(tmp_path / "cache")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = serve(SERVER, tmp_path / "cache")
     # first met: eager while the child compiles; once it has, the next step loads its kernels (a cache
     # hit, counted as the one graph compiled after the warm-up) and the one after runs them
     first, loaded, then = result["steps"]
@@ -83,6 +94,33 @@ def test_a_new_shape_runs_eagerly_while_a_child_compiles_it_then_compiled_from_t
     assert loaded == {"eager": {}, "compiled": 1, "recompiles": 1, "equal": True}
     assert then == {"eager": {}, "compiled": 1, "recompiles": 0, "equal": True}
     assert result["hits"] == 1
+
+
+@pytest.mark.slow
+def test_the_warm_up_leaves_patched_forwards_to_the_child_foreseen_not_recompiles(tmp_path):
+    """A patched UNet's graphs (`CompiledDenoiser.patched`), slow to compile, are queued for the
+    child at the end of the warm-up with what the child rebuilds each from (through its job's
+    pickle: the same key); compiled after the warm-up, they are no recompile: it foresaw them."""
+    config = CompileConfig(enabled=True, buckets=(2, 4), sizes=((64, 64), (32, 32)), cache_dir=str(tmp_path))
+    runner = ModelRunner(load_pipeline("tiny-sd"), compile=config)
+    compiled, queued = runner.family.compiled, {}
+    compiled.background = SimpleNamespace(ready=lambda key, forward: bool(queued.setdefault(key, forward)) and False,
+                                          close=lambda: None)
+    warm = [runner.family.prepare(ImageRequest(f"w{s}", "warm-up", s, s, 2, 5.0, seed=0)) for s in (64, 32)]
+    later = runner.family.patched_graphs(warm)
+    compiled.warm_up([], progress=lambda line: None, later=later)
+    assert later and list(queued) == [graph.key for graph in later]
+    child = compiled_denoiser(WorkerSpec("tiny-sd", compile=config))
+    for key, forward in queued.items():
+        assert child.graph(*pickle.loads(pickle.dumps(forward))).key == key
+    # what compiling them after the warm-up counts (a trivial graph in their place: compiling a
+    # patched UNet is tests/runner/test_compiled.py's)
+    compiled.take_report()
+    for key in (later[0].key, ("not foreseen",)):
+        graph = torch.compile(lambda x: x + 1, dynamic=False)
+        compiled._compiled_forward(Graph(key, lambda graph=graph: graph(torch.ones(len(key))), "trivial"))
+    report = compiled.take_report()
+    assert report.graphs == 2 and report.recompiles == 1
 
 
 @pytest.mark.slow

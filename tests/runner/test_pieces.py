@@ -98,12 +98,15 @@ def test_a_packed_step_past_the_largest_bucket_runs_eagerly_and_says_why(runners
 
 def test_a_graph_budget_is_refused_where_it_would_change_nothing():
     from gouache.runner.families.dit import FluxKontextFamily, StableDiffusion3Family
+    from gouache.runner.families.qwen import QwenImageFamily
     from gouache.runner.families.unet import StableDiffusionXLFamily
 
     with pytest.raises(ValueError, match="add --compile"):
         CompileConfig(graphs=8)
     two = CompileConfig(enabled=True, sizes=((64, 64), (96, 96)), graphs=8)
     assert StableDiffusion3Family.unused_graphs(two) is None and FluxKontextFamily.unused_graphs(two) is None
-    assert "sdxl models do not compile" in StableDiffusionXLFamily.unused_graphs(two)
+    assert StableDiffusionXLFamily.unused_graphs(two) is None  # its patched forwards' graphs
+    assert "two sizes or more" in StableDiffusionXLFamily.unused_graphs(CompileConfig(enabled=True, graphs=8))
+    assert "qwenimage models do not compile" in QwenImageFamily.unused_graphs(two)
     same_pixels = CompileConfig(enabled=True, sizes=((64, 128), (128, 64)), graphs=8)  # one token count: no mix
     assert "two or more pixel counts" in StableDiffusion3Family.unused_graphs(same_pixels)

@@ -79,10 +79,10 @@ class Family(ABC):
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
         """Why a --compile-graphs given to this family's server would change nothing (None: it
-        bounds the token buckets of its packed pieces)."""
+        bounds the graphs of its forwards of mixed sizes)."""
         if cls.make_pieces is Family.make_pieces:
             return (f"--compile-graphs would be ignored: it bounds the graphs of packed forwards of mixed sizes, "
-                    f"which {cls.name} models do not compile (SD3 and FLUX.1 models do)")
+                    f"which {cls.name} models do not compile (UNet, SD3 and FLUX.1 models do)")
         if len({h * w for h, w in config.sizes}) < 2:
             return ("--compile-graphs would be ignored: packed forwards of mixed sizes compile where "
                     "--compile-sizes lists sizes of two or more pixel counts")

@@ -14,6 +14,7 @@ from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patch_inputs, patched_unet_forward, run_patches
+from gouache.runner.pieces import graphs_left
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
 from gouache.templates.unet import masked_blocks, unet_template_blocks
@@ -104,7 +105,7 @@ class StableDiffusionFamily(Family):
     def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
         """The patched forwards that mixes of `states` (one a size) make, to compile before they
         are met: every pair of sizes and all of them together, repeated to each row bucket, one
-        graph a patch side and patch bucket."""
+        graph a patch side and patch bucket, as many as `--compile-graphs` leaves (`graphs_left`)."""
         compiled = self.compiled
         if compiled is None or "mixed_sizes" not in compiled.holds or len(states) < 2:
             return []
@@ -118,7 +119,7 @@ class StableDiffusionFamily(Family):
                                   self.added_cond(members))
             graph = compiled.graph(inputs, {}, layout)
             graphs.setdefault(graph.key, graph)
-        return list(graphs.values())
+        return list(graphs.values())[:max(0, self._patched_graphs)]
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
         """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), but under
@@ -126,6 +127,17 @@ class StableDiffusionFamily(Family):
         super().compile(compiled, config)
         if not config.cuda_graphs:
             compiled.holds = frozenset({"mixed_sizes"})
+        self._patched_graphs = graphs_left(compiled, config)
+
+    @classmethod
+    def unused_graphs(cls, config: CompileConfig) -> str | None:
+        if config.cuda_graphs:
+            return ("--compile-graphs would be ignored: a UNet's patched forward of mixed sizes does not compile "
+                    "under --compile-cuda-graphs")
+        if len(set(config.sizes)) < 2:
+            return ("--compile-graphs would be ignored: patched forwards of mixed sizes compile at start where "
+                    "--compile-sizes lists two sizes or more")
+        return None
 
     def _model_input(self, state: DenoiseState) -> torch.Tensor:
         x = state.scheduler.scale_model_input(torch.cat([state.latents] * state.rows), state.t)
