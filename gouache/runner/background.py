@@ -79,6 +79,13 @@ class BackgroundCompiler:
             self._poll()
         return False
 
+    def submit(self, forwards: dict[tuple, Forward]) -> None:
+        """Queue `forwards` (by key) at once, so that one child takes them all."""
+        for key, forward in forwards.items():
+            if key not in self._done and key not in self._running:
+                self._queued.setdefault(key, forward)
+        self._poll()
+
     @property
     def pending(self) -> int:
         """Forwards queued or compiling."""

@@ -325,9 +325,9 @@ class CompiledDenoiser:
         self.warm = True
         self._report.warmup_s += time.perf_counter() - start
         later = [graph for graph in later if graph.key not in self._ready]
-        for graph in later:
-            self._later.add(graph.key)
-            self.background.ready(graph.key, graph.forward)
+        if later:
+            self._later.update(graph.key for graph in later)
+            self.background.submit({graph.key: graph.forward for graph in later})
         if later:
             progress(f"{len(later)} more forwards compile in the background: "
                      + ", ".join(graph.what for graph in later))

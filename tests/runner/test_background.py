@@ -104,8 +104,7 @@ def test_the_warm_up_leaves_patched_forwards_to_the_child_foreseen_not_recompile
     config = CompileConfig(enabled=True, buckets=(2, 4), sizes=((64, 64), (32, 32)), cache_dir=str(tmp_path))
     runner = ModelRunner(load_pipeline("tiny-sd"), compile=config)
     compiled, queued = runner.family.compiled, {}
-    compiled.background = SimpleNamespace(ready=lambda key, forward: bool(queued.setdefault(key, forward)) and False,
-                                          close=lambda: None)
+    compiled.background = SimpleNamespace(submit=queued.update, close=lambda: None)
     warm = [runner.family.prepare(ImageRequest(f"w{s}", "warm-up", s, s, 2, 5.0, seed=0)) for s in (64, 32)]
     later = runner.family.patched_graphs(warm)
     compiled.warm_up([], progress=lambda line: None, later=later)
@@ -129,11 +128,13 @@ def test_a_child_that_fails_lets_its_shapes_compile_in_their_step_and_says_why(t
     forward = ({"sample": torch.zeros(2, 8)}, {"scale": 2.0})
     try:
         assert not background.ready(("k",), forward) and background.pending == 1
+        background.submit({("k",): forward, ("l",): forward, ("m",): forward})  # the next child takes both new ones
+        assert background.pending == 3 and len(background._queued) == 2
         began = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="gouache.runner.background"):
             while background.pending and time.monotonic() - began < 120:
                 time.sleep(0.2)
-        assert background.ready(("k",), forward)
+        assert all(background.ready(key, forward) for key in (("k",), ("l",), ("m",)))
         assert "exit code 1" in caplog.text and "No module named 'gouache.no_such_module'" in caplog.text
     finally:
         background.close()
