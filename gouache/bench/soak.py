@@ -17,6 +17,10 @@ cancel. Anything else is *lost*: no answer within the server's `--request-timeou
 `--grace-s`, a broken connection, a stream or 200 that ends without images or error. DELETE
 is sent on streams only: a non-streamed request's `x-request-id` arrives with its answer.
 
+`--server-args` gives every server more flags; with `--compile` the row also says how many
+graphs the server compiled during the load that its warm-up had not foreseen (`recompiles`,
+from `gouache_compile_recompiles_total`) and how its steps ran (compiled, or eagerly and why).
+
 Meanwhile the server is sampled every `--sample-s`: RSS of the server and all its descendant
 processes, the server's open file descriptors, /health, and every descendant ever seen. At
 the end the server gets SIGTERM; its exit code and the descendants still alive afterwards
@@ -86,6 +90,9 @@ def add_arguments(p) -> None:
                    help="seconds between samples of RSS, fds and /health (default: %(default)s)")
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="seconds to wait for exit after SIGTERM (default: %(default)s)")
+    p.add_argument("--server-args", default="",
+                   help="more flags for each server, one string (\"--compile --compile-sizes 64x64\": the "
+                        "table then counts the graphs compiled during the load, `recompiles`)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and mix (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/soak.json", help="JSON output path (default: %(default)s)")
 
@@ -98,7 +105,8 @@ def _serve_args(args, policy: str, directories: dict[str, Path]) -> list[str]:
              "--max-queue-len", str(args.max_queue_len), "--request-timeout", str(args.request_timeout)]
     for flag, path in directories.items():
         serve += [f"--{flag.replace('_', '-')}", str(path)]
-    return serve + (["--cost-model", args.cost_model] if policy in COST_MODEL_POLICIES else [])
+    serve += ["--cost-model", args.cost_model] if policy in COST_MODEL_POLICIES else []
+    return serve + shlex.split(args.server_args)
 
 
 def _drain(base_url: str, timeout_s: float) -> dict | None:
@@ -117,12 +125,41 @@ CACHES = {"block_cache": "gouache_block_cache_bytes", "templates": "gouache_temp
           "lora_host": "gouache_lora_host_bytes"}  # what the server's caches hold, by /metrics gauge
 
 
-def _server_metrics(base_url: str) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """errors_total by kind, as the server counted them, and the bytes each cache holds in memory
-    (summed over devices and the template store's memory tiers); (None, None) if /metrics does not answer."""
+def _metrics(base_url: str) -> str | None:
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        return httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
+        return None
+
+
+def _compiled(text: str | None) -> dict[str, float] | None:
+    """Under --compile: the server's compile counters (`recompiles`, `graphs`, and steps by path
+    and reason: `compiled`, `eager:<reason>`); None without them."""
+    if text is None or "gouache_compile_recompiles_total " not in text:
+        return None
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        name, value = line.partition("{")[0].partition(" ")[0], line.rsplit(" ", 1)[-1]
+        if name in ("gouache_compile_recompiles_total", "gouache_compile_graphs_total"):
+            counts[name.split("_")[2]] = float(value)
+        elif name == "gouache_compile_steps_total":
+            labels = dict(part.split("=") for part in line.partition("{")[2].partition("}")[0].split(","))
+            path, reason = labels['path'].strip('"'), labels['reason'].strip('"')
+            counts[path if path == "compiled" else f"{path}:{reason}"] = float(value)
+    return counts
+
+
+def _during(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float] | None:
+    """What the compile counters counted between two samples (None: the server does not compile)."""
+    if start is None or end is None:
+        return None
+    return {name: value - start.get(name, 0.0) for name, value in end.items()}
+
+
+def _server_metrics(text: str | None) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """errors_total by kind, as the server counted them, and the bytes each cache holds in memory
+    (summed over devices and the template store's memory tiers); (None, None) if /metrics did not answer."""
+    if text is None:
         return None, None
     errors, caches = {}, dict.fromkeys(CACHES, 0.0)
     prefix = 'gouache_errors_total{kind="'
@@ -166,6 +203,7 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
                 measure_capacity(base_url, probe, args.model, args.capacity_concurrency, deadline_s))
             trace = make_trace(args.load * capacity, args.duration_s, sizes, steps, mix, args.seed, args.max_requests)
             load_start = watch.sample("load_start")
+            compile_start = _compiled(_metrics(base_url))
             start = time.perf_counter()
             rewriter.start()
             try:
@@ -174,7 +212,9 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
                 rewriter.stop()
             wall = time.perf_counter() - start
             after_drain = _drain(base_url, args.grace_s)
-            server_errors, caches = _server_metrics(base_url)
+            text = _metrics(base_url)
+            server_errors, caches = _server_metrics(text)
+            compiled = _during(compile_start, _compiled(text))
             watch.sample("end")
         finally:
             watch.stop()
@@ -185,6 +225,7 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
             **tally(outcomes), **_resources(watch.samples, load_start.t_s, args.duration_s), **shutdown,
             "after_drain": after_drain, "server_errors_total": server_errors,
             "caches_end_mb": None if caches is None else {k: v / 2**20 for k, v in caches.items()},
+            "compile_during_load": compiled, "recompiles": None if compiled is None else compiled.get("recompiles"),
             "server_log": str(log_path), "server_log_tracebacks": log.count("Traceback"),
             "timeline": [asdict(s) for s in watch.samples]}
 
@@ -199,6 +240,7 @@ COLUMNS = [("policy", "policy", "{}"), ("capacity req/s", "capacity_rps", "{:.2f
            ("RSS warm MiB", "rss_warm_mb", "{:.0f}"),
            ("RSS end MiB", "rss_end_mb", "{:.0f}"), ("RSS growth %", "rss_growth_pct", "{:+.1f}"),
            ("caches end MiB", "caches_end_mb", "{:.0f}"),
+           ("recompiles", "recompiles", "{:.0f}"),
            ("fds start", "fds_start", "{}"), ("fds end", "fds_end", "{}"), ("/health not 200", "health_not_ok", "{}"),
            ("leaked procs", "leaked", "{}"), ("exit code", "exit_code", "{}")]
 
@@ -219,8 +261,12 @@ def format_table(rows: list[dict]) -> str:
         lost = ", ".join(f"{why} {n}" for why, n in sorted(row["lost_by_reason"].items())) or "none"
         leaked = "; ".join(f"{p['pid']} {p['cmdline'][:80]}" for p in row["leaked"]) or "none"
         caches = ", ".join(f"{name} {mb:.0f} MiB" for name, mb in (row["caches_end_mb"] or {}).items()) or "unknown"
+        compiled = row.get("compile_during_load")
+        steps = "" if compiled is None else "; steps during the load: " + ", ".join(
+            f"{name} {n:.0f}" for name, n in sorted(compiled.items()) if name not in ("recompiles", "graphs") and n)
         lines.append(f"\n{row['policy']}: errors by code: {errors}; lost: {lost}; leaked: {leaked}; "
-                     f"caches at the end: {caches}; tracebacks in the server log: {row['server_log_tracebacks']}")
+                     f"caches at the end: {caches}; tracebacks in the server log: {row['server_log_tracebacks']}"
+                     + steps)
     return "\n".join(lines)
 
 

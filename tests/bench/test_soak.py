@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from gouache.bench.soak import CACHES, add_arguments, run
+from gouache.bench.soak import CACHES, _compiled, _during, add_arguments, run
 from gouache.bench.soak_trace import KINDS, RESULTS, Outcome, Seen, judge, make_trace, parse_mix, tally
 
 SIZES = [(64, 64), (64, 128)]
@@ -98,9 +98,25 @@ def test_soak_of_a_real_server_accounts_for_every_request(tmp_path):
     for key in ("rss_warm_mb", "rss_end_mb", "rss_growth_pct", "fds_start", "fds_end", "exit_code", "leaked",
                 "children_seen", "latency_p99_s", "errors_by_code", "server_errors_total", "after_drain"):
         assert key in row
+    assert row["recompiles"] is None and row["compile_during_load"] is None  # the server does not compile
     caches = row["caches_end_mb"]  # what the caches hold, beside the RSS they explain
     assert set(caches) == set(CACHES) and min(caches.values()) >= 0
     assert out.with_suffix(".md").read_text().startswith("`gouache bench soak")
+
+
+def test_compile_counters_are_read_from_metrics_and_counted_over_the_load():
+    text = "\n".join([
+        "# HELP gouache_compile_steps_total Steps under --compile",
+        'gouache_compile_steps_total{path="eager",reason="compiling"} 41.0',
+        'gouache_compile_steps_created{path="eager",reason="compiling"} 1.79e+09',
+        'gouache_compile_steps_total{path="compiled",reason=""} 10.0',
+        "gouache_compile_graphs_total 6.0", "gouache_compile_recompiles_total 0.0",
+        "gouache_compile_recompiles_created 1.79e+09"])
+    start = _compiled(text)
+    assert start == {"eager:compiling": 41, "compiled": 10, "graphs": 6, "recompiles": 0}
+    end = _compiled(text.replace("} 10.0", "} 25.0").replace("recompiles_total 0.0", "recompiles_total 2.0"))
+    assert _during(start, end) == {"eager:compiling": 0, "compiled": 15, "graphs": 0, "recompiles": 2}
+    assert _compiled('gouache_errors_total{kind="x"} 1.0') is None and _during(None, end) is None
 
 
 @pytest.mark.parametrize("flags, message", [
