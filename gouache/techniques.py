@@ -57,7 +57,8 @@ TECHNIQUES = {t.name: t for t in (
               flags=("--block-cache", "--block-cache-predictor"), several_devices="the block cache does not apply"),
     Technique("mixed_sizes", "--policy", True, False,
               "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens",
-              compiled="UNets: yes, one graph a patch side, the layout as data (not under CUDA graphs); SD3 and "
+              compiled="UNets: yes, one graph a patch side, the layout as data (under CUDA graphs one a padded "
+                       "patch and image bucket); SD3 and "
                        "FLUX.1: yes, in compiled pieces per row and token bucket, attention between them "
                        "(`gouache.runner.pieces`); other models: no, the step runs eagerly"),
     Technique("parallel", "--devices", True, False,

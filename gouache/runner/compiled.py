@@ -16,7 +16,8 @@ padded input shape, beside the eager module it was compiled from.
   patched operators installed (`gouache.runner.patch_ops`), its attention reading the layout as
   tensors (`attend_segments`, an operator dynamo does not trace), its patch and image counts
   dynamic: one graph serves every mix of a patch side (two, where dynamo splits the
-  convolutions at 16 patches), named by its patch bucket (`patch_bucket`). The warm-up leaves
+  convolutions at 16 patches), named by its patch bucket (`patch_bucket`). Under CUDA graphs
+  the batch is padded to static patch and image buckets instead (`static_bucket`). The warm-up leaves
   them to the background compiler (`warm_up`'s `later`): a patched graph compiles slowly.
 - **Adapters in the graph.** Under a server with adapters, `RowSlots` (`gouache.lora.apply`)
   hooks every Linear and Conv2d before compiling; a step with several adapter sets binds each
@@ -163,9 +164,9 @@ class CompiledDenoiser:
         patch's image, the attention segments), its patch and image counts dynamic: one graph
         serves every mix of a patch side, named by its patch bucket (`patch_bucket`) as a graph
         of dynamic rows is by its row bucket. Not under CUDA graphs (static shapes), nor with
-        segmented adapters bound (their grouped convolutions take the row count as a constant)."""
-        if self.cuda_graphs:
-            return self.run(None, eager, past="mixed_sizes")
+        segmented adapters bound (their grouped convolutions take the row count as a constant).
+        Where rows are not dynamic (CUDA graphs: static shapes) the batch is padded instead
+        (`pad_patches`) to its static patch and image buckets (`static_bucket`), one graph each."""
         if self.slots is not None and self.slots.active:
             return self.run(None, eager, past="segmented adapters")
         return self.run(self.graph(rows, {}, layout), eager)
@@ -266,6 +267,14 @@ class CompiledDenoiser:
         """The graph of a forward of `rows` (at its bucket's row count, or any count in that
         bucket where rows are dynamic) and `shared` inputs; with a `layout`, of a patched UNet's
         forward over it (`patched`)."""
+        if layout is not None and not self.dynamic_rows:
+            from gouache.runner.patch_ops import pad_patches
+
+            pad = static_bucket(layout.num_patches), static_bucket(len(layout.order) + 1)
+            padded = pad_patches(rows, pad)
+            return Graph(("patched", layout.patch) + _key(padded, shared),
+                         functools.partial(self._call_patched, layout, padded, shared, pad),
+                         f"patched, {pad[0]} patches of side {layout.patch}, {pad[1]} images", (rows, shared, layout))
         if layout is not None:
             bucket = patch_bucket(layout.num_patches)
             return Graph(("patched", layout.patch) + _key(rows, shared, bucket),
@@ -289,7 +298,8 @@ class CompiledDenoiser:
             self.dynamic_rows = False
         return self._compiled(**_pad(inputs, self.bucket(n) - n), **shared, return_dict=False)[0][:n]
 
-    def _call_patched(self, layout: PatchLayout, rows: Inputs, shared: Inputs) -> torch.Tensor:
+    def _call_patched(self, layout: PatchLayout, rows: Inputs, shared: Inputs,
+                      pad: tuple[int, int] | None = None) -> torch.Tensor:
         from torch._dynamo import mark_dynamic
         from torch.fx.experimental import _config as shapes
 
@@ -297,7 +307,9 @@ class CompiledDenoiser:
 
         # without duck sizing, two counts that happen to be equal in the mix traced (patches and
         # images, say) do not become one symbol, which the next mix would fail
-        with patch_unet(self.denoiser, layout, as_data=True) as index, shapes.patch(use_duck_shape=False):
+        with patch_unet(self.denoiser, layout, as_data=True, pad=pad) as index, shapes.patch(use_duck_shape=False):
+            if pad is not None:  # static shapes: the padding's outputs dropped
+                return self._compiled(**rows, **shared, return_dict=False)[0][:layout.num_patches]
             idx = index.tensors(rows["sample"].device)
             mark_dynamic(idx.neighbours, 1)
             for tensor in (idx.image, idx.caller, idx.per_image, idx.offsets, idx.order):
@@ -424,6 +436,12 @@ def patch_bucket(patches: int) -> int:
     of two at or below it (a bucket holds 8-15 patches, 16-31, ...: a UNet's convolutions split
     dynamo's graph at 16)."""
     return 1 << (patches.bit_length() - 1)
+
+
+def static_bucket(count: int) -> int:
+    """The static size a patched forward's patch or image count is padded to (CUDA graphs): the
+    power of two at or above it."""
+    return 1 << max(0, count - 1).bit_length()
 
 
 def _rows(rows: Inputs) -> int:

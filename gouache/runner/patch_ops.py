@@ -47,14 +47,21 @@ class PatchTensors:
     order: torch.Tensor  # [num_images] caller index of each layout position
 
     @classmethod
-    def build(cls, layout: PatchLayout) -> PatchTensors:
-        n = layout.num_patches
-        neighbours = torch.tensor(layout.neighbours, dtype=torch.long).reshape(n, 4).T.contiguous()
-        neighbours[neighbours < 0] = n
-        image = torch.tensor(layout.patch_image, dtype=torch.long)
-        order = torch.tensor(layout.order, dtype=torch.long)
-        offsets = torch.tensor(layout.request_offsets, dtype=torch.long)
-        return cls(neighbours, image, order[image], offsets.diff(), offsets, order)
+    def build(cls, layout: PatchLayout, pad: tuple[int, int] | None = None) -> PatchTensors:
+        """`pad`: (patches, images) of a batch padded to static shapes (`pad_patches`): the extra
+        patches are one more image (after the real ones, its patches' neighbours the border),
+        the extra images after it hold no patch and take the first text row."""
+        n, real = layout.num_patches, len(layout.order)
+        patches, images = pad or (n, real)
+        if patches < n or images < real + (patches > n):
+            raise ValueError(f"{n} patches of {real} images do not fit a padding to {patches} and {images}")
+        neighbours = torch.tensor(layout.neighbours, dtype=torch.long).reshape(n, 4).T
+        neighbours = torch.cat([neighbours, neighbours.new_full((4, patches - n), -1)], dim=1)
+        neighbours[neighbours < 0] = patches  # halo_pad's zero patch: the image border
+        image = torch.tensor(layout.patch_image + (real,) * (patches - n), dtype=torch.long)
+        order = torch.tensor(layout.order + (0,) * (images - real), dtype=torch.long)
+        offsets = torch.tensor(layout.request_offsets + (patches,) * (images - real), dtype=torch.long)
+        return cls(neighbours.contiguous(), image, order[image], offsets.diff(), offsets, order)
 
     def to(self, device: torch.device) -> PatchTensors:
         return PatchTensors(*(getattr(self, f.name).to(device) for f in fields(self)))
@@ -64,11 +71,14 @@ class PatchIndex:
     """A layout's index tensors, built once per layout and device (not per forward), and its
     resolution groups for self-attention."""
 
-    def __init__(self, layout: PatchLayout, as_data: bool = False):
+    def __init__(self, layout: PatchLayout, as_data: bool = False, pad: tuple[int, int] | None = None):
         """`as_data`: attention reads the layout as tensors only (`PatchAttnProcessor`), as a
-        compiled graph of any mix must."""
+        compiled graph of any mix must; `pad`: the batch is padded to (patches, images)
+        (`pad_patches`; as data only)."""
+        if pad is not None and not as_data:
+            raise ValueError("a padded patch batch needs its attention as data")
         self.layout, self.as_data = layout, as_data
-        self._by_device = {torch.device("cpu"): PatchTensors.build(layout)}
+        self._by_device = {torch.device("cpu"): PatchTensors.build(layout, pad)}
         # Per resolution group: (first patch, image count, patches per image).
         self.groups = [(layout.request_offsets[pos], k, per) for pos, k, per in layout.groups]
         # Inside a block the block cache runs on some patches only (`block_cache.blocks.Subset`): the
@@ -193,7 +203,8 @@ class PatchGroupNorm(nn.Module):
         _, mean, rstd = torch.ops.aten.native_group_norm(x, *unit, n, c, x[0, 0].numel(), groups, self.norm.eps)
         var = rstd.reshape(n, groups).double().pow(-2) - self.norm.eps  # each patch's own, to fp64
         mean = mean.reshape(n, groups).double()
-        image, count = idx.image, idx.per_image.unsqueeze(1)  # [n], [num_images, 1]
+        # [n], [num_images, 1]; a padded batch's images past the padding image have no patch
+        image, count = idx.image, idx.per_image.unsqueeze(1).clamp(min=1)
         image_mean = _segment_sum(mean, image, len(count)) / count
         spread = (mean - image_mean.index_select(0, image)).square() + var
         image_var = _segment_sum(spread, image, len(count)) / count
@@ -293,10 +304,11 @@ class PatchAttnProcessor:
 
 
 @contextlib.contextmanager
-def patch_unet(unet: nn.Module, layout: PatchLayout, as_data: bool = False) -> Iterator[PatchIndex]:
+def patch_unet(unet: nn.Module, layout: PatchLayout, as_data: bool = False,
+               pad: tuple[int, int] | None = None) -> Iterator[PatchIndex]:
     """Make `unet` run on `layout`'s patch batch, with each image's text once (caller order);
-    restore its modules and processors on exit. `as_data`: attention as `PatchIndex` says."""
-    index = PatchIndex(layout, as_data)
+    restore its modules and processors on exit. `as_data`, `pad`: as `PatchIndex` says."""
+    index = PatchIndex(layout, as_data, pad)
     attention = [m for m in unet.modules() if isinstance(m, Attention)]
     if as_data:
         for m in attention:
@@ -377,6 +389,23 @@ def patch_inputs(layout: PatchLayout, samples: list[torch.Tensor], timestep: tor
     added = {k: per_patch(v) for k, v in (added_cond_kwargs or {}).items()} or None
     return {"sample": x, "timestep": per_patch(torch.as_tensor(timestep, device=x.device)),
             "encoder_hidden_states": encoder_hidden_states, "added_cond_kwargs": added}
+
+
+def pad_patches(inputs: dict, pad: tuple[int, int]) -> dict:
+    """`patch_inputs` padded to (patches, images) (`PatchTensors.build`): copies of the last
+    patch and its conditioning, copies of the last image's text. The padding's outputs come
+    after the real patches'."""
+    patches, images = pad
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, dict):
+            out[name] = pad_patches(value, pad)
+        elif isinstance(value, torch.Tensor) and value.ndim:
+            n = images if name == "encoder_hidden_states" else patches
+            out[name] = torch.cat([value, value[-1:].expand(n - len(value), *value.shape[1:])])
+        else:
+            out[name] = value
+    return out
 
 
 def run_patches(unet: nn.Module, layout: PatchLayout, inputs: dict, cache: CachedForward | None = None,

@@ -190,25 +190,29 @@ def test_steps_whose_techniques_the_graph_does_not_hold_run_eagerly(runners):
 
 
 @pytest.mark.slow
-def test_a_patched_unet_runs_one_graph_for_every_mix_of_its_patch_side(runners, pipe):
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "padded"])
+def test_a_patched_unet_runs_one_graph_for_every_mix_of_its_patch_side(runners, pipe, dynamic):
     """The layout as data (`CompiledDenoiser.patched`): mixes of other patch and image counts run
     the graph the first compiled, equal to eager patched steps; 16 patches or more take a graph
-    of their own (dynamo splits a UNet's convolutions there: `patch_bucket`). Dynamo's graphs
+    of their own (dynamo splits a UNet's convolutions there: `patch_bucket`). Padded (static
+    shapes, as under CUDA graphs): one graph per patch and image bucket (`static_bucket`: 16
+    patches of 8 images, then of 16; 32 of 8), equal too. Dynamo's graphs
     through the `eager` backend: inductor's code for a patched UNet takes minutes on 2 cores
     (`benchmarks/patched_compile.py` checks its exactness; tests/test_attention.py compiles the
     attention operator with inductor)."""
     eager, _ = runners
     if not eager.family.patches:
         pytest.skip("packed DiT pieces: tests/runner/test_pieces.py")
+    torch._dynamo.reset()  # the other variant's graphs would serve this one's shapes (the tests using them ran)
     compiled = ModelRunner(pipe, compile=CompileConfig(enabled=True, buckets=(2, 4, 8)))
     denoiser = compiled.family.compiled
     denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
-    denoiser.warm = True
+    denoiser.warm, denoiser.dynamic_rows = True, dynamic
     small = [ImageRequest(f"s32-{i}", "a square", 32, 32, 4, 4.0, seed=2 + i) for i in range(3)]
     sizes = [request("s64"), request("t64", seed=5), *small]
     # 8x8 and 4x4 latents in patches of 4, two rows each: 10, 12, 14 patches; then 18
     mixes = [("s64", "s32-0"), ("s64", "s32-0", "s32-1"), ("s64", "s32-0", "s32-1", "s32-2")]
-    for batches, graphs in ((mixes, 1), ([("s64", "t64", "s32-0")], 1)):
+    for batches, graphs in ((mixes, 1 if dynamic else 2), ([("s64", "t64", "s32-0")], 1)):
         patched = [Batch(ids, patched=True) for ids in batches]
         expected, _ = steps(eager, sizes, patched)
         got, report = steps(compiled, sizes, patched)

@@ -122,18 +122,13 @@ class StableDiffusionFamily(Family):
         return list(graphs.values())[:max(0, self._patched_graphs)]
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), but under
-        CUDA graphs (static shapes)."""
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`)."""
         super().compile(compiled, config)
-        if not config.cuda_graphs:
-            compiled.holds = frozenset({"mixed_sizes"})
+        compiled.holds = frozenset({"mixed_sizes"})
         self._patched_graphs = graphs_left(compiled, config)
 
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
-        if config.cuda_graphs:
-            return ("--compile-graphs would be ignored: a UNet's patched forward of mixed sizes does not compile "
-                    "under --compile-cuda-graphs")
         if len(set(config.sizes)) < 2:
             return ("--compile-graphs would be ignored: patched forwards of mixed sizes compile at start where "
                     "--compile-sizes lists two sizes or more")
