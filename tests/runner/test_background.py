@@ -51,7 +51,6 @@ SERVER = textwrap.dedent("""
     import torch
     import torch._dynamo.utils
     from gouache.runner.background import BackgroundCompiler, Recipe
-from gouache.runner.compiled import Graph
     from tests.runner.test_background import tiny
 
     compiled = tiny(sys.argv[1])
