@@ -196,7 +196,7 @@ def test_a_patched_unet_runs_one_graph_for_every_mix_of_its_patch_side(runners, 
     the graph the first compiled, equal to eager patched steps; 16 patches or more take a graph
     of their own (dynamo splits a UNet's convolutions there: `patch_bucket`). Padded (static
     shapes, as under CUDA graphs): one graph per patch and image bucket (`static_bucket`: 16
-    patches of 8 images, then of 16; 32 of 8), equal too. Dynamo's graphs
+    patches of 8 images, then of 16), equal too. Dynamo's graphs
     through the `eager` backend: inductor's code for a patched UNet takes minutes on 2 cores
     (`benchmarks/patched_compile.py` checks its exactness; tests/test_attention.py compiles the
     attention operator with inductor)."""
@@ -212,7 +212,8 @@ def test_a_patched_unet_runs_one_graph_for_every_mix_of_its_patch_side(runners, 
     sizes = [request("s64"), request("t64", seed=5), *small]
     # 8x8 and 4x4 latents in patches of 4, two rows each: 10, 12, 14 patches; then 18
     mixes = [("s64", "s32-0"), ("s64", "s32-0", "s32-1"), ("s64", "s32-0", "s32-1", "s32-2")]
-    for batches, graphs in ((mixes, 1 if dynamic else 2), ([("s64", "t64", "s32-0")], 1)):
+    groups = ((mixes, 1), ([("s64", "t64", "s32-0")], 1)) if dynamic else ((mixes, 2),)
+    for batches, graphs in groups:
         patched = [Batch(ids, patched=True) for ids in batches]
         expected, _ = steps(eager, sizes, patched)
         got, report = steps(compiled, sizes, patched)
