@@ -134,8 +134,8 @@ def _metrics(base_url: str) -> str | None:
 
 
 def _compiled(text: str | None) -> dict[str, float] | None:
-    """Under --compile: the server's compile counters (`recompiles`, `graphs`, and steps by path
-    and reason: `compiled`, `eager:<reason>`); None without them."""
+    """A compiling server's compile counters (`recompiles`, `graphs`, and steps by path and
+    reason: `compiled`, `eager:<reason>`); None without them."""
     if text is None or "gouache_compile_recompiles_total " not in text:
         return None
     counts: dict[str, float] = {}
@@ -204,7 +204,8 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
                 measure_capacity(base_url, probe, args.model, args.capacity_concurrency, deadline_s))
             trace = make_trace(args.load * capacity, args.duration_s, sizes, steps, mix, args.seed, args.max_requests)
             load_start = watch.sample("load_start")
-            compile_start = _compiled(_metrics(base_url))
+            compiles = "--compile" in shlex.split(args.server_args)
+            compile_start = _compiled(_metrics(base_url)) if compiles else None
             start = time.perf_counter()
             rewriter.start()
             try:
