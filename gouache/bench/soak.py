@@ -93,7 +93,7 @@ def add_arguments(p) -> None:
     p.add_argument("--server-args", default="",
                    help="more flags for each server, one string, given with '=' "
                         "(--server-args='--compile --compile-sizes 64x64': the table then counts the graphs "
-                        "compiled during the load, `recompiles`)")
+                        "compiled during the load, `recompiles`; default: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace and mix (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/soak.json", help="JSON output path (default: %(default)s)")
 
