@@ -113,7 +113,6 @@ class CompiledDenoiser:
         self.buckets = tuple(sorted(config.buckets))
         self._mode = "reduce-overhead" if config.cuda_graphs else None
         self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
-        self.cuda_graphs = config.cuda_graphs
         self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
@@ -163,10 +162,10 @@ class CompiledDenoiser:
         allows it, else `eager()`. Its graph takes the layout as data (the halo sources, each
         patch's image, the attention segments), its patch and image counts dynamic: one graph
         serves every mix of a patch side, named by its patch bucket (`patch_bucket`) as a graph
-        of dynamic rows is by its row bucket. Not under CUDA graphs (static shapes), nor with
-        segmented adapters bound (their grouped convolutions take the row count as a constant).
-        Where rows are not dynamic (CUDA graphs: static shapes) the batch is padded instead
-        (`pad_patches`) to its static patch and image buckets (`static_bucket`), one graph each."""
+        of dynamic rows is by its row bucket. Where rows are not dynamic (CUDA graphs: static
+        shapes) the batch is padded instead (`pad_patches`) to its static patch and image
+        buckets (`static_bucket`), one graph each. Not with segmented adapters bound (their
+        grouped convolutions take the row count as a constant)."""
         if self.slots is not None and self.slots.active:
             return self.run(None, eager, past="segmented adapters")
         return self.run(self.graph(rows, {}, layout), eager)
@@ -340,7 +339,6 @@ class CompiledDenoiser:
         if later:
             self._later.update(graph.key for graph in later)
             self.background.submit({graph.key: graph.forward for graph in later})
-        if later:
             progress(f"{len(later)} more forwards compile in the background: "
                      + ", ".join(graph.what for graph in later))
 
