@@ -37,13 +37,14 @@ class Interleaved:
     def variants(self) -> list[str]:
         return list(self.runners)
 
-    def prepare(self, specs: list[tuple[int, dict]], upload: Upload | None = None) -> tuple[str, ...]:
+    def prepare(self, specs: list[tuple[int, dict]], upload: Upload | None = None, controls: list = ()
+                ) -> tuple[str, ...]:
         """Requests of (size, fields) prepared in every runner under the same ids; `upload`: an
-        edit's."""
+        edit's; `controls`: the conditioning image of each of a request's ControlNets."""
         ids = tuple(f"r{next(self._ids)}" for _ in specs)
         for runner in self.runners.values():
             for rid, (size, fields) in zip(ids, specs):
-                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), upload)
+                runner.prepare(request(rid, size, int(rid[1:]), self.schedule, **fields), upload, controls)
         return ids
 
     def release(self, *groups: tuple[str, ...]) -> None:

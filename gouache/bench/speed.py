@@ -13,6 +13,8 @@ needs). Rows of the table:
   patched or packed forward against one forward per size, summed;
 - `merged LoRA / none`, `segmented LoRA / none`: two requests with one shared adapter
   (merged into the weights), with two adapters (each on its own rows), against no adapters;
+- `ControlNet / none` (UNets): two requests with one ControlNet each (in process, sync),
+  against the same without;
 - `block cache / exact`: two requests asking for block reuse at 0.1 (per image), steady
   state, against the same without;
 - `template edit / full edit` (at --template-size): an edit repainting a centred fifth of the
@@ -114,7 +116,8 @@ def measure(model: str, args) -> dict:
 
     from gouache.bench.edit import picture
     from gouache.bench.interleaved import STEPS, Interleaved, request
-    from gouache.config import CompileConfig, LoraConfig, TemplateConfig
+    from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
+    from gouache.controlnet.model import random_controlnet, supports_controlnets
     from gouache.data.shapes import sample_scene
     from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
@@ -137,6 +140,9 @@ def measure(model: str, args) -> dict:
     base = load_pipeline(model)
     for seed, name in enumerate(("ink", "paper")):
         save_file(random_lora(base, rank=8, seed=seed), os.path.join(loras, f"{name}.safetensors"))
+    controls = None if supports_controlnets(base) else tempfile.mkdtemp(prefix="gouache-speed-controlnets-")
+    if controls:
+        random_controlnet(base, seed=0).save_pretrained(os.path.join(controls, "edges"))
     runners = {}
     for variant in variants:
         pipe = base if variant != "compiled+int8" else quantize(load_pipeline(model), "int8")
@@ -147,7 +153,7 @@ def measure(model: str, args) -> dict:
                                 sizes=tuple((s, s) for s in sizes.values()), cache_dir=args.compile_cache,
                                 graphs=args.compile_graphs or 16) if variant != "eager" else None
         runners[variant] = runner = ModelRunner(pipe, lora=LoraConfig(loras), templates=TemplateConfig(),
-                                                compile=compile)
+                                                controlnet=ControlNetConfig(controls), compile=compile)
         runner.warm_up(large)
         for name in runner.lora_runtime.store.names():
             runner.lora_runtime.store.load(name).result()
@@ -165,6 +171,11 @@ def measure(model: str, args) -> dict:
     bench.timed("no LoRA", [plain])
     bench.timed("merged LoRA", [merged])
     bench.timed("segmented LoRA", [segmented])
+    if controls:
+        image = picture(sample_scene(random.Random(2)), large, seed=2)
+        controlled = bench.prepare([(large, {"controlnets": (("edges", b"-", 1.0),)})] * 2, controls=[image])
+        bench.together({"ControlNet": ([controlled], False), "no ControlNet": ([plain], False)})
+        bench.release(controlled)
     cached = bench.prepare([(large, {"block_cache": 0.1})] * 2)
     bench.together({"block cache": ([cached], False), "exact": ([plain], False)}, settle=3)
     bench.release(plain, merged, segmented, cached)
@@ -185,6 +196,7 @@ def measure(model: str, args) -> dict:
         "patched / grouped": bench.ratio(variant, "patched", "grouped"),
         "merged LoRA / none": bench.ratio(variant, "merged LoRA", "no LoRA"),
         "segmented LoRA / none": bench.ratio(variant, "segmented LoRA", "no LoRA"),
+        **({"ControlNet / none": bench.ratio(variant, "ControlNet", "no ControlNet")} if controls else {}),
         "block cache / exact": bench.ratio(variant, "block cache", "exact"),
         "template edit / full edit": bench.ratio(variant, "template edit", "full edit"),
     } for variant in variants}

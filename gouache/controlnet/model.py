@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,24 +80,43 @@ def random_controlnet(pipe, seed: int = 0, std: float = 0.02):
 
 @torch.no_grad()
 def residuals(model, sample: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, embedded: torch.Tensor,
-              added: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+              added: dict[str, torch.Tensor] | None, run: Callable | None = None) -> list[torch.Tensor]:
     """The ControlNet's down residuals, then its middle one, for these rows at scale 1 (the
     caller scales each row: diffusers multiplies by the scale last, so this is exact), from
-    their conditioning images already through its conditioning embedding (`Embeddings`)."""
+    their conditioning images already through its conditioning embedding (`Embeddings`).
+    `run(model, inputs)`: how its forward runs (`ControlRuntime`: compiled), else `skipping_embedding`."""
     if _bgr(model):
         embedded = embedded.flip(1)  # the model flips its conditioning's channels first: this undoes it
+    inputs = {"sample": sample, "timestep": timesteps, "encoder_hidden_states": embeds, "controlnet_cond": embedded,
+              "added_cond_kwargs": added}
+    return (run or skipping_embedding)(model, inputs)
+
+
+def skipping_embedding(model, inputs: dict, fn: Callable | None = None) -> list[torch.Tensor]:
+    """`fn(model, **inputs)` (`forward` by default) with the model's conditioning embedding
+    skipped: its conditioning is already embedded, the same at every step."""
     embedding = model.controlnet_cond_embedding
     previous = embedding.__dict__.get("forward")  # another wrapper's, kept
-    embedding.forward = lambda cond: cond  # already embedded: the same at every step
+    embedding.forward = _embedded
     try:
-        down, mid = model(sample, timesteps, encoder_hidden_states=embeds, controlnet_cond=embedded,
-                          conditioning_scale=1.0, added_cond_kwargs=added, return_dict=False)
+        return (fn or forward)(model, **inputs)
     finally:
         if previous is None:
             del embedding.forward  # the class's forward again
         else:
             embedding.forward = previous
+
+
+def forward(model, **inputs) -> list[torch.Tensor]:
+    """A ControlNet's down residuals, then its middle one, at scale 1."""
+    down, mid = model(**inputs, conditioning_scale=1.0, return_dict=False)
     return [*down, mid]
+
+
+def _embedded(cond: torch.Tensor) -> torch.Tensor:
+    """The conditioning embedding of a conditioning already embedded: one function, so that a
+    compiled ControlNet's guard on it holds from step to step."""
+    return cond
 
 
 def _bgr(model) -> bool:

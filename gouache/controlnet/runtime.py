@@ -13,13 +13,16 @@ Where they run is the runner's `ControlNetConfig`:
 - on the ControlNet service (`gouache.controlnet.service`), sent when the forward starts. In `sync` mode
   the UNet gets zero-filled residual tensors and runs its encoder meanwhile; a hook after its
   last down block waits for the service and fills them in place before the UNet adds them, as
-  KATZ overlaps the ControlNets with the UNet's encoder (exact). In `async` mode a request's
-  step t uses the residuals the service computed from step t - 1 (its first step waits), read
-  at the start of the next step: the ControlNet runs beside the whole step.
+  KATZ overlaps the ControlNets with the UNet's encoder (exact). A compiled UNet (`--compile`)
+  runs whole in its graph, which holds no hook: it waits for the residuals first (`overlap`).
+  In `async` mode a request's step t uses the residuals the service computed from step t - 1
+  (its first step waits), read at the start of the next step: the ControlNet runs beside the
+  whole step.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,8 +34,19 @@ import torch
 from gouache.adapter_names import ControlNetError
 from gouache.config import ControlNetConfig
 from gouache.controlnet.cache import ControlNetCache
-from gouache.controlnet.model import Base, Embeddings, residual_shapes, residuals, supports_controlnets
+from gouache.controlnet.model import (
+    Base,
+    Embeddings,
+    forward,
+    residual_shapes,
+    residuals,
+    skipping_embedding,
+    supports_controlnets,
+)
 from gouache.outputs import ControlNetReport
+from gouache.runner.compiled import CompiledDenoiser, Graph, Target
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,12 +99,70 @@ class ControlRuntime:
         self._wait_s = 0.0  # seconds forwards waited for residuals since the last report
         self._inflight: _Run | None = None  # async runs of the last forward
         self._armed = None  # the sync wait hook of the forward running now
+        # whether sync residuals from the service are waited for inside the UNet (after its
+        # encoder, which runs meanwhile) or before it: a compiled UNet (`--compile`) takes them
+        # as inputs and holds no hook, so it waits first
+        self.overlap = True
+        self._compiled = None  # the runner's CompiledDenoiser (`compile`)
+        self._forward = None  # a ControlNet's forward, compiled
         self._released: list[str] = []  # requests gone since the last forward (`release`)
         self._lock = threading.Lock()
         # the parallel split of the forward running now (`predict`): its ranks agree on whether
         # every one got its residuals (all raise, or none, or their collectives would part ways),
         # and where it cuts the rows before the UNet runs, sync residuals come first
         self._split = None
+
+    def compile(self, compiled: CompiledDenoiser) -> None:
+        """Under --compile: sync residuals from the service are waited for before the UNet runs
+        (its graph holds no hook), and in-process ControlNets run compiled as the UNet does, in
+        graphs of dynamic rows (`CompiledDenoiser`: ready when their shape is, eager when the step
+        is), every ControlNet of one architecture through one graph (its weights are inputs)."""
+        self.overlap = False
+        self._compiled, self._forward = compiled, compiled.compile(forward)
+
+    def _target(self, model) -> Target:
+        return Target(("controlnet", type(model).__name__),
+                      lambda **inputs: skipping_embedding(model, inputs, self._forward),
+                      lambda **inputs: skipping_embedding(model, inputs))
+
+    def _run(self, model, inputs: dict) -> list[torch.Tensor]:
+        if self._compiled is None:
+            return skipping_embedding(model, inputs)
+        return self._compiled(inputs, {}, self._target(model))
+
+    def graphs(self, forwards: list[tuple[dict, dict]]) -> list[Graph]:
+        """Under --compile, the graphs of in-process ControlNet runs over the rows of `forwards`
+        (the UNet's, as the warm-up compiles them) at every row bucket: those of the first
+        ControlNet in the directory (every one of its architecture shares them); none without."""
+        names = self.cache.names() if self.served and self._compiled is not None and not self.client else []
+        model = None
+        for name in names:
+            try:
+                model = self.cache.get(name)
+                break
+            except ControlNetError as error:  # a request naming it gets the same error
+                log.warning("ControlNet %r is not compiled at start: %s", name, error)
+        if model is None:
+            return []
+        channels = model.controlnet_cond_embedding.conv_out.out_channels
+        examples = [({"sample": rows["sample"], "timestep": rows["timestep"],
+                      "encoder_hidden_states": rows["encoder_hidden_states"],
+                      "controlnet_cond": rows["sample"].new_zeros(len(rows["sample"]), channels,
+                                                                  *rows["sample"].shape[2:]),
+                      "added_cond_kwargs": rows["added_cond_kwargs"]}, {}) for rows, _ in forwards]
+        return self._compiled.row_graphs(examples, self._target(model))
+
+    @property
+    def served(self) -> bool:
+        """Whether this model takes ControlNets from a directory."""
+        return self.base is not None and self.config.directory is not None
+
+    def zeros(self, sample: torch.Tensor) -> dict:
+        """The UNet's residual arguments for rows of `sample`, all zero (they add nothing): a
+        forward with ControlNets as the compile warm-up runs it."""
+        total = [sample.new_zeros(shape) for shape in residual_shapes(self.base.unet_config, *sample.shape[:1],
+                                                                       *sample.shape[2:])]
+        return {"down_block_additional_residuals": tuple(total[:-1]), "mid_block_additional_residual": total[-1]}
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -227,7 +299,7 @@ class ControlRuntime:
                 keep[i] = int(starts[i])
         run = _Run(self._send(states, sample, timesteps, kwargs, keep, "sync" if waits else "async"),
                    shapes, states, keep)
-        if waits and (self._split is None or not self._split.residuals_first):
+        if waits and self.overlap and (self._split is None or not self._split.residuals_first):
             down = self.pipe.unet.down_blocks[-1]
             handle = down.register_forward_hook(lambda *_: self._fill(run, total))
             self._armed = (handle, run)
@@ -340,7 +412,7 @@ class ControlRuntime:
             model = self.cache.get(job.name)
             parts = residuals(model, sample[rows], timesteps[rows], kwargs["encoder_hidden_states"][rows],
                               self.embeddings.rows(job.name, model, job.conds, conds),
-                              {k: v[rows] for k, v in added.items()} if added else None)
+                              {k: v[rows] for k, v in added.items()} if added else None, self._run)
             if total is None:
                 total = [torch.zeros(len(sample), *p.shape[1:], device=p.device, dtype=p.dtype) for p in parts]
             scale = job.scale.to(sample.device, sample.dtype).view(-1, 1, 1, 1)

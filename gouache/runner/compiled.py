@@ -55,7 +55,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -72,7 +72,9 @@ log = logging.getLogger(__name__)
 
 COMPILE_FAILED = "compile_failed"  # the eager reason of a shape whose graph failed to compile
 COMPILING = "compiling"  # the eager reason of a shape a child process compiles (`gouache.runner.background`)
-Inputs = dict  # keyword arguments of the denoiser; tensors (and dicts of them, lists) with one row per forward row
+# keyword arguments of the denoiser: tensors with one row per forward row, alone, in dicts or in
+# tuples (ControlNet residuals), and lists of one item per row
+Inputs = dict
 
 
 def configure(config: CompileConfig) -> Path:
@@ -113,6 +115,8 @@ class CompiledDenoiser:
         self.buckets = tuple(sorted(config.buckets))
         self._mode = "reduce-overhead" if config.cuda_graphs else None
         self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
+        self.target = Target((), lambda **inputs: self._compiled(**inputs, return_dict=False)[0],
+                             lambda **inputs: self.denoiser(**inputs, return_dict=False)[0])
         self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
@@ -133,9 +137,11 @@ class CompiledDenoiser:
 
     # -- the forward ---------------------------------------------------------------------
 
-    def __call__(self, rows: Inputs, shared: Inputs) -> torch.Tensor:
+    def __call__(self, rows: Inputs, shared: Inputs, target: Target | None = None):
         """The denoiser's first output for `rows` (one row per forward row) and `shared` inputs:
-        compiled where the step allows it and the padded shape is compiled, else eager."""
+        compiled where the step allows it and the padded shape is compiled, else eager. With a
+        `target`, its output instead (another module's forward over rows: a ControlNet's)."""
+        target = target or self.target
         n = _rows(rows)
         padded = self.bucket(n)
         if padded is not None and not self._dynamic(rows):
@@ -143,18 +149,17 @@ class CompiledDenoiser:
         else:
             inputs = rows
 
-        def compiled() -> torch.Tensor:
+        def compiled():
             with self._bind(n, _rows(inputs)):
-                return self._call_compiled(inputs, shared)[:n]
+                return _cut(self._call_compiled(target, inputs, shared), n)
 
-        def eager() -> torch.Tensor:
+        def eager():
             with self._bind(n, n):
-                return self.denoiser(**rows, **shared, return_dict=False)[0]
+                return target.eager(**rows, **shared)
 
         if padded is None:
             return self.run(None, eager, past="rows")
-        return self.run(Graph(_key(inputs, shared, padded), compiled, _describe(inputs, padded), (inputs, shared)),
-                        eager)
+        return self.run(replace(self.graph(inputs, shared, target=target), run=compiled), eager)
 
     def patched(self, layout: PatchLayout, rows: Inputs, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A patched UNet's output patches over `layout` (`gouache.runner.patch_ops`; `rows`: its
@@ -252,20 +257,22 @@ class CompiledDenoiser:
 
     # -- compiling -----------------------------------------------------------------------
 
-    def row_graphs(self, examples: list[tuple[Inputs, Inputs]]) -> list[Graph]:
+    def row_graphs(self, examples: list[tuple[Inputs, Inputs]], target: Target | None = None) -> list[Graph]:
         """The graphs of each of `examples` ((rows, shared) inputs of one request the server
         expects) at every row bucket that holds its rows (its rows repeated to the bucket): a
         model whose requests take two rows (CFG) warms no one-row graph, which a rare forward of
         one row compiles when first met. With dynamic rows most of them are the graph of a
         smaller bucket, which the warm-up runs once more; the others are where dynamo splits the
-        rows."""
-        return [self.graph(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets
+        rows. `target`: of another module's forward over rows (a ControlNet's)."""
+        return [self.graph(_resize(rows, b), shared, target=target) for rows, shared in examples for b in self.buckets
                 if b >= _rows(rows)]
 
-    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | None = None) -> Graph:
+    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | None = None,
+              target: Target | None = None) -> Graph:
         """The graph of a forward of `rows` (at its bucket's row count, or any count in that
         bucket where rows are dynamic) and `shared` inputs; with a `layout`, of a patched UNet's
-        forward over it (`patched`)."""
+        forward over it (`patched`); with a `target`, of its forward (a background compiler
+        builds the denoiser's only)."""
         if layout is not None and not self.dynamic_rows:
             from gouache.runner.patch_ops import pad_patches
 
@@ -279,23 +286,25 @@ class CompiledDenoiser:
             return Graph(("patched", layout.patch) + _key(rows, shared, bucket),
                          functools.partial(self._call_patched, layout, rows, shared),
                          f"patched, {bucket}-{2 * bucket - 1} patches of side {layout.patch}", (rows, shared, layout))
+        target = target or self.target
         bucket = self.bucket(_rows(rows))
-        return Graph(_key(rows, shared, bucket), functools.partial(self._call_compiled, rows, shared),
-                     _describe(rows, bucket), (rows, shared))
+        return Graph(target.tag + _key(rows, shared, bucket), functools.partial(self._call_compiled, target, rows,
+                                                                                shared),
+                     " ".join((*target.tag, _describe(rows, bucket))), (rows, shared) if not target.tag else None)
 
-    def _call_compiled(self, inputs: Inputs, shared: Inputs) -> torch.Tensor:
+    def _call_compiled(self, target: Target, inputs: Inputs, shared: Inputs):
         if not self._dynamic(inputs):
-            return self._compiled(**inputs, **shared, return_dict=False)[0]
+            return target.compiled(**inputs, **shared)
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
         n = _rows(inputs)
         try:
-            return self._compiled(**_mark_rows(inputs), **shared, return_dict=False)[0]
+            return target.compiled(**_mark_rows(inputs), **shared)
         except ConstraintViolationError as e:  # the model's forward takes its row count as a constant
             log.warning("this denoiser's graph fixes its row count; its rows are padded to their bucket from now on "
                         "(%s)", str(e).splitlines()[0])
             self.dynamic_rows = False
-        return self._compiled(**_pad(inputs, self.bucket(n) - n), **shared, return_dict=False)[0][:n]
+        return _cut(target.compiled(**_pad(inputs, self.bucket(n) - n), **shared), n)
 
     def _call_patched(self, layout: PatchLayout, rows: Inputs, shared: Inputs,
                       pad: tuple[int, int] | None = None) -> torch.Tensor:
@@ -321,9 +330,13 @@ class CompiledDenoiser:
         pieces) before serving, saying how far it got. `later`: forwards it is likely to meet
         that are slow to compile (a patched UNet's), compiled after the warm-up in the
         background compiler's child (their steps run eagerly, reason `compiling`, until each is
-        in the cache), else with `graphs`."""
+        in the cache), else with `graphs`; as are those of another module than the denoiser (a
+        ControlNet's), which the child does not build."""
         if self.background is None:
             graphs, later = [*graphs, *later], ()
+        # the child builds the denoiser alone: another module's graphs (a ControlNet's) compile here
+        graphs += [graph for graph in later if graph.forward is None]
+        later = [graph for graph in later if graph.forward is not None]
         start = time.perf_counter()
         for i, graph in enumerate(graphs, 1):
             if graph.key not in self._ready and graph.key not in self._failed:
@@ -398,6 +411,17 @@ class Graph:
     forward: tuple[Inputs, Inputs] | None = None
 
 
+@dataclass(frozen=True)
+class Target:
+    """A module's forward over rows, run as the denoiser's is (`CompiledDenoiser.__call__`):
+    `compiled(**inputs)` through a `torch.compile`d function, `eager(**inputs)` else; its graphs'
+    keys and names begin with `tag` (the denoiser's own: empty)."""
+
+    tag: tuple[str, ...]
+    compiled: Callable
+    eager: Callable
+
+
 @dataclass
 class _Step:
     reason: str | None  # why the step's techniques run eagerly (None: they may run compiled)
@@ -446,26 +470,32 @@ def _rows(rows: Inputs) -> int:
     for value in rows.values():
         if isinstance(value, torch.Tensor):
             return value.shape[0]
-        if isinstance(value, dict):
-            return _rows(value)
+        if isinstance(value, dict | tuple) and value:
+            return _rows(value if isinstance(value, dict) else dict(enumerate(value)))
     raise ValueError("a forward's row inputs hold no tensor")
+
+
+def _per_row(value, tensor: Callable, listed: Callable):
+    """`value` (a row input) with `tensor` applied to each of its tensors, alone, in dicts or in
+    tuples (ControlNet residuals: one tensor a block, each with a row per forward row), and
+    `listed` to each list (one item per row: Qwen-Image's img_shapes); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return tensor(value)
+    if isinstance(value, dict):
+        return {name: _per_row(v, tensor, listed) for name, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_per_row(v, tensor, listed) for v in value)
+    if isinstance(value, list):
+        return listed(value)
+    return value
 
 
 def _pad(rows: Inputs, extra: int) -> Inputs:
     """`rows` with `extra` copies of their last row appended (rows are independent)."""
     if extra == 0:
         return rows
-    out = {}
-    for name, value in rows.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = torch.cat([value, value[-1:].expand(extra, *value.shape[1:])])
-        elif isinstance(value, dict):
-            out[name] = _pad(value, extra)
-        elif isinstance(value, list):  # one item per row (Qwen-Image's img_shapes)
-            out[name] = value + value[-1:] * extra
-        else:
-            out[name] = value
-    return out
+    return _per_row(rows, lambda t: torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]),
+                    lambda items: items + items[-1:] * extra)
 
 
 def _resize(rows: Inputs, n: int) -> Inputs:
@@ -473,26 +503,30 @@ def _resize(rows: Inputs, n: int) -> Inputs:
     have = _rows(rows)
     if n >= have:
         return _pad(rows, n - have)
-    return {name: value[:n] if isinstance(value, torch.Tensor | list) else _resize(value, n)
-            if isinstance(value, dict) else value for name, value in rows.items()}
+    return _per_row(rows, lambda t: t[:n], lambda items: items[:n])
+
+
+def _cut(out, n: int):
+    """A forward's output (a tensor, or a list of them) cut to its first `n` rows."""
+    return out[:n] if isinstance(out, torch.Tensor) else [t[:n] for t in out]
 
 
 def _has_list(rows: Inputs) -> bool:
-    return any(isinstance(v, list) or isinstance(v, dict) and _has_list(v) for v in rows.values())
+    found = []
+    _per_row(rows, lambda t: t, found.append)
+    return bool(found)
 
 
 def _mark_rows(rows: Inputs) -> Inputs:
     """`rows` (views of them) with their row dimension dynamic in the graph compiled for them."""
     from torch._dynamo import mark_dynamic
 
-    out = {}
-    for name, value in rows.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = value.view_as(value)
-            mark_dynamic(out[name], 0)
-        else:
-            out[name] = _mark_rows(value) if isinstance(value, dict) else value
-    return out
+    def marked(tensor: torch.Tensor) -> torch.Tensor:
+        view = tensor.view_as(tensor)
+        mark_dynamic(view, 0)
+        return view
+
+    return _per_row(rows, marked, lambda items: items)
 
 
 def _key(rows: Inputs, shared: Inputs, bucket: int | None = None) -> tuple:
@@ -503,23 +537,19 @@ def _key(rows: Inputs, shared: Inputs, bucket: int | None = None) -> tuple:
 
 
 def _shapes(inputs: Inputs, rows: int | None) -> tuple:
-    out = []
-    for name, value in sorted(inputs.items()):
-        if isinstance(value, torch.Tensor):
-            shape = tuple(value.shape) if rows is None else (rows, *value.shape[1:])
-            out.append((name, shape, value.dtype, value.device))
-        elif isinstance(value, dict):
-            out.append((name, _shapes(value, rows)))
-        else:
-            out.append((name, _frozen(value)))
-    return tuple(out)
+    def shape(tensor: torch.Tensor) -> tuple:
+        return (tuple(tensor.shape) if rows is None else (rows, *tensor.shape[1:])), tensor.dtype, tensor.device
+
+    return tuple((name, _frozen(_per_row(value, shape, _frozen))) for name, value in sorted(inputs.items()))
 
 
 def _frozen(value):
     """A plain input as a key: lists (Qwen-Image's `img_shapes`, Z-Image's images) as tuples all
-    the way down, tensors in them as what a graph is compiled for."""
+    the way down, dicts as their sorted items, tensors in them as what a graph is compiled for."""
     if isinstance(value, torch.Tensor):
         return tuple(value.shape), value.dtype, value.device
+    if isinstance(value, dict):
+        return tuple((name, _frozen(v)) for name, v in sorted(value.items()))
     return tuple(map(_frozen, value)) if isinstance(value, list | tuple) else value
 
 

@@ -28,6 +28,7 @@ from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.families import Family, make_family
 from gouache.runner.forward import Forward, LayoutLayer, prepared_techniques
+from gouache.runner.pieces import graphs_left
 from gouache.runner.quantize import quantized
 from gouache.runner.sampler import DenoiseState, Parked
 from gouache.sched.plan import Batch
@@ -78,6 +79,8 @@ class ModelRunner:
                                  merges=quantized(self.family.denoiser) is None)
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
         self.controls = ControlRuntime(controlnet or ControlNetConfig(), pipe)
+        if self.family.compiled is not None:
+            self.controls.compile(self.family.compiled)
         if self.template_config.directory:  # claimed (and an earlier run's files adopted) before serving
             _ = self.templates
 
@@ -144,14 +147,21 @@ class ModelRunner:
         sizes = self.compile_config.sizes or ((default_size, default_size),)
         states = [self.family.prepare(ImageRequest(f"warm-up-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0))
                   for h, w in sizes]
-        graphs = compiled.row_graphs([self.family.forward_inputs([state]) for state in states])
+        forwards = [self.family.forward_inputs([state]) for state in states]
+        graphs = compiled.row_graphs(forwards)
         if self.family.pieces is not None:
             graphs += self.family.pieces.graphs(states[0].cond["prompt_embeds"].shape[1])
+        # forwards slow to compile that the load is likely to meet, after `/health`, within --compile-graphs
+        control = compiled.row_graphs([({**rows, **self.controls.zeros(rows["sample"])}, shared)
+                                       for rows, shared in forwards]) if self.controls.served else []
+        control += self.controls.graphs(forwards)
         patched = self.family.patched_graphs(states)
+        later = (control + patched)[:max(0, graphs_left(compiled, self.compile_config))]
         log.info("warm-up: %d graphs (%s)%s", len(graphs), self.family.pieces.buckets.describe()
                  if self.family.pieces is not None else "rows only",
-                 f", then {len(patched)} of patched forwards of mixed sizes" if patched else "")
-        compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line), later=patched)
+                 f", then {len(later)} of forwards with ControlNet residuals ({len(control)}) and patched forwards "
+                 f"of mixed sizes ({len(patched)})" if later else "")
+        compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line), later=later)
 
     def uses_template(self, request: ImageRequest) -> bool:
         """Whether the edit reuses a template: a registration does; an edit as it says (the API

@@ -8,13 +8,17 @@ and a DiT): compiling is slow on 2 cores."""
 import logging
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+import torch._dynamo.utils
 from torch import nn
 
 from gouache.block_cache.layer import BlockCacheLayer
-from gouache.config import CompileConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from gouache.config import CompileConfig, ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from gouache.controlnet.layer import ControlNetLayer
+from gouache.controlnet.model import forward as controlnet_forward
+from gouache.controlnet.model import random_controlnet
 from gouache.engine.build import build_engine
 from gouache.forward_layers import Step
 from gouache.lora.layer import LoraLayer
@@ -55,12 +59,12 @@ def runners(pipe, lora_dir):
 
 
 def steps(runner: ModelRunner, requests: list[ImageRequest], batches: list[tuple[str, ...] | Batch]):
-    """Prepare `requests`, run one step of each batch (its ids, or a `Batch`); the latents and
-    the compile report."""
+    """Prepare `requests` (a conditioning image for each ControlNet), run one step of each batch
+    (its ids, or a `Batch`); the latents and the compile report."""
     for name in runner.lora_runtime.store.names():
         runner.lora_runtime.store.load(name).result()
     for r in requests:
-        runner.prepare(r)
+        runner.prepare(r, controls=[np.full((r.height, r.width, 3), 200, np.uint8)] * len(r.controlnets))
     report = CompileReport()
     for batch in batches:
         batch = batch if isinstance(batch, Batch) else Batch(batch)
@@ -221,6 +225,36 @@ def test_a_patched_unet_runs_one_graph_for_every_mix_of_its_patch_side(runners, 
         assert report.compiled == len(batches) and report.eager == {} and report.graphs == graphs
 
 
+@pytest.mark.slow
+def test_controlnet_residuals_are_inputs_of_the_unet_graph(runners, pipe, tmp_path):
+    """Steps with ControlNet residuals in some rows run compiled: the ControlNet in one graph
+    of dynamic rows, the UNet taking its residuals in another (beside the plain one), each
+    serving every row count, equal to eager steps. Through dynamo's `eager` backend, as the
+    patched test above (inductor compiles plain adds of inputs)."""
+    if not hasattr(pipe, "unet"):
+        pytest.skip("ControlNets are served for UNets")
+    torch._dynamo.reset()  # the graphs of the tests before would serve these shapes
+    random_controlnet(pipe, seed=0, std=0.2).save_pretrained(str(tmp_path / "edges"))
+    controls = ControlNetConfig(str(tmp_path))
+    eager = ModelRunner(pipe, controlnet=controls)
+    compiled = ModelRunner(pipe, controlnet=controls, compile=CompileConfig(enabled=True, buckets=(2, 4, 8)))
+    denoiser = compiled.family.compiled
+    denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
+    compiled.controls._forward = torch.compile(controlnet_forward, dynamic=False, backend="eager")
+    denoiser.warm = True
+    edges = (("edges", b"-", 0.8),)
+    requests = [ImageRequest("c1", "a red circle", SIZE, SIZE, 4, 4.0, seed=1, controlnets=edges),
+                ImageRequest("c2", "a blue square", SIZE, SIZE, 4, 4.0, seed=2, controlnets=edges),
+                request("p1", seed=3)]
+    batches = [("c1",), ("c1", "p1"), ("c1", "c2", "p1")]  # 2, 4 and 6 rows, some without residuals
+    expected, _ = steps(eager, requests, batches)
+    plain, _ = steps(eager, [request("c1", seed=1)], [("c1",)])
+    assert (plain["c1"] - expected["c1"]).abs().max() > 1e-3  # the residuals matter
+    got, report = steps(compiled, requests, batches)
+    assert_equal(expected, got)
+    assert report.compiled == len(batches) and report.eager == {} and report.graphs == 2
+
+
 def test_eager_reason_names_the_first_technique_that_does_not_compile():
     def forward(degree=1, compiled=None) -> Forward:
         return Forward((ParallelLayer(None, degree, None, None), LoraLayer(None, {}, None), ControlNetLayer(None, None),
@@ -243,6 +277,11 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
     assert (forward().eager_reason(Step([State(), State(cond={"reference": torch.zeros(1, 4, 8)})], False))
             == "reference")
     assert forward().eager_reason(Step([State(), State(strength=0.5)], False)) is None  # img2img changes no forward
+    controlled = State()
+    controlled.control = SimpleNamespace(mode="sync")
+    assert forward().eager_reason(Step([State(), controlled], False)) == "controlnet"
+    unet = SimpleNamespace(holds=frozenset({"mixed_sizes", "controlnet", "controlnet_async"}))  # residuals as inputs
+    assert forward(compiled=unet).eager_reason(Step([State(), controlled], False)) is None
 
 
 def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pipe):
@@ -274,10 +313,43 @@ class RowWise(nn.Module):
         return (x,)
 
 
+class WithResiduals(nn.Module):
+    """A denoiser of independent rows that takes a tuple of per-row tensors (as a UNet takes
+    ControlNet residuals)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, sample, residuals, return_dict=True):
+        return (self.proj(sample) + residuals[0] * residuals[1].sum(1, keepdim=True),)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "padded"])
+def test_a_tuple_of_row_tensors_is_marked_and_padded_with_the_rows(tmp_path, dynamic):
+    compiled = CompiledDenoiser(WithResiduals(), CompileConfig(enabled=True, buckets=(2, 4, 8),
+                                                               cache_dir=str(tmp_path)), torch.device("cpu"))
+    compiled.dynamic_rows = dynamic
+    torch._dynamo.reset()  # the other variant's graph would serve this one's rows
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for n in (2, 3, 5, 7):
+        generator = torch.Generator().manual_seed(n)
+        rows = {"sample": torch.randn(n, 8, generator=generator),
+                "residuals": (torch.randn(n, 8, generator=generator), torch.randn(n, 3, generator=generator))}
+        with torch.no_grad(), compiled.step(None):
+            out = compiled(rows, {})
+        assert out.shape == (n, 8) and (out - compiled.denoiser(**rows)[0]).abs().max() <= TOL
+    # dynamic: one graph from 2 rows on; padded: one per bucket (2, 4, 8)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == (1 if dynamic else 3)
+    assert compiled.take_report().compiled == 4
+    keys = {g.key for g in compiled.row_graphs([(rows, {})])}  # each bucket's key names the tuple's shapes
+    assert ("residuals", (((8, 8), torch.float32, torch.device("cpu")), ((8, 3), torch.float32,
+                                                                         torch.device("cpu")))) in max(keys)
+
+
 def run_rows(compiled: CompiledDenoiser, counts) -> int:
     """Forwards of each row count, each equal to eager; the graphs dynamo compiled for them."""
-    import torch._dynamo.utils
-
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for n in counts:
         x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))

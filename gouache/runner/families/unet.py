@@ -14,7 +14,6 @@ from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.families.base import Family, by_state, cat_cond, row_timesteps
 from gouache.runner.patch_ops import patch_inputs, patched_unet_forward, run_patches
-from gouache.runner.pieces import graphs_left
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
 from gouache.templates.unet import masked_blocks, unet_template_blocks
@@ -105,7 +104,7 @@ class StableDiffusionFamily(Family):
     def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
         """The patched forwards that mixes of `states` (one a size) make, to compile before they
         are met: every pair of sizes and all of them together, repeated to each row bucket, one
-        graph a patch side and patch bucket, as many as `--compile-graphs` leaves (`graphs_left`)."""
+        graph a patch side and patch bucket (the runner keeps as many as `--compile-graphs` leaves)."""
         compiled = self.compiled
         if compiled is None or "mixed_sizes" not in compiled.holds or len(states) < 2:
             return []
@@ -119,13 +118,13 @@ class StableDiffusionFamily(Family):
                                   self.added_cond(members))
             graph = compiled.graph(inputs, {}, layout)
             graphs.setdefault(graph.key, graph)
-        return list(graphs.values())[:max(0, self._patched_graphs)]
+        return list(graphs.values())
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`)."""
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), and a
+        forward with ControlNet residuals (they are inputs of the UNet's graph)."""
         super().compile(compiled, config)
-        compiled.holds = frozenset({"mixed_sizes"})
-        self._patched_graphs = graphs_left(compiled, config)
+        compiled.holds = frozenset({"mixed_sizes", "controlnet", "controlnet_async"})
 
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
