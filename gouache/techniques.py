@@ -45,9 +45,13 @@ TECHNIQUES = {t.name: t for t in (
               compiles=True, compiled="yes, as `lora`", flags=("--lora-bound",),
               several_devices="ranks load adapters before the step (synchronously)"),
     Technique("controlnet", "controlnets", True, True,
-              "ControlNet residuals (KATZ), in process or from the service overlapping the UNet's encoder"),
+              "ControlNet residuals (KATZ), in process or from the service overlapping the UNet's encoder",
+              compiles=True, compiled="yes (the residuals are inputs of the UNet's graph; in-process ControlNets run "
+                                      "in a graph of their own; the service's sync residuals are waited for before "
+                                      "the UNet, not during its encoder)"),
     Technique("controlnet_async", "controlnet_mode", False, True,
-              "asynchronous ControlNet residuals (KATZ): step t takes the residuals of step t - 1"),
+              "asynchronous ControlNet residuals (KATZ): step t takes the residuals of step t - 1",
+              compiles=True, compiled="yes, as `controlnet`"),
     Technique("template", "template_cache", False, True,
               "template replay of an edit's unmasked tokens (InstGenIE)",
               flags=("--template-cache", "--template-cost-model"), several_devices="template reuse does not apply"),

@@ -43,9 +43,12 @@ padded input shape, beside the eager module it was compiled from.
   the sweep moved something; if it still fails, its shape runs eagerly from then on, logged once
   with the reason and counted as `compile_failed`, at warm-up or later.
 - **The step's path.** The composer says per step whether its techniques allow the compiled
-  forward (`step(reason)`: a block cache, a template, a ControlNet or a parallel split runs
-  eagerly, `gouache.techniques`); the step's path and reason go to
-  `/metrics` (`CompileReport`).
+  forward (`step(reason)`: a block cache, a template or a parallel split runs eagerly,
+  `gouache.techniques`); the step's path and reason go to `/metrics` (`CompileReport`).
+- **Other modules over the same rows** (`Target`): an in-process ControlNet runs as the
+  denoiser does, in graphs of dynamic rows keyed by its class (its weights are inputs: every
+  ControlNet of one architecture shares them), and its residuals reach the UNet's graph as
+  inputs (a tuple of per-row tensors, marked and padded with the rows).
 """
 
 from __future__ import annotations

@@ -278,10 +278,8 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
             == "reference")
     assert forward().eager_reason(Step([State(), State(strength=0.5)], False)) is None  # img2img changes no forward
     controlled = State()
-    controlled.control = SimpleNamespace(mode="sync")
-    assert forward().eager_reason(Step([State(), controlled], False)) == "controlnet"
-    unet = SimpleNamespace(holds=frozenset({"mixed_sizes", "controlnet", "controlnet_async"}))  # residuals as inputs
-    assert forward(compiled=unet).eager_reason(Step([State(), controlled], False)) is None
+    controlled.control = SimpleNamespace(mode="async")
+    assert forward().eager_reason(Step([State(), controlled], False)) is None  # residuals are the UNet's inputs
 
 
 def test_cuda_graphs_off_a_gpu_and_compile_flags_without_compile_are_refused(pipe):

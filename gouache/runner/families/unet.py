@@ -121,10 +121,9 @@ class StableDiffusionFamily(Family):
         return list(graphs.values())
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), and a
-        forward with ControlNet residuals (they are inputs of the UNet's graph)."""
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`)."""
         super().compile(compiled, config)
-        compiled.holds = frozenset({"mixed_sizes", "controlnet", "controlnet_async"})
+        compiled.holds = frozenset({"mixed_sizes"})
 
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
