@@ -54,6 +54,8 @@ TECHNIQUES = {t.name: t for t in (
               compiles=True, compiled="yes, as `controlnet`"),
     Technique("template", "template_cache", False, True,
               "template replay of an edit's unmasked tokens (InstGenIE)",
+              compiled="UNets: yes, one graph a size and row bucket, the layout as data (a recorder's steps and a "
+                       "load plan's run eagerly; under CUDA graphs: not yet); DiTs: no, the step runs eagerly",
               flags=("--template-cache", "--template-cost-model"), several_devices="template reuse does not apply"),
     Technique("block_cache", "block_cache", False, True,
               "block-output reuse across steps (PatchedServe), per image, patch or token; decided by a "

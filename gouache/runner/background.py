@@ -18,6 +18,7 @@ failed child's warning quotes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -52,7 +53,8 @@ class Recipe:
         return getattr(importlib.import_module(module), name)(self.argument)
 
 
-Forward = tuple[dict, dict]  # (rows, shared) inputs of one padded forward, as `CompiledDenoiser.graph` takes them
+# (rows, shared) inputs of one padded forward, and its layout where it has one, as `CompiledDenoiser.graph` takes them
+Forward = tuple
 
 
 class BackgroundCompiler:
@@ -168,6 +170,9 @@ def _yield_cpu() -> None:
 def _map(value, fn: Callable[[torch.Tensor], object]):
     if isinstance(value, torch.Tensor):
         return fn(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a forward's layout
+        return dataclasses.replace(value, **{f.name: _map(getattr(value, f.name), fn)
+                                             for f in dataclasses.fields(value) if f.init})
     if isinstance(value, dict):
         return {k: _map(v, fn) for k, v in value.items()}
     if isinstance(value, list | tuple):

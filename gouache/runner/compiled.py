@@ -70,6 +70,7 @@ from gouache.outputs import CompileReport
 from gouache.runner import compile_cache
 from gouache.runner.background import BackgroundCompiler
 from gouache.runner.layout import PatchLayout
+from gouache.templates.unet import ReplayLayout
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,19 @@ class CompiledDenoiser:
             return self.run(None, eager, past="segmented adapters")
         return self.run(self.graph(rows, {}, layout), eager)
 
+    def replayed(self, layout: ReplayLayout, rows: Inputs, shared: Inputs, eager: Callable[[], torch.Tensor]):
+        """A UNet's output for `rows` where a template replay computes `layout`'s tokens only
+        (`gouache.templates.unet`), compiled where the step allows it, else `eager()`. Its graph
+        takes the layout as data (the computed tokens' indices, the template's activations),
+        the computed counts dynamic with the rows: one graph serves every mask of a size and row
+        bucket. Not with segmented adapters bound, nor under CUDA graphs (static shapes: its
+        computed tokens are not padded to buckets yet)."""
+        if self.slots is not None and self.slots.active:
+            return self.run(None, eager, past="segmented adapters")
+        if not self.dynamic_rows:
+            return self.run(None, eager, past="template under CUDA graphs")
+        return self.run(self.graph(rows, shared, layout), eager)
+
     def _dynamic(self, rows: Inputs) -> bool:
         """Whether a forward of `rows` runs a graph of dynamic rows (else its rows are padded to
         their bucket): more than one row, not under CUDA graphs, no Python list per row, and no
@@ -270,12 +284,27 @@ class CompiledDenoiser:
         return [self.graph(_resize(rows, b), shared, target=target) for rows, shared in examples for b in self.buckets
                 if b >= _rows(rows)]
 
-    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | None = None,
+    def replay_graphs(self, examples: list[tuple[Inputs, Inputs]],
+                      layout: Callable[[Inputs], ReplayLayout]) -> list[Graph]:
+        """The template replays of `examples` ((rows, shared) of one request a size) at every row
+        bucket that holds their rows (as `row_graphs`), `layout(rows)` an example layout of
+        those rows (`replayed`; none under CUDA graphs, where replays run eagerly)."""
+        if not self.dynamic_rows:
+            return []
+        resized = [(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets if b >= _rows(rows)]
+        return [self.graph(rows, shared, layout(rows)) for rows, shared in resized]
+
+    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | ReplayLayout | None = None,
               target: Target | None = None) -> Graph:
         """The graph of a forward of `rows` (at its bucket's row count, or any count in that
         bucket where rows are dynamic) and `shared` inputs; with a `layout`, of a patched UNet's
-        forward over it (`patched`); with a `target`, of its forward (a background compiler
-        builds the denoiser's only)."""
+        forward over it (`patched`) or of a template replay's (`replayed`); with a `target`, of
+        its forward (a background compiler builds the denoiser's only)."""
+        if isinstance(layout, ReplayLayout):
+            bucket = self.bucket(_rows(rows))
+            return Graph(("template",) + _key(rows, shared, bucket),
+                         functools.partial(self._call_replayed, layout, rows, shared),
+                         f"template replay, {_describe(rows, bucket)}", (rows, shared, layout))
         if layout is not None and not self.dynamic_rows:
             from gouache.runner.patch_ops import pad_patches
 
@@ -326,6 +355,24 @@ class CompiledDenoiser:
             for tensor in (idx.image, idx.caller, idx.per_image, idx.offsets, idx.order):
                 mark_dynamic(tensor, 0)
             return self._compiled(**_mark_rows(rows), **shared, return_dict=False)[0]
+
+    def _call_replayed(self, layout: ReplayLayout, rows: Inputs, shared: Inputs) -> torch.Tensor:
+        from torch._dynamo import maybe_mark_dynamic
+        from torch.fx.experimental import _config as shapes
+
+        from gouache.templates.unet import replayed_blocks
+
+        dynamic = self._dynamic(rows)
+        for computed in layout.computed.values():  # a count of one would specialize: then it recompiles, counted
+            maybe_mark_dynamic(computed, 0)
+        if dynamic:
+            for tensors in layout.template.values():
+                for tensor in tensors:
+                    maybe_mark_dynamic(tensor, 0)
+        # without duck sizing, computed counts equal by chance to the rows (or to each other)
+        # in the mix traced do not become one symbol
+        with replayed_blocks(self.denoiser, layout), shapes.patch(use_duck_shape=False):
+            return self._compiled(**(_mark_rows(rows) if dynamic else rows), **shared, return_dict=False)[0]
 
     def warm_up(self, graphs: list[Graph], progress: Callable[[str], None] = log.info,
                 later: Sequence[Graph] = ()) -> None:

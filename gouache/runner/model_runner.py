@@ -155,12 +155,13 @@ class ModelRunner:
         control = compiled.row_graphs([({**rows, **self.controls.zeros(rows["sample"])}, shared)
                                        for rows, shared in forwards]) if self.controls.served else []
         control += self.controls.graphs(forwards)
+        replays = self.family.replay_graphs(states)
         patched = self.family.patched_graphs(states)
-        later = (control + patched)[:max(0, graphs_left(compiled, self.compile_config))]
+        later = (control + replays + patched)[:max(0, graphs_left(compiled, self.compile_config))]
         log.info("warm-up: %d graphs (%s)%s", len(graphs), self.family.pieces.buckets.describe()
                  if self.family.pieces is not None else "rows only",
-                 f", then {len(later)} of forwards with ControlNet residuals ({len(control)}) and patched forwards "
-                 f"of mixed sizes ({len(patched)})" if later else "")
+                 f", then {len(later)} of forwards with ControlNet residuals ({len(control)}), template replays "
+                 f"({len(replays)}) and patched forwards of mixed sizes ({len(patched)})" if later else "")
         compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line), later=later)
 
     def uses_template(self, request: ImageRequest) -> bool:

@@ -22,7 +22,7 @@ from gouache.config import CompileConfig
 from gouache.executor.worker import WorkerSpec, compiled_denoiser
 from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
-from gouache.runner.background import BackgroundCompiler, Recipe
+from gouache.runner.background import BackgroundCompiler, Recipe, _move
 from gouache.runner.compiled import Graph
 from gouache.runner.model_runner import ModelRunner
 
@@ -97,20 +97,23 @@ def test_a_new_shape_runs_eagerly_while_a_child_compiles_it_then_compiled_from_t
 
 @pytest.mark.slow
 def test_the_warm_up_leaves_patched_forwards_to_the_child_foreseen_not_recompiles(tmp_path):
-    """A patched UNet's graphs (`CompiledDenoiser.patched`), slow to compile, are queued for the
-    child at the end of the warm-up with what the child rebuilds each from (through its job's
-    pickle: the same key); compiled after the warm-up, they are no recompile: it foresaw them."""
+    """A patched UNet's graphs (`CompiledDenoiser.patched`) and its template replays'
+    (`replayed`), slow to compile, are queued for the child at the end of the warm-up with what
+    the child rebuilds each from (through its job's pickle: the same key); compiled after the
+    warm-up, they are no recompile: it foresaw them."""
     config = CompileConfig(enabled=True, buckets=(2, 4), sizes=((64, 64), (32, 32)), cache_dir=str(tmp_path))
     runner = ModelRunner(load_pipeline("tiny-sd"), compile=config)
     compiled, queued = runner.family.compiled, {}
     compiled.background = SimpleNamespace(submit=queued.update, close=lambda: None)
     warm = [runner.family.prepare(ImageRequest(f"w{s}", "warm-up", s, s, 2, 5.0, seed=0)) for s in (64, 32)]
-    later = runner.family.patched_graphs(warm)
+    replays = runner.family.replay_graphs(warm)
+    later = runner.family.patched_graphs(warm) + replays
+    assert {graph.key[0] for graph in replays} == {"template"} and len(replays) == 4  # 2 sizes, buckets 2 and 4
     compiled.warm_up([], progress=lambda line: None, later=later)
     assert later and list(queued) == [graph.key for graph in later]
     child = compiled_denoiser(WorkerSpec("tiny-sd", compile=config))
     for key, forward in queued.items():
-        assert child.graph(*pickle.loads(pickle.dumps(forward))).key == key
+        assert child.graph(*pickle.loads(pickle.dumps(_move(forward, "cpu")))).key == key
     # what compiling them after the warm-up counts (a trivial graph in their place: compiling a
     # patched UNet is tests/runner/test_compiled.py's)
     compiled.take_report()

@@ -15,7 +15,15 @@ import torch._dynamo.utils
 from torch import nn
 
 from gouache.block_cache.layer import BlockCacheLayer
-from gouache.config import CompileConfig, ControlNetConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from gouache.config import (
+    CompileConfig,
+    ControlNetConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TemplateConfig,
+)
 from gouache.controlnet.layer import ControlNetLayer
 from gouache.controlnet.model import forward as controlnet_forward
 from gouache.controlnet.model import random_controlnet
@@ -30,6 +38,7 @@ from gouache.runner.forward import Forward, LayoutLayer
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
 from gouache.templates.layer import TemplateLayer
+from gouache.uploads import EditMask, Upload
 from tests.lora.random_files import random_loras
 
 TOL = 1e-4
@@ -253,6 +262,52 @@ def test_controlnet_residuals_are_inputs_of_the_unet_graph(runners, pipe, tmp_pa
     got, report = steps(compiled, requests, batches)
     assert_equal(expected, got)
     assert report.compiled == len(batches) and report.eager == {} and report.graphs == 2
+
+
+@pytest.mark.slow
+def test_a_template_replay_runs_one_graph_for_every_mask(runners, pipe):
+    """The layout as data (`CompiledDenoiser.replayed`): replays of two masks, alone and
+    together, run one graph, equal to eager replays; the recorder's steps run eagerly, saying
+    why. Through dynamo's `eager` backend, as the tests above."""
+    if not hasattr(pipe, "unet"):
+        pytest.skip("DiT replays run eagerly (the packed forward is not in pieces for templates yet)")
+    torch._dynamo.reset()  # the graphs of the tests before would serve these shapes
+    eager = ModelRunner(pipe, templates=TemplateConfig())
+    compiled = ModelRunner(pipe, templates=TemplateConfig(), compile=CompileConfig(enabled=True, buckets=(2, 4, 8)))
+    assert "template" in compiled.family.compiled.holds
+    denoiser = compiled.family.compiled
+    denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
+    denoiser.warm = True
+    image = np.random.default_rng(0).integers(0, 255, (SIZE, SIZE, 3), dtype=np.uint8)
+    top, square = np.zeros((SIZE, SIZE), np.float32), np.zeros((SIZE, SIZE), np.float32)
+    top[:24], square[24:48, 16:40] = 1, 1
+
+    def edits(runner, specs, batches):
+        for rid, mask, fields in specs:
+            runner.prepare(ImageRequest(rid, f"a cat {rid}", SIZE, SIZE, 4, 4.0, seed=1, image=b"-", template_id="t",
+                                        **fields), Upload(image, EditMask(mask)))
+        report = CompileReport()
+        for batch in batches:
+            out = runner.execute(Batch(batch))
+            assert not out.failed
+            report.compiled += out.compile.compiled
+            report.graphs += out.compile.graphs
+            for why, n in out.compile.eager.items():
+                report.eager[why] = report.eager.get(why, 0) + n
+        return {rid: runner.states[rid].latents.clone() for rid, _, _ in specs}, report
+
+    record = [("record", np.zeros_like(top), {"register_template": True})]
+    replays = [("top", top, {"template_cache": True}), ("square", square, {"template_cache": True})]
+    batches = [("top", "square"), ("top",), ("top", "square"), ("square",), ("top", "square")]
+    expected = {}
+    for runner in (eager, compiled):
+        _, report = edits(runner, record, [("record",)] * 4)
+        latents, replayed = edits(runner, replays, batches)
+        expected.setdefault("latents", latents)
+    assert report.eager == {"template recording": 4}
+    assert_equal(expected["latents"], latents)
+    assert replayed.compiled == len(batches) and replayed.eager == {} and replayed.graphs == 1
+    assert compiled.templates.counts.replayed_tokens > 0
 
 
 def test_eager_reason_names_the_first_technique_that_does_not_compile():

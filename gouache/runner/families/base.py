@@ -72,6 +72,11 @@ class Family(ABC):
         server compiles) make, where the family's patched forward compiles whole (a UNet's)."""
         return []
 
+    def replay_graphs(self, states: list[DenoiseState]) -> list[Graph]:
+        """The compiled template replays of edits of `states`' sizes, where the family's replay
+        compiles whole (a UNet's)."""
+        return []
+
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> PackedPieces | None:
         """The family's packed forward in compiled pieces (`gouache.runner.pieces`), if it has one."""
         return None

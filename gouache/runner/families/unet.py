@@ -16,7 +16,7 @@ from gouache.runner.families.base import Family, by_state, cat_cond, row_timeste
 from gouache.runner.patch_ops import patch_inputs, patched_unet_forward, run_patches
 from gouache.runner.sampler import DenoiseState
 from gouache.templates.replay import ReplayForward
-from gouache.templates.unet import masked_blocks, unet_template_blocks
+from gouache.templates.unet import example_layout, masked_blocks, replay_layout, replayable, unet_template_blocks
 
 
 class StableDiffusionFamily(Family):
@@ -66,8 +66,31 @@ class StableDiffusionFamily(Family):
         return self.vae_scale  # a latent pixel
 
     def replay(self, states: list[DenoiseState], replay: ReplayForward) -> list[torch.Tensor]:
-        with masked_blocks(self.unet, replay, tuple(states[0].latents.shape[2:])):
-            return list(self.forward(states).split([s.rows for s in states]))
+        """Under --compile, a replay that records nothing and computes every block alike runs
+        compiled, its layout as data (`CompiledDenoiser.replayed`); else eagerly."""
+        latent_hw = tuple(states[0].latents.shape[2:])
+        rows, shared = self.forward_inputs(states)
+
+        def eager() -> torch.Tensor:
+            with masked_blocks(self.unet, replay, latent_hw):
+                return self.unet(**rows, **shared, return_dict=False)[0]
+
+        if self.compiled is None:
+            out = eager()
+        else:
+            layout, why = replay_layout(self.unet, replay, latent_hw, self.dtype)
+            out = (self.compiled.run(None, eager, past=why) if layout is None
+                   else self.compiled.replayed(layout, rows, shared, eager))
+        return list(out.split([s.rows for s in states]))
+
+    def replay_graphs(self, states: list[DenoiseState]) -> list[Graph]:
+        """The compiled replays of edits of `states`' sizes (one a size) at every row bucket, to
+        compile before they are met (`CompiledDenoiser.replayed`: one graph serves every mask)."""
+        if self.compiled is None or "template" not in self.compiled.holds:
+            return []
+        return self.compiled.replay_graphs(
+            [self.forward_inputs([state]) for state in states],
+            lambda rows: example_layout(self.unet, len(rows["sample"]), tuple(rows["sample"].shape[2:]), self.dtype))
 
     def template_blocks(self) -> list[str]:
         return [key for _, _, key in unet_template_blocks(self.unet)]
@@ -121,9 +144,10 @@ class StableDiffusionFamily(Family):
         return list(graphs.values())
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`)."""
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), and a
+        template replay (`CompiledDenoiser.replayed`) where the UNet's blocks take one."""
         super().compile(compiled, config)
-        compiled.holds = frozenset({"mixed_sizes"})
+        compiled.holds = frozenset({"mixed_sizes", "template"} if replayable(self.unet) else {"mixed_sizes"})
 
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
