@@ -22,7 +22,7 @@ import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,11 +101,15 @@ def cacheable_blocks(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
 
 
 class CachedBlock(nn.Module):
-    """A block that computes only the units the cache says changed."""
+    """A block that computes only the units the cache says changed; `run(block, key, per_unit,
+    arguments)` runs it on them (`gouache.runner.compiled`: compiled, a piece of the forward),
+    else it is called."""
 
-    def __init__(self, inner: nn.Module, key: str, cache_pass: CachePass, mode: Mode, index=None):
+    def __init__(self, inner: nn.Module, key: str, cache_pass: CachePass, mode: Mode, index=None,
+                 run: Callable | None = None):
         super().__init__()
         self.inner, self.key, self.cache_pass, self.mode, self.index = inner, key, cache_pass, mode, index
+        self.run = run
         self.signature = _signature(type(inner))
 
     def __getattr__(self, name: str):  # the model reads its blocks' attributes (has_cross_attention, resnets)
@@ -132,7 +136,10 @@ class CachedBlock(nn.Module):
         if computed is not None and not len(computed) and not self.mode.always_runs:  # every unit reused
             return _unflatten(skeletons[self.key], self.cache_pass.merge(self.key, x, computed, None))
         with self._subset(computed, text):
-            out = self.inner(*bound.args, **bound.kwargs)
+            if self.run is None:
+                out = self.inner(*bound.args, **bound.kwargs)
+            else:
+                out = self.run(self.inner, self.key, self.mode.per_unit, bound.arguments)
         skeletons[self.key] = _skeleton(out)
         leaves = _flatten(out)
         picked = range(len(leaves)) if self.mode.unit_outputs is None else self.mode.unit_outputs
@@ -218,10 +225,12 @@ def _unflatten(like, leaves: list[torch.Tensor | None]):
 
 
 @contextlib.contextmanager
-def cached_blocks(model: nn.Module, cache_pass: CachePass | None, mode: str = "image", index=None) -> Iterator[None]:
+def cached_blocks(model: nn.Module, cache_pass: CachePass | None, mode: str = "image", index=None,
+                  run: Callable | None = None) -> Iterator[None]:
     """Wrap `model`'s blocks for one forward of `cache_pass`, whose units are of `mode`; `index`
-    (a `PatchIndex` or a `Packing`) tells its operators which units a block computes. Restore
-    the blocks and settle the cache's memory on exit. No pass: the model as it is."""
+    (a `PatchIndex` or a `Packing`) tells its operators which units a block computes; `run`: how
+    a block runs on them (`CachedBlock`). Restore the blocks and settle the cache's memory on
+    exit. No pass: the model as it is."""
     if cache_pass is None:
         yield
         return
@@ -229,7 +238,7 @@ def cached_blocks(model: nn.Module, cache_pass: CachePass | None, mode: str = "i
     originals = [getattr(parent, name) for parent, name, _ in slots]
     try:
         for (parent, name, key), block in zip(slots, originals):
-            setattr(parent, name, CachedBlock(block, key, cache_pass, MODES[mode], index))
+            setattr(parent, name, CachedBlock(block, key, cache_pass, MODES[mode], index, run))
         yield
     finally:
         for (parent, name, _), block in zip(slots, originals):

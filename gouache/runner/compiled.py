@@ -121,6 +121,7 @@ class CompiledDenoiser:
         self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
         self.target = Target((), lambda **inputs: self._compiled(**inputs, return_dict=False)[0],
                              lambda **inputs: self.denoiser(**inputs, return_dict=False)[0])
+        self._block = self.compile(_call)  # a block of the denoiser (`block`)
         self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
@@ -162,8 +163,8 @@ class CompiledDenoiser:
                 return target.eager(**rows, **shared)
 
         if padded is None:
-            return self.run(None, eager, past="rows")
-        return self.run(replace(self.graph(inputs, shared, target=target), run=compiled), eager)
+            return self.run(None, eager, past="rows", inside=target.inside)
+        return self.run(replace(self.graph(inputs, shared, target=target), run=compiled), eager, inside=target.inside)
 
     def patched(self, layout: PatchLayout, rows: Inputs, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A patched UNet's output patches over `layout` (`gouache.runner.patch_ops`; `rows`: its
@@ -192,6 +193,20 @@ class CompiledDenoiser:
             return self.run(None, eager, past="template under CUDA graphs")
         return self.run(self.graph(rows, shared, layout), eager)
 
+    def block(self, block: nn.Module, key: str, per_unit: Sequence[str], arguments: dict):
+        """One block of the denoiser over some of its rows (the block cache computing the units
+        that changed: `gouache.block_cache.blocks`), compiled as a piece of the forward where
+        the step allows it: its `per_unit` arguments are its rows (dynamic), the others shared;
+        a graph per block and row bucket, eager between them (the cache's reuse decisions read
+        values)."""
+        rows = {name: value for name, value in arguments.items() if name in per_unit and value is not None}
+        shared = {name: value for name, value in arguments.items() if name not in rows}
+        return self(rows, shared, self._block_target(block, key))
+
+    def _block_target(self, block: nn.Module, key: str) -> Target:
+        return Target(("block", key), lambda **inputs: self._block(block, **inputs), lambda **inputs: block(**inputs),
+                      inside=True, piece=BlockPiece(key))
+
     def _dynamic(self, rows: Inputs) -> bool:
         """Whether a forward of `rows` runs a graph of dynamic rows (else its rows are padded to
         their bucket): more than one row, not under CUDA graphs, no Python list per row, and no
@@ -199,10 +214,12 @@ class CompiledDenoiser:
         return (self.dynamic_rows and _rows(rows) > 1 and not _has_list(rows)
                 and not (self.slots is not None and self.slots.active))
 
-    def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None) -> torch.Tensor:
+    def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None,
+            inside: bool = False) -> torch.Tensor:
         """`graph` run compiled where the step allows it and its graph compiled, else `eager()`;
-        None with `past`: why the forward has no graph (it is past its kind's largest bucket)."""
-        reason = self._eager_reason(past)
+        None with `past`: why the forward has no graph (it is past its kind's largest bucket).
+        `inside`: a piece of the denoiser's forward, whose blocks may stand in wrappers."""
+        reason = self._eager_reason(past, inside)
         if reason is None and graph is not None:
             reason = COMPILE_FAILED if graph.key in self._failed else self._compiles(graph)
             if reason is None:
@@ -235,7 +252,7 @@ class CompiledDenoiser:
         by, and padded to where its rows are not dynamic (None past the largest bucket)."""
         return next((b for b in self.buckets if b >= rows), None)
 
-    def _eager_reason(self, past: str | None) -> str | None:
+    def _eager_reason(self, past: str | None, inside: bool = False) -> str | None:
         if self._step is None:
             return "outside a step"
         if self._step.reason is not None:
@@ -244,28 +261,28 @@ class CompiledDenoiser:
             return past
         if torch.is_grad_enabled():
             return "grad"
-        return self._structure.changed(self.denoiser)
+        return self._structure.changed(self.denoiser, wrapped=inside)
 
     def _count(self, reason: str | None) -> None:
-        if self._step is None:
-            return
-        if reason is None:
-            self._step.compiled += 1
-        elif self._step.why is None:
+        """A forward of the step ran eagerly for `reason` (None: compiled)."""
+        if self._step is not None and reason is not None and self._step.why is None:
             self._step.why = reason
 
     @contextlib.contextmanager
     def step(self, reason: str | None) -> Iterator[None]:
         """One step's forwards; `reason`: why the step's techniques run eagerly (None: they may
-        run compiled). The step counts as compiled when every forward of it was."""
+        run compiled). The step counts as compiled when it ended and no forward of it ran
+        eagerly (one whose blocks all reused their cached outputs ran none)."""
         self._step = step = _Step(reason, why=reason)
+        done = False
         try:
             yield
+            done = True
         finally:
             self._step = None
             if step.why is not None:
                 self._report.eager[step.why] = self._report.eager.get(step.why, 0) + 1
-            elif step.compiled:
+            elif done:
                 self._report.compiled += 1
 
     def take_report(self) -> CompileReport:
@@ -294,12 +311,19 @@ class CompiledDenoiser:
         resized = [(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets if b >= _rows(rows)]
         return [self.graph(rows, shared, layout(rows)) for rows, shared in resized]
 
-    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | ReplayLayout | None = None,
+    def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | ReplayLayout | BlockPiece | None = None,
               target: Target | None = None) -> Graph:
         """The graph of a forward of `rows` (at its bucket's row count, or any count in that
         bucket where rows are dynamic) and `shared` inputs; with a `layout`, of a patched UNet's
-        forward over it (`patched`) or of a template replay's (`replayed`); with a `target`, of
-        its forward (a background compiler builds the denoiser's only)."""
+        forward over it (`patched`), of a template replay's (`replayed`) or of one block
+        (`block`); with a `target`, of its forward (a background child builds the denoiser's and
+        its blocks')."""
+        if isinstance(layout, BlockPiece):  # a child process rebuilding a block's graph
+            from gouache.block_cache.blocks import cacheable_blocks
+
+            parent, name = next((parent, name) for parent, name, key in cacheable_blocks(self.denoiser)
+                                if key == layout.key)
+            target, layout = self._block_target(getattr(parent, name), layout.key), None
         if isinstance(layout, ReplayLayout):
             bucket = self.bucket(_rows(rows))
             return Graph(("template",) + _key(rows, shared, bucket),
@@ -322,7 +346,8 @@ class CompiledDenoiser:
         bucket = self.bucket(_rows(rows))
         return Graph(target.tag + _key(rows, shared, bucket), functools.partial(self._call_compiled, target, rows,
                                                                                 shared),
-                     " ".join((*target.tag, _describe(rows, bucket))), (rows, shared) if not target.tag else None)
+                     " ".join((*target.tag, _describe(rows, bucket))),
+                     (rows, shared) if not target.tag else (rows, shared, target.piece) if target.piece else None)
 
     def _call_compiled(self, target: Target, inputs: Inputs, shared: Inputs):
         if not self._dynamic(inputs):
@@ -452,13 +477,14 @@ class CompiledDenoiser:
 @dataclass(frozen=True)
 class Graph:
     """A compiled forward of one key (its static shapes): `run()` runs it compiled; `what` names
-    it in logs; `forward`: its (rows, shared) denoiser inputs, which a child process can compile
-    it from (`gouache.runner.background`; None: a family's piece, compiled in this process only)."""
+    it in logs; `forward`: its (rows, shared) denoiser inputs and, where it has one, its layout
+    (`graph`'s arguments), which a child process can compile it from (`gouache.runner.background`;
+    None: a family's piece or a ControlNet's, compiled in this process only)."""
 
     key: tuple
     run: Callable[[], torch.Tensor]
     what: str
-    forward: tuple[Inputs, Inputs] | None = None
+    forward: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -470,12 +496,21 @@ class Target:
     tag: tuple[str, ...]
     compiled: Callable
     eager: Callable
+    inside: bool = False  # a piece of the denoiser's forward (one block): its blocks may stand in wrappers
+    piece: BlockPiece | None = None  # what a child process rebuilds it from (None: the denoiser's, or not at all)
+
+
+@dataclass(frozen=True)
+class BlockPiece:
+    """One block of the denoiser, by its key (`gouache.block_cache.blocks.cacheable_blocks`):
+    the layout of a block's graph, which a background child finds in its own denoiser."""
+
+    key: str
 
 
 @dataclass
 class _Step:
     reason: str | None  # why the step's techniques run eagerly (None: they may run compiled)
-    compiled: int = 0  # forwards that ran compiled
     why: str | None = None  # why the first eager forward ran eagerly
 
 
@@ -488,11 +523,14 @@ class _Structure:
         self.processors = [(m, m.processor) for m in model.modules() if hasattr(m, "processor")]
         self.hooks = [(m, len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
 
-    def changed(self, model: nn.Module) -> str | None:
-        """Why `model` no longer runs as it was compiled (None: it does)."""
+    def changed(self, model: nn.Module, wrapped: bool = False) -> str | None:
+        """Why `model` no longer runs as it was compiled (None: it does). `wrapped`: a module
+        may stand in a wrapper whose `inner` it is (a piece of the forward runs a block whole)."""
         if "forward" in model.__dict__:
             return "forward replaced"
-        if any(parent._modules.get(name) is not child for parent, name, child in self.slots):
+        if any(parent._modules.get(name) is not child
+               and not (wrapped and getattr(parent._modules.get(name), "inner", None) is child)
+               for parent, name, child in self.slots):
             return "modules replaced"
         if any(m.processor is not p for m, p in self.processors):
             return "attention processors"
@@ -557,8 +595,13 @@ def _resize(rows: Inputs, n: int) -> Inputs:
 
 
 def _cut(out, n: int):
-    """A forward's output (a tensor, or a list of them) cut to its first `n` rows."""
-    return out[:n] if isinstance(out, torch.Tensor) else [t[:n] for t in out]
+    """A forward's output (a tensor, or tuples or a list of them) cut to its first `n` rows."""
+    return _per_row(out, lambda t: t[:n], lambda items: [t[:n] for t in items])
+
+
+def _call(module: nn.Module, **inputs):
+    """`module`'s forward: compiled once (`CompiledDenoiser._block`), a graph per module and shapes."""
+    return module(**inputs)
 
 
 def _has_list(rows: Inputs) -> bool:

@@ -8,7 +8,7 @@ import itertools
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from gouache.block_cache.blocks import CachedForward
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.config import CompileConfig
 from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser, Graph
@@ -111,6 +111,20 @@ class StableDiffusionFamily(Family):
                 "encoder_hidden_states": cat_cond(states, "prompt_embeds"),
                 "added_cond_kwargs": self.added_cond(states)}, {}
 
+    def predict(self, states: list[DenoiseState], patched: bool = False,
+                blocks: CachedForward | None = None) -> list[torch.Tensor]:
+        """Under --compile, a forward whose blocks reuse cached outputs per image runs each block
+        on its computed rows compiled (`CompiledDenoiser.block`: pieces of the forward, the
+        cache's decisions between them); per patch (mixed sizes), eagerly."""
+        if blocks is None or self.compiled is None:
+            return super().predict(states, patched, blocks)
+        if patched and len({s.latents.shape for s in states}) > 1:
+            return self.compiled.run(None, lambda: super(StableDiffusionFamily, self).predict(states, patched, blocks),
+                                     past="block_cache per patch")
+        rows, shared = self.forward_inputs(states)
+        with cached_blocks(self.unet, blocks.begin(), run=self.compiled.block):
+            return list(self.unet(**rows, **shared, return_dict=False)[0].split([s.rows for s in states]))
+
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [row for s in states for row in self._model_input(s)]
@@ -144,10 +158,11 @@ class StableDiffusionFamily(Family):
         return list(graphs.values())
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), and a
-        template replay (`CompiledDenoiser.replayed`) where the UNet's blocks take one."""
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), a block
+        cache's computed rows per block (`predict`), and a template replay
+        (`CompiledDenoiser.replayed`) where the UNet's blocks take one."""
         super().compile(compiled, config)
-        compiled.holds = frozenset({"mixed_sizes", "template"} if replayable(self.unet) else {"mixed_sizes"})
+        compiled.holds = frozenset({"mixed_sizes", "block_cache"} | ({"template"} if replayable(self.unet) else set()))
 
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
