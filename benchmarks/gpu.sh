@@ -24,13 +24,16 @@
 #       eager between them) against eager and grouped compiled forwards, 512+1024 (pieces_; never run on a GPU yet);
 #   pieces-sdxl: the patched UNet's graph, padded to its patch and image buckets under CUDA graphs (attention
 #       between graph partitions), against the same (pieces_; never run on a GPU yet);
+#   techniques-sdxl: the template edit and block-cache rows, eager against compiled with CUDA graphs (a
+#       replay's graph, the layout as data, runs eagerly under CUDA graphs for now; block-cache pieces, a graph
+#       per block: techniques_; never run on a GPU yet);
 #   batching-sdxl, batching-sd3: the bare denoisers' mixed-size forwards (`gouache bench batching`, denoiser_batching_);
 #   profile-sdxl, profile-sd3: a cost model of the patched forward (`gouache profile --device cuda`), for
 #       `gouache reproduce --only patchedserve` (costmodel_).
 set -uo pipefail
 out=${1:-benchmarks/results/gpu}
 shift || true
-parts=${*:-fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 pieces-sdxl pieces-sd3 pieces-flux batching-sdxl batching-sd3}
+parts=${*:-fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 pieces-sdxl pieces-sd3 pieces-flux techniques-sdxl batching-sdxl batching-sd3}
 gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+[0-9]+\b', n)
 print((m.group(0) if m else n.split()[-1]).lower())")
 mkdir -p "$out"
@@ -67,6 +70,9 @@ for spec in $parts; do
     pieces-*)
       gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512,1024 --mixes 512+1024 \
         --skip mfu,template,lora,lora_loading,block_cache,park,controlnet --repeats 3 --out "$out/pieces_${model}_${gpu}.json" ;;
+    techniques-*)
+      gouache bench fullsize --device cuda --models "$model" --variants eager,compiled --sizes 512 --mixes 512+1024 \
+        --skip mfu,patched,lora,lora_loading,park,controlnet --repeats 3 --out "$out/techniques_${model}_${gpu}.json" ;;
     exactness)
       xml=$(mktemp -d)
       for dtype in float32 bfloat16; do

@@ -60,8 +60,9 @@ TECHNIQUES = {t.name: t for t in (
     Technique("block_cache", "block_cache", False, True,
               "block-output reuse across steps (PatchedServe), per image, patch or token; decided by a "
               "threshold or by the reuse predictor (--block-cache-predictor)",
-              compiled="UNets, per image: yes, each block a compiled piece on the rows it computes, the reuse "
-                       "decisions between pieces; per patch and on DiTs: no, the step runs eagerly",
+              compiled="UNets on a GPU, per image: yes, each block a compiled piece on the rows it computes, the "
+                       "reuse decisions between pieces (untested there; on a CPU the pieces lost to eager blocks); "
+                       "elsewhere: no, the step runs eagerly",
               flags=("--block-cache", "--block-cache-predictor"), several_devices="the block cache does not apply"),
     Technique("mixed_sizes", "--policy", True, False,
               "mixed sizes in one forward: a patched UNet (PatchedServe) or packed DiT tokens",

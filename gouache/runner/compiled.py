@@ -19,6 +19,16 @@ padded input shape, beside the eager module it was compiled from.
   convolutions at 16 patches), named by its patch bucket (`patch_bucket`). Under CUDA graphs
   the batch is padded to static patch and image buckets instead (`static_bucket`). The warm-up leaves
   them to the background compiler (`warm_up`'s `later`): a patched graph compiles slowly.
+- **Template replays on UNets** (`replayed`). An edit replaying a template runs the UNet with
+  its transformer blocks computing the masked tokens only, the layout as data
+  (`gouache.templates.unet.ReplayLayout`: each grid's computed tokens, the template's
+  activations of every token), the computed counts dynamic with the rows: one graph a size
+  and row bucket serves every mask. A step that records a template, or whose load plan runs
+  some blocks in full, runs eagerly.
+- **Block-cache pieces on UNets** (`block`, on a GPU). Where blocks reuse cached outputs per
+  image, the UNet runs eagerly around its blocks, and each block runs compiled on the rows it
+  computes, a graph per block (`BlockPiece`) and row bucket: the cache's decisions, which read
+  values, are the breaks between the pieces.
 - **Adapters in the graph.** Under a server with adapters, `RowSlots` (`gouache.lora.apply`)
   hooks every Linear and Conv2d before compiling; a step with several adapter sets binds each
   module's per-row pairs, padded with the rows, and the graph reads them as inputs. A new
@@ -43,8 +53,9 @@ padded input shape, beside the eager module it was compiled from.
   the sweep moved something; if it still fails, its shape runs eagerly from then on, logged once
   with the reason and counted as `compile_failed`, at warm-up or later.
 - **The step's path.** The composer says per step whether its techniques allow the compiled
-  forward (`step(reason)`: a block cache, a template or a parallel split runs eagerly,
-  `gouache.techniques`); the step's path and reason go to `/metrics` (`CompileReport`).
+  forward (`step(reason)`: what `gouache.techniques` and the model's `holds` say; a parallel
+  split or a reference edit runs eagerly); the step's path and reason go to `/metrics`
+  (`CompileReport`).
 - **Other modules over the same rows** (`Target`): an in-process ControlNet runs as the
   denoiser does, in graphs of dynamic rows keyed by its class (its weights are inputs: every
   ControlNet of one architecture shares them), and its residuals reach the UNet's graph as

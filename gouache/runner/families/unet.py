@@ -113,10 +113,11 @@ class StableDiffusionFamily(Family):
 
     def predict(self, states: list[DenoiseState], patched: bool = False,
                 blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        """Under --compile, a forward whose blocks reuse cached outputs per image runs each block
-        on its computed rows compiled (`CompiledDenoiser.block`: pieces of the forward, the
-        cache's decisions between them); per patch (mixed sizes), eagerly."""
-        if blocks is None or self.compiled is None:
+        """Where the compiled UNet holds the block cache (on a GPU), a forward whose blocks reuse
+        cached outputs per image runs each block on its computed rows compiled
+        (`CompiledDenoiser.block`: pieces of the forward, the cache's decisions between them);
+        per patch (mixed sizes), eagerly."""
+        if blocks is None or self.compiled is None or "block_cache" not in self.compiled.holds:
             return super().predict(states, patched, blocks)
         if patched and len({s.latents.shape for s in states}) > 1:
             return self.compiled.run(None, lambda: super(StableDiffusionFamily, self).predict(states, patched, blocks),
@@ -158,11 +159,16 @@ class StableDiffusionFamily(Family):
         return list(graphs.values())
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), a block
-        cache's computed rows per block (`predict`), and a template replay
-        (`CompiledDenoiser.replayed`) where the UNet's blocks take one."""
+        """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), a template
+        replay (`CompiledDenoiser.replayed`) where the UNet's blocks take one, and on a GPU a
+        block cache's computed rows, block by block (`predict`)."""
         super().compile(compiled, config)
-        compiled.holds = frozenset({"mixed_sizes", "block_cache"} | ({"template"} if replayable(self.unet) else set()))
+        holds = {"mixed_sizes"} | ({"template"} if replayable(self.unet) else set())
+        # block pieces: measured slower than eager blocks on a CPU, where a compiled UNet gains
+        # from fusing across blocks; on a GPU they take an eager step's launches away (untested)
+        if self.device.type == "cuda":
+            holds.add("block_cache")
+        compiled.holds = frozenset(holds)
 
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
