@@ -151,11 +151,16 @@ class ModelRunner:
         graphs = compiled.row_graphs(forwards)
         if self.family.pieces is not None:
             graphs += self.family.pieces.graphs(states[0].cond["prompt_embeds"].shape[1])
-        # forwards slow to compile that the load is likely to meet, after `/health`, within --compile-graphs
+        # forwards slow to compile that the load is likely to meet, within --compile-graphs: left to
+        # the background child (after `/health`); without one, those a request's technique makes
+        # (ControlNet residuals, template replays) compile when first met, and the others (a
+        # ControlNet's own graphs, which the child does not build; patched forwards) with the warm-up
         control = compiled.row_graphs([({**rows, **self.controls.zeros(rows["sample"])}, shared)
                                        for rows, shared in forwards]) if self.controls.served else []
         control += self.controls.graphs(forwards)
         replays = self.family.replay_graphs(states)
+        if compiled.background is None:
+            replays, control = [], [graph for graph in control if graph.forward is None]
         patched = self.family.patched_graphs(states)
         later = (control + replays + patched)[:max(0, graphs_left(compiled, self.compile_config))]
         log.info("warm-up: %d graphs (%s)%s", len(graphs), self.family.pieces.buckets.describe()

@@ -120,8 +120,8 @@ class StableDiffusionFamily(Family):
         if blocks is None or self.compiled is None or "block_cache" not in self.compiled.holds:
             return super().predict(states, patched, blocks)
         if patched and len({s.latents.shape for s in states}) > 1:
-            return self.compiled.run(None, lambda: super(StableDiffusionFamily, self).predict(states, patched, blocks),
-                                     past="block_cache per patch")
+            eager = super().predict
+            return self.compiled.run(None, lambda: eager(states, patched, blocks), past="block_cache per patch")
         rows, shared = self.forward_inputs(states)
         with cached_blocks(self.unet, blocks.begin(), run=self.compiled.block):
             return list(self.unet(**rows, **shared, return_dict=False)[0].split([s.rows for s in states]))
