@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from gouache.errors import GouacheError, InvalidRequestError
 
@@ -115,6 +116,12 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         assert isinstance(exc, HTTPException)
         return respond(request, _from_http_exception(request, exc), exc.headers)
 
+    async def on_disconnect(request: Request, exc: Exception) -> Response:
+        # the client left before its body arrived (a cancel mid-upload): nothing was accepted,
+        # and nobody reads the answer (499: nginx's "client closed request")
+        logger.info("a client left before sending its whole %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         return respond(request, GouacheError("The server had an error while processing your request."))
@@ -123,4 +130,5 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     app.add_exception_handler(ValidationError, on_validation_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(ClientDisconnect, on_disconnect)
     app.add_exception_handler(Exception, on_unexpected)

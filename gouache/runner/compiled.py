@@ -164,18 +164,26 @@ class CompiledDenoiser:
             inputs = _pad(rows, padded - n)
         else:
             inputs = rows
+        # segmented adapters bind to the denoiser's own forward (a ControlNet takes none; a block
+        # cache, whose blocks run as pieces, never segments: `gouache.techniques`)
+        own = not target.tag
 
         def compiled():
-            with self._bind(n, _rows(inputs)):
+            with self._bind(n, _rows(inputs)) if own else contextlib.nullcontext():
                 return _cut(self._call_compiled(target, inputs, shared), n)
 
         def eager():
-            with self._bind(n, n):
-                return target.eager(**rows, **shared)
+            return self.eager(rows, shared) if own else target.eager(**rows, **shared)
 
         if padded is None:
             return self.run(None, eager, past="rows", inside=target.inside)
         return self.run(replace(self.graph(inputs, shared, target=target), run=compiled), eager, inside=target.inside)
+
+    def eager(self, rows: Inputs, shared: Inputs) -> torch.Tensor:
+        """The denoiser's first output, eagerly, with the step's segmented adapters bound to its
+        rows (a forward the family runs around the compiled one: a template replay's)."""
+        with self._bind(_rows(rows), _rows(rows)):
+            return self.target.eager(**rows, **shared)
 
     def patched(self, layout: PatchLayout, rows: Inputs, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A patched UNet's output patches over `layout` (`gouache.runner.patch_ops`; `rows`: its

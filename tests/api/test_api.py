@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from gouache.api import images
+from gouache.api.server import create_app
 from gouache.errors import QueueFullError
 from gouache.outputs import ErrorEvent
 from tests.api.corpus import EDITS, GENERATIONS, png
@@ -263,3 +264,28 @@ async def test_chunked_body_over_limit_is_413(client: httpx.AsyncClient, config)
 
     response = await client.post(GENERATIONS, content=chunks(), headers={"content-type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
+
+
+@pytest.mark.anyio
+async def test_a_client_that_leaves_mid_body_gets_no_error_logged(engine, config, caplog):
+    """A cancel while the body is still being sent (the soak's cancels) is no server error."""
+    app = create_app(engine, config)
+    sent: list[dict] = []
+    messages = iter([{"type": "http.request", "body": b'{"prompt": "a fo', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/images/generations", "raw_path": b"/v1/images/generations", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+             "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    with caplog.at_level(logging.INFO):
+        await app(scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert "left before sending" in caplog.text and "unhandled error" not in caplog.text
+    assert not engine.submitted

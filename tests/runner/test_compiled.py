@@ -30,6 +30,7 @@ from gouache.controlnet.model import random_controlnet
 from gouache.engine.build import build_engine
 from gouache.forward_layers import Step
 from gouache.lora.layer import LoraLayer
+from gouache.models.zoo import load_pipeline
 from gouache.outputs import CompileReport
 from gouache.parallel.layer import ParallelLayer
 from gouache.request import ImageRequest
@@ -145,6 +146,11 @@ def test_segmented_adapters_run_in_a_graph_of_their_own_that_serves_any_sets_of_
     got, report = steps(compiled, two("paper", "ink"), [("one", "two")])
     assert_equal(expected, got)
     assert report.compiled == 1 and report.graphs == 0  # other rows, other adapters: the same graph
+    one_shape = [Batch(("one", "two"), patched=True)]  # a patched step of one shape: the model's own batch
+    expected, _ = steps(eager, two("ink", "paper"), one_shape)
+    got, report = steps(compiled, two("ink", "paper"), one_shape)
+    assert_equal(expected, got)
+    assert report.compiled == 1 and report.graphs == 0
     _, report = steps(compiled, [request("p", guidance=1.0)], [("p",)])
     assert report.compiled == 1 and report.graphs == 0  # and the plain graph still serves plain steps
     three = [*two("ink", "paper"), request("three", loras=(("ink", 1.0),), guidance=1.0, seed=6)]
@@ -347,6 +353,40 @@ def test_a_block_cache_runs_each_block_compiled_on_its_computed_rows(runners, pi
     assert report.compiled == 8 and report.eager == {}
     blocks = len(pipe.unet.down_blocks) + 1 + len(pipe.unet.up_blocks)
     assert 0 < report.graphs <= 2 * blocks  # each block: all rows, some rows (2 on: dynamic)
+
+
+@pytest.mark.slow
+def test_an_instruction_edit_of_flux_kontext_runs_compiled(runners, model):
+    """FLUX.1 Kontext's reference has its image's size: an instruction edit's steps run a row
+    graph of their own (its tokens doubled), one for any row count, equal to eager steps, beside
+    generations. Through dynamo's `eager` backend, as the tests above."""
+    if model != "tiny-flux":
+        pytest.skip("one model is enough: Kontext's")
+    torch._dynamo.reset()  # the graphs of the tests before would serve these shapes
+    pipe = load_pipeline("tiny-flux-kontext")
+    eager = ModelRunner(pipe)
+    compiled = ModelRunner(pipe, compile=CompileConfig(enabled=True, buckets=(2, 4)))
+    assert "reference" in compiled.family.compiled.holds
+    denoiser = compiled.family.compiled
+    denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
+    denoiser.warm = True
+    rng = np.random.default_rng(0)
+    uploads = {f"e{i}": Upload(rng.integers(0, 255, (SIZE, SIZE, 3), dtype=np.uint8)) for i in range(3)}
+    batches = [("e0",), ("e0", "e1"), ("e0", "e1", "e2")]
+    latents = {}
+    for name, runner in (("eager", eager), ("compiled", compiled)):
+        report = CompileReport()
+        for rid, upload in uploads.items():
+            runner.prepare(ImageRequest(rid, f"make it red {rid}", SIZE, SIZE, 4, 2.5, seed=1, image=b"-"), upload)
+        for batch in batches:
+            out = runner.execute(Batch(batch))
+            assert not out.failed
+            report.compiled += out.compile.compiled
+            report.graphs += out.compile.graphs
+            report.eager.update(out.compile.eager)
+        latents[name] = {rid: runner.states[rid].latents.clone() for rid in uploads}
+    assert_equal(latents["eager"], latents["compiled"])
+    assert report.compiled == len(batches) and report.eager == {} and report.graphs <= 2  # 1 row, 2 rows on
 
 
 def test_eager_reason_names_the_first_technique_that_does_not_compile():

@@ -148,6 +148,8 @@ class StableDiffusion3Family(FlowFamily):
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
         samples = [s.latents[0] for s in states for _ in range(s.rows)]
+        if whole_batches and len({x.shape for x in samples}) == 1:  # the model's own batch (its row graph)
+            return self.predict(states, False, blocks)
         inputs = (samples, row_timesteps(states), cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled"))
         outputs = None
         if self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in samples}) > 1:
@@ -252,6 +254,8 @@ class FluxFamily(PackedFamily):
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
         grids = [self.token_grid(s) for s in states]
+        if whole_batches and len({x.shape for x in grids}) == 1:  # the model's own batch (its row graph)
+            return self.predict(states, False, blocks)
         first = states[0]
         guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
         inputs = (grids, row_timesteps(states).to(self.dtype) / 1000, guidance, cat_cond(states, "pooled"),
@@ -308,6 +312,13 @@ class FluxKontextFamily(FluxFamily):
         state.cond["reference"] = reference
         state.cond["image_ids"] = torch.cat([state.cond["image_ids"], ids])
         return state
+
+    def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
+        """An instruction edit's reference has its image's size: a forward with references is
+        a row graph per size, as a generation's (its tokens doubled; a child compiles it when
+        first met), and the packed pieces' token buckets count references (`layout_tokens`)."""
+        super().compile(compiled, config)
+        compiled.holds = compiled.holds | {"reference"}
 
     def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:
         """The VAE's mode, as Kontext's pipelines encode (no draw from the generator)."""

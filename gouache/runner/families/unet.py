@@ -73,6 +73,8 @@ class StableDiffusionFamily(Family):
 
         def eager() -> torch.Tensor:
             with masked_blocks(self.unet, replay, latent_hw):
+                if self.compiled is not None:
+                    return self.compiled.eager(rows, shared)
                 return self.unet(**rows, **shared, return_dict=False)[0]
 
         if self.compiled is None:
@@ -116,15 +118,18 @@ class StableDiffusionFamily(Family):
         """Where the compiled UNet holds the block cache (on a GPU), a forward whose blocks reuse
         cached outputs per image runs each block on its computed rows compiled
         (`CompiledDenoiser.block`: pieces of the forward, the cache's decisions between them);
-        per patch (mixed sizes), eagerly."""
+        per patch (mixed sizes), eagerly. A patched step of one latent shape is the model's own
+        batch (its row graph where compiled)."""
+        patched = patched and len({s.latents.shape for s in states}) > 1
         if blocks is None or self.compiled is None or "block_cache" not in self.compiled.holds:
             return super().predict(states, patched, blocks)
-        if patched and len({s.latents.shape for s in states}) > 1:
+        if patched:
             eager = super().predict
             return self.compiled.run(None, lambda: eager(states, patched, blocks), past="block_cache per patch")
         rows, shared = self.forward_inputs(states)
         with cached_blocks(self.unet, blocks.begin(), run=self.compiled.block):
-            return list(self.unet(**rows, **shared, return_dict=False)[0].split([s.rows for s in states]))
+            out = self.compiled.eager(rows, shared)  # its blocks compiled, each on the rows it computes
+        return list(out.split([s.rows for s in states]))
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
