@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # from a damaged one; a damaged one fails its link, and that forward runs eagerly.
 KERNEL_SUFFIXES = (".so",)
 DAMAGED = "damaged"  # the folder under the cache where damaged kernels are moved
+GRAPHS = "gouache-graphs.txt"  # the keys of the graphs compiled into the cache, one a line (`remember`)
 
 
 def cache_dir(directory: str | None) -> Path:
@@ -49,6 +50,27 @@ def cache_dir(directory: str | None) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
     return Path(inductor_cache_dir())
+
+
+def remember(directory: Path, key: str) -> None:
+    """Note that a graph of `key` (its repr) was compiled into the cache at `directory`: a later
+    start loads it before it says it is healthy (`known`), where it would have left it to the
+    background compiler. Appended in one write (servers and their children share the file); a
+    line lost to a full disk only makes that graph compile in the background again."""
+    try:
+        with open(directory / GRAPHS, "a") as f:
+            f.write(key + "\n")
+    except OSError as e:
+        log.warning("could not note a compiled graph in %s: %s", directory / GRAPHS, e)
+
+
+def known(directory: Path) -> set[str]:
+    """The keys `remember` noted in the cache at `directory` (its kernels may since have been
+    swept or deleted: such a graph compiles anew)."""
+    try:
+        return set((directory / GRAPHS).read_text(errors="replace").splitlines())
+    except OSError:
+        return set()
 
 
 def sweep(directory: Path) -> list[Path]:

@@ -136,6 +136,7 @@ class CompiledDenoiser:
         self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
+        self._known = compile_cache.known(self.cache)  # keys compiled into the cache by any process (reprs)
         self._failed: dict[tuple, str] = {}  # input shapes whose graph failed to compile: why (they run eagerly)
         self.warm = False  # set once warm_up ended: graphs compiled after it are recompiles
         self._later: set[tuple] = set()  # keys the warm-up left to the background compiler: not recompiles
@@ -425,12 +426,18 @@ class CompiledDenoiser:
         that are slow to compile (a patched UNet's), compiled after the warm-up in the
         background compiler's child (their steps run eagerly, reason `compiling`, until each is
         in the cache), else with `graphs`; as are those of another module than the denoiser (a
-        ControlNet's), which the child does not build."""
+        ControlNet's), which the child does not build, and those an earlier process compiled into
+        the cache (`compile_cache.known`: a restart loads them before it is healthy)."""
         if self.background is None:
             graphs, later = [*graphs, *later], ()
-        # the child builds the denoiser alone: another module's graphs (a ControlNet's) compile here
-        graphs += [graph for graph in later if graph.forward is None]
-        later = [graph for graph in later if graph.forward is not None]
+        # the child builds the denoiser alone: another module's graphs (a ControlNet's) compile
+        # here; and those an earlier process compiled into the cache load from it (seconds each)
+        here = [graph for graph in later if graph.forward is None or repr(graph.key) in self._known]
+        if here:
+            progress(f"{len(here)} of the forwards left to the background compile here: their own module's, or "
+                     f"already in the compile cache")
+        graphs = [*graphs, *here]
+        later = [graph for graph in later if all(graph is not other for other in here)]
         start = time.perf_counter()
         for i, graph in enumerate(graphs, 1):
             if graph.key not in self._ready and graph.key not in self._failed:
@@ -461,6 +468,9 @@ class CompiledDenoiser:
                       graph.what, self._failed[graph.key])
             self._report.failed += 1
             return None
+        if repr(graph.key) not in self._known:
+            self._known.add(repr(graph.key))
+            compile_cache.remember(self.cache, repr(graph.key))
         self._ready.add(graph.key)
         return out
 

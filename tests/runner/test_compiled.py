@@ -34,6 +34,7 @@ from gouache.models.zoo import load_pipeline
 from gouache.outputs import CompileReport
 from gouache.parallel.layer import ParallelLayer
 from gouache.request import ImageRequest
+from gouache.runner import compile_cache
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.compiled import _call as compiled_call
 from gouache.runner.forward import Forward, LayoutLayer
@@ -504,6 +505,26 @@ def test_one_graph_of_dynamic_rows_serves_every_row_count_unpadded(tmp_path):
     assert run_rows(compiled, [1, 2, 3, 5, 7, 8]) == 0
     report = compiled.take_report()
     assert report.compiled == 6 and report.recompiles == 0
+
+
+def test_a_restart_loads_what_the_background_compiled_before_it_is_healthy(tmp_path):
+    """Graphs compiled into the cache (by the server or its background child) are noted there;
+    a later start on that cache compiles them with its warm-up (a cache hit), where it would
+    have left them to the background compiler; the others still go there."""
+    config = CompileConfig(enabled=True, buckets=(2, 4, 8), cache_dir=str(tmp_path))
+    first = CompiledDenoiser(RowWise(), config, torch.device("cpu"))
+    known, new = (first.graph({"sample": torch.randn(n, 8)}, {"scale": s}) for n, s in ((2, 2.0), (1, 3.0)))
+    first.warm_up([known], progress=lambda line: None)  # as the child would
+    assert compile_cache.known(first.cache) == {repr(known.key)}
+    restart = CompiledDenoiser(RowWise(), config, torch.device("cpu"))
+    queued, lines = {}, []
+    restart.background = SimpleNamespace(submit=queued.update, close=lambda: None)
+    later = [restart.graph({"sample": torch.randn(n, 8)}, {"scale": s}) for n, s in ((2, 2.0), (1, 3.0))]
+    restart.warm_up([], progress=lines.append, later=later)
+    assert known.key in restart._ready and list(queued) == [new.key]
+    assert "1 of the forwards left to the background compile here" in lines[0]
+    restart.warm_up([later[0]], progress=lines.append)
+    assert (tmp_path / compile_cache.GRAPHS).read_text().splitlines() == [repr(known.key)]  # noted once
 
 
 def test_a_denoiser_that_takes_its_row_count_as_a_constant_pads_its_rows_instead(tmp_path, caplog):
