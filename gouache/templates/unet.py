@@ -57,11 +57,15 @@ class UNetTemplatePass:
     def level(self, tokens: int) -> TemplatePass:
         """The pass over images of `tokens` tokens each (one grid of the UNet)."""
         if tokens not in self._levels:
-            factor = self._factor(tokens)
-            images = [replace(image, tokens=tokens, computed=self._pooled(image.computed, factor))
-                      for image in self.replay.images]
+            images = [replace(image, tokens=tokens, computed=computed)
+                      for image, computed in zip(self.replay.images, self.computed(tokens))]
             self._levels[tokens] = TemplatePass(self.replay, images)
         return self._levels[tokens]
+
+    def computed(self, tokens: int) -> list[torch.Tensor | None]:
+        """Per image, the tokens it computes on the grid of `tokens` tokens (None: all)."""
+        factor = self._factor(tokens)
+        return [self._pooled(image.computed, factor) for image in self.replay.images]
 
     def _factor(self, tokens: int) -> int:
         h, w = self.latent_hw
@@ -221,10 +225,12 @@ def replay_layout(unet: nn.Module, replay: ReplayForward, latent_hw: tuple[int, 
         return None, "template load plan"
     grids = block_grids(unet, latent_hw)
     device = next(unet.parameters()).device
+    # the grids' computed tokens, with no `TemplatePass` made: the eager pass names the attentions
+    # it records as it finds them inside its wrappers (`recorded_kv`), and it alone may name them
     unet_pass = UNetTemplatePass(replay, latent_hw)
-    computed = {tokens: torch.cat([b * tokens + (torch.arange(tokens, device=device) if image.computed is None
-                                                 else image.computed.to(device))
-                                   for b, image in enumerate(unet_pass.level(tokens).images)])
+    computed = {tokens: torch.cat([b * tokens + (torch.arange(tokens, device=device) if local is None
+                                                 else local.to(device))
+                                   for b, local in enumerate(unet_pass.computed(tokens))])
                 for tokens in sorted(set(grids.values()))}
     template = {}
     for key in grids:
