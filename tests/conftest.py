@@ -50,7 +50,7 @@ def pil_pixel_limit():
 # these, never a test's outcome; refresh them from `--durations=0` when the slow files change.
 FILE_SECONDS = {
     "tests/engine/test_exactness.py": 164, "tests/ui/test_playground.py": 153, "tests/api/test_real_server.py": 142,
-    "tests/runner/test_compiled.py": 165, "tests/runner/test_background.py": 100,
+    "tests/runner/test_compiled.py": 260, "tests/runner/test_background.py": 100,
     "tests/engine/test_compose.py": 100, "tests/bench/test_fullsize.py": 93, "tests/engine/test_qwen_image.py": 83,
     "tests/test_cli.py": 64, "tests/runner/test_compile_cache.py": 54, "tests/parallel/test_ulysses.py": 46,
     "tests/train/test_command.py": 44, "tests/controlnet/test_service.py": 43, "tests/api/test_lifecycle.py": 42,
