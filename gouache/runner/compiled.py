@@ -676,5 +676,9 @@ def _frozen(value):
 
 
 def _describe(inputs: Inputs, bucket: int | None) -> str:
+    """A graph's name in logs: its first input's shape, and the inputs that are tuples of row
+    tensors (ControlNet residuals)."""
     first = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
-    return "x".join(map(str, (first.shape[0] if bucket is None else bucket, *first.shape[1:])))
+    shape = "x".join(map(str, (first.shape[0] if bucket is None else bucket, *first.shape[1:])))
+    tuples = [name for name, value in inputs.items() if isinstance(value, tuple)]
+    return f"{shape} with {', '.join(tuples)}" if tuples else shape
