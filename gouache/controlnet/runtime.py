@@ -37,14 +37,12 @@ from gouache.controlnet.cache import ControlNetCache
 from gouache.controlnet.model import (
     Base,
     Embeddings,
-    forward,
     residual_shapes,
     residuals,
     skipping_embedding,
     supports_controlnets,
 )
 from gouache.outputs import ControlNetReport
-from gouache.runner.compiled import CompiledDenoiser, Graph, Target
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +101,7 @@ class ControlRuntime:
         # encoder, which runs meanwhile) or before it: a compiled UNet (`--compile`) takes them
         # as inputs and holds no hook, so it waits first
         self.overlap = True
-        self._compiled = None  # the runner's CompiledDenoiser (`compile`)
-        self._forward = None  # a ControlNet's forward, compiled
+        self._compiled_run = None  # how an in-process ControlNet runs under --compile (`compile`)
         self._released: list[str] = []  # requests gone since the last forward (`release`)
         self._lock = threading.Lock()
         # the parallel split of the forward running now (`predict`): its ranks agree on whether
@@ -112,45 +109,25 @@ class ControlRuntime:
         # and where it cuts the rows before the UNet runs, sync residuals come first
         self._split = None
 
-    def compile(self, compiled: CompiledDenoiser) -> None:
+    def compile(self, run: Callable) -> None:
         """Under --compile: sync residuals from the service are waited for before the UNet runs
-        (its graph holds no hook), and in-process ControlNets run compiled as the UNet does, in
-        graphs of dynamic rows (`CompiledDenoiser`: ready when their shape is, eager when the step
-        is), every ControlNet of one architecture through one graph (its weights are inputs)."""
+        (its graph holds no hook), and in-process ControlNets run by `run(model, inputs)` (the
+        compiled denoiser's: `CompiledDenoiser.controlnet`)."""
         self.overlap = False
-        self._compiled, self._forward = compiled, compiled.compile(forward)
-
-    def _target(self, model) -> Target:
-        return Target(("controlnet", type(model).__name__),
-                      lambda **inputs: skipping_embedding(model, inputs, self._forward),
-                      lambda **inputs: skipping_embedding(model, inputs))
+        self._compiled_run = run
 
     def _run(self, model, inputs: dict) -> list[torch.Tensor]:
-        if self._compiled is None:
-            return skipping_embedding(model, inputs)
-        return self._compiled(inputs, {}, self._target(model))
+        return (self._compiled_run or skipping_embedding)(model, inputs)
 
-    def graphs(self, forwards: list[tuple[dict, dict]]) -> list[Graph]:
-        """Under --compile, the graphs of in-process ControlNet runs over the rows of `forwards`
-        (the UNet's, as the warm-up compiles them) at every row bucket: those of the first
-        ControlNet in the directory (every one of its architecture shares them); none without."""
-        names = self.cache.names() if self.served and self._compiled is not None and not self.client else []
-        model = None
-        for name in names:
+    def first(self):
+        """The first ControlNet of the directory that loads (the warm-up compiles its graphs,
+        which every ControlNet of its architecture shares), or None; in process only."""
+        for name in self.cache.names() if self.served and self.client is None else []:
             try:
-                model = self.cache.get(name)
-                break
+                return self.cache.get(name)
             except ControlNetError as error:  # a request naming it gets the same error
                 log.warning("ControlNet %r is not compiled at start: %s", name, error)
-        if model is None:
-            return []
-        channels = model.controlnet_cond_embedding.conv_out.out_channels
-        examples = [({"sample": rows["sample"], "timestep": rows["timestep"],
-                      "encoder_hidden_states": rows["encoder_hidden_states"],
-                      "controlnet_cond": rows["sample"].new_zeros(len(rows["sample"]), channels,
-                                                                  *rows["sample"].shape[2:]),
-                      "added_cond_kwargs": rows["added_cond_kwargs"]}, {}) for rows, _ in forwards]
-        return self._compiled.row_graphs(examples, self._target(model))
+        return None
 
     @property
     def served(self) -> bool:

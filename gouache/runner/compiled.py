@@ -133,6 +133,7 @@ class CompiledDenoiser:
         self.target = Target((), lambda **inputs: self._compiled(**inputs, return_dict=False)[0],
                              lambda **inputs: self.denoiser(**inputs, return_dict=False)[0])
         self._block = self.compile(_call)  # a block of the denoiser (`block`)
+        self._controlnet = None  # a ControlNet's forward, compiled when first needed (`controlnet`)
         self.dynamic_rows = not config.cuda_graphs  # CUDA graphs record static shapes: their rows are padded
         self._structure = _Structure(denoiser)
         self._ready: set[tuple] = set()  # input shapes whose graph is compiled
@@ -212,6 +213,32 @@ class CompiledDenoiser:
         if not self.dynamic_rows:
             return self.run(None, eager, past="template under CUDA graphs")
         return self.run(self.graph(rows, shared, layout), eager)
+
+    def controlnet(self, model: nn.Module, inputs: Inputs) -> list[torch.Tensor]:
+        """A ControlNet's residuals over `inputs` (its rows: `gouache.controlnet.model.residuals`),
+        compiled as the denoiser is, in graphs of dynamic rows keyed by its class: its weights
+        are graph inputs, so every ControlNet of one architecture runs one graph."""
+        return self(inputs, {}, self._controlnet_target(model))
+
+    def controlnet_graphs(self, model: nn.Module, forwards: list[tuple[Inputs, Inputs]]) -> list[Graph]:
+        """The graphs of `model`'s runs over the rows of `forwards` (the UNet's, as the warm-up
+        compiles them), at every row bucket (`row_graphs`)."""
+        channels = model.controlnet_cond_embedding.conv_out.out_channels
+        examples = [({"sample": rows["sample"], "timestep": rows["timestep"],
+                      "encoder_hidden_states": rows["encoder_hidden_states"],
+                      "controlnet_cond": rows["sample"].new_zeros(len(rows["sample"]), channels,
+                                                                  *rows["sample"].shape[2:]),
+                      "added_cond_kwargs": rows["added_cond_kwargs"]}, {}) for rows, _ in forwards]
+        return self.row_graphs(examples, self._controlnet_target(model))
+
+    def _controlnet_target(self, model: nn.Module) -> Target:
+        from gouache.controlnet.model import forward, skipping_embedding
+
+        if self._controlnet is None:
+            self._controlnet = self.compile(forward)
+        return Target(("controlnet", type(model).__name__),
+                      lambda **inputs: skipping_embedding(model, inputs, self._controlnet),
+                      lambda **inputs: skipping_embedding(model, inputs))
 
     def block(self, block: nn.Module, key: str, per_unit: Sequence[str], arguments: dict):
         """One block of the denoiser over some of its rows (the block cache computing the units

@@ -80,7 +80,7 @@ class ModelRunner:
         self.prefetch_loras = prefetch_loras  # start reading a request's adapters when it is prepared (it runs here)
         self.controls = ControlRuntime(controlnet or ControlNetConfig(), pipe)
         if self.family.compiled is not None:
-            self.controls.compile(self.family.compiled)
+            self.controls.compile(self.family.compiled.controlnet)
         if self.template_config.directory:  # claimed (and an earlier run's files adopted) before serving
             _ = self.templates
 
@@ -157,7 +157,8 @@ class ModelRunner:
         # ControlNet's own graphs, which the child does not build; patched forwards) with the warm-up
         control = compiled.row_graphs([({**rows, **self.controls.zeros(rows["sample"])}, shared)
                                        for rows, shared in forwards]) if self.controls.served else []
-        control += self.controls.graphs(forwards)
+        first = self.controls.first()
+        control += compiled.controlnet_graphs(first, forwards) if first is not None else []
         replays = self.family.replay_graphs(states)
         if compiled.background is None:
             replays, control = [], [graph for graph in control if graph.forward is None]

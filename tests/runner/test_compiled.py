@@ -257,7 +257,7 @@ def test_controlnet_residuals_are_inputs_of_the_unet_graph(runners, pipe, tmp_pa
     compiled = ModelRunner(pipe, controlnet=controls, compile=CompileConfig(enabled=True, buckets=(2, 4, 8)))
     denoiser = compiled.family.compiled
     denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
-    compiled.controls._forward = torch.compile(controlnet_forward, dynamic=False, backend="eager")
+    denoiser._controlnet = torch.compile(controlnet_forward, dynamic=False, backend="eager")
     denoiser.warm = True
     edges = (("edges", b"-", 0.8),)
     requests = [ImageRequest("c1", "a red circle", SIZE, SIZE, 4, 4.0, seed=1, controlnets=edges),
