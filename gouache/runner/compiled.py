@@ -81,15 +81,23 @@ from gouache.outputs import CompileReport
 from gouache.runner import compile_cache
 from gouache.runner.background import BackgroundCompiler
 from gouache.runner.layout import PatchLayout
+from gouache.runner.row_inputs import (
+    Inputs,
+    count_rows,
+    cut_rows,
+    describe,
+    graph_key,
+    has_list,
+    mark_rows,
+    pad_rows,
+    resize_rows,
+)
 from gouache.templates.unet import ReplayLayout
 
 log = logging.getLogger(__name__)
 
 COMPILE_FAILED = "compile_failed"  # the eager reason of a shape whose graph failed to compile
 COMPILING = "compiling"  # the eager reason of a shape a child process compiles (`gouache.runner.background`)
-# keyword arguments of the denoiser: tensors with one row per forward row, alone, in dicts or in
-# tuples (ControlNet residuals), and lists of one item per row
-Inputs = dict
 
 
 def configure(config: CompileConfig) -> Path:
@@ -160,10 +168,10 @@ class CompiledDenoiser:
         compiled where the step allows it and the padded shape is compiled, else eager. With a
         `target`, its output instead (another module's forward over rows: a ControlNet's)."""
         target = target or self.target
-        n = _rows(rows)
+        n = count_rows(rows)
         padded = self.bucket(n)
         if padded is not None and not self._dynamic(rows):
-            inputs = _pad(rows, padded - n)
+            inputs = pad_rows(rows, padded - n)
         else:
             inputs = rows
         # segmented adapters bind to the denoiser's own forward (a ControlNet takes none; a block
@@ -171,8 +179,8 @@ class CompiledDenoiser:
         own = not target.tag
 
         def compiled():
-            with self._bind(n, _rows(inputs)) if own else contextlib.nullcontext():
-                return _cut(self._call_compiled(target, inputs, shared), n)
+            with self._bind(n, count_rows(inputs)) if own else contextlib.nullcontext():
+                return cut_rows(self._call_compiled(target, inputs, shared), n)
 
         def eager():
             return self.eager(rows, shared) if own else target.eager(**rows, **shared)
@@ -184,7 +192,7 @@ class CompiledDenoiser:
     def eager(self, rows: Inputs, shared: Inputs) -> torch.Tensor:
         """The denoiser's first output, eagerly, with the step's segmented adapters bound to its
         rows (a forward the family runs around the compiled one: a template replay's)."""
-        with self._bind(_rows(rows), _rows(rows)):
+        with self._bind(count_rows(rows), count_rows(rows)):
             return self.target.eager(**rows, **shared)
 
     def patched(self, layout: PatchLayout, rows: Inputs, eager: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -258,7 +266,7 @@ class CompiledDenoiser:
         """Whether a forward of `rows` runs a graph of dynamic rows (else its rows are padded to
         their bucket): more than one row, not under CUDA graphs, no Python list per row, and no
         segmented adapters (their grouped convolutions take the row count as a constant)."""
-        return (self.dynamic_rows and _rows(rows) > 1 and not _has_list(rows)
+        return (self.dynamic_rows and count_rows(rows) > 1 and not has_list(rows)
                 and not (self.slots is not None and self.slots.active))
 
     def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None,
@@ -345,8 +353,8 @@ class CompiledDenoiser:
         one row compiles when first met. With dynamic rows most of them are the graph of a
         smaller bucket, which the warm-up runs once more; the others are where dynamo splits the
         rows. `target`: of another module's forward over rows (a ControlNet's)."""
-        return [self.graph(_resize(rows, b), shared, target=target) for rows, shared in examples for b in self.buckets
-                if b >= _rows(rows)]
+        return [self.graph(resize_rows(rows, b), shared, target=target) for rows, shared in examples
+                for b in self.buckets if b >= count_rows(rows)]
 
     def replay_graphs(self, examples: list[tuple[Inputs, Inputs]],
                       layout: Callable[[Inputs], ReplayLayout]) -> list[Graph]:
@@ -355,7 +363,8 @@ class CompiledDenoiser:
         those rows (`replayed`; none under CUDA graphs, where replays run eagerly)."""
         if not self.dynamic_rows:
             return []
-        resized = [(_resize(rows, b), shared) for rows, shared in examples for b in self.buckets if b >= _rows(rows)]
+        resized = [(resize_rows(rows, b), shared) for rows, shared in examples for b in self.buckets
+                   if b >= count_rows(rows)]
         return [self.graph(rows, shared, layout(rows)) for rows, shared in resized]
 
     def graph(self, rows: Inputs, shared: Inputs, layout: PatchLayout | ReplayLayout | BlockPiece | None = None,
@@ -372,28 +381,28 @@ class CompiledDenoiser:
                                 if key == layout.key)
             target, layout = self._block_target(getattr(parent, name), layout.key), None
         if isinstance(layout, ReplayLayout):
-            bucket = self.bucket(_rows(rows))
-            return Graph(("template",) + _key(rows, shared, bucket),
+            bucket = self.bucket(count_rows(rows))
+            return Graph(("template",) + graph_key(rows, shared, bucket),
                          functools.partial(self._call_replayed, layout, rows, shared),
-                         f"template replay, {_describe(rows, bucket)}", (rows, shared, layout))
+                         f"template replay, {describe(rows, bucket)}", (rows, shared, layout))
         if layout is not None and not self.dynamic_rows:
             from gouache.runner.patch_ops import pad_patches
 
             pad = static_bucket(layout.num_patches), static_bucket(len(layout.order) + 1)
             padded = pad_patches(rows, pad)
-            return Graph(("patched", layout.patch) + _key(padded, shared),
+            return Graph(("patched", layout.patch) + graph_key(padded, shared),
                          functools.partial(self._call_patched, layout, padded, shared, pad),
                          f"patched, {pad[0]} patches of side {layout.patch}, {pad[1]} images", (rows, shared, layout))
         if layout is not None:
             bucket = patch_bucket(layout.num_patches)
-            return Graph(("patched", layout.patch) + _key(rows, shared, bucket),
+            return Graph(("patched", layout.patch) + graph_key(rows, shared, bucket),
                          functools.partial(self._call_patched, layout, rows, shared),
                          f"patched, {bucket}-{2 * bucket - 1} patches of side {layout.patch}", (rows, shared, layout))
         target = target or self.target
-        bucket = self.bucket(_rows(rows))
-        return Graph(target.tag + _key(rows, shared, bucket), functools.partial(self._call_compiled, target, rows,
+        bucket = self.bucket(count_rows(rows))
+        return Graph(target.tag + graph_key(rows, shared, bucket), functools.partial(self._call_compiled, target, rows,
                                                                                 shared),
-                     " ".join((*target.tag, _describe(rows, bucket))),
+                     " ".join((*target.tag, describe(rows, bucket))),
                      (rows, shared) if not target.tag else (rows, shared, target.piece) if target.piece else None)
 
     def _call_compiled(self, target: Target, inputs: Inputs, shared: Inputs):
@@ -401,14 +410,14 @@ class CompiledDenoiser:
             return target.compiled(**inputs, **shared)
         from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
-        n = _rows(inputs)
+        n = count_rows(inputs)
         try:
-            return target.compiled(**_mark_rows(inputs), **shared)
+            return target.compiled(**mark_rows(inputs), **shared)
         except ConstraintViolationError as e:  # the model's forward takes its row count as a constant
             log.warning("this denoiser's graph fixes its row count; its rows are padded to their bucket from now on "
                         "(%s)", str(e).splitlines()[0])
             self.dynamic_rows = False
-        return _cut(target.compiled(**_pad(inputs, self.bucket(n) - n), **shared), n)
+        return cut_rows(target.compiled(**pad_rows(inputs, self.bucket(n) - n), **shared), n)
 
     def _call_patched(self, layout: PatchLayout, rows: Inputs, shared: Inputs,
                       pad: tuple[int, int] | None = None) -> torch.Tensor:
@@ -426,7 +435,7 @@ class CompiledDenoiser:
             mark_dynamic(idx.neighbours, 1)
             for tensor in (idx.image, idx.caller, idx.per_image, idx.offsets, idx.order):
                 mark_dynamic(tensor, 0)
-            return self._compiled(**_mark_rows(rows), **shared, return_dict=False)[0]
+            return self._compiled(**mark_rows(rows), **shared, return_dict=False)[0]
 
     def _call_replayed(self, layout: ReplayLayout, rows: Inputs, shared: Inputs) -> torch.Tensor:
         from torch._dynamo import maybe_mark_dynamic
@@ -444,7 +453,7 @@ class CompiledDenoiser:
         # without duck sizing, computed counts equal by chance to the rows (or to each other)
         # in the mix traced do not become one symbol
         with replayed_blocks(self.denoiser, layout), shapes.patch(use_duck_shape=False):
-            return self._compiled(**(_mark_rows(rows) if dynamic else rows), **shared, return_dict=False)[0]
+            return self._compiled(**(mark_rows(rows) if dynamic else rows), **shared, return_dict=False)[0]
 
     def warm_up(self, graphs: list[Graph], progress: Callable[[str], None] = log.info,
                 later: Sequence[Graph] = ()) -> None:
@@ -610,102 +619,6 @@ def static_bucket(count: int) -> int:
     return 1 << max(0, count - 1).bit_length()
 
 
-def _rows(rows: Inputs) -> int:
-    for value in rows.values():
-        if isinstance(value, torch.Tensor):
-            return value.shape[0]
-        if isinstance(value, dict | tuple) and value:
-            return _rows(value if isinstance(value, dict) else dict(enumerate(value)))
-    raise ValueError("a forward's row inputs hold no tensor")
-
-
-def _per_row(value, tensor: Callable, listed: Callable):
-    """`value` (a row input) with `tensor` applied to each of its tensors, alone, in dicts or in
-    tuples (ControlNet residuals: one tensor a block, each with a row per forward row), and
-    `listed` to each list (one item per row: Qwen-Image's img_shapes); other values as they are."""
-    if isinstance(value, torch.Tensor):
-        return tensor(value)
-    if isinstance(value, dict):
-        return {name: _per_row(v, tensor, listed) for name, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_per_row(v, tensor, listed) for v in value)
-    if isinstance(value, list):
-        return listed(value)
-    return value
-
-
-def _pad(rows: Inputs, extra: int) -> Inputs:
-    """`rows` with `extra` copies of their last row appended (rows are independent)."""
-    if extra == 0:
-        return rows
-    return _per_row(rows, lambda t: torch.cat([t, t[-1:].expand(extra, *t.shape[1:])]),
-                    lambda items: items + items[-1:] * extra)
-
-
-def _resize(rows: Inputs, n: int) -> Inputs:
-    """`rows` padded or cut to `n` rows."""
-    have = _rows(rows)
-    if n >= have:
-        return _pad(rows, n - have)
-    return _per_row(rows, lambda t: t[:n], lambda items: items[:n])
-
-
-def _cut(out, n: int):
-    """A forward's output (a tensor, or tuples or a list of them) cut to its first `n` rows."""
-    return _per_row(out, lambda t: t[:n], lambda items: [t[:n] for t in items])
-
-
 def _call(module: nn.Module, **inputs):
     """`module`'s forward: compiled once (`CompiledDenoiser._block`), a graph per module and shapes."""
     return module(**inputs)
-
-
-def _has_list(rows: Inputs) -> bool:
-    found = []
-    _per_row(rows, lambda t: t, found.append)
-    return bool(found)
-
-
-def _mark_rows(rows: Inputs) -> Inputs:
-    """`rows` (views of them) with their row dimension dynamic in the graph compiled for them."""
-    from torch._dynamo import mark_dynamic
-
-    def marked(tensor: torch.Tensor) -> torch.Tensor:
-        view = tensor.view_as(tensor)
-        mark_dynamic(view, 0)
-        return view
-
-    return _per_row(rows, marked, lambda items: items)
-
-
-def _key(rows: Inputs, shared: Inputs, bucket: int | None = None) -> tuple:
-    """What a graph is compiled for: the shapes, dtypes and devices of its inputs, the rows'
-    leading dimension counted as their `bucket` (a graph of dynamic rows serves every row count
-    of it)."""
-    return _shapes(rows, bucket) + _shapes(shared, None)
-
-
-def _shapes(inputs: Inputs, rows: int | None) -> tuple:
-    def shape(tensor: torch.Tensor) -> tuple:
-        return (tuple(tensor.shape) if rows is None else (rows, *tensor.shape[1:])), tensor.dtype, tensor.device
-
-    return tuple((name, _frozen(_per_row(value, shape, _frozen))) for name, value in sorted(inputs.items()))
-
-
-def _frozen(value):
-    """A plain input as a key: lists (Qwen-Image's `img_shapes`, Z-Image's images) as tuples all
-    the way down, dicts as their sorted items, tensors in them as what a graph is compiled for."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype, value.device
-    if isinstance(value, dict):
-        return tuple((name, _frozen(v)) for name, v in sorted(value.items()))
-    return tuple(map(_frozen, value)) if isinstance(value, list | tuple) else value
-
-
-def _describe(inputs: Inputs, bucket: int | None) -> str:
-    """A graph's name in logs: its first input's shape, and the inputs that are tuples of row
-    tensors (ControlNet residuals)."""
-    first = next(v for v in inputs.values() if isinstance(v, torch.Tensor))
-    shape = "x".join(map(str, (first.shape[0] if bucket is None else bucket, *first.shape[1:])))
-    tuples = [name for name, value in inputs.items() if isinstance(value, tuple)]
-    return f"{shape} with {', '.join(tuples)}" if tuples else shape
