@@ -54,8 +54,10 @@ TECHNIQUES = {t.name: t for t in (
               compiles=True, compiled="yes, as `controlnet`"),
     Technique("template", "template_cache", False, True,
               "template replay of an edit's unmasked tokens (InstGenIE)",
-              compiled="UNets: yes, one graph a size and row bucket, the layout as data (a recorder's steps and a "
-                       "load plan's run eagerly; under CUDA graphs: not yet); DiTs: no, the step runs eagerly",
+              compiled="UNets: yes, one graph a size and row bucket, the layout as data (under CUDA graphs: not "
+                       "yet); SD3 and FLUX.1 (Kontext too): yes, in compiled pieces per row and computed-token "
+                       "bucket (`--compile-sizes` sets them), the templates' keys and values filled between pieces; "
+                       "a recorder's steps and a load plan's run eagerly; other DiTs: no, the step runs eagerly",
               flags=("--template-cache", "--template-cost-model"), several_devices="template reuse does not apply"),
     Technique("block_cache", "block_cache", False, True,
               "block-output reuse across steps (PatchedServe), per image, patch or token; decided by a "
@@ -74,7 +76,9 @@ TECHNIQUES = {t.name: t for t in (
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
     Technique("reference", "image", True, True,
               "an edit's reference tokens (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): the uploads' latents after the "
-              "image's own, asked by any edit on an instruction-edit model"),
+              "image's own, asked by any edit on an instruction-edit model",
+              compiled="FLUX.1 Kontext: yes, a row graph per size (its tokens doubled) and in the packed pieces; "
+                       "FLUX.2 and Qwen-Image-Edit: no, the step runs eagerly"),
     Technique("img2img", "strength", True, True,
               "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
               "the steps after", compiles=True, compiled="yes, as the plain step"),

@@ -157,7 +157,11 @@ class Packing:
         [S_txt, H*d] or None), each followed by its `padding` rows of zeros (a bucket's)."""
         computed = None if self.subset is None else self.subset.computed
         if computed is not None:
-            return self._attend_queries(image, text, text_first, rope, computed)
+            image_out, text_out = self._attend_queries(image, text, text_first, rope, computed)
+            if any(padding):
+                image_out, text_out = (torch.cat([x, x.new_zeros(n, x.shape[1])]) if x is not None else None
+                                       for x, n in zip((image_out, text_out), padding))
+            return image_out, text_out
         image_out, text_out = [], []  # one part per size (and padding); a single part is used as it is
         for g, group in enumerate(self.groups):
             qkv = [x[group.image_rows].unflatten(0, (group.count, -1)) for x in image]

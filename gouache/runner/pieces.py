@@ -16,50 +16,146 @@ So a forward of N blocks runs N + 1 compiled pieces (the embeddings and the firs
 projections; the end of one block and the projections of the next, N - 1 times; the last
 block's end and the output), and equal blocks share one graph (dynamo's inlined modules take
 a block's weights as inputs): a bucket compiles 3-5 graphs whatever the model's depth.
+
+Template replays (InstGenIE, `gouache.templates.replay`) run in the same pieces where every
+block of the step computes the same rows (no edit records, the load plan runs no block in
+full): the pieces take the computed image tokens and text rows only, padded to a `replay
+x{rows}` bucket (their slots, positions and RoPE gathered by the computed indices); the break
+fills each attention's keys and values of the other rows from the templates and attends the
+computed queries per image; the last piece fills the last block's output of the other tokens
+from the templates and runs the output norm and projection over every token, padded to the
+bucket of the forward's tokens.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
 from gouache.attention import QKV, project
+from gouache.block_cache.blocks import Subset, cacheable_blocks
 from gouache.config import COMPILE_GRAPHS, CompileConfig
 from gouache.runner.buckets import TOKEN_ALIGN, Buckets, Range, choose
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.pack_dit import Packing
+from gouache.templates.replay import TemplatePass
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A step's template replays as the pieces run them: every block computes the packing's
+    image tokens `computed` and text rows `text` (None: all) and takes the other rows' keys and
+    values, and after the last block their outputs, from the templates (`template`, the
+    forward's `TemplatePass`); the output piece runs over `full` tokens (a bucket)."""
+
+    template: TemplatePass
+    computed: torch.Tensor  # [computed] packed image rows, sorted
+    text: torch.Tensor | None  # [computed text rows] packed text rows, sorted; None: all
+    full: int
+    # where the pieces rotate keys (Flux's RoPE), the (cos, sin) of every image row and text row:
+    # the templates keep keys unrotated, as the eager forward rotates after filling them
+    rotation: tuple[torch.Tensor, ...] | None = None
+
+    def attend(self, packing: Packing, attn: nn.Module, image: QKV, text: QKV, text_first: bool,
+               padding: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The computed rows' attention over every row of their image, the others' keys and
+        values the templates'."""
+        name = self.template.names[id(attn)]
+        rotation = self.rotation or (None,) * 4
+        (q, k, v), (tq, tk, tv) = image, text
+        image = (q, self._fill(packing, f"{name}.k", k, rotation[:2]), self._fill(packing, f"{name}.v", v))
+        text = (tq, self._fill(packing, f"{name}.text_k", tk, rotation[2:], True),
+                self._fill(packing, f"{name}.text_v", tv, text=True))
+        packing.subset = Subset(self.template, self.computed, self.text)
+        try:
+            return packing.attend(image, text, text_first, padding=padding)
+        finally:
+            packing.subset = None
+
+    def _fill(self, packing: Packing, name: str, x: torch.Tensor, rotation: tuple = (None, None),
+              text: bool = False) -> torch.Tensor:
+        """x of the computed rows (image tokens or text rows) for every row of `packing`, the
+        others' from the templates (rotated by `rotation`'s rows, where given)."""
+        computed = self.text if text else self.computed
+        if computed is None:
+            return x
+        replayed, rows = self.template.template(name, x, text)
+        if rotation[0] is not None and len(replayed):
+            cos, sin = (r.index_select(0, replayed) for r in rotation)
+            rows = apply_rotary_emb(rows[None], (cos, sin), sequence_dim=1)[0]
+        every = len(packing.text_index) if text else packing.image_rows
+        full = x.new_zeros(every, *x.shape[1:]).index_copy_(0, computed, x)
+        return full.index_copy_(0, replayed, rows) if len(replayed) else full
+
+    def outputs(self, block: str, x: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the output piece: the last block's output rows of every token [full + 1, D], the
+        templates' where the pieces compute none (the computed ones' zeros, the extra row where
+        padding rows go), and where each of the `tokens` computed rows goes [tokens]."""
+        replayed, rows = self.template.template(block, x)  # the eager forward's rows are [tokens, 1, D]
+        full = x.new_zeros(self.full + 1, x.shape[1]).index_copy_(0, replayed, rows.reshape(len(rows), x.shape[1]))
+        scatter = torch.cat([self.computed, self.computed.new_full((tokens - len(self.computed),), self.full)])
+        return full, scatter
+
+
+class _Blank:
+    """A warm-up's stand-in for a replay's templates (`TemplatePass`): no rows to fill."""
+
+    names = collections.defaultdict(str)
+
+    @staticmethod
+    def template(name: str, like: torch.Tensor, text: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(0, dtype=torch.long, device=like.device), like[:0]
 
 
 @dataclass(frozen=True)
 class TokenLayout:
     """A packed forward's layout padded to its bucket: `rows` forward rows (slots) of
     `text_len` text rows each and `tokens` image rows; `image_index` / `text_index`: the slot
-    of each image / text row (padding rows: slot 0)."""
+    of each image / text row (padding rows: slot 0). Under a `replay`, the rows are the
+    computed ones only."""
 
     packing: Packing
     rows: int
     tokens: int
     image_index: torch.Tensor  # [tokens]
     text_index: torch.Tensor  # [rows * text_len]
+    replay: Replay | None = None
 
     @classmethod
-    def of(cls, packing: Packing, rows: int, tokens: int) -> TokenLayout:
-        if rows < len(packing.order) or tokens < packing.image_rows:
+    def of(cls, packing: Packing, rows: int, tokens: int, replay: Replay | None = None) -> TokenLayout:
+        image, text = packing.image_index, packing.text_index
+        if replay is not None:
+            image = image.index_select(0, replay.computed)
+            text = text if replay.text is None else text.index_select(0, replay.text)
+        if rows < len(packing.order) or tokens < len(image):
             raise ValueError(f"a bucket of {rows} rows and {tokens} tokens cannot hold {len(packing.order)} rows "
-                             f"of {packing.image_rows} tokens")
-        return cls(packing, rows, tokens, _pad(packing.image_index, tokens),
-                   _pad(packing.text_index, rows * packing.text_len))
+                             f"of {len(image)} tokens")
+        return cls(packing, rows, tokens, _pad(image, tokens), _pad(text, rows * packing.text_len), replay)
+
+    @property
+    def image_rows(self) -> int:
+        """The image rows the pieces compute (the rest pad)."""
+        return self.packing.image_rows if self.replay is None else len(self.replay.computed)
+
+    @property
+    def text_rows(self) -> int:
+        return len(self.packing.text_index if self.replay is None or self.replay.text is None else self.replay.text)
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
-        """Image rows [S_img, ...] padded with zeros to [tokens, ...]."""
-        return _pad(x, self.tokens)
+        """Image rows [S_img, ...] (the computed ones, under a replay) padded with zeros to [tokens, ...]."""
+        return _pad(x if self.replay is None else x.index_select(0, self.replay.computed), self.tokens)
 
     def text(self, x: torch.Tensor) -> torch.Tensor:
-        """Text rows [S_txt, ...] padded with zeros to [rows * text_len, ...]."""
+        """Text rows [S_txt, ...] (the computed ones, under a replay) padded with zeros to [rows * text_len, ...]."""
+        if self.replay is not None and self.replay.text is not None:
+            x = x.index_select(0, self.replay.text)
         return _pad(x, self.rows * self.packing.text_len)
 
     def slots(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,23 +163,28 @@ class TokenLayout:
         timestep or embedding: padding slots compute what a real one does, and are dropped)."""
         return torch.cat([x, x[-1:].expand(self.rows - len(x), *x.shape[1:])]) if self.rows > len(x) else x
 
-    def attend(self, image: QKV, text: QKV, text_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, attn: nn.Module, image: QKV, text: QKV, text_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The break between pieces: joint attention of each image over its text and its own
-        tokens (the packing's real rows), padded back: ([tokens, H*d], [rows * text_len, H*d])."""
-        s, t = self.packing.image_rows, len(self.packing.text_index)
-        return self.packing.attend(tuple(x[:s] for x in image), tuple(x[:t] for x in text), text_first,
-                                   padding=(self.tokens - s, len(self.text_index) - t))
+        tokens (the real rows), padded back: ([tokens, H*d], [rows * text_len, H*d])."""
+        s, t = self.image_rows, self.text_rows
+        image, text = tuple(x[:s] for x in image), tuple(x[:t] for x in text)
+        padding = (self.tokens - s, len(self.text_index) - t)
+        if self.replay is not None:
+            return self.replay.attend(self.packing, attn, image, text, text_first, padding)
+        return self.packing.attend(image, text, text_first, padding=padding)
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(n - len(x), *x.shape[1:])]) if n > len(x) else x
 
 
-def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequence[int]) -> Buckets:
-    """The token buckets a compiled model's packed pieces get: the graphs `--compile-graphs`
-    leaves after a row graph per size and row bucket (none, where the sizes compiled make no
-    mix or no graph is left: packed steps then run eagerly, reason `mixed_sizes`)."""
-    return token_buckets(compiled.buckets, image_tokens, graphs_left(compiled, config)) or Buckets({})
+def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequence[int],
+           replays: bool = False) -> Buckets:
+    """The token buckets a compiled model's packed pieces get (and its template replays', with
+    `replays`): the graphs `--compile-graphs` leaves after a row graph per size and row bucket
+    (none, where the sizes compiled make no mix or no graph is left: packed steps then run
+    eagerly, reason `mixed_sizes`)."""
+    return token_buckets(compiled.buckets, image_tokens, graphs_left(compiled, config), replays) or Buckets({})
 
 
 def graphs_left(compiled: CompiledDenoiser, config: CompileConfig) -> int:
@@ -93,19 +194,25 @@ def graphs_left(compiled: CompiledDenoiser, config: CompileConfig) -> int:
     return (COMPILE_GRAPHS if config.graphs is None else config.graphs) - row_graphs
 
 
-def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int) -> Buckets | None:
+def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int,
+                  replays: bool = False) -> Buckets | None:
     """Token buckets for each row bucket of a packed forward (kind `tokens x{rows}`), within
     `graphs` graphs: a step at row bucket r (more rows than the bucket below, b) holds between
-    (b + 1) * min and r * max tokens. None where the sizes compiled give no mix (fewer than two token counts) or
-    the budget cannot give each row bucket one."""
-    if len(set(image_tokens)) < 2:
+    (b + 1) * min and r * max tokens; with `replays`, of a template replay's too (kind `replay
+    x{rows}`: its computed tokens, from one, and its whole forward's, up to r * max), where the
+    budget gives each kind one after the packed forwards'. None where the sizes compiled give
+    neither (fewer than two token counts and no replays) or the budget cannot give each kind one."""
+    if not image_tokens:
         return None
     lo, hi = min(image_tokens), max(image_tokens)
-    ranges, below = [], 1  # a packed forward has two rows at least
+    packed, replayed, below = [], [], 1  # a packed forward has two rows at least
     for rows in sorted(row_buckets):
-        if rows > below:
-            ranges.append(Range(f"tokens x{rows}", (below + 1) * lo, rows * hi, TOKEN_ALIGN))
+        if rows > below and len(set(image_tokens)) > 1:
+            packed.append(Range(f"tokens x{rows}", (below + 1) * lo, rows * hi, TOKEN_ALIGN))
+        if replays:
+            replayed.append(Range(f"replay x{rows}", 1, rows * hi, TOKEN_ALIGN))
         below = rows
+    ranges = packed + replayed if graphs >= len(packed) + len(replayed) else packed
     if not ranges or graphs < len(ranges):
         return None
     return choose(ranges, graphs)
@@ -122,25 +229,41 @@ class PackedPieces:
     text_first = False  # the model's joint token order: Flux puts text first, SD3 last
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], compiled: CompiledDenoiser, buckets: Buckets,
-                 first: Callable, between: Callable, last: Callable):
+                 first: Callable, between: Callable, finish: Callable):
+        """`finish(model, block, x, c, temb, image_out, text_out, carry, *rows)`: the last
+        block's image rows after its attention."""
         self.model, self.blocks, self.compiled, self.buckets = model, list(blocks), compiled, buckets
-        self._first, self._between, self._last = map(compiled.compile, (first, between, last))
+        self.keys = [key for _, _, key in cacheable_blocks(model)]  # the blocks' names in templates
+        self._first, self._between = map(compiled.compile, (first, between))
+        self._last = compiled.compile(functools.partial(last, finish))
+        self._replayed = compiled.compile(functools.partial(replayed_last, finish))
+        # text rows the last block outputs in each block (SD3's last keeps none), as templates count them
+        self._text_blocks = len(self.blocks) - bool(getattr(self.blocks[-1], "context_pre_only", False))
 
     def pieces(self, layout: TokenLayout, *inputs) -> torch.Tensor:
-        """The forward's output rows [tokens, ...] from its padded inputs: N + 1 compiled pieces
-        around N attention breaks."""
+        """The forward's output rows [tokens, ...] from its padded inputs (under a replay: every
+        token's, [its full bucket, ...]): N + 1 compiled pieces around N attention breaks."""
         rows = self.rows(layout)
         x, c, temb, image, text, carry = self._first(self.model, self.blocks[0], *inputs, *rows)
         for done, block in pairwise(self.blocks):
-            attended = layout.attend(image, text, self.text_first)
+            attended = layout.attend(done.attn, image, text, self.text_first)
             x, c, image, text, carry = self._between(done, block, x, c, temb, *attended, carry, *rows)
-        return self._last(self.model, self.blocks[-1], x, c, temb, *layout.attend(image, text, self.text_first),
-                          carry, *rows)
+        attended = layout.attend(self.blocks[-1].attn, image, text, self.text_first)
+        if layout.replay is None:
+            return self._last(self.model, self.blocks[-1], x, c, temb, *attended, carry, *rows)
+        full, scatter = layout.replay.outputs(self.keys[-1], x, layout.tokens)
+        index = _pad(layout.packing.image_index, layout.replay.full)
+        return self._replayed(self.model, self.blocks[-1], x, c, temb, *attended, carry, full, scatter, index, *rows)
 
     def rows(self, layout: TokenLayout) -> tuple[torch.Tensor, ...]:
         """The layout's per-row tensors every piece takes: each row's slot, and what else the
         model reads per row (Flux: its RoPE)."""
         return layout.image_index, layout.text_index
+
+    def rotation(self, packing: Packing) -> tuple[torch.Tensor, ...] | None:
+        """Where the pieces rotate queries and keys (RoPE), the (cos, sin) of each of
+        `packing`'s image rows, then of its text rows; None where they do not."""
+        return None
 
     def run(self, packing: Packing, inputs: Callable[[TokenLayout], tuple]) -> torch.Tensor | None:
         """The output rows [tokens, ...] of `packing`'s forward, its pieces compiled at its bucket
@@ -154,27 +277,62 @@ class PackedPieces:
         if tokens is None:
             return self.compiled.run(None, lambda: None, past="tokens")
         layout = TokenLayout.of(packing, rows, tokens)
-        return self.compiled.run(Graph(self.key((rows, tokens)), lambda: self.pieces(layout, *inputs(layout)),
-                                       self.describe((rows, tokens))), lambda: None)
+        key = ("packed", rows, tokens)
+        return self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout)), self.describe(key)),
+                                 lambda: None)
+
+    def replay(self, packing: Packing, template: TemplatePass, inputs: Callable[[TokenLayout], tuple]) \
+            -> torch.Tensor | None:
+        """The output rows [tokens, ...] of `packing`'s forward replaying `template`'s templates,
+        its pieces compiled at its buckets (computed tokens and all tokens, `replay x{rows}`);
+        None where the step runs eagerly (counted, with why: an edit records, the load plan
+        computes a block in full, past the largest bucket, a graph that failed)."""
+        why = template.varies()
+        if why is not None:
+            return self.compiled.run(None, lambda: None, past=why)
+        rows = self.compiled.bucket(len(packing.order))
+        if rows is None:
+            return self.compiled.run(None, lambda: None, past="rows")
+        computed, text = template.rows(packing.image_index.device)
+        buckets = self.buckets.by_kind.get(f"replay x{rows}", ())
+        if not buckets or packing.image_rows > buckets[-1]:
+            return self.compiled.run(None, lambda: None, past="tokens")
+        tokens = next(b for b in buckets if b >= len(computed))
+        # the output piece runs over the row bucket's most tokens: one graph a computed bucket
+        layout = TokenLayout.of(packing, rows, tokens, Replay(template, computed, text, buckets[-1],
+                                                              self.rotation(packing)))
+        out = self.compiled.run(Graph(("replay", rows, tokens), lambda: self.pieces(layout, *inputs(layout)),
+                                      self.describe(("replay", rows, tokens))), lambda: None)
+        if out is not None:
+            template.count(computed, text, len(self.blocks), self._text_blocks)
+            template.end()
+        return out
 
     def graphs(self, text_len: int) -> list[Graph]:
         """Every bucket's pieces, to compile at warm-up, for prompts of `text_len` rows (one
         example packing each: a bucket's graphs do not depend on which mix fills it)."""
         out = []
         for kind, tokens in self.buckets.by_kind.items():
-            rows = int(kind.split("x")[1])
+            what, rows = kind.split(" x")
+            rows = int(rows)
             for t in tokens:
-                layout = TokenLayout.of(self.example(rows, t, text_len), rows, t)
-                out.append(Graph(self.key((rows, t)), lambda layout=layout: self.pieces(layout, *self.inputs(layout)),
-                                 self.describe((rows, t))))
+                if what == "tokens":
+                    layout = TokenLayout.of(self.example(rows, t, text_len), rows, t)
+                else:  # a replay computing t tokens of the row bucket's most, the templates blank
+                    packing = self.example(rows, tokens[-1], text_len)
+                    computed = torch.arange(min(t, packing.image_rows), device=packing.image_index.device)
+                    layout = TokenLayout.of(packing, rows, t, Replay(_Blank(), computed, None, tokens[-1],
+                                                                     self.rotation(packing)))
+                key = ("packed" if what == "tokens" else "replay", rows, t)
+                out.append(Graph(key, lambda layout=layout: self.pieces(layout, *self.inputs(layout)),
+                                 self.describe(key)))
         return out
 
-    def key(self, bucket: tuple[int, int]) -> tuple:
-        return ("packed", *bucket)
-
     @staticmethod
-    def describe(bucket: tuple[int, int]) -> str:
-        return f"packed {bucket[0]} rows, {bucket[1]} tokens"
+    def describe(key: tuple) -> str:
+        if key[0] == "replay":
+            return f"template replay {key[1]} rows, {key[2]} tokens computed"
+        return f"packed {key[1]} rows, {key[2]} tokens"
 
     def example(self, rows: int, tokens: int, text_len: int) -> Packing:
         """A packing of `rows` rows whose image tokens fill at most `tokens`, `text_len` text rows each."""
@@ -190,6 +348,25 @@ class PackedPieces:
 def zero(norm: nn.Module, temb: torch.Tensor, chunks: int = 6) -> tuple[torch.Tensor, ...]:
     """An AdaLayerNormZero's (or its single-stream kind's) modulations per slot [rows, D]."""
     return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+
+
+def output(transformer: nn.Module, x: torch.Tensor, temb: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A DiT's output rows [tokens, C_out]: its output norm, modulated per slot, and projection."""
+    return transformer.proj_out(continuous(transformer.norm_out, x, temb, index))
+
+
+def last(finish: Callable, transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry, *rows):
+    """The last block's end and the output rows [tokens, C_out] (`rows[0]`: each image row's slot)."""
+    return output(transformer, finish(transformer, done, x, c, temb, image_out, text_out, carry, *rows), temb, rows[0])
+
+
+def replayed_last(finish: Callable, transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry,
+                  full: torch.Tensor, scatter: torch.Tensor, index: torch.Tensor, *rows):
+    """A replay's last piece: the last block's end for the computed rows, put among the
+    templates' rows of every token (`Replay.outputs`), and the output rows of every token
+    [len(index), C_out]."""
+    x = finish(transformer, done, x, c, temb, image_out, text_out, carry, *rows)
+    return output(transformer, full.index_copy(0, scatter, x)[:len(index)], temb, index)
 
 
 def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ from torch import nn
 from gouache.attention import QKV, project
 from gouache.runner.buckets import Buckets
 from gouache.runner.compiled import CompiledDenoiser
-from gouache.runner.pack_dit import Packing
+from gouache.runner.pack_dit import Packing, token_pass
 from gouache.runner.pack_flux import layout_ids, own_grid
-from gouache.runner.pieces import PackedPieces, TokenLayout, continuous, joint_finish, joint_qkv, modulate, zero
+from gouache.runner.pieces import PackedPieces, TokenLayout, joint_finish, joint_qkv, modulate, zero
+from gouache.templates.replay import ReplayForward
 
 
 def supports(transformer: nn.Module) -> bool:
@@ -81,10 +82,9 @@ def between(done: nn.Module, block: nn.Module, x, c, temb, image_out, text_out, 
     return x, c, *_start(block, x, c, temb, *rows)
 
 
-def last(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry, *rows):
-    """The last block's end and the output rows [tokens, C_out]."""
-    x, _ = _end(done, x, c, temb, image_out, text_out, carry, *rows[:2])
-    return transformer.proj_out(continuous(transformer.norm_out, x, temb, rows[0]))
+def finish(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry, *rows):
+    """The last block's image rows after its attention."""
+    return _end(done, x, c, temb, image_out, text_out, carry, *rows[:2])[0]
 
 
 class FluxPieces(PackedPieces):
@@ -94,15 +94,15 @@ class FluxPieces(PackedPieces):
 
     def __init__(self, transformer: nn.Module, compiled: CompiledDenoiser, buckets: Buckets):
         blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
-        super().__init__(transformer, blocks, compiled, buckets, first, between, last)
+        super().__init__(transformer, blocks, compiled, buckets, first, between, finish)
         self.txt_ids: torch.Tensor | None = None  # the text rows' ids of the step (the same for every prompt)
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # a token layout's rotation
 
     def forward(self, grids: list[torch.Tensor], timestep: torch.Tensor, guidance: torch.Tensor | None,
                 pooled_projections: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                txt_ids: torch.Tensor) -> list[torch.Tensor] | None:
-        """Per grid [C, h, w] (or [C, 2, h, w] with a reference), its prediction [C, h, w]; None
-        where the step runs eagerly."""
+                txt_ids: torch.Tensor, replay: ReplayForward | None = None) -> list[torch.Tensor] | None:
+        """Per grid [C, h, w] (or [C, 2, h, w] with a reference), its prediction [C, h, w] (with
+        `replay`, its edits replaying their templates); None where the step runs eagerly."""
         shapes = [tuple(x.shape[1:]) for x in grids]
         packing = Packing.build(shapes, encoder_hidden_states.shape[1], grids[0].device)
         self.txt_ids = txt_ids
@@ -112,18 +112,22 @@ class FluxPieces(PackedPieces):
                     layout.text(packing.text(encoder_hidden_states)[:, 0]), layout.slots(timestep),
                     None if guidance is None else layout.slots(guidance), layout.slots(pooled_projections))
 
-        out = self.run(packing, inputs)
+        out = self.run(packing, inputs) if replay is None else self.replay(packing, token_pass(replay, packing), inputs)
         if out is None:
             return None
         return [own_grid(part, shape) for part, shape in zip(packing.unpack(out[:packing.image_rows]), shapes)]
 
     def rows(self, layout: TokenLayout) -> tuple[torch.Tensor, ...]:
         """Each row's slot, and each image row's and text row's RoPE (cos, sin) [rows, d]."""
-        image = [self._rotation(group.shape) for group in layout.packing.groups for _ in range(group.count)]
+        image_cos, image_sin, text_cos, text_sin = self.rotation(layout.packing)
+        return (layout.image_index, layout.text_index, layout.image(image_cos), layout.image(image_sin),
+                layout.text(text_cos), layout.text(text_sin))
+
+    def rotation(self, packing: Packing) -> tuple[torch.Tensor, ...]:
+        image = [self._rotation(group.shape) for group in packing.groups for _ in range(group.count)]
         text = self._rotation(())
-        return (layout.image_index, layout.text_index,
-                *(layout.image(torch.cat([r[i] for r in image])) for i in (0, 1)),
-                *(text[i].repeat(layout.rows, 1) for i in (0, 1)))
+        return (*(torch.cat([r[i] for r in image]) for i in (0, 1)),
+                *(text[i].repeat(len(packing.order), 1) for i in (0, 1)))
 
     def _rotation(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (cos, sin) of a token layout's rows (kept), or of the step's text rows (shape ())."""

@@ -13,9 +13,10 @@ from torch import nn
 
 from gouache.runner.buckets import Buckets
 from gouache.runner.compiled import CompiledDenoiser
-from gouache.runner.pack_dit import Packing
+from gouache.runner.pack_dit import Packing, token_pass
 from gouache.runner.pack_sd3 import latent_grid, patch_rows
-from gouache.runner.pieces import PackedPieces, TokenLayout, continuous, joint_finish, joint_qkv
+from gouache.runner.pieces import PackedPieces, TokenLayout, joint_finish, joint_qkv
+from gouache.templates.replay import ReplayForward
 
 
 def supports(transformer: nn.Module) -> bool:
@@ -45,22 +46,22 @@ def between(done: nn.Module, block: nn.Module, x, c, temb, image_out, text_out, 
     return x, c, *joint_qkv(block, x, c, temb, image_index, text_index), None
 
 
-def last(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry, image_index, text_index):
-    """The last block's end and the output rows [tokens, p * p * C_out]."""
-    x, _ = joint_finish(done, x, c, temb, image_out, text_out, image_index, text_index)
-    return transformer.proj_out(continuous(transformer.norm_out, x, temb, image_index))
+def finish(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_out, carry, image_index, text_index):
+    """The last block's image rows after its attention."""
+    return joint_finish(done, x, c, temb, image_out, text_out, image_index, text_index)[0]
 
 
 class SD3Pieces(PackedPieces):
     """SD3's packed forward in pieces: `forward` takes what `packed_sd3_forward` takes."""
 
     def __init__(self, transformer: nn.Module, compiled: CompiledDenoiser, buckets: Buckets):
-        super().__init__(transformer, transformer.transformer_blocks, compiled, buckets, first, between, last)
+        super().__init__(transformer, transformer.transformer_blocks, compiled, buckets, first, between, finish)
         self._pos: dict[tuple[int, int], torch.Tensor] = {}  # a token grid's sincos rows
 
     def forward(self, samples: list[torch.Tensor], timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                pooled_projections: torch.Tensor) -> list[torch.Tensor] | None:
-        """Per sample [C, h, w], its prediction [C_out, h, w]; None where the step runs eagerly."""
+                pooled_projections: torch.Tensor, replay: ReplayForward | None = None) -> list[torch.Tensor] | None:
+        """Per sample [C, h, w], its prediction [C_out, h, w] (with `replay`, its edits replaying
+        their templates); None where the step runs eagerly."""
         p = self.model.config.patch_size
         shapes = [(x.shape[1] // p, x.shape[2] // p) for x in samples]
         packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
@@ -70,7 +71,7 @@ class SD3Pieces(PackedPieces):
                     layout.text(packing.text(encoder_hidden_states)[:, 0]), layout.slots(timestep),
                     layout.slots(pooled_projections))
 
-        out = self.run(packing, inputs)
+        out = self.run(packing, inputs) if replay is None else self.replay(packing, token_pass(replay, packing), inputs)
         if out is None:
             return None
         rows = out[:packing.image_rows].unflatten(1, (p, p, -1)).permute(0, 3, 1, 2)  # [S_img, C_out, p, p]

@@ -329,6 +329,40 @@ class TemplatePass:
             self._index[key] = (None if everything else rows, torch.cat(replayed) if replayed else rows[:0], sources)
         return self._index[key]
 
+    def varies(self) -> str | None:
+        """Why blocks compute different rows in this forward (an edit records every token; the
+        load plan runs some blocks in full); None where every block computes the same (`rows`)."""
+        if self.replay.recordings:
+            return "template recording"
+        if any(image.full_blocks for image in self.images):
+            return "template load plan"
+        return None
+
+    def rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where every block computes the same rows (`varies`): the image tokens and the text
+        rows (None: all) each computes."""
+        self._block = self.replay.blocks[0]
+        image = self._indices(device, self._block)[0]
+        return (torch.arange(self.num_units, device=device) if image is None else image,
+                self._indices(device, self._block, text=True)[0])
+
+    def count(self, computed: torch.Tensor, text: torch.Tensor | None, blocks: int, text_blocks: int) -> None:
+        """Count a forward that computed `computed` tokens (and `text` rows) in `blocks` blocks,
+        `text_blocks` of which output text rows, as `merge` and `merge_text` count each."""
+        counts = self.replay.cache.counts
+        counts.replayed_tokens += (self.num_units - len(computed)) * blocks
+        counts.computed_tokens += len(computed) * blocks
+        if text is not None:
+            counts.replayed_text += (self.text_len * len(self.images) - len(text)) * text_blocks
+
+    def template(self, name: str, like: torch.Tensor, text: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows the running block replays (image tokens or text rows) and the templates'
+        `name` activations of them, as `like`'s dtype and device."""
+        _, replayed, sources = self._indices(like.device, self._block, text)
+        rows = [image.entry[name][image.row].to(like.device, like.dtype).index_select(0, local)
+                for image, local in sources]
+        return replayed, torch.cat(rows) if rows else like[:0]
+
     def select(self, block: str, x: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] != self.num_units:
             raise ValueError(f"block input has {x.shape[0]} rows for {self.num_units} image tokens")
@@ -367,15 +401,13 @@ class TemplatePass:
     def _fill(self, name: str, x: torch.Tensor, computed: torch.Tensor | None, text: bool = False) -> torch.Tensor:
         """x (rows of `computed`, or all) for every image token (text row): the replayed ones'
         from their templates; records the recorders' rows."""
-        _, replayed, sources = self._indices(x.device, self._block, text)
         full = x
         if computed is not None:
             full = x.new_empty((self.text_len * len(self.images) if text else self.num_units, *x.shape[1:]))
             full.index_copy_(0, computed, x)
+            replayed, rows = self.template(name, x, text)
             if len(replayed):
-                full.index_copy_(0, replayed, torch.cat([
-                    image.entry[name][image.row].to(x.device, x.dtype).index_select(0, local)
-                    for image, local in sources]))
+                full.index_copy_(0, replayed, rows)
         start = 0
         for image in self.images:
             size = self.text_len if text else image.tokens

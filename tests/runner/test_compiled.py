@@ -273,18 +273,32 @@ def test_controlnet_residuals_are_inputs_of_the_unet_graph(runners, pipe, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_template_replay_runs_one_graph_for_every_mask(runners, pipe):
-    """The layout as data (`CompiledDenoiser.replayed`): replays of two masks, alone and
-    together, run one graph, equal to eager replays; the recorder's steps run eagerly, saying
-    why. Through dynamo's `eager` backend, as the tests above."""
-    if not hasattr(pipe, "unet"):
-        pytest.skip("DiT replays run eagerly (the packed forward is not in pieces for templates yet)")
+@pytest.mark.parametrize("prompt", ["own", "the recorder's"])
+def test_a_template_replay_runs_one_graph_for_every_mask(runners, pipe, prompt):
+    """The layout as data: replays of two masks, alone and together, run compiled, equal to
+    eager replays; the recorder's steps run eagerly, saying why. A UNet's (`CompiledDenoiser.
+    replayed`) in one graph; a DiT's in pieces (`PackedPieces.replay`), their buckets warmed
+    up before (no graph compiled while serving), the text rows replayed too where the prompt is
+    the recorder's (their keys rotated in the break, Flux's RoPE). Through dynamo's `eager`
+    backend, as the tests above."""
+    if prompt != "own" and hasattr(pipe, "unet"):
+        pytest.skip("a UNet's edits replay no text rows")
     torch._dynamo.reset()  # the graphs of the tests before would serve these shapes
     eager = ModelRunner(pipe, templates=TemplateConfig())
-    compiled = ModelRunner(pipe, templates=TemplateConfig(), compile=CompileConfig(enabled=True, buckets=(2, 4, 8)))
+    compiled = ModelRunner(pipe, templates=TemplateConfig(), compile=CompileConfig(
+        enabled=True, buckets=(2, 4, 8), sizes=((SIZE, SIZE),)))
     assert "template" in compiled.family.compiled.holds
     denoiser = compiled.family.compiled
     denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
+    pieces = compiled.family.pieces
+    if pieces is not None:
+        for name in ("_first", "_between", "_last", "_replayed"):
+            piece = getattr(pieces, name)._torchdynamo_orig_callable
+            setattr(pieces, name, torch.compile(piece, dynamic=False, backend="eager"))
+        assert set(pieces.buckets.by_kind) == {"replay x2", "replay x4", "replay x8"}
+        text_len = compiled.family.prepare(request("probe")).cond["prompt_embeds"].shape[1]
+        denoiser.warm_up(pieces.graphs(text_len), progress=lambda line: None)
+        assert denoiser.take_report().failed == 0
     denoiser.warm = True
     image = np.random.default_rng(0).integers(0, 255, (SIZE, SIZE, 3), dtype=np.uint8)
     top, square = np.zeros((SIZE, SIZE), np.float32), np.zeros((SIZE, SIZE), np.float32)
@@ -292,8 +306,8 @@ def test_a_template_replay_runs_one_graph_for_every_mask(runners, pipe):
 
     def edits(runner, specs, batches):
         for rid, mask, fields in specs:
-            runner.prepare(ImageRequest(rid, f"a cat {rid}", SIZE, SIZE, 4, 4.0, seed=1, image=b"-", template_id="t",
-                                        **fields), Upload(image, EditMask(mask)))
+            runner.prepare(ImageRequest(rid, f"a cat {rid}" if prompt == "own" else "a cat", SIZE, SIZE, 4, 4.0,
+                                        seed=1, image=b"-", template_id="t", **fields), Upload(image, EditMask(mask)))
         report = CompileReport()
         for batch in batches:
             out = runner.execute(Batch(batch))
@@ -314,8 +328,10 @@ def test_a_template_replay_runs_one_graph_for_every_mask(runners, pipe):
         expected.setdefault("latents", latents)
     assert report.eager == {"template recording": 4}
     assert_equal(expected["latents"], latents)
-    assert replayed.compiled == len(batches) and replayed.eager == {} and replayed.graphs == 1
-    assert compiled.templates.counts.replayed_tokens > 0
+    assert replayed.compiled == len(batches) and replayed.eager == {}
+    assert replayed.graphs == (1 if pieces is None else 0)
+    assert compiled.templates.counts == eager.templates.counts and compiled.templates.counts.replayed_tokens > 0
+    assert (compiled.templates.counts.replayed_text > 0) == (prompt != "own")  # a DiT's text rows
 
 
 @pytest.mark.slow

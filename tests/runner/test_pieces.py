@@ -41,6 +41,14 @@ def test_token_buckets_cover_each_row_bucket_within_the_budget():
     # every step a row bucket takes fits its largest token bucket: 2 rows of 64, 4 rows of 64
     assert buckets.by_kind["tokens x2"][-1] >= 128 and buckets.by_kind["tokens x4"][-1] >= 256
     assert token_buckets((1, 2, 4), [16, 64], 1) is None  # fewer graphs than row buckets to cover
+    # template replays: computed tokens from one to every token of the row bucket, at any size
+    one = token_buckets((1, 2, 4), [64], 8, replays=True)
+    assert set(one.by_kind) == {"replay x1", "replay x2", "replay x4"} and len(one) <= 8
+    assert [one.by_kind[f"replay x{r}"][-1] for r in (1, 2, 4)] == [64, 128, 256]
+    both = token_buckets((1, 2, 4), [16, 64], 8, replays=True)
+    assert {"tokens x2", "tokens x4", "replay x4"} <= set(both.by_kind) and len(both) <= 8
+    # a budget too small for both keeps the packed forwards' buckets
+    assert set(token_buckets((1, 2, 4), [16, 64], 3, replays=True).by_kind) == {"tokens x2", "tokens x4"}
 
 
 def _step(runner: ModelRunner, sizes: list[int], tag: str) -> tuple[dict, CompileReport]:
@@ -109,4 +117,5 @@ def test_a_graph_budget_is_refused_where_it_would_change_nothing():
     assert "two sizes or more" in StableDiffusionXLFamily.unused_graphs(CompileConfig(enabled=True, graphs=8))
     assert "qwenimage models do not compile" in QwenImageFamily.unused_graphs(two)
     same_pixels = CompileConfig(enabled=True, sizes=((64, 128), (128, 64)), graphs=8)  # one token count: no mix
-    assert "two or more pixel counts" in StableDiffusion3Family.unused_graphs(same_pixels)
+    assert StableDiffusion3Family.unused_graphs(same_pixels) is None  # but template replays' token buckets
+    assert "two or more pixel counts" in StableDiffusion3Family.unused_graphs(CompileConfig(enabled=True, graphs=8))

@@ -61,11 +61,13 @@ class Family(ABC):
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
         """Run the denoiser through `compiled` (--compile), and the packed forward of mixed sizes
-        in compiled pieces where the family has them (`make_pieces`)."""
+        and template replays in compiled pieces where the family has them (`make_pieces`)."""
         self.compiled = compiled
         self.pieces = self.make_pieces(compiled, config)
         if self.pieces is not None:
-            compiled.holds = frozenset({"mixed_sizes"})
+            kinds = {kind.split()[0] for kind in self.pieces.buckets.by_kind}  # packed "tokens", "replay"
+            compiled.holds = frozenset(name for kind, name in (("tokens", "mixed_sizes"), ("replay", "template"))
+                                       if kind in kinds)
 
     def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
         """The compiled patched forwards of mixed sizes that mixes of `states` (one per size the
@@ -81,16 +83,18 @@ class Family(ABC):
         """The family's packed forward in compiled pieces (`gouache.runner.pieces`), if it has one."""
         return None
 
+    replays_in_pieces = False  # whether template replays run in its compiled pieces (`PackedPieces.replay`)
+
     @classmethod
     def unused_graphs(cls, config: CompileConfig) -> str | None:
         """Why a --compile-graphs given to this family's server would change nothing (None: it
-        bounds the graphs of its forwards of mixed sizes)."""
+        bounds the graphs of its forwards of mixed sizes or template replays)."""
         if cls.make_pieces is Family.make_pieces:
             return (f"--compile-graphs would be ignored: it bounds the graphs of packed forwards of mixed sizes, "
                     f"which {cls.name} models do not compile (UNet, SD3 and FLUX.1 models do)")
-        if len({h * w for h, w in config.sizes}) < 2:
+        if not config.sizes or (not cls.replays_in_pieces and len({h * w for h, w in config.sizes}) < 2):
             return ("--compile-graphs would be ignored: packed forwards of mixed sizes compile where "
-                    "--compile-sizes lists sizes of two or more pixel counts")
+                    "--compile-sizes lists sizes of two or more pixel counts, template replays where it lists any")
         return None
 
     @property

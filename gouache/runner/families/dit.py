@@ -92,6 +92,7 @@ class FlowFamily(Family):
 
 class StableDiffusion3Family(FlowFamily):
     name = "sd3"
+    replays_in_pieces = True
 
     def token_count(self, state: DenoiseState) -> int:
         patch = self.pipe.transformer.config.patch_size
@@ -152,14 +153,16 @@ class StableDiffusion3Family(FlowFamily):
             return self.predict(states, False, blocks)
         inputs = (samples, row_timesteps(states), cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled"))
         outputs = None
-        if self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in samples}) > 1:
+        if self.pieces is not None and isinstance(blocks, ReplayForward):
+            outputs = self.pieces.forward(*inputs, replay=blocks)
+        elif self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in samples}) > 1:
             outputs = self.pieces.forward(*inputs)
         if outputs is None:
             outputs = packed_sd3_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
         return by_state(outputs, states)
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> SD3Pieces | None:
-        buckets = budget(compiled, config, self.layout_tokens(config.sizes))
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
         if not buckets or not pieces_sd3.supports(self.pipe.transformer):
             return None
         return SD3Pieces(self.pipe.transformer, compiled, buckets)
@@ -220,6 +223,7 @@ class FluxFamily(PackedFamily):
     name = "flux"
 
     single_stream = True
+    replays_in_pieces = True
 
     def uses_cfg(self, request: ImageRequest) -> bool:
         return False
@@ -261,14 +265,16 @@ class FluxFamily(PackedFamily):
         inputs = (grids, row_timesteps(states).to(self.dtype) / 1000, guidance, cat_cond(states, "pooled"),
                   cat_cond(states, "prompt_embeds"), first.cond["text_ids"])
         outputs = None
-        if self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in grids}) > 1:
+        if self.pieces is not None and isinstance(blocks, ReplayForward):
+            outputs = self.pieces.forward(*inputs, replay=blocks)
+        elif self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in grids}) > 1:
             outputs = self.pieces.forward(*inputs)
         if outputs is None:
             outputs = packed_flux_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> FluxPieces | None:
-        buckets = budget(compiled, config, self.layout_tokens(config.sizes))
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
         if not buckets or not pieces_flux.supports(self.pipe.transformer):
             return None
         return FluxPieces(self.pipe.transformer, compiled, buckets)
