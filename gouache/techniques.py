@@ -73,7 +73,10 @@ TECHNIQUES = {t.name: t for t in (
                        "FLUX.1: yes, in compiled pieces per row and token bucket, attention between them "
                        "(`gouache.runner.pieces`); other models: no, the step runs eagerly"),
     Technique("parallel", "--devices", True, False,
-              "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)"),
+              "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)",
+              compiled="UNets (CFG halves): yes, each rank's rows through the row graph of their count, the halves "
+                       "gathered outside it; DiTs (Ulysses): no, the step runs eagerly (its all-to-alls sit inside "
+                       "every attention)"),
     Technique("reference", "image", True, True,
               "an edit's reference tokens (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): the uploads' latents after the "
               "image's own, asked by any edit on an instruction-edit model",

@@ -59,7 +59,7 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
     p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs a compiled variant warms up at most: a row graph per size and bucket, the rest "
-                        "token buckets of packed DiT forwards (default: 16)")
+                        "token buckets of packed DiT forwards and template replays (default: 24)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="compiled kernels kept here, so a rerun compiles in seconds (default: torch's own)")
     p.add_argument("--out", default="benchmarks/results/speed_cpu.json",
@@ -147,11 +147,12 @@ def measure(model: str, args) -> dict:
     for variant in variants:
         pipe = base if variant != "compiled+int8" else quantize(load_pipeline(model), "int8")
         rows = 2 if make_family(pipe, None).uses_cfg(request("probe", large, 0)) else 1
-        # the row buckets of every row's step (3: the mixed sizes'), the mixed sizes compiled: a DiT's
-        # packed forward then runs in compiled pieces (`gouache.runner.pieces`)
+        # the row buckets of every row's step (3: the mixed sizes'), the mixed sizes and the template
+        # rows' compiled: a DiT's packed forward and its replays then run in compiled pieces
+        # (`gouache.runner.pieces`)
         compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2, 3)})),
-                                sizes=tuple((s, s) for s in sizes.values()), cache_dir=args.compile_cache,
-                                graphs=args.compile_graphs or 16) if variant != "eager" else None
+                                sizes=tuple((s, s) for s in (*sizes.values(), edit)), cache_dir=args.compile_cache,
+                                graphs=args.compile_graphs or 24) if variant != "eager" else None
         runners[variant] = runner = ModelRunner(pipe, lora=LoraConfig(loras), templates=TemplateConfig(),
                                                 controlnet=ControlNetConfig(controls), compile=compile)
         runner.warm_up(large)

@@ -16,15 +16,16 @@ from gouache.forward_layers import Inner, Predictions, RowMaps, Split, Step
 class ParallelLayer:
     technique = "parallel"
 
-    def __init__(self, pipe, degree: int, group, device):
-        self.pipe, self.degree, self.group, self.device = pipe, degree, group, device
+    def __init__(self, pipe, degree: int, group, device, compiled=None):
+        """`compiled`: the model's `CompiledDenoiser` under --compile (CFG halves split its calls)."""
+        self.pipe, self.degree, self.group, self.device, self.compiled = pipe, degree, group, device, compiled
         self.collective_s = 0.0  # seconds this rank spent in the splits' collectives
 
     def uses(self, step: Step, state) -> frozenset[str]:
         return frozenset({"parallel"}) if self.degree > 1 else frozenset()
 
     def __call__(self, step: Step, inner: Inner) -> Predictions:
-        with split_step(self.pipe, step.states, self.degree, self.group, self.device) as split:
+        with split_step(self.pipe, step.states, self.degree, self.group, self.device, self.compiled) as split:
             try:
                 return inner(step.of(step.states, split=split))
             finally:
@@ -81,10 +82,10 @@ class _Sequence(_Whole):
 
 
 @contextlib.contextmanager
-def split_step(pipe, states: list, degree: int, group, device) -> Iterator[Split | None]:
+def split_step(pipe, states: list, degree: int, group, device, compiled=None) -> Iterator[Split | None]:
     """The parallel split of a step of `degree` over `group` (None at degree 1), installed on
-    the denoiser while inside: a UNet's CFG halves (every request with guidance), a DiT's
-    Ulysses sequence shards."""
+    the denoiser (or its `compiled` one's calls) while inside: a UNet's CFG halves (every
+    request with guidance), a DiT's Ulysses sequence shards."""
     if degree == 1:
         yield None
         return
@@ -102,7 +103,7 @@ def split_step(pipe, states: list, degree: int, group, device) -> Iterator[Split
         return
     from gouache.parallel.cfg import cfg_parallel
 
-    with cfg_parallel(pipe.unet, group) as halves:
+    with cfg_parallel(pipe.unet, group, compiled) as halves:
         yield _Halves(group, device, halves)
 
 

@@ -155,6 +155,7 @@ class CompiledDenoiser:
         # says no in general (`mixed_sizes` where the family runs packed pieces: `Family.compile`)
         self.holds: frozenset[str] = frozenset()
         self.background: BackgroundCompiler | None = None  # compiles shapes first met while serving
+        self.split = None  # a CFG-parallel step's `Halves` (`gouache.parallel.cfg`): calls run this rank's rows
 
     def close(self) -> None:
         """Stop a background compile (`gouache.runner.background`) that is running."""
@@ -168,6 +169,12 @@ class CompiledDenoiser:
         compiled where the step allows it and the padded shape is compiled, else eager. With a
         `target`, its output instead (another module's forward over rows: a ControlNet's)."""
         target = target or self.target
+        if self.split is not None and not target.tag:  # the denoiser's own forward on this rank's rows
+            split, self.split = self.split, None
+            try:
+                return split.run(lambda **half: self(half, shared), count_rows(rows), **rows)
+            finally:
+                self.split = split
         n = count_rows(rows)
         padded = self.bucket(n)
         if padded is not None and not self._dynamic(rows):

@@ -232,7 +232,7 @@ class ModelRunner:
         templates = self.templates if whole and any(s.template for s in states) else None
         compiled = self.family.compiled
         return Forward((
-            ParallelLayer(self.pipe, batch.degree, group, self.family.device),
+            ParallelLayer(self.pipe, batch.degree, group, self.family.device, compiled),
             LoraLayer(self.lora_runtime, adapters, lora, compiled.slots if compiled is not None else None),
             ControlNetLayer(self.controls, self.family),
             TemplateLayer(templates, self.family),

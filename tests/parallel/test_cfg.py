@@ -51,10 +51,11 @@ def requests(guidance=(4.0, 6.0)):
     return out
 
 
-def steps(runner: ModelRunner, load, executor=None, modes: list | None = None) -> tuple[dict, list]:
+def steps(runner: ModelRunner, load, executor=None, modes: list | None = None,
+          compiles: list | None = None) -> tuple[dict, list]:
     """Every request's STEPS steps in one batch of degree 2 on `executor`'s two workers (or on
     `runner` alone): final latents, and the seconds each step spent exchanging halves; each
-    step's LoRA mode goes to `modes`."""
+    step's LoRA mode goes to `modes`, each rank's compile report to `compiles`."""
     states = {r.request_id: None for r, _ in load}
     for r, inputs in load:
         runner.prepare(r, **inputs)
@@ -73,6 +74,8 @@ def steps(runner: ModelRunner, load, executor=None, modes: list | None = None) -
         assert [o.step.request_ids for o in outs] == [list(ids)] * 2 and not outs[0].step.failed
         if modes is not None:
             modes.append(outs[0].step.lora.mode)
+        if compiles is not None:
+            compiles.extend(o.step.compile for o in outs)
         # the latents stay on the workers until the last step; both ranks end it alike
         assert set(outs[0].latents) == set(outs[1].latents) == (set(ids) if k == STEPS - 1 else set())
         for rid in outs[0].latents:
@@ -117,10 +120,11 @@ def test_round_knapsack_gives_an_idle_device_to_a_unet_request_as_cfg_parallelis
     assert pooled.degrees["first"][0] == 2  # alone, it took both devices: its guidance rows apart
 
 
-def adapters_alone_and_split(model: str, lora_dir, executor) -> tuple[dict, dict, list, list]:
+def adapters_alone_and_split(model: str, lora_dir, executor, compiles: list | None = None
+                             ) -> tuple[dict, dict, list, list]:
     """Three requests (adapters ink, paper, none) in one batch, run on one device and at degree
     2 on `executor`'s workers: the final latents of each run, and each split step's LoRA mode
-    and seconds in collectives."""
+    and seconds in collectives (its ranks' compile reports to `compiles`)."""
     def load():
         return [(ImageRequest(f"l{i}", "a red circle", 64, 64, STEPS, 4.0, seed=i, loras=loras), {})
                 for i, loras in enumerate(((("ink", 1.0),), (("paper", 0.5),), ()))]
@@ -128,13 +132,34 @@ def adapters_alone_and_split(model: str, lora_dir, executor) -> tuple[dict, dict
     config = LoraConfig(str(lora_dir))
     alone, _ = steps(ModelRunner(load_pipeline(model), lora=config), load())
     modes = []
-    split, collectives = steps(ModelRunner(load_pipeline(model), lora=config), load(), executor, modes)
+    split, collectives = steps(ModelRunner(load_pipeline(model), lora=config), load(), executor, modes, compiles)
     return alone, split, modes, collectives
 
 
 def test_requests_with_different_loras_share_the_halves_of_one_forward(two_workers, lora_dir):
     alone, split, modes, _ = adapters_alone_and_split(MODEL, lora_dir, two_workers)
     assert modes == ["segmented"] * STEPS  # each rank's hooks find the owners of its half of the rows
+    for rid in alone:
+        assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
+
+
+def test_compiled_workers_run_each_half_through_the_row_graph_of_its_rows(lora_dir):
+    """Under --compile a CFG-parallel step runs compiled (`CompiledDenoiser.split`): each rank's
+    half of the rows (3 of 6, padded to the row bucket of 4) through its row graph, warmed up
+    before the workers serve, segmented adapters bound to the half's rows, the halves gathered
+    outside the graph; equal to one eager device."""
+    from gouache.config import CompileConfig
+
+    spec = WorkerSpec(MODEL, torch_threads=1, lora=LoraConfig(str(lora_dir)),
+                      compile=CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64),)))
+    executor = MultiprocExecutor(spec, 2)
+    try:
+        compiles = []
+        alone, split, modes, _ = adapters_alone_and_split(MODEL, lora_dir, executor, compiles)
+    finally:
+        executor.shutdown()
+    assert modes == ["segmented"] * STEPS
+    assert [(c.compiled, c.eager, c.recompiles) for c in compiles] == [(1, {}, 0)] * (2 * STEPS)
     for rid in alone:
         assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid
 

@@ -165,10 +165,11 @@ class StableDiffusionFamily(Family):
 
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
         """A patched forward of mixed sizes compiles too (`CompiledDenoiser.patched`), a template
-        replay (`CompiledDenoiser.replayed`) where the UNet's blocks take one, and on a GPU a
-        block cache's computed rows, block by block (`predict`)."""
+        replay (`CompiledDenoiser.replayed`) where the UNet's blocks take one, a CFG-parallel
+        step's half of the rows (`gouache.parallel.cfg`), and on a GPU a block cache's computed
+        rows, block by block (`predict`)."""
         super().compile(compiled, config)
-        holds = {"mixed_sizes"} | ({"template"} if replayable(self.unet) else set())
+        holds = {"mixed_sizes", "parallel"} | ({"template"} if replayable(self.unet) else set())
         # block pieces: measured slower than eager blocks on a CPU, where a compiled UNet gains
         # from fusing across blocks; on a GPU they take an eager step's launches away (untested)
         if self.device.type == "cuda":
