@@ -4,8 +4,9 @@ its graph's shapes depend on the bucket only, never on which requests share the 
 
 A kind is what a step's size is counted in: `rows` (a plain forward: requests times their CFG
 rows), `tokens` (a packed DiT forward: every row's image, reference and text tokens), `patches`
-(a patched UNet forward at `--patch-size`), `computed` (a template replay's computed tokens)
-and `units` (the block cache's computed images, patches or tokens). Each kind's buckets run
+(a patched UNet forward at `--patch-size`), `replay` (a DiT's template replay in pieces: its
+computed tokens, and its whole forward's for the output piece) and `units` (the block cache's
+computed images, patches or tokens). Each kind's buckets run
 from the smallest step of that kind to the largest the server admits, in a geometric series
 whose ratio the graph budget sets: with `n` buckets over [lo, hi] no step pads by more than a
 factor (hi / lo) ** (1 / (n - 1)). A step past the largest bucket runs eagerly.

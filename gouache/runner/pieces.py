@@ -199,7 +199,7 @@ def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graph
     """Token buckets for each row bucket of a packed forward (kind `tokens x{rows}`), within
     `graphs` graphs: a step at row bucket r (more rows than the bucket below, b) holds between
     (b + 1) * min and r * max tokens; with `replays`, of a template replay's too (kind `replay
-    x{rows}`: its computed tokens, from one, and its whole forward's, up to r * max), where the
+    x{rows}`: its computed tokens, from one bucket of 64, and its whole forward's, up to r * max), where the
     budget gives each kind one after the packed forwards'. None where the sizes compiled give
     neither (fewer than two token counts and no replays) or the budget cannot give each kind one."""
     if not image_tokens:
@@ -209,8 +209,8 @@ def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graph
     for rows in sorted(row_buckets):
         if rows > below and len(set(image_tokens)) > 1:
             packed.append(Range(f"tokens x{rows}", (below + 1) * lo, rows * hi, TOKEN_ALIGN))
-        if replays:
-            replayed.append(Range(f"replay x{rows}", 1, rows * hi, TOKEN_ALIGN))
+        if replays:  # buckets spread from one aligned bucket up: a series from one token would crowd below it
+            replayed.append(Range(f"replay x{rows}", min(TOKEN_ALIGN, rows * hi), rows * hi, TOKEN_ALIGN))
         below = rows
     ranges = packed + replayed if graphs >= len(packed) + len(replayed) else packed
     if not ranges or graphs < len(ranges):
