@@ -50,13 +50,13 @@ def pil_pixel_limit():
 # these, never a test's outcome; refresh them from `--durations=0` when the slow files change.
 FILE_SECONDS = {
     "tests/engine/test_exactness.py": 164, "tests/ui/test_playground.py": 153, "tests/api/test_real_server.py": 142,
-    "tests/runner/test_compiled.py": 260, "tests/runner/test_background.py": 100,
+    "tests/runner/test_compiled.py": 290, "tests/runner/test_background.py": 100,
     "tests/engine/test_compose.py": 100, "tests/bench/test_fullsize.py": 93, "tests/engine/test_qwen_image.py": 83,
     "tests/test_cli.py": 64, "tests/runner/test_compile_cache.py": 54, "tests/parallel/test_ulysses.py": 46,
     "tests/train/test_command.py": 44, "tests/controlnet/test_service.py": 43, "tests/api/test_lifecycle.py": 42,
     "tests/controlnet/test_model.py": 41, "tests/engine/test_preemption.py": 40, "tests/bench/test_fidelity.py": 38,
     "tests/runner/test_pieces.py": 34, "tests/replicas/test_replica_faults.py": 33, "tests/bench/test_soak.py": 27,
-    "tests/executor/test_multiproc.py": 26,
+    "tests/executor/test_multiproc.py": 26, "tests/parallel/test_cfg.py": 25,
     "tests/engine/test_instruction_edits.py": 26, "tests/api/test_edge_values.py": 26,
     "tests/replicas/test_replicas.py": 25, "tests/lora/test_runtime.py": 25, "tests/api/test_fuzz.py": 24,
     "tests/engine/test_family_load.py": 24, "tests/engine/test_block_cache.py": 21,

@@ -5,6 +5,7 @@ loading with bound 0 equals synchronous loading."""
 import threading
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from gouache.config import LoraConfig
@@ -150,3 +151,16 @@ def test_per_adapter_batching_runs_a_forward_per_set_with_the_same_result(pipe, 
     assert modes == ["split"] * STEPS
     for r in mix:
         assert (mixed[r.request_id] - split[r.request_id]).abs().max() <= TOL, r.request_id
+
+
+def test_a_forward_of_whole_rows_takes_the_slots_and_one_of_patches_does_not():
+    """The compiled forward's slots serve a forward whose layers all lead with its rows, each
+    once, in order (all of them, or a CFG-parallel rank's half); patches or tokens of rows, or
+    layers of several leading sizes, keep hooks."""
+    from gouache.lora.runtime import _whole_rows
+
+    assert _whole_rows({4: torch.arange(4)}) == [0, 1, 2, 3]
+    assert _whole_rows({2: torch.tensor([1, 3])}) == [1, 3]  # rank 1's half of 2 requests with CFG
+    assert _whole_rows({6: torch.tensor([0, 0, 0, 1, 1, 1])}) is None  # three patches a row
+    assert _whole_rows({2: torch.arange(2), 8: torch.arange(2).repeat_interleave(4)}) is None
+    assert _whole_rows(None) is None
