@@ -302,8 +302,8 @@ class CompiledDenoiser:
                 return COMPILING
             log.info("loading a forward first met while serving (%s), compiled in the background", graph.what)
             return None
-        log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes "
-                    "to compile it at start", graph.what)
+        log.warning("compiling a forward first met while serving (%s); add its size to --compile-sizes (or raise "
+                    "--compile-graphs where it is listed) to compile it at start", graph.what)
         return None
 
     def _bind(self, rows: int, padded: int) -> contextlib.AbstractContextManager:
