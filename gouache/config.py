@@ -127,6 +127,9 @@ class CompileConfig:
     # a shape first met while serving runs eagerly while a child process compiles it (`gouache.runner.background`);
     # off: it compiles in its step, which waits for it
     background: bool = True
+    # torch.compile's backend: "inductor" (generated kernels); "eager" traces and guards the same
+    # graphs but runs their operators as they are (tests of the graphs' paths, without codegen)
+    backend: str = "inductor"
 
     def __post_init__(self) -> None:
         _check(bool(self.buckets) and all(b >= 1 for b in self.buckets),
@@ -135,6 +138,9 @@ class CompileConfig:
         _check(self.enabled or self.graphs is None, "--compile-graphs bounds compiled forwards: add --compile")
         _check(self.enabled or not (self.sizes or self.cuda_graphs or self.cache_dir),
                "compile sizes, cache and CUDA graphs apply to compiled forwards: add --compile")
+        _check(self.backend in ("inductor", "eager"),
+               f"compile backend must be inductor or eager, got {self.backend!r}")
+        _check(self.backend == "inductor" or not self.cuda_graphs, "CUDA graphs are captured by the inductor backend")
 
 
 @dataclass(frozen=True)

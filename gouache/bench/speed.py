@@ -19,7 +19,8 @@ needs). Rows of the table:
   state, against the same without;
 - `template edit / full edit` (at --template-size): an edit repainting a centred fifth of the
   image (`--mask`) replaying a template registered from the same picture, against the same
-  edit in full.
+  edit in full (on runners of their own, compiled at that size: a DiT's replays run in
+  compiled pieces).
 
 Under compile, a step whose techniques the graph does not hold runs eagerly (docs/speed.md):
 the table says which ran how (`paths`). Prints a table, writes JSON and markdown.
@@ -43,6 +44,7 @@ from gouache.uploads import EditMask, Upload
 
 VARIANTS = ("eager", "compiled", "compiled+int8")
 DEFAULT_MODELS = "shapes-unet,shapes-dit,tiny-sdxl,tiny-flux"
+EDIT_GRAPHS = 8  # the template rows' runner: its row graph, then computed-token buckets of a DiT's replays
 
 
 def add_arguments(p) -> None:
@@ -59,7 +61,8 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-threads", type=int, default=2, help="intra-op threads (default: %(default)s)")
     p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs a compiled variant warms up at most: a row graph per size and bucket, the rest "
-                        "token buckets of packed DiT forwards and template replays (default: 24)")
+                        "token buckets of packed DiT forwards (default: 16; the template rows' runner: "
+                        f"{EDIT_GRAPHS})")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="compiled kernels kept here, so a rerun compiles in seconds (default: torch's own)")
     p.add_argument("--out", default="benchmarks/results/speed_cpu.json",
@@ -143,21 +146,27 @@ def measure(model: str, args) -> dict:
     controls = None if supports_controlnets(base) else tempfile.mkdtemp(prefix="gouache-speed-controlnets-")
     if controls:
         random_controlnet(base, seed=0).save_pretrained(os.path.join(controls, "edges"))
-    runners = {}
+    runners, editors = {}, {}
     for variant in variants:
         pipe = base if variant != "compiled+int8" else quantize(load_pipeline(model), "int8")
         rows = 2 if make_family(pipe, None).uses_cfg(request("probe", large, 0)) else 1
-        # the row buckets of every row's step (3: the mixed sizes'), the mixed sizes and the template
-        # rows' compiled: a DiT's packed forward and its replays then run in compiled pieces
-        # (`gouache.runner.pieces`)
+        # the row buckets of every row's step (3: the mixed sizes'), the mixed sizes compiled: a DiT's
+        # packed forward then runs in compiled pieces (`gouache.runner.pieces`)
         compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows * b for b in (*batches, 1, 2, 3)})),
-                                sizes=tuple((s, s) for s in (*sizes.values(), edit)), cache_dir=args.compile_cache,
-                                graphs=args.compile_graphs or 24) if variant != "eager" else None
+                                sizes=tuple((s, s) for s in sizes.values()), cache_dir=args.compile_cache,
+                                graphs=args.compile_graphs or 16) if variant != "eager" else None
         runners[variant] = runner = ModelRunner(pipe, lora=LoraConfig(loras), templates=TemplateConfig(),
                                                 controlnet=ControlNetConfig(controls), compile=compile)
         runner.warm_up(large)
         for name in runner.lora_runtime.store.names():
             runner.lora_runtime.store.load(name).result()
+        # the template rows on a runner of their own, compiled at their size and one request's rows (a
+        # DiT's replays in pieces of a few computed-token buckets), so that the mixed sizes' token
+        # buckets above stay those of their mixes
+        edits = CompileConfig(enabled=True, buckets=(rows,), sizes=((edit, edit),), cache_dir=args.compile_cache,
+                              graphs=EDIT_GRAPHS) if variant != "eager" else None
+        editors[variant] = editor = ModelRunner(pipe, templates=TemplateConfig(), compile=edits)
+        editor.warm_up(edit)
     bench = Interleaved(runners, args.repeats, steps)
     for b in batches:
         ids = bench.prepare([(large, {})] * b)
@@ -182,17 +191,18 @@ def measure(model: str, args) -> dict:
     bench.release(plain, merged, segmented, cached)
     image = picture(sample_scene(random.Random(1)), edit, seed=1)
     mask, _ = centred_mask(edit, runners["eager"].family.token_pixels, args.mask)
-    register = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "register_template": True})],
-                             Upload(image, EditMask(np.zeros_like(mask))))
+    editing = Interleaved(editors, args.repeats, steps)
+    register = editing.prepare([(edit, {"image": b"-", "template_id": "speed", "register_template": True})],
+                               Upload(image, EditMask(np.zeros_like(mask))))
     for _ in range(steps):  # the template: every step's activations recorded
-        for variant in variants:
-            runners[variant].execute(Batch(register))
-    bench.release(register)
-    replay = bench.prepare([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})],
-                            Upload(image, EditMask(mask)))
-    full = bench.prepare([(edit, {"image": b"-", "template_cache": False})], Upload(image, EditMask(mask)))
-    bench.together({"template edit": ([replay], False), "full edit": ([full], False)})
-    bench.release(replay, full)
+        for editor in editors.values():
+            editor.execute(Batch(register))
+    editing.release(register)
+    replay = editing.prepare([(edit, {"image": b"-", "template_id": "speed", "template_cache": True})],
+                             Upload(image, EditMask(mask)))
+    full = editing.prepare([(edit, {"image": b"-", "template_cache": False})], Upload(image, EditMask(mask)))
+    bench.steps.update(editing.together({"template edit": ([replay], False), "full edit": ([full], False)}))
+    editing.release(replay, full)
     ratios = {variant: {
         "patched / grouped": bench.ratio(variant, "patched", "grouped"),
         "merged LoRA / none": bench.ratio(variant, "merged LoRA", "no LoRA"),

@@ -137,7 +137,8 @@ class CompiledDenoiser:
         self.slots = RowSlots(denoiser) if adapters else None  # hooks in place before the structure is taken
         self.buckets = tuple(sorted(config.buckets))
         self._mode = "reduce-overhead" if config.cuda_graphs else None
-        self._compiled = torch.compile(denoiser, dynamic=False, mode=self._mode)
+        self._backend = config.backend
+        self._compiled = self.compile(denoiser)
         self.target = Target((), lambda **inputs: self._compiled(**inputs, return_dict=False)[0],
                              lambda **inputs: self.denoiser(**inputs, return_dict=False)[0])
         self._block = self.compile(_call)  # a block of the denoiser (`block`)
@@ -542,8 +543,8 @@ class CompiledDenoiser:
         return out
 
     def compile(self, fn: Callable) -> Callable:
-        """`fn` compiled as the denoiser is (a family's packed pieces)."""
-        return torch.compile(fn, dynamic=False, mode=self._mode)
+        """`fn` (the denoiser, a ControlNet's forward, a family's packed pieces) compiled as configured."""
+        return torch.compile(fn, dynamic=False, mode=self._mode, backend=self._backend)
 
 
 @dataclass(frozen=True)

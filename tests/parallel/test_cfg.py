@@ -147,11 +147,12 @@ def test_compiled_workers_run_each_half_through_the_row_graph_of_its_rows(lora_d
     """Under --compile a CFG-parallel step runs compiled (`CompiledDenoiser.split`): each rank's
     half of the rows (3 of 6, padded to the row bucket of 4) through its row graph, segmented
     adapters bound to the half's rows, the halves gathered outside the graph; equal to one
-    eager device."""
+    eager device. Through dynamo's `eager` backend (the graphs' paths without inductor's code,
+    which takes minutes cold in two workers of one thread)."""
     from gouache.config import CompileConfig
 
     spec = WorkerSpec(MODEL, torch_threads=1, lora=LoraConfig(str(lora_dir)),
-                      compile=CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64),)))
+                      compile=CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64),), backend="eager"))
     executor = MultiprocExecutor(spec, 2)
     try:
         compiles = []

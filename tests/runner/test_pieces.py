@@ -119,3 +119,11 @@ def test_a_graph_budget_is_refused_where_it_would_change_nothing():
     same_pixels = CompileConfig(enabled=True, sizes=((64, 128), (128, 64)), graphs=8)  # one token count: no mix
     assert StableDiffusion3Family.unused_graphs(same_pixels) is None  # but template replays' token buckets
     assert "two or more pixel counts" in StableDiffusion3Family.unused_graphs(CompileConfig(enabled=True, graphs=8))
+
+
+def test_a_compile_backend_is_inductor_or_eager_and_cuda_graphs_need_inductor():
+    with pytest.raises(ValueError, match="inductor or eager"):
+        CompileConfig(enabled=True, backend="tvm")
+    with pytest.raises(ValueError, match="CUDA graphs are captured by the inductor"):
+        CompileConfig(enabled=True, cuda_graphs=True, backend="eager")
+    assert CompileConfig(enabled=True, backend="eager").backend == "eager"
