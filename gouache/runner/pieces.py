@@ -23,8 +23,8 @@ full): the pieces take the computed image tokens and text rows only, padded to a
 x{rows}` bucket (their slots, positions and RoPE gathered by the computed indices); the break
 fills each attention's keys and values of the other rows from the templates and attends the
 computed queries per image; the last piece fills the last block's output of the other tokens
-from the templates and runs the output norm and projection over every token, padded to the
-bucket of the forward's tokens.
+from the templates and runs the output norm and projection over every token, padded to the row
+bucket's largest replay bucket (so a graph depends on its row and computed-token buckets only).
 """
 
 from __future__ import annotations
