@@ -24,16 +24,17 @@
 #       eager between them) against eager and grouped compiled forwards, 512+1024 (pieces_; never run on a GPU yet);
 #   pieces-sdxl: the patched UNet's graph, padded to its patch and image buckets under CUDA graphs (attention
 #       between graph partitions), against the same (pieces_; never run on a GPU yet);
-#   techniques-sdxl: the template edit and block-cache rows, eager against compiled with CUDA graphs (a
-#       replay's graph, the layout as data, runs eagerly under CUDA graphs for now; block-cache pieces, a graph
-#       per block: techniques_; never run on a GPU yet);
+#   techniques-sdxl, techniques-sd3, techniques-flux: the template edit and block-cache rows, eager against
+#       compiled with CUDA graphs (a UNet replay's graph, the layout as data, runs eagerly under CUDA graphs for
+#       now; a DiT replay runs in the packed pieces, a CUDA graph each, the attention breaks eager; block-cache
+#       pieces, a graph per block: techniques_; never run on a GPU yet);
 #   batching-sdxl, batching-sd3: the bare denoisers' mixed-size forwards (`gouache bench batching`, denoiser_batching_);
 #   profile-sdxl, profile-sd3: a cost model of the patched forward (`gouache profile --device cuda`), for
 #       `gouache reproduce --only patchedserve` (costmodel_).
 set -uo pipefail
 out=${1:-benchmarks/results/gpu}
 shift || true
-parts=${*:-fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 pieces-sdxl pieces-sd3 pieces-flux techniques-sdxl batching-sdxl batching-sd3}
+parts=${*:-fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 pieces-sdxl pieces-sd3 pieces-flux techniques-sdxl techniques-sd3 techniques-flux batching-sdxl batching-sd3}
 gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]+[0-9]+\b', n)
 print((m.group(0) if m else n.split()[-1]).lower())")
 mkdir -p "$out"
