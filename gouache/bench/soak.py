@@ -191,8 +191,7 @@ def soak_policy(args, policy: str, mix: dict[str, float], sizes: list[tuple[int,
     os.close(fd)
     log_path = Path(log_name)
     wanted = {flag for kind, flag in ADAPTER_KINDS.items() if mix.get(kind)}
-    made = make_adapters(args.model, adapters) if wanted else {}
-    directories = {flag: path for flag, path in made.items() if flag in wanted}
+    directories = make_adapters(args.model, adapters, wanted) if wanted else {}
     rewriter = Rewriter(adapters, args.rewrite_s if "lora_dir" in wanted else 0)
     with server_process(_serve_args(args, policy, directories), log_path) as (proc, base_url):
         watch = ServerWatch(proc.pid, base_url, args.sample_s)

@@ -14,24 +14,31 @@ CONTROLNETS = 2  # c0, c1; requests of kind `controlnet` name c<seed % CONTROLNE
 REWRITTEN = "l0"  # the LoRA the rewriter rewrites
 
 
-def make_adapters(model: str, directory: Path) -> dict[str, Path]:
-    """LoRA and ControlNet directories for `model` (their paths by flag name), and the two
-    versions of the rewritten LoRA beside them."""
+def make_adapters(model: str, directory: Path, flags: set[str]) -> dict[str, Path]:
+    """The LoRA and ControlNet directories `flags` names (`lora_dir`, `controlnet_dir`) for
+    `model`, by flag name, and the two versions of the rewritten LoRA beside them. A model
+    that takes no ControlNets (a transformer's) refuses them, saying why."""
     from safetensors.torch import save
 
-    from gouache.controlnet.model import random_controlnet
+    from gouache.controlnet.model import random_controlnet, supports_controlnets
     from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
 
     pipe = load_pipeline(model)
-    loras, controlnets = directory / "loras", directory / "controlnets"
-    loras.mkdir(parents=True, exist_ok=True)
-    for i in range(LORAS):
-        (loras / f"l{i}.safetensors").write_bytes(save(random_lora(pipe, rank=8, seed=i)))
-    (directory / f"{REWRITTEN}.other").write_bytes(save(random_lora(pipe, rank=8, seed=LORAS)))
-    for i in range(CONTROLNETS):
-        random_controlnet(pipe, seed=i).save_pretrained(str(controlnets / f"c{i}"))
-    return {"lora_dir": loras, "controlnet_dir": controlnets}
+    if "controlnet_dir" in flags and (why := supports_controlnets(pipe)):
+        raise ValueError(f"--mix asks for controlnet requests, which {model} does not serve: {why}")
+    made = {}
+    if "lora_dir" in flags:
+        made["lora_dir"] = loras = directory / "loras"
+        loras.mkdir(parents=True, exist_ok=True)
+        for i in range(LORAS):
+            (loras / f"l{i}.safetensors").write_bytes(save(random_lora(pipe, rank=8, seed=i)))
+        (directory / f"{REWRITTEN}.other").write_bytes(save(random_lora(pipe, rank=8, seed=LORAS)))
+    if "controlnet_dir" in flags:
+        made["controlnet_dir"] = controlnets = directory / "controlnets"
+        for i in range(CONTROLNETS):
+            random_controlnet(pipe, seed=i).save_pretrained(str(controlnets / f"c{i}"))
+    return made
 
 
 class Rewriter:

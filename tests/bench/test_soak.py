@@ -130,3 +130,13 @@ def test_policies_cost_model_and_rewrites_are_checked_before_any_server_starts(f
     add_arguments(parser)
     with pytest.raises(ValueError, match=message):
         run(parser.parse_args(flags))
+
+
+def test_adapters_are_made_as_the_mix_asks_and_a_transformer_refuses_controlnets(tmp_path):
+    from gouache.bench.soak_adapters import make_adapters
+
+    made = make_adapters("tiny-sd3", tmp_path, {"lora_dir"})
+    assert set(made) == {"lora_dir"} and len(list(made["lora_dir"].glob("*.safetensors"))) == 3
+    assert not (tmp_path / "controlnets").exists()
+    with pytest.raises(ValueError, match="controlnet requests, which tiny-sd3 does not serve: ControlNets are"):
+        make_adapters("tiny-sd3", tmp_path, {"lora_dir", "controlnet_dir"})
