@@ -280,21 +280,17 @@ def test_a_template_replay_runs_one_graph_for_every_mask(runners, pipe, prompt):
     replayed`) in one graph; a DiT's in pieces (`PackedPieces.replay`), their buckets warmed
     up before (no graph compiled while serving), the text rows replayed too where the prompt is
     the recorder's (their keys rotated in the break, Flux's RoPE). Through dynamo's `eager`
-    backend, as the tests above."""
+    backend (`CompileConfig.backend`), as the tests above."""
     if prompt != "own" and hasattr(pipe, "unet"):
         pytest.skip("a UNet's edits replay no text rows")
     torch._dynamo.reset()  # the graphs of the tests before would serve these shapes
     eager = ModelRunner(pipe, templates=TemplateConfig())
     compiled = ModelRunner(pipe, templates=TemplateConfig(), compile=CompileConfig(
-        enabled=True, buckets=(2, 4, 8), sizes=((SIZE, SIZE),)))
+        enabled=True, buckets=(2, 4, 8), sizes=((SIZE, SIZE),), backend="eager"))
     assert "template" in compiled.family.compiled.holds
     denoiser = compiled.family.compiled
-    denoiser._compiled = torch.compile(denoiser.denoiser, dynamic=False, backend="eager")
     pieces = compiled.family.pieces
     if pieces is not None:
-        for name in ("_first", "_between", "_last", "_replayed"):
-            piece = getattr(pieces, name)._torchdynamo_orig_callable
-            setattr(pieces, name, torch.compile(piece, dynamic=False, backend="eager"))
         assert set(pieces.buckets.by_kind) == {"replay x2", "replay x4", "replay x8"}
         text_len = compiled.family.prepare(request("probe")).cond["prompt_embeds"].shape[1]
         denoiser.warm_up(pieces.graphs(text_len), progress=lambda line: None)
