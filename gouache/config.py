@@ -141,6 +141,8 @@ class CompileConfig:
         _check(self.backend in ("inductor", "eager"),
                f"compile backend must be inductor or eager, got {self.backend!r}")
         _check(self.backend == "inductor" or not self.cuda_graphs, "CUDA graphs are captured by the inductor backend")
+        _check(self.enabled or self.backend == "inductor",
+               "a compile backend applies to compiled forwards: add --compile")
 
 
 @dataclass(frozen=True)

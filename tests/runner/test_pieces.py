@@ -126,4 +126,6 @@ def test_a_compile_backend_is_inductor_or_eager_and_cuda_graphs_need_inductor():
         CompileConfig(enabled=True, backend="tvm")
     with pytest.raises(ValueError, match="CUDA graphs are captured by the inductor"):
         CompileConfig(enabled=True, cuda_graphs=True, backend="eager")
+    with pytest.raises(ValueError, match="add --compile"):
+        CompileConfig(backend="eager")
     assert CompileConfig(enabled=True, backend="eager").backend == "eager"
