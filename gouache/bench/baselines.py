@@ -47,6 +47,10 @@ def add_arguments(p) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="steady arrivals per second, Poisson (default: %(default)s)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of steady arrivals (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the steady trace (default: %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device every server runs its model on: cpu, cuda, cuda:1 "
+                                                  "(default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="every server's weights and activations (default: %(default)s)")
     p.add_argument("--gouache-args", default="", help="extra `gouache serve` flags, e.g. '--compile' (default: none)")
     p.add_argument("--out", default="benchmarks/results/baselines_cpu.json",
                    help="JSON path; the table (.md) goes beside it (default: %(default)s)")
@@ -88,23 +92,34 @@ def run(args) -> int:
     command = "gouache bench baselines " + " ".join(sys.argv[3:])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command.strip(), "model": args.model,
-                               "machine": f"{os.cpu_count()} CPU cores",
+    machine = machine_name(args.device)
+    out.write_text(json.dumps({"command": command.strip(), "model": args.model, "machine": machine,
+                               "device": args.device, "dtype": args.dtype,
                                "sizes": args.sizes, "steps": args.steps, "burst": args.burst, "rate": args.rate,
                                "duration_s": args.duration, "results": rows}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(f"`{command.strip()}` on {os.cpu_count()} CPU cores\n\n{table}\n")
+    out.with_suffix(".md").write_text(f"`{command.strip()}` on {machine}\n\n{table}\n")
     print(f"wrote {out}, {out.with_suffix('.md')}")
     return 0
+
+
+def machine_name(device: str) -> str:
+    """What ran the servers: the GPU's name where they ran on one, else the CPU's cores."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{torch.cuda.get_device_name(torch.device(device))} ({os.cpu_count()} CPU cores)"
+    return f"{os.cpu_count()} CPU cores"
 
 
 def start(server: str, args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if server == "gouache":
         command = [sys.executable, "-m", "gouache.cli", "serve", "--model", args.model, "--port", str(port),
-                   "--max-queue-len", "1000", *args.gouache_args.split()]
+                   "--max-queue-len", "1000", "--device", args.device, "--dtype", args.dtype,
+                   *args.gouache_args.split()]
     else:
         command = [sys.executable, "-m", "gouache.bench.diffusers_server", "--model", args.model, "--port", str(port),
-                   "--mode", server.removeprefix("diffusers-")]
+                   "--mode", server.removeprefix("diffusers-"), "--device", args.device, "--dtype", args.dtype]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     if not wait_healthy(proc, base_url, timeout_s=900):

@@ -114,12 +114,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--window-ms", type=float, default=50.0)
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     args = parser.parse_args()
     import uvicorn
 
     from gouache.models.zoo import load_pipeline
 
-    pipe = load_pipeline(args.model)
+    pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
     uvicorn.run(make_app(pipe, args.mode, args.window_ms / 1000, args.max_batch), host="127.0.0.1", port=args.port,
                 log_level="warning")

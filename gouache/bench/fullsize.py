@@ -50,6 +50,7 @@ minutes; the test runs it on the tiny models).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -88,6 +89,10 @@ def add_arguments(p) -> None:
     p.add_argument("--skip", default=None,
                    help=f"comma-separated sections left out, of {', '.join(SECTIONS)}, ulysses (default: none)")
     p.add_argument("--compile-cache", default=None, metavar="DIR", help="compiled kernels kept here")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"),
+                   help="the compiled variant's torch.compile backend; eager traces the same graphs without "
+                        "generating kernels (a smoke run's compiled paths in seconds; no CUDA graphs) "
+                        "(default: %(default)s)")
     p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs the compiled variant warms up at most: a row graph per size and bucket, the rest "
                         "token buckets of a DiT's packed forward of the mixes (default: 8)")
@@ -119,6 +124,8 @@ def _settings(args) -> None:
         raise ValueError(f"--share is the share of units reused, one in n (0.5, 0.33, 0.25, ...); got {args.share}")
     if args.compile_cache and "compiled" not in variants:
         raise ValueError("--compile-cache keeps compiled kernels: it needs --variants eager,compiled")
+    if args.compile_backend != "inductor" and "compiled" not in variants:
+        raise ValueError("--compile-backend picks the compiled variant's backend: it needs --variants eager,compiled")
     if args.compile_graphs is not None and "compiled" not in variants:
         raise ValueError("--compile-graphs bounds the compiled variant's graphs: it needs --variants eager,compiled")
     unknown = set(args.skip) - {*SECTIONS, "ulysses"}
@@ -136,6 +143,9 @@ def run(args) -> int:
     raw = " ".join(sys.argv[3:])
     _settings(args)
     if args.one:
+        # the engine's progress (the compiled variant's warm-up, graph by graph) in the child's log
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        logging.getLogger("gouache").setLevel(logging.INFO)
         if args.one == "ulysses":
             emit(measure_ulysses(args))
             # Its rows are written: leave without the interpreter's teardown, where this child has
@@ -198,6 +208,7 @@ def _child(args, one: str, rows: dict, progress, model: str | None = None) -> No
     command += ["--quick"] if args.quick else []
     command += ["--compile-cache", args.compile_cache] if args.compile_cache else []
     command += ["--compile-graphs", str(args.compile_graphs)] if args.compile_graphs is not None else []
+    command += ["--compile-backend", args.compile_backend]
     for attempt in range(2):
         start = time.perf_counter()
         rows.clear()
@@ -276,6 +287,8 @@ def summarize(results: dict, peak: dict, ulysses: dict | None, args) -> dict:
             summary.setdefault("park", {})[model] = r["park"]
         if "lora_loading" in r:
             summary.setdefault("lora_loading", {})[model] = r["lora_loading"]
+        if "steps" in r:  # each row's median ms and compile paths per variant, in every section's file
+            summary.setdefault("steps", {})[model] = r["steps"]
     if ulysses is not None:
         summary["ulysses"] = ulysses
     return summary

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from gouache.bench.fullsize_adapters import controlnet, lora, lora_loading
+from gouache.bench.interleaved import request
 from gouache.uploads import EditMask, Upload
 
 STARTED = time.perf_counter()  # a child's log says when each section ended
@@ -85,8 +86,8 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
     steps = 2 * (2 + args.repeats)  # the most steps one request runs: two rows of a settle and the repeats each
     loras = Path(tempfile.mkdtemp(prefix="gouache-fullsize-loras-"))
     try:
-        names = {}
-        for rank in args.ranks:
+        names = {}  # adapters only where a section serves them (a full-size one takes seconds to write and load)
+        for rank in args.ranks if {"lora", "lora_loading"} - set(args.skip) else ():
             names[rank] = [f"r{rank}-{i}" for i in range(4)]
             for i, name in enumerate(names[rank]):
                 save_file(random_lora(pipe, rank=rank, seed=100 * rank + i), str(loras / f"{name}.safetensors"))
@@ -94,47 +95,75 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
         runners, pipes = {}, variant_pipes(pipe, args.variants.split(","))
         # a template in the GPU's memory, as a GPU server would hold a hot one (sd3-arch records 12 GB at 1024 px)
         templates = TemplateConfig(host_bytes=8 << 30, device_bytes=(64 << 30) if args.device.startswith("cuda") else 0)
-        for variant in args.variants.split(","):
+        rows = None  # a request's rows (two with CFG), from the eager runner, built first
+        for variant in sorted(args.variants.split(","), key=lambda v: v != "eager"):
             compile = None
-            if variant == "compiled":  # what a plain step of the mfu (2 rows) and the rows below need; the
-                # largest size at one request compiles in its first (untimed) step; with the mixes' sizes
-                # compiled too, a DiT's packed forward runs in compiled pieces (`gouache.runner.pieces`)
-                mixed = sorted({s for mix in args.mixes for s in mix}) if "patched" not in args.skip else []
-                # LoRA's rows (8); a mix's (8) and its sizes' apart (4: the grouped forwards unpadded)
-                buckets = (2, *((4,) if "patched" not in args.skip else ()),
-                           *((8,) if "lora" not in args.skip or "patched" not in args.skip else ()))
-                compile = CompileConfig(enabled=True, buckets=buckets,
-                                        sizes=tuple((s, s) for s in sorted({small, *mixed})),
-                                        cache_dir=args.compile_cache, cuda_graphs=args.device.startswith("cuda"),
-                                        graphs=args.compile_graphs or 8)
+            if variant == "compiled":
+                buckets, compiled_sizes = compile_plan(args, rows)
+                compile = CompileConfig(enabled=True, buckets=buckets, sizes=tuple((s, s) for s in compiled_sizes),
+                                        cache_dir=args.compile_cache, backend=args.compile_backend,
+                                        cuda_graphs=graphs_captured(args), graphs=args.compile_graphs or 8)
             runners[variant] = runner = ModelRunner(
                 pipes[variant], lora=LoraConfig(str(loras)), templates=templates, compile=compile)
             runner.warm_up(small)
+            rows = rows or (2 if runner.family.uses_cfg(request("rows", small, 0)) else 1)
             for name in runner.lora_runtime.store.names():
                 runner.lora_runtime.store.load(name).result()
         bench = Interleaved(runners, args.repeats, steps, device_sync(args.device))
         print(f"runners and adapters ready at {time.perf_counter() - STARTED:.0f} s", file=sys.stderr, flush=True)
+
+        def measured(rows: dict) -> None:  # a section's rows, and every step's ms and compile paths so far
+            emit({**rows, "steps": bench.steps})
+
         if "mfu" not in args.skip:
-            emit({"mfu": _mfu(bench, sizes)})
+            measured({"mfu": _mfu(bench, sizes)})
         if "patched" not in args.skip:
-            emit({"patched": _patched(bench, args.mixes)})
+            measured({"patched": _patched(bench, args.mixes)})
         if "template" not in args.skip:
             template = _template(bench, large, args.masks, steps)
-            emit({"template": template, "template_bytes": bench.runners["eager"].held().templates})  # per tier
+            measured({"template": template, "template_bytes": bench.runners["eager"].held().templates})  # per tier
         if "lora" not in args.skip:
-            emit({"lora": lora(bench, small, names)})
+            measured({"lora": lora(bench, small, names)})
         if "lora_loading" not in args.skip:
             rank = max(names)
-            emit({"lora_loading": lora_loading(pipe, loras, names[rank][0], rank, small, args.quick, bench.repeats,
-                                               device_sync(args.device))})
+            measured({"lora_loading": lora_loading(pipe, loras, names[rank][0], rank, small, args.quick,
+                                                   bench.repeats, device_sync(args.device))})
         if "block_cache" not in args.skip:
             # a GPU's budget: at 1024 px sdxl-arch's per-patch rows passed 8 GiB and were all evicted (H200)
             budget = (64 << 30) if args.device.startswith("cuda") else 8 << 30
-            emit({"block_cache": _block_cache(bench, large, args.mixes[0], args.share, unet, budget)})
+            measured({"block_cache": _block_cache(bench, large, args.mixes[0], args.share, unet, budget)})
         if "park" not in args.skip:
-            emit({"park": _park(bench, large, device_sync(args.device))})
+            measured({"park": _park(bench, large, device_sync(args.device))})
     finally:
         shutil.rmtree(loras, ignore_errors=True)
+
+
+def compile_plan(args, rows: int) -> tuple[tuple[int, ...], list[int]]:
+    """The compiled variant's row buckets and sizes (`rows`: a request's, two with CFG): those
+    the sections measured step at, so that no graph is compiled for a section left out (on a GPU
+    each costs tens of seconds). A DiT's packed forward of a mix runs in compiled pieces where
+    the mix's sizes are compiled, its template replay where the edit's size is
+    (`gouache.runner.pieces`)."""
+    small, large = args.sizes[0], args.sizes[-1]
+    measured = {  # section: the requests of its steps, the sizes they run at
+        "mfu": ((1,), args.sizes),
+        # two images of a size apart (grouped), a mix of them together
+        "patched": ((2, 2 * max(map(len, args.mixes))), sorted({s for m in args.mixes for s in m})),
+        "template": ((1,), [large]),
+        "lora": ((1, 4), [small]),  # four requests together, or one per adapter
+        "block_cache": ((2, 2 * len(args.mixes[0])), [large, *args.mixes[0]]),  # two at the largest size, a mix
+    }
+    buckets, sizes = set(), set()
+    for section, (requests, at) in measured.items():
+        if section not in args.skip:
+            buckets.update(rows * n for n in requests)
+            sizes.update(at)
+    return tuple(sorted(buckets or {rows})), sorted(sizes or {small})
+
+
+def graphs_captured(args) -> bool:
+    """Whether the compiled variant captures CUDA graphs: on a GPU, with kernels generated."""
+    return args.device.startswith("cuda") and args.compile_backend == "inductor"
 
 
 def variant_pipes(pipe, variants: list[str]) -> dict:
@@ -288,7 +317,6 @@ def measure_ulysses(args) -> dict:
     degree 2 over two worker processes of one thread each, interleaved."""
     import torch
 
-    from gouache.bench.interleaved import request
     from gouache.executor.multiproc import MultiprocExecutor
     from gouache.executor.pool import DevicePool
     from gouache.executor.worker import WorkerSpec

@@ -59,6 +59,16 @@ def add_arguments(p) -> None:
                         "(default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of torch, as `gouache serve --torch-threads` will run (default: torch's)")
+    p.add_argument("--compile", action="store_true",
+                   help="time compiled steps, as `gouache serve --compile --compile-sizes` (every --sizes) runs them: "
+                        "a graph per size and row bucket up to --max-batch requests' rows, a DiT's mixes in packed "
+                        "pieces, on a GPU under CUDA graphs; the warm-up's compiles are not timed (default: off)")
+    p.add_argument("--compile-graphs", type=int, default=None, action=Given,
+                   help="with --compile: graphs warmed up at most, as `gouache serve --compile-graphs` "
+                        "(default: the server's)")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "eager"), action=Given,
+                   help="with --compile: torch.compile's backend; eager traces the same graphs without generating "
+                        "kernels (a smoke run; no CUDA graphs) (default: %(default)s)")
     p.add_argument("--devices", type=int, default=1,
                    help="more than 1: measure T(size, k) for k = 1, 2, 4, ... <= DEVICES and the hand-off through "
                         "that many worker processes instead (a parallel cost model for round-knapsack over "
@@ -128,6 +138,10 @@ def run(args) -> int:
         return profile_edits.run(args)
     if "ratios" in given(args):
         refuse_ignored({"ratios": "only --edits profiles mask ratios"})
+    if not args.compile:
+        refuse_ignored({dest: "it applies to compiled steps: add --compile" for dest in ("compile_graphs",
+                                                                                        "compile_backend")
+                        if dest in given(args)})
     if args.devices > 1:
         from gouache.profile import parallel as profile_parallel
 
@@ -148,12 +162,14 @@ def run(args) -> int:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
-    runner = ModelRunner(pipe, args.patch_size)
+    runner = ModelRunner(pipe, args.patch_size, compile=_compile_config(args, sizes))
     if "patch_size" in given(args) and not runner.family.patches:
         refuse_ignored({"patch_size": f"{runner.family.name} models pack mixed sizes' tokens; patches are for UNets"})
     prep, post = (ThreadPoolExecutor(1, f"gouache-{name}", initializer=single) for name in ("prep", "post"))
     engine = ThreadPoolExecutor(1, "gouache-engine", initializer=own, initargs=(threads,))
     with prep, engine, post:
+        # on the thread that steps, as the server does (inductor records CUDA graphs per thread)
+        engine.submit(runner.warm_up, sizes[0]).result()
         pool, prep_s = prep.submit(_prepare_pool, runner, sizes, args.max_batch, sync).result()
         model = engine.submit(_time_steps, runner, pool, sizes, args, sync).result()
         for size in sizes:
@@ -163,8 +179,8 @@ def run(args) -> int:
     save(model, out)
     report = model.report
     summary = {"command": "gouache profile " + " ".join(sys.argv[2:]), "model": args.model, "device": args.device,
-               "torch_threads": threads, "samples": report.n_train + report.n_test,
-               "fit": report.to_json()}
+               "torch_threads": threads, "compiled": runner.family.compiled is not None,
+               "samples": report.n_train + report.n_test, "fit": report.to_json()}
     out.with_suffix(".report.json").write_text(json.dumps(summary, indent=2))
     print(f"test MAPE {report.test_mape:.1f} %, worst held-out error {report.test_max_rel_error:.1%}, "
           f"R² {report.test_r2:.3f}; wrote {out}")
@@ -181,12 +197,34 @@ def _time_steps(runner, pool: dict[int, list], sizes: list[int], args, sync):
     plain = [(size, batch) for size in sizes for batch in range(1, args.max_batch + 1)]
     calls = [partial(family.predict_patched, _states(pool, mix)) for mix in mixes]
     calls += [partial(family.forward, pool[size][:batch]) for size, batch in plain]
+    if family.compiled is not None:  # each call a step of its own, which may run compiled
+        calls = [partial(_stepped, family.compiled, call) for call in calls]
     seconds = _median_over_rounds(calls, args.repeats, sync)
     model = BatchCostModel(sizes, patch_px=args.patch_size)
     model.fit([({(size, size): count for size, count in mix.items()}, t) for mix, t in zip(mixes, seconds)])
     for (size, batch), t in zip(plain, seconds[len(mixes):]):
         model.record_grouped(size, batch, t)
     return model
+
+
+def _compile_config(args, sizes: list[int]):
+    """--compile's configuration (None without it): every size, row buckets by powers of two up
+    to --max-batch requests with CFG."""
+    from gouache.config import CompileConfig
+
+    if not args.compile:
+        return None
+    buckets = [2]
+    while buckets[-1] < 2 * args.max_batch:
+        buckets.append(2 * buckets[-1])
+    return CompileConfig(enabled=True, sizes=tuple((s, s) for s in sizes), buckets=tuple(buckets),
+                         backend=args.compile_backend, graphs=args.compile_graphs,
+                         cuda_graphs=args.device.startswith("cuda") and args.compile_backend == "inductor")
+
+
+def _stepped(compiled, call):
+    with compiled.step(None):
+        return call()
 
 
 def _states(pool: dict[int, list], mix: dict[int, int]) -> list:

@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -102,16 +103,29 @@ COMPILING = "compiling"  # the eager reason of a shape a child process compiles 
 
 def configure(config: CompileConfig) -> Path:
     """Process-wide settings of a compiled server: where compiled kernels are kept across
-    restarts (swept of damaged kernels; returned), and room for every bucketed shape (dynamo's
-    default would stop compiling new shapes after 8 and run them eagerly, unseen)."""
+    restarts (swept of damaged kernels; returned)."""
     directory = compile_cache.cache_dir(config.cache_dir)
     compile_cache.sweep(directory)
+    return directory
+
+
+_threads = threading.local()  # the recompile limit this thread's dynamo settings were raised to
+
+
+def room_for(limit: int) -> None:
+    """Room for `limit` graphs of a compiled function on the calling thread: dynamo's default
+    stops compiling new shapes after 8 and runs them eagerly, unseen. Its settings are the
+    thread's own (torch's config modules keep a thread's assignments to that thread): the
+    server warms up on its main thread and steps on its engine thread, where the pieces' 9th
+    token bucket ran eagerly before this was set per thread."""
+    if getattr(_threads, "limit", 0) >= limit:
+        return
     import torch._dynamo
 
-    limit = max(torch._dynamo.config.recompile_limit, 64 * len(config.buckets))  # 64 sizes at every bucket
+    limit = max(torch._dynamo.config.recompile_limit, limit)
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, limit)
-    return directory
+    _threads.limit = limit
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -133,6 +147,7 @@ class CompiledDenoiser:
         if config.cuda_graphs and device.type != "cuda":
             raise ValueError(f"--compile-cuda-graphs needs a CUDA device; this model runs on {device.type}")
         self.cache = configure(config)
+        self._limit = 64 * len(config.buckets)  # graphs of one function: 64 sizes at every bucket (`room_for`)
         self.denoiser = denoiser
         self.slots = RowSlots(denoiser) if adapters else None  # hooks in place before the structure is taken
         self.buckets = tuple(sorted(config.buckets))
@@ -286,13 +301,31 @@ class CompiledDenoiser:
         if reason is None and graph is not None:
             reason = COMPILE_FAILED if graph.key in self._failed else self._compiles(graph)
             if reason is None:
+                if not inside:
+                    self._graphs_begin()
                 out = self._compiled_forward(graph)
                 if out is not None:
                     self._count(None)
-                    return out
+                    return self._kept(out)
                 reason = COMPILE_FAILED
         self._count(reason)
         return eager()
+
+    def _graphs_begin(self) -> None:
+        """Under CUDA graphs, a new generation of inductor's graph tree: a forward's pieces (the
+        same compiled function called block after block) run in one generation, whose outputs
+        stay valid until the next begins. Without explicit marks the tree starts one at every
+        compiled call, and a piece's output read by a later piece (the time embedding) would be
+        overwritten."""
+        if self._mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def _kept(self, out):
+        """A compiled forward's output as the caller may keep it: under CUDA graphs a copy out of
+        the graph's memory (which the next generation's graphs reuse), else itself."""
+        if self._mode != "reduce-overhead":
+            return out
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
     def _compiles(self, graph: Graph) -> str | None:
         """Why `graph`, not compiled yet, runs eagerly now (None: it compiles in this step)."""
@@ -337,6 +370,7 @@ class CompiledDenoiser:
         run compiled). The step counts as compiled when it ended and no forward of it ran
         eagerly (one whose blocks all reused their cached outputs ran none)."""
         self._step = step = _Step(reason, why=reason)
+        self._graphs_begin()  # a block cache's pieces: a CUDA graph tree's generation per step
         done = False
         try:
             yield
@@ -486,6 +520,7 @@ class CompiledDenoiser:
         for i, graph in enumerate(graphs, 1):
             if graph.key not in self._ready and graph.key not in self._failed:
                 began = time.perf_counter()
+                self._graphs_begin()
                 with torch.no_grad():
                     done = self._compiled_forward(graph) is not None
                 took = f"{time.perf_counter() - began:.1f} s"
@@ -534,6 +569,7 @@ class CompiledDenoiser:
         compiler (`foreseen`)."""
         import torch._dynamo.utils
 
+        room_for(self._limit)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         out = run()
         new = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs

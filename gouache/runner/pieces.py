@@ -194,13 +194,20 @@ def graphs_left(compiled: CompiledDenoiser, config: CompileConfig) -> int:
     return (COMPILE_GRAPHS if config.graphs is None else config.graphs) - row_graphs
 
 
+# A template replay's smallest token bucket holds this share of its row bucket's tokens (1/16). From
+# 64 tokens up, three buckets of sd3-arch's 1024 px replays (8,192 tokens over two rows) were 256,
+# 768 and 8,192: masks of 0.1-0.5 (800-4,050 computed) all padded to the full forward (H200). From
+# 512 they are 1,024, 2,048 and 8,192; four add 4,160. Smaller edits pad up to the sixteenth.
+REPLAY_FLOOR = 16
+
+
 def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int,
                   replays: bool = False) -> Buckets | None:
     """Token buckets for each row bucket of a packed forward (kind `tokens x{rows}`), within
     `graphs` graphs: a step at row bucket r (more rows than the bucket below, b) holds between
     (b + 1) * min and r * max tokens; with `replays`, of a template replay's too (kind `replay
-    x{rows}`: its computed tokens, from one bucket of 64, and its whole forward's, up to r * max), where the
-    budget gives each kind one after the packed forwards'. None where the sizes compiled give
+    x{rows}`: its computed tokens, from a sixteenth of the whole forward's, r * max, up to all of them), where
+    the budget gives each kind one after the packed forwards'. None where the sizes compiled give
     neither (fewer than two token counts and no replays) or the budget cannot give each kind one."""
     if not image_tokens:
         return None
@@ -209,8 +216,9 @@ def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graph
     for rows in sorted(row_buckets):
         if rows > below and len(set(image_tokens)) > 1:
             packed.append(Range(f"tokens x{rows}", (below + 1) * lo, rows * hi, TOKEN_ALIGN))
-        if replays:  # buckets spread from one aligned bucket up: a series from one token would crowd below it
-            replayed.append(Range(f"replay x{rows}", min(TOKEN_ALIGN, rows * hi), rows * hi, TOKEN_ALIGN))
+        if replays:  # buckets spread from a sixteenth of the tokens up: a series from one token crowds below it
+            floor = max(TOKEN_ALIGN, rows * hi // REPLAY_FLOOR)
+            replayed.append(Range(f"replay x{rows}", min(floor, rows * hi), rows * hi, TOKEN_ALIGN))
         below = rows
     ranges = packed + replayed if graphs >= len(packed) + len(replayed) else packed
     if not ranges or graphs < len(ranges):

@@ -546,3 +546,25 @@ def test_a_denoiser_that_takes_its_row_count_as_a_constant_pads_its_rows_instead
         assert run_rows(compiled, [3]) == 2  # the dynamic graph refused, then the padded one of 4 rows
     assert "padded to their bucket from now on" in caplog.text and not compiled.dynamic_rows
     assert run_rows(compiled, [2, 4]) == 0 and compiled.take_report().compiled == 3
+
+
+def test_room_for_graphs_is_made_on_the_thread_that_compiles():
+    """torch keeps a thread's dynamo settings to that thread: a limit raised where the server
+    builds its runner is not the engine thread's, whose 9th graph of a function would run
+    eagerly. `room_for` raises it on the calling thread, as every compiled forward does first."""
+    import threading
+
+    from gouache.runner.compiled import room_for
+
+    seen = {}
+
+    def engine_thread():
+        seen["before"] = torch._dynamo.config.recompile_limit
+        room_for(300)
+        seen["after"] = torch._dynamo.config.recompile_limit
+
+    room_for(300)  # here: not the other thread's
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen["before"] < 300 <= seen["after"]

@@ -47,6 +47,9 @@ def test_token_buckets_cover_each_row_bucket_within_the_budget():
     assert [one.by_kind[f"replay x{r}"][-1] for r in (1, 2, 4)] == [64, 128, 256]
     both = token_buckets((1, 2, 4), [16, 64], 8, replays=True)
     assert {"tokens x2", "tokens x4", "replay x4"} <= set(both.by_kind) and len(both) <= 8
+    # the smallest replay bucket is a sixteenth of the row bucket's tokens: sd3-arch's 1024 px edits
+    # (8,192 tokens over two rows) at masks 0.1/0.2/0.5 compute 800/1,682/4,050 tokens
+    assert token_buckets((2,), [4096], 4, replays=True).by_kind["replay x2"] == (1024, 2048, 4160, 8192)
     # a budget too small for both keeps the packed forwards' buckets
     assert set(token_buckets((1, 2, 4), [16, 64], 3, replays=True).by_kind) == {"tokens x2", "tokens x4"}
 
