@@ -17,6 +17,8 @@
 #   controlnet-sdxl: the controlnet_ rows alone;
 #   quant-sdxl, quant-sd3, quant-flux: eager bf16 against its denoiser's linear layers in fp8 and int8 (torchao), step and
 #       MFU at 512 and 1024 px, and the LoRA rows under each (quant_);
+#   quantcompiled-sdxl, quantcompiled-sd3, quantcompiled-flux: bf16, fp8 and int8 compiled under CUDA graphs against
+#       eager bf16, one request's step at 1024 px and its MFU (quant_cudagraphs_);
 #   lora-sdxl, lora-sd3, lora-flux: the lora_ rows alone (segmented, per adapter, merged), and lora_loading_ (a
 #       request whose adapter is read as it starts, synchronously and bounded-asynchronously);
 #   blockcache-sdxl, blockcache-sd3, blockcache-flux: the block_cache_ rows alone;
@@ -119,6 +121,10 @@ for spec in $parts; do
       $quick && variants=eager,int8 || variants=eager,fp8,int8  # fp8 needs a GPU
       fullsize --variants "$variants" $(sizes --sizes 512,1024 --repeats 3) \
         --skip patched,template,lora_loading,block_cache,park,controlnet --out "$out/quant_${name}_${gpu}.json" ;;
+    quantcompiled-*)  # issue 62's fp8 and int8 under compile, against bf16 compiled: one size's step, a graph each
+      $quick && variants=eager,compiled,compiled+int8 || variants=eager,compiled,compiled+fp8,compiled+int8
+      fullsize --variants "$variants" $(sizes --sizes 1024 --repeats 3) --skip "$(all_but mfu)" --compile-graphs 1 \
+        --out "$out/quant_cudagraphs_${name}_${gpu}.json" ;;
     lora-*)
       fullsize $(sizes --sizes 512 --repeats 3) --skip mfu,patched,template,block_cache,park,controlnet \
         --out "$out/{section}_${name}_${gpu}.json" ;;

@@ -9,7 +9,8 @@ Each model runs in a process of its own; its rows are steps of in-process runner
 step untimed, variants interleaved repetition by repetition; on a GPU a step's time ends when its
 queue is drained. A request's step runs its CFG rows (two per image). Variants: `eager` (bf16, the
 baseline), `compiled` (on a GPU with CUDA graphs), `int8` and `fp8` (eager, over a copy of the
-denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPUs only). Rows:
+denoiser with its linear layers quantized: `gouache.runner.quantize`; fp8 on GPUs only), and
+`compiled+int8`, `compiled+fp8` (the same copies compiled: where fp8's scaling can fuse). Rows:
 
 - `peak_tflops`: large square matmuls (bf16, fp32) over `--torch-threads` threads, the best;
 - `mfu`: one request's step at each size; its FLOPs counted (`torch.utils.flop_counter`,
@@ -57,9 +58,9 @@ import sys
 import time
 from pathlib import Path
 
-from gouache.bench.fullsize_sections import QUANTIZED, device_sync, emit, measure, measure_ulysses
+from gouache.bench.fullsize_sections import COMPILED, QUANTIZED, device_sync, emit, measure, measure_ulysses
 
-VARIANTS = ("eager", "compiled", *QUANTIZED)
+VARIANTS = ("eager", *QUANTIZED, *COMPILED)
 SECTIONS = ("mfu", "patched", "template", "lora", "lora_loading", "block_cache", "park", "controlnet")
 # summary key: --out's {section}
 FILES = {"mfu": "mfu", "patched_over_grouped": "batching", "template_over_full": "edit", "lora": "lora",
@@ -122,18 +123,19 @@ def _settings(args) -> None:
         raise ValueError(f"--masks are shares of the image an edit repaints, in (0, 1]; got {args.masks}")
     if not 0 < args.share <= 0.5 or abs(1 / round(1 / args.share) - args.share) > 0.01:
         raise ValueError(f"--share is the share of units reused, one in n (0.5, 0.33, 0.25, ...); got {args.share}")
-    if args.compile_cache and "compiled" not in variants:
+    compiles = set(variants) & set(COMPILED)
+    if args.compile_cache and not compiles:
         raise ValueError("--compile-cache keeps compiled kernels: it needs --variants eager,compiled")
-    if args.compile_backend != "inductor" and "compiled" not in variants:
+    if args.compile_backend != "inductor" and not compiles:
         raise ValueError("--compile-backend picks the compiled variant's backend: it needs --variants eager,compiled")
-    if args.compile_graphs is not None and "compiled" not in variants:
+    if args.compile_graphs is not None and not compiles:
         raise ValueError("--compile-graphs bounds the compiled variant's graphs: it needs --variants eager,compiled")
     unknown = set(args.skip) - {*SECTIONS, "ulysses"}
     if unknown:
         raise ValueError(f"--skip takes {', '.join(SECTIONS)}, ulysses; got {', '.join(sorted(unknown))}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise ValueError(f"--device takes cpu or cuda[:N]; got {args.device!r}")
-    if "fp8" in variants and args.device == "cpu":
+    if {"fp8", "compiled+fp8"} & set(variants) and args.device == "cpu":
         raise ValueError("--variants fp8 needs a GPU with float8 units (H100 or later): add --device cuda, or use int8")
     if args.device != "cpu" and "ulysses" not in args.skip:
         args.skip.append("ulysses")  # its degree 2 needs two devices; one GPU is measured

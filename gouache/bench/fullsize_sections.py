@@ -18,7 +18,8 @@ from gouache.bench.interleaved import request
 from gouache.uploads import EditMask, Upload
 
 STARTED = time.perf_counter()  # a child's log says when each section ended
-QUANTIZED = ("int8", "fp8")  # variants over a quantized copy of the denoiser (`variant_pipes`)
+QUANTIZED = ("int8", "fp8")  # variants over a quantized copy of the denoiser (`variant_pipes`), eager or compiled
+COMPILED = ("compiled", *(f"compiled+{kind}" for kind in QUANTIZED))  # the variants that compile
 
 
 def emit(rows: dict) -> None:
@@ -98,7 +99,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
         rows = None  # a request's rows (two with CFG), from the eager runner, built first
         for variant in sorted(args.variants.split(","), key=lambda v: v != "eager"):
             compile = None
-            if variant == "compiled":
+            if variant in COMPILED:
                 buckets, compiled_sizes = compile_plan(args, rows)
                 compile = CompileConfig(enabled=True, buckets=buckets, sizes=tuple((s, s) for s in compiled_sizes),
                                         cache_dir=args.compile_cache, backend=args.compile_backend,
@@ -167,15 +168,19 @@ def graphs_captured(args) -> bool:
 
 
 def variant_pipes(pipe, variants: list[str]) -> dict:
-    """Each variant's pipeline: `pipe` itself, or for int8 and fp8 one sharing every component of
-    `pipe` but its denoiser, a quantized copy."""
+    """Each variant's pipeline: `pipe` itself, or for int8 and fp8 (eager or compiled) one sharing
+    every component of `pipe` but its denoiser, a quantized copy."""
     import copy
 
     from gouache.runner.quantize import quantize
 
     name = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
-    return {variant: quantize(type(pipe)(**{**pipe.components, name: copy.deepcopy(getattr(pipe, name))}), variant)
-            if variant in QUANTIZED else pipe for variant in variants}
+    pipes = {}
+    for variant in variants:
+        kind = variant.removeprefix("compiled+")
+        pipes[variant] = (quantize(type(pipe)(**{**pipe.components, name: copy.deepcopy(getattr(pipe, name))}), kind)
+                          if kind in QUANTIZED else pipe)
+    return pipes
 
 
 def _mfu(bench, sizes: list[int]) -> dict:

@@ -19,7 +19,8 @@ MODELS = ("sdxl", "sd3", "flux")
 PARTS = ["gputests", "exactness", "controlnet-sdxl",
          *(f"cudagraphs-{section}-{m}" for section in ("edit", "batching", "lora", "mfu", "blockcache")
            for m in MODELS),
-         *(f"{kind}-{m}" for kind in ("fullsize", "quant", "lora", "blockcache", "park") for m in MODELS),
+         *(f"{kind}-{m}" for kind in ("fullsize", "quant", "quantcompiled", "lora", "blockcache", "park")
+           for m in MODELS),
          *(f"{kind}-{m}" for kind in ("compile", "batching", "profile") for m in ("sdxl", "sd3")),
          *(f"{kind}-{m}" for kind in ("profile-compiled", "baselines") for m in ("sd3", "flux"))]
 
