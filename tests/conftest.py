@@ -52,7 +52,7 @@ FILE_SECONDS = {
     "tests/engine/test_exactness.py": 164, "tests/ui/test_playground.py": 153, "tests/api/test_real_server.py": 142,
     "tests/runner/test_compiled.py": 290, "tests/runner/test_background.py": 100,
     "tests/engine/test_compose.py": 100, "tests/bench/test_fullsize.py": 93, "tests/engine/test_qwen_image.py": 83,
-    "tests/bench/test_gpu_script.py": 115,
+    "tests/bench/test_gpu_script.py": 50,
     "tests/test_cli.py": 64, "tests/runner/test_compile_cache.py": 54, "tests/parallel/test_ulysses.py": 46,
     "tests/train/test_command.py": 44, "tests/controlnet/test_service.py": 43, "tests/api/test_lifecycle.py": 42,
     "tests/controlnet/test_model.py": 41, "tests/engine/test_preemption.py": 40, "tests/bench/test_fidelity.py": 38,

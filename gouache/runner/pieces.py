@@ -116,28 +116,30 @@ class _Blank:
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """A packed forward's layout padded to its bucket: `rows` forward rows (slots) of
-    `text_len` text rows each and `tokens` image rows; `image_index` / `text_index`: the slot
-    of each image / text row (padding rows: slot 0). Under a `replay`, the rows are the
-    computed ones only."""
+    """A packed forward's layout padded to its bucket: `rows` forward rows (slots), the text
+    rows of `texts` of them (`text_len` each; all, but under a replay) and `tokens` image rows;
+    `image_index` / `text_index`: the slot of each image / text row (padding rows: slot 0).
+    Under a `replay`, the rows are the computed ones only."""
 
     packing: Packing
     rows: int
     tokens: int
     image_index: torch.Tensor  # [tokens]
-    text_index: torch.Tensor  # [rows * text_len]
+    text_index: torch.Tensor  # [texts * text_len]
     replay: Replay | None = None
 
     @classmethod
-    def of(cls, packing: Packing, rows: int, tokens: int, replay: Replay | None = None) -> TokenLayout:
+    def of(cls, packing: Packing, rows: int, tokens: int, replay: Replay | None = None,
+           texts: int | None = None) -> TokenLayout:
         image, text = packing.image_index, packing.text_index
         if replay is not None:
             image = image.index_select(0, replay.computed)
             text = text if replay.text is None else text.index_select(0, replay.text)
-        if rows < len(packing.order) or tokens < len(image):
-            raise ValueError(f"a bucket of {rows} rows and {tokens} tokens cannot hold {len(packing.order)} rows "
-                             f"of {len(image)} tokens")
-        return cls(packing, rows, tokens, _pad(image, tokens), _pad(text, rows * packing.text_len), replay)
+        texts = rows if texts is None else texts
+        if rows < len(packing.order) or tokens < len(image) or texts * packing.text_len < len(text):
+            raise ValueError(f"a bucket of {rows} rows ({texts} with text) and {tokens} tokens cannot hold "
+                             f"{len(packing.order)} rows of {len(image)} tokens and {len(text)} text rows")
+        return cls(packing, rows, tokens, _pad(image, tokens), _pad(text, texts * packing.text_len), replay)
 
     @property
     def image_rows(self) -> int:
@@ -153,10 +155,10 @@ class TokenLayout:
         return _pad(x if self.replay is None else x.index_select(0, self.replay.computed), self.tokens)
 
     def text(self, x: torch.Tensor) -> torch.Tensor:
-        """Text rows [S_txt, ...] (the computed ones, under a replay) padded with zeros to [rows * text_len, ...]."""
+        """Text rows [S_txt, ...] (the computed ones, under a replay) padded with zeros to the layout's."""
         if self.replay is not None and self.replay.text is not None:
             x = x.index_select(0, self.replay.text)
-        return _pad(x, self.rows * self.packing.text_len)
+        return _pad(x, len(self.text_index))
 
     def slots(self, x: torch.Tensor) -> torch.Tensor:
         """Per forward row [n, ...] padded to [rows, ...] with copies of the last (a valid
@@ -172,6 +174,13 @@ class TokenLayout:
         if self.replay is not None:
             return self.replay.attend(self.packing, attn, image, text, text_first, padding)
         return self.packing.attend(image, text, text_first, padding=padding)
+
+
+def text_slots(rows: int, texts: int, share: int) -> int:
+    """The rows whose text a replay's pieces compute, padded: one in `share` of the row bucket's
+    `rows` where `texts` fit, else all (so a CFG edit whose unconditional text replays computes
+    half the text rows, not all: shapes-dit's 256 px edit ran 576 text rows for 288 computed)."""
+    return max(1, rows // share) if texts <= rows // share else rows
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -235,6 +244,11 @@ class PackedPieces:
     layout's per-row tensors every piece takes) and, for the warm-up, `example` and `inputs`."""
 
     text_first = False  # the model's joint token order: Flux puts text first, SD3 last
+    # a replay's pieces compute the text of one in `text_share` of its row bucket's rows where
+    # its text fits (warmed up so), else of all (compiled when first met): where prompts differ
+    # from the recorder's, all rows' without CFG; with CFG the conditional half's, the
+    # unconditional rows' text replaying
+    text_share = 1
 
     def __init__(self, model: nn.Module, blocks: Sequence[nn.Module], compiled: CompiledDenoiser, buckets: Buckets,
                  first: Callable, between: Callable, finish: Callable):
@@ -306,11 +320,14 @@ class PackedPieces:
         if not buckets or packing.image_rows > buckets[-1]:
             return self.compiled.run(None, lambda: None, past="tokens")
         tokens = next(b for b in buckets if b >= len(computed))
+        texts = text_slots(rows, len(packing.order) if text is None else -(-len(text) // packing.text_len),
+                           self.text_share)
         # the output piece runs over the row bucket's most tokens: one graph a computed bucket
         layout = TokenLayout.of(packing, rows, tokens, Replay(template, computed, text, buckets[-1],
-                                                              self.rotation(packing)))
-        out = self.compiled.run(Graph(("replay", rows, tokens), lambda: self.pieces(layout, *inputs(layout)),
-                                      self.describe(("replay", rows, tokens))), lambda: None)
+                                                              self.rotation(packing)), texts)
+        key = ("replay", rows, tokens, texts)
+        out = self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout)), self.describe(key)),
+                                lambda: None)
         if out is not None:
             template.count(computed, text, len(self.blocks), self._text_blocks)
             template.end()
@@ -326,12 +343,16 @@ class PackedPieces:
             for t in tokens:
                 if what == "tokens":
                     layout = TokenLayout.of(self.example(rows, t, text_len), rows, t)
-                else:  # a replay computing t tokens of the row bucket's most, the templates blank
+                    key = ("packed", rows, t)
+                else:  # a replay computing t tokens of the row bucket's most and the text of the rows
+                    # that usually compute it (`text_share`), the templates blank
                     packing = self.example(rows, tokens[-1], text_len)
                     computed = torch.arange(min(t, packing.image_rows), device=packing.image_index.device)
-                    layout = TokenLayout.of(packing, rows, t, Replay(_Blank(), computed, None, tokens[-1],
-                                                                     self.rotation(packing)))
-                key = ("packed" if what == "tokens" else "replay", rows, t)
+                    texts = text_slots(rows, rows // self.text_share, self.text_share)
+                    text = torch.arange(texts * text_len, device=computed.device)
+                    layout = TokenLayout.of(packing, rows, t, Replay(_Blank(), computed, text, tokens[-1],
+                                                                     self.rotation(packing)), texts)
+                    key = ("replay", rows, t, texts)
                 out.append(Graph(key, lambda layout=layout: self.pieces(layout, *self.inputs(layout)),
                                  self.describe(key)))
         return out
@@ -339,7 +360,7 @@ class PackedPieces:
     @staticmethod
     def describe(key: tuple) -> str:
         if key[0] == "replay":
-            return f"template replay {key[1]} rows, {key[2]} tokens computed"
+            return f"template replay {key[1]} rows, {key[2]} tokens computed, the text of {key[3]} rows"
         return f"packed {key[1]} rows, {key[2]} tokens"
 
     def example(self, rows: int, tokens: int, text_len: int) -> Packing:

@@ -146,7 +146,7 @@ class FluxPieces(PackedPieces):
         config, device, dtype = self.model.config, self.model.device, self.model.dtype
         guidance = torch.ones(layout.rows, device=device, dtype=dtype) if config.guidance_embeds else None
         return (torch.zeros(layout.tokens, config.in_channels, device=device, dtype=dtype),
-                torch.zeros(layout.rows * layout.packing.text_len, config.joint_attention_dim, device=device,
+                torch.zeros(len(layout.text_index), config.joint_attention_dim, device=device,
                             dtype=dtype),
                 torch.full((layout.rows,), 0.5, device=device, dtype=dtype), guidance,
                 torch.zeros(layout.rows, config.pooled_projection_dim, device=device, dtype=dtype))

@@ -54,6 +54,8 @@ def finish(transformer: nn.Module, done: nn.Module, x, c, temb, image_out, text_
 class SD3Pieces(PackedPieces):
     """SD3's packed forward in pieces: `forward` takes what `packed_sd3_forward` takes."""
 
+    text_share = 2  # its edits run CFG: a replay computes the conditional rows' text
+
     def __init__(self, transformer: nn.Module, compiled: CompiledDenoiser, buckets: Buckets):
         super().__init__(transformer, transformer.transformer_blocks, compiled, buckets, first, between, finish)
         self._pos: dict[tuple[int, int], torch.Tensor] = {}  # a token grid's sincos rows
@@ -97,7 +99,7 @@ class SD3Pieces(PackedPieces):
         p = config.patch_size
         return (torch.zeros(layout.tokens, config.in_channels, p, p, device=device, dtype=dtype),
                 self.positions(layout),
-                torch.zeros(layout.rows * layout.packing.text_len, config.joint_attention_dim, device=device,
+                torch.zeros(len(layout.text_index), config.joint_attention_dim, device=device,
                             dtype=dtype),
                 torch.full((layout.rows,), 500.0, device=device, dtype=dtype),
                 torch.zeros(layout.rows, config.pooled_projection_dim, device=device, dtype=dtype))

@@ -1,6 +1,6 @@
 """`benchmarks/gpu.sh`, before a GPU is at hand: every part's commands (as a lease would run
-them, and as `--quick` runs them here) are ones the CLI accepts, and a run of `--quick` parts on
-the tiny models covering each kind of command measures and writes its files. A lease's 15
+them, and as `--quick` runs them here) are ones the CLI accepts, and the `--quick` parts whose
+commands no other test runs measure on the tiny models and write their files. A lease's 15
 minutes should not find a typo."""
 
 import json
@@ -67,11 +67,11 @@ def test_every_part_prints_commands_the_cli_accepts(tmp_path, mode):
 
 @pytest.mark.slow
 def test_quick_parts_measure_on_the_tiny_models(tmp_path):
-    """One part of each kind not run by the other benches' tests: a DiT's replay in compiled
-    pieces, a UNet's block cache beside its compiled variant, the exactness table, the profile
-    of compiled steps and the baselines served with it, and the GPU-marked tests (skipped)."""
-    parts = ["gputests", "cudagraphs-edit-flux", "cudagraphs-blockcache-sdxl", "exactness", "profile-compiled-flux",
-             "baselines-flux"]
+    """The parts no other test runs a command of: a DiT's template replay in the compiled
+    variant's pieces (its graphs planned from its section), and the profile of compiled steps.
+    (The other benches' commands run in their own tests; running every part here takes about 9
+    minutes, which the suite cannot spend.)"""
+    parts = ["cudagraphs-edit-flux", "profile-compiled-flux"]
     done = gpu_sh("--quick", str(tmp_path), *parts)
     assert done.returncode == 0, done.stdout[-3000:]
     for part in parts:
@@ -81,13 +81,5 @@ def test_quick_parts_measure_on_the_tiny_models(tmp_path):
     steps = edit["steps"]["tiny-flux"]
     for row in ("template edit 0.1", "full edit 0.1"):  # the replay in the pieces, the full edit in its graph
         assert steps[row]["compiled"]["paths"] == {"compiled": 1} and steps[row]["eager"]["paths"] == {}
-    cache = json.loads((tmp_path / "block_cache_cudagraphs_sdxl-arch_cpu.json").read_text())["block_cache"]
-    assert {unit: round(row["reused"], 1) for unit, row in cache["tiny-sdxl"].items()} == {"image": 0.5, "patch": 0.5}
-    exactness = json.loads((tmp_path / "exactness_cpu.json").read_text())["float32"]
-    assert exactness and all(case["passed"] for case in exactness.values())
     report = json.loads((tmp_path / "costmodel_compiled_flux-arch_cpu.report.json").read_text())
     assert report["compiled"] and report["samples"] > 0
-    baselines = json.loads((tmp_path / "baselines_flux-arch_cpu.json").read_text())
-    assert [row["server"] for row in baselines["results"]] == ["diffusers-serial", "diffusers-static", "gouache"]
-    assert all(row["burst_failed"] == row["steady_failed"] == 0 for row in baselines["results"])
-    assert (tmp_path / "gputests_cpu.xml").is_file()

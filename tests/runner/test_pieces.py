@@ -4,10 +4,11 @@ compiled packed step equal to the eager one, one graph serving every mix its buc
 recompile), and a step past the largest bucket run eagerly, saying why. One token bucket of one
 row bucket: compiling is slow on 2 cores."""
 
+import numpy as np
 import pytest
 import torch
 
-from gouache.config import CompileConfig
+from gouache.config import CompileConfig, TemplateConfig
 from gouache.models.zoo import load_pipeline
 from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
@@ -15,6 +16,7 @@ from gouache.runner.model_runner import ModelRunner
 from gouache.runner.pack_dit import Packing
 from gouache.runner.pieces import TokenLayout, token_buckets
 from gouache.sched.plan import Batch
+from gouache.uploads import EditMask, Upload
 
 TOL = 1e-4
 
@@ -132,3 +134,47 @@ def test_a_compile_backend_is_inductor_or_eager_and_cuda_graphs_need_inductor():
     with pytest.raises(ValueError, match="add --compile"):
         CompileConfig(backend="eager")
     assert CompileConfig(enabled=True, backend="eager").backend == "eager"
+
+
+@pytest.mark.slow
+def test_a_cfg_replay_computes_the_text_of_its_conditional_half():
+    """SD3's edits run CFG: the unconditional rows' text replays (the recorder's negative prompt),
+    so a replay's pieces take the text of half the row bucket's rows (warmed up so: no graph
+    compiled while serving), equal to the eager replay. Without CFG two edits fill the bucket,
+    each computing its text: the full text rows, compiled when first met, equal too. Through
+    dynamo's eager backend."""
+    pipe = load_pipeline("tiny-sd3")
+    eager = ModelRunner(pipe, templates=TemplateConfig())
+    compiled = ModelRunner(pipe, templates=TemplateConfig(), compile=CompileConfig(
+        enabled=True, buckets=(2,), sizes=((64, 64),), backend="eager", graphs=2))
+    compiled.warm_up(64)
+    assert compiled.family.pieces.buckets.by_kind == {"replay x2": (64,)}  # 2 rows of 16 tokens, in 64s
+    compiled.family.compiled.take_report()
+    image = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    mask = np.zeros((64, 64), np.float32)
+    mask[16:40, 16:40] = 1
+
+    def edit(runner, ids, guidance, fields, mask):
+        for rid in ids:
+            runner.prepare(ImageRequest(rid, f"a cat {rid}", 64, 64, 4, guidance, seed=1, image=b"-",
+                                        template_id="t", **fields), Upload(image, EditMask(mask)))
+        report = CompileReport()
+        for _ in range(3):
+            out = runner.execute(Batch(tuple(ids)))
+            assert not out.failed
+            report.compiled += out.compile.compiled
+            report.graphs += out.compile.graphs
+        latents = {rid: runner.states[rid].latents.clone() for rid in ids}
+        for rid in ids:
+            runner.release(rid)
+        return latents, report
+
+    for guidance, replays in ((4.0, ["c"]), (1.0, ["n1", "n2"])):  # with CFG: 2 rows; without: 2 edits
+        results = {}
+        for name, runner in (("eager", eager), ("compiled", compiled)):
+            edit(runner, ["record"], guidance, {"register_template": True}, np.zeros_like(mask))
+            results[name] = edit(runner, replays, guidance, {"template_cache": True}, mask)
+        latents, report = results["compiled"]
+        assert report.compiled == 3 and (report.graphs == 0) == (guidance > 1), (guidance, report)
+        for rid, want in results["eager"][0].items():
+            assert (want - latents[rid]).abs().max().item() <= TOL, (guidance, rid)
