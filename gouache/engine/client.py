@@ -97,8 +97,6 @@ class AsyncEngine(AdapterCalls):
                                   controlnet=engine_config.controlnet,
                                   conditioning_bytes=engine_config.conditioning_bytes,
                                   compile=engine_config.compile if executor is None else None, recipe=recipe)
-        # compiles before the server answers /health (workers: before their start)
-        self.runner.warm_up(info.default_size)
         count = self.metrics.handoffs.inc
         parked = engine_config.paused_host_bytes
         self.pool = (DevicePool(self.runner, executor, count, parked) if executor is not None
@@ -120,6 +118,14 @@ class AsyncEngine(AdapterCalls):
         self.core = EngineCore(self.pool, self.scheduler, self.metrics, self._on_step, self._on_step_failure,
                                self._on_plan, self._on_death,
                                threads=step_threads(engine_config.torch_threads) if executor is None else None)
+        # compiles before the server answers /health (workers: before their start), on the thread
+        # that will step (`EngineCore.call`)
+        try:
+            self.core.call(lambda: self.runner.warm_up(info.default_size))
+        except BaseException:
+            self.core.stop()
+            self.pool.shutdown()
+            raise
         self.prep = Stage("gouache-prep", self._prepare, self._on_stage_failure)
         self.post = Stage("gouache-post", self._postprocess, self._on_stage_failure, batched=True)
         self.codecs = CodecPool(engine_config.image_workers)

@@ -86,12 +86,26 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._flights: list[_Flight] = []
         self._stop = threading.Event()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # `call`s before the loop; None: the loop begins
         self._thread = threading.Thread(target=self._run, name="gouache-engine", daemon=True)
 
     # -- called from other threads ---------------------------------------------------------
 
+    def call(self, fn: Callable[[], object]) -> object:
+        """`fn()` run on the loop's thread before the loop begins; its result, or its error
+        raised here. A compiled model warms up so: torch keeps a thread's CUDA graphs and
+        dynamo settings to that thread, so the thread that steps must be the one that warmed up
+        (else it records every graph again, in a second memory pool)."""
+        if not self._thread.is_alive():
+            self._thread.start()
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result()
+
     def start(self) -> None:
-        self._thread.start()
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._calls.put(None)
 
     @property
     def running(self) -> bool:
@@ -100,7 +114,9 @@ class EngineCore:
     def stop(self) -> None:
         self._stop.set()
         self.inbox.put(("wake", None))
-        self._thread.join(timeout=30)
+        self._calls.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def add(self, state: RequestState) -> None:
         self.inbox.put(("add", state))
@@ -113,6 +129,12 @@ class EngineCore:
     def _run(self) -> None:
         if self.threads is not None:
             own(self.threads)
+        while (call := self._calls.get()) is not None:  # `call`s, until the loop begins
+            fn, future = call
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # the caller's to raise
+                future.set_exception(error)
         try:
             while not self._stop.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work())

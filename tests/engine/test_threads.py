@@ -58,3 +58,36 @@ def test_the_engine_steps_on_its_torch_threads_and_prepares_and_decodes_on_one(p
 
     asyncio.run(go())
     assert seen == {"prepare": {1}, "execute": {3}, "decode_many": {1}}
+
+
+def test_the_warm_up_runs_on_the_thread_that_steps(pipes, monkeypatch):
+    """torch keeps CUDA graphs and dynamo's settings per thread: a compiled model warmed up on
+    another thread than its steps' would record its graphs again there (`EngineCore.call`)."""
+    from gouache.runner.model_runner import ModelRunner
+
+    seen = {}
+    warm_up = ModelRunner.warm_up
+
+    def noted(runner, size):
+        seen["warm-up"] = threading.current_thread()
+        return warm_up(runner, size)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", noted)
+    engine = make_engine(pipes)
+    execute = engine.runner.execute
+
+    def stepped(*args, **kwargs):
+        seen["step"] = threading.current_thread()
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = stepped
+
+    async def go():
+        await engine.start()
+        try:
+            await (await engine.submit(images("w", steps=2))).images()
+        finally:
+            await engine.aclose()
+
+    asyncio.run(go())
+    assert seen["warm-up"] is seen["step"] and seen["step"].name == "gouache-engine"
