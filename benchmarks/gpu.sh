@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The numbers only a GPU shows (issues 40, 62), in parts that run one by one within a lease's time:
 #   bash benchmarks/gpu.sh [--quick] [--print] [OUT_DIR] [PART[:SECONDS]...]
-#     (default OUT_DIR: benchmarks/results/gpu; PARTs: the techniques under CUDA graphs first, then the rest)
+#     (default OUT_DIR: benchmarks/results/gpu; PARTs: issue 62's, in the order of their value)
 # --quick runs the same commands on this machine's CPU with the tiny models (tiny-sdxl for sdxl-arch, ...), their
 # smallest sizes, one repeat, compiled variants through the eager backend (no kernels generated): a smoke run of
 # every part before a lease (tests/bench/test_gpu_script.py); its files are named after the cpu. --print writes
@@ -57,8 +57,10 @@ while [[ ${1:-} == --* ]]; do
 done
 out=${1:-benchmarks/results/gpu}
 shift || true
-cudagraphs=$(for s in edit batching lora mfu blockcache; do for m in flux sd3 sdxl; do echo "cudagraphs-$s-$m"; done; done)
-parts=${*:-gputests $cudagraphs lora-flux lora-sdxl fullsize-sdxl fullsize-sd3 fullsize-flux exactness profile-sdxl compile-sdxl compile-sd3 batching-sdxl batching-sd3}
+# by default, in the order of issue 62's value (docs/fullsize.md, the fourth lease: sized there from its compile times)
+parts=${*:-gputests cudagraphs-edit-sd3 cudagraphs-batching-sd3 cudagraphs-lora-flux cudagraphs-edit-flux cudagraphs-mfu-flux
+  cudagraphs-mfu-sd3 profile-compiled-flux baselines-flux cudagraphs-batching-flux cudagraphs-lora-sdxl
+  cudagraphs-blockcache-sdxl lora-flux lora-sdxl quantcompiled-flux exactness}
 if $quick; then
   gpu=cpu device=cpu
   # the tiny models' sizes (bench fullsize --quick's own: 128, 256, 128+256) and a single repeat
