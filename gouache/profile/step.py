@@ -119,6 +119,12 @@ def run(args) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
     reuse_only = ("requests", "reuse_steps", "bound", "trees", "depth")
+    compile_flags = [dest for dest in ("compile_graphs", "compile_backend") if dest in given(args)]
+    if args.reuse or args.edits or args.devices > 1:
+        refuse_ignored({dest: "only the batch profile times compiled steps (not --reuse, --edits or --devices)"
+                        for dest in ["compile"] * args.compile + compile_flags})
+    elif not args.compile:
+        refuse_ignored({dest: "it applies to compiled steps: add --compile" for dest in compile_flags})
     if args.reuse:
         from gouache.profile import reuse as profile_reuse
 
@@ -138,10 +144,6 @@ def run(args) -> int:
         return profile_edits.run(args)
     if "ratios" in given(args):
         refuse_ignored({"ratios": "only --edits profiles mask ratios"})
-    if not args.compile:
-        refuse_ignored({dest: "it applies to compiled steps: add --compile" for dest in ("compile_graphs",
-                                                                                        "compile_backend")
-                        if dest in given(args)})
     if args.devices > 1:
         from gouache.profile import parallel as profile_parallel
 

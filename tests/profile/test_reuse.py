@@ -42,6 +42,10 @@ def test_profile_reuse_records_images_and_patches_and_writes_a_predictor_a_runne
     (["--reuse", "--repeats", "3"], "--repeats would be ignored"),
     (["--reuse", "--ratios", "0.5"], "--ratios would be ignored"),
     (["--reuse", "--model", "tiny-sd3", "--patch-size", "32", "--requests", "2"], "--patch-size would be ignored"),
+    (["--reuse", "--compile"], "--compile would be ignored: only the batch profile times compiled steps"),
+    (["--edits", "--compile", "--compile-graphs", "4"], "--compile-graphs would be ignored: only the batch profile"),
+    (["--devices", "2", "--compile"], "--compile would be ignored"),
+    (["--compile-backend", "eager"], "--compile-backend would be ignored: it applies to compiled steps"),
 ])
 def test_bad_reuse_arguments_are_refused(argv, message, capsys):
     assert main(["profile", "--model", "tiny-sd", *argv]) == 2
