@@ -115,9 +115,9 @@ _threads = threading.local()  # the recompile limit this thread's dynamo setting
 def room_for(limit: int) -> None:
     """Room for `limit` graphs of a compiled function on the calling thread: dynamo's default
     stops compiling new shapes after 8 and runs them eagerly, unseen. Its settings are the
-    thread's own (torch's config modules keep a thread's assignments to that thread): the
-    server warms up on its main thread and steps on its engine thread, where the pieces' 9th
-    token bucket ran eagerly before this was set per thread."""
+    thread's own (torch's config modules keep a thread's assignments to that thread), and a
+    runner is built on one thread and steps on another (the server's engine thread), where the
+    pieces' 9th token bucket ran eagerly before this was set per thread."""
     if getattr(_threads, "limit", 0) >= limit:
         return
     import torch._dynamo

@@ -49,14 +49,7 @@ def test_the_engine_steps_on_its_torch_threads_and_prepares_and_decodes_on_one(p
 
         setattr(engine.runner, name, counted)
 
-    async def go():
-        await engine.start()
-        try:
-            await (await engine.submit(images("t", steps=2))).images()
-        finally:
-            await engine.aclose()
-
-    asyncio.run(go())
+    serve_one(engine, "t")
     assert seen == {"prepare": {1}, "execute": {3}, "decode_many": {1}}
 
 
@@ -82,12 +75,17 @@ def test_the_warm_up_runs_on_the_thread_that_steps(pipes, monkeypatch):
 
     engine.runner.execute = stepped
 
+    serve_one(engine, "w")
+    assert seen["warm-up"] is seen["step"] and seen["step"].name == "gouache-engine"
+
+
+def serve_one(engine, api_id: str) -> None:
+    """Start `engine`, serve one request of two steps, close it."""
     async def go():
         await engine.start()
         try:
-            await (await engine.submit(images("w", steps=2))).images()
+            await (await engine.submit(images(api_id, steps=2))).images()
         finally:
             await engine.aclose()
 
     asyncio.run(go())
-    assert seen["warm-up"] is seen["step"] and seen["step"].name == "gouache-engine"
