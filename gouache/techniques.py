@@ -75,13 +75,15 @@ TECHNIQUES = {t.name: t for t in (
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)",
               compiled="UNets (CFG halves): yes, each rank's rows through the row graph of their count, the halves "
-                       "gathered outside it; DiTs (Ulysses): no, the step runs eagerly (its all-to-alls sit inside "
-                       "every attention)"),
+                       "gathered outside it; SD3 and FLUX.1 (Ulysses): yes, each rank's shard of every row through "
+                       "the family's compiled pieces at its row bucket, the all-to-alls and attention between them, "
+                       "the output gathered after the last; other DiTs: no, the step runs eagerly"),
     Technique("reference", "image", True, True,
               "an edit's reference tokens (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): the uploads' latents after the "
               "image's own, asked by any edit on an instruction-edit model",
-              compiled="FLUX.1 Kontext: yes, a row graph per size (its tokens doubled) and in the packed pieces; "
-                       "FLUX.2 and Qwen-Image-Edit: no, the step runs eagerly"),
+              compiled="yes, a row graph per image size and reference layout (the warm-up compiles an edit of "
+                       "each size with one reference of its size, a background child any other layout when first "
+                       "met); FLUX.1 Kontext's in the packed pieces too"),
     Technique("img2img", "strength", True, True,
               "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
               "the steps after", compiles=True, compiled="yes, as the plain step"),

@@ -98,7 +98,8 @@ def join_world(rank: int, world: int, init_method: str, spec: WorkerSpec, device
     runner = ModelRunner(quantize(load_pipeline(spec.model, spec.dtype, device), spec.quantize), spec.patch_pixels,
                          spec.block_cache, templates, spec.lora, controlnet=spec.controlnet, compile=spec.compile,
                          recipe=recipe)
-    runner.warm_up(model_info(runner.pipe, spec.model).default_size)
+    runner.warm_up(model_info(runner.pipe, spec.model).default_size,
+                   ranks=[(len(block), block.index(rank)) for block in groups])
     return Worker(rank, runner, groups)
 
 

@@ -17,7 +17,8 @@ class ParallelLayer:
     technique = "parallel"
 
     def __init__(self, pipe, degree: int, group, device, compiled=None):
-        """`compiled`: the model's `CompiledDenoiser` under --compile (CFG halves split its calls)."""
+        """`compiled`: the model's `CompiledDenoiser` under --compile (CFG halves split its calls;
+        Ulysses shards go to it, for the family's pieces)."""
         self.pipe, self.degree, self.group, self.device, self.compiled = pipe, degree, group, device, compiled
         self.collective_s = 0.0  # seconds this rank spent in the splits' collectives
 
@@ -85,7 +86,8 @@ class _Sequence(_Whole):
 def split_step(pipe, states: list, degree: int, group, device, compiled=None) -> Iterator[Split | None]:
     """The parallel split of a step of `degree` over `group` (None at degree 1), installed on
     the denoiser (or its `compiled` one's calls) while inside: a UNet's CFG halves (every
-    request with guidance), a DiT's Ulysses sequence shards."""
+    request with guidance), a DiT's Ulysses sequence shards (under --compile, where its pieces
+    take them, handed to the `compiled` one instead: `gouache.parallel.ulysses.ulysses`)."""
     if degree == 1:
         yield None
         return
@@ -95,7 +97,7 @@ def split_step(pipe, states: list, degree: int, group, device, compiled=None) ->
 
     check_degree(pipe, degree)
     if getattr(pipe, "unet", None) is None:
-        with ulysses(pipe.transformer, group) as shards:
+        with ulysses(pipe.transformer, group, compiled) as shards:
             yield _Sequence(group, device, shards)
         return
     if not all(s.rows == 2 for s in states):  # a request without guidance: both ranks run every row

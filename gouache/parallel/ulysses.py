@@ -64,14 +64,19 @@ class SequenceShards:
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, ...] image tokens -> [B, N/k, ...]: this rank's contiguous shard."""
-        if x.shape[1] % self.degree:
+        return x.narrow(1, *self.image_span(x.shape[1]))
+
+    def image_span(self, tokens: int) -> tuple[int, int]:
+        """Where this rank's shard of an image's `tokens` starts and how many it holds (kept
+        for the forward)."""
+        if tokens % self.degree:
             raise ValueError(
                 f"Ulysses degree {self.degree} must divide the image token count, but this forward has "
-                f"{x.shape[1]} image tokens; use a latent size whose token count divides by {self.degree}, "
+                f"{tokens} image tokens; use a latent size whose token count divides by {self.degree}, "
                 "or a degree that divides it"
             )
-        self.tokens = x.shape[1] // self.degree
-        return x.narrow(1, self.rank * self.tokens, self.tokens)
+        self.tokens = tokens // self.degree
+        return self.rank * self.tokens, self.tokens
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's x, concatenated along `dim` in rank order."""
@@ -83,9 +88,13 @@ class SequenceShards:
 
     def split_text(self, x: torch.Tensor) -> torch.Tensor:
         """[B, L, ...] text tokens -> this rank's contiguous shard; the first L % k ranks hold one more."""
-        length = x.shape[1]
+        return x.narrow(1, *self.text_span(x.shape[1]))
+
+    def text_span(self, length: int) -> tuple[int, int]:
+        """Where this rank's shard of a text of `length` tokens starts and how many it holds
+        (every rank's sizes kept for the forward)."""
         self.text_sizes = [length // self.degree + (j < length % self.degree) for j in range(self.degree)]
-        return x.narrow(1, sum(self.text_sizes[:self.rank]), self.text_sizes[self.rank])
+        return sum(self.text_sizes[:self.rank]), self.text_sizes[self.rank]
 
     def exchange(self, pieces: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, ...]:
         """All-to-all along dim 0: send pieces[j] to rank j; the pieces received, sizes[j] rows
@@ -139,6 +148,19 @@ class SequenceShards:
             if kwargs.get(name) is not None:
                 kwargs[name] = [self.split(residual) for residual in kwargs[name]]
         return args, kwargs
+
+
+class Rehearsal(SequenceShards):
+    """Rank `rank` of a group of `degree` without the group: the warm-up's stand-in, whose
+    exchanges receive zeros of the shapes a real step's would, so that compiled pieces around
+    them (`gouache.runner.pieces.Shard`) are traced at a step's shapes before any step runs."""
+
+    def __init__(self, degree: int, rank: int):  # not super().__init__: it asks the group
+        self.group, self.rank, self.degree = None, rank, degree
+        self.tokens, self.text_sizes, self.collective_s = 0, [], 0.0
+
+    def exchange(self, pieces: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, ...]:
+        return tuple(pieces[0].new_zeros(size, *pieces[0].shape[1:]) for size in sizes)
 
 
 def refuse_mask(attention_mask: torch.Tensor | None) -> None:
@@ -243,20 +265,39 @@ def check_degree(pipe, degree: int) -> None:
 
 
 @contextlib.contextmanager
-def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator[SequenceShards | None]:
+def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None, compiled=None) \
+        -> Iterator[SequenceShards | None]:
     """While inside, a call of `transformer` made on every rank of `group`, each with the same
     full inputs, runs sequence parallel and returns the full output on every rank, identical
     across them; it yields the group's `SequenceShards` (None when there is nothing to shard).
     A group of one rank, or None, changes nothing. On exit the processors and hooks are gone,
-    so the next call may use another group."""
+    so the next call may use another group. Under --compile, where the model's compiled pieces
+    shard a forward (`compiled`, its `CompiledDenoiser`, holds `parallel`), nothing is installed:
+    the shards go to `compiled.shards`, and the family runs its steps in pieces
+    (`gouache.runner.pieces.Shard`) or, where they cannot, eagerly inside `installed`."""
     if group is None or dist.get_world_size(group) == 1:
         yield None
         return
     shards = SequenceShards(group)
+    embedder_and_processor(transformer, shards.degree)
+    if compiled is not None and "parallel" in compiled.holds:
+        compiled.shards = shards
+        try:
+            yield shards
+        finally:
+            compiled.shards = None
+        return
+    with installed(transformer, shards):
+        yield shards
+
+
+@contextlib.contextmanager
+def installed(transformer: nn.Module, shards: SequenceShards) -> Iterator[None]:
+    """The Ulysses processors and hooks on `transformer` while inside (the eager forward)."""
     embedder, processor = embedder_and_processor(transformer, shards.degree)
-    with contextlib.ExitStack() as installed:
+    with contextlib.ExitStack() as stack:
         saved = dict(transformer.attn_processors)  # a copy: diffusers pops from it
-        installed.callback(transformer.set_attn_processor, saved)
+        stack.callback(transformer.set_attn_processor, saved)
         transformer.set_attn_processor(processor(shards))
         hooks = (
             transformer.register_forward_pre_hook(shards.split_residuals, with_kwargs=True),
@@ -265,5 +306,5 @@ def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None) -> Iterator
             transformer.proj_out.register_forward_hook(lambda module, args, tokens: shards.gather(tokens, dim=1)),
         )
         for hook in hooks:
-            installed.callback(hook.remove)
-        yield shards
+            stack.callback(hook.remove)
+        yield

@@ -53,8 +53,9 @@ padded input shape, beside the eager module it was compiled from.
   the sweep moved something; if it still fails, its shape runs eagerly from then on, logged once
   with the reason and counted as `compile_failed`, at warm-up or later.
 - **The step's path.** The composer says per step whether its techniques allow the compiled
-  forward (`step(reason)`: what `gouache.techniques` and the model's `holds` say; a parallel
-  split or a reference edit runs eagerly); the step's path and reason go to `/metrics`
+  forward (`step(reason)`: what `gouache.techniques` and the model's `holds` say: CFG halves
+  and, where the family's pieces take them, Ulysses shards compile); the step's path and reason
+  go to `/metrics`
   (`CompileReport`).
 - **Other modules over the same rows** (`Target`): an in-process ControlNet runs as the
   denoiser does, in graphs of dynamic rows keyed by its class (its weights are inputs: every
@@ -172,6 +173,9 @@ class CompiledDenoiser:
         self.holds: frozenset[str] = frozenset()
         self.background: BackgroundCompiler | None = None  # compiles shapes first met while serving
         self.split = None  # a CFG-parallel step's `Halves` (`gouache.parallel.cfg`): calls run this rank's rows
+        # a Ulysses step's `SequenceShards` (`gouache.parallel.ulysses`), where `holds` has `parallel`:
+        # the family runs the step in its pieces on this rank's shard
+        self.shards = None
 
     def close(self) -> None:
         """Stop a background compile (`gouache.runner.background`) that is running."""

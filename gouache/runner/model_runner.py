@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -138,9 +139,10 @@ class ModelRunner:
         self.states[request.request_id] = state
         return RequestState.of(request, len(state.timesteps))
 
-    def warm_up(self, default_size: int) -> None:
+    def warm_up(self, default_size: int, ranks: Sequence[tuple[int, int]] = ()) -> None:
         """Compile the forwards of the sizes the server expects (--compile-sizes, else the model's
-        default size) at every bucket, before serving."""
+        default size) at every bucket, before serving; with `ranks`, (degree, rank) of each group
+        of devices this process is in, those of its Ulysses shards too."""
         compiled = self.family.compiled
         if compiled is None:
             return
@@ -148,9 +150,20 @@ class ModelRunner:
         states = [self.family.prepare(ImageRequest(f"warm-up-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0))
                   for h, w in sizes]
         forwards = [self.family.forward_inputs([state]) for state in states]
-        graphs = compiled.row_graphs(forwards)
-        if self.family.pieces is not None:
-            graphs += self.family.pieces.graphs(states[0].cond["prompt_embeds"].shape[1])
+        edits = []  # an instruction edit of each size, one reference of its size
+        if "reference" in compiled.holds:  # (Qwen-Image-Edit's warm-up requests are edits already)
+            edits = [self.family.forward_inputs([self.family.prepare(
+                ImageRequest(f"warm-up-edit-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0, image=b"-"),
+                Upload(np.zeros((h, w, 3), np.uint8)))]) for (h, w), state in zip(sizes, states)
+                if "reference" not in state.cond]
+        graphs = compiled.row_graphs(forwards + edits)
+        pieces = self.family.pieces
+        if pieces is not None:
+            text_len = states[0].cond["prompt_embeds"].shape[1]
+            graphs += pieces.graphs(text_len)
+            if ranks and "parallel" in compiled.holds:
+                graphs += pieces.shard_graphs([self.family.token_layout(s) for s in states], text_len, states[0].rows,
+                                              ranks)
         # forwards slow to compile that the load is likely to meet, within --compile-graphs: left to
         # the background child (after `/health`); without one, those a request's technique makes
         # (ControlNet residuals, template replays) compile when first met, and the others (a
@@ -164,8 +177,8 @@ class ModelRunner:
             replays, control = [], [graph for graph in control if graph.forward is None]
         patched = self.family.patched_graphs(states)
         later = (control + replays + patched)[:max(0, graphs_left(compiled, self.compile_config))]
-        log.info("warm-up: %d graphs (%s)%s", len(graphs), self.family.pieces.buckets.describe()
-                 if self.family.pieces is not None else "rows only",
+        log.info("warm-up: %d graphs (%s)%s", len(graphs), (pieces.buckets.describe() if pieces is not None else "")
+                 or "rows only",
                  f", then {len(later)} of forwards with ControlNet residuals ({len(control)}), template replays "
                  f"({len(replays)}) and patched forwards of mixed sizes ({len(patched)})" if later else "")
         compiled.warm_up(graphs, lambda line: log.info("warm-up: %s", line), later=later)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -42,10 +44,11 @@ from torch import nn
 from gouache.attention import QKV, project
 from gouache.block_cache.blocks import Subset, cacheable_blocks
 from gouache.config import COMPILE_GRAPHS, CompileConfig
+from gouache.parallel.ulysses import Rehearsal, SequenceShards
 from gouache.runner.buckets import TOKEN_ALIGN, Buckets, Range, choose
 from gouache.runner.compiled import CompiledDenoiser, Graph
-from gouache.runner.pack_dit import Packing
-from gouache.templates.replay import TemplatePass
+from gouache.runner.pack_dit import Packing, token_pass
+from gouache.templates.replay import ReplayForward, TemplatePass
 
 
 @dataclass(frozen=True)
@@ -115,49 +118,93 @@ class _Blank:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """A Ulysses step's rows on this rank (`gouache.parallel.ulysses`): every forward row's
+    contiguous shard of its image tokens and of its text (`computed`, `text`: their packed
+    rows; images of one size), attended over every rank's rows through the group's all-to-alls
+    (the break between pieces: `SequenceShards.attend`), the output rows gathered from every
+    rank after the last piece. The pieces' shapes are a shard's: their graphs take no
+    collective."""
+
+    shards: SequenceShards
+    computed: torch.Tensor  # [rows * tokens / degree] packed image rows of this rank, sorted
+    text: torch.Tensor  # [rows * text_len] packed text rows of this rank, sorted
+    text_len: int  # this rank's text rows of each forward row
+
+    @classmethod
+    def of(cls, packing: Packing, shards: SequenceShards) -> Shard:
+        if len(packing.groups) != 1:
+            raise ValueError("a Ulysses step runs images of one size")
+        tokens, device = packing.groups[0].tokens, packing.image_index.device
+        (start, n), (text_start, length) = shards.image_span(tokens), shards.text_span(packing.text_len)
+        rows = torch.arange(len(packing.order), device=device)[:, None]
+        computed = rows * tokens + start + torch.arange(n, device=device)
+        text = rows * packing.text_len + text_start + torch.arange(length, device=device)
+        return cls(shards, computed.flatten(), text.flatten(), length)
+
+    def attend(self, packing: Packing, attn: nn.Module, image: QKV, text: QKV, text_first: bool,
+               padding: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows' attention over every rank's (a block that keeps no text, SD3's
+        last, exchanges none back: its text rows' output is zeros, unread)."""
+        rows = len(packing.order)
+        image_out, text_out = self.shards.attend(tuple(x.unflatten(0, (rows, -1)) for x in image),
+                                                 tuple(x.unflatten(0, (rows, -1)) for x in text), text_first,
+                                                 keep_text=not getattr(attn, "context_pre_only", False))
+        image_out = image_out.flatten(0, 1)
+        text_out = image_out.new_zeros(len(text[0]), image_out.shape[1]) if text_out is None else text_out.flatten(0, 1)
+        return _pad(image_out, len(image_out) + padding[0]), _pad(text_out, len(text_out) + padding[1])
+
+    def gather(self, out: torch.Tensor, rows: int) -> torch.Tensor:
+        """Every rank's output rows [rows * tokens, ...], in packed order, from this rank's (the
+        first `computed` of `out`)."""
+        return self.shards.gather(out[:len(self.computed)].unflatten(0, (rows, -1)), dim=1).flatten(0, 1)
+
+
+@dataclass(frozen=True)
 class TokenLayout:
     """A packed forward's layout padded to its bucket: `rows` forward rows (slots), the text
     rows of `texts` of them (`text_len` each; all, but under a replay) and `tokens` image rows;
     `image_index` / `text_index`: the slot of each image / text row (padding rows: slot 0).
-    Under a `replay`, the rows are the computed ones only."""
+    Under a `part` (a template `Replay`, a Ulysses `Shard`), the rows are its own only."""
 
     packing: Packing
     rows: int
     tokens: int
     image_index: torch.Tensor  # [tokens]
     text_index: torch.Tensor  # [texts * text_len]
-    replay: Replay | None = None
+    part: Replay | Shard | None = None
 
     @classmethod
-    def of(cls, packing: Packing, rows: int, tokens: int, replay: Replay | None = None,
+    def of(cls, packing: Packing, rows: int, tokens: int, part: Replay | Shard | None = None,
            texts: int | None = None) -> TokenLayout:
         image, text = packing.image_index, packing.text_index
-        if replay is not None:
-            image = image.index_select(0, replay.computed)
-            text = text if replay.text is None else text.index_select(0, replay.text)
+        if part is not None:
+            image = image.index_select(0, part.computed)
+            text = text if part.text is None else text.index_select(0, part.text)
         texts = rows if texts is None else texts
-        if rows < len(packing.order) or tokens < len(image) or texts * packing.text_len < len(text):
+        text_len = part.text_len if isinstance(part, Shard) else packing.text_len
+        if rows < len(packing.order) or tokens < len(image) or texts * text_len < len(text):
             raise ValueError(f"a bucket of {rows} rows ({texts} with text) and {tokens} tokens cannot hold "
                              f"{len(packing.order)} rows of {len(image)} tokens and {len(text)} text rows")
-        return cls(packing, rows, tokens, _pad(image, tokens), _pad(text, texts * packing.text_len), replay)
+        return cls(packing, rows, tokens, _pad(image, tokens), _pad(text, texts * text_len), part)
 
     @property
     def image_rows(self) -> int:
         """The image rows the pieces compute (the rest pad)."""
-        return self.packing.image_rows if self.replay is None else len(self.replay.computed)
+        return self.packing.image_rows if self.part is None else len(self.part.computed)
 
     @property
     def text_rows(self) -> int:
-        return len(self.packing.text_index if self.replay is None or self.replay.text is None else self.replay.text)
+        return len(self.packing.text_index if self.part is None or self.part.text is None else self.part.text)
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
-        """Image rows [S_img, ...] (the computed ones, under a replay) padded with zeros to [tokens, ...]."""
-        return _pad(x if self.replay is None else x.index_select(0, self.replay.computed), self.tokens)
+        """Image rows [S_img, ...] (the part's, under one) padded with zeros to [tokens, ...]."""
+        return _pad(x if self.part is None else x.index_select(0, self.part.computed), self.tokens)
 
     def text(self, x: torch.Tensor) -> torch.Tensor:
-        """Text rows [S_txt, ...] (the computed ones, under a replay) padded with zeros to the layout's."""
-        if self.replay is not None and self.replay.text is not None:
-            x = x.index_select(0, self.replay.text)
+        """Text rows [S_txt, ...] (the part's, under one) padded with zeros to the layout's."""
+        if self.part is not None and self.part.text is not None:
+            x = x.index_select(0, self.part.text)
         return _pad(x, len(self.text_index))
 
     def slots(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,8 +218,8 @@ class TokenLayout:
         s, t = self.image_rows, self.text_rows
         image, text = tuple(x[:s] for x in image), tuple(x[:t] for x in text)
         padding = (self.tokens - s, len(self.text_index) - t)
-        if self.replay is not None:
-            return self.replay.attend(self.packing, attn, image, text, text_first, padding)
+        if self.part is not None:
+            return self.part.attend(self.packing, attn, image, text, text_first, padding)
         return self.packing.attend(image, text, text_first, padding=padding)
 
 
@@ -271,10 +318,10 @@ class PackedPieces:
             attended = layout.attend(done.attn, image, text, self.text_first)
             x, c, image, text, carry = self._between(done, block, x, c, temb, *attended, carry, *rows)
         attended = layout.attend(self.blocks[-1].attn, image, text, self.text_first)
-        if layout.replay is None:
+        if not isinstance(layout.part, Replay):
             return self._last(self.model, self.blocks[-1], x, c, temb, *attended, carry, *rows)
-        full, scatter = layout.replay.outputs(self.keys[-1], x, layout.tokens)
-        index = _pad(layout.packing.image_index, layout.replay.full)
+        full, scatter = layout.part.outputs(self.keys[-1], x, layout.tokens)
+        index = _pad(layout.packing.image_index, layout.part.full)
         return self._replayed(self.model, self.blocks[-1], x, c, temb, *attended, carry, full, scatter, index, *rows)
 
     def rows(self, layout: TokenLayout) -> tuple[torch.Tensor, ...]:
@@ -286,6 +333,16 @@ class PackedPieces:
         """Where the pieces rotate queries and keys (RoPE), the (cos, sin) of each of
         `packing`'s image rows, then of its text rows; None where they do not."""
         return None
+
+    def output_rows(self, packing: Packing, inputs: Callable[[TokenLayout], tuple], replay: ReplayForward | None,
+                    shards: SequenceShards | None) -> torch.Tensor | None:
+        """`packing`'s forward's output rows (`run`), replaying `replay`'s templates (`replay`)
+        or sequence parallel over `shards`' group (`sharded`), from its pieces' padded `inputs`."""
+        if shards is not None:
+            return self.sharded(packing, shards, inputs)
+        if replay is not None:
+            return self.replay(packing, token_pass(replay, packing), inputs)
+        return self.run(packing, inputs)
 
     def run(self, packing: Packing, inputs: Callable[[TokenLayout], tuple]) -> torch.Tensor | None:
         """The output rows [tokens, ...] of `packing`'s forward, its pieces compiled at its bucket
@@ -333,6 +390,46 @@ class PackedPieces:
             template.end()
         return out
 
+    def sharded(self, packing: Packing, shards: SequenceShards, inputs: Callable[[TokenLayout], tuple]) \
+            -> torch.Tensor | None:
+        """The output rows [tokens, ...] of `packing`'s forward (images of one size) run sequence
+        parallel over `shards`' group (Ulysses): this rank's shard of every row through the
+        pieces, compiled at its row bucket, attention over the group's rows between them, every
+        rank's output rows gathered after the last; None where the step runs eagerly (counted,
+        with why: its techniques, past the largest row bucket, segmented adapters, a graph that
+        failed). Every rank
+        runs the same collectives either way, so a rank whose graph failed stays in step."""
+        rows = self.compiled.bucket(len(packing.order))
+        if rows is None:
+            return self.compiled.run(None, lambda: None, past="rows")
+        if self.compiled.slots is not None and self.compiled.slots.active:  # bound per row by the row graphs only
+            return self.compiled.run(None, lambda: None, past="segmented adapters")
+        shard = Shard.of(packing, shards)
+        layout = TokenLayout.of(packing, rows, rows * len(shard.computed) // len(packing.order), shard)
+        key = ("ulysses", rows, layout.tokens, len(layout.text_index))
+        out = self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout)), self.describe(key)),
+                                lambda: None)
+        return None if out is None else shard.gather(out, len(packing.order))
+
+    def shard_graphs(self, shapes: Sequence[tuple[int, ...]], text_len: int, least: int,
+                     ranks: Sequence[tuple[int, int]]) -> list[Graph]:
+        """The pieces of Ulysses steps of each token layout of `shapes` at every row bucket from
+        `least` rows (a request's), this process being rank r of a group of degree k for each
+        (k, r) of `ranks`, to compile at warm-up without the groups (`Rehearsal`: a step's
+        shapes, zeros exchanged): a shard's pieces depend on its shapes only."""
+        out: dict[tuple, Graph] = {}
+        for shape, rows, (degree, rank) in itertools.product(shapes, self.compiled.buckets, ranks):
+            tokens = math.prod(shape)
+            if rows < least or tokens % degree or self.blocks[0].attn.heads % degree:
+                continue  # a size or model no step of that degree runs (refused)
+            packing = self.example(rows, rows * tokens, text_len, shape)
+            shard = Shard.of(packing, Rehearsal(degree, rank))
+            layout = TokenLayout.of(packing, rows, len(shard.computed), shard)
+            key = ("ulysses", rows, layout.tokens, len(layout.text_index))
+            out.setdefault(key, Graph(key, lambda layout=layout: self.pieces(layout, *self.inputs(layout)),
+                                      self.describe(key)))
+        return list(out.values())
+
     def graphs(self, text_len: int) -> list[Graph]:
         """Every bucket's pieces, to compile at warm-up, for prompts of `text_len` rows (one
         example packing each: a bucket's graphs do not depend on which mix fills it)."""
@@ -359,12 +456,15 @@ class PackedPieces:
 
     @staticmethod
     def describe(key: tuple) -> str:
+        if key[0] == "ulysses":
+            return f"Ulysses shard of {key[1]} rows, {key[2]} image tokens and {key[3]} text rows"
         if key[0] == "replay":
             return f"template replay {key[1]} rows, {key[2]} tokens computed, the text of {key[3]} rows"
         return f"packed {key[1]} rows, {key[2]} tokens"
 
-    def example(self, rows: int, tokens: int, text_len: int) -> Packing:
-        """A packing of `rows` rows whose image tokens fill at most `tokens`, `text_len` text rows each."""
+    def example(self, rows: int, tokens: int, text_len: int, shape: tuple[int, ...] | None = None) -> Packing:
+        """A packing of `rows` rows whose image tokens fill at most `tokens` (each of token
+        layout `shape`, where given), `text_len` text rows each."""
         raise NotImplementedError
 
     def inputs(self, layout: TokenLayout) -> tuple:

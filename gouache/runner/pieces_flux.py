@@ -13,9 +13,10 @@ from diffusers.models.embeddings import apply_rotary_emb
 from torch import nn
 
 from gouache.attention import QKV, project
+from gouache.parallel.ulysses import SequenceShards
 from gouache.runner.buckets import Buckets
 from gouache.runner.compiled import CompiledDenoiser
-from gouache.runner.pack_dit import Packing, token_pass
+from gouache.runner.pack_dit import Packing
 from gouache.runner.pack_flux import layout_ids, own_grid
 from gouache.runner.pieces import PackedPieces, TokenLayout, joint_finish, joint_qkv, modulate, zero
 from gouache.templates.replay import ReplayForward
@@ -100,9 +101,11 @@ class FluxPieces(PackedPieces):
 
     def forward(self, grids: list[torch.Tensor], timestep: torch.Tensor, guidance: torch.Tensor | None,
                 pooled_projections: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                txt_ids: torch.Tensor, replay: ReplayForward | None = None) -> list[torch.Tensor] | None:
+                txt_ids: torch.Tensor, replay: ReplayForward | None = None,
+                shards: SequenceShards | None = None) -> list[torch.Tensor] | None:
         """Per grid [C, h, w] (or [C, 2, h, w] with a reference), its prediction [C, h, w] (with
-        `replay`, its edits replaying their templates); None where the step runs eagerly."""
+        `replay`, its edits replaying their templates; with `shards`, run sequence parallel over
+        their group); None where the step runs eagerly."""
         shapes = [tuple(x.shape[1:]) for x in grids]
         packing = Packing.build(shapes, encoder_hidden_states.shape[1], grids[0].device)
         self.txt_ids = txt_ids
@@ -112,7 +115,7 @@ class FluxPieces(PackedPieces):
                     layout.text(packing.text(encoder_hidden_states)[:, 0]), layout.slots(timestep),
                     None if guidance is None else layout.slots(guidance), layout.slots(pooled_projections))
 
-        out = self.run(packing, inputs) if replay is None else self.replay(packing, token_pass(replay, packing), inputs)
+        out = self.output_rows(packing, inputs, replay, shards)
         if out is None:
             return None
         return [own_grid(part, shape) for part, shape in zip(packing.unpack(out[:packing.image_rows]), shapes)]
@@ -137,10 +140,10 @@ class FluxPieces(PackedPieces):
             self._rope[shape] = self.model.pos_embed(layout_ids(shape, self.txt_ids))
         return self._rope[shape]
 
-    def example(self, rows: int, tokens: int, text_len: int) -> Packing:
+    def example(self, rows: int, tokens: int, text_len: int, shape: tuple[int, ...] | None = None) -> Packing:
         side = max(1, math.isqrt(tokens // rows))
         self.txt_ids = torch.zeros(text_len, 3, device=self.model.device, dtype=self.model.dtype)
-        return Packing.build([(side, side)] * rows, text_len, self.model.device)
+        return Packing.build([shape or (side, side)] * rows, text_len, self.model.device)
 
     def inputs(self, layout: TokenLayout) -> tuple:
         config, device, dtype = self.model.config, self.model.device, self.model.dtype

@@ -11,9 +11,10 @@ import math
 import torch
 from torch import nn
 
+from gouache.parallel.ulysses import SequenceShards
 from gouache.runner.buckets import Buckets
 from gouache.runner.compiled import CompiledDenoiser
-from gouache.runner.pack_dit import Packing, token_pass
+from gouache.runner.pack_dit import Packing
 from gouache.runner.pack_sd3 import latent_grid, patch_rows
 from gouache.runner.pieces import PackedPieces, TokenLayout, joint_finish, joint_qkv
 from gouache.templates.replay import ReplayForward
@@ -61,9 +62,11 @@ class SD3Pieces(PackedPieces):
         self._pos: dict[tuple[int, int], torch.Tensor] = {}  # a token grid's sincos rows
 
     def forward(self, samples: list[torch.Tensor], timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                pooled_projections: torch.Tensor, replay: ReplayForward | None = None) -> list[torch.Tensor] | None:
+                pooled_projections: torch.Tensor, replay: ReplayForward | None = None,
+                shards: SequenceShards | None = None) -> list[torch.Tensor] | None:
         """Per sample [C, h, w], its prediction [C_out, h, w] (with `replay`, its edits replaying
-        their templates); None where the step runs eagerly."""
+        their templates; with `shards`, run sequence parallel over their group); None where the
+        step runs eagerly."""
         p = self.model.config.patch_size
         shapes = [(x.shape[1] // p, x.shape[2] // p) for x in samples]
         packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
@@ -73,7 +76,7 @@ class SD3Pieces(PackedPieces):
                     layout.text(packing.text(encoder_hidden_states)[:, 0]), layout.slots(timestep),
                     layout.slots(pooled_projections))
 
-        out = self.run(packing, inputs) if replay is None else self.replay(packing, token_pass(replay, packing), inputs)
+        out = self.output_rows(packing, inputs, replay, shards)
         if out is None:
             return None
         rows = out[:packing.image_rows].unflatten(1, (p, p, -1)).permute(0, 3, 1, 2)  # [S_img, C_out, p, p]
@@ -90,9 +93,9 @@ class SD3Pieces(PackedPieces):
             parts.append(self._pos[group.shape].repeat(group.count, 1))
         return layout.image(torch.cat(parts))
 
-    def example(self, rows: int, tokens: int, text_len: int) -> Packing:
+    def example(self, rows: int, tokens: int, text_len: int, shape: tuple[int, ...] | None = None) -> Packing:
         side = min(math.isqrt(tokens // rows), self.model.pos_embed.pos_embed_max_size)
-        return Packing.build([(side, side)] * rows, text_len, self.model.device)
+        return Packing.build([shape or (side, side)] * rows, text_len, self.model.device)
 
     def inputs(self, layout: TokenLayout) -> tuple:
         config, device, dtype = self.model.config, self.model.device, self.model.dtype

@@ -5,7 +5,7 @@ guidance in the batch runs whole on both; ControlNet residuals are cut with the 
 import numpy as np
 import pytest
 
-from gouache.config import ControlNetConfig, LoraConfig
+from gouache.config import CompileConfig, ControlNetConfig, LoraConfig
 from gouache.controlnet.model import random_controlnet
 from gouache.executor.multiproc import MultiprocExecutor
 from gouache.executor.worker import WorkerSpec
@@ -136,6 +136,21 @@ def adapters_alone_and_split(model: str, lora_dir, executor, compiles: list | No
     return alone, split, modes, collectives
 
 
+def compiled_adapters_split(model: str, lora_dir, bucket: int) -> tuple[dict, dict, list, list]:
+    """`adapters_alone_and_split` on two new workers compiling through dynamo's `eager` backend
+    (the graphs' paths without inductor's code, which takes minutes cold in two workers of one
+    thread), one row bucket: the latents, LoRA modes and each rank's compile report per step."""
+    spec = WorkerSpec(model, torch_threads=1, lora=LoraConfig(str(lora_dir)),
+                      compile=CompileConfig(enabled=True, buckets=(bucket,), sizes=((64, 64),), backend="eager"))
+    executor = MultiprocExecutor(spec, 2)
+    try:
+        compiles = []
+        alone, split, modes, _ = adapters_alone_and_split(model, lora_dir, executor, compiles)
+    finally:
+        executor.shutdown()
+    return alone, split, modes, compiles
+
+
 def test_requests_with_different_loras_share_the_halves_of_one_forward(two_workers, lora_dir):
     alone, split, modes, _ = adapters_alone_and_split(MODEL, lora_dir, two_workers)
     assert modes == ["segmented"] * STEPS  # each rank's hooks find the owners of its half of the rows
@@ -147,18 +162,8 @@ def test_compiled_workers_run_each_half_through_the_row_graph_of_its_rows(lora_d
     """Under --compile a CFG-parallel step runs compiled (`CompiledDenoiser.split`): each rank's
     half of the rows (3 of 6, padded to the row bucket of 4) through its row graph, segmented
     adapters bound to the half's rows, the halves gathered outside the graph; equal to one
-    eager device. Through dynamo's `eager` backend (the graphs' paths without inductor's code,
-    which takes minutes cold in two workers of one thread)."""
-    from gouache.config import CompileConfig
-
-    spec = WorkerSpec(MODEL, torch_threads=1, lora=LoraConfig(str(lora_dir)),
-                      compile=CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64),), backend="eager"))
-    executor = MultiprocExecutor(spec, 2)
-    try:
-        compiles = []
-        alone, split, modes, _ = adapters_alone_and_split(MODEL, lora_dir, executor, compiles)
-    finally:
-        executor.shutdown()
+    eager device (`compiled_adapters_split`)."""
+    alone, split, modes, compiles = compiled_adapters_split(MODEL, lora_dir, 4)
     assert modes == ["segmented"] * STEPS
     assert [(c.compiled, c.eager) for c in compiles] == [(1, {})] * (2 * STEPS)
     # the segmented adapters' graph compiles when first met, as on one device (`test_compiled`)

@@ -10,6 +10,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_tim
 
 from gouache.block_cache.blocks import CachedForward, cacheable_blocks
 from gouache.config import CompileConfig
+from gouache.parallel.ulysses import installed
 from gouache.request import ImageRequest
 from gouache.runner import pieces_flux, pieces_sd3
 from gouache.runner.compiled import CompiledDenoiser
@@ -40,6 +41,29 @@ class FlowFamily(Family):
         if "template" in UNSERVED.get(self.name, {}):
             return super().replay(states, replay)
         return self.predict_patched(states, whole_batches=False, blocks=replay)  # the packed forward's token subsets
+
+    def predict(self, states: list[DenoiseState], patched: bool = False,
+                blocks: CachedForward | None = None) -> list[torch.Tensor]:
+        """Under --compile a Ulysses step (`compiled.shards`: where the family's pieces shard a
+        forward) runs in compiled pieces on this rank's shard (`PackedPieces.sharded`), and
+        eagerly, the Ulysses processors installed, where they cannot run it."""
+        shards = None if self.compiled is None else self.compiled.shards
+        if shards is None:
+            return super().predict(states, patched, blocks)
+        if blocks is None and not patched:
+            outputs = self.pieces.forward(*self.piece_inputs(states), shards=shards)
+            if outputs is not None:
+                return self.piece_outputs(outputs, states)
+        with installed(self.pipe.transformer, shards):
+            return super().predict(states, patched, blocks)
+
+    def piece_inputs(self, states: list[DenoiseState]) -> tuple:
+        """What the family's pieces' `forward` takes for a forward of `states`' rows."""
+        raise NotImplementedError(f"{type(self).__name__} runs no compiled pieces")
+
+    def piece_outputs(self, outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:
+        """Per state, its rows' predictions from the pieces' outputs."""
+        raise NotImplementedError(f"{type(self).__name__} runs no compiled pieces")
 
     def template_blocks(self) -> list[str]:
         return [key for _, _, key in cacheable_blocks(self.pipe.transformer)]
@@ -148,10 +172,10 @@ class StableDiffusion3Family(FlowFamily):
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        samples = [s.latents[0] for s in states for _ in range(s.rows)]
+        inputs = self.piece_inputs(states)
+        samples = inputs[0]
         if whole_batches and len({x.shape for x in samples}) == 1:  # the model's own batch (its row graph)
             return self.predict(states, False, blocks)
-        inputs = (samples, row_timesteps(states), cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled"))
         outputs = None
         if self.pieces is not None and isinstance(blocks, ReplayForward):
             outputs = self.pieces.forward(*inputs, replay=blocks)
@@ -161,10 +185,17 @@ class StableDiffusion3Family(FlowFamily):
             outputs = packed_sd3_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
         return by_state(outputs, states)
 
+    def piece_inputs(self, states: list[DenoiseState]) -> tuple:
+        samples = [s.latents[0] for s in states for _ in range(s.rows)]
+        return samples, row_timesteps(states), cat_cond(states, "prompt_embeds"), cat_cond(states, "pooled")
+
+    def piece_outputs(self, outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:
+        return by_state(outputs, states)
+
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> SD3Pieces | None:
-        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
-        if not buckets or not pieces_sd3.supports(self.pipe.transformer):
+        if not pieces_sd3.supports(self.pipe.transformer):
             return None
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
         return SD3Pieces(self.pipe.transformer, compiled, buckets)
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
@@ -257,13 +288,10 @@ class FluxFamily(PackedFamily):
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        grids = [self.token_grid(s) for s in states]
+        inputs = self.piece_inputs(states)
+        grids = inputs[0]
         if whole_batches and len({x.shape for x in grids}) == 1:  # the model's own batch (its row graph)
             return self.predict(states, False, blocks)
-        first = states[0]
-        guidance = cat_cond(states, "guidance") if "guidance" in first.cond else None
-        inputs = (grids, row_timesteps(states).to(self.dtype) / 1000, guidance, cat_cond(states, "pooled"),
-                  cat_cond(states, "prompt_embeds"), first.cond["text_ids"])
         outputs = None
         if self.pieces is not None and isinstance(blocks, ReplayForward):
             outputs = self.pieces.forward(*inputs, replay=blocks)
@@ -271,12 +299,20 @@ class FluxFamily(PackedFamily):
             outputs = self.pieces.forward(*inputs)
         if outputs is None:
             outputs = packed_flux_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
+        return self.piece_outputs(outputs, states)
+
+    def piece_inputs(self, states: list[DenoiseState]) -> tuple:
+        guidance = cat_cond(states, "guidance") if "guidance" in states[0].cond else None
+        return ([self.token_grid(s) for s in states], row_timesteps(states).to(self.dtype) / 1000, guidance,
+                cat_cond(states, "pooled"), cat_cond(states, "prompt_embeds"), states[0].cond["text_ids"])
+
+    def piece_outputs(self, outputs: list[torch.Tensor], states: list[DenoiseState]) -> list[torch.Tensor]:
         return [out.flatten(1).T[None] for out in outputs]  # back to packed tokens [1, h*w, C]
 
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> FluxPieces | None:
-        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
-        if not buckets or not pieces_flux.supports(self.pipe.transformer):
+        if not pieces_flux.supports(self.pipe.transformer):
             return None
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
         return FluxPieces(self.pipe.transformer, compiled, buckets)
 
     def token_grid(self, state: DenoiseState) -> torch.Tensor:
@@ -318,13 +354,6 @@ class FluxKontextFamily(FluxFamily):
         state.cond["reference"] = reference
         state.cond["image_ids"] = torch.cat([state.cond["image_ids"], ids])
         return state
-
-    def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
-        """An instruction edit's reference has its image's size: a forward with references is
-        a row graph per size, as a generation's (its tokens doubled; a child compiles it when
-        first met), and the packed pieces' token buckets count references (`layout_tokens`)."""
-        super().compile(compiled, config)
-        compiled.holds = compiled.holds | {"reference"}
 
     def encode_original(self, state: DenoiseState, pixels: torch.Tensor) -> torch.Tensor:
         """The VAE's mode, as Kontext's pipelines encode (no draw from the generator)."""

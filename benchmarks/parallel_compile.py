@@ -1,15 +1,16 @@
-"""CFG parallelism under --compile (issue 59): a UNet's step on two worker processes (each
-rank's half of the rows), eager and compiled, against the same batch on one of them.
+"""A step on two devices under --compile (issue 59), eager and compiled, against the same batch
+on one of them: a UNet's CFG halves (each rank's half of the rows) or a DiT's Ulysses shards
+(each rank's shard of every row's tokens, in the family's compiled pieces).
 
 Two workers per variant (`--compile` with the size and the row buckets of both ways warmed up
 before they serve, or eager), one thread each; a batch of `--batch` requests of one size with
 guidance (two rows each) denoises `--steps` steps at degree 2 (both devices: the halves) and
 as many at degree 1 (device 0: every row), interleaved step by step, each timed from the
-pool's submit to its result. The ratio degree 2 / degree 1 is what the halves save; the
+pool's submit to its result. The ratio degree 2 / degree 1 is what the split saves; the
 compiled column keeps it where the split step runs compiled. Medians after a first step of
 each. Prints a table, writes JSON.
 
-    .venv-test/bin/python benchmarks/cfg_compile.py [--model shapes-unet] [--size 128] [--batch 2] [--steps 12]
+    .venv-test/bin/python benchmarks/parallel_compile.py [--model shapes-unet] [--size 128] [--batch 2] [--steps 12]
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--compile-cache", default=None, metavar="DIR")
-    parser.add_argument("--out", default="benchmarks/results/cfg_compile_cpu.json")
+    parser.add_argument("--out", default=None, help="(default: benchmarks/results/parallel_compile_MODEL_cpu.json)")
     args = parser.parse_args()
+    args.out = args.out or f"benchmarks/results/parallel_compile_{args.model}_cpu.json"
     rows = 2 * args.batch
     compile = CompileConfig(enabled=True, buckets=tuple(sorted({rows // 2, rows})), sizes=((args.size, args.size),),
                             cache_dir=args.compile_cache)
@@ -83,7 +85,7 @@ def main() -> None:
     medians = {name: {degree: statistics.median(t) for degree, t in times.items()}
                for name, (times, _) in results.items()}
     print(f"| variant | degree 1 ms | degree 2 ms | degree 2 / degree 1 | paths |  "
-          f"({args.model}, {args.size} px, {args.batch} requests with CFG)")
+          f"({args.model}, {args.size} px, {args.batch} requests)")
     print("| --- | --- | --- | --- | --- |")
     for name, (_, paths) in results.items():
         m = medians[name]
@@ -94,7 +96,7 @@ def main() -> None:
         "args": vars(args), "step_s": {name: times for name, (times, _) in results.items()},
         "median_s": medians, "paths": {name: paths for name, (_, paths) in results.items()}}, indent=2) + "\n")
     Path(args.out).with_suffix(".md").write_text(
-        f"`.venv-test/bin/python benchmarks/cfg_compile.py --model {args.model} --size {args.size} "
+        f"`.venv-test/bin/python benchmarks/parallel_compile.py --model {args.model} --size {args.size} "
         f"--batch {args.batch} --steps {args.steps}`\n\n"
         + "\n".join(f"- {name}: degree 1 {1e3 * m['degree 1']:.1f} ms, degree 2 {1e3 * m['degree 2']:.1f} ms, "
                     f"ratio {m['degree 2'] / m['degree 1']:.2f}; paths {results[name][1]}"
