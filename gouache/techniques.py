@@ -81,6 +81,7 @@ TECHNIQUES = {t.name: t for t in (
     Technique("reference", "image", True, True,
               "an edit's reference tokens (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): the uploads' latents after the "
               "image's own, asked by any edit on an instruction-edit model",
+              compiles=True,
               compiled="yes, a row graph per image size and reference layout (the warm-up compiles an edit of "
                        "each size with one reference of its size, a background child any other layout when first "
                        "met); FLUX.1 Kontext's in the packed pieces too"),

@@ -27,6 +27,7 @@ from gouache.request import ImageRequest, RequestState
 from gouache.runner.background import BackgroundCompiler, Recipe
 from gouache.runner.compiled import CompiledDenoiser
 from gouache.runner.conditioning import ConditioningCache
+from gouache.runner.describe import instruction_edits
 from gouache.runner.families import Family, make_family
 from gouache.runner.forward import Forward, LayoutLayer, prepared_techniques
 from gouache.runner.pieces import graphs_left
@@ -150,12 +151,12 @@ class ModelRunner:
         states = [self.family.prepare(ImageRequest(f"warm-up-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0))
                   for h, w in sizes]
         forwards = [self.family.forward_inputs([state]) for state in states]
-        edits = []  # an instruction edit of each size, one reference of its size
-        if "reference" in compiled.holds:  # (Qwen-Image-Edit's warm-up requests are edits already)
+        edits = []  # a forward with references is a row graph per size and reference layout (the
+        if instruction_edits(self.pipe):  # references' tokens after the image's): an edit of each size
             edits = [self.family.forward_inputs([self.family.prepare(
                 ImageRequest(f"warm-up-edit-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0, image=b"-"),
                 Upload(np.zeros((h, w, 3), np.uint8)))]) for (h, w), state in zip(sizes, states)
-                if "reference" not in state.cond]
+                if "reference" not in state.cond]  # (Qwen-Image-Edit's warm-up requests are edits already)
         graphs = compiled.row_graphs(forwards + edits)
         pieces = self.family.pieces
         if pieces is not None:

@@ -25,6 +25,12 @@ fills each attention's keys and values of the other rows from the templates and 
 computed queries per image; the last piece fills the last block's output of the other tokens
 from the templates and runs the output norm and projection over every token, padded to the row
 bucket's largest replay bucket (so a graph depends on its row and computed-token buckets only).
+
+Ulysses steps (`gouache.parallel.ulysses`) run in them too: each rank's shard of every row's
+image tokens and text is a part of the layout as a replay's computed rows are (`Shard`), the
+breaks are the group's all-to-alls around attention, and the output rows are gathered after the
+last piece; a shard's graphs depend on its row bucket and shard shape only, compiled at warm-up
+without the group (`Rehearsal`).
 """
 
 from __future__ import annotations

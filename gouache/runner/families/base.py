@@ -21,7 +21,7 @@ from gouache.model_info import img2img_start
 from gouache.request import ImageRequest
 from gouache.runner.compiled import CompiledDenoiser, Graph
 from gouache.runner.conditioning import ConditioningCache
-from gouache.runner.describe import CFG_FROM, UNSERVED, instruction_edits
+from gouache.runner.describe import CFG_FROM, UNSERVED
 from gouache.runner.layout import PatchLayout
 from gouache.runner.pieces import PackedPieces
 from gouache.runner.sampler import DenoiseState, EditInputs
@@ -69,12 +69,7 @@ class Family(ABC):
             kinds = {kind.split()[0] for kind in self.pieces.buckets.by_kind}  # packed "tokens", "replay"
             compiled.holds = frozenset({"parallel"} | {name for kind, name in (("tokens", "mixed_sizes"),
                                                                               ("replay", "template")) if kind in kinds})
-        if instruction_edits(self.pipe):
-            # a forward with references is a row graph per image size and reference layout (the
-            # references' tokens after the image's): the warm-up compiles an edit of each size
-            # with one reference of its size, a child any other layout when first met; FLUX.1
-            # Kontext's packed pieces count references in their token buckets (`layout_tokens`)
-            compiled.holds = compiled.holds | {"reference"}
+
 
     def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
         """The compiled patched forwards of mixed sizes that mixes of `states` (one per size the
