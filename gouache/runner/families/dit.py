@@ -172,14 +172,13 @@ class StableDiffusion3Family(FlowFamily):
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        inputs = self.piece_inputs(states)
-        samples = inputs[0]
-        if whole_batches and len({x.shape for x in samples}) == 1:  # the model's own batch (its row graph)
+        if whole_batches and len({self.token_layout(s) for s in states}) == 1:  # the model's own batch (its row graph)
             return self.predict(states, False, blocks)
+        inputs = self.piece_inputs(states)
         outputs = None
         if self.pieces is not None and isinstance(blocks, ReplayForward):
             outputs = self.pieces.forward(*inputs, replay=blocks)
-        elif self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in samples}) > 1:
+        elif self.pieces is not None and blocks is None and whole_batches:  # sizes mixed (one returned above)
             outputs = self.pieces.forward(*inputs)
         if outputs is None:
             outputs = packed_sd3_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
@@ -288,14 +287,13 @@ class FluxFamily(PackedFamily):
 
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        inputs = self.piece_inputs(states)
-        grids = inputs[0]
-        if whole_batches and len({x.shape for x in grids}) == 1:  # the model's own batch (its row graph)
+        if whole_batches and len({self.token_layout(s) for s in states}) == 1:  # the model's own batch (its row graph)
             return self.predict(states, False, blocks)
+        inputs = self.piece_inputs(states)
         outputs = None
         if self.pieces is not None and isinstance(blocks, ReplayForward):
             outputs = self.pieces.forward(*inputs, replay=blocks)
-        elif self.pieces is not None and blocks is None and whole_batches and len({x.shape for x in grids}) > 1:
+        elif self.pieces is not None and blocks is None and whole_batches:  # sizes mixed (one returned above)
             outputs = self.pieces.forward(*inputs)
         if outputs is None:
             outputs = packed_flux_forward(self.pipe.transformer, *inputs, whole_batches, blocks)
