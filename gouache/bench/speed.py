@@ -13,6 +13,9 @@ needs). Rows of the table:
   patched or packed forward against one forward per size, summed;
 - `merged LoRA / none`, `segmented LoRA / none`: two requests with one shared adapter
   (merged into the weights), with two adapters (each on its own rows), against no adapters;
+- `segmented LoRA / none, patched`: the mixed sizes with two adapters among them (a UNet's
+  patched forward runs one per set; a DiT's packed one takes them per token) against the same
+  patched or packed forward without;
 - `ControlNet / none` (UNets): two requests with one ControlNet each (in process, sync),
   against the same without;
 - `block cache / exact`: two requests asking for block reuse at 0.1 (per image), steady
@@ -174,7 +177,9 @@ def measure(model: str, args) -> dict:
         bench.release(ids)
     mixed = bench.prepare([(sizes[s], {}) for s in "SML"])
     bench.together({"patched": ([mixed], True), "grouped": ([(rid,) for rid in mixed], False)})
-    bench.release(mixed)
+    adapted = bench.prepare([(sizes[s], {"loras": ((name, 1.0),)}) for s, name in zip("SML", ("ink", "paper", "ink"))])
+    bench.together({"patched, segmented LoRA": ([adapted], True), "patched, no LoRA": ([mixed], True)})
+    bench.release(mixed, adapted)
     plain = bench.prepare([(large, {})] * 2)
     merged = bench.prepare([(large, {"loras": (("ink", 1.0),)})] * 2)
     segmented = bench.prepare([(large, {"loras": (("ink", 1.0),)}), (large, {"loras": (("paper", 1.0),)})])
@@ -207,6 +212,7 @@ def measure(model: str, args) -> dict:
         "patched / grouped": bench.ratio(variant, "patched", "grouped"),
         "merged LoRA / none": bench.ratio(variant, "merged LoRA", "no LoRA"),
         "segmented LoRA / none": bench.ratio(variant, "segmented LoRA", "no LoRA"),
+        "segmented LoRA / none, patched": bench.ratio(variant, "patched, segmented LoRA", "patched, no LoRA"),
         **({"ControlNet / none": bench.ratio(variant, "ControlNet", "no ControlNet")} if controls else {}),
         "block cache / exact": bench.ratio(variant, "block cache", "exact"),
         "template edit / full edit": bench.ratio(variant, "template edit", "full edit"),

@@ -16,10 +16,13 @@ dimension (`row_maps`). A forward whose tensors take sizes outside that map rais
 
 - **Slots** (`RowSlots`, under --compile): segments as a compiled graph holds them. A hook on
   every Linear and Conv2d, installed before the denoiser is compiled, adds the update of the
-  per-row pairs its slot holds (none: the output as it is). The compiled forward binds each
-  slot to its rows' pairs, padded as its rows are (`gouache.runner.compiled`), so the graph
-  reads them as inputs: the same graph serves any adapters of the same ranks on the same
-  modules. Ranks are padded with zeros to a power of two, so that few graphs serve many.
+  pairs its slot holds (none: the output as it is), which the graph reads as inputs: the same
+  graph serves any adapters of the same ranks on the same modules. A forward of whole rows
+  binds each slot to its rows' pairs, padded as its rows are (`gouache.runner.compiled`); any
+  other forward (a DiT's packed pieces, by their padded layout; an eager forward, by the row
+  maps) takes every set's pairs side by side, each index keeping its own set's columns: one
+  low-rank product of a few sets' ranks, with no shape that depends on who is whose. Ranks
+  and columns are padded with zeros to a power of two, so that few graphs serve many.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -161,6 +165,30 @@ def _pair_update(module: nn.Module, x: torch.Tensor, down: torch.Tensor, up: tor
     return F.linear(F.linear(x, down), up)
 
 
+def _columns_update(module: nn.Module, x: torch.Tensor, downs: torch.Tensor, ups: torch.Tensor,
+                   own: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    """x through every group's pair at once (C columns), each index keeping its own group's
+    columns (`own` by the size of x's leading dimension, or of its second in a packed
+    forward's [1, S, ...] views; None: all): one low-rank product beside the module's own,
+    rather than a gather per group, so that a graph's shapes do not depend on who is whose."""
+    conv = isinstance(module, nn.Conv2d)
+    hidden = F.conv2d(x, downs, None, module.stride, module.padding, module.dilation) if conv else F.linear(x, downs)
+    if own is not None:
+        dim = 0 if x.shape[0] in own or conv else 1
+        if x.shape[dim] not in own or (dim == 1 and (x.ndim < 3 or x.shape[0] != 1)):
+            raise LoraError(f"a tensor of shape {tuple(x.shape)} has no known owner rows; "
+                            "this forward cannot mix adapters")
+        keep = own[x.shape[dim]]
+        shape = [1] * hidden.ndim
+        shape[dim], shape[1 if conv else -1] = keep.shape
+        hidden = hidden * keep.view(shape)
+    return F.conv2d(hidden, ups[..., None, None]) if conv else F.linear(hidden, ups)
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(n - len(x), *x.shape[1:])]) if n > len(x) else x
+
+
 def _groups(row_adapters: Sequence[Adapters],
             merged: Adapters) -> tuple[dict[tuple, Adapters], torch.Tensor, list[str]]:
     """The adapter groups of a forward's rows (each set with the merged one taken away; the merged
@@ -245,22 +273,42 @@ def segmented(denoiser: nn.Module, row_adapters: Sequence[Adapters], merged: Ada
 
 
 class _Slot:
-    """One module's per-row pairs while a forward is bound (`RowSlots`)."""
+    """One module's update while a forward is bound (`RowSlots`): per row, or per index of its
+    input's leading dimension."""
 
     def __init__(self):
-        self.downs: torch.Tensor | None = None  # [rows, R, in, ...]
-        self.ups: torch.Tensor | None = None  # [rows, out, R]
+        self.per_row = False
+        self.downs: torch.Tensor | None = None  # per row [rows, R, in, ...]; per index [C, in, ...]
+        self.ups: torch.Tensor | None = None  # per row [rows, out, R]; per index [out, C]
+        # per index: each index's own columns of C, by the size of the leading dimension [n, C];
+        # None where every index takes every column (one adapter set)
+        self.own: dict[int, torch.Tensor] | None = None
 
     def hook(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
         if self.downs is None:
             return None
-        return output + _rows_update(module, args[0], self.downs, self.ups).to(output.dtype)
+        if self.per_row:
+            return output + _rows_update(module, args[0], self.downs, self.ups).to(output.dtype)
+        return output + _columns_update(module, args[0], self.downs, self.ups, self.own).to(output.dtype)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A step's adapters while its forwards run (`RowSlots.use`)."""
+
+    tags: torch.Tensor  # [forward rows] each row's group (the merged set's rows: len(groups))
+    composition: tuple
+    groups: list[Adapters]
+    paths: list[str]
+    factors: Factors
+    maps: dict[int, torch.Tensor] | None  # `segmented`'s row maps; None: one set on every index
 
 
 class RowSlots:
     """Segmented adapters as a compiled graph holds them (see the module's docstring): `use`
-    says which rows get which adapters in a step's forward, the compiled forward `bind`s them
-    with its padded rows."""
+    says which rows get which adapters in a step's forwards; a forward of whole rows `bind`s
+    them per row (its rows padded), a packed forward's pieces by their layout (`tokens`), and
+    any other forward takes them by index, as `segmented` would apply them."""
 
     def __init__(self, denoiser: nn.Module):
         self.slots: dict[str, _Slot] = {}
@@ -270,60 +318,135 @@ class RowSlots:
                 self.slots[path] = slot = _Slot()
                 self._modules[path] = module
                 module.register_forward_hook(slot.hook)
-        self._pending: tuple | None = None  # (group of each row, composition, groups, paths, factors)
+        self._pending: _Pending | None = None
         self._bound: dict[tuple, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # the last rows' pairs
-        self._binds = 0
+        self._columns: dict[tuple, tuple[dict, dict]] = {}  # the last step's pairs side by side
 
     def covers(self, row_adapters: Sequence[Adapters]) -> bool:
         """Whether every module these adapters adapt has a slot."""
         return all(path in self.slots for adapters in row_adapters for lora, _ in adapters for path in lora.layers)
 
     @contextlib.contextmanager
-    def use(self, row_adapters: Sequence[Adapters], merged: Adapters, factors: Factors) -> Iterator[None]:
+    def use(self, row_adapters: Sequence[Adapters], merged: Adapters, factors: Factors,
+            maps: dict[int, torch.Tensor] | None) -> Iterator[None]:
         """Within: forward row r of the next forwards gets `row_adapters[r]`'s update (relative
-        to `merged`). Raises if no forward bound them (a forward that bypassed the compiled
-        denoiser would have dropped them)."""
+        to `merged`); `maps`: the forward's row maps (`segmented`), None where every row has
+        the same set. Every adapted module applies them by index of its input's leading
+        dimension until a forward binds them otherwise (`bind`, `tokens`)."""
         groups, tags, paths = _groups(row_adapters, merged)
         if not groups:
             yield
             return
-        self._pending, self._binds = (tags, (tuple(groups), adapters_key(merged)), list(groups.values()), paths,
-                                      factors), 0
+        if maps is None and len(set(tags.tolist())) > 1:
+            raise LoraError("this forward cannot tell its rows apart: its rows must share one adapter set")
+        self._pending = _Pending(tags, (tuple(groups), adapters_key(merged)), list(groups.values()), paths, factors,
+                                 maps)
         try:
-            yield
+            with self._by_index(maps):
+                yield
         finally:
             self._pending = None
-        if self._binds == 0:
-            raise LoraError("no forward applied this step's adapters")
 
     @property
     def active(self) -> bool:
-        """Whether the step running segments adapters (its forwards bind them)."""
+        """Whether the step running segments adapters."""
         return self._pending is not None
+
+    @property
+    def uniform(self) -> bool:
+        """Whether the step's forward has one adapter set on every row: any forward takes it, of
+        whatever shape (a patched UNet's, a template replay's), its update one pair."""
+        return self._pending is not None and self._pending.maps is None
 
     @contextlib.contextmanager
     def bind(self, rows: int, padded: int) -> Iterator[None]:
-        """Within: each adapted module's slot holds the pairs of a forward of `rows` rows padded
-        (its last row repeated) to `padded`."""
-        if self._pending is None:
+        """Within: each adapted module's slot holds the pairs of a forward of `rows` whole rows
+        padded (its last row repeated) to `padded` (one set on every row: as it is)."""
+        if self._pending is None or self._pending.maps is None:
             yield
             return
-        tags, composition, groups, paths, factors = self._pending
-        if len(tags) != rows:
-            raise LoraError(f"a forward of {rows} rows cannot take adapters given for {len(tags)}")
+        pending = self._pending
+        whole = whole_rows(pending.maps)
+        if whole is None or len(whole) != rows:
+            raise LoraError(f"a forward of {rows} whole rows cannot take adapters given for a forward of leading "
+                            f"sizes {sorted(pending.maps)}")
+        tags = pending.tags[whole]
         owner = torch.cat([tags, tags[-1:].expand(padded - rows)])
-        key = (composition, tuple(owner.tolist()))
+        key = (pending.composition, tuple(owner.tolist()))
         if key not in self._bound:
-            self._bound = {key: {path: self._rows(factors.pair(composition, groups, path, self._modules[path].weight),
-                                                  owner) for path in paths}}
-        for path, (downs, ups) in self._bound[key].items():
-            self.slots[path].downs, self.slots[path].ups = downs, ups
-        self._binds += 1
+            self._bound = {key: {path: self._rows(pending.factors.pair(pending.composition, pending.groups, path,
+                                                                        self._modules[path].weight), owner)
+                                 for path in pending.paths}}
+        with self._holding(True, self._bound[key]):
+            yield
+
+    @contextlib.contextmanager
+    def tokens(self, owners: dict[int, torch.Tensor]) -> Iterator[None]:
+        """Within: each adapted module applies the step's adapters by index of its input's leading
+        dimension, `owners[n]` the forward row of each index where it has size n (a packed
+        forward's pieces: their slots, image and text rows, padded)."""
+        if self._pending is None or self._pending.maps is None:
+            yield
+            return
+        with self._by_index(owners):
+            yield
+
+    @contextlib.contextmanager
+    def _by_index(self, owners: dict[int, torch.Tensor] | None) -> Iterator[None]:
+        """Every group's pairs side by side (`_side_by_side`), each index keeping its own
+        group's columns (`_columns_update`); with no `owners`, the one group's pair."""
+        pending = self._pending
+        key = (pending.composition, owners is None)
+        if key not in self._columns:
+            self._columns = {key: self._side_by_side(pending, single=owners is None)}
+        layouts, pairs = self._columns[key]
+        own: dict[int, dict[int, torch.Tensor] | None] = dict.fromkeys(layouts)
+        if owners is not None:
+            for stride, column_group in layouts.items():
+                tags = pending.tags.to(column_group.device)
+                own[stride] = {n: (tags[owner.to(column_group.device)][:, None] == column_group[None, :])
+                                 .to(next(iter(pairs.values()))[0].dtype) for n, owner in owners.items()}
+        with self._holding(False, {path: (downs, ups, own[stride]) for path, (downs, ups, stride) in pairs.items()}):
+            yield
+
+    def _side_by_side(self, pending: _Pending, single: bool) -> tuple[dict[int, torch.Tensor], dict]:
+        """({a rank stride: the group of each column [C] (-1: padding)}, {path: (downs [C, in,
+        ...], ups [out, C], its stride)}): each path's groups' pairs (the first only, `single`)
+        side by side, each group's rank padded with zeros to a power of two (the stride) and the
+        columns to a power of two, so that few graphs serve many sets of ranks."""
+        groups = 1 if single else len(pending.groups)
+        pairs, layouts = {}, {}
+        for path in pending.paths:
+            downs, ups = pending.factors.pair(pending.composition, pending.groups, path, self._modules[path].weight)
+            rank = downs.shape[1]
+            stride = 1 << (rank - 1).bit_length()
+            columns = 1 << (groups * stride - 1).bit_length()
+            down = downs.new_zeros((groups, stride, *downs.shape[2:]))
+            down[:, :rank] = downs[:groups]
+            up = ups.new_zeros((groups, ups.shape[1], stride))
+            up[..., :rank] = ups[:groups]
+            pairs[path] = (_pad_rows(down.flatten(0, 1), columns),
+                           _pad_rows(up.permute(1, 0, 2).flatten(1).T, columns).T.contiguous(), stride)
+            if stride not in layouts:
+                column_group = torch.arange(columns, device=downs.device) // stride
+                layouts[stride] = column_group.where(column_group < groups, -1)
+        return layouts, pairs
+
+    @contextlib.contextmanager
+    def _holding(self, per_row: bool, pairs: dict[str, tuple]) -> Iterator[None]:
+        """Within: the slots of `pairs`' paths hold them ((downs, ups), and per index the
+        columns each index keeps); after, what they held before."""
+        before = {path: (self.slots[path].per_row, self.slots[path].downs, self.slots[path].ups,
+                         self.slots[path].own) for path in pairs}
+        for path, (downs, ups, *own) in pairs.items():
+            slot = self.slots[path]
+            slot.per_row, slot.downs, slot.ups, slot.own = per_row, downs, ups, own[0] if own else None
         try:
             yield
         finally:
-            for path in paths:
-                self.slots[path].downs = self.slots[path].ups = None
+            for path, held in before.items():
+                slot = self.slots[path]
+                slot.per_row, slot.downs, slot.ups, slot.own = held
 
     @staticmethod
     def _rows(pair: tuple[torch.Tensor, torch.Tensor], owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,3 +460,13 @@ class RowSlots:
             downs = torch.cat([downs, downs.new_zeros((downs.shape[0], extra, *downs.shape[2:]))], 1)
             ups = torch.cat([ups, ups.new_zeros((*ups.shape[:2], extra))], 2)
         return downs.contiguous(), ups.contiguous()
+
+
+def whole_rows(maps: dict[int, torch.Tensor] | None) -> list[int] | None:
+    """Where a forward's row maps are those of one batch of whole rows (every layer's leading
+    dimension is the rows, each once, in order: all of them, or a CFG-parallel rank's half),
+    which rows; else None."""
+    if maps is None or len(maps) != 1:
+        return None
+    rows = next(iter(maps.values()))
+    return rows.tolist() if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()) else None

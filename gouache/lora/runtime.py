@@ -224,10 +224,8 @@ class LoraRuntime:
             self._merge(adapters[0], step)
             return predict(states)
         row_adapters = [a for a, s in zip(adapters, states) for _ in range(s.rows)]
-        rows = _whole_rows(maps)
-        if slots is not None and rows is not None and slots.covers([row_adapters[i] for i in rows]):
-            # in the graph: not timed apart
-            with slots.use([row_adapters[i] for i in rows], self.merged.adapters, self._factors):
+        if slots is not None and slots.covers(row_adapters):  # in the graph: not timed apart
+            with slots.use(row_adapters, self.merged.adapters, self._factors, maps):
                 return predict(states)
         spent = [0.0]
         with segmented(self.denoiser, row_adapters, self.merged.adapters, maps, spent, self._factors):
@@ -246,12 +244,3 @@ class LoraRuntime:
             step.merge_s += seconds
             self.costs.observe("merge_s_per_byte", seconds, moved)
 
-
-def _whole_rows(maps: dict[int, torch.Tensor] | None) -> list[int] | None:
-    """Where a forward's row maps are those of one batch of whole rows (every layer's leading
-    dimension is the rows, each once, in order: all of them, or a CFG-parallel rank's half),
-    which rows; else None."""
-    if maps is None or len(maps) != 1:
-        return None
-    rows = next(iter(maps.values()))
-    return rows.tolist() if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()) else None

@@ -230,9 +230,9 @@ class CompiledDenoiser:
         serves every mix of a patch side, named by its patch bucket (`patch_bucket`) as a graph
         of dynamic rows is by its row bucket. Where rows are not dynamic (CUDA graphs: static
         shapes) the batch is padded instead (`pad_patches`) to its static patch and image
-        buckets (`static_bucket`), one graph each. Not with segmented adapters bound (their
-        grouped convolutions take the row count as a constant)."""
-        if self.slots is not None and self.slots.active:
+        buckets (`static_bucket`), one graph each. Adapters segmented over the step (a set on
+        every patch: `RowSlots.uniform`) are inputs of the graph (a graph of their own)."""
+        if self._per_row_adapters():
             return self.run(None, eager, past="segmented adapters")
         return self.run(self.graph(rows, {}, layout), eager)
 
@@ -241,9 +241,9 @@ class CompiledDenoiser:
         (`gouache.templates.unet`), compiled where the step allows it, else `eager()`. Its graph
         takes the layout as data (the computed tokens' indices, the template's activations),
         the computed counts dynamic with the rows: one graph serves every mask of a size and row
-        bucket. Not with segmented adapters bound, nor under CUDA graphs (static shapes: its
-        computed tokens are not padded to buckets yet)."""
-        if self.slots is not None and self.slots.active:
+        bucket (adapters segmented over the step in a graph of their own, as `patched`). Not
+        under CUDA graphs (static shapes: its computed tokens are not padded to buckets yet)."""
+        if self._per_row_adapters():
             return self.run(None, eager, past="segmented adapters")
         if not self.dynamic_rows:
             return self.run(None, eager, past="template under CUDA graphs")
@@ -292,9 +292,13 @@ class CompiledDenoiser:
     def _dynamic(self, rows: Inputs) -> bool:
         """Whether a forward of `rows` runs a graph of dynamic rows (else its rows are padded to
         their bucket): more than one row, not under CUDA graphs, no Python list per row, and no
-        segmented adapters (their grouped convolutions take the row count as a constant)."""
-        return (self.dynamic_rows and count_rows(rows) > 1 and not has_list(rows)
-                and not (self.slots is not None and self.slots.active))
+        adapters segmented per row (their grouped convolutions take the row count as a constant)."""
+        return self.dynamic_rows and count_rows(rows) > 1 and not has_list(rows) and not self._per_row_adapters()
+
+    def _per_row_adapters(self) -> bool:
+        """Whether the step segments adapters per row (several sets: `RowSlots`), which a graph
+        takes per row or by a packed layout, not over patches or a replay's tokens."""
+        return self.slots is not None and self.slots.active and not self.slots.uniform
 
     def run(self, graph: Graph | None, eager: Callable[[], torch.Tensor], past: str | None = None,
             inside: bool = False) -> torch.Tensor:

@@ -297,6 +297,7 @@ class PackedPieces:
     layout's per-row tensors every piece takes) and, for the warm-up, `example` and `inputs`."""
 
     text_first = False  # the model's joint token order: Flux puts text first, SD3 last
+    joined = False  # whether some blocks run text and image rows as one stream (Flux's single-stream, text first)
     # a replay's pieces compute the text of one in `text_share` of its row bucket's rows where
     # its text fits (warmed up so), else of all (compiled when first met): where prompts differ
     # from the recorder's, all rows' without CFG; with CFG the conditional half's, the
@@ -315,9 +316,13 @@ class PackedPieces:
         # text rows the last block outputs in each block (SD3's last keeps none), as templates count them
         self._text_blocks = len(self.blocks) - bool(getattr(self.blocks[-1], "context_pre_only", False))
 
-    def pieces(self, layout: TokenLayout, *inputs) -> torch.Tensor:
+    def pieces(self, layout: TokenLayout, *inputs, owners: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """The forward's output rows [tokens, ...] from its padded inputs (under a replay: every
-        token's, [its full bucket, ...]): N + 1 compiled pieces around N attention breaks."""
+        token's, [its full bucket, ...]): N + 1 compiled pieces around N attention breaks; with
+        `owners` (`owners`), the step's segmented adapters bound by them."""
+        if owners is not None:
+            with self.compiled.slots.tokens(owners):
+                return self.pieces(layout, *inputs)
         rows = self.rows(layout)
         x, c, temb, image, text, carry = self._first(self.model, self.blocks[0], *inputs, *rows)
         for done, block in pairwise(self.blocks):
@@ -334,6 +339,34 @@ class PackedPieces:
         """The layout's per-row tensors every piece takes: each row's slot, and what else the
         model reads per row (Flux: its RoPE)."""
         return layout.image_index, layout.text_index
+
+    def owners(self, layout: TokenLayout) -> dict[int, torch.Tensor] | None:
+        """For segmented adapters (`RowSlots.tokens`): the forward row of each index of every
+        leading size the pieces' modules take (slots, image rows, text rows, both joined where
+        blocks run them as one stream, a replay's output rows); None where two kinds of rows of
+        one size differ (a module could not tell them apart: the step runs eagerly)."""
+        slots = torch.arange(layout.rows, device=layout.image_index.device).clamp(max=len(layout.packing.order) - 1)
+        kinds = [slots, layout.image_index, layout.text_index]
+        if self.joined:
+            kinds.append(torch.cat([layout.text_index, layout.image_index]))
+        if isinstance(layout.part, Replay):
+            kinds.append(_pad(layout.packing.image_index, layout.part.full))
+        out: dict[int, torch.Tensor] = {}
+        for owner in kinds:
+            if not torch.equal(out.setdefault(len(owner), owner), owner):
+                return None
+        return out
+
+    def _run(self, key: tuple, layout: TokenLayout, inputs: Callable[[TokenLayout], tuple]) -> torch.Tensor | None:
+        """The pieces of `layout` run compiled as graph `key` where the step allows it (its
+        segmented adapters bound by the layout), else None (counted)."""
+        slots, owners = self.compiled.slots, None
+        if slots is not None and slots.active and not slots.uniform:
+            owners = self.owners(layout)
+            if owners is None:
+                return self.compiled.run(None, lambda: None, past="segmented adapters")
+        return self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout), owners=owners),
+                                       self.describe(key)), lambda: None)
 
     def rotation(self, packing: Packing) -> tuple[torch.Tensor, ...] | None:
         """Where the pieces rotate queries and keys (RoPE), the (cos, sin) of each of
@@ -361,10 +394,7 @@ class PackedPieces:
         tokens = self.buckets.bucket(f"tokens x{rows}", packing.image_rows)
         if tokens is None:
             return self.compiled.run(None, lambda: None, past="tokens")
-        layout = TokenLayout.of(packing, rows, tokens)
-        key = ("packed", rows, tokens)
-        return self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout)), self.describe(key)),
-                                 lambda: None)
+        return self._run(("packed", rows, tokens), TokenLayout.of(packing, rows, tokens), inputs)
 
     def replay(self, packing: Packing, template: TemplatePass, inputs: Callable[[TokenLayout], tuple]) \
             -> torch.Tensor | None:
@@ -388,9 +418,7 @@ class PackedPieces:
         # the output piece runs over the row bucket's most tokens: one graph a computed bucket
         layout = TokenLayout.of(packing, rows, tokens, Replay(template, computed, text, buckets[-1],
                                                               self.rotation(packing)), texts)
-        key = ("replay", rows, tokens, texts)
-        out = self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout)), self.describe(key)),
-                                lambda: None)
+        out = self._run(("replay", rows, tokens, texts), layout, inputs)
         if out is not None:
             template.count(computed, text, len(self.blocks), self._text_blocks)
             template.end()
@@ -402,19 +430,14 @@ class PackedPieces:
         parallel over `shards`' group (Ulysses): this rank's shard of every row through the
         pieces, compiled at its row bucket, attention over the group's rows between them, every
         rank's output rows gathered after the last; None where the step runs eagerly (counted,
-        with why: its techniques, past the largest row bucket, segmented adapters, a graph that
-        failed). Every rank
+        with why: its techniques, past the largest row bucket, a graph that failed). Every rank
         runs the same collectives either way, so a rank whose graph failed stays in step."""
         rows = self.compiled.bucket(len(packing.order))
         if rows is None:
             return self.compiled.run(None, lambda: None, past="rows")
-        if self.compiled.slots is not None and self.compiled.slots.active:  # bound per row by the row graphs only
-            return self.compiled.run(None, lambda: None, past="segmented adapters")
         shard = Shard.of(packing, shards)
         layout = TokenLayout.of(packing, rows, rows * len(shard.computed) // len(packing.order), shard)
-        key = ("ulysses", rows, layout.tokens, len(layout.text_index))
-        out = self.compiled.run(Graph(key, lambda: self.pieces(layout, *inputs(layout)), self.describe(key)),
-                                lambda: None)
+        out = self._run(("ulysses", rows, layout.tokens, len(layout.text_index)), layout, inputs)
         return None if out is None else shard.gather(out, len(packing.order))
 
     def shard_graphs(self, shapes: Sequence[tuple[int, ...]], text_len: int, least: int,

@@ -92,6 +92,7 @@ class FluxPieces(PackedPieces):
     """Flux's packed forward in pieces: `forward` takes what `packed_flux_forward` takes."""
 
     text_first = True
+    joined = True
 
     def __init__(self, transformer: nn.Module, compiled: CompiledDenoiser, buckets: Buckets):
         blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]

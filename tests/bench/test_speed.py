@@ -14,12 +14,14 @@ def test_every_row_and_ratio_is_measured_and_tabled():
                               "--repeats", "1"])
     result = measure("tiny-sd", args)
     steps = result["steps"]
-    assert set(steps) == {"step b=1", "patched", "grouped", "no LoRA", "merged LoRA", "segmented LoRA", "ControlNet",
-                          "no ControlNet", "block cache", "exact", "template edit", "full edit"}
+    assert set(steps) == {"step b=1", "patched", "grouped", "patched, segmented LoRA", "patched, no LoRA", "no LoRA",
+                          "merged LoRA", "segmented LoRA", "ControlNet", "no ControlNet", "block cache", "exact",
+                          "template edit", "full edit"}
     assert all(row["eager"]["ms"] > 0 and row["eager"]["paths"] == {} for row in steps.values())  # no compile: no paths
     ratios = result["ratios"]["eager"]
-    assert set(ratios) == {"patched / grouped", "merged LoRA / none", "segmented LoRA / none", "ControlNet / none",
-                           "block cache / exact", "template edit / full edit"}
+    assert set(ratios) == {"patched / grouped", "merged LoRA / none", "segmented LoRA / none",
+                           "segmented LoRA / none, patched", "ControlNet / none", "block cache / exact",
+                           "template edit / full edit"}
     table = format_table({"tiny-sd": result}, ["eager"])
     assert all(f"| tiny-sd | {name} |" in table for name in ratios)
 

@@ -7,9 +7,11 @@ import threading
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from gouache.config import LoraConfig
-from gouache.lora.files import random_lora
+from gouache.lora.apply import Factors, RowSlots, segmented, whole_rows
+from gouache.lora.files import Lora, LoraError, LoraLayer, random_lora
 from gouache.models.zoo import load_pipeline
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
@@ -153,14 +155,61 @@ def test_per_adapter_batching_runs_a_forward_per_set_with_the_same_result(pipe, 
         assert (mixed[r.request_id] - split[r.request_id]).abs().max() <= TOL, r.request_id
 
 
-def test_a_forward_of_whole_rows_takes_the_slots_and_one_of_patches_does_not():
-    """The compiled forward's slots serve a forward whose layers all lead with its rows, each
-    once, in order (all of them, or a CFG-parallel rank's half); patches or tokens of rows, or
-    layers of several leading sizes, keep hooks."""
-    from gouache.lora.runtime import _whole_rows
+def test_slots_apply_each_index_its_own_rows_adapters_as_the_hooks_do():
+    """`RowSlots` (the compiled forward's adapters) against `segmented` (the eager hooks), on a
+    Linear and a Conv2d: by index of a packed forward's leading sizes (its [1, S, ...] views
+    too), by a padded layout's owners (`tokens`), per whole row padded to a bucket (`bind`),
+    and one set on every index of any shape (`uniform`); what no map names raises, and nothing
+    stays bound after."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"lin": nn.Linear(6, 5), "conv": nn.Conv2d(3, 4, 2, stride=2)})
 
-    assert _whole_rows({4: torch.arange(4)}) == [0, 1, 2, 3]
-    assert _whole_rows({2: torch.tensor([1, 3])}) == [1, 3]  # rank 1's half of 2 requests with CFG
-    assert _whole_rows({6: torch.tensor([0, 0, 0, 1, 1, 1])}) is None  # three patches a row
-    assert _whole_rows({2: torch.arange(2), 8: torch.arange(2).repeat_interleave(4)}) is None
-    assert _whole_rows(None) is None
+    def lora(name, rank, seed):
+        g = torch.Generator().manual_seed(seed)
+        return Lora(name, {"lin": LoraLayer(torch.randn(rank, 6, generator=g), torch.randn(5, rank, generator=g), 0.5),
+                           "conv": LoraLayer(torch.randn(rank, 3, 2, 2, generator=g),
+                                             torch.randn(4, rank, 1, 1, generator=g), 1.0)}, digest=name)
+
+    ink, paper = lora("ink", 3, 1), lora("paper", 2, 2)
+    mixed = [((ink, 1.0),), ((paper, 0.5), (ink, -1.0)), ()]  # three forward rows, the last without
+    owner = torch.tensor([0, 0, 1, 1, 1, 2, 2])  # 7 tokens (or patches) of them
+    maps = {3: torch.arange(3), 7: owner}
+    x, patches, rows = torch.randn(7, 6), torch.randn(7, 3, 2, 2), torch.randn(3, 6)
+    plain = model["lin"](x)
+
+    def outputs():
+        return model["lin"](x), model["conv"](patches), model["lin"](x[None])[0], model["lin"](rows)
+
+    with segmented(model, mixed, (), maps):
+        want = outputs()
+    assert (want[0] - plain).abs().max() > 0.1  # the adapters change the output
+    slots = RowSlots(model)
+    with slots.use(mixed, (), Factors(), maps):
+        assert slots.active and not slots.uniform
+        for w, g in zip(want, outputs()):
+            torch.testing.assert_close(g, w)
+        padded = torch.cat([x, x[:1]])  # a layout padded to a bucket of 8, the padding row 0's
+        with slots.tokens({3: torch.arange(3), 8: torch.cat([owner, owner[:1]])}):
+            torch.testing.assert_close(model["lin"](padded)[:7], want[0])
+        with pytest.raises(LoraError, match="no known owner"):
+            model["lin"](torch.randn(5, 6))
+    with segmented(model, mixed, (), {3: torch.arange(3)}):
+        want_rows = model["lin"](rows)
+    with slots.use(mixed, (), Factors(), {3: torch.arange(3)}), slots.bind(3, 4):
+        torch.testing.assert_close(model["lin"](torch.cat([rows, rows[-1:]]))[:3], want_rows)
+    one = [((paper, 0.5),)] * 3
+    with segmented(model, one, (), None):
+        want_one = model["conv"](patches), model["lin"](x[None])
+    with slots.use(one, (), Factors(), None):
+        assert slots.uniform
+        torch.testing.assert_close(model["conv"](patches), want_one[0])
+        torch.testing.assert_close(model["lin"](x[None]), want_one[1])
+    with pytest.raises(LoraError, match="cannot tell its rows apart"), slots.use(mixed, (), Factors(), None):
+        pass
+    assert not slots.active and torch.equal(model["lin"](x), plain)
+
+    assert whole_rows({4: torch.arange(4)}) == [0, 1, 2, 3]
+    assert whole_rows({2: torch.tensor([1, 3])}) == [1, 3]  # rank 1's half of 2 requests with CFG
+    assert whole_rows({6: torch.tensor([0, 0, 0, 1, 1, 1])}) is None  # three patches a row
+    assert whole_rows({2: torch.arange(2), 8: torch.arange(2).repeat_interleave(4)}) is None
+    assert whole_rows(None) is None

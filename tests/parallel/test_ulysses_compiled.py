@@ -1,8 +1,8 @@
 """Ulysses under --compile: a DiT's step of degree 2 on two worker processes runs in the
 family's compiled pieces on each rank's shard (`gouache.runner.pieces.Shard`), the attention
-between pieces over the group, the pieces' graphs compiled at warm-up (`Rehearsal`); a step the
-pieces cannot take (past the row buckets, segmented adapters) runs eagerly, the Ulysses
-processors installed. Both equal one eager device."""
+between pieces over the group, the pieces' graphs compiled at warm-up (`Rehearsal`), segmented
+adapters bound by the shard's layout; a step the pieces cannot take (past the row buckets) runs
+eagerly, the Ulysses processors installed. Both equal one eager device."""
 
 import pytest
 
@@ -45,12 +45,14 @@ def test_a_ulysses_step_runs_in_compiled_pieces_on_each_rank_shard(model, fits):
             assert (x - alone[n][rid]).abs().max() <= 1e-4, (n, rid)
 
 
-def test_a_ulysses_step_with_segmented_adapters_runs_eagerly_and_equal(tmp_path):
-    """The pieces bind no per-row adapters (the row graphs do): such a step runs eagerly, the
-    Ulysses processors and the adapters' hooks installed, counted, and equal to one device."""
+def test_a_ulysses_step_with_segmented_adapters_runs_in_the_shards_pieces_and_equal(tmp_path):
+    """The pieces take segmented adapters by their layout (`RowSlots.tokens`: each shard row's
+    forward row): such a step runs compiled, its graph compiled when first met (counted, as a
+    row graph's with adapters is), and equals one device."""
     model = "tiny-sd3"
     alone, split, modes, compiles = compiled_adapters_split(model, random_loras(tmp_path, model), 8)
     assert modes == ["segmented"] * STEPS
-    assert [(c.compiled, c.eager) for c in compiles] == [(0, {"segmented adapters": 1})] * (2 * STEPS)
+    assert [(c.compiled, c.eager) for c in compiles] == [(1, {})] * (2 * STEPS)
+    assert [c.recompiles > 0 for c in compiles] == [True, True] + [False] * (2 * STEPS - 2)
     for rid in alone:
         assert (alone[rid] - split[rid]).abs().max() <= 1e-4, rid

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gouache.config import CompileConfig, TemplateConfig
+from gouache.config import CompileConfig, LoraConfig, TemplateConfig
 from gouache.models.zoo import load_pipeline
 from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
@@ -17,6 +17,7 @@ from gouache.runner.pack_dit import Packing
 from gouache.runner.pieces import TokenLayout, token_buckets
 from gouache.sched.plan import Batch
 from gouache.uploads import EditMask, Upload
+from tests.lora.random_files import random_loras
 
 TOL = 1e-4
 
@@ -56,11 +57,15 @@ def test_token_buckets_cover_each_row_bucket_within_the_budget():
     assert set(token_buckets((1, 2, 4), [16, 64], 3, replays=True).by_kind) == {"tokens x2", "tokens x4"}
 
 
-def _step(runner: ModelRunner, sizes: list[int], tag: str) -> tuple[dict, CompileReport]:
+def _step(runner: ModelRunner, sizes: list[int], tag: str, loras: tuple = ()) -> tuple[dict, CompileReport]:
+    """One packed step of a request of each size (the adapters `loras[i]` for request i, where given)."""
+    for name in runner.lora_runtime.store.names():
+        runner.lora_runtime.store.load(name).result()
     ids = []
     for i, size in enumerate(sizes):
         rid = f"{tag}-{i}"
-        runner.prepare(ImageRequest(rid, f"a red circle {tag} {i}", size, size, 4, 4.0, seed=i))
+        adapters = ((loras[i], 1.0),) if i < len(loras) and loras[i] else ()
+        runner.prepare(ImageRequest(rid, f"a red circle {tag} {i}", size, size, 4, 4.0, seed=i, loras=adapters))
         ids.append(rid)
     out = runner.execute(Batch(tuple(ids), patched=True))
     assert not out.failed and sorted(out.request_ids) == sorted(ids)
@@ -71,11 +76,12 @@ def _step(runner: ModelRunner, sizes: list[int], tag: str) -> tuple[dict, Compil
 
 
 @pytest.fixture(scope="module", params=["tiny-sd3", "tiny-flux"])
-def runners(request):
+def runners(request, tmp_path_factory):
     pipe = load_pipeline(request.param)
+    loras = LoraConfig(str(random_loras(tmp_path_factory.mktemp("loras"), request.param)))
     # two requests of 64 and 96 px: 4 rows with CFG (SD3), 2 padded to 4 (Flux); one token bucket
     config = CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64), (96, 96)), graphs=3)
-    compiled = ModelRunner(pipe, compile=config)
+    compiled = ModelRunner(pipe, compile=config, lora=loras)
     pieces = compiled.family.pieces
     assert pieces.buckets.by_kind == {"tokens x4": (192,)}  # 4 rows of 36 tokens at most, in 64s
     # the packed pieces' warm-up only (the row graphs are `test_compiled`'s)
@@ -84,7 +90,7 @@ def runners(request):
     compiled.family.compiled.warm_up(pieces.graphs(text_len), progress=lambda line: None)
     report = compiled.family.compiled.take_report()
     assert report.failed == 0 and report.recompiles == 0 and report.graphs >= 3  # first, between(s), last
-    return ModelRunner(pipe), compiled
+    return ModelRunner(pipe, lora=loras), compiled
 
 
 @pytest.mark.slow
@@ -96,6 +102,32 @@ def test_a_packed_step_runs_compiled_and_equals_the_eager_one(runners):
         assert report.compiled == 1 and report.eager == {} and report.recompiles == 0, report
         for rid in want:
             assert (want[rid] - got[rid]).abs().max().item() <= TOL, rid
+
+
+@pytest.mark.slow
+def test_a_packed_step_of_several_adapter_sets_takes_them_by_its_layout(runners):
+    """Segmented adapters in the pieces (`RowSlots.tokens`): every image and text row takes its
+    forward row's set, masked out of every set's pairs side by side; a graph of the bucket's
+    (compiled when first met, counted) serves other mixes of as many sets' columns, and one
+    set beside rows without any takes another (its columns a power of two: fewer), all equal
+    to eager steps."""
+    eager, compiled = runners
+    plain, _ = _step(eager, [64, 96], "p")
+    for sizes, loras, tag, graphs in (([64, 96], ("ink", "paper"), "l", True), ([96, 64], ("paper", "ink"), "m", False),
+                                      ([96, 64], ("paper", None), "n", True)):
+        want, _ = _step(eager, sizes, tag, loras)
+        got, report = _step(compiled, sizes, tag, loras)
+        assert report.compiled == 1 and report.eager == {} and (report.recompiles > 0) == graphs, report
+        for rid in want:
+            assert (want[rid] - got[rid]).abs().max().item() <= TOL, rid
+        if tag == "l":
+            assert min((plain[f"p-{i}"] - want[f"l-{i}"]).abs().max() for i in range(2)) > 1e-3  # they matter
+    sizes, loras = [64, 96, 64, 96, 64], ("ink", "paper", None, "paper", "ink")  # past the row bucket: eagerly
+    want, _ = _step(eager, sizes, "o", loras)
+    got, report = _step(compiled, sizes, "o", loras)
+    assert report.eager == {"rows": 1}
+    for rid in want:
+        assert (want[rid] - got[rid]).abs().max().item() <= TOL, rid
 
 
 @pytest.mark.slow
