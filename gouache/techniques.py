@@ -39,7 +39,7 @@ class Technique:
 TECHNIQUES = {t.name: t for t in (
     Technique("lora", "loras", True, True, "LoRA adapters on the denoiser (KATZ): merged, segmented per row or split",
               compiles=True, compiled="yes (merged: weights as inputs; segmented: per-row pairs in slots the graph "
-                                      "reads)"),
+                                      "reads, a packed forward's per token by its layout)"),
     Technique("lora_async", "--lora-bound", False, False,
               "bounded asynchronous LoRA loading (KATZ): a request denoises without its adapters until they arrive",
               compiles=True, compiled="yes, as `lora`", flags=("--lora-bound",),
@@ -71,7 +71,8 @@ TECHNIQUES = {t.name: t for t in (
               compiled="UNets: yes, one graph a patch side, the layout as data (under CUDA graphs one a padded "
                        "patch and image bucket); SD3 and "
                        "FLUX.1: yes, in compiled pieces per row and token bucket, attention between them "
-                       "(`gouache.runner.pieces`); other models: no, the step runs eagerly"),
+                       "(`gouache.runner.pieces`); FLUX.2 and Qwen-Image run one forward per size, each its "
+                       "row graph"),
     Technique("parallel", "--devices", True, False,
               "a step on several devices: Ulysses sequence parallelism (DiTs) or CFG halves (UNets)",
               compiled="UNets (CFG halves): yes, each rank's rows through the row graph of their count, the halves "

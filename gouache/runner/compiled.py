@@ -31,8 +31,10 @@ padded input shape, beside the eager module it was compiled from.
   values, are the breaks between the pieces.
 - **Adapters in the graph.** Under a server with adapters, `RowSlots` (`gouache.lora.apply`)
   hooks every Linear and Conv2d before compiling; a step with several adapter sets binds each
-  module's per-row pairs, padded with the rows, and the graph reads them as inputs. A new
-  set of adapted modules or ranks compiles a graph of its own in its step (counted).
+  module's per-row pairs, padded with the rows (a packed DiT's pieces: every set's pairs, each
+  index keeping its own set's columns, `gouache.runner.pieces`), and the graph reads them as
+  inputs. A new set of adapted modules or ranks compiles a graph of its own in its step
+  (counted).
 - **Never silently wrong.** Dynamo does not guard on module hooks, so a hook added after
   compiling (an eager LoRA segment, a ControlNet's residual fill, a Ulysses shard) would be skipped by
   the compiled graph. Each call first checks that the denoiser is as it was compiled: the same

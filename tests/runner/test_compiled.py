@@ -401,6 +401,28 @@ def test_an_instruction_edit_runs_the_row_graph_its_warm_up_compiled(instruct):
     assert (report.compiled, report.eager, report.recompiles) == (len(batches), {}, 0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-flux2-klein", "tiny-qwen-image"])
+def test_a_mixed_size_step_of_a_family_that_runs_a_forward_per_size_runs_their_row_graphs(model):
+    """FLUX.2 and Qwen-Image run a step of mixed sizes one forward per size (`mixes_sizes`): their
+    compiled denoisers hold `mixed_sizes`, so such a step runs each size's row graph, which the
+    warm-up compiled, equal to eager. Through dynamo's `eager` backend, as the tests above."""
+    torch._dynamo.reset()
+    pipe = load_pipeline(model)
+    eager = ModelRunner(pipe)
+    compiled = ModelRunner(pipe, compile=CompileConfig(enabled=True, buckets=(2,), sizes=((64, 64), (96, 96)),
+                                                       backend="eager"))
+    compiled.warm_up(SIZE)
+    compiled.family.compiled.take_report()
+    requests = [ImageRequest("s", "a red circle", 64, 64, 4, 1.0, seed=1),
+                ImageRequest("m", "a blue square", 96, 96, 4, 1.0, seed=2)]
+    batches = [Batch(("s", "m"), patched=True)] * 2
+    expected, _ = steps(eager, requests, batches)
+    got, report = steps(compiled, requests, batches)
+    assert_equal(expected, got)
+    assert (report.compiled, report.eager, report.recompiles) == (len(batches), {}, 0)
+
+
 def test_eager_reason_names_the_first_technique_that_does_not_compile():
     def forward(degree=1, compiled=None) -> Forward:
         return Forward((ParallelLayer(None, degree, None, None), LoraLayer(None, {}, None), ControlNetLayer(None, None),

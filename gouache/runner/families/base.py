@@ -62,13 +62,15 @@ class Family(ABC):
     def compile(self, compiled: CompiledDenoiser, config: CompileConfig) -> None:
         """Run the denoiser through `compiled` (--compile), and the packed forward of mixed sizes,
         template replays and Ulysses shards in compiled pieces where the family has them
-        (`make_pieces`; the first two where the budget gives them token buckets)."""
+        (`make_pieces`; the first two where the budget gives them token buckets). A family that
+        runs mixed sizes one forward per size (`mixes_sizes` False) holds them: each is a row graph."""
         self.compiled = compiled
         self.pieces = self.make_pieces(compiled, config)
+        compiled.holds = frozenset() if self.mixes_sizes else frozenset({"mixed_sizes"})
         if self.pieces is not None:
             kinds = {kind.split()[0] for kind in self.pieces.buckets.by_kind}  # packed "tokens", "replay"
-            compiled.holds = frozenset({"parallel"} | {name for kind, name in (("tokens", "mixed_sizes"),
-                                                                              ("replay", "template")) if kind in kinds})
+            compiled.holds |= {"parallel"} | {name for kind, name in (("tokens", "mixed_sizes"), ("replay", "template"))
+                               if kind in kinds}
 
 
     def patched_graphs(self, states: list[DenoiseState]) -> list[Graph]:
