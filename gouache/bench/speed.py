@@ -16,6 +16,8 @@ needs). Rows of the table:
 - `segmented LoRA / none, patched`: the mixed sizes with two adapters among them (a UNet's
   patched forward runs one per set; a DiT's packed one takes them per token) against the same
   patched or packed forward without;
+- `instruction edit / generation` (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit): two edits whose
+  upload is a reference (its tokens after the image's) against two generations;
 - `ControlNet / none` (UNets): two requests with one ControlNet each (in process, sync),
   against the same without;
 - `block cache / exact`: two requests asking for block reuse at 0.1 (per image), steady
@@ -128,6 +130,7 @@ def measure(model: str, args) -> dict:
     from gouache.lora.files import random_lora
     from gouache.models.zoo import load_pipeline
     from gouache.profile.edits import centred_mask
+    from gouache.runner.describe import instruction_edits
     from gouache.runner.families import make_family
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.quantize import quantize
@@ -186,6 +189,11 @@ def measure(model: str, args) -> dict:
     bench.timed("no LoRA", [plain])
     bench.timed("merged LoRA", [merged])
     bench.timed("segmented LoRA", [segmented])
+    if instruction_edits(base):  # the upload a reference whose tokens follow the image's
+        upload = Upload(picture(sample_scene(random.Random(3)), large, seed=3))
+        instructed = bench.prepare([(large, {"image": b"-"})] * 2, upload)
+        bench.together({"instruction edit": ([instructed], False), "generation": ([plain], False)})
+        bench.release(instructed)
     if controls:
         image = picture(sample_scene(random.Random(2)), large, seed=2)
         controlled = bench.prepare([(large, {"controlnets": (("edges", b"-", 1.0),)})] * 2, controls=[image])
@@ -214,6 +222,8 @@ def measure(model: str, args) -> dict:
         "segmented LoRA / none": bench.ratio(variant, "segmented LoRA", "no LoRA"),
         "segmented LoRA / none, patched": bench.ratio(variant, "patched, segmented LoRA", "patched, no LoRA"),
         **({"ControlNet / none": bench.ratio(variant, "ControlNet", "no ControlNet")} if controls else {}),
+        **({"instruction edit / generation": bench.ratio(variant, "instruction edit", "generation")}
+           if "instruction edit" in bench.steps else {}),
         "block cache / exact": bench.ratio(variant, "block cache", "exact"),
         "template edit / full edit": bench.ratio(variant, "template edit", "full edit"),
     } for variant in variants}

@@ -4,6 +4,8 @@ compiled packed step equal to the eager one, one graph serving every mix its buc
 recompile), and a step past the largest bucket run eagerly, saying why. One token bucket of one
 row bucket: compiling is slow on 2 cores."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.pack_dit import Packing
-from gouache.runner.pieces import TokenLayout, token_buckets
+from gouache.runner.pieces import PackedPieces, TokenLayout, token_buckets
 from gouache.sched.plan import Batch
 from gouache.uploads import EditMask, Upload
 from tests.lora.random_files import random_loras
@@ -34,6 +36,20 @@ def test_a_layout_pads_its_rows_to_the_bucket_with_slot_zero():
         TokenLayout.of(packing, rows=1, tokens=8)
     with pytest.raises(ValueError, match="cannot hold"):
         TokenLayout.of(packing, rows=2, tokens=5)
+
+
+def test_owners_name_the_forward_row_of_every_kind_of_row_the_pieces_take():
+    """Segmented adapters in the pieces read each index's forward row by the size of a module's
+    input (`PackedPieces.owners`): slots (padding slots: the last row's), image rows, text rows,
+    and both joined text first where blocks run one stream; two kinds of one size with other
+    owners cannot be told apart (None: the step runs eagerly)."""
+    packing = Packing.build([(2, 2), (1, 2)], text_len=3, device=torch.device("cpu"))
+    layout = TokenLayout.of(packing, rows=4, tokens=8)
+    owners = PackedPieces.owners(SimpleNamespace(joined=True), layout)
+    assert owners[4].tolist() == [0, 1, 1, 1]
+    assert owners[8].tolist() == layout.image_index.tolist() and owners[12].tolist() == layout.text_index.tolist()
+    assert owners[20].tolist() == layout.text_index.tolist() + layout.image_index.tolist()
+    assert PackedPieces.owners(SimpleNamespace(joined=False), TokenLayout.of(packing, rows=4, tokens=12)) is None
 
 
 def test_token_buckets_cover_each_row_bucket_within_the_budget():
