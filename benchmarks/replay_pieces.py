@@ -10,6 +10,7 @@ time is split by where it goes (the pieces, the attention breaks, the output pie
 table, writes JSON and markdown.
 
     .venv-test/bin/python benchmarks/replay_pieces.py [--model shapes-dit] [--size 256] [--mask 0.2]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -50,16 +51,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--graphs", type=int, default=16, help="--compile-graphs (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="the weights' dtype (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the operators that took most of one timed step of each")
     parser.add_argument("--compile-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None,
                         help="JSON path (default: benchmarks/results/replay_pieces_<model>.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = load_pipeline(args.model)
-    eager = ModelRunner(pipe, templates=TemplateConfig())
+    pipe = load_pipeline(args.model, args.dtype)
+    # every template in host memory (sd3-arch records 0.75 GB a step at 512 px): the default spills to disk
+    templates = TemplateConfig(host_bytes=16 << 30)
+    eager = ModelRunner(pipe, templates=templates)
     probe = ImageRequest("probe", "probe", args.size, args.size, 2, 4.0, seed=0)
     rows = 2 if eager.family.uses_cfg(probe) else 1
-    compiled = ModelRunner(pipe, templates=TemplateConfig(), compile=CompileConfig(
+    compiled = ModelRunner(pipe, templates=templates, compile=CompileConfig(
         enabled=True, buckets=(rows,), sizes=((args.size, args.size),), graphs=args.graphs,
         cache_dir=args.compile_cache))
     pieces = compiled.family.pieces
@@ -95,9 +101,15 @@ def main() -> None:
                 if variant == "compiled" and rid == "template edit" and k == 1:
                     spent.clear()  # the breakdown of the timed steps only
                 start = time.perf_counter()
-                out = runner.execute(Batch((rid,)))
+                if args.profile and k == args.steps - 1:
+                    with torch.profiler.profile() as profile:
+                        out = runner.execute(Batch((rid,)))
+                    print(f"{variant} {rid}:\n" + profile.key_averages().table(sort_by="self_cpu_time_total",
+                                                                                row_limit=15))
+                else:
+                    out = runner.execute(Batch((rid,)))
                 assert not out.failed, out.failed
-                if k:
+                if k and not (args.profile and k == args.steps - 1):  # not the profiled step
                     seconds[variant, rid].append(time.perf_counter() - start)
                     path = "compiled" if out.compile.compiled else "eager"
                     if out.compile.eager:
@@ -108,7 +120,7 @@ def main() -> None:
     breakdown = {name: 1e3 * sum(s) / timed_steps for name, s in spent.items()}
     ratios = {variant: ms[f"{variant} template edit"] / ms[f"{variant} full edit"] for variant in variants}
     lines = [f"`.venv-test/bin/python benchmarks/replay_pieces.py --model {args.model} --size {args.size} "
-             f"--mask {args.mask} --graphs {args.graphs}` (mask {mask.mean():.3f}; replay buckets "
+             f"--mask {args.mask} --graphs {args.graphs} --dtype {args.dtype}` (mask {mask.mean():.3f}; replay buckets "
              f"{pieces.buckets.describe()})", "",
              "| variant | template edit ms | full edit ms | template / full | paths |",
              "| --- | --- | --- | --- | --- |"]

@@ -96,7 +96,8 @@ def add_arguments(p) -> None:
                         "(default: %(default)s)")
     p.add_argument("--compile-graphs", type=int, default=None,
                    help="graphs the compiled variant warms up at most: a row graph per size and bucket, the rest "
-                        "token buckets of a DiT's packed forward of the mixes (default: 8)")
+                        "token buckets of a DiT's packed forward of the mixes and of its template replays "
+                        "(default: 16)")
     p.add_argument("--out", default="benchmarks/results/fullsize_cpu.json",
                    help="JSON path; the tables (.md) go beside it; with {section} in it, a file per section "
                         "(default: %(default)s)")

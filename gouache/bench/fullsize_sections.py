@@ -20,6 +20,9 @@ from gouache.uploads import EditMask, Upload
 STARTED = time.perf_counter()  # a child's log says when each section ended
 QUANTIZED = ("int8", "fp8")  # variants over a quantized copy of the denoiser (`variant_pipes`), eager or compiled
 COMPILED = ("compiled", *(f"compiled+{kind}" for kind in QUANTIZED))  # the variants that compile
+# graphs a compiled variant warms up at most: its row graphs (a size and row bucket each), then a DiT's
+# token and replay buckets; 8 left sd3-arch's packed and replay steps at 256+512 px none (they ran eagerly)
+GRAPHS = 16
 
 
 def emit(rows: dict) -> None:
@@ -103,7 +106,7 @@ def _denoiser_sections(pipe, unet: bool, args) -> None:
                 buckets, compiled_sizes = compile_plan(args, rows)
                 compile = CompileConfig(enabled=True, buckets=buckets, sizes=tuple((s, s) for s in compiled_sizes),
                                         cache_dir=args.compile_cache, backend=args.compile_backend,
-                                        cuda_graphs=graphs_captured(args), graphs=args.compile_graphs or 8)
+                                        cuda_graphs=graphs_captured(args), graphs=args.compile_graphs or GRAPHS)
             runners[variant] = runner = ModelRunner(
                 pipes[variant], lora=LoraConfig(str(loras)), templates=templates, compile=compile)
             runner.warm_up(small)
