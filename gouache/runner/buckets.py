@@ -9,7 +9,8 @@ computed tokens, and its whole forward's for the output piece) and `units` (the 
 computed images, patches or tokens). Each kind's buckets run
 from the smallest step of that kind to the largest the server admits, in a geometric series
 whose ratio the graph budget sets: with `n` buckets over [lo, hi] no step pads by more than a
-factor (hi / lo) ** (1 / (n - 1)). A step past the largest bucket runs eagerly.
+factor (hi / lo) ** (1 / (n - 1)); where a kind's sizes are known (a packed forward's token counts
+of the compiled sizes), its buckets are those sizes. A step past the largest bucket runs eagerly.
 
 Plain values only: the start-up code and the tests choose buckets without a model.
 """
@@ -24,16 +25,27 @@ TOKEN_ALIGN = 64  # token buckets are multiples of this (vLLM-Omni pads packed s
 
 @dataclass(frozen=True)
 class Range:
-    """The sizes one kind of step takes on this server: from `lo` to `hi`, in multiples of `align`."""
+    """The sizes one kind of step takes on this server: from `lo` to `hi`, in multiples of `align`;
+    where they are known (`steps`, sorted, aligned: a packed forward's token counts that the
+    compiled sizes make), those only, and buckets go on them."""
 
     kind: str
     lo: int
     hi: int
     align: int = 1
+    steps: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.lo <= self.hi or self.align < 1:
             raise ValueError(f"a {self.kind} range needs 1 <= lo <= hi and align >= 1, got {self}")
+
+    @classmethod
+    def of_steps(cls, kind: str, steps, align: int = 1) -> Range:
+        """The range of exactly `steps` (rounded up to `align`)."""
+        known = tuple(sorted({_up(step, align) for step in steps}))
+        if not known:
+            raise ValueError(f"a {kind} range needs at least one step")
+        return cls(kind, known[0], known[-1], align, known)
 
 
 @dataclass(frozen=True)
@@ -58,21 +70,43 @@ class Buckets:
 def series(r: Range, count: int) -> tuple[int, ...]:
     """At most `count` buckets covering [r.lo, r.hi], multiples of `align`, the last holding hi.
     Built by splitting: starting from hi alone, the bucket that pads its smallest step the most
-    is split at the geometric mean of that step and itself, until `count` buckets or every
-    aligned size its own. So the series for count + 1 holds the one for count, and no step
-    pads more when the budget grows."""
+    is split at the geometric mean of that step and itself (where the range knows its steps:
+    at the step that leaves the least padding on either side), until `count` buckets or every
+    size its own. So the series for count + 1 holds the one for count, and no step pads more
+    when the budget grows."""
     if count < 1:
         raise ValueError(f"a {r.kind} range needs at least one bucket, got {count}")
     buckets = [_up(r.hi, r.align)]
     while len(buckets) < count:
-        firsts = [r.lo, *(b + 1 for b in buckets[:-1])]  # the smallest step each bucket takes
-        open_ = [k for k, (b, first) in enumerate(zip(buckets, firsts)) if _up(first, r.align) < b]
-        if not open_:
+        splits = {k: point for k, bucket in enumerate(buckets)
+                  if (point := _split(r, _first(r, buckets, k), bucket)) is not None}
+        if not splits:
             break
-        k = max(open_, key=lambda i: buckets[i] / firsts[i])
-        split = _up(math.isqrt(firsts[k] * buckets[k] - 1) + 1, r.align)  # ceil(sqrt(first * bucket))
-        buckets.insert(k, min(max(split, _up(firsts[k], r.align)), buckets[k] - r.align))
+        k = max(splits, key=lambda i: buckets[i] / _first(r, buckets, i))
+        buckets.insert(k, splits[k])
     return tuple(buckets)
+
+
+def _first(r: Range, buckets: list[int] | tuple[int, ...], k: int) -> int:
+    """The smallest step bucket k takes (the one after the bucket below, or lo)."""
+    below = buckets[k - 1] if k else 0
+    if r.steps:
+        return next(step for step in r.steps if step > below)
+    return max(r.lo, below + 1)
+
+
+def _split(r: Range, first: int, bucket: int) -> int | None:
+    """Where a bucket whose smallest step is `first` splits (None: it cannot)."""
+    if r.steps:
+        inside = [step for step in r.steps if first <= step < bucket]
+        if not inside:
+            return None
+        after = {step: next(s for s in r.steps if s > step) for step in inside}
+        return min(inside, key=lambda step: (max(step / first, bucket / after[step]), step))
+    if _up(first, r.align) >= bucket:
+        return None
+    split = _up(math.isqrt(first * bucket - 1) + 1, r.align)  # ceil(sqrt(first * bucket))
+    return min(max(split, _up(first, r.align)), bucket - r.align)
 
 
 def choose(ranges: list[Range], graphs: int) -> Buckets:
@@ -97,8 +131,7 @@ def choose(ranges: list[Range], graphs: int) -> Buckets:
 
 def padding(r: Range, buckets: tuple[int, ...]) -> float:
     """The most a step of the range pads by (bucket / step) with `buckets`."""
-    firsts = [r.lo, *(b + 1 for b in buckets[:-1])]  # the smallest step each bucket takes
-    return max(b / first for b, first in zip(buckets, firsts))
+    return max(bucket / _first(r, buckets, k) for k, bucket in enumerate(buckets))
 
 
 def _up(n: int, align: int) -> int:

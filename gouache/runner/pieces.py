@@ -241,12 +241,13 @@ def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def budget(compiled: CompiledDenoiser, config: CompileConfig, image_tokens: Sequence[int],
-           replays: bool = False) -> Buckets:
+           replays: bool = False, request_rows: int = 1) -> Buckets:
     """The token buckets a compiled model's packed pieces get (and its template replays', with
     `replays`): the graphs `--compile-graphs` leaves after a row graph per size and row bucket
     (none, where the sizes compiled make no mix or no graph is left: packed steps then run
-    eagerly, reason `mixed_sizes`)."""
-    return token_buckets(compiled.buckets, image_tokens, graphs_left(compiled, config), replays) or Buckets({})
+    eagerly, reason `mixed_sizes`). `request_rows`: a request's rows (2 with CFG)."""
+    return token_buckets(compiled.buckets, image_tokens, graphs_left(compiled, config), replays,
+                         request_rows) or Buckets({})
 
 
 def graphs_left(compiled: CompiledDenoiser, config: CompileConfig) -> int:
@@ -264,20 +265,24 @@ REPLAY_FLOOR = 16
 
 
 def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graphs: int,
-                  replays: bool = False) -> Buckets | None:
+                  replays: bool = False, request_rows: int = 1) -> Buckets | None:
     """Token buckets for each row bucket of a packed forward (kind `tokens x{rows}`), within
-    `graphs` graphs: a step at row bucket r (more rows than the bucket below, b) holds between
-    (b + 1) * min and r * max tokens; with `replays`, of a template replay's too (kind `replay
-    x{rows}`: its computed tokens, from a sixteenth of the whole forward's, r * max, up to all of them), where
-    the budget gives each kind one after the packed forwards'. None where the sizes compiled give
-    neither (fewer than two token counts and no replays) or the budget cannot give each kind one."""
+    `graphs` graphs: a step at row bucket r (more rows than the bucket below, b) packs requests
+    of `request_rows` rows each (2 with CFG) of the compiled sizes, two sizes at least (one size
+    runs its row graph), so its token counts are known (`mixes`) and the buckets go on them (a
+    request of other rows or size pads into the bucket that holds it, or runs eagerly past the
+    largest); with `replays`, a template replay's too (kind `replay x{rows}`: its computed
+    tokens, from a sixteenth of the whole forward's, r * max, up to all of them), where the
+    budget gives each kind one after the packed forwards'. None where the sizes compiled give
+    neither (no mix and no replays) or the budget cannot give each kind one."""
     if not image_tokens:
         return None
-    lo, hi = min(image_tokens), max(image_tokens)
+    hi = max(image_tokens)
     packed, replayed, below = [], [], 1  # a packed forward has two rows at least
     for rows in sorted(row_buckets):
-        if rows > below and len(set(image_tokens)) > 1:
-            packed.append(Range(f"tokens x{rows}", (below + 1) * lo, rows * hi, TOKEN_ALIGN))
+        counts = mixes(image_tokens, below // request_rows + 1, rows // request_rows)
+        if counts:
+            packed.append(Range.of_steps(f"tokens x{rows}", [request_rows * count for count in counts], TOKEN_ALIGN))
         if replays:  # buckets spread from a sixteenth of the tokens up: a series from one token crowds below it
             floor = max(TOKEN_ALIGN, rows * hi // REPLAY_FLOOR)
             replayed.append(Range(f"replay x{rows}", min(floor, rows * hi), rows * hi, TOKEN_ALIGN))
@@ -286,6 +291,19 @@ def token_buckets(row_buckets: Sequence[int], image_tokens: Sequence[int], graph
     if not ranges or graphs < len(ranges):
         return None
     return choose(ranges, graphs)
+
+
+def mixes(image_tokens: Sequence[int], least: int, most: int) -> set[int]:
+    """The token counts of `least` to `most` images of the sizes `image_tokens` (tokens each),
+    two sizes among them at least."""
+    sizes = sorted(set(image_tokens))
+    states = {(t, t) for t in sizes}  # (tokens so far, the one size so far; 0 once two sizes)
+    out: set[int] = set()
+    for n in range(2, most + 1):
+        states = {(total + t, one if one == t else 0) for total, one in states for t in sizes}
+        if n >= least:
+            out |= {total for total, one in states if one == 0}
+    return out
 
 
 class PackedPieces:

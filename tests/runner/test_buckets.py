@@ -46,6 +46,22 @@ def test_more_graphs_never_pad_more_and_a_wide_range_gets_more_buckets_than_a_na
     assert max(buckets.bucket("tokens", s) / s for s in range(512, wide.hi + 1)) < 1.25
 
 
+def test_a_range_of_known_steps_puts_its_buckets_on_them():
+    """A packed forward's token counts are known from the compiled sizes (`Range.of_steps`):
+    the buckets are steps, split where they leave the least padding on either side, and a
+    step pads only to the next known step up."""
+    known = Range.of_steps("tokens x8", [3072, 3584, 4608, 5120, 6656], 64)
+    assert (known.lo, known.hi) == (3072, 6656)
+    assert series(known, 1) == (6656,)
+    assert series(known, 2) == (3584, 6656)  # 3072 pads by 1.17 to it, 4608 by 1.44 to 6656: the least
+    assert series(known, 5) == series(known, 9) == (3072, 3584, 4608, 5120, 6656)  # each its own, then no more
+    for n in range(1, 6):
+        assert set(series(known, n)) <= set(series(known, n + 1))
+    assert Range.of_steps("t", [100, 65], 64).steps == (128,)  # aligned, once
+    with pytest.raises(ValueError, match="at least one step"):
+        Range.of_steps("t", [], 64)
+
+
 def test_every_size_maps_to_the_smallest_bucket_that_holds_it():
     buckets = choose([Range("patches", 1, 200)], 6)
     series_ = buckets.by_kind["patches"]

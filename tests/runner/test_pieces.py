@@ -16,7 +16,7 @@ from gouache.outputs import CompileReport
 from gouache.request import ImageRequest
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.pack_dit import Packing
-from gouache.runner.pieces import PackedPieces, TokenLayout, token_buckets
+from gouache.runner.pieces import PackedPieces, TokenLayout, mixes, token_buckets
 from gouache.sched.plan import Batch
 from gouache.uploads import EditMask, Upload
 from tests.lora.random_files import random_loras
@@ -58,7 +58,13 @@ def test_token_buckets_cover_each_row_bucket_within_the_budget():
     assert set(buckets.by_kind) == {"tokens x2", "tokens x4"}  # a packed forward has two rows at least
     assert len(buckets) <= 8
     # every step a row bucket takes fits its largest token bucket: 2 rows of 64, 4 rows of 64
-    assert buckets.by_kind["tokens x2"][-1] >= 128 and buckets.by_kind["tokens x4"][-1] >= 256
+    # on the token counts two sizes make: 2 rows 16 + 64 = 80 (in 64s: 128); 3 or 4 rows 144, 96, 208, 160, 112
+    assert buckets.by_kind["tokens x2"] == (128,) and buckets.by_kind["tokens x4"][-1] == 256
+    assert buckets.bucket("tokens x4", 96) < 256  # more than one bucket at 4 rows
+    # requests of two rows (CFG): two of them at 4 rows, 160 (192), three or four at 8 rows; no mix at 2
+    cfg = token_buckets((2, 4, 8), [16, 64], 8, request_rows=2)
+    assert cfg.by_kind["tokens x4"] == (192,) and "tokens x2" not in cfg.by_kind
+    assert cfg.by_kind["tokens x8"][-1] == _up(2 * (3 * 64 + 16))
     assert token_buckets((1, 2, 4), [16, 64], 1) is None  # fewer graphs than row buckets to cover
     # template replays: computed tokens from one to every token of the row bucket, at any size
     one = token_buckets((1, 2, 4), [64], 8, replays=True)
@@ -71,6 +77,16 @@ def test_token_buckets_cover_each_row_bucket_within_the_budget():
     assert token_buckets((2,), [4096], 4, replays=True).by_kind["replay x2"] == (1024, 2048, 4160, 8192)
     # a budget too small for both keeps the packed forwards' buckets
     assert set(token_buckets((1, 2, 4), [16, 64], 3, replays=True).by_kind) == {"tokens x2", "tokens x4"}
+
+
+def test_mixes_are_the_token_counts_of_two_sizes_or_more():
+    assert sorted(mixes([256, 1024], 2, 2)) == [1280]
+    assert sorted(mixes([256, 1024, 256], 3, 4)) == [1536, 1792, 2304, 2560, 3328]  # no 4 x 256, no 4 x 1024
+    assert mixes([64], 2, 8) == set()
+
+
+def _up(n: int) -> int:
+    return -(-n // 64) * 64
 
 
 def _step(runner: ModelRunner, sizes: list[int], tag: str, loras: tuple = ()) -> tuple[dict, CompileReport]:
@@ -99,7 +115,8 @@ def runners(request, tmp_path_factory):
     config = CompileConfig(enabled=True, buckets=(4,), sizes=((64, 64), (96, 96)), graphs=3)
     compiled = ModelRunner(pipe, compile=config, lora=loras)
     pieces = compiled.family.pieces
-    assert pieces.buckets.by_kind == {"tokens x4": (192,)}  # 4 rows of 36 tokens at most, in 64s
+    # two requests of 16 and 36 tokens with CFG (104), or up to four rows of them without (124): in 64s
+    assert pieces.buckets.by_kind == {"tokens x4": (128,)}
     # the packed pieces' warm-up only (the row graphs are `test_compiled`'s)
     probe = compiled.family.prepare(ImageRequest("probe", "probe", 64, 64, 2, 4.0, seed=0))
     text_len = probe.cond["prompt_embeds"].shape[1]

@@ -172,6 +172,10 @@ class Family(ABC):
     def uses_cfg(self, request: ImageRequest) -> bool:
         return request.guidance_scale > CFG_FROM.get(self.name, 1.0)
 
+    def request_rows(self) -> int:
+        """The rows a guided request takes (2 with CFG), as the warm-up's requests are."""
+        return 2 if self.uses_cfg(ImageRequest("rows", "rows", 64, 64, 2, 5.0, seed=0)) else 1
+
     def edit_pixels(self, image: np.ndarray) -> torch.Tensor:
         """An upload's uint8 [H, W, 3] as [1, 3, H, W] in [-1, 1] on the device."""
         pixels = torch.from_numpy(image.copy()).permute(2, 0, 1)[None].to(self.device, torch.float32) / 127.5 - 1.0

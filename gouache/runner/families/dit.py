@@ -194,7 +194,8 @@ class StableDiffusion3Family(FlowFamily):
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> SD3Pieces | None:
         if not pieces_sd3.supports(self.pipe.transformer):
             return None
-        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces,
+                         request_rows=self.request_rows())
         return SD3Pieces(self.pipe.transformer, compiled, buckets)
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
@@ -310,7 +311,8 @@ class FluxFamily(PackedFamily):
     def make_pieces(self, compiled: CompiledDenoiser, config: CompileConfig) -> FluxPieces | None:
         if not pieces_flux.supports(self.pipe.transformer):
             return None
-        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces)
+        buckets = budget(compiled, config, self.layout_tokens(config.sizes), replays=self.replays_in_pieces,
+                         request_rows=self.request_rows())
         return FluxPieces(self.pipe.transformer, compiled, buckets)
 
     def token_grid(self, state: DenoiseState) -> torch.Tensor:
