@@ -23,7 +23,19 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from gouache.cli_flags import parse_size
-from gouache.data.shapes import BACKGROUNDS, COLOURS, KINDS, POSITIONS, Scene, Shape, ShapesDataset, cell_of
+from gouache.data.edits import EDIT_KINDS, Edit, EditDataset
+from gouache.data.shapes import (
+    BACKGROUNDS,
+    COLOURS,
+    KINDS,
+    POSITIONS,
+    Scene,
+    Shape,
+    ShapesDataset,
+    cell_box,
+    cell_of,
+    render,
+)
 
 NAMES = tuple(COLOURS) + tuple(BACKGROUNDS)
 PALETTE = np.array([*COLOURS.values(), *BACKGROUNDS.values()], dtype=np.float32)  # [colours, 3]
@@ -179,6 +191,63 @@ def check(image: np.ndarray, scene: Scene) -> Check:
 
 
 @dataclass(frozen=True)
+class EditCheck:
+    """The checker's verdict on an edit model's output: was the instruction carried out, and was
+    the rest left as it was (`check_edit`)."""
+
+    carried_out: bool  # the changed shape (or background) is as the instruction asks
+    rest_kept: bool  # every other shape of the scene, and the background, is as the source had it
+    found: Check  # the output checked against the target scene
+
+
+def _absent(labels: np.ndarray, colour: str, min_area: float, cell: str | None = None) -> bool:
+    """No blob of `colour` of `min_area` pixels (within grid cell `cell` only, if given)."""
+    mask = labels == NAMES.index(colour)
+    if cell is not None:
+        height, width = labels.shape
+        left, top, right, bottom = (round(v) for v in cell_box(cell, width, height))
+        inside = np.zeros_like(mask)
+        inside[top:bottom, left:right] = True
+        mask &= inside
+    return largest_blob(mask).sum() < min_area
+
+
+def _background(labels: np.ndarray) -> str | None:
+    """The named colour most pixels take (shapes cover a sixth of an image at most)."""
+    counts = np.bincount(labels[labels >= 0].ravel(), minlength=len(NAMES))
+    return NAMES[int(counts.argmax())] if counts.any() else None
+
+
+def check_edit(image: np.ndarray, edit: Edit) -> EditCheck:
+    """Check an edit model's [H, W, 3] uint8 output against the edit asked of it: carried out when
+    the shape it made or changed is found as asked (colour, kind, cell), a recoloured shape's old
+    colour is gone, a moved shape's old cell is empty of its colour, a removed shape's colour
+    is gone, or the background is the asked one; the rest kept when every other shape is found
+    as it was and the background is the source's (or, for a background edit, the new one)."""
+    found = check(image, edit.target)
+    labels = _labels(np.asarray(Image.fromarray(image).filter(ImageFilter.MedianFilter(3)), dtype=np.float32))
+    min_area = MIN_AREA * min(image.shape[:2]) ** 2 / 9
+    shown = _background(labels)
+    if edit.kind == "background":
+        done = shown == edit.target.background
+    elif edit.kind == "remove":
+        done = _absent(labels, edit.removed.colour, min_area)
+    else:
+        changed = found.shapes[edit.shape]
+        done = changed.colour_ok and changed.shape_ok and changed.position_ok
+        source = edit.source.shapes[edit.shape] if edit.kind != "add" else None
+        if edit.kind == "recolour":
+            done = done and _absent(labels, source.colour, min_area)
+        elif edit.kind == "move":
+            done = done and _absent(labels, source.colour, min_area, source.position)
+    others = [c for i, c in enumerate(found.shapes) if i != edit.shape]
+    kept = all(c.colour_ok and c.shape_ok and c.position_ok for c in others)
+    if edit.kind != "background":
+        kept = kept and shown == edit.source.background
+    return EditCheck(bool(done), bool(kept), found)
+
+
+@dataclass(frozen=True)
 class Degrade:
     """What generated images look like: blurred, then noisy."""
 
@@ -193,9 +262,10 @@ class Degrade:
         return np.clip(blurred + noise, 0, 255).round().astype(np.uint8)
 
 
-def mutate(scene: Scene, rng: random.Random, attribute: str) -> Scene:
-    """A different valid scene: one shape's colour, kind or position changed."""
-    i = rng.randrange(len(scene.shapes))
+def mutate(scene: Scene, rng: random.Random, attribute: str, index: int | None = None) -> Scene:
+    """A different valid scene: one shape's (the `index`th, or one drawn) colour, kind or position
+    changed."""
+    i = rng.randrange(len(scene.shapes)) if index is None else index
     shape = scene.shapes[i]
     used = {"colour": {s.colour for s in scene.shapes}, "position": {s.position for s in scene.shapes}}
     choices = {
@@ -233,6 +303,67 @@ def accuracy(n: int, seed: int, sizes: list[tuple[int, int]], degrade: Degrade |
     }
 
 
+def edit_accuracy(n: int, seed: int, sizes: list[tuple[int, int]], degrade: Degrade | None = None) -> dict:
+    """`check_edit` on n edit pairs: how often it finds exact target renders carried out and kept
+    (overall and per edit kind), and how often it wrongly finds an edit carried out in the
+    unedited source, or the rest kept in a target where another shape (or the background) changed."""
+    data, rng = EditDataset(seed, sizes), random.Random(f"mutate-edit:{seed}")
+    kinds = {kind: {"n": 0, "carried_out": 0, "rest_kept": 0} for kind in EDIT_KINDS}
+    wrong = {"carried_out": 0, "rest_kept": 0}
+    start = time.perf_counter()
+    for index in range(n):
+        edit, (height, width), render_seed = data.drawn(index)
+        others = [i for i in range(len(edit.target.shapes)) if i != edit.shape]
+        if others:
+            changed = mutate(edit.target, rng, ("colour", "kind", "position")[index % 3], rng.choice(others))
+        else:  # a lone shape recoloured or moved: the rest is the background
+            changed = Scene(edit.target.shapes,
+                            rng.choice([b for b in sorted(BACKGROUNDS) if b != edit.target.background]))
+        images = [render(scene, width, height, render_seed) for scene in (edit.target, edit.source, changed)]
+        if degrade:
+            images = [degrade.apply(image, index) for image in images]
+        verdict = check_edit(images[0], edit)
+        row = kinds[edit.kind]
+        row["n"] += 1
+        row["carried_out"] += verdict.carried_out
+        row["rest_kept"] += verdict.rest_kept
+        wrong["carried_out"] += check_edit(images[1], edit).carried_out
+        wrong["rest_kept"] += check_edit(images[2], edit).rest_kept
+    seconds = time.perf_counter() - start
+    return {
+        "n": n,
+        **{key: sum(row[key] for row in kinds.values()) / n for key in ("carried_out", "rest_kept")},
+        "by_kind": {kind: {k: row[k] / max(row["n"], 1) if k != "n" else row["n"] for k in row}
+                    for kind, row in kinds.items()},
+        "false_accept": {"carried_out (source unedited)": wrong["carried_out"] / n,
+                         "rest_kept (another change)": wrong["rest_kept"] / n},
+        "ms_per_check": 1000 * seconds / (3 * n),
+    }
+
+
+def _table(rows: dict) -> list[str]:
+    lines = ["| images | colour ok (%) | shape ok (%) | position ok (%) | all ok (%) | false accept (%) | check (ms) |",
+             "|" + "---|" * 7]
+    for name, r in rows.items():
+        cells = [r[k] * 100 for k in ("colour", "shape", "position", "all", "false_accept")]
+        lines.append(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {r['ms_per_check']:.1f} |")
+    return lines
+
+
+def _edit_table(rows: dict) -> list[str]:
+    lines = ["| target renders | carried out (%) | rest kept (%) | "
+             + " | ".join(f"{kind}: carried out / kept (%)" for kind in EDIT_KINDS)
+             + " | false: carried out in the source (%) | false: kept after another change (%) | check (ms) |",
+             "|" + "---|" * (6 + len(EDIT_KINDS))]
+    for name, r in rows.items():
+        kinds = [f"{r['by_kind'][k]['carried_out'] * 100:.1f} / {r['by_kind'][k]['rest_kept'] * 100:.1f}"
+                 for k in EDIT_KINDS]
+        wrong = [v * 100 for v in r["false_accept"].values()]
+        lines.append(f"| {name} | {r['carried_out'] * 100:.1f} | {r['rest_kept'] * 100:.1f} | " + " | ".join(kinds)
+                     + f" | {wrong[0]:.1f} | {wrong[1]:.1f} | {r['ms_per_check']:.1f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gouache.data.checker", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=500, help="images per condition")
@@ -241,17 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blur", type=float, default=1.5, help="degraded: Gaussian blur radius, px")
     p.add_argument("--noise", type=float, default=12.0, help="degraded: noise std, 0..255 units")
     p.add_argument("--out", type=Path, help="write JSON here, and a .md table beside it")
+    p.add_argument("--edits", action="store_true",
+                   help="measure the edit checker (`check_edit`) on edit pairs instead of the generation checker")
     args = p.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    measure = edit_accuracy if args.edits else accuracy
     rows = {
-        "clean": accuracy(args.n, args.seed, sizes),
-        "degraded": accuracy(args.n, args.seed, sizes, Degrade(args.blur, args.noise, args.seed)),
+        "clean": measure(args.n, args.seed, sizes),
+        "degraded": measure(args.n, args.seed, sizes, Degrade(args.blur, args.noise, args.seed)),
     }
-    header = "| images | colour ok (%) | shape ok (%) | position ok (%) | all ok (%) | false accept (%) | check (ms) |"
-    lines = [header, "|" + "---|" * 7]
-    for name, r in rows.items():
-        cells = [r[k] * 100 for k in ("colour", "shape", "position", "all", "false_accept")]
-        lines.append(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {r['ms_per_check']:.1f} |")
+    lines = _edit_table(rows) if args.edits else _table(rows)
     table = "\n".join(lines)
     print(table)
     if args.out:

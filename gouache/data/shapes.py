@@ -130,11 +130,14 @@ def cell_of(x: float, y: float, width: int, height: int) -> str:
     return POSITIONS[3 * row + col]
 
 
-def _shape_box(shape: Shape, width: int, height: int, rng: random.Random | None) -> tuple[float, ...]:
-    """Square box (left, top, right, bottom) of a shape inside its cell, with a margin; side and
-    offset are jittered by rng. The side uses the cell's smaller side, so a circle stays round."""
+def shape_box(shape: Shape, width: int, height: int, seed: int | None) -> tuple[float, ...]:
+    """Square box (left, top, right, bottom) of a shape inside its cell, with a margin. With a seed,
+    side and offset are jittered by (seed, the shape's cell) alone: a scene's other shapes, and
+    an edit that keeps this one where it is, leave its pixels as they were. The side uses the
+    cell's smaller side, so a circle stays round."""
     left, top, right, bottom = cell_box(shape.position, width, height)
     cell = min(right - left, bottom - top)
+    rng = random.Random(f"{seed}:{shape.position}") if seed is not None else None
     side = cell * (rng.uniform(*SIZE_RANGE) if rng else NOMINAL_SIZE)
     cx, cy = (left + right) / 2, (top + bottom) / 2
     if rng:  # move at most half the free space, keeping a margin on every side
@@ -154,15 +157,15 @@ def _draw(draw: ImageDraw.ImageDraw, kind: str, box: tuple[float, ...], fill: tu
 
 
 def render(scene: Scene, width: int, height: int, seed: int | None = None) -> np.ndarray:
-    """[H, W, 3] uint8 image of the scene. With a seed, sizes and offsets vary a little (the same
-    for the same seed); without, every shape has the nominal size at its cell's centre."""
+    """[H, W, 3] uint8 image of the scene. With a seed, sizes and offsets vary a little (each
+    shape's by the seed and its cell, `shape_box`); without, every shape has the nominal size at
+    its cell's centre."""
     if not (32 <= width <= 256 and 32 <= height <= 256):
         raise ValueError(f"render sizes must be 32 to 256 px, got {width}x{height}")
-    rng = random.Random(seed) if seed is not None else None
     image = Image.new("RGB", (width, height), BACKGROUNDS[scene.background])
     draw = ImageDraw.Draw(image)
     for shape in scene.shapes:
-        _draw(draw, shape.kind, _shape_box(shape, width, height, rng), COLOURS[shape.colour])
+        _draw(draw, shape.kind, shape_box(shape, width, height, seed), COLOURS[shape.colour])
     return np.asarray(image)
 
 
@@ -173,11 +176,10 @@ def layout_map(scene: Scene, width: int, height: int, seed: int | None = None) -
     """[H, W, 3] uint8 map of where `render(scene, width, height, seed)` puts each shape: its
     silhouette in the grey of its place in the caption (LAYOUT_LEVELS) on black. A ControlNet
     conditioning image: where and what shape, not which colour."""
-    rng = random.Random(seed) if seed is not None else None
     image = Image.new("RGB", (width, height), (0, 0, 0))
     draw = ImageDraw.Draw(image)
     for level, shape in zip(LAYOUT_LEVELS, scene.shapes):
-        _draw(draw, shape.kind, _shape_box(shape, width, height, rng), (level,) * 3)
+        _draw(draw, shape.kind, shape_box(shape, width, height, seed), (level,) * 3)
     return np.asarray(image)
 
 
