@@ -157,7 +157,7 @@ for spec in $parts; do
         --out "$out/denoiser_batching_${name}_${gpu}.json" ;;
     profile-compiled-*)
       gouache profile --model "$model" --device "$device" --dtype bfloat16 --compile \
-        $($quick && echo "--sizes 256,384 --max-batch 2 --samples 4 --repeats 1 --compile-backend eager --compile-graphs 6" \
+        $($quick && echo "--sizes 128,192 --max-batch 2 --samples 4 --repeats 1 --compile-backend eager --compile-graphs 6" \
           || echo "--sizes 512,1024 --max-batch 2 --samples 12 --repeats 2") \
         --out "$out/costmodel_compiled_${name}_${gpu}.json" ;;
     baselines-*)

@@ -10,11 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from safetensors import safe_open
 from safetensors.torch import save
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+)
 
+from gouache.data.edits import EDIT_WORDS
 from gouache.data.shapes import WORDS
 from gouache.files import write_atomic
 from gouache.models.tokenizer import build_tokenizer
@@ -29,6 +37,7 @@ UNET_PREDICTION = "v_prediction"
 UNET_GUIDANCE = 3.0  # the shapes UNets' default guidance scale: 7.5 oversaturates and misplaces (docs/models.md)
 TEXT_LENGTH = 32  # tokens; the longest caption (three shapes) is 28 with <bos> and <eos>
 TEXT_HIDDEN = 64
+EDIT_TEXT_LENGTH = 16  # tokens of an instruction; the longest ("move the purple triangle to the bottom right") is 10
 # How each component's weights are stored: fp16 halves the repository's bytes; they load as fp32.
 STORED_DTYPE = torch.float16
 
@@ -86,6 +95,44 @@ def dit() -> SD3Transformer2DModel:
     )
 
 
+def edit_tokenizer(kind: str) -> PreTrainedTokenizerFast:
+    """shapes-edit's CLIP (`kind="clip"`) or T5 (`"t5"`) tokenizer, in which every instruction word is
+    one token; its `model_max_length` is the T5 length the model was trained at, which the Flux
+    family pads prompts to (FLUX.1's own is 512)."""
+    return build_tokenizer(EDIT_TEXT_LENGTH, kind, EDIT_WORDS)
+
+
+def edit_text_encoders() -> tuple[CLIPTextModel, T5EncoderModel]:
+    """shapes-edit's CLIP (pooled: the transformer's `pooled_projections`) and T5 (its text tokens),
+    2 layers each, TEXT_HIDDEN wide."""
+    clip = edit_tokenizer("clip")
+    t5 = edit_tokenizer("t5")
+    clip_config = CLIPTextConfig(
+        vocab_size=len(clip), hidden_size=TEXT_HIDDEN, intermediate_size=2 * TEXT_HIDDEN,
+        projection_dim=TEXT_HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=EDIT_TEXT_LENGTH,
+        bos_token_id=clip.bos_token_id, eos_token_id=clip.eos_token_id, pad_token_id=clip.pad_token_id,
+    )
+    t5_config = T5Config(
+        vocab_size=len(t5), d_model=TEXT_HIDDEN, d_kv=16, d_ff=2 * TEXT_HIDDEN, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=EDIT_TEXT_LENGTH,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+        pad_token_id=t5.pad_token_id, eos_token_id=t5.eos_token_id, decoder_start_token_id=t5.pad_token_id,
+    )
+    return CLIPTextModel(clip_config), T5EncoderModel(t5_config)
+
+
+def edit_transformer() -> FluxTransformer2DModel:
+    """FLUX.1 Kontext's transformer on the shapes VAE's 4-channel latents (packed 2x2: 16 per
+    token): 2 double-stream and 4 single-stream blocks, width 128; no guidance embedding (the
+    model is not guidance-distilled: it samples once per step, without CFG)."""
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=4, attention_head_dim=32,
+        num_attention_heads=4, joint_attention_dim=TEXT_HIDDEN, pooled_projection_dim=TEXT_HIDDEN,
+        guidance_embeds=False, axes_dims_rope=(8, 12, 12),
+    )
+
+
 def weights_path(name: str, directory: Path = WEIGHTS_DIR) -> Path:
     return directory / f"{name}.safetensors"
 
@@ -128,6 +175,13 @@ def load_unet(directory: Path = WEIGHTS_DIR) -> tuple[UNet2DConditionModel, CLIP
     model, encoder = unet(), text_encoder(with_projection=False, layers=2)
     load_weights({"unet": model, "text_encoder": encoder}, "shapes-unet", directory)
     return model, encoder
+
+
+def load_edit(directory: Path = WEIGHTS_DIR) -> tuple[FluxTransformer2DModel, CLIPTextModel, T5EncoderModel]:
+    """The trained shapes-edit transformer and its two text encoders."""
+    transformer, (clip, t5) = edit_transformer(), edit_text_encoders()
+    load_weights({"transformer": transformer, "text_encoder": clip, "text_encoder_2": t5}, "shapes-edit", directory)
+    return transformer, clip, t5
 
 
 def load_vae(directory: Path = WEIGHTS_DIR) -> AutoencoderKL:

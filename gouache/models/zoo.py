@@ -59,7 +59,7 @@ from gouache.models.tokenizer import build_tokenizer
 from gouache.models.zimage import build_tiny_zimage
 
 CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt to
-T5_MAX_LENGTH = 77  # tokenizer limit; pipelines pad T5 prompts to their `max_sequence_length`
+T5_MAX_LENGTH = 512  # FLUX.1's T5 tokenizer's length, which the Flux family pads prompts to (SD3 pads to its 256)
 TEXT_HIDDEN = 32  # hidden size of every tiny CLIP text encoder (and its projection)
 T5_HIDDEN = 64  # d_model of the tiny T5: SD3 pads the two CLIPs' concatenated states to it
 VL_PROCESSORS = ("Qwen2VLProcessor", "Qwen2_5_VLProcessor")  # the processors Qwen-Image-Edit directories name
@@ -314,6 +314,18 @@ def shapes_sd3(
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
         vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None,
+    )
+
+
+def shapes_kontext(vae: AutoencoderKL, text_encoder: CLIPTextModel, text_encoder_2: T5EncoderModel,
+                   transformer: FluxTransformer2DModel) -> FluxKontextPipeline:
+    """The shapes edit model's pipeline: FLUX.1 Kontext's, its scheduler shifted by 3 at every size
+    (as the model was trained), prompts padded to its tokenizers' length (pass the pipeline
+    `max_sequence_length=trained.EDIT_TEXT_LENGTH`; gouache does)."""
+    return FluxKontextPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae, text_encoder=text_encoder, tokenizer=trained.edit_tokenizer("clip"),
+        text_encoder_2=text_encoder_2, tokenizer_2=trained.edit_tokenizer("t5"), transformer=transformer,
     )
 
 

@@ -1,6 +1,7 @@
-"""`gouache train vae|unet|inpaint|dit|lora|controlnet`: reproduce one shapes model from a seed, with a
+"""`gouache train vae|unet|inpaint|dit|edit|lora|controlnet`: reproduce one shapes model from a seed, with a
 progress bar, a loss curve (PNG + JSON) and the weights as safetensors. Train the VAE first: the
-others encode their images with the VAE found in `--out`. `lora` is an adapter of the trained
+others encode their images with the VAE found in `--out`. `edit` is the instruction-edit model
+(FLUX.1 Kontext's pipeline) trained on edit pairs. `lora` is an adapter of the trained
 UNet (a style: its palette turned by one), written to `<out>/loras/shapes-unet/palette.safetensors`;
 `controlnet` a ControlNet of it (shapes placed by a layout map), written to
 `<out>/controlnets/shapes-unet/layout/`."""
@@ -15,10 +16,11 @@ import sys
 from pathlib import Path
 
 # kind -> steps that fit in 30 minutes on a 2-core CPU (see benchmarks/results/train_*.json)
-DEFAULT_STEPS = {"vae": 3000, "unet": 5200, "inpaint": 1500, "dit": 3300, "lora": 3000, "controlnet": 4000}
+DEFAULT_STEPS = {"vae": 3000, "unet": 5200, "inpaint": 1500, "dit": 3300, "edit": 3000, "lora": 3000,
+                 "controlnet": 4000}
 # kind -> the weights it starts from, which an earlier `gouache train` wrote into --out
 NEEDS = {"vae": (), "unet": ("shapes-vae",), "inpaint": ("shapes-vae", "shapes-unet"), "dit": ("shapes-vae",),
-         "lora": ("shapes-vae", "shapes-unet"), "controlnet": ("shapes-vae", "shapes-unet")}
+         "edit": ("shapes-vae",), "lora": ("shapes-vae", "shapes-unet"), "controlnet": ("shapes-vae", "shapes-unet")}
 
 
 def default_out() -> Path:
@@ -29,7 +31,7 @@ def default_out() -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=list(DEFAULT_STEPS),
-                   help="which model: vae first, then unet or dit; inpaint fine-tunes the trained unet, lora and "
+                   help="which model: vae first, then unet, dit or edit; inpaint fine-tunes the trained unet, lora and "
                         "controlnet train adapters of it")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the weights, the data and the noise (default: %(default)s)")
@@ -104,14 +106,15 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
     process writes the loss curve and says where everything went."""
     from gouache.train.controlnet import train_controlnet
     from gouache.train.dit import train_dit
+    from gouache.train.edit import train_edit
     from gouache.train.inpaint import train_inpaint
     from gouache.train.loop import is_writer
     from gouache.train.lora import train_lora
     from gouache.train.unet import train_unet
     from gouache.train.vae import train_vae
 
-    trainer = {"vae": train_vae, "unet": train_unet, "inpaint": train_inpaint, "dit": train_dit, "lora": train_lora,
-               "controlnet": train_controlnet}[args.kind]
+    trainer = {"vae": train_vae, "unet": train_unet, "inpaint": train_inpaint, "dit": train_dit, "edit": train_edit,
+               "lora": train_lora, "controlnet": train_controlnet}[args.kind]
     report = trainer(args.seed, steps, out, args.device)
     if not is_writer():
         return

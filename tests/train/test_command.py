@@ -14,7 +14,7 @@ from gouache.models import trained
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
-    for kind in ("vae", "unet", "inpaint", "dit", "lora", "controlnet"):
+    for kind in ("vae", "unet", "inpaint", "dit", "edit", "lora", "controlnet"):
         workers = "2" if kind == "unet" else "1"  # each spawn costs seconds: one kind tries two processes
         assert main(["train", kind, "--steps", "2", "--workers", workers, "--out", str(out), "--report", str(out)]) == 0
     return out
@@ -23,7 +23,7 @@ def trained_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
     for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"),
-                       ("dit", "shapes-dit"), ("lora", "loras/shapes-unet/palette")):
+                       ("dit", "shapes-dit"), ("edit", "shapes-edit"), ("lora", "loras/shapes-unet/palette")):
         assert trained.weights_path(name, trained_dir).is_file()
         report = json.loads((trained_dir / f"train_{kind}.json").read_text())
         workers = 2 if kind == "unet" else 1
@@ -31,6 +31,30 @@ def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
         assert (report["extra"]["workers"], report["extra"]["device"]) == (workers, "cpu")
         assert report["steps"] == 2 and report["seconds"] > 0
         assert (trained_dir / f"train_{kind}.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_the_edit_model_serves_instruction_edits_as_its_kontext_pipeline_makes_them(trained_dir):
+    """shapes-edit's weights in FLUX.1 Kontext's pipeline: the engine's instruction edit equals the
+    pipeline's at the model's prompt length (its T5 tokenizer's, which the Flux family pads to)."""
+    import numpy as np
+    from PIL import Image
+
+    from gouache.data.edits import EditDataset
+    from gouache.models.zoo import shapes_kontext
+    from gouache.request import ImageRequest
+    from gouache.uploads import Upload
+    from tests.engine.test_exactness import run_engine
+
+    transformer, clip, t5 = trained.load_edit(trained_dir)
+    pipe = shapes_kontext(trained.load_vae(trained_dir), clip, t5, transformer)
+    source, _, edit, _ = EditDataset(0, [(64, 96)]).item(0)
+    request = ImageRequest("edit", edit.instruction, 96, 64, 3, 1.0, seed=1, image=b"-")
+    latents = run_engine(pipe, {0: [(request, {"upload": Upload(np.ascontiguousarray(source))})]})
+    expected = pipe(prompt=edit.instruction, image=Image.fromarray(source), height=64, width=96, num_inference_steps=3,
+                    generator=torch.Generator().manual_seed(1), output_type="latent", _auto_resize=False,
+                    max_area=64 * 96, max_sequence_length=trained.EDIT_TEXT_LENGTH).images
+    assert (latents["edit"] - expected).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -259,10 +259,15 @@ class FluxFamily(PackedFamily):
     def uses_cfg(self, request: ImageRequest) -> bool:
         return False
 
+    def text_tokens(self) -> int:
+        """The T5 tokens a prompt is padded to: its tokenizer's length, at most FLUX.1's 512 (a
+        model trained on short prompts, as shapes-edit, declares its length there)."""
+        return min(self.pipe.tokenizer_2.model_max_length, 512)
+
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
         embeds, pooled, text_ids = self.encode_prompt(
-            request, rows,
-            prompt=request.prompt, prompt_2=None, device=self.device, num_images_per_prompt=1
+            request, rows, prompt=request.prompt, prompt_2=None, device=self.device, num_images_per_prompt=1,
+            max_sequence_length=self.text_tokens(),
         )
         cond = {"prompt_embeds": embeds, "pooled": pooled, "text_ids": text_ids}
         if self.pipe.transformer.config.guidance_embeds:

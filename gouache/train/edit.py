@@ -1,0 +1,90 @@
+"""Train shapes-edit: FLUX.1 Kontext's transformer at toy size with its CLIP and T5 encoders, on
+edit pairs of the shapes world (`gouache.data.edits`). Rectified flow on the target's latents
+(noise levels logit-normal, shifted by 3 as the pipeline's sampler is), the source's latents
+(the VAE's mode, as Kontext encodes an upload) as reference tokens after the target's, their ids'
+first coordinate 1 as `FluxKontextPipeline` makes them; the loss on the target's tokens only,
+weighted up on the tokens the edit changes (a shape is a few of an image's tokens: unweighted,
+copying the source is most of the loss's answer)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gouache.data.edits import sample_edit
+from gouache.data.shapes import render
+from gouache.models import trained
+from gouache.models.zoo import shapes_kontext
+from gouache.train.loop import Report, Schedule, is_writer, process_group, seed_everything, train
+
+BATCH = 32
+LR = 5e-4
+SHIFT = 3.0  # the pipeline scheduler's shift, as the DiT's
+CHANGE_WEIGHT = 4.0  # extra loss weight on the tokens where source and target differ
+
+
+def edit_batch(seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...],
+               device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """This process's share of batch `step` of run `seed`: (source pixels, target pixels) [B, 3, H, W]
+    in [-1, 1] of one size drawn from `sizes`, and the instructions."""
+    rank, world = process_group()
+    if batch % world:
+        raise ValueError(f"a batch of {batch} does not split over {world} processes")
+    rng = random.Random(f"train-edit:{seed}:{step}" + (f":{rank}/{world}" if world > 1 else ""))
+    width, height = rng.choice(sizes)
+    edits = [sample_edit(rng) for _ in range(batch // world)]
+    seeds = [rng.getrandbits(32) for _ in edits]
+
+    def pixels(scenes) -> torch.Tensor:
+        images = np.stack([render(scene, width, height, k) for scene, k in zip(scenes, seeds)])
+        return torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+    return pixels([e.source for e in edits]), pixels([e.target for e in edits]), [e.instruction for e in edits]
+
+
+def change_weights(source: torch.Tensor, target: torch.Tensor, tokens_hw: tuple[int, int]) -> torch.Tensor:
+    """[B, tokens, 1]: 1 + CHANGE_WEIGHT on the tokens whose pixels the edit changed, 1 elsewhere."""
+    changed = ((source - target).abs().sum(dim=1, keepdim=True) > 0.1).to(source.dtype)
+    return (1 + CHANGE_WEIGHT * F.adaptive_max_pool2d(changed, tokens_hw)).flatten(1).unsqueeze(-1)
+
+
+def train_edit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+    generator = seed_everything(seed, device)
+    vae = trained.load_vae(out).requires_grad_(False).to(device)
+    clip, t5 = trained.edit_text_encoders()
+    model = torch.nn.ModuleDict({"transformer": trained.edit_transformer(), "text_encoder": clip,
+                                 "text_encoder_2": t5}).to(device)
+    pipe = shapes_kontext(vae, model["text_encoder"], model["text_encoder_2"], model["transformer"])
+    scale, shift = vae.config.scaling_factor, vae.config.shift_factor
+
+    def loss_of(step: int) -> torch.Tensor:
+        source, target, instructions = edit_batch(seed, step, BATCH, trained.TRAIN_SIZES, device)
+        with torch.no_grad():
+            reference = (vae.encode(source).latent_dist.mode() - shift) * scale
+            latents = (vae.encode(target).latent_dist.sample(generator) - shift) * scale
+        b, c, h, w = latents.shape
+        embeds, pooled, text_ids = pipe.encode_prompt(prompt=instructions, prompt_2=None, device=device,
+                                                      max_sequence_length=trained.EDIT_TEXT_LENGTH)
+        u = torch.sigmoid(torch.randn(b, generator=generator, device=device))
+        sigma = (SHIFT * u / (1 + (SHIFT - 1) * u)).view(-1, 1, 1, 1)
+        noise = torch.randn(latents.shape, generator=generator, device=device)
+        noisy = pipe._pack_latents((1 - sigma) * latents + sigma * noise, b, c, h, w)
+        ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, device, latents.dtype)
+        reference_ids = ids.clone()
+        reference_ids[:, 0] = 1
+        predicted = model["transformer"](
+            hidden_states=torch.cat([noisy, pipe._pack_latents(reference, b, c, h, w)], dim=1),
+            timestep=sigma.flatten(), guidance=None, pooled_projections=pooled, encoder_hidden_states=embeds,
+            txt_ids=text_ids, img_ids=torch.cat([ids, reference_ids]), return_dict=False,
+        )[0][:, : noisy.shape[1]]
+        error = (predicted - pipe._pack_latents(noise - latents, b, c, h, w)).pow(2)
+        return (error * change_weights(source, target, (h // 2, w // 2))).mean()
+
+    kept, report = train("edit", model, loss_of, Schedule(steps=steps, lr=LR), seed)
+    if is_writer():
+        trained.save_weights(dict(kept.items()), "shapes-edit", out)
+    return report
