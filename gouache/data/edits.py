@@ -25,8 +25,8 @@ from gouache.data.shapes import (
     WORDS,
     Scene,
     Shape,
-    _alternatives,
-    _phrase,
+    place_phrase,
+    regex_alternatives,
     render,
     sample_scene,
 )
@@ -68,7 +68,7 @@ def recolour(source: Scene, index: int, colour: str) -> Edit:
 def move(source: Scene, index: int, position: str) -> Edit:
     shape = source.shapes[index]
     if position == shape.position:
-        raise ValueError(f"{_name(shape)} is {_phrase(position)} already")
+        raise ValueError(f"{_name(shape)} is {place_phrase(position)} already")
     changed = Shape(shape.kind, shape.colour, position)
     target = Scene(source.shapes[:index] + (changed,) + source.shapes[index + 1:], source.background)
     return Edit("move", source, target, f"move {_name(shape)} {_destination(position)}", index)
@@ -84,7 +84,7 @@ def remove(source: Scene, index: int) -> Edit:
 
 def add(source: Scene, shape: Shape) -> Edit:
     target = Scene(source.shapes + (shape,), source.background)
-    return Edit("add", source, target, f"add a {shape.colour} {shape.kind} {_phrase(shape.position)}",
+    return Edit("add", source, target, f"add a {shape.colour} {shape.kind} {place_phrase(shape.position)}",
                 len(source.shapes))
 
 
@@ -119,16 +119,16 @@ def sample_edit(rng: random.Random, kind: str | None = None) -> Edit:
         raise ValueError(f"edit kind must be one of {EDIT_KINDS}, got {kind!r}")
 
 
-_NAME_RE = f"the ({_alternatives(COLOURS)}) ({_alternatives(KINDS)})"
+_NAME_RE = f"the ({regex_alternatives(COLOURS)}) ({regex_alternatives(KINDS)})"
 _PATTERNS = {
-    "recolour": re.compile(f"make {_NAME_RE} ({_alternatives(COLOURS)})"),
-    "move": re.compile(f"move {_NAME_RE} ({_alternatives(_destination(p) for p in POSITIONS)})"),
+    "recolour": re.compile(f"make {_NAME_RE} ({regex_alternatives(COLOURS)})"),
+    "move": re.compile(f"move {_NAME_RE} ({regex_alternatives(_destination(p) for p in POSITIONS)})"),
     "remove": re.compile(f"remove {_NAME_RE}"),
-    "add": re.compile(f"add a ({_alternatives(COLOURS)}) ({_alternatives(KINDS)}) "
-                      f"({_alternatives(_phrase(p) for p in POSITIONS)})"),
-    "background": re.compile(f"make the background ({_alternatives(BACKGROUNDS)})"),
+    "add": re.compile(f"add a ({regex_alternatives(COLOURS)}) ({regex_alternatives(KINDS)}) "
+                      f"({regex_alternatives(place_phrase(p) for p in POSITIONS)})"),
+    "background": re.compile(f"make the background ({regex_alternatives(BACKGROUNDS)})"),
 }
-_POSITION_OF = {**{_destination(p): p for p in POSITIONS}, **{_phrase(p): p for p in POSITIONS}}
+_POSITION_OF = {**{_destination(p): p for p in POSITIONS}, **{place_phrase(p): p for p in POSITIONS}}
 
 
 def parse_instruction(text: str, source: Scene) -> Edit:

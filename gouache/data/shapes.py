@@ -63,13 +63,14 @@ class Scene:
             raise ValueError(f"background must be one of {sorted(BACKGROUNDS)}, got {self.background!r}")
 
 
-def _phrase(position: str) -> str:
+def place_phrase(position: str) -> str:
+    """'at the top left', 'in the center': where a caption (or an instruction) puts a shape."""
     return "in the center" if position == "center" else f"at the {position}"
 
 
 def caption(scene: Scene) -> str:
     """'a red circle at the top left and a blue square at the bottom on a white background'."""
-    parts = [f"a {s.colour} {s.kind} {_phrase(s.position)}" for s in scene.shapes]
+    parts = [f"a {s.colour} {s.kind} {place_phrase(s.position)}" for s in scene.shapes]
     shapes = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     return f"{shapes} on a {scene.background} background"
 
@@ -78,24 +79,25 @@ def caption(scene: Scene) -> str:
 WORDS: tuple[str, ...] = tuple(
     dict.fromkeys(
         ["a", "and", "on", "background", ","]
-        + [w for p in POSITIONS for w in _phrase(p).split()]
+        + [w for p in POSITIONS for w in place_phrase(p).split()]
         + [*COLOURS, *KINDS, *BACKGROUNDS]
     )
 )
 
 
-def _alternatives(words) -> str:
+def regex_alternatives(words) -> str:
+    """A regular expression matching any of `words` exactly, the longest first."""
     return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
 
 
 _SHAPE_RE = (
-    f"a ({_alternatives(COLOURS)}) ({_alternatives(KINDS)}) "
-    f"({_alternatives(_phrase(p) for p in POSITIONS)})"
+    f"a ({regex_alternatives(COLOURS)}) ({regex_alternatives(KINDS)}) "
+    f"({regex_alternatives(place_phrase(p) for p in POSITIONS)})"
 )
 _CAPTION_RE = re.compile(
-    f"{_SHAPE_RE}(?:, {_SHAPE_RE})?(?: and {_SHAPE_RE})? on a ({_alternatives(BACKGROUNDS)}) background"
+    f"{_SHAPE_RE}(?:, {_SHAPE_RE})?(?: and {_SHAPE_RE})? on a ({regex_alternatives(BACKGROUNDS)}) background"
 )
-_POSITION_OF_PHRASE = {_phrase(p): p for p in POSITIONS}
+_POSITION_OF_PHRASE = {place_phrase(p): p for p in POSITIONS}
 
 
 def parse_caption(text: str) -> Scene:
