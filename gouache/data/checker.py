@@ -7,7 +7,9 @@ right shape, in the right cell. Analytic, so a wrong answer can be explained:
 4. its cell is the one holding its centroid; its kind comes from blur-invariant cumulants of the
    colour's coverage around the blob (see `_kind`).
 
-`python -m gouache.data.checker` measures it on clean and degraded dataset renders."""
+`check_edit` says the same of an instruction edit's output: was the instruction carried out, and
+was the rest of the scene kept. `python -m gouache.data.checker [--edits]` measures either on
+clean and degraded dataset renders."""
 
 from __future__ import annotations
 

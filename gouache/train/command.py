@@ -9,6 +9,7 @@ UNet (a style: its palette turned by one), written to `<out>/loras/shapes-unet/p
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import socket
@@ -18,6 +19,8 @@ from pathlib import Path
 # kind -> steps that fit in 30 minutes on a 2-core CPU (see benchmarks/results/train_*.json)
 DEFAULT_STEPS = {"vae": 3000, "unet": 5200, "inpaint": 1500, "dit": 3300, "edit": 3000, "lora": 3000,
                  "controlnet": 4000}
+# kind -> the weights a resumed run continues (--resume)
+RESUMES = {"unet": "shapes-unet", "dit": "shapes-dit", "edit": "shapes-edit"}
 # kind -> the weights it starts from, which an earlier `gouache train` wrote into --out
 NEEDS = {"vae": (), "unet": ("shapes-vae",), "inpaint": ("shapes-vae", "shapes-unet"), "dit": ("shapes-vae",),
          "edit": ("shapes-vae",), "lora": ("shapes-vae", "shapes-unet"), "controlnet": ("shapes-vae", "shapes-unet")}
@@ -45,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"data-parallel CPU processes of one thread-share each (default: one per core, "
                         f"{os.cpu_count() or 1}, on the CPU; 1 on a GPU); the same seed gives the same weights "
                         "only with the same number")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the weights of this kind in --out for --steps more, on the batches a longer run "
+                        "would draw next (" + ", ".join(RESUMES) + "); train_KIND.json in --report, the run "
+                        "resumed, says where, and the new one lists every run before it")
     p.add_argument("--device", default="cpu",
                    help="torch device to train on, e.g. cuda (default: %(default)s); a GPU draws other random numbers "
                         "than the CPU, so its weights differ from the CPU's for the same seed")
@@ -78,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     for name in NEEDS[args.kind]:
         if not weights_path(name, out).is_file():
             raise FileNotFoundError(f"{weights_path(name, out)} is missing; `gouache train` writes it")
+    args.start, args.runs_before = resumed(args, out) if args.resume else (0, [])
     if args.workers == 1:
         train_and_report(args, steps, out)
         return 0
@@ -86,6 +94,23 @@ def run(args: argparse.Namespace) -> int:
         port = s.getsockname()[1]
     torch.multiprocessing.spawn(_worker, args=(args, steps, out, port), nprocs=args.workers)
     return 0
+
+
+def resumed(args: argparse.Namespace, out: Path) -> tuple[int, list[dict]]:
+    """(the data step a resumed run starts at, the runs before it) from the report of the run it
+    continues."""
+    from gouache.models.trained import weights_path
+
+    if args.kind not in RESUMES:
+        raise ValueError(f"--resume continues {', '.join(RESUMES)}; {args.kind} trains from the start")
+    earlier = args.report / f"train_{args.kind}.json"
+    for path in (weights_path(RESUMES[args.kind], out), earlier):
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume continues a run of `gouache train {args.kind}`, but {path} is missing")
+    previous = json.loads(earlier.read_text())
+    runs = [*previous["extra"].get("runs_before", []),
+            {key: previous[key] for key in ("command", "steps", "minutes")}]
+    return sum(run["steps"] for run in runs), runs
 
 
 def _worker(rank: int, args: argparse.Namespace, steps: int, out: Path, port: int) -> None:
@@ -115,12 +140,15 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
 
     trainer = {"vae": train_vae, "unet": train_unet, "inpaint": train_inpaint, "dit": train_dit, "edit": train_edit,
                "lora": train_lora, "controlnet": train_controlnet}[args.kind]
-    report = trainer(args.seed, steps, out, args.device)
+    report = trainer(args.seed, steps, out, args.device, **({"start": args.start} if args.start else {}))
     if not is_writer():
         return
     report.extra.update(workers=args.workers, device=args.device)
+    if args.resume:
+        report.extra.update(runs_before=args.runs_before, steps_before=args.start, total_steps=args.start + steps,
+                            total_minutes=round(sum(r["minutes"] for r in args.runs_before) + report.seconds / 60, 2))
     command = ["gouache", "train", args.kind, "--seed", str(args.seed), "--steps", str(steps),
-               "--workers", str(args.workers)]
+               "--workers", str(args.workers)] + (["--resume"] if args.resume else [])
     if args.device != "cpu":
         command += ["--device", args.device]
     json_path, png_path = report.write(args.report, shlex.join(command))

@@ -82,12 +82,15 @@ def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str],
     return embeds, pooled, key_bias
 
 
-def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
-    generator = seed_everything(seed, device)
+def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0) -> Report:
+    """Train shapes-dit into `out`; from data step `start` > 0, on from the weights there."""
+    generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
     model = torch.nn.ModuleDict(
         {"transformer": trained.dit(), "text_encoder": trained.text_encoder(with_projection=True, layers=3)}
     ).to(device)
+    if start:
+        trained.load_weights(dict(model.items()), "shapes-dit", out)
     processors = model["transformer"].attn_processors  # the pipeline's own, put back after training
     recorder = CollapsedJointAttention(record=True)
     model["transformer"].set_attn_processor(recorder)
@@ -111,7 +114,7 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         maps, recorder.maps = recorder.maps, []
         return F.mse_loss(predicted, noise - latents) + GROUNDING_WEIGHT * grounding_loss(maps, batch.pixels, captions)
 
-    kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=5e-4), seed)
+    kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=5e-4), seed, start)
     kept["transformer"].set_attn_processor(processors)
     if is_writer():
         trained.save_weights({"transformer": kept["transformer"], "text_encoder": kept["text_encoder"]},

@@ -52,12 +52,15 @@ def change_weights(source: torch.Tensor, target: torch.Tensor, tokens_hw: tuple[
     return (1 + CHANGE_WEIGHT * F.adaptive_max_pool2d(changed, tokens_hw)).flatten(1).unsqueeze(-1)
 
 
-def train_edit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
-    generator = seed_everything(seed, device)
+def train_edit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0) -> Report:
+    """Train shapes-edit into `out`; from data step `start` > 0, on from the weights there."""
+    generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
     clip, t5 = trained.edit_text_encoders()
     model = torch.nn.ModuleDict({"transformer": trained.edit_transformer(), "text_encoder": clip,
                                  "text_encoder_2": t5}).to(device)
+    if start:
+        trained.load_weights(dict(model.items()), "shapes-edit", out)
     pipe = shapes_kontext(vae, model["text_encoder"], model["text_encoder_2"], model["transformer"])
     scale, shift = vae.config.scaling_factor, vae.config.shift_factor
 
@@ -84,7 +87,7 @@ def train_edit(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         error = (predicted - pipe._pack_latents(noise - latents, b, c, h, w)).pow(2)
         return (error * change_weights(source, target, (h // 2, w // 2))).mean()
 
-    kept, report = train("edit", model, loss_of, Schedule(steps=steps, lr=LR), seed)
+    kept, report = train("edit", model, loss_of, Schedule(steps=steps, lr=LR), seed, start)
     if is_writer():
         trained.save_weights(dict(kept.items()), "shapes-edit", out)
     return report

@@ -138,9 +138,12 @@ class Report:
 
 def train(
     name: str, model: torch.nn.Module, loss_of: Callable[[int], torch.Tensor], schedule: Schedule, seed: int,
+    start: int = 0,
 ) -> tuple[torch.nn.Module, Report]:
-    """Minimise `loss_of(step)` over `model`'s parameters; returns the weights to keep (the moving
-    average where the schedule has one) and the report."""
+    """Minimise `loss_of(step)` over `model`'s parameters for `schedule.steps` steps from data step
+    `start` (a resumed run's: the batches a longer run would have drawn next; the learning rate's
+    warm-up and decay are this run's own); returns the weights to keep (the moving average where
+    the schedule has one) and the report."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimiser = torch.optim.AdamW(params, lr=schedule.lr, weight_decay=schedule.weight_decay)
     ema = None
@@ -150,13 +153,13 @@ def train(
         )
     report = Report(name, seed, asdict(schedule), sum(p.numel() for p in params))
     model.train()
-    start = time.perf_counter()
+    began = time.perf_counter()
     quiet = not is_writer()
     with tqdm(range(schedule.steps), desc=f"train {name}", unit="step", dynamic_ncols=True, disable=quiet) as bar:
         for step in bar:
             for group in optimiser.param_groups:
                 group["lr"] = schedule.lr_at(step)
-            loss = loss_of(step)
+            loss = loss_of(start + step)
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             loss = average_over_processes(params, loss.detach())
@@ -167,7 +170,7 @@ def train(
             report.losses.append(loss.item())
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{np.mean(report.losses[-50:]):.4f}")
-    report.seconds = time.perf_counter() - start
+    report.seconds = time.perf_counter() - began
     kept = ema.module if ema is not None else model
     return kept.eval(), report
 
@@ -189,11 +192,13 @@ def average_over_processes(params: list[torch.nn.Parameter], loss: torch.Tensor)
     return flat[-1]
 
 
-def seed_everything(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+def seed_everything(seed: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Generator:
     """Seed torch's global RNG (weight init, dropout; the same in every process, so all start from
     the same weights) and return this process's generator on `device` for the run's noise (a GPU's
-    generator draws other numbers than the CPU's: a run replays on the device kind it ran on)."""
+    generator draws other numbers than the CPU's: a run replays on the device kind it ran on); a
+    run resumed at data step `start` draws noise of its own."""
     torch.manual_seed(seed)
     rank, world = process_group()
-    return torch.Generator(device).manual_seed(seed if world == 1 else seed * 1000 + rank)
+    noise = seed if world == 1 else seed * 1000 + rank
+    return torch.Generator(device).manual_seed(noise if not start else noise * 1_000_003 + start)
 

@@ -85,12 +85,15 @@ def encoded_batch(vae, seed: int, step: int,
     return batch.pixels.repeat(repeat), latents.repeat(repeat), batch.captions * NOISE_DRAWS
 
 
-def train_unet(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
-    generator = seed_everything(seed, device)
+def train_unet(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0) -> Report:
+    """Train shapes-unet into `out`; from data step `start` > 0, on from the weights there."""
+    generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
     model = torch.nn.ModuleDict(
         {"unet": trained.unet(), "text_encoder": trained.text_encoder(with_projection=False, layers=2)}
     ).to(device)
+    if start:
+        trained.load_weights(dict(model.items()), "shapes-unet", out)
     processors = model["unet"].attn_processors  # the pipeline's own, put back after training
     recorder = record_cross_attention(model["unet"])
     pipe = shapes_sd(vae, model["text_encoder"], model["unet"])
@@ -105,7 +108,7 @@ def train_unet(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         maps, recorder.maps = recorder.maps, []
         return loss + GROUNDING_WEIGHT * grounding_loss(maps, pixels, captions)
 
-    kept, report = train("unet", model, loss_of, Schedule(steps=steps, lr=LR), seed)
+    kept, report = train("unet", model, loss_of, Schedule(steps=steps, lr=LR), seed, start)
     kept["unet"].set_attn_processor(processors)
     if is_writer():
         trained.save_weights({"unet": kept["unet"], "text_encoder": kept["text_encoder"]}, "shapes-unet", out)

@@ -111,6 +111,29 @@ def test_the_same_seed_and_workers_train_the_same_weights(trained_dir, tmp_path)
     assert not all(torch.equal(alone[k], first[k]) for k in first)
 
 
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_weights_and_lists_the_runs_before_it(trained_dir, tmp_path, capsys):
+    """`--resume`: the weights in --out go on training (on the batches after the first run's, with
+    noise of their own), and the report names every run before, so the chain can be replayed."""
+    first = weights_after(tmp_path / "w", 1, trained_dir)
+    out = str(tmp_path / "w")
+    assert main(["train", "unet", "--steps", "3", "--workers", "1", "--out", out, "--report", out, "--resume"]) == 0
+    report = json.loads((tmp_path / "w" / "train_unet.json").read_text())
+    assert report["command"] == "gouache train unet --seed 0 --steps 3 --workers 1 --resume"
+    runs = report["extra"]["runs_before"]
+    assert [(r["command"], r["steps"]) for r in runs] == [("gouache train unet --seed 0 --steps 2 --workers 1", 2)]
+    assert (report["extra"]["steps_before"], report["extra"]["total_steps"]) == (2, 5)
+    assert report["extra"]["total_minutes"] >= runs[0]["minutes"]
+    resumed = load_file(str(tmp_path / "w" / "shapes-unet.safetensors"))
+    fresh = weights_after(tmp_path / "fresh", 1, trained_dir)  # two steps from the seed's initial weights
+    assert all(torch.equal(fresh[k], first[k]) for k in first)
+    assert sum(not torch.equal(resumed[k], first[k]) for k in first) > len(first) // 2  # it trained on
+    assert main(["train", "vae", "--steps", "1", "--out", out, "--report", out, "--resume"]) == 2
+    assert "--resume continues unet, dit, edit; vae trains from the start" in capsys.readouterr().err
+    assert main(["train", "dit", "--steps", "1", "--out", out, "--report", out, "--resume"]) == 2
+    assert "shapes-dit.safetensors is missing" in capsys.readouterr().err
+
+
 def test_unet_and_dit_need_the_vae_first(tmp_path, capsys):
     assert main(["train", "unet", "--steps", "1", "--out", str(tmp_path), "--report", str(tmp_path)]) == 2
     assert "shapes-vae.safetensors is missing" in capsys.readouterr().err
