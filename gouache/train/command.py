@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the weights of this kind in --out for --steps more, on the batches a longer run "
                         "would draw next (" + ", ".join(RESUMES) + "); train_KIND.json in --report, the run "
-                        "resumed, says where, and the new one lists every run before it")
+                        "resumed, says where, and the new one lists every run before it (default: from the start)")
     p.add_argument("--device", default="cpu",
                    help="torch device to train on, e.g. cuda (default: %(default)s); a GPU draws other random numbers "
                         "than the CPU, so its weights differ from the CPU's for the same seed")
