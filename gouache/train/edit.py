@@ -8,7 +8,6 @@ copying the source is most of the loss's answer)."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from gouache.data.edits import sample_edit
 from gouache.data.shapes import render
 from gouache.models import trained
 from gouache.models.zoo import shapes_kontext
-from gouache.train.loop import Report, Schedule, is_writer, process_group, seed_everything, train
+from gouache.train.loop import Report, Schedule, batch_share, is_writer, seed_everything, train
 
 BATCH = 32
 LR = 5e-4
@@ -31,12 +30,9 @@ def edit_batch(seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], .
                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """This process's share of batch `step` of run `seed`: (source pixels, target pixels) [B, 3, H, W]
     in [-1, 1] of one size drawn from `sizes`, and the instructions."""
-    rank, world = process_group()
-    if batch % world:
-        raise ValueError(f"a batch of {batch} does not split over {world} processes")
-    rng = random.Random(f"train-edit:{seed}:{step}" + (f":{rank}/{world}" if world > 1 else ""))
+    rng, share = batch_share("train-edit", seed, step, batch)
     width, height = rng.choice(sizes)
-    edits = [sample_edit(rng) for _ in range(batch // world)]
+    edits = [sample_edit(rng) for _ in range(share)]
     seeds = [rng.getrandbits(32) for _ in edits]
 
     def pixels(scenes) -> torch.Tensor:

@@ -44,6 +44,15 @@ def is_writer() -> bool:
     return process_group()[0] == 0
 
 
+def batch_share(name: str, seed: int, step: int, batch: int) -> tuple[random.Random, int]:
+    """(the random numbers of this process's share of batch `step` of run `seed` of `name`, the
+    share's size): the same for the same (name, seed, step, rank, processes)."""
+    rank, world = process_group()
+    if batch % world:
+        raise ValueError(f"a batch of {batch} does not split over {world} processes")
+    return random.Random(f"{name}:{seed}:{step}" + (f":{rank}/{world}" if world > 1 else "")), batch // world
+
+
 def shapes_batch(
     seed: int, step: int, batch: int, sizes: tuple[tuple[int, int], ...], device: torch.device | str = "cpu",
     restyle: Callable[[Scene], Scene] | None = None, captioned: Callable[[Scene], str] = caption,
@@ -53,12 +62,9 @@ def shapes_batch(
     and `batch` / processes fresh scenes at that size, captioned by `captioned`, drawn restyled
     by `restyle`, with their layout maps if `layouts`. It depends on (seed, step, rank,
     processes) alone, so a run can be replayed."""
-    rank, world = process_group()
-    if batch % world:
-        raise ValueError(f"a batch of {batch} does not split over {world} processes")
-    rng = random.Random(f"train:{seed}:{step}" + (f":{rank}/{world}" if world > 1 else ""))
+    rng, share = batch_share("train", seed, step, batch)
     width, height = rng.choice(sizes)
-    scenes = [sample_scene(rng) for _ in range(batch // world)]
+    scenes = [sample_scene(rng) for _ in range(share)]
     drawn = scenes if restyle is None else [restyle(s) for s in scenes]  # captioned as `scenes`, drawn as this
     seeds = [rng.getrandbits(32) for _ in drawn]
     images = np.stack([render(s, width, height, seed=k) for s, k in zip(drawn, seeds)])
