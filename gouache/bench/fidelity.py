@@ -2,14 +2,17 @@
 ones, and whether they still show what the prompt asked for.
 
 Prompts are shapes captions (`gouache.data.shapes`) at one or more sizes, each with one or more
-seeds. The reference (exact: default steps, `orca`) and the candidate (fewer steps, another
-policy, another batch size; later, the approximations) each make every image in this process.
-Reported: SSIM and PSNR of candidate against reference, the checker's prompt alignment for both
-(colour, shape, position, all), and whether the candidate is acceptable (SSIM >= 0.95 and
-alignment within 2 points of the reference's). Speed: the engine's summed step latencies while
-making the images (`denoise_ratio`), and the mean step time of one steady batch denoised start to
-end by each setup in turn, apart from the engine's stages (`steady_step_ratio`). Writes JSON, a
-markdown table and a contact sheet (reference | candidate | difference).
+seeds; for a model that only edits (shapes-edit), instruction edits of shapes scenes
+(`gouache.data.edits`), checked by `check_edit` (carried out; the rest kept). The reference
+(exact: default steps, `orca`) and the candidate (fewer steps, another policy, another batch
+size, an approximation) each make every image in this process. Reported: SSIM and PSNR of
+candidate against reference, the checker's prompt alignment for both (colour, shape, position,
+all; for edits carried out, rest kept, both), and whether the candidate is acceptable (SSIM >=
+0.95 and alignment within 2 points of the reference's: all right, or for edits each of carried
+out and rest kept). Speed: the engine's summed step latencies while making the images
+(`denoise_ratio`), and the mean step time of one steady batch denoised start to end by each
+setup in turn, apart from the engine's stages (`steady_step_ratio`). Writes JSON, a markdown
+table and a contact sheet (reference | candidate | difference; edits begin with the upload).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from gouache.bench.prompts import Control, Prompt, controls, make_prompts
+from gouache.bench.prompts import Control, Prompt, controls, make_edit_prompts, make_prompts
 from gouache.cli_flags import Given, given, parse_size, refuse_ignored
-from gouache.data.checker import Check, check
+from gouache.data.checker import Check, EditCheck, check, check_edit
 
 SSIM_ACCEPTABLE = 0.95  # mean SSIM against the reference at or above which a candidate may ship
 ALIGNMENT_POINTS = 2.0  # ... if its "all ok" alignment is at most this many points below the reference's
@@ -85,6 +88,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     from gouache.config import BlockCacheConfig, ControlNetConfig, EngineConfig, ModelConfig, SchedulerConfig
     from gouache.data.shapes import unplaced_caption
     from gouache.engine.build import build_engine
+    from gouache.engine.imaging import encode_image
     from gouache.request import ImageRequest
 
     controlnets = ControlNetConfig(control.directory, control.workers) if control else ControlNetConfig()
@@ -104,6 +108,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
             await engine.submit([ImageRequest(
                 f"fidelity-{i}-0", unplaced_caption(p.scene) if control else p.caption, p.width, p.height,
                 setup.steps or info.default_steps, info.default_guidance, p.seed,
+                image=encode_image(p.upload(), "png") if p.edit else None,
                 **controls(p, control, setup.controlnet_mode),
             )])
             for i, p in enumerate(prompts)
@@ -137,6 +142,7 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
     from gouache.runner.quantize import quantize
     from gouache.sched.plan import Batch
     from gouache.sched.policies import POLICIES
+    from gouache.uploads import Upload
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -150,7 +156,8 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
             batch = prompts[: setup.max_batch_size]
             ids = tuple(runner.prepare(ImageRequest(
                 f"steady-{i}", p.caption, p.width, p.height, setup.steps or info.default_steps, info.default_guidance,
-                p.seed)).request_id for i, p in enumerate(batch))
+                p.seed, image=b"upload" if p.edit else None), Upload(p.upload()) if p.edit else None).request_id
+                for i, p in enumerate(batch))
             patched, steps, start = POLICIES[setup.policy].mixes_resolutions, 0, time.perf_counter()
             while not runner.states[ids[0]].done:
                 runner.execute(Batch(ids, (0,), 1, patched))
@@ -185,9 +192,10 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
 
 
-def checks(images: list[np.ndarray], prompts: list[Prompt]) -> list[Check]:
-    """The checker's verdict on each image against its prompt's scene."""
-    return [check(image, prompt.scene) for image, prompt in zip(images, prompts)]
+def checks(images: list[np.ndarray], prompts: list[Prompt]) -> list[Check | EditCheck]:
+    """The checker's verdict on each image against its prompt's scene, or its edit."""
+    return [check_edit(image, prompt.edit) if prompt.edit else check(image, prompt.scene)
+            for image, prompt in zip(images, prompts)]
 
 
 def alignment(verdicts: list[Check]) -> dict[str, float]:
@@ -212,25 +220,46 @@ def alignment(verdicts: list[Check]) -> dict[str, float]:
     }
 
 
+def edit_alignment(verdicts: list[EditCheck], prompts: list[Prompt]) -> dict[str, float]:
+    """What the checker found of edits, as fractions: instructions carried out, the rest kept, both
+    (`all`), and both per edit kind (`all_recolour`, ...; absent when no prompt is of that kind)."""
+    n = max(len(verdicts), 1)
+    by_kind: dict[str, list[bool]] = {}
+    for verdict, prompt in zip(verdicts, prompts):
+        by_kind.setdefault(prompt.edit.kind, []).append(verdict.all_ok)
+    return {
+        "carried_out": sum(v.carried_out for v in verdicts) / n, "rest_kept": sum(v.rest_kept for v in verdicts) / n,
+        "all": sum(v.all_ok for v in verdicts) / n,
+        **{f"all_{kind}": sum(oks) / len(oks) for kind, oks in by_kind.items()},
+    }
+
+
 def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict:
     """The report's numbers for one candidate against the reference."""
     ssims = [ssim(r, c) for r, c in zip(reference.images, candidate.images)]
     psnrs = [psnr(r, c) for r, c in zip(reference.images, candidate.images)]
     ref_checks, cand_checks = checks(reference.images, prompts), checks(candidate.images, prompts)
-    ref_align, cand_align = alignment(ref_checks), alignment(cand_checks)
+    edits = bool(prompts) and prompts[0].edit is not None
+    if edits:
+        ref_align, cand_align = edit_alignment(ref_checks, prompts), edit_alignment(cand_checks, prompts)
+    else:
+        ref_align, cand_align = alignment(ref_checks), alignment(cand_checks)
     finite = [p for p in psnrs if np.isfinite(p)]
     summary = {
         "ssim_mean": float(np.mean(ssims)), "ssim_min": float(np.min(ssims)),
         "psnr_mean_db": float(np.mean(finite)) if finite else None,  # over the images that differ
         "identical_images": sum(not np.isfinite(p) for p in psnrs),
         "reference_alignment": ref_align, "candidate_alignment": cand_align,
-        "alignment_drop_points": 100 * (ref_align["all"] - cand_align["all"]),
+        # the largest drop of the rates that must hold: all right; for edits carried out and rest kept
+        "alignment_drop_points": max(100 * (ref_align[key] - cand_align[key])
+                                     for key in (("carried_out", "rest_kept") if edits else ("all",))),
     }
     summary["acceptable"] = bool(
         summary["ssim_mean"] >= SSIM_ACCEPTABLE and summary["alignment_drop_points"] <= ALIGNMENT_POINTS
     )
     summary["per_image"] = [
-        {"caption": p.caption, "size": f"{p.width}x{p.height}", "seed": p.seed, "ssim": s,
+        {"caption": p.caption, **({"edit": p.edit.kind} if p.edit else {}), "size": f"{p.width}x{p.height}",
+         "seed": p.seed, "ssim": s,
          "psnr_db": q if np.isfinite(q) else None,  # None: identical images
          "reference_ok": r.all_ok, "candidate_ok": c.all_ok}
         for p, s, q, r, c in zip(prompts, ssims, psnrs, ref_checks, cand_checks)
@@ -242,24 +271,31 @@ def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict
 
 
 def contact_sheet(reference: Result, candidate: Result, prompts: list[Prompt], rows: int, path: Path) -> None:
-    """One row per prompt: reference | candidate | |difference| x4, under a header naming both."""
+    """One row per prompt: reference | candidate | |difference| x4, under a header naming both; edits
+    start with the upload, and the row's instruction under it."""
     rows = min(rows, len(prompts))
+    edits = prompts[0].edit is not None
     cell_w = max(p.width for p in prompts[:rows]) + 8
-    cell_h = max(p.height for p in prompts[:rows]) + 8
-    titles = (f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}", "|difference| x4")
     width = max((cell_w - 8) // 6, 8)  # characters per line of the default font (6 px each)
+    notes = [textwrap.wrap(p.caption, width) if edits else [] for p in prompts[:rows]]
+    cell_h = max(p.height for p in prompts[:rows]) + 8 + 12 * max(len(note) for note in notes)
+    titles = (("upload, its instruction",) if edits else ()) + (
+        f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}", "|difference| x4")
     lines = [textwrap.wrap(text, width) for text in titles]
     header = 6 + 12 * max(len(part) for part in lines)
-    sheet = Image.new("RGB", (3 * cell_w, header + rows * cell_h), (255, 255, 255))
+    sheet = Image.new("RGB", (len(titles) * cell_w, header + rows * cell_h), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for col, part in enumerate(lines):
         for i, line in enumerate(part):
             draw.text((col * cell_w + 4, 4 + 12 * i), line, fill=(0, 0, 0))
-    for row in range(rows):
+    for row, prompt in enumerate(prompts[:rows]):
         ref, cand = reference.images[row], candidate.images[row]
         diff = np.clip(4 * np.abs(ref.astype(np.int16) - cand.astype(np.int16)), 0, 255).astype(np.uint8)
-        for col, image in enumerate((ref, cand, diff)):
-            sheet.paste(Image.fromarray(image), (col * cell_w + 4, header + row * cell_h + 4))
+        top = header + row * cell_h + 4
+        for col, image in enumerate(((prompt.upload(),) if edits else ()) + (ref, cand, diff)):
+            sheet.paste(Image.fromarray(image), (col * cell_w + 4, top))
+        for i, line in enumerate(notes[row]):
+            draw.text((4, top + prompt.height + 2 + 12 * i), line, fill=(0, 0, 0))
     sheet.save(path)
 
 
@@ -268,9 +304,11 @@ def contact_sheet(reference: Result, candidate: Result, prompts: list[Prompt], r
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="shapes-unet",
-                   help="a shapes-trained built-in (shapes-unet, shapes-dit) or a directory of one "
+                   help="a shapes-trained built-in (shapes-unet, shapes-dit; shapes-edit, whose prompts are "
+                        "instruction edits) or a directory of one (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=50,
+                   help="distinct shapes captions, or instruction edits for a model that only edits "
                         "(default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=50, help="distinct shapes captions (default: %(default)s)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per caption (default: %(default)s)")
     p.add_argument("--sizes", default="128x128",
                    help="comma-separated WxH sizes, taken in turn by the captions (default: %(default)s)")
@@ -376,12 +414,24 @@ def _check_flags(args, *policies: str) -> None:
         BlockCacheConfig(args.candidate_block_cache)  # in range, or the config's message
 
 
+def only_edits(model: str) -> bool:
+    """Whether `model` makes no images from text alone (shapes-edit): its prompts are then edits."""
+    from gouache.models.zoo import load_pipeline, model_id
+    from gouache.runner.describe import model_info
+
+    return not model_info(load_pipeline(model), model_id(model)).generation
+
+
 def run(args) -> int:
     from gouache.sim.report import markdown_table
 
     reference_setup, candidate_setup = setups(args)
     _check_flags(args, reference_setup.policy, candidate_setup.policy)
-    prompts = make_prompts(args.prompts, args.seeds, [parse_size(part) for part in args.sizes.split(",")])
+    edits = only_edits(args.model)
+    if edits and args.controlnet:
+        raise ValueError(f"--controlnet places the shapes of generations; {args.model} only edits")
+    prompts = (make_edit_prompts if edits else make_prompts)(
+        args.prompts, args.seeds, [parse_size(part) for part in args.sizes.split(",")])
     control = None
     if args.controlnet:
         from gouache.train.controlnet import controlnet_dir
@@ -401,6 +451,7 @@ def run(args) -> int:
     report = {
         "command": shlex.join(["gouache", "bench", "fidelity", *options]),
         "model": args.model, "prompts": args.prompts, "seeds": args.seeds, "sizes": args.sizes, "images": len(prompts),
+        "edits": edits,
         **{r.setup.label: {**asdict(r.setup), "seconds": r.seconds, "denoise_seconds": r.denoise_seconds,
                            "reused_fraction": r.reused_fraction, "decide_share": r.decide_share, "steady_step_s": t,
                            "steady_step_samples_s": samples}

@@ -1,26 +1,39 @@
-"""The prompts of `gouache bench fidelity`: shapes scenes at sizes and seeds, and the layout-map
-ControlNet that may place them (then the captions say no positions)."""
+"""The prompts of `gouache bench fidelity`: shapes scenes at sizes and seeds, or instruction edits
+of them (for a model that edits), and the layout-map ControlNet that may place them (then the
+captions say no positions)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
-from gouache.data.shapes import Scene, caption, sample_scene
+import numpy as np
+
+from gouache.data.edits import EDIT_KINDS, Edit, sample_edit
+from gouache.data.shapes import Scene, caption, render, sample_scene
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One image to make: a scene's caption at a size, with a seed."""
+    """One image to make: a scene's caption at a size, with a seed; or, with `edit`, the edit's
+    source rendered at that size (jitter seeded by `render_seed`) changed by its instruction
+    into `scene`, its target."""
 
     scene: Scene
     width: int
     height: int
     seed: int
+    edit: Edit | None = None
+    render_seed: int = 0
 
     @property
     def caption(self) -> str:
-        return caption(self.scene)
+        """The request's prompt: the caption, or the edit's instruction."""
+        return self.edit.instruction if self.edit else caption(self.scene)
+
+    def upload(self) -> np.ndarray | None:
+        """[H, W, 3] uint8: the image an edit changes; None for a generation."""
+        return render(self.edit.source, self.width, self.height, self.render_seed) if self.edit else None
 
 
 def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
@@ -30,6 +43,18 @@ def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0
     return [
         Prompt(scene, width=sizes[i % len(sizes)][1], height=sizes[i % len(sizes)][0], seed=s)
         for i, scene in enumerate(scenes) for s in range(seeds)
+    ]
+
+
+def make_edit_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
+    """n instruction edits of every kind in turn (deterministic from `seed`, apart from the
+    training data's), sizes ((h, w) each) taken in turn, each with seeds 0..seeds-1."""
+    rng = random.Random(f"fidelity-edits:{seed}")
+    edits = [(sample_edit(rng, EDIT_KINDS[i % len(EDIT_KINDS)]), rng.getrandbits(32)) for i in range(n)]
+    return [
+        Prompt(edit.target, width=sizes[i % len(sizes)][1], height=sizes[i % len(sizes)][0], seed=s, edit=edit,
+               render_seed=jitter)
+        for i, (edit, jitter) in enumerate(edits) for s in range(seeds)
     ]
 
 

@@ -201,6 +201,10 @@ class EditCheck:
     rest_kept: bool  # every other shape of the scene, and the background, is as the source had it
     found: Check  # the output checked against the target scene
 
+    @property
+    def all_ok(self) -> bool:
+        return self.carried_out and self.rest_kept
+
 
 def _absent(labels: np.ndarray, colour: str, min_area: float, cell: str | None = None) -> bool:
     """No blob of `colour` of `min_area` pixels (within grid cell `cell` only, if given)."""

@@ -76,6 +76,7 @@ class BuiltinSpec:
     description: str  # one line for humans
     default_size: int = TINY_DEFAULT_SIZE  # pixels per side of a request without `size`
     default_guidance: float | None = None  # a request's guidance scale when it gives none; None: the family's
+    generation: bool = True  # makes images from text alone; False: only edits (its pipeline may generate)
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -107,6 +108,11 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "shapes-dit": BuiltinSpec(
         "sd3", "SD3 MMDiT trained here on coloured shapes (`gouache train dit`); 64-128 px",
         default_size=trained.SIZE,
+    ),
+    "shapes-edit": BuiltinSpec(
+        "flux", "FLUX.1 Kontext-style transformer trained here on instruction edits of shapes (`gouache train "
+                "edit`): \"make the red circle blue\"; 64-128 px; no generations",
+        default_size=trained.SIZE, generation=False,
     ),
 }
 
@@ -343,6 +349,11 @@ def build_shapes_dit() -> DiffusionPipeline:
     return shapes_sd3(trained.load_vae(), text_encoder, transformer)
 
 
+def build_shapes_edit() -> DiffusionPipeline:
+    transformer, clip, t5 = trained.load_edit()
+    return shapes_kontext(trained.load_vae(), clip, t5, transformer)
+
+
 BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-sd": build_tiny_sd,
     "tiny-sdxl": build_tiny_sdxl,
@@ -359,6 +370,7 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "shapes-unet": build_shapes_unet,
     "shapes-unet-inpaint": lambda: build_shapes_unet(in_channels=9),
     "shapes-dit": build_shapes_dit,
+    "shapes-edit": build_shapes_edit,
 }
 
 

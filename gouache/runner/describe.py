@@ -125,6 +125,6 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         cfg_from=CFG_FROM.get(family, 1.0),
         token_pixels=pipe.vae_scale_factor if family in ("sd", "sdxl") else size_step(pipe, family),
         max_input_images=max_input_images(pipe),
-        generation=generations(pipe),
+        generation=generations(pipe) and (builtin.generation if builtin else True),
         min_steps=MIN_STEPS.get(family, 1),
     )

@@ -4,7 +4,9 @@ edit pairs of the shapes world (`gouache.data.edits`). Rectified flow on the tar
 (the VAE's mode, as Kontext encodes an upload) as reference tokens after the target's, their ids'
 first coordinate 1 as `FluxKontextPipeline` makes them; the loss on the target's tokens only,
 weighted up on the tokens the edit changes (a shape is a few of an image's tokens: unweighted,
-copying the source is most of the loss's answer)."""
+copying the source is most of the loss's answer). Each pair is drawn at NOISE_DRAWS noise levels
+in its batch, as the UNet's images are: encoding a pair's two images costs about what the
+transformer's training step on it does at 128 px."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from gouache.models.zoo import shapes_kontext
 from gouache.train.loop import Report, Schedule, batch_share, is_writer, seed_everything, train
 
 BATCH = 32
+NOISE_DRAWS = 2  # noise levels per pair in a batch: BATCH // NOISE_DRAWS pairs are encoded
 LR = 5e-4
 SHIFT = 3.0  # the pipeline scheduler's shift, as the DiT's
 CHANGE_WEIGHT = 4.0  # extra loss weight on the tokens where source and target differ
@@ -61,10 +64,13 @@ def train_edit(seed: int, steps: int, out: Path, device: str = "cpu", start: int
     scale, shift = vae.config.scaling_factor, vae.config.shift_factor
 
     def loss_of(step: int) -> torch.Tensor:
-        source, target, instructions = edit_batch(seed, step, BATCH, trained.TRAIN_SIZES, device)
+        source, target, instructions = edit_batch(seed, step, BATCH // NOISE_DRAWS, trained.TRAIN_SIZES, device)
         with torch.no_grad():
             reference = (vae.encode(source).latent_dist.mode() - shift) * scale
             latents = (vae.encode(target).latent_dist.sample(generator) - shift) * scale
+        repeat = (NOISE_DRAWS, 1, 1, 1)
+        source, target, reference, latents = (x.repeat(repeat) for x in (source, target, reference, latents))
+        instructions = instructions * NOISE_DRAWS
         b, c, h, w = latents.shape
         embeds, pooled, text_ids = pipe.encode_prompt(prompt=instructions, prompt_2=None, device=device,
                                                       max_sequence_length=trained.EDIT_TEXT_LENGTH)

@@ -3,9 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from gouache.bench.fidelity import Result, Setup, alignment, checks, compare, psnr, ssim
-from gouache.bench.prompts import make_prompts
+from gouache.bench.fidelity import Result, Setup, alignment, checks, compare, edit_alignment, psnr, ssim
+from gouache.bench.prompts import make_edit_prompts, make_prompts
 from gouache.data.checker import Degrade
+from gouache.data.edits import EDIT_KINDS
 from gouache.data.shapes import Scene, render
 
 
@@ -60,6 +61,29 @@ def test_a_damaged_candidate_is_not_acceptable_and_an_equal_one_is():
     assert worse["candidate_alignment"]["all"] < worse["reference_alignment"]["all"]
 
 
+def test_edit_prompts_take_every_kind_in_turn_and_upload_the_source():
+    prompts = make_edit_prompts(6, 2, [(64, 96)])
+    assert prompts == make_edit_prompts(6, 2, [(64, 96)])
+    assert [p.edit.kind for p in prompts[::2]] == [*EDIT_KINDS, EDIT_KINDS[0]]
+    assert prompts[0].caption == prompts[0].edit.instruction and prompts[0].scene == prompts[0].edit.target
+    assert prompts[0].upload().shape == (64, 96, 3)
+    assert (prompts[0].upload() == render(prompts[0].edit.source, 96, 64, prompts[0].render_seed)).all()
+
+
+def test_edit_alignment_rates_exact_targets_sources_and_blanks():
+    prompts = make_edit_prompts(10, 1, [(128, 128)])
+    targets = [render(p.edit.target, p.width, p.height, p.render_seed) for p in prompts]
+    found = edit_alignment(checks(targets, prompts), prompts)
+    assert set(found.values()) == {1.0} and {f"all_{kind}" for kind in EDIT_KINDS} <= set(found)
+    unedited = edit_alignment(checks([p.upload() for p in prompts], prompts), prompts)
+    assert unedited["carried_out"] == 0.0 and unedited["rest_kept"] == 1.0
+    same = compare(Result(Setup("reference"), targets), Result(Setup("candidate"), targets), prompts)
+    assert same["acceptable"] and same["alignment_drop_points"] == 0.0
+    kept_only = compare(Result(Setup("reference"), targets), Result(Setup("candidate"), [p.upload() for p in prompts]),
+                        prompts)
+    assert not kept_only["acceptable"] and kept_only["alignment_drop_points"] == 100.0
+
+
 def run_fidelity(tmp_path, *options):
     from gouache.cli import main
 
@@ -83,6 +107,19 @@ def test_on_the_trained_unet_patched_batching_is_an_exact_candidate(tmp_path):
     report = run_fidelity(tmp_path, "--sizes", "128x128,64x128,96x96", "--steps", "6", "--candidate-policy", "patched")
     assert report["acceptable"] and report["ssim_mean"] > 0.999
     assert report["candidate_alignment"] == report["reference_alignment"]
+
+
+@pytest.mark.slow
+def test_on_the_edit_model_prompts_are_instruction_edits_and_packing_them_is_exact(tmp_path):
+    """shapes-edit makes no images from text: every prompt uploads its source scene and asks for an
+    edit; packed with other sizes (reference tokens and all) the edits equal the plain ones."""
+    report = run_fidelity(tmp_path, "--model", "shapes-edit", "--sizes", "128x128,64x128", "--steps", "6",
+                          "--candidate-policy", "patched", "--step-repeats", "1")
+    assert report["edits"] and [p["edit"] for p in report["per_image"]] == [*EDIT_KINDS, EDIT_KINDS[0]]
+    assert {"carried_out", "rest_kept", "all", "all_move"} <= set(report["reference_alignment"])
+    assert report["acceptable"] and report["ssim_mean"] > 0.999
+    assert report["candidate_alignment"] == report["reference_alignment"]
+    assert report["candidate"]["steady_step_s"] > 0  # the steady batch's edits carried their uploads
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ SHAPES_MODELS = [name for name in BUILTIN_MODELS if name.startswith("shapes-")]
 BUDGET_MB = 25  # the issue's limit on the repository's weights
 
 # (caption, size, seed) that the checker accepted in `benchmarks/results/fidelity_NAME.json`
-# (78 of 200 for the UNet, 16 for the DiT), one to three shapes; a change to the weights or to the
+# (184 of 200 for the UNet, 16 for the DiT), one to three shapes; a change to the weights or to the
 # models' numerics shows here.
 DRAWN = {
     "shapes-unet": [
@@ -41,9 +41,11 @@ def test_the_weights_fit_the_budget_and_every_file_is_used():
 def test_model_info(name):
     info = model_info(load_pipeline(name), name)
     assert (info.default_size, info.default_steps) == (128, 20)
-    assert info.size_step == (16 if name == "shapes-dit" else 32)
+    assert info.size_step == (32 if name.startswith("shapes-unet") else 16)
     assert info.inpaint_channels == name.endswith("-inpaint")
-    assert info.default_guidance == (7.0 if name == "shapes-dit" else trained.UNET_GUIDANCE)
+    assert info.default_guidance == {"shapes-dit": 7.0, "shapes-edit": 3.5}.get(name, trained.UNET_GUIDANCE)
+    # shapes-edit's pipeline (FLUX.1 Kontext's) would generate, but the model learnt only edits
+    assert (info.generation, info.instruction_edit) == ((False, True) if name == "shapes-edit" else (True, False))
 
 
 @pytest.mark.parametrize("name", list(DRAWN))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gouache.data.shapes import layout_map, sample_scene, unplaced_caption
+from gouache.data.shapes import layout_map, parse_caption, render, sample_scene, unplaced_caption
 from tests.api.helpers import open_image
 from tests.ui.conftest import API_KEY
 
@@ -182,9 +182,10 @@ def test_an_edit_with_a_painted_mask_keeps_every_unpainted_pixel_of_the_upload(b
     assert console_errors(browser) == []
 
 
-def unpainted_edit(browser, url: str, model: str, uploads: list, prompt: str, name: str, screenshot):
+def unpainted_edit(browser, url: str, model: str, uploads: list, prompt: str, name: str, screenshot, steps: int = 2):
     """Edit `uploads` (paths: the image, then further images) on the page of the server at `url`
-    with nothing painted; the image shown, the API's answer to the same request, and the form."""
+    with nothing painted, in `steps` steps; the image shown, the API's answer to the same request,
+    and the form."""
     open_page(browser, url, "edit")
     wait(browser, lambda: css(browser, "#server-line").text == f"serving {model}")
     form = css(browser, "#edit-form")
@@ -192,11 +193,11 @@ def unpainted_edit(browser, url: str, model: str, uploads: list, prompt: str, na
     for path in uploads[1:]:
         form.find_element("name", "references").send_keys(str(path))
     wait(browser, lambda: form.find_element("name", "width").get_attribute("value") == "64")
-    fill(form, prompt=prompt, seed=3, num_inference_steps=2, partial_images=0)
+    fill(form, prompt=prompt, seed=3, num_inference_steps=steps, partial_images=0)
     form.find_element("css selector", "button[type=submit]").click()
     wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
     screenshot(name)
-    data = {"prompt": prompt, "seed": "3", "num_inference_steps": "2", "size": "64x64"}
+    data = {"prompt": prompt, "seed": "3", "num_inference_steps": str(steps), "size": "64x64"}
     files = [("image" if i == 0 else "image[]", (path.name, path.read_bytes(), "image/png"))
              for i, path in enumerate(uploads)]
     answer = httpx.post(f"{url}/v1/images/edits", data=data, files=files, timeout=120).json()
@@ -216,6 +217,25 @@ def test_on_an_instruction_edit_model_an_unpainted_edit_goes_without_a_mask(brow
                                              "make it blue", "instruction-edit", screenshot)
         assert form.find_element("name", "strength").get_attribute("disabled") == "true"
         assert not form.find_element("css selector", ".references").is_displayed()  # Kontext edits one image
+    assert np.array_equal(shown, np.asarray(answer))
+    assert console_errors(browser) == []
+
+
+def test_a_model_that_only_edits_opens_on_the_edit_tab_and_edits_by_instruction(browser, screenshot, tmp_path):
+    """shapes-edit makes no images from text: the page opens on the Edit tab; an instruction edit
+    of a shapes scene, nothing painted, shows the API's answer to the same request."""
+    from gouache.data.edits import parse_instruction
+    from tests.api.helpers import running_server
+
+    edit = parse_instruction("make the red circle blue", parse_caption("a red circle in the center and a green "
+                                                                       "square at the top left on a white background"))
+    Image.fromarray(render(edit.source, 64, 64, 0)).save(tmp_path / "scene.png")
+    with running_server("--model", "shapes-edit") as url:
+        open_page(browser, url, "")
+        wait(browser, lambda: css(browser, "#server-line").text == "serving shapes-edit")
+        assert css(browser, "#tab-edit").is_displayed() and not css(browser, "#tab-generate").is_displayed()
+        shown, answer, _ = unpainted_edit(browser, url, "shapes-edit", [tmp_path / "scene.png"], edit.instruction,
+                                          "instruction-edit-shapes", screenshot, steps=20)
     assert np.array_equal(shown, np.asarray(answer))
     assert console_errors(browser) == []
 

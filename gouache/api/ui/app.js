@@ -45,6 +45,8 @@ async function connect() {
     }
   }
   if (shown === "status") status.show();
+  // a server of models that only edit (shapes-edit) opens on the Edit tab, unless the address named one
+  if (!tabNamed && models.every((card) => !card.gouache.kinds.generation)) select("edit");
   serverLine.textContent = `serving ${models.map((card) => card.id).join(", ")}`;
 }
 
@@ -113,6 +115,7 @@ imageTab(editTab, async () => {
 
 for (const button of document.querySelectorAll("[data-tab]")) button.addEventListener("click", () => select(button.dataset.tab));
 const TABS = ["generate", "edit", "status"];
+const tabNamed = TABS.includes(location.hash.slice(1)); // as the page was opened, before a tab is shown
 const fromHash = () => select(TABS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "generate");
 window.addEventListener("hashchange", fromHash);
 fromHash();
