@@ -185,8 +185,9 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("reference", "template"): Pair(APPROXIMATE, "FLUX.1 Kontext: the packed forward carries each reference, "
                                                       "whose tokens replay from the template as its unmasked ones do "
                                                       "(the template is the edit's original, its reference)"),
-    _pair("reference", "block_cache"): Pair(REFUSED, "a step that holds a reference runs one forward per latent shape "
-                                                     "and reference, outside the block cache"),
+    _pair("reference", "block_cache"): Pair(APPROXIMATE, "FLUX.1 Kontext: reuse per image in a forward per size and "
+                                                         "reference, per token (the reference's too) in the packed "
+                                                         "forward"),
     _pair("reference", "mixed_sizes"): Pair(EXACT, "FLUX.1 Kontext: one packed forward, each reference after its "
                                                    "image's tokens; FLUX.2 and Qwen-Image-Edit: one forward per size "
                                                    "and reference layout"),

@@ -13,10 +13,14 @@ Three measurements, one run, one model:
   a DiT also runs its prompt's text rows, which InstGenIE's 4096-token images hide and small
   ones do not; UNets also run their resnets and convolutions in full (the transformer blocks' share of
   a step, `transformer_share`, is measured here). A UNet's token is a latent pixel.
-- **Fidelity** (`--edits` recolour tasks): a shapes scene rendered as the template, one shape
-  recoloured, its grid cell the mask, the new caption the prompt. Each edit runs exact and with
-  the template (registered with the template's own caption); reported: SSIM of the masked
-  region, whether the unmasked pixels equal the template's, and the checker's alignment of both.
+- **Fidelity** (`--edits` masked edits): a shapes scene rendered as the template, one shape
+  recoloured, its grid cell the mask, the new caption the prompt (the template registered with
+  the scene's own caption); on an instruction-edit model (shapes-edit) an instruction edit of a
+  few cells (recolour, move, remove, add in turn), the cells it changes the mask, the
+  instruction the prompt of the edit and its template. Each edit runs exact and with the
+  template; reported: SSIM of the masked region, whether the unmasked pixels equal the
+  template's, and the checker's verdicts on both (all right; for instruction edits carried out
+  and the rest kept).
 - **Throughput** (`--requests` edits of `--templates` templates, Poisson arrivals at `--rate`):
   the in-process engine with `--policy` and templates (registered before the clock starts)
   against `fcfs-static` regenerating every edit in full; edits per second and mean latency.
@@ -27,12 +31,14 @@ Writes JSON, a markdown table and a plot (step time vs mask ratio).
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import random
 import statistics
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +47,8 @@ from PIL import Image
 from gouache.bench.fidelity import ALIGNMENT_POINTS, SSIM_ACCEPTABLE, alignment, ssim
 from gouache.bench.load import run_load
 from gouache.bench.results import write_results
-from gouache.data.checker import check
+from gouache.data.checker import Check, EditCheck, check, check_edit
+from gouache.data.edits import Edit, sample_edit
 from gouache.data.shapes import COLOURS, Scene, caption, cell_box, render, sample_scene
 from gouache.profile.edits import centred_mask
 from gouache.uploads import EditMask, Upload
@@ -56,7 +63,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ratios", default=RATIOS, help="mask ratios of the latency sweep (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed edits per ratio and setup, median reported "
                                                            "(default: %(default)s)")
-    p.add_argument("--edits", type=int, default=24, help="recolour edits for fidelity; 0 skips (default: %(default)s)")
+    p.add_argument("--edits", type=int, default=24,
+                   help="masked edits for fidelity (recolour edits; instruction edits on an instruction-edit model); "
+                        "0 skips (default: %(default)s)")
     p.add_argument("--requests", type=int, default=24, help="edits of the throughput load; 0 skips "
                                                              "(default: %(default)s)")
     p.add_argument("--templates", type=int, default=4, help="templates the load edits (default: %(default)s)")
@@ -219,45 +228,112 @@ class Bench:
         return 1 - self.transformer_share + self.transformer_share * computed / every
 
     def fidelity(self, n: int) -> dict:
-        """Recolour edits, exact and replayed from a template registered with the edit's own seed
-        (the noise of the kept region agrees) and with another one."""
-        rng = random.Random("edit-fidelity")
+        """Masked edits, exact and replayed from a template registered with the edit's own seed
+        (the noise of the kept region agrees) and with another one: recolour edits of a captioned
+        scene (`recolour_cases`), or on an instruction-edit model instruction edits
+        (`instruction_cases`)."""
+        cases = instruction_cases(n, self.size) if self.info.instruction_edit else recolour_cases(n, self.size)
         exact_checks, replays = [], {"same_seed": [], "other_seed": []}
-        for i in range(n):
-            scene = sample_scene(rng)
-            target = rng.randrange(len(scene.shapes))
-            shape = scene.shapes[target]
-            colour = rng.choice(sorted(set(COLOURS) - {s.colour for s in scene.shapes}))
-            edited = Scene(tuple(replace(s, colour=colour) if j == target else s for j, s in enumerate(scene.shapes)),
-                           scene.background)
-            template = picture(scene, self.size, seed=i)
-            left, top, right, bottom = (round(v) for v in cell_box(shape.position, self.size, self.size))
-            mask = np.zeros((self.size, self.size), np.float32)
-            mask[top:bottom, left:right] = 1
-            exact = self.edit(self.runner, self._request("exact", caption(edited), seed=i), template, mask)[0]
-            exact_checks.append(check(exact, edited))
+        for i, case in enumerate(cases):
+            rows, cols = np.nonzero(case.mask)
+            box = (slice(rows.min(), rows.max() + 1), slice(cols.min(), cols.max() + 1))
+            exact = self.edit(self.runner, self._request("exact", case.prompt, seed=i), case.template, case.mask)[0]
+            exact_checks.append(case.judge(exact))
             for variant, seed in (("same_seed", i), ("other_seed", 10_000 + i)):
                 template_id = f"fidelity-{variant}-{i}"
-                self.register(self.runner, template_id, template, caption(scene), seed)
-                replay = self.edit(self.runner, self._request("replay", caption(edited), seed=i, template_cache=True,
-                                                              template_id=template_id), template, mask)[0]
+                self.register(self.runner, template_id, case.template, case.template_prompt, seed)
+                replay = self.edit(self.runner, self._request("replay", case.prompt, seed=i, template_cache=True,
+                                                              template_id=template_id), case.template, case.mask)[0]
                 replays[variant].append({
-                    "caption": caption(edited), "mask_ratio": float(mask.mean()),
-                    "masked_ssim": ssim(exact[top:bottom, left:right], replay[top:bottom, left:right]),
-                    "unmasked_equal": bool(np.array_equal(replay[mask == 0], template[mask == 0])),
-                    "check": check(replay, edited)})
-        exact_align = alignment(exact_checks)["all"]
-        out = {"edits": n, "exact_alignment": exact_align}
+                    "prompt": case.prompt, "mask_ratio": float(case.mask.mean()),
+                    "masked_ssim": ssim(exact[box], replay[box]),
+                    "unmasked_equal": bool(np.array_equal(replay[case.mask == 0], case.template[case.mask == 0])),
+                    "check": case.judge(replay)})
+        exact_rates = _rates(exact_checks)
+        out = {"edits": n, "kind": "instruction" if self.info.instruction_edit else "recolour",
+               "exact_alignment": exact_rates["all"], "exact_rates": exact_rates}
         for variant, edits in replays.items():
             ssims = [e["masked_ssim"] for e in edits]
-            align = alignment([e.pop("check") for e in edits])["all"]
-            drop = 100 * (exact_align - align)
+            rates = _rates([e.pop("check") for e in edits])
+            drop = max(100 * (exact_rates[key] - rates[key]) for key in rates)
             out[variant] = {"masked_ssim_mean": float(np.mean(ssims)), "masked_ssim_min": float(np.min(ssims)),
-                            "unmasked_equal": sum(e["unmasked_equal"] for e in edits), "alignment": align,
-                            "alignment_drop_points": drop,
+                            "unmasked_equal": sum(e["unmasked_equal"] for e in edits), "alignment": rates["all"],
+                            "rates": rates, "alignment_drop_points": drop,
                             "acceptable": bool(np.mean(ssims) >= SSIM_ACCEPTABLE and drop <= ALIGNMENT_POINTS),
                             "per_edit": edits}
         return out
+
+
+@dataclass(frozen=True)
+class Case:
+    """One masked edit of the fidelity measurement."""
+
+    template: np.ndarray  # [H, W, 3] uint8: the image edited, and the template registered from it
+    mask: np.ndarray  # [H, W] float32, 1 where the edit repaints
+    prompt: str  # the edit's
+    template_prompt: str  # the template's, registered with it
+    judge: Callable[[np.ndarray], Check | EditCheck]  # the checker's verdict on an output
+
+
+def recolour_cases(n: int, size: int) -> list[Case]:
+    """A scene's shape recoloured, its grid cell the mask, the new caption the prompt (the
+    template registered with the scene's own caption)."""
+    rng = random.Random("edit-fidelity")
+    cases = []
+    for i in range(n):
+        scene = sample_scene(rng)
+        target = rng.randrange(len(scene.shapes))
+        colour = rng.choice(sorted(set(COLOURS) - {s.colour for s in scene.shapes}))
+        edited = Scene(tuple(replace(s, colour=colour) if j == target else s for j, s in enumerate(scene.shapes)),
+                       scene.background)
+        cases.append(Case(picture(scene, size, seed=i), cells_mask([scene.shapes[target].position], size),
+                          caption(edited), caption(scene), functools.partial(check, scene=edited)))
+    return cases
+
+
+def instruction_cases(n: int, size: int) -> list[Case]:
+    """Instruction edits of the kinds that change a few cells (recolour, move, remove, add) in
+    turn, the cells they change the mask, the instruction the prompt of the edit and of its
+    template; judged by `check_edit` (carried out, the rest kept)."""
+    rng = random.Random("edit-fidelity-instructions")
+    cases = []
+    for i in range(n):
+        edit = sample_edit(rng, LOCAL_KINDS[i % len(LOCAL_KINDS)])
+        cases.append(Case(picture(edit.source, size, seed=i), cells_mask(changed_cells(edit), size),
+                          edit.instruction, edit.instruction, functools.partial(check_edit, edit=edit)))
+    return cases
+
+
+LOCAL_KINDS = ("recolour", "move", "remove", "add")  # the edit kinds a mask of a few cells holds
+
+
+def changed_cells(edit: Edit) -> list[str]:
+    """The grid cells (`shapes.POSITIONS`) whose pixels a local edit changes."""
+    if edit.kind == "remove":
+        return [edit.removed.position]
+    cells = [edit.target.shapes[edit.shape].position]
+    if edit.kind == "move":
+        cells.append(edit.source.shapes[edit.shape].position)
+    return cells
+
+
+def cells_mask(cells: list[str], size: int) -> np.ndarray:
+    """[size, size] float32: 1 over the grid cells named."""
+    mask = np.zeros((size, size), np.float32)
+    for cell in cells:
+        left, top, right, bottom = (round(v) for v in cell_box(cell, size, size))
+        mask[top:bottom, left:right] = 1
+    return mask
+
+
+def _rates(checks: list) -> dict[str, float]:
+    """The share of outputs the checker passes: all right (a generation's checks), or carried
+    out, rest kept and both (an instruction edit's)."""
+    n = max(len(checks), 1)
+    if checks and isinstance(checks[0], EditCheck):
+        return {"carried_out": sum(c.carried_out for c in checks) / n,
+                "rest_kept": sum(c.rest_kept for c in checks) / n, "all": sum(c.all_ok for c in checks) / n}
+    return {"all": alignment(checks)["all"]}
 
 
 def throughput(model: str, info, size: int, steps: int, n: int, templates: int, rate: float, policy: str,
@@ -351,16 +427,21 @@ def report(result: dict) -> str:
                      f"| {r['same_prompt_ratio']:.2f} |")
     fidelity = result.get("fidelity")
     if fidelity:
-        lines += ["", f"Fidelity, {fidelity['edits']} recolour edits against the exact edit (alignment "
-                      f"{100 * fidelity['exact_alignment']:.0f} %):", "",
-                  "| template registered with | masked SSIM mean (min) | unmasked = template | alignment "
-                  "| acceptable |",
-                  "|---|---|---|---|---|"]
+        rates = fidelity["exact_rates"]
+        names = {"all": "all right", "carried_out": "carried out", "rest_kept": "rest kept"}
+        exact = ", ".join(f"{names[k]} {100 * v:.0f} %" for k, v in rates.items())
+        lines += ["", f"Fidelity, {fidelity['edits']} {fidelity['kind']} edits against the exact "
+                      f"edit ({exact}):", "",
+                  "| template registered with | masked SSIM mean (min) | unmasked = template | "
+                  + " | ".join(names[k] for k in rates) + " | acceptable |",
+                  "|---|---|---|" + "---|" * len(rates) + "---|"]
         for variant, label in (("same_seed", "the edit's seed"), ("other_seed", "another seed")):
             f = fidelity[variant]
+            shown = f["rates"]
             lines.append(f"| {label} | {f['masked_ssim_mean']:.3f} ({f['masked_ssim_min']:.3f}) | "
-                         f"{f['unmasked_equal']}/{fidelity['edits']} | {100 * f['alignment']:.0f} % | "
-                         f"{'yes' if f['acceptable'] else 'no'} |")
+                         f"{f['unmasked_equal']}/{fidelity['edits']} | "
+                         + " | ".join(f"{100 * shown[k]:.0f} %" for k in rates)
+                         + f" | {'yes' if f['acceptable'] else 'no'} |")
     load = result.get("throughput")
     if load:
         lines += ["", f"Throughput, {load['requests']} edits of {load['templates']} templates, Poisson "

@@ -1,8 +1,9 @@
 """`gouache profile --reuse`: train the block cache's reuse predictor (PatchedServe §7) on this
 model (`gouache serve --block-cache-predictor PATH`).
 
-Runs `--requests` captions of the shapes caption distribution exactly, each at `--reuse-steps`
-steps, twice: in batches of one size (the cache's units are whole images) and in mixed-size
+Runs `--requests` captions of the shapes caption distribution exactly (on a model that only
+edits, instruction edits of shapes scenes, every kind in turn), each at `--reuse-steps` steps,
+twice: in batches of one size (the cache's units are whole images) and in mixed-size
 patched / packed batches (patches or token groups). At every block of every step it records
 each unit's features (`block_cache.predictor.FEATURES`) and the error reusing the block's
 previous output would have caused; a unit is labelled reusable when that error is under
@@ -28,13 +29,15 @@ def run(args) -> int:
     from gouache.block_cache.store import BlockCache
     from gouache.cli_flags import given, refuse_ignored
     from gouache.config import BlockCacheConfig
-    from gouache.data.shapes import caption, sample_scene
+    from gouache.data.edits import EDIT_KINDS, sample_edit
+    from gouache.data.shapes import caption, render, sample_scene
     from gouache.models.digest import model_digest
     from gouache.models.zoo import load_pipeline
     from gouache.request import ImageRequest
     from gouache.runner.describe import model_info
     from gouache.runner.model_runner import ModelRunner
     from gouache.sched.plan import Batch
+    from gouache.uploads import Upload
 
     if args.requests < 2 or args.reuse_steps < 2:
         raise ValueError(f"--requests and --reuse-steps must be >= 2 (a unit needs a step before), "
@@ -54,21 +57,26 @@ def run(args) -> int:
     runner.cache = BlockCache(BlockCacheConfig(budget_bytes=1 << 40), recorder.pass_type())
     # Scenes of their own seed: `gouache bench fidelity` judges the predictor on other ones.
     rng = random.Random(f"reuse:{args.seed}")
-    captions = [caption(sample_scene(rng)) for _ in range(args.requests)]
+    if info.generation:
+        work = [(caption(sample_scene(rng)), None) for _ in range(args.requests)]
+    else:  # (instruction, the scene it edits, its render's jitter)
+        work = [(e.instruction, (e.source, rng.getrandbits(32)))
+                for e in (sample_edit(rng, EDIT_KINDS[i % len(EDIT_KINDS)]) for i in range(args.requests))]
     start = time.perf_counter()
     for patched in (False, True):
         # Batches of one size each (whole-image units), or one of every size (patches, tokens).
-        prompts = [(text, sizes[i % len(sizes)]) for i, text in enumerate(captions)]
+        prompts = [(item, sizes[i % len(sizes)]) for i, item in enumerate(work)]
         if patched:
             batches = [prompts[i:i + len(sizes)] for i in range(0, len(prompts), len(sizes))]
         else:
             batches = [[p for p in prompts if p[1] == size] for size in sizes]
         for b, group in enumerate(batches):
             ids = []
-            for i, (text, size) in enumerate(group):
+            for i, ((text, source), size) in enumerate(group):
                 rid = f"{'p' if patched else 'i'}{b}-{i}"
+                upload = None if source is None else Upload(render(source[0], size, size, source[1]))
                 runner.prepare(ImageRequest(rid, text, size, size, args.reuse_steps, info.default_guidance, args.seed,
-                                            block_cache=1.0))
+                                            block_cache=1.0, image=None if upload is None else b"-"), upload=upload)
                 ids.append(rid)
             for _ in range(args.reuse_steps):
                 out = runner.execute(Batch(tuple(ids), patched=patched and len(group) > 1))
@@ -81,7 +89,8 @@ def run(args) -> int:
     features, errors = recorder.samples()
     predictor = train(features, errors, args.bound, model_digest(pipe), args.model, args.trees, args.depth,
                       seed=args.seed)
-    predictor.report.update(requests=args.requests, steps=args.reuse_steps, sizes=sizes,
+    predictor.report.update(requests=args.requests, prompts="captions" if info.generation else "instruction edits",
+                            steps=args.reuse_steps, sizes=sizes,
                             profile_s=round(time.perf_counter() - start, 1))
     out = Path(args.out or f"benchmarks/results/reuse_{Path(args.model).name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -193,8 +193,7 @@ async def test_a_strength_that_cannot_run_is_refused_with_what_to_send(client: h
     ({}, {}, None, None),  # taken: the upload is the reference
     ({"strength": "0.5"}, {}, "strength", "an edit on 'fake-sd' (its upload enters as reference tokens) and strength "
                                           "do not compose"),
-    ({"block_cache": "0.2"}, {}, "block_cache", "an edit on 'fake-sd' (its upload enters as reference tokens) and "
-                                                "block_cache do not compose"),
+    ({"block_cache": "0.2"}, {}, None, None),  # reused per image or per token, the reference's with them
     ({"template_cache": "true"}, {}, None, None),  # a masked edit replays its reference too
     ({}, {"parallel": True}, "image", "and --devices do not compose (Ulysses shards are not tested"),
 ])

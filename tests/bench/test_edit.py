@@ -24,6 +24,20 @@ def test_bench_edit_writes_the_sweep_fidelity_and_throughput(tmp_path):
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
 
 
+def test_bench_edit_on_an_instruction_edit_model_judges_masked_instruction_edits(tmp_path):
+    out = tmp_path / "edit.json"
+    assert main(["bench", "edit", "--model", "shapes-edit", "--size", "64", "--steps", "2", "--ratios", "1",
+                 "--repeats", "1", "--edits", "4", "--requests", "0", "--out", str(out)]) == 0
+    fidelity = json.loads(out.read_text())["fidelity"]
+    assert fidelity["kind"] == "instruction" and set(fidelity["exact_rates"]) == {"carried_out", "rest_kept", "all"}
+    for variant in ("same_seed", "other_seed"):
+        edits = fidelity[variant]["per_edit"]
+        assert [e["prompt"].split()[0] for e in edits] == ["make", "move", "remove", "add"]
+        assert fidelity[variant]["unmasked_equal"] == 4 and set(fidelity[variant]["rates"]) == {
+            "carried_out", "rest_kept", "all"}
+    assert "carried out" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize("name", ["tiny-sd3", "tiny-sd"])
 def test_profile_edits_fits_a_mask_cost_model_the_server_takes(tmp_path, name):
     out = tmp_path / "mask.json"

@@ -177,7 +177,7 @@ def test_refused_pairs_are_refused_at_admission_naming_both_fields():
     refused = [tuple(name for name in TECHNIQUES if name in p) for p, entry in TABLE.items()
                if entry.verdict == REFUSED]
     per_request = [(a, b) for a, b in refused if TECHNIQUES[a].per_request and TECHNIQUES[b].per_request]
-    assert len(per_request) == 10
+    assert len(per_request) == 9
     for a, b in per_request:
         # "reference" is asked by an upload without a mask to an instruction-edit model
         info = replace(FAKE_INFO, instruction_edit="reference" in (a, b))

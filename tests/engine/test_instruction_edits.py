@@ -147,3 +147,34 @@ def test_shapes_edit_equals_its_kontext_pipeline_under_every_policy(pipes, polic
     for rid, reference in expected.items():
         # TRAINED_TOLERANCE: rounding, as for every model, but this one's trained weights amplify it
         assert (latents[rid] - reference).abs().max() <= TRAINED_TOLERANCE, rid
+
+
+@pytest.mark.parametrize("policy", ["orca", "patched"])
+def test_instruction_edits_reuse_blocks_without_changing_an_exact_edit_beside_them(pipes, policy):
+    """`reference` + `block_cache` (approximate): cached edits of two sizes reuse block outputs
+    (per image in a forward per size and reference, per token in the packed forward, the
+    reference's tokens too); an exact edit in the same steps is what it is alone."""
+    import dataclasses
+
+    from gouache.config import BlockCacheConfig
+
+    pipe = pipes(MODEL)
+    rng = np.random.default_rng(0)
+    wide, square = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8), rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    exact = (ImageRequest("exact", "make it blue", 96, 64, 6, 2.5, seed=1, image=b"-"), {"upload": Upload(wide)})
+    cached = [(ImageRequest(f"cached-{w}", "make it red", w, 64, 6, 2.5, seed=2, image=b"-", block_cache=0.5),
+               {"upload": Upload(image)}) for w, image in ((96, wide), (64, square))]
+
+    def runner() -> ModelRunner:
+        return ModelRunner(pipe, patch_pixels=32, block_cache=BlockCacheConfig())
+
+    alone = {rid: run_engine(pipe, {0: [item]}, policy, runner())[rid] for rid, item in
+             [("exact", exact)] + [(r.request_id, (dataclasses.replace(r, block_cache=0.0), inputs))
+                                   for r, inputs in cached]}
+    cache_runner = runner()
+    together = run_engine(pipe, {0: [exact, *cached]}, policy, cache_runner)
+    assert cache_runner.cache.reused > 0 and cache_runner.cache.computed > 0
+    assert (together["exact"] - alone["exact"]).abs().max() <= 1e-4
+    for request, _ in cached:  # reused outputs change the edit, within reason
+        difference = (together[request.request_id] - alone[request.request_id]).abs()
+        assert 0 < difference.max() and difference.mean() < 0.1, request.request_id

@@ -34,6 +34,19 @@ def test_profile_reuse_records_images_and_patches_and_writes_a_predictor_a_runne
     ModelRunner(pipe, block_cache=BlockCacheConfig(predictor=str(out)))  # the same model's: taken
 
 
+def test_profile_reuse_of_a_model_that_only_edits_records_instruction_edits(tmp_path):
+    from gouache.config import BlockCacheConfig
+    from gouache.models.zoo import load_pipeline
+    from gouache.runner.model_runner import ModelRunner
+
+    out = tmp_path / "reuse.json"
+    assert main(["profile", "--reuse", "--model", "shapes-edit", "--requests", "2", "--reuse-steps", "2",
+                 "--sizes", "64,96", "--bound", "0.5", "--trees", "2", "--depth", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())["report"]
+    assert report["prompts"] == "instruction edits" and report["samples"] > 0
+    ModelRunner(load_pipeline("shapes-edit"), block_cache=BlockCacheConfig(predictor=str(out)))
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--reuse", "--samples", "5"], "--samples would be ignored"),
     (["--bound", "0.1"], "--bound would be ignored: only --reuse"),

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from gouache.block_cache.blocks import CachedForward, cacheable_blocks
+from gouache.block_cache.blocks import CachedForward, cacheable_blocks, cached_blocks
 from gouache.config import CompileConfig
 from gouache.parallel.ulysses import installed
 from gouache.request import ImageRequest
@@ -336,10 +336,11 @@ class FluxKontextFamily(FluxFamily):
     generator) entering after the image's own tokens as reference tokens whose ids start with 1.
     The reference keeps the request's size (the pipeline with `_auto_resize=False`: the API has
     resized the upload to it). A forward's requests must agree on their tokens, so a step runs
-    one forward per image size and reference (the block cache sits out a step that holds a
-    reference; LoRA sets then apply per forward) under a policy that does not mix sizes; else the
-    packed forward carries each image's reference after its tokens (`pack_flux`), and edits that
-    replay a template replay it as the template's unmasked tokens."""
+    one forward per image size and reference (each its own block pass, whole images; LoRA sets
+    then apply per forward) under a policy that does not mix sizes; else the packed forward
+    carries each image's reference after its tokens (`pack_flux`; the block cache's units are its
+    tokens, the reference's too), and edits that replay a template replay it as the template's
+    unmasked tokens."""
 
     @torch.no_grad()
     def prepare(self, request: ImageRequest, upload: Upload | None = None, text=()) -> DenoiseState:
@@ -390,9 +391,15 @@ class FluxKontextFamily(FluxFamily):
 
     @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False, blocks=None) -> list[torch.Tensor]:
-        if not patched and any("reference" in s.cond for s in states):
-            return per_group(states, _tokens, self.forward)  # one forward per image size and reference
+        if not patched and any("reference" in s.cond for s in states):  # one forward per image size and reference
+            return per_group(states, _tokens, lambda group: self.cached_forward(group, blocks))
         return super().predict(states, patched, blocks)
+
+    def cached_forward(self, states: list[DenoiseState], blocks: CachedForward | None) -> torch.Tensor:
+        """`forward` through the block pass of its own images (`blocks`: the step's)."""
+        own = blocks and CachedForward.of(states, blocks.cache)
+        with cached_blocks(self.denoiser, own and own.begin()):
+            return self.forward(states)
 
     def forward(self, states: list[DenoiseState]) -> torch.Tensor:
         """The forward of states of one image size and reference: each prediction's own tokens only."""
