@@ -15,7 +15,9 @@ mkdir -p "$out"
 gouache profile --reuse --model shapes-unet --requests 64 --sizes 64,96,128 --patch-size 32 \
   --out "$out/reuse_shapes-unet.json"
 gouache profile --reuse --model shapes-dit --requests 64 --sizes 64,96,128 --out "$out/reuse_shapes-dit.json"
-for model in shapes-unet shapes-dit; do
+# instruction edits (a model that only edits profiles edits)
+gouache profile --reuse --model shapes-edit --requests 64 --sizes 64,96,128 --out "$out/reuse_shapes-edit.json"
+for model in shapes-unet shapes-dit shapes-edit; do
   for units in image part; do
     if [ "$units" = image ]; then
       setup=(--policy orca)
