@@ -25,35 +25,33 @@ Three measurements, one run, one model:
   the in-process engine with `--policy` and templates (registered before the clock starts)
   against `fcfs-static` regenerating every edit in full; edits per second and mean latency.
 
-Writes JSON, a markdown table and a plot (step time vs mask ratio).
+Writes JSON, a markdown table, a plot (step time vs mask ratio) and a contact sheet of the first
+fidelity edits (`..._sheet.png`: template, exact, both replays, their differences).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import io
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from gouache.bench.fidelity import ALIGNMENT_POINTS, SSIM_ACCEPTABLE, alignment, ssim
+from gouache.bench.edit_cases import Shown, instruction_cases, picture, rates, recolour_cases, write_sheet
+from gouache.bench.fidelity import ALIGNMENT_POINTS, SSIM_ACCEPTABLE, ssim
 from gouache.bench.load import run_load
 from gouache.bench.results import write_results
-from gouache.data.checker import Check, EditCheck, check, check_edit
-from gouache.data.edits import Edit, sample_edit
-from gouache.data.shapes import COLOURS, Scene, caption, cell_box, render, sample_scene
+from gouache.data.shapes import caption, cell_box, sample_scene
 from gouache.profile.edits import centred_mask
 from gouache.uploads import EditMask, Upload
 
 RATIOS = "0.05,0.1,0.2,0.4,0.6,0.8"
+SHEET_ROWS = 8  # fidelity edits shown on the contact sheet
 
 
 def add_arguments(p) -> None:
@@ -75,7 +73,8 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default="orca", help="gouache's policy under the load (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
     p.add_argument("--out", default=None,
-                   help="JSON path; .md and .png beside it (default: benchmarks/results/edit/edit_MODEL_SIZE.json)")
+                   help="JSON path; .md, .png and the contact sheet _sheet.png beside it "
+                        "(default: benchmarks/results/edit/edit_MODEL_SIZE.json)")
 
 
 def run(args) -> int:
@@ -99,8 +98,9 @@ def run(args) -> int:
               "device": "cpu", "size": size, "steps": steps, "torch_threads": torch.get_num_threads(),
               "text_rows": bench.text_rows, "image_tokens": bench.tokens, "reference_tokens": bench.reference_tokens,
               "transformer_share": bench.transformer_share, "latency": sweep}
+    shown = []
     if args.edits:
-        result["fidelity"] = bench.fidelity(args.edits)
+        result["fidelity"], shown = bench.fidelity(args.edits)
     if args.requests:
         full_s = next(row["full_request_s"] for row in sweep if row["ratio"] == max(ratios))
         rate = args.rate or 3 / full_s
@@ -109,6 +109,10 @@ def run(args) -> int:
     out = Path(args.out or f"benchmarks/results/edit/edit_{args.model}_{size}.json")
     title = f"{args.model} {size}x{size}, {steps} steps, CPU"
     write_results(out, result, report(result), lambda path: plot(sweep, path, title))
+    if shown:
+        sheet = out.with_name(out.stem + "_sheet.png")
+        write_sheet(shown, sheet)
+        print(f"wrote {sheet}")
     return 0
 
 
@@ -227,113 +231,46 @@ class Bench:
         every = rows * (text + tokens + self.reference_tokens)
         return 1 - self.transformer_share + self.transformer_share * computed / every
 
-    def fidelity(self, n: int) -> dict:
+    def fidelity(self, n: int) -> tuple[dict, list[Shown]]:
         """Masked edits, exact and replayed from a template registered with the edit's own seed
         (the noise of the kept region agrees) and with another one: recolour edits of a captioned
         scene (`recolour_cases`), or on an instruction-edit model instruction edits
-        (`instruction_cases`)."""
+        (`instruction_cases`). Also the first `SHEET_ROWS` edits' images, for the contact sheet."""
         cases = instruction_cases(n, self.size) if self.info.instruction_edit else recolour_cases(n, self.size)
-        exact_checks, replays = [], {"same_seed": [], "other_seed": []}
+        exact_checks, replays, shown = [], {"same_seed": [], "other_seed": []}, []
         for i, case in enumerate(cases):
             rows, cols = np.nonzero(case.mask)
             box = (slice(rows.min(), rows.max() + 1), slice(cols.min(), cols.max() + 1))
             exact = self.edit(self.runner, self._request("exact", case.prompt, seed=i), case.template, case.mask)[0]
             exact_checks.append(case.judge(exact))
+            outputs = {}
             for variant, seed in (("same_seed", i), ("other_seed", 10_000 + i)):
                 template_id = f"fidelity-{variant}-{i}"
                 self.register(self.runner, template_id, case.template, case.template_prompt, seed)
                 replay = self.edit(self.runner, self._request("replay", case.prompt, seed=i, template_cache=True,
                                                               template_id=template_id), case.template, case.mask)[0]
+                outputs[variant] = replay
                 replays[variant].append({
                     "prompt": case.prompt, "mask_ratio": float(case.mask.mean()),
                     "masked_ssim": ssim(exact[box], replay[box]),
                     "unmasked_equal": bool(np.array_equal(replay[case.mask == 0], case.template[case.mask == 0])),
                     "check": case.judge(replay)})
-        exact_rates = _rates(exact_checks)
+            if i < SHEET_ROWS:
+                shown.append(Shown(case, exact, **outputs))
+        exact_rates = rates(exact_checks)
         out = {"edits": n, "kind": "instruction" if self.info.instruction_edit else "recolour",
                "exact_alignment": exact_rates["all"], "exact_rates": exact_rates}
         for variant, edits in replays.items():
             ssims = [e["masked_ssim"] for e in edits]
-            rates = _rates([e.pop("check") for e in edits])
-            drop = max(100 * (exact_rates[key] - rates[key]) for key in rates)
+            variant_rates = rates([e.pop("check") for e in edits])
+            drop = max(100 * (exact_rates[key] - variant_rates[key]) for key in variant_rates)
             out[variant] = {"masked_ssim_mean": float(np.mean(ssims)), "masked_ssim_min": float(np.min(ssims)),
-                            "unmasked_equal": sum(e["unmasked_equal"] for e in edits), "alignment": rates["all"],
-                            "rates": rates, "alignment_drop_points": drop,
+                            "unmasked_equal": sum(e["unmasked_equal"] for e in edits),
+                            "alignment": variant_rates["all"], "rates": variant_rates,
+                            "alignment_drop_points": drop,
                             "acceptable": bool(np.mean(ssims) >= SSIM_ACCEPTABLE and drop <= ALIGNMENT_POINTS),
                             "per_edit": edits}
-        return out
-
-
-@dataclass(frozen=True)
-class Case:
-    """One masked edit of the fidelity measurement."""
-
-    template: np.ndarray  # [H, W, 3] uint8: the image edited, and the template registered from it
-    mask: np.ndarray  # [H, W] float32, 1 where the edit repaints
-    prompt: str  # the edit's
-    template_prompt: str  # the template's, registered with it
-    judge: Callable[[np.ndarray], Check | EditCheck]  # the checker's verdict on an output
-
-
-def recolour_cases(n: int, size: int) -> list[Case]:
-    """A scene's shape recoloured, its grid cell the mask, the new caption the prompt (the
-    template registered with the scene's own caption)."""
-    rng = random.Random("edit-fidelity")
-    cases = []
-    for i in range(n):
-        scene = sample_scene(rng)
-        target = rng.randrange(len(scene.shapes))
-        colour = rng.choice(sorted(set(COLOURS) - {s.colour for s in scene.shapes}))
-        edited = Scene(tuple(replace(s, colour=colour) if j == target else s for j, s in enumerate(scene.shapes)),
-                       scene.background)
-        cases.append(Case(picture(scene, size, seed=i), cells_mask([scene.shapes[target].position], size),
-                          caption(edited), caption(scene), functools.partial(check, scene=edited)))
-    return cases
-
-
-def instruction_cases(n: int, size: int) -> list[Case]:
-    """Instruction edits of the kinds that change a few cells (recolour, move, remove, add) in
-    turn, the cells they change the mask, the instruction the prompt of the edit and of its
-    template; judged by `check_edit` (carried out, the rest kept)."""
-    rng = random.Random("edit-fidelity-instructions")
-    cases = []
-    for i in range(n):
-        edit = sample_edit(rng, LOCAL_KINDS[i % len(LOCAL_KINDS)])
-        cases.append(Case(picture(edit.source, size, seed=i), cells_mask(changed_cells(edit), size),
-                          edit.instruction, edit.instruction, functools.partial(check_edit, edit=edit)))
-    return cases
-
-
-LOCAL_KINDS = ("recolour", "move", "remove", "add")  # the edit kinds a mask of a few cells holds
-
-
-def changed_cells(edit: Edit) -> list[str]:
-    """The grid cells (`shapes.POSITIONS`) whose pixels a local edit changes."""
-    if edit.kind == "remove":
-        return [edit.removed.position]
-    cells = [edit.target.shapes[edit.shape].position]
-    if edit.kind == "move":
-        cells.append(edit.source.shapes[edit.shape].position)
-    return cells
-
-
-def cells_mask(cells: list[str], size: int) -> np.ndarray:
-    """[size, size] float32: 1 over the grid cells named."""
-    mask = np.zeros((size, size), np.float32)
-    for cell in cells:
-        left, top, right, bottom = (round(v) for v in cell_box(cell, size, size))
-        mask[top:bottom, left:right] = 1
-    return mask
-
-
-def _rates(checks: list) -> dict[str, float]:
-    """The share of outputs the checker passes: all right (a generation's checks), or carried
-    out, rest kept and both (an instruction edit's)."""
-    n = max(len(checks), 1)
-    if checks and isinstance(checks[0], EditCheck):
-        return {"carried_out": sum(c.carried_out for c in checks) / n,
-                "rest_kept": sum(c.rest_kept for c in checks) / n, "all": sum(c.all_ok for c in checks) / n}
-    return {"all": alignment(checks)["all"]}
+        return out, shown
 
 
 def throughput(model: str, info, size: int, steps: int, n: int, templates: int, rate: float, policy: str,
@@ -391,14 +328,6 @@ async def _serve_load(model, info, size, steps, policy, use_templates, scenes, p
     return {"policy": policy, "templates": use_templates, "seconds": measured["seconds"],
             "edits_per_s": measured["per_s"], "mean_latency_s": measured["mean_latency_s"],
             "p90_latency_s": measured["p90_latency_s"]}
-
-
-def picture(scene: Scene, size: int, seed: int) -> np.ndarray:
-    """A scene's render at `size` (rendered at most 256 px, enlarged beyond)."""
-    if size <= 256:
-        return render(scene, size, size, seed=seed)
-    small = Image.fromarray(render(scene, 256, 256, seed=seed))
-    return np.asarray(small.resize((size, size), Image.Resampling.BICUBIC))
 
 
 def _png(array: np.ndarray) -> bytes:

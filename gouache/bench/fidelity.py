@@ -23,15 +23,15 @@ import json
 import shlex
 import statistics
 import sys
-import textwrap
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from gouache.bench.prompts import Control, Prompt, controls, make_edit_prompts, make_prompts
+from gouache.bench.sheet import contact_sheet, difference
 from gouache.cli_flags import Given, given, parse_size, refuse_ignored
 from gouache.data.checker import Check, EditCheck, check, check_edit
 
@@ -220,18 +220,20 @@ def alignment(verdicts: list[Check]) -> dict[str, float]:
     }
 
 
-def edit_alignment(verdicts: list[EditCheck], prompts: list[Prompt]) -> dict[str, float]:
+def edit_rates(verdicts: list[EditCheck]) -> dict[str, float]:
     """What the checker found of edits, as fractions: instructions carried out, the rest kept, both
-    (`all`), and both per edit kind (`all_recolour`, ...; absent when no prompt is of that kind)."""
+    (`all`)."""
     n = max(len(verdicts), 1)
+    return {"carried_out": sum(v.carried_out for v in verdicts) / n,
+            "rest_kept": sum(v.rest_kept for v in verdicts) / n, "all": sum(v.all_ok for v in verdicts) / n}
+
+
+def edit_alignment(verdicts: list[EditCheck], prompts: list[Prompt]) -> dict[str, float]:
+    """`edit_rates`, and both per edit kind (`all_recolour`, ...; absent when no prompt is of that kind)."""
     by_kind: dict[str, list[bool]] = {}
     for verdict, prompt in zip(verdicts, prompts):
         by_kind.setdefault(prompt.edit.kind, []).append(verdict.all_ok)
-    return {
-        "carried_out": sum(v.carried_out for v in verdicts) / n, "rest_kept": sum(v.rest_kept for v in verdicts) / n,
-        "all": sum(v.all_ok for v in verdicts) / n,
-        **{f"all_{kind}": sum(oks) / len(oks) for kind, oks in by_kind.items()},
-    }
+    return {**edit_rates(verdicts), **{f"all_{kind}": sum(oks) / len(oks) for kind, oks in by_kind.items()}}
 
 
 def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict:
@@ -270,33 +272,17 @@ def compare(reference: Result, candidate: Result, prompts: list[Prompt]) -> dict
 # --------------------------------------------------------------------------- contact sheet
 
 
-def contact_sheet(reference: Result, candidate: Result, prompts: list[Prompt], rows: int, path: Path) -> None:
+def write_contact_sheet(reference: Result, candidate: Result, prompts: list[Prompt], rows: int, path: Path) -> None:
     """One row per prompt: reference | candidate | |difference| x4, under a header naming both; edits
     start with the upload, and the row's instruction under it."""
-    rows = min(rows, len(prompts))
     edits = prompts[0].edit is not None
-    cell_w = max(p.width for p in prompts[:rows]) + 8
-    width = max((cell_w - 8) // 6, 8)  # characters per line of the default font (6 px each)
-    notes = [textwrap.wrap(p.caption, width) if edits else [] for p in prompts[:rows]]
-    cell_h = max(p.height for p in prompts[:rows]) + 8 + 12 * max(len(note) for note in notes)
-    titles = (("upload, its instruction",) if edits else ()) + (
-        f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}", "|difference| x4")
-    lines = [textwrap.wrap(text, width) for text in titles]
-    header = 6 + 12 * max(len(part) for part in lines)
-    sheet = Image.new("RGB", (len(titles) * cell_w, header + rows * cell_h), (255, 255, 255))
-    draw = ImageDraw.Draw(sheet)
-    for col, part in enumerate(lines):
-        for i, line in enumerate(part):
-            draw.text((col * cell_w + 4, 4 + 12 * i), line, fill=(0, 0, 0))
-    for row, prompt in enumerate(prompts[:rows]):
-        ref, cand = reference.images[row], candidate.images[row]
-        diff = np.clip(4 * np.abs(ref.astype(np.int16) - cand.astype(np.int16)), 0, 255).astype(np.uint8)
-        top = header + row * cell_h + 4
-        for col, image in enumerate(((prompt.upload(),) if edits else ()) + (ref, cand, diff)):
-            sheet.paste(Image.fromarray(image), (col * cell_w + 4, top))
-        for i, line in enumerate(notes[row]):
-            draw.text((4, top + prompt.height + 2 + 12 * i), line, fill=(0, 0, 0))
-    sheet.save(path)
+    titles = (["upload, its instruction"] if edits else []) + [
+        f"reference: {reference.setup.describe()}", f"candidate: {candidate.setup.describe()}", "|difference| x4"]
+    shown = []
+    for prompt, ref, cand in list(zip(prompts, reference.images, candidate.images))[:rows]:
+        images = [ref, cand, difference(ref, cand)]
+        shown.append(([prompt.upload(), *images], prompt.caption) if edits else (images, ""))
+    contact_sheet(titles, shown, path)
 
 
 # ------------------------------------------------------------------------------ command
@@ -474,7 +460,7 @@ def run(args) -> int:
         "alignment drop (points)": summary["alignment_drop_points"], "acceptable": summary["acceptable"],
     }])
     out.with_suffix(".md").write_text(f"`{report['command']}`\n\n{table}")
-    contact_sheet(reference, candidate, prompts, args.sheet_rows, out.with_suffix(".png"))
+    write_contact_sheet(reference, candidate, prompts, args.sheet_rows, out.with_suffix(".png"))
     print(table)
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}", file=sys.stderr)
     return 0

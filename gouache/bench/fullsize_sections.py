@@ -210,7 +210,7 @@ def _patched(bench, mixes: list[list[int]]) -> dict:
 def _template(bench, size: int, masks: list[float], steps: int) -> dict:
     import numpy as np
 
-    from gouache.bench.edit import picture
+    from gouache.bench.edit_cases import picture
     from gouache.data.shapes import sample_scene
     from gouache.profile.edits import centred_mask
     from gouache.sched.plan import Batch

@@ -122,7 +122,7 @@ def measure(model: str, args) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from gouache.bench.edit import picture
+    from gouache.bench.edit_cases import picture
     from gouache.bench.interleaved import STEPS, Interleaved, request
     from gouache.config import CompileConfig, ControlNetConfig, LoraConfig, TemplateConfig
     from gouache.controlnet.model import random_controlnet, supports_controlnets

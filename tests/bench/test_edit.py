@@ -3,8 +3,11 @@ files carry what the closing notes quote, and the fitted model plans live edits.
 
 import json
 
+import numpy as np
 import pytest
+from PIL import Image
 
+from gouache.bench.edit_cases import OUTLINE, outlined
 from gouache.cli import main
 from gouache.sched.costmodel import MaskCostModel, load
 
@@ -36,6 +39,19 @@ def test_bench_edit_on_an_instruction_edit_model_judges_masked_instruction_edits
         assert fidelity[variant]["unmasked_equal"] == 4 and set(fidelity[variant]["rates"]) == {
             "carried_out", "rest_kept", "all"}
     assert "carried out" in out.with_suffix(".md").read_text()
+    sheet = np.asarray(Image.open(tmp_path / "edit_sheet.png").convert("RGB"))
+    assert sheet.shape[1] == 6 * (64 + 8) and sheet.shape[0] > 4 * 64  # six columns, a row per edit
+    assert (sheet == OUTLINE).all(axis=-1).any()  # the masks are outlined on the templates
+
+
+def test_outlined_draws_the_border_of_the_mask_and_nothing_else():
+    image = np.zeros((8, 8, 3), np.uint8)
+    mask = np.zeros((8, 8), np.float32)
+    mask[2:6, 1:4] = 1
+    drawn = (outlined(image, mask) == OUTLINE).all(axis=-1)
+    inside = np.zeros((8, 8), bool)
+    inside[3:5, 2:3] = True
+    assert drawn.sum() == 4 * 3 - 2 and not (drawn & inside).any() and not drawn[mask == 0].any()
 
 
 @pytest.mark.parametrize("name", ["tiny-sd3", "tiny-sd"])
