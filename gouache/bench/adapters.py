@@ -32,16 +32,17 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from gouache.bench import workflows
-from gouache.bench.fidelity import ssim
+from gouache.bench.fidelity import edit_rates, ssim
 from gouache.bench.load import run_load
+from gouache.bench.prompts import Prompt, shapes_prompts
 from gouache.bench.results import write_results
-from gouache.data.checker import check
-from gouache.data.shapes import caption, sample_scene
+from gouache.data.checker import check, check_edit
 
 
 def add_arguments(p) -> None:
@@ -85,20 +86,26 @@ def run(args) -> int:
     directory = Path(args.lora_dir) if args.lora_dir else lora_dir(args.model)
     if not (directory / f"{args.lora}.safetensors").is_file():
         raise ValueError(f"no {args.lora}.safetensors in {directory}; give --lora-dir and --lora (`gouache train lora` "
-                         "writes the shapes UNet's)")
+                         "writes the shapes UNet's, `gouache train edit-lora` shapes-edit's)")
     pipe = load_pipeline(args.model)
     info = model_info(pipe, args.model)
+    if args.mixes is None:  # the default: none on a model that only edits
+        args.mixes = workflows.MIXES if info.generation else ""
+        workflows.check_flags(args)
+    elif args.mixes and not info.generation:
+        raise ValueError(f"--mixes: the workflow mixes are generations with ControlNets; {args.model} only edits "
+                         "(give --mixes '')")
     steps = args.steps or info.default_steps
     bench = Bench(pipe, info, directory, args.lora, args.size, steps)
-    rng = random.Random("adapters")
-    scenes = [sample_scene(rng) for _ in range(max(args.fidelity, 4))]
-    similarity, bound = bench.bound([caption(s) for s in scenes[:4]], args.threshold)
+    prompts = shapes_prompts(not info.generation, max(args.fidelity, 4), args.size, random.Random("adapters"))
+    similarity, bound = bench.bound(prompts[:4], args.threshold)
     result = {"command": "gouache bench adapters " + " ".join(sys.argv[3:]), "model": args.model, "lora": args.lora,
               "device": "cpu", "torch_threads": torch.get_num_threads(), "size": args.size, "steps": steps,
               "threshold": args.threshold, "similarity": similarity, "bound": bound,
-              "latency": bench.latency(bound, shares, args.repeats)}
+              "prompts": "captions" if info.generation else "instruction edits",
+              "latency": bench.latency(prompts[0], bound, shares, args.repeats)}
     if args.fidelity:
-        result["fidelity"] = bench.fidelity(scenes[: args.fidelity], sorted({bound, steps // 4, steps // 2}))
+        result["fidelity"] = bench.fidelity(prompts[: args.fidelity], sorted({bound, steps // 4, steps // 2}))
     if args.mixes:
         result["workflows"] = workflows.workflows(bench, args, bound)
     if args.requests:
@@ -137,18 +144,17 @@ class Bench:
         runner.lora_runtime.store = SlowStore(directory, self.pipe)
         return runner
 
-    def generate(self, runner, prompt: str, seed: int, loras=(), controls=(), on_step=None) -> tuple[np.ndarray, float]:
-        """(image, seconds from preparation to decoded image) of one request; `controls`: its
-        ControlNets (name, conditioning image, scale)."""
-        from gouache.request import ImageRequest
+    def generate(self, runner, prompt: Prompt, loras=(), controls=(), on_step=None) -> tuple[np.ndarray, float]:
+        """(image, seconds from preparation to decoded image) of one request (an edit's upload
+        with it); `controls`: its ControlNets (name, conditioning image, scale)."""
         from gouache.sched.plan import Batch
 
         self._ids += 1
         rid = f"bench-{self._ids}"
         start = time.perf_counter()
-        request = ImageRequest(rid, prompt, self.size, self.size, self.steps, self.info.default_guidance, seed,
-                               loras=tuple(loras), controlnets=tuple((name, b"", scale) for name, _, scale in controls))
-        state = runner.prepare(request, controls=[image for _, image, _ in controls])
+        request, upload = prompt.prepared(rid, self.steps, self.info.default_guidance, loras=tuple(loras),
+                                          controlnets=tuple((name, b"", scale) for name, _, scale in controls))
+        state = runner.prepare(request, upload, controls=[image for _, image, _ in controls])
         denoising = runner.states[rid]
         while not denoising.done:
             if on_step is not None:
@@ -160,29 +166,29 @@ class Bench:
         runner.release(rid)
         return image, time.perf_counter() - start
 
-    def bound(self, prompts: list[str], threshold: float) -> tuple[list[float], int]:
+    def bound(self, prompts: list[Prompt], threshold: float) -> tuple[list[float], int]:
         from gouache.profile.lora import first_below, similarities
 
         runner = self.runner()
-        similarity = similarities(runner, self.info, ((self.lora, 1.0),), prompts, self.size, self.steps)
+        similarity = similarities(runner, self.info, ((self.lora, 1.0),), prompts, self.steps)
         return [round(s, 5) for s in similarity], first_below(similarity, threshold)
 
-    def latency(self, bound: int, shares: list[float], repeats: int) -> dict:
-        """Median seconds of each case; the cases take turns within every repeat, so that a
-        shared machine's drift falls on all of them alike."""
-        prompt, loras = "a red circle in the center on a white background", ((self.lora, 1.0),)
+    def latency(self, prompt: Prompt, bound: int, shares: list[float], repeats: int) -> dict:
+        """Median seconds of each case of `prompt` (the k-th repeat with seed k); the cases take
+        turns within every repeat, so that a shared machine's drift falls on all of them alike."""
+        loras = ((self.lora, 1.0),)
         warm = self.runner()
         warm.lora_runtime.store.load(self.lora).result()
         cases = {"none": (lambda: warm, ()), "cached": (lambda: warm, loras)}
         for share in shares:
             cases[f"sync {share}"] = (lambda share=share: self.runner(0, share * none_s), loras)
             cases[f"bal {share}"] = (lambda share=share: self.runner(bound, share * none_s), loras)
-        none_s = self.generate(warm, prompt, 0)[1]  # a warm-up, and the scale of the emulated reads
+        none_s = self.generate(warm, replace(prompt, seed=0))[1]  # a warm-up, and the scale of the emulated reads
         runs: dict[str, list[float]] = {case: [] for case in cases}
         for k in range(repeats):
             for case, (runner_of, adapters) in cases.items():
                 warm.lora_runtime.merged.set(())  # every case starts from a server with nothing merged
-                runs[case].append(self.generate(runner_of(), prompt, k, adapters)[1])
+                runs[case].append(self.generate(runner_of(), replace(prompt, seed=k), adapters)[1])
         seconds = {case: statistics.median(times) for case, times in runs.items()}
         plain = seconds["none"]
         rows = [{"load_share": share, "read_s": share * none_s, "sync_s": seconds[f"sync {share}"],
@@ -191,40 +197,50 @@ class Bench:
         return {"none_s": plain, "cached_s": seconds["cached"], "cached_ratio": seconds["cached"] / plain,
                 "bound": bound, "repeats": repeats, "rows": rows}
 
-    def fidelity(self, scenes: list, bounds: list[int]) -> dict:
+    def fidelity(self, prompts: list[Prompt], bounds: list[int]) -> dict:
         """The adapter from step 0 against the adapter arriving at step K (BAL's worst case)."""
         loras = ((self.lora, 1.0),)
         base, sync = self.runner(), self.runner()
         sync.lora_runtime.store.load(self.lora).result()
         images = {"base": [], "sync": []}
-        for k, scene in enumerate(scenes):
-            images["base"].append(self.generate(base, caption(scene), k)[0])
-            images["sync"].append(self.generate(sync, caption(scene), k, loras)[0])
+        for prompt in prompts:
+            images["base"].append(self.generate(base, prompt)[0])
+            images["sync"].append(self.generate(sync, prompt, loras)[0])
         rows = []
         for bound in bounds:
             late = []
-            for k, scene in enumerate(scenes):
+            for prompt in prompts:
                 gate = threading.Event()
                 runner = self.runner(bound, gate=gate)
-                late.append(self.generate(runner, caption(scene), k, loras,
-                                          on_step=lambda step: step >= bound and gate.set())[0])
-            rows.append({"bound": bound, "effect_seen": _seen(late, scenes),
+                late.append(self.generate(runner, prompt, loras, on_step=lambda step: step >= bound and gate.set())[0])
+            rows.append({"bound": bound, "effect_seen": _seen(late, prompts), **_styled_edits(late, prompts),
                          "ssim_mean": statistics.mean(ssim(a, b) for a, b in zip(late, images["sync"])),
                          "ssim_min": min(ssim(a, b) for a, b in zip(late, images["sync"]))})
-        seen = _seen(images["sync"], scenes)
+        seen = _seen(images["sync"], prompts)
         for row in rows:
             row["kept"] = row["effect_seen"] / seen if seen else None
-        return {"prompts": len(scenes), "base_seen": _seen(images["base"], scenes), "sync_seen": seen, "rows": rows}
+        return {"prompts": len(prompts), "base_seen": _seen(images["base"], prompts), "sync_seen": seen,
+                **{f"sync_{key}": value for key, value in _styled_edits(images["sync"], prompts).items()}, "rows": rows}
 
 
-def _seen(images: list[np.ndarray], scenes: list) -> float:
-    """The share of asked shapes the checker finds in the style's colour in their own cell (of any
-    kind): in another cell it may be another shape asked in that colour."""
+def _seen(images: list[np.ndarray], prompts: list[Prompt]) -> float:
+    """The share of asked shapes (an edit's: its target's) the checker finds in the style's colour
+    in their own cell (of any kind): in another cell it may be another shape asked in that colour."""
     from gouache.train.lora import restyle
 
-    found = [shape.colour_ok and shape.position_ok for image, scene in zip(images, scenes)
-             for shape in check(image, restyle(scene)).shapes]
+    found = [shape.colour_ok and shape.position_ok for image, prompt in zip(images, prompts)
+             for shape in check(image, restyle(prompt.scene)).shapes]
     return sum(found) / len(found)
+
+
+def _styled_edits(images: list[np.ndarray], prompts: list[Prompt]) -> dict:
+    """For instruction edits, {"rates": carried out, rest kept and both}, judged against each edit
+    as the adapter draws it (`restyle_edit`); {} for generations."""
+    from gouache.train.lora import restyle_edit
+
+    if prompts[0].edit is None:
+        return {}
+    return {"rates": edit_rates([check_edit(image, restyle_edit(p.edit)) for image, p in zip(images, prompts)])}
 
 
 def throughput(args, info, steps: int, rate: float) -> dict:
@@ -239,8 +255,8 @@ def throughput(args, info, steps: int, rate: float) -> dict:
     pipe = load_pipeline(args.model)
     rng = random.Random("adapters-load")
     weights = [1 / (i + 1) ** args.zipf for i in range(args.adapters)]
-    load = [(rng.expovariate(rate), rng.choices(range(args.adapters), weights)[0], caption(sample_scene(rng)))
-            for _ in range(args.requests)]
+    load = [(rng.expovariate(rate), rng.choices(range(args.adapters), weights)[0],
+             shapes_prompts(not info.generation, 1, args.size, rng)[0]) for _ in range(args.requests)]
     runs = {}
     with tempfile.TemporaryDirectory(prefix="gouache-loras-") as directory:
         for i in range(args.adapters):
@@ -269,8 +285,9 @@ async def _serve(args, info, steps: int, directory: str, batching: str, load) ->
         for name in {a for _, a, _ in load} if adapters else ():
             await engine.register_lora(f"a{name}")  # read before the clock starts: batching alone is measured
 
-        def job(k, adapter, prompt):
-            return lambda: [ImageRequest(f"load-{k}-0", prompt, args.size, args.size, steps, info.default_guidance, k,
+        def job(k, adapter, prompt: Prompt):
+            return lambda: [ImageRequest(f"load-{k}-0", prompt.caption, args.size, args.size, steps,
+                                         info.default_guidance, k, image=prompt.encoded_upload(),
                                          loras=((f"a{adapter}", 1.0),) if adapters else (),
                                          arrival_time=time.monotonic())]
 
@@ -293,13 +310,22 @@ def report(result: dict) -> str:
               for r in lat["rows"]]
     if "fidelity" in result:
         fid = result["fidelity"]
-        lines += ["", f"Fidelity, {fid['prompts']} prompts: the checker finds {fid['sync_seen']:.0%} of the shapes "
-                      f"in the style's colour with the adapter from step 0, {fid['base_seen']:.0%} without it.", "",
+        lines += ["", f"Fidelity, {fid['prompts']} {result['prompts']}: the checker finds {fid['sync_seen']:.0%} "
+                      f"of the shapes in the style's colour with the adapter from step 0, {fid['base_seen']:.0%} "
+                      "without it.", "",
                   "| adapter arrives at step | style seen | kept vs synchronous | SSIM vs synchronous mean (min) |",
                   "|---|---|---|---|"]
         lines += [f"| {r['bound']} | {r['effect_seen']:.0%} "
                   f"| {'n/a' if r['kept'] is None else format(r['kept'], '.2f')} "
                   f"| {r['ssim_mean']:.3f} ({r['ssim_min']:.3f}) |" for r in fid["rows"]]
+        if "sync_rates" in fid:
+            lines += ["", "The instruction edits, judged as the adapter draws them (restyled): carried out, rest kept, "
+                          "both:", "", "| adapter arrives at step | carried out | rest kept | both |",
+                      "|---|---|---|---|"]
+            shown = [("0 (synchronous)", fid["sync_rates"]), *[(str(r["bound"]), r["rates"]) for r in fid["rows"]]]
+            keys = ("carried_out", "rest_kept", "all")
+            lines += [f"| {label} | " + " | ".join(f"{100 * rates[k]:.0f} %" for k in keys) + " |"
+                      for label, rates in shown]
     if "workflows" in result:
         lines += workflows.report(result["workflows"])
     if "throughput" in result:

@@ -88,7 +88,6 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
     from gouache.config import BlockCacheConfig, ControlNetConfig, EngineConfig, ModelConfig, SchedulerConfig
     from gouache.data.shapes import unplaced_caption
     from gouache.engine.build import build_engine
-    from gouache.engine.imaging import encode_image
     from gouache.request import ImageRequest
 
     controlnets = ControlNetConfig(control.directory, control.workers) if control else ControlNetConfig()
@@ -108,7 +107,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
             await engine.submit([ImageRequest(
                 f"fidelity-{i}-0", unplaced_caption(p.scene) if control else p.caption, p.width, p.height,
                 setup.steps or info.default_steps, info.default_guidance, p.seed,
-                image=encode_image(p.upload(), "png") if p.edit else None,
+                image=p.encoded_upload(),
                 **controls(p, control, setup.controlnet_mode),
             )])
             for i, p in enumerate(prompts)
@@ -136,13 +135,11 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
 
     from gouache.config import BlockCacheConfig
     from gouache.models.zoo import load_pipeline
-    from gouache.request import ImageRequest
     from gouache.runner.describe import model_info
     from gouache.runner.model_runner import ModelRunner
     from gouache.runner.quantize import quantize
     from gouache.sched.plan import Batch
     from gouache.sched.policies import POLICIES
-    from gouache.uploads import Upload
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -154,10 +151,8 @@ def step_times(model: str, setups: tuple[Setup, ...], prompts: list[Prompt], rep
             runner = ModelRunner(pipes[setup.quantize], setup.patch_size, BlockCacheConfig(
                 setup.block_cache, setup.block_cache_max_reuse, predictor=setup.block_cache_predictor))
             batch = prompts[: setup.max_batch_size]
-            ids = tuple(runner.prepare(ImageRequest(
-                f"steady-{i}", p.caption, p.width, p.height, setup.steps or info.default_steps, info.default_guidance,
-                p.seed, image=b"upload" if p.edit else None), Upload(p.upload()) if p.edit else None).request_id
-                for i, p in enumerate(batch))
+            ids = tuple(runner.prepare(*p.prepared(f"steady-{i}", setup.steps or info.default_steps,
+                                                   info.default_guidance)).request_id for i, p in enumerate(batch))
             patched, steps, start = POLICIES[setup.policy].mixes_resolutions, 0, time.perf_counter()
             while not runner.states[ids[0]].done:
                 runner.execute(Batch(ids, (0,), 1, patched))

@@ -35,6 +35,21 @@ class Prompt:
         """[H, W, 3] uint8: the image an edit changes; None for a generation."""
         return render(self.edit.source, self.width, self.height, self.render_seed) if self.edit else None
 
+    def prepared(self, request_id: str, steps: int, guidance: float, **fields):
+        """(its request, its upload or None): what an in-process runner's `prepare` takes."""
+        from gouache.request import ImageRequest
+        from gouache.uploads import Upload
+
+        request = ImageRequest(request_id, self.caption, self.width, self.height, steps, guidance, self.seed,
+                               image=b"upload" if self.edit else None, **fields)
+        return request, Upload(self.upload()) if self.edit else None
+
+    def encoded_upload(self) -> bytes | None:
+        """The upload as a PNG, as a client sends it to the engine; None for a generation."""
+        from gouache.engine.imaging import encode_image
+
+        return encode_image(self.upload(), "png") if self.edit else None
+
 
 def make_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: int = 0) -> list[Prompt]:
     """n scenes (deterministic from `seed`), sizes ((h, w) each) taken in turn, each with seeds 0..seeds-1."""
@@ -56,6 +71,16 @@ def make_edit_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: in
                render_seed=jitter)
         for i, (edit, jitter) in enumerate(edits) for s in range(seeds)
     ]
+
+
+def shapes_prompts(edits: bool, n: int, size: int, rng: random.Random) -> list[Prompt]:
+    """n prompts drawn from `rng` at size x size, the k-th with seed k: shapes scenes captioned, or
+    for a model that only edits (`edits`) instruction edits of every kind in turn."""
+    if not edits:
+        return [Prompt(sample_scene(rng), size, size, seed=k) for k in range(n)]
+    drawn = [(sample_edit(rng, EDIT_KINDS[k % len(EDIT_KINDS)]), rng.getrandbits(32)) for k in range(n)]
+    return [Prompt(edit.target, size, size, seed=k, edit=edit, render_seed=jitter)
+            for k, (edit, jitter) in enumerate(drawn)]
 
 
 @dataclass(frozen=True)

@@ -18,28 +18,32 @@ import random
 import shutil
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from gouache.bench.prompts import Prompt
 from gouache.cli_flags import Given, given, refuse_ignored
-from gouache.data.shapes import caption, sample_scene
+from gouache.data.shapes import sample_scene
 
 MIXES = "0C/0L,0C/1L,1C/0L,1C/1L,2C/2L,3C/2L"
 CASES = ("sequential", "gouache sync", "gouache async")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--mixes", default=MIXES, help="workflow mixes mC/nL: m ControlNets, n LoRAs (default: %(default)s; "
-                                                  "'' skips them)")
+    p.add_argument("--mixes", default=None,
+                   help=f"workflow mixes mC/nL: m ControlNets, n LoRAs; '' skips them (default: {MIXES}; none on a "
+                        "model that only edits)")
     p.add_argument("--controlnet-workers", type=int, default=2, action=Given,
                    help="ControlNet service processes of the gouache cases (default: %(default)s)")
 
 
 def check_flags(args) -> None:
     """--controlnet-workers only with mixes to run, and at least one."""
-    if "controlnet_workers" in given(args) and not args.mixes:
-        refuse_ignored({"controlnet_workers": "with --mixes '' no workflow mix runs a ControlNet"})
+    if "controlnet_workers" in given(args) and args.mixes == "":
+        refuse_ignored({"controlnet_workers": "with --mixes '' (the default on a model that only edits) no "
+                                              "workflow mix runs a ControlNet"})
     if args.controlnet_workers < 1:
         raise ValueError(f"--controlnet-workers must be at least 1, got {args.controlnet_workers}")
 
@@ -83,7 +87,7 @@ def workflows(bench, args, bound: int) -> dict:
                    "gouache async": ControlNetConfig(str(directory), args.controlnet_workers, "async",
                                                      service=service.address)}
         rng = random.Random("workflows")
-        prompt = caption(sample_scene(rng))
+        prompt = Prompt(sample_scene(rng), bench.size, bench.size, seed=0)
         image_rng = np.random.default_rng(0)
         images = [image_rng.integers(0, 256, (bench.size, bench.size, 3), dtype=np.uint8) for _ in nets]
         runs: dict[tuple, list[float]] = {}
@@ -94,7 +98,8 @@ def workflows(bench, args, bound: int) -> dict:
                                           controlnet=configs[case])
                     runner.lora_runtime.merged.set(())
                     controls = [(name, images[i], 1.0) for i, name in enumerate(nets[:c])]
-                    seconds = bench.generate(runner, prompt, k, [(lora, 1.0) for lora in loras[:n]], controls)[1]
+                    seconds = bench.generate(runner, replace(prompt, seed=k), [(lora, 1.0) for lora in loras[:n]],
+                                             controls)[1]
                     runner.controls.close()
                     if k:
                         runs.setdefault((c, n, case), []).append(seconds)

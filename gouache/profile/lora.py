@@ -14,7 +14,7 @@ import random
 import sys
 from pathlib import Path
 
-from gouache.data.shapes import caption, sample_scene
+from gouache.bench.prompts import Prompt, shapes_prompts
 from gouache.files import write_atomic
 
 
@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lora", required=True, help="the adapter's .safetensors file")
     p.add_argument("--scale", type=float, default=1.0, help="the adapter's scale (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=8,
-                   help="prompts (shapes captions), each its own seed (default: %(default)s)")
+                   help="prompts (shapes captions; instruction edits for a model that only edits), each its own seed "
+                        "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--size", type=int, default=None, help="pixels per side (default: the model's)")
     p.add_argument("--threshold", type=float, default=0.99,
@@ -55,9 +56,8 @@ def run(args) -> int:
     info = model_info(pipe, args.model)
     runner = ModelRunner(pipe, lora=LoraConfig(str(path.parent)))
     steps, size = args.steps or info.default_steps, args.size or info.default_size
-    rng = random.Random(0)
-    prompts = [caption(sample_scene(rng)) for _ in range(args.prompts)]
-    similarity = similarities(runner, info, ((path.stem, args.scale),), prompts, size, steps)
+    prompts = shapes_prompts(not info.generation, args.prompts, size, random.Random(0))
+    similarity = similarities(runner, info, ((path.stem, args.scale),), prompts, steps)
     bound = first_below(similarity, args.threshold)
     result = {"kind": "lora-bound", "command": "gouache profile-lora " + " ".join(sys.argv[2:]), "model": args.model,
               "lora": path.name, "scale": args.scale, "size": size, "steps": steps,
@@ -73,15 +73,15 @@ def run(args) -> int:
     return 0
 
 
-def similarities(runner, info, loras, prompts: list[str], size: int, steps: int) -> list[float]:
-    """Per step, the mean over prompts (seed = index) of the cosine similarity of the latents
-    with `loras` from the first step and without any."""
+def similarities(runner, info, loras, prompts: list[Prompt], steps: int) -> list[float]:
+    """Per step, the mean over prompts of the cosine similarity of the latents with `loras` from
+    the first step and without any."""
     import torch
 
     total = torch.zeros(steps)
     for k, prompt in enumerate(prompts):
-        pairs = zip(trajectory(runner, info, prompt, k, size, steps, loras),
-                    trajectory(runner, info, prompt, k, size, steps, ()))
+        pairs = zip(trajectory(runner, info, prompt, f"profile-{k}", steps, loras),
+                    trajectory(runner, info, prompt, f"profile-{k}-plain", steps, ()))
         total += torch.stack([torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) for a, b in pairs])
     return (total / len(prompts)).tolist()
 
@@ -92,13 +92,11 @@ def first_below(similarity: list[float], threshold: float) -> int:
     return next((step for step, value in enumerate(similarity) if value < threshold), len(similarity))
 
 
-def trajectory(runner, info, prompt: str, seed: int, size: int, steps: int, loras) -> list:
+def trajectory(runner, info, prompt: Prompt, rid: str, steps: int, loras) -> list:
     """The request's latents after each step, its adapters applied from the first."""
-    from gouache.request import ImageRequest
     from gouache.sched.plan import Batch
 
-    rid = f"profile-{seed}-{len(loras)}"
-    runner.prepare(ImageRequest(rid, prompt, size, size, steps, info.default_guidance, seed, loras=loras))
+    runner.prepare(*prompt.prepared(rid, steps, info.default_guidance, loras=loras))
     for name, _ in loras:
         runner.lora_runtime.store.load(name).result()  # the adapter from the first step on
     out = []

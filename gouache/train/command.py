@@ -1,10 +1,11 @@
-"""`gouache train vae|unet|inpaint|dit|edit|lora|controlnet`: reproduce one shapes model from a seed, with a
-progress bar, a loss curve (PNG + JSON) and the weights as safetensors. Train the VAE first: the
-others encode their images with the VAE found in `--out`. `edit` is the instruction-edit model
-(FLUX.1 Kontext's pipeline) trained on edit pairs. `lora` is an adapter of the trained
-UNet (a style: its palette turned by one), written to `<out>/loras/shapes-unet/palette.safetensors`;
-`controlnet` a ControlNet of it (shapes placed by a layout map), written to
-`<out>/controlnets/shapes-unet/layout/`."""
+"""`gouache train vae|unet|inpaint|dit|edit|lora|edit-lora|controlnet`: reproduce one shapes model
+from a seed, with a progress bar, a loss curve (PNG + JSON) and the weights as safetensors. Train
+the VAE first: the others encode their images with the VAE found in `--out`. `edit` is the
+instruction-edit model (FLUX.1 Kontext's pipeline) trained on edit pairs. `lora` is an adapter of
+the trained UNet (a style: its palette turned by one), written to
+`<out>/loras/shapes-unet/palette.safetensors`; `edit-lora` the same style as an adapter of the
+edit model, written to `<out>/loras/shapes-edit/palette.safetensors`; `controlnet` a ControlNet of
+the UNet (shapes placed by a layout map), written to `<out>/controlnets/shapes-unet/layout/`."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from pathlib import Path
 
 # kind -> steps that fit in 30 minutes on a 2-core CPU (see benchmarks/results/train_*.json)
 DEFAULT_STEPS = {"vae": 3000, "unet": 5200, "inpaint": 1500, "dit": 3300, "edit": 3000, "lora": 3000,
-                 "controlnet": 4000}
+                 "edit-lora": 3000, "controlnet": 4000}
 # kind -> the weights a resumed run continues (--resume)
 RESUMES = {"unet": "shapes-unet", "dit": "shapes-dit", "edit": "shapes-edit"}
 # kind -> the weights it starts from, which an earlier `gouache train` wrote into --out
 NEEDS = {"vae": (), "unet": ("shapes-vae",), "inpaint": ("shapes-vae", "shapes-unet"), "dit": ("shapes-vae",),
-         "edit": ("shapes-vae",), "lora": ("shapes-vae", "shapes-unet"), "controlnet": ("shapes-vae", "shapes-unet")}
+         "edit": ("shapes-vae",), "lora": ("shapes-vae", "shapes-unet"), "edit-lora": ("shapes-vae", "shapes-edit"),
+         "controlnet": ("shapes-vae", "shapes-unet")}
 
 
 def default_out() -> Path:
@@ -35,7 +37,7 @@ def default_out() -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kind", choices=list(DEFAULT_STEPS),
                    help="which model: vae first, then unet, dit or edit; inpaint fine-tunes the trained unet, lora and "
-                        "controlnet train adapters of it")
+                        "controlnet train adapters of it, edit-lora an adapter of edit")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the weights, the data and the noise (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None,
@@ -134,12 +136,12 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
     from gouache.train.edit import train_edit
     from gouache.train.inpaint import train_inpaint
     from gouache.train.loop import is_writer
-    from gouache.train.lora import train_lora
+    from gouache.train.lora import train_edit_lora, train_lora
     from gouache.train.unet import train_unet
     from gouache.train.vae import train_vae
 
     trainer = {"vae": train_vae, "unet": train_unet, "inpaint": train_inpaint, "dit": train_dit, "edit": train_edit,
-               "lora": train_lora, "controlnet": train_controlnet}[args.kind]
+               "lora": train_lora, "edit-lora": train_edit_lora, "controlnet": train_controlnet}[args.kind]
     report = trainer(args.seed, steps, out, args.device, **({"start": args.start} if args.start else {}))
     if not is_writer():
         return

@@ -1,10 +1,13 @@
 """Train a LoRA of the shapes UNet in a style the base model does not know: its palette turned
-by one (red shapes drawn green, green blue, ..., cyan red: `STYLE`), captions unchanged. It is a
+by one (red shapes drawn green, green blue, ..., cyan red: `STYLE`), captions unchanged; or the
+same style as a LoRA of the edit model (shapes-edit), as a style LoRA of FLUX.1 Kontext is: the
+instruction carried out and the whole result drawn in the style, the upload as it is. It is a
 style adapter, as most adapters are: no word of its own, the same prompts with another look,
 in colours the shapes VAE can draw (it cannot draw one it never saw: a pink comes back orange).
 Only the adapter's low-rank weights train (the UNet and its text encoder are frozen), on the
-base model's own loss (velocity, timesteps toward the noisy end, extra weight on shapes). The
-checker counts the effect: a red shape asked, a green one found (`gouache bench adapters`).
+base model's own loss (the UNet's velocity loss with extra weight on shapes; the edit model's
+flow loss with extra weight where the edit changes the image). The checker counts the effect: a
+red shape asked, a green one found (`gouache bench adapters`).
 
 The file is in diffusers' (peft) keys, like any adapter a user brings.
 """
@@ -22,9 +25,11 @@ import torch.nn.functional as F
 from safetensors.torch import save
 from torch import nn
 
+from gouache.data.edits import Edit
 from gouache.data.shapes import Scene
 from gouache.files import write_atomic
 from gouache.models import trained
+from gouache.train import edit
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions, foreground_weights, frozen_pipeline
 
@@ -35,6 +40,11 @@ TARGETS = (r".*attn[12]\.(to_q|to_k|to_v|to_out\.0)|.*\.ff\.net\.(0\.proj|2)|.*\
            r"|.*resnets\.\d+\.conv[12]")
 COLOURS_IN_ORDER = ("red", "green", "blue", "yellow", "purple", "cyan")
 STYLE = dict(zip(COLOURS_IN_ORDER, COLOURS_IN_ORDER[1:] + COLOURS_IN_ORDER[:1]))  # asked colour -> drawn colour
+# the edit transformer's: attention (image and text streams), feed-forwards, the single blocks'
+# MLP and output projections, the patch embedding and the final projection (colour is read in and
+# written out there)
+EDIT_TARGETS = (r".*attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+                r"|.*ff(_context)?\.net\.(0\.proj|2)|.*proj_mlp|.*proj_out|x_embedder")
 LR = 2e-3
 NAME = "palette"
 
@@ -43,6 +53,12 @@ def restyle(scene: Scene) -> Scene:
     """The scene as the adapter draws it: each shape in the next colour (still all distinct)."""
     return replace(scene, shapes=tuple(replace(shape, colour=STYLE.get(shape.colour, shape.colour))
                                        for shape in scene.shapes))
+
+
+def restyle_edit(edit: Edit) -> Edit:
+    """The edit as the adapter of the edit model carries it out: its scenes drawn restyled."""
+    removed = edit.removed and replace(edit.removed, colour=STYLE.get(edit.removed.colour, edit.removed.colour))
+    return replace(edit, source=restyle(edit.source), target=restyle(edit.target), removed=removed)
 
 
 def lora_dir(model: str, directory: Path = trained.WEIGHTS_DIR) -> Path:
@@ -97,6 +113,7 @@ class TrainableLora(nn.Module):
 
 
 def train_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+    """The palette LoRA of the shapes UNet."""
     generator = seed_everything(seed, device)
     pipe = frozen_pipeline(out, device)
     vae, unet = pipe.vae, pipe.unet
@@ -113,9 +130,29 @@ def train_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
             return denoising_loss(unet, latents, embeds, alphas, generator, weights=weights)
 
     kept, report = train("lora", lora, loss_of, Schedule(steps=steps, lr=LR, warmup=100), seed)
+    return written(kept, report, "shapes-unet", "unet", out)
+
+
+def train_edit_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+    """The palette LoRA of shapes-edit: edits of the training pairs with their targets restyled."""
+    generator = seed_everything(seed, device)
+    pipe = edit.frozen_edit_pipeline(out, device)
+    lora = TrainableLora(pipe.transformer, EDIT_TARGETS).to(device)
+
+    def loss_of(step: int) -> torch.Tensor:
+        batch = edit.edit_batch(seed, step, edit.BATCH // edit.NOISE_DRAWS, trained.TRAIN_SIZES, device, restyle)
+        with lora.attached(pipe.transformer):
+            return edit.edit_loss(pipe, *batch, generator)
+
+    kept, report = train("edit-lora", lora, loss_of, Schedule(steps=steps, lr=LR, warmup=100), seed)
+    return written(kept, report, "shapes-edit", "transformer", out)
+
+
+def written(kept: TrainableLora, report: Report, model: str, prefix: str, out: Path) -> Report:
+    """Write the trained adapter of `model` (the first process does) as `lora_dir(model, out)/NAME`."""
     if is_writer():
-        path = lora_dir("shapes-unet", out) / f"{NAME}.safetensors"
+        path = lora_dir(model, out) / f"{NAME}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, save(kept.peft_state("unet")))
-        report.extra.update(rank=RANK, layers=len(lora.paths), file=str(path))
+        write_atomic(path, save(kept.peft_state(prefix)))
+        report.extra.update(rank=RANK, layers=len(kept.paths), file=str(path))
     return report

@@ -34,6 +34,24 @@ def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_bench_adapters_on_an_instruction_edit_model_measures_edits(tmp_path, capsys):
+    assert main(["make-lora", "--model", "shapes-edit", "--out", str(tmp_path / "ink.safetensors")]) == 0
+    common = ["bench", "adapters", "--model", "shapes-edit", "--lora-dir", str(tmp_path), "--lora", "ink"]
+    assert main([*common, "--mixes", "0C/1L"]) == 2
+    assert "shapes-edit only edits" in capsys.readouterr().err
+    out = tmp_path / "adapters.json"
+    assert main([*common, "--size", "64", "--steps", "2", "--repeats", "1", "--fidelity", "5", "--requests", "3",
+                 "--rate", "1000", "--adapters", "2", "--load-shares", "0.5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == "instruction edits" and "workflows" not in result
+    fidelity = result["fidelity"]
+    assert fidelity["prompts"] == 5 and set(fidelity["sync_rates"]) == {"carried_out", "rest_kept", "all"}
+    assert all(set(row["rates"]) == {"carried_out", "rest_kept", "all"} for row in fidelity["rows"])
+    assert all(r["per_s"] > 0 for r in result["throughput"]["runs"].values())
+    assert "carried out" in out.with_suffix(".md").read_text()
+
+
 def test_bench_adapters_refuses_a_missing_adapter(tmp_path, capsys):
     assert main(["bench", "adapters", "--model", "tiny-sd", "--lora-dir", str(tmp_path), "--lora", "nope"]) == 2
     assert "no nope.safetensors" in capsys.readouterr().err

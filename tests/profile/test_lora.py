@@ -22,6 +22,15 @@ def test_profile_lora_finds_the_step_the_adapter_starts_to_matter(tmp_path):
     assert json.loads(out.read_text())["bound"] == 4  # never below 0.5: it may join as late as the end
 
 
+def test_profile_lora_on_a_model_that_only_edits_profiles_instruction_edits(tmp_path):
+    lora, out = tmp_path / "ink.safetensors", tmp_path / "bound.json"
+    assert main(["make-lora", "--model", "shapes-edit", "--out", str(lora)]) == 0
+    assert main(["profile-lora", "--model", "shapes-edit", "--lora", str(lora), "--prompts", "2", "--steps", "3",
+                 "--size", "64", "--out", str(out)]) == 0
+    similarity = json.loads(out.read_text())["similarity"]
+    assert len(similarity) == 3 and min(similarity) < 1  # the adapter moved the edits' latents
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["profile-lora", "--lora", "missing.safetensors"], "existing .safetensors file"),
     (["make-lora", "--model", "tiny-sd", "--out", "x.bin"], "a .safetensors file"),

@@ -14,7 +14,7 @@ from gouache.models import trained
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("weights")
-    for kind in ("vae", "unet", "inpaint", "dit", "edit", "lora", "controlnet"):
+    for kind in ("vae", "unet", "inpaint", "dit", "edit", "lora", "edit-lora", "controlnet"):
         workers = "2" if kind == "unet" else "1"  # each spawn costs seconds: one kind tries two processes
         assert main(["train", kind, "--steps", "2", "--workers", workers, "--out", str(out), "--report", str(out)]) == 0
     return out
@@ -23,7 +23,8 @@ def trained_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_each_kind_writes_weights_a_curve_and_the_command(trained_dir):
     for kind, name in (("vae", "shapes-vae"), ("unet", "shapes-unet"), ("inpaint", "shapes-unet-inpaint"),
-                       ("dit", "shapes-dit"), ("edit", "shapes-edit"), ("lora", "loras/shapes-unet/palette")):
+                       ("dit", "shapes-dit"), ("edit", "shapes-edit"), ("lora", "loras/shapes-unet/palette"),
+                       ("edit-lora", "loras/shapes-edit/palette")):
         assert trained.weights_path(name, trained_dir).is_file()
         report = json.loads((trained_dir / f"train_{kind}.json").read_text())
         workers = 2 if kind == "unet" else 1
@@ -70,6 +71,44 @@ def test_lora_writes_an_adapter_the_server_reads(trained_dir):
     assert len(lora.layers) == report["extra"]["layers"] and report["extra"]["rank"] == RANK
     assert all(layer.scale == 1.0 and layer.down.shape[0] == RANK for layer in lora.layers.values())
     assert any(layer.down.ndim == 4 for layer in lora.layers.values())  # convolutions too (LoCon)
+
+
+@pytest.mark.slow
+def test_edit_lora_writes_an_adapter_of_the_edit_model_as_diffusers_applies_it(trained_dir):
+    import numpy as np
+
+    from gouache.config import LoraConfig
+    from gouache.data.edits import EditDataset
+    from gouache.lora.files import Target, read_lora
+    from gouache.models.zoo import shapes_kontext
+    from gouache.request import ImageRequest
+    from gouache.runner.model_runner import ModelRunner
+    from gouache.uploads import Upload
+    from tests.engine.test_exactness import run_engine
+
+    def pipeline():
+        transformer, clip, t5 = trained.load_edit(trained_dir)
+        return shapes_kontext(trained.load_vae(trained_dir), clip, t5, transformer)
+
+    directory = trained_dir / "loras" / "shapes-edit"
+    lora = read_lora(directory / "palette.safetensors", Target.of(pipeline()), "palette")
+    report = json.loads((trained_dir / "train_edit-lora.json").read_text())
+    assert len(lora.layers) == report["extra"]["layers"]
+    assert {"x_embedder", "proj_out", "transformer_blocks.0.attn.add_q_proj"} <= set(lora.layers)
+    source, _, edit, _ = EditDataset(0, [(64, 64)]).item(0)
+
+    def edited(runner, loras=()):
+        request = ImageRequest("edit", edit.instruction, 64, 64, 2, 1.0, seed=1, image=b"-", loras=loras)
+        return run_engine(None, {0: [(request, {"upload": Upload(np.ascontiguousarray(source))})]},
+                          runner=runner)["edit"]
+
+    ours = edited(ModelRunner(pipeline(), lora=LoraConfig(str(directory))), (("palette", 1.0),))
+    reference = pipeline()
+    reference.load_lora_weights(str(directory), weight_name="palette.safetensors", adapter_name="palette")
+    reference.fuse_lora()
+    reference.unload_lora_weights()  # the fused weights stay
+    assert (ours - edited(ModelRunner(reference))).abs().max() <= 1e-4
+    assert (ours - edited(ModelRunner(pipeline()))).abs().max() > 1e-3  # two steps of training moved it
 
 
 @pytest.mark.slow
