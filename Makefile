@@ -32,10 +32,10 @@ $(VENV)/.installed-stamp: pyproject.toml constraints.txt
 $(TEST_VENV)/.installed-stamp: pyproject.toml constraints.txt
 	$(call make_venv,$(TEST_VENV),.[test])
 
-# shapes-unet is served with the LoRA and ControlNet trained for it (the playground lists them)
-ifeq ($(MODEL),shapes-unet)
-ADAPTERS ?= --lora-dir gouache/weights/loras/shapes-unet --controlnet-dir gouache/weights/controlnets/shapes-unet
-endif
+# a built-in is served with the LoRAs and ControlNets trained for it, where there are any (the
+# playground lists them): shapes-unet's palette LoRA and layout ControlNet, shapes-edit's palette LoRA
+ADAPTERS ?= $(if $(wildcard gouache/weights/loras/$(MODEL)),--lora-dir gouache/weights/loras/$(MODEL)) \
+	$(if $(wildcard gouache/weights/controlnets/$(MODEL)),--controlnet-dir gouache/weights/controlnets/$(MODEL))
 
 serve: install
 	$(VENV)/bin/gouache serve --host $(HOST) --port $(PORT) --model $(MODEL) --policy $(POLICY) $(ADAPTERS)

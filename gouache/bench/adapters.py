@@ -1,8 +1,11 @@
 """`gouache bench adapters`: what LoRA serving costs, and what bounded asynchronous loading
 (BAL, KATZ §6) gives and takes, on one model in one run.
 
-- **Bound.** K for the trained adapter (`--lora`, default the shapes UNet's palette style:
-  each shape drawn in the next colour), as `gouache profile-lora` finds it.
+On a model that only edits (shapes-edit) every request is an instruction edit of a shapes scene
+(every kind in turn), and the workflow mixes (generations) are not run.
+
+- **Bound.** K for the trained adapter (`--lora`, default the model's palette style: each shape
+  drawn in the next colour), as `gouache profile-lora` finds it.
 - **Latency** (in-process runner, one request at a time): a request without adapters, with its
   adapter in host memory, and with an adapter not in memory, loaded synchronously (K = 0) and
   with BAL at K. Reading a file from this machine's page cache takes milliseconds, far less
@@ -11,7 +14,9 @@
   the loading thread, the joining and the waiting are the server's own.
 - **Fidelity** of BAL at its worst: the adapter arrives exactly at step K. Against synchronous
   loading: SSIM, and how often the checker sees the adapter's effect (a shape found in the
-  style's colour for the one asked, e.g. green for red); the base model's rate beside them.
+  style's colour for the one asked, e.g. green for red); the base model's rate beside them. For
+  instruction edits also carried out, rest kept and both, against the edit as the adapter
+  draws it (`train.lora.restyle_edit`).
 - **Workflow mixes** (KATZ's mC/nL: m ControlNets, n LoRAs): a request's latency served
   sequentially, as a diffusers pipeline serves it, against the ControlNet service and BAL
   (`gouache.bench.workflows`).
@@ -43,6 +48,10 @@ from gouache.bench.load import run_load
 from gouache.bench.prompts import Prompt, shapes_prompts
 from gouache.bench.results import write_results
 from gouache.data.checker import check, check_edit
+from gouache.data.shapes import Scene, Shape
+
+# a generation's latency cases: one shape, whatever the caption (text is padded to one length)
+LATENCY_SCENE = Scene((Shape("circle", "red", "center"),), "white")
 
 
 def add_arguments(p) -> None:
@@ -93,17 +102,18 @@ def run(args) -> int:
         args.mixes = workflows.MIXES if info.generation else ""
         workflows.check_flags(args)
     elif args.mixes and not info.generation:
-        raise ValueError(f"--mixes: the workflow mixes are generations with ControlNets; {args.model} only edits "
-                         "(give --mixes '')")
+        raise ValueError(f"--mixes: the workflow mixes are text-to-image generations (with ControlNets and "
+                         f"LoRAs); {args.model} only edits (give --mixes '')")
     steps = args.steps or info.default_steps
     bench = Bench(pipe, info, directory, args.lora, args.size, steps)
     prompts = shapes_prompts(not info.generation, max(args.fidelity, 4), args.size, random.Random("adapters"))
     similarity, bound = bench.bound(prompts[:4], args.threshold)
+    latency_prompt = prompts[0] if prompts[0].edit else Prompt(LATENCY_SCENE, args.size, args.size, seed=0)
     result = {"command": "gouache bench adapters " + " ".join(sys.argv[3:]), "model": args.model, "lora": args.lora,
               "device": "cpu", "torch_threads": torch.get_num_threads(), "size": args.size, "steps": steps,
               "threshold": args.threshold, "similarity": similarity, "bound": bound,
               "prompts": "captions" if info.generation else "instruction edits",
-              "latency": bench.latency(prompts[0], bound, shares, args.repeats)}
+              "latency": bench.latency(latency_prompt, bound, shares, args.repeats)}
     if args.fidelity:
         result["fidelity"] = bench.fidelity(prompts[: args.fidelity], sorted({bound, steps // 4, steps // 2}))
     if args.mixes:
@@ -256,7 +266,7 @@ def throughput(args, info, steps: int, rate: float) -> dict:
     rng = random.Random("adapters-load")
     weights = [1 / (i + 1) ** args.zipf for i in range(args.adapters)]
     load = [(rng.expovariate(rate), rng.choices(range(args.adapters), weights)[0],
-             shapes_prompts(not info.generation, 1, args.size, rng)[0]) for _ in range(args.requests)]
+             shapes_prompts(not info.generation, 1, args.size, rng, start=k)[0]) for k in range(args.requests)]
     runs = {}
     with tempfile.TemporaryDirectory(prefix="gouache-loras-") as directory:
         for i in range(args.adapters):
@@ -286,8 +296,9 @@ async def _serve(args, info, steps: int, directory: str, batching: str, load) ->
             await engine.register_lora(f"a{name}")  # read before the clock starts: batching alone is measured
 
         def job(k, adapter, prompt: Prompt):
+            upload = prompt.encoded_upload()  # before the clock
             return lambda: [ImageRequest(f"load-{k}-0", prompt.caption, args.size, args.size, steps,
-                                         info.default_guidance, k, image=prompt.encoded_upload(),
+                                         info.default_guidance, k, image=upload,
                                          loras=((f"a{adapter}", 1.0),) if adapters else (),
                                          arrival_time=time.monotonic())]
 

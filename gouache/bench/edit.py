@@ -356,20 +356,20 @@ def report(result: dict) -> str:
                      f"| {r['same_prompt_ratio']:.2f} |")
     fidelity = result.get("fidelity")
     if fidelity:
-        rates = fidelity["exact_rates"]
+        exact_rates = fidelity["exact_rates"]
         names = {"all": "all right", "carried_out": "carried out", "rest_kept": "rest kept"}
-        exact = ", ".join(f"{names[k]} {100 * v:.0f} %" for k, v in rates.items())
+        exact = ", ".join(f"{names[k]} {100 * v:.0f} %" for k, v in exact_rates.items())
         lines += ["", f"Fidelity, {fidelity['edits']} {fidelity['kind']} edits against the exact "
                       f"edit ({exact}):", "",
                   "| template registered with | masked SSIM mean (min) | unmasked = template | "
-                  + " | ".join(names[k] for k in rates) + " | acceptable |",
-                  "|---|---|---|" + "---|" * len(rates) + "---|"]
+                  + " | ".join(names[k] for k in exact_rates) + " | acceptable |",
+                  "|---|---|---|" + "---|" * len(exact_rates) + "---|"]
         for variant, label in (("same_seed", "the edit's seed"), ("other_seed", "another seed")):
             f = fidelity[variant]
             shown = f["rates"]
             lines.append(f"| {label} | {f['masked_ssim_mean']:.3f} ({f['masked_ssim_min']:.3f}) | "
                          f"{f['unmasked_equal']}/{fidelity['edits']} | "
-                         + " | ".join(f"{100 * shown[k]:.0f} %" for k in rates)
+                         + " | ".join(f"{100 * shown[k]:.0f} %" for k in exact_rates)
                          + f" | {'yes' if f['acceptable'] else 'no'} |")
     load = result.get("throughput")
     if load:

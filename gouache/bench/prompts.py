@@ -1,6 +1,6 @@
-"""The prompts of `gouache bench fidelity`: shapes scenes at sizes and seeds, or instruction edits
-of them (for a model that edits), and the layout-map ControlNet that may place them (then the
-captions say no positions)."""
+"""The prompts of `gouache bench fidelity` (and of `bench adapters` and `profile-lora`): shapes
+scenes at sizes and seeds, or instruction edits of them (for a model that edits), and the
+layout-map ControlNet that may place them (then the captions say no positions)."""
 
 from __future__ import annotations
 
@@ -73,12 +73,13 @@ def make_edit_prompts(n: int, seeds: int, sizes: list[tuple[int, int]], seed: in
     ]
 
 
-def shapes_prompts(edits: bool, n: int, size: int, rng: random.Random) -> list[Prompt]:
+def shapes_prompts(edits: bool, n: int, size: int, rng: random.Random, start: int = 0) -> list[Prompt]:
     """n prompts drawn from `rng` at size x size, the k-th with seed k: shapes scenes captioned, or
-    for a model that only edits (`edits`) instruction edits of every kind in turn."""
+    for a model that only edits (`edits`) instruction edits of every kind in turn, from the
+    `start`-th kind on."""
     if not edits:
         return [Prompt(sample_scene(rng), size, size, seed=k) for k in range(n)]
-    drawn = [(sample_edit(rng, EDIT_KINDS[k % len(EDIT_KINDS)]), rng.getrandbits(32)) for k in range(n)]
+    drawn = [(sample_edit(rng, EDIT_KINDS[(start + k) % len(EDIT_KINDS)]), rng.getrandbits(32)) for k in range(n)]
     return [Prompt(edit.target, size, size, seed=k, edit=edit, render_seed=jitter)
             for k, (edit, jitter) in enumerate(drawn)]
 

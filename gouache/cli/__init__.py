@@ -30,7 +30,7 @@ def commands() -> dict[str, tuple[ModuleType, str]]:
         "make-lora": (make_lora, "write a random LoRA of a model's denoiser (for tests and benchmarks)"),
         "make-controlnet": (make_controlnet, "write a random ControlNet of a UNet model, a diffusers directory (for "
                                              "tests and benchmarks)"),
-        "train": (train, "train a shapes model (vae, unet, dit) from a seed"),
+        "train": (train, "train a shapes model (vae, unet, dit, edit) or an adapter of one from a seed"),
         "profile": (profile, "measure this device and fit the step-cost model"),
         "profile-lora": (profile_lora,
                          "the step by which an adapter must join (KATZ's bound for asynchronous LoRA loading)"),

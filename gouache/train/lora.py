@@ -4,9 +4,10 @@ same style as a LoRA of the edit model (shapes-edit), as a style LoRA of FLUX.1 
 instruction carried out and the whole result drawn in the style, the upload as it is. It is a
 style adapter, as most adapters are: no word of its own, the same prompts with another look,
 in colours the shapes VAE can draw (it cannot draw one it never saw: a pink comes back orange).
-Only the adapter's low-rank weights train (the UNet and its text encoder are frozen), on the
-base model's own loss (the UNet's velocity loss with extra weight on shapes; the edit model's
-flow loss with extra weight where the edit changes the image). The checker counts the effect: a
+Only the adapter's low-rank weights train (the denoiser, its text encoders and the VAE are
+frozen), on the base model's own loss (the UNet's velocity loss with extra weight on shapes; the
+edit model's flow loss with extra weight where the target differs from the upload: restyled,
+every shape). The checker counts the effect: a
 red shape asked, a green one found (`gouache bench adapters`).
 
 The file is in diffusers' (peft) keys, like any adapter a user brings.
