@@ -26,7 +26,8 @@ On a model that only edits (shapes-edit) every request is an instruction edit of
   adapters in separate batches do), and the same load without adapters. Adapters are read
   before the clock starts.
 
-Writes JSON, a markdown table and a plot (latency ratio vs emulated load time; the mixes).
+Writes JSON, a markdown table, a plot (latency ratio vs emulated load time; the mixes) and a
+contact sheet of the first fidelity prompts (`..._sheet.png`).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ from gouache.bench.fidelity import edit_rates, ssim
 from gouache.bench.load import run_load
 from gouache.bench.prompts import Prompt, shapes_prompts
 from gouache.bench.results import write_results
+from gouache.bench.sheet import contact_sheet, difference
 from gouache.data.checker import check, check_edit
 from gouache.data.shapes import Scene, Shape
 
+SHEET_ROWS = 8  # fidelity prompts on the contact sheet
 # a generation's latency cases: one shape, whatever the caption (text is padded to one length)
 LATENCY_SCENE = Scene((Shape("circle", "red", "center"),), "white")
 
@@ -76,7 +79,8 @@ def add_arguments(p) -> None:
     p.add_argument("--torch-threads", type=int, default=None, help="intra-op threads of torch (default: torch's)")
     workflows.add_arguments(p)
     p.add_argument("--out", default=None,
-                   help="JSON to write (default: benchmarks/results/adapters/adapters_<model>.json)")
+                   help="JSON to write; .md, .png and the contact sheet _sheet.png beside it "
+                        "(default: benchmarks/results/adapters/adapters_<model>.json)")
 
 
 def run(args) -> int:
@@ -89,6 +93,7 @@ def run(args) -> int:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     workflows.check_flags(args)
+    out = Path(args.out or f"benchmarks/results/adapters/adapters_{args.model}.json")
     shares = [float(s) for s in args.load_shares.split(",")]
     if not all(s > 0 for s in shares):
         raise ValueError(f"--load-shares must be positive, got {args.load_shares!r}")
@@ -115,13 +120,13 @@ def run(args) -> int:
               "prompts": "captions" if info.generation else "instruction edits",
               "latency": bench.latency(latency_prompt, bound, shares, args.repeats)}
     if args.fidelity:
-        result["fidelity"] = bench.fidelity(prompts[: args.fidelity], sorted({bound, steps // 4, steps // 2}))
+        result["fidelity"] = bench.fidelity(prompts[: args.fidelity], sorted({bound, steps // 4, steps // 2}),
+                                            out.with_name(out.stem + "_sheet.png"))
     if args.mixes:
         result["workflows"] = workflows.workflows(bench, args, bound)
     if args.requests:
         rate = args.rate or 3 / result["latency"]["none_s"]
         result["throughput"] = throughput(args, info, steps, rate)
-    out = Path(args.out or f"benchmarks/results/adapters/adapters_{args.model}.json")
     write_results(out, result, report(result), lambda path: plot(result, path))
     return 0
 
@@ -207,8 +212,9 @@ class Bench:
         return {"none_s": plain, "cached_s": seconds["cached"], "cached_ratio": seconds["cached"] / plain,
                 "bound": bound, "repeats": repeats, "rows": rows}
 
-    def fidelity(self, prompts: list[Prompt], bounds: list[int]) -> dict:
-        """The adapter from step 0 against the adapter arriving at step K (BAL's worst case)."""
+    def fidelity(self, prompts: list[Prompt], bounds: list[int], sheet: Path) -> dict:
+        """The adapter from step 0 against the adapter arriving at step K (BAL's worst case); the
+        first SHEET_ROWS prompts' images on a contact sheet at `sheet`."""
         loras = ((self.lora, 1.0),)
         base, sync = self.runner(), self.runner()
         sync.lora_runtime.store.load(self.lora).result()
@@ -216,21 +222,39 @@ class Bench:
         for prompt in prompts:
             images["base"].append(self.generate(base, prompt)[0])
             images["sync"].append(self.generate(sync, prompt, loras)[0])
-        rows = []
+        rows, lates = [], []
         for bound in bounds:
             late = []
             for prompt in prompts:
                 gate = threading.Event()
                 runner = self.runner(bound, gate=gate)
                 late.append(self.generate(runner, prompt, loras, on_step=lambda step: step >= bound and gate.set())[0])
+            lates.append(late)
             rows.append({"bound": bound, "effect_seen": _seen(late, prompts), **_styled_edits(late, prompts),
                          "ssim_mean": statistics.mean(ssim(a, b) for a, b in zip(late, images["sync"])),
                          "ssim_min": min(ssim(a, b) for a, b in zip(late, images["sync"]))})
+        write_sheet(prompts, images, dict(zip(bounds, lates)), sheet)
         seen = _seen(images["sync"], prompts)
         for row in rows:
             row["kept"] = row["effect_seen"] / seen if seen else None
         return {"prompts": len(prompts), "base_seen": _seen(images["base"], prompts), "sync_seen": seen,
                 **{f"sync_{key}": value for key, value in _styled_edits(images["sync"], prompts).items()}, "rows": rows}
+
+
+def write_sheet(prompts: list[Prompt], images: dict[str, list[np.ndarray]], late: dict[int, list[np.ndarray]],
+                path: Path) -> None:
+    """[upload |] without the adapter | adapter from step 0 | arriving at each step K | |step 0 -
+    the latest| x4, one row per prompt (its caption or instruction under it)."""
+    edits = prompts[0].edit is not None
+    last = max(late)
+    titles = (["upload"] if edits else []) + ["without the adapter", "adapter from step 0"] + [
+        f"adapter arriving at step {bound}" for bound in late] + [f"|step 0 - step {last}| x4"]
+    rows = []
+    for k, prompt in enumerate(prompts[:SHEET_ROWS]):
+        shown = [images["base"][k], images["sync"][k], *(late[bound][k] for bound in late),
+                 difference(images["sync"][k], late[last][k])]
+        rows.append(([prompt.upload(), *shown] if edits else shown, prompt.caption))
+    contact_sheet(titles, rows, path)
 
 
 def _seen(images: list[np.ndarray], prompts: list[Prompt]) -> float:

@@ -43,7 +43,7 @@ import numpy as np
 from PIL import Image
 
 from gouache.bench.edit_cases import Shown, instruction_cases, picture, rates, recolour_cases, write_sheet
-from gouache.bench.fidelity import ALIGNMENT_POINTS, SSIM_ACCEPTABLE, ssim
+from gouache.bench.fidelity import acceptable, drop_points, ssim
 from gouache.bench.load import run_load
 from gouache.bench.results import write_results
 from gouache.data.shapes import caption, cell_box, sample_scene
@@ -263,12 +263,12 @@ class Bench:
         for variant, edits in replays.items():
             ssims = [e["masked_ssim"] for e in edits]
             variant_rates = rates([e.pop("check") for e in edits])
-            drop = max(100 * (exact_rates[key] - variant_rates[key]) for key in variant_rates)
+            drop = drop_points(exact_rates, variant_rates, variant_rates)
             out[variant] = {"masked_ssim_mean": float(np.mean(ssims)), "masked_ssim_min": float(np.min(ssims)),
                             "unmasked_equal": sum(e["unmasked_equal"] for e in edits),
                             "alignment": variant_rates["all"], "rates": variant_rates,
                             "alignment_drop_points": drop,
-                            "acceptable": bool(np.mean(ssims) >= SSIM_ACCEPTABLE and drop <= ALIGNMENT_POINTS),
+                            "acceptable": acceptable(float(np.mean(ssims)), drop),
                             "per_edit": edits}
         return out, shown
 

@@ -33,6 +33,7 @@ def contact_sheet(titles: list[str], rows: list[tuple[list[np.ndarray], str]], p
             sheet.paste(Image.fromarray(image), (col * cell_w + 4, top))
         for i, line in enumerate(note):
             draw.text((4, top + images[0].shape[0] + 2 + LINE * i), line, fill=(0, 0, 0))
+    path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
 
 

@@ -5,6 +5,7 @@ notes quote."""
 import json
 
 import pytest
+from PIL import Image
 
 from gouache.bench.workflows import CASES, parse_mixes
 from gouache.cli import main
@@ -32,6 +33,7 @@ def test_bench_adapters_writes_latency_fidelity_and_throughput(tmp_path):
     assert runs["none"]["steps_by_mode"] == {}
     assert "split" in runs["per-adapter"]["steps_by_mode"]
     assert out.with_suffix(".md").exists() and out.with_suffix(".png").stat().st_size > 0
+    assert Image.open(tmp_path / "adapters_sheet.png").width == (3 + len(rows)) * (64 + 8)
 
 
 @pytest.mark.slow
@@ -50,6 +52,8 @@ def test_bench_adapters_on_an_instruction_edit_model_measures_edits(tmp_path, ca
     assert all(set(row["rates"]) == {"carried_out", "rest_kept", "all"} for row in fidelity["rows"])
     assert all(r["per_s"] > 0 for r in result["throughput"]["runs"].values())
     assert "carried out" in out.with_suffix(".md").read_text()
+    sheet = Image.open(tmp_path / "adapters_sheet.png")  # upload, base, step 0, each bound, difference
+    assert sheet.width == (4 + len(fidelity["rows"])) * (64 + 8) and sheet.height > 5 * 64
 
 
 def test_bench_adapters_refuses_a_missing_adapter(tmp_path, capsys):

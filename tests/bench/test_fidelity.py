@@ -3,7 +3,18 @@ import json
 import numpy as np
 import pytest
 
-from gouache.bench.fidelity import Result, Setup, alignment, checks, compare, edit_alignment, psnr, ssim
+from gouache.bench.fidelity import (
+    Result,
+    Setup,
+    acceptable,
+    alignment,
+    checks,
+    compare,
+    drop_points,
+    edit_alignment,
+    psnr,
+    ssim,
+)
 from gouache.bench.prompts import make_edit_prompts, make_prompts
 from gouache.data.checker import Degrade
 from gouache.data.edits import EDIT_KINDS
@@ -59,6 +70,13 @@ def test_a_damaged_candidate_is_not_acceptable_and_an_equal_one_is():
     worse = compare(reference, Result(Setup("candidate"), damaged), prompts)
     assert not worse["acceptable"] and worse["ssim_mean"] < 0.6
     assert worse["candidate_alignment"]["all"] < worse["reference_alignment"]["all"]
+
+
+def test_a_drop_of_exactly_two_points_is_acceptable_despite_float_rounding():
+    drop = drop_points({"all": 0.73}, {"all": 0.71}, ("all",))
+    assert drop == 2.0 and acceptable(0.99, drop)
+    assert not acceptable(0.99, drop_points({"all": 0.73}, {"all": 0.70}, ("all",)))
+    assert not acceptable(0.94, 0.0)
 
 
 def test_edit_prompts_take_every_kind_in_turn_and_upload_the_source():
