@@ -46,10 +46,11 @@ import numpy as np
 from gouache.bench import workflows
 from gouache.bench.fidelity import edit_rates, ssim
 from gouache.bench.load import run_load
-from gouache.bench.prompts import Prompt, shapes_prompts
+from gouache.bench.prompts import encoded_upload
 from gouache.bench.results import write_results
 from gouache.bench.sheet import contact_sheet, difference
 from gouache.data.checker import check, check_edit
+from gouache.data.prompts import Prompt, shapes_prompts
 from gouache.data.shapes import Scene, Shape
 
 SHEET_ROWS = 8  # fidelity prompts on the contact sheet
@@ -320,7 +321,7 @@ async def _serve(args, info, steps: int, directory: str, batching: str, load) ->
             await engine.register_lora(f"a{name}")  # read before the clock starts: batching alone is measured
 
         def job(k, adapter, prompt: Prompt):
-            upload = prompt.encoded_upload()  # before the clock
+            upload = encoded_upload(prompt)  # before the clock
             return lambda: [ImageRequest(f"load-{k}-0", prompt.caption, args.size, args.size, steps,
                                          info.default_guidance, k, image=upload,
                                          loras=((f"a{adapter}", 1.0),) if adapters else (),

@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from gouache.bench.prompts import Control, Prompt, controls, make_edit_prompts, make_prompts
+from gouache.bench.prompts import Control, controls, encoded_upload
 from gouache.bench.sheet import contact_sheet, difference
 from gouache.cli_flags import Given, given, parse_size, refuse_ignored
 from gouache.data.checker import Check, EditCheck, check, check_edit
+from gouache.data.prompts import Prompt, make_edit_prompts, make_prompts
 
 SSIM_ACCEPTABLE = 0.95  # mean SSIM against the reference at or above which a candidate may ship
 ALIGNMENT_POINTS = 2.0  # ... if its "all ok" alignment is at most this many points below the reference's
@@ -107,7 +108,7 @@ async def _generate(model: str, setup: Setup, prompts: list[Prompt], torch_threa
             await engine.submit([ImageRequest(
                 f"fidelity-{i}-0", unplaced_caption(p.scene) if control else p.caption, p.width, p.height,
                 setup.steps or info.default_steps, info.default_guidance, p.seed,
-                image=p.encoded_upload(),
+                image=encoded_upload(p),
                 **controls(p, control, setup.controlnet_mode),
             )])
             for i, p in enumerate(prompts)

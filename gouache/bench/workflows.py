@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gouache.bench.prompts import Prompt
 from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.data.prompts import Prompt
 from gouache.data.shapes import sample_scene
 
 MIXES = "0C/0L,0C/1L,1C/0L,1C/1L,2C/2L,3C/2L"

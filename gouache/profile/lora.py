@@ -14,7 +14,7 @@ import random
 import sys
 from pathlib import Path
 
-from gouache.bench.prompts import Prompt, shapes_prompts
+from gouache.data.prompts import Prompt, shapes_prompts
 from gouache.files import write_atomic
 
 

@@ -15,9 +15,9 @@ from gouache.bench.fidelity import (
     psnr,
     ssim,
 )
-from gouache.bench.prompts import make_edit_prompts, make_prompts
 from gouache.data.checker import Degrade
 from gouache.data.edits import EDIT_KINDS
+from gouache.data.prompts import make_edit_prompts, make_prompts
 from gouache.data.shapes import Scene, render
 
 

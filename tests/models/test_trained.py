@@ -4,8 +4,8 @@ prompt asks (fixed seeds, judged by the checker)."""
 import pytest
 
 from gouache.bench.fidelity import Setup, generate
-from gouache.bench.prompts import Prompt
 from gouache.data.checker import check
+from gouache.data.prompts import Prompt
 from gouache.data.shapes import parse_caption
 from gouache.models import trained
 from gouache.models.zoo import BUILTIN_MODELS, load_pipeline
