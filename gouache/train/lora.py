@@ -7,8 +7,8 @@ in colours the shapes VAE can draw (it cannot draw one it never saw: a pink come
 Only the adapter's low-rank weights train (the denoiser, its text encoders and the VAE are
 frozen), on the base model's own loss (the UNet's velocity loss with extra weight on shapes; the
 edit model's flow loss with extra weight where the target differs from the upload: restyled,
-every shape). The checker counts the effect: a
-red shape asked, a green one found (`gouache bench adapters`).
+every shape). The checker counts the effect: a red shape asked, a green one found (`gouache
+bench adapters`).
 
 The file is in diffusers' (peft) keys, like any adapter a user brings.
 """
@@ -27,7 +27,7 @@ from safetensors.torch import save
 from torch import nn
 
 from gouache.data.edits import Edit
-from gouache.data.shapes import Scene
+from gouache.data.shapes import Scene, Shape
 from gouache.files import write_atomic
 from gouache.models import trained
 from gouache.train import edit
@@ -50,16 +50,20 @@ LR = 2e-3
 NAME = "palette"
 
 
+def turned(shape: Shape) -> Shape:
+    """The shape in the style's colour: the next one."""
+    return replace(shape, colour=STYLE.get(shape.colour, shape.colour))
+
+
 def restyle(scene: Scene) -> Scene:
     """The scene as the adapter draws it: each shape in the next colour (still all distinct)."""
-    return replace(scene, shapes=tuple(replace(shape, colour=STYLE.get(shape.colour, shape.colour))
-                                       for shape in scene.shapes))
+    return replace(scene, shapes=tuple(turned(shape) for shape in scene.shapes))
 
 
 def restyle_edit(edit: Edit) -> Edit:
     """The edit as the adapter of the edit model carries it out: its scenes drawn restyled."""
-    removed = edit.removed and replace(edit.removed, colour=STYLE.get(edit.removed.colour, edit.removed.colour))
-    return replace(edit, source=restyle(edit.source), target=restyle(edit.target), removed=removed)
+    return replace(edit, source=restyle(edit.source), target=restyle(edit.target),
+                   removed=edit.removed and turned(edit.removed))
 
 
 def lora_dir(model: str, directory: Path = trained.WEIGHTS_DIR) -> Path:
