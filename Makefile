@@ -51,8 +51,8 @@ browser:
 	fi
 
 # Two pytest-xdist workers, a test file each at a time (tests/conftest.py hands out the files,
-# the longest first, and keeps the Ray files on one worker): about 10 minutes on 2 CPU cores,
-# against 16-18 for one process, since most slow tests wait on processes they started.
+# the longest first, and keeps the Ray files on one worker): about 14 minutes on 2 CPU cores,
+# where the tests' own times sum to about 27.
 PYTEST_XDIST := -n 2 --dist loadfile
 
 test: install-test browser
