@@ -47,29 +47,26 @@ def pil_pixel_limit():
 
 # Seconds each file took in `make test` on 2 cores (the files over ~5 s): the order units go out
 # in, longest first. A file not named here counts UNLISTED_S a test. Only the order depends on
-# these, never a test's outcome; refresh them from a run's per-test times (`--durations=0`, or
-# `--junitxml` summed per file) when the slow files change.
+# these, never a test's outcome; refresh them from `--durations=0` when the slow files change.
 FILE_SECONDS = {
-    "tests/runner/test_compiled.py": 169, "tests/ui/test_playground.py": 95,
-    "tests/executor/test_multiproc.py": 85, "tests/runner/test_compile_cache.py": 78,
-    "tests/api/test_real_server.py": 77, "tests/engine/test_preemption.py": 76,
-    "tests/engine/test_qwen_image.py": 53, "tests/executor/test_ray.py": 53,
-    "tests/runner/test_background.py": 53, "tests/bench/test_fullsize.py": 51,
-    "tests/runner/test_pieces.py": 51, "tests/bench/test_gpu_script.py": 48,
-    "tests/executor/test_ray_multinode.py": 46, "tests/train/test_command.py": 45,
-    "tests/lora/test_runtime.py": 38, "tests/parallel/test_ulysses.py": 34,
-    "tests/replicas/test_replica_faults.py": 32, "tests/test_cli.py": 32, "tests/bench/test_fidelity.py": 30,
-    "tests/api/test_lifecycle.py": 29, "tests/parallel/test_cfg.py": 27,
-    "tests/replicas/test_replicas.py": 25, "tests/api/test_edge_values.py": 24,
-    "tests/controlnet/test_service.py": 22, "tests/api/test_fuzz.py": 21,
-    "tests/parallel/test_ulysses_compiled.py": 21, "tests/engine/test_exactness.py": 20,
-    "tests/engine/test_family_load.py": 17, "tests/files/test_user_files.py": 17,
-    "tests/bench/test_speed.py": 15, "tests/sim/test_simulator.py": 15, "tests/models/test_zoo.py": 14,
-    "tests/templates/test_replay.py": 13, "tests/bench/test_soak.py": 12, "tests/engine/test_compose.py": 11,
-    "tests/engine/test_edits.py": 11, "tests/engine/test_supervision.py": 11,
-    "tests/sim/test_fleet_day.py": 9, "tests/bench/test_adapters.py": 9, "tests/test_children.py": 7,
-    "tests/sim/test_replicas.py": 6, "tests/engine/test_instruction_edits.py": 6,
-    "tests/bench/test_edit.py": 5, "tests/engine/test_async_engine.py": 5,
+    "tests/engine/test_exactness.py": 164, "tests/ui/test_playground.py": 153, "tests/api/test_real_server.py": 142,
+    "tests/runner/test_compiled.py": 290, "tests/runner/test_background.py": 100,
+    "tests/engine/test_compose.py": 100, "tests/bench/test_fullsize.py": 93, "tests/engine/test_qwen_image.py": 83,
+    "tests/bench/test_gpu_script.py": 50,
+    "tests/test_cli.py": 64, "tests/runner/test_compile_cache.py": 54, "tests/parallel/test_ulysses.py": 46,
+    "tests/train/test_command.py": 44, "tests/controlnet/test_service.py": 43, "tests/api/test_lifecycle.py": 42,
+    "tests/controlnet/test_model.py": 41, "tests/engine/test_preemption.py": 40, "tests/bench/test_fidelity.py": 38,
+    "tests/runner/test_pieces.py": 34, "tests/replicas/test_replica_faults.py": 33, "tests/bench/test_soak.py": 27,
+    "tests/executor/test_multiproc.py": 26, "tests/parallel/test_cfg.py": 25,
+    "tests/engine/test_instruction_edits.py": 26, "tests/api/test_edge_values.py": 26,
+    "tests/replicas/test_replicas.py": 25, "tests/lora/test_runtime.py": 25, "tests/api/test_fuzz.py": 24,
+    "tests/engine/test_family_load.py": 24, "tests/engine/test_block_cache.py": 21,
+    "tests/files/test_user_files.py": 18, "tests/bench/test_adapters.py": 15, "tests/engine/test_flux2.py": 15,
+    "tests/templates/test_replay.py": 15, "tests/models/test_zoo.py": 14, "tests/block_cache/test_blocks.py": 12,
+    "tests/engine/test_supervision.py": 11, "tests/bench/test_speed.py": 11, "tests/sim/test_simulator.py": 10,
+    "tests/engine/test_edits.py": 10, "tests/engine/test_async_engine.py": 9, "tests/sim/test_fleet_day.py": 8,
+    "tests/test_children.py": 7, "tests/engine/test_templates.py": 7, "tests/sim/test_replicas.py": 6,
+    "tests/engine/test_controlnets.py": 5,
 }
 UNLISTED_S = 0.1
 # Files run by one worker together, one after the other: each starts a local Ray (ray.init() joins
