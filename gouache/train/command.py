@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import socket
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue the weights of this kind in --out for --steps more, on the batches a longer run "
                         "would draw next (" + ", ".join(RESUMES) + "); train_KIND.json in --report, the run "
                         "resumed, says where, and the new one lists every run before it (default: from the start)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="the learning rate the warm-up reaches and the cosine decay starts from (default: the kind's "
+                        "own, in train_KIND.json's schedule); a resumed run may want less than a fresh one")
     p.add_argument("--device", default="cpu",
                    help="torch device to train on, e.g. cuda (default: %(default)s); a GPU draws other random numbers "
                         "than the CPU, so its weights differ from the CPU's for the same seed")
@@ -65,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.kind]
     if steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
+    if args.lr is not None and not 0 < args.lr < math.inf:
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
     import torch.multiprocessing
 
     try:
@@ -142,7 +148,8 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
 
     trainer = {"vae": train_vae, "unet": train_unet, "inpaint": train_inpaint, "dit": train_dit, "edit": train_edit,
                "lora": train_lora, "edit-lora": train_edit_lora, "controlnet": train_controlnet}[args.kind]
-    report = trainer(args.seed, steps, out, args.device, **({"start": args.start} if args.start else {}))
+    given = {"start": args.start, "lr": args.lr}
+    report = trainer(args.seed, steps, out, args.device, **{k: v for k, v in given.items() if v})
     if not is_writer():
         return
     report.extra.update(workers=args.workers, device=args.device)
@@ -151,6 +158,8 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
                             total_minutes=round(sum(r["minutes"] for r in args.runs_before) + report.seconds / 60, 2))
     command = ["gouache", "train", args.kind, "--seed", str(args.seed), "--steps", str(steps),
                "--workers", str(args.workers)] + (["--resume"] if args.resume else [])
+    if args.lr is not None:
+        command += ["--lr", repr(args.lr)]
     if args.device != "cpu":
         command += ["--device", args.device]
     json_path, png_path = report.write(args.report, shlex.join(command))

@@ -32,7 +32,7 @@ def controlnet_dir(model: str, directory: Path = trained.WEIGHTS_DIR) -> Path:
     return directory / "controlnets" / model
 
 
-def train_controlnet(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+def train_controlnet(seed: int, steps: int, out: Path, device: str = "cpu", lr: float = LR) -> Report:
     from diffusers import ControlNetModel
 
     generator = seed_everything(seed, device)
@@ -55,7 +55,7 @@ def train_controlnet(seed: int, steps: int, out: Path, device: str = "cpu") -> R
 
         return denoising_loss(unet, latents, embeds, alphas, generator, weights=weights, control=control)
 
-    kept, report = train("controlnet", controlnet, loss_of, Schedule(steps=steps, lr=LR, warmup=100), seed)
+    kept, report = train("controlnet", controlnet, loss_of, Schedule(steps=steps, lr=lr, warmup=100), seed)
     if is_writer():
         path = controlnet_dir("shapes-unet", out) / NAME
         kept.save_pretrained(str(path))

@@ -26,6 +26,7 @@ from gouache.train.loop import Report, Schedule, is_writer, seed_everything, sha
 from gouache.train.unet import drop_captions
 
 BATCH = 32
+LR = 5e-4
 GROUNDING_WEIGHT = 1.0  # the grounding loss's weight against the flow-matching loss, as the UNet's
 SHIFT = 3.0  # the pipeline scheduler's shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma)
 # How many zero tokens the pipeline appends in the T5 slot when the model has no T5.
@@ -82,7 +83,7 @@ def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str],
     return embeds, pooled, key_bias
 
 
-def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0) -> Report:
+def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0, lr: float = LR) -> Report:
     """Train shapes-dit into `out`; from data step `start` > 0, on from the weights there."""
     generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
@@ -114,7 +115,7 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int 
         maps, recorder.maps = recorder.maps, []
         return F.mse_loss(predicted, noise - latents) + GROUNDING_WEIGHT * grounding_loss(maps, batch.pixels, captions)
 
-    kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=5e-4), seed, start)
+    kept, report = train("dit", model, loss_of, Schedule(steps=steps, lr=lr), seed, start)
     kept["transformer"].set_attn_processor(processors)
     if is_writer():
         trained.save_weights({"transformer": kept["transformer"], "text_encoder": kept["text_encoder"]},

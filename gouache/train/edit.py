@@ -54,7 +54,7 @@ def change_weights(source: torch.Tensor, target: torch.Tensor, tokens_hw: tuple[
     return (1 + CHANGE_WEIGHT * F.adaptive_max_pool2d(changed, tokens_hw)).flatten(1).unsqueeze(-1)
 
 
-def train_edit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0) -> Report:
+def train_edit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0, lr: float = LR) -> Report:
     """Train shapes-edit into `out`; from data step `start` > 0, on from the weights there."""
     generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
@@ -68,7 +68,7 @@ def train_edit(seed: int, steps: int, out: Path, device: str = "cpu", start: int
     def loss_of(step: int) -> torch.Tensor:
         return edit_loss(pipe, *edit_batch(seed, step, BATCH // NOISE_DRAWS, trained.TRAIN_SIZES, device), generator)
 
-    kept, report = train("edit", model, loss_of, Schedule(steps=steps, lr=LR), seed, start)
+    kept, report = train("edit", model, loss_of, Schedule(steps=steps, lr=lr), seed, start)
     if is_writer():
         trained.save_weights(dict(kept.items()), "shapes-edit", out)
     return report

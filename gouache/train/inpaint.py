@@ -16,6 +16,7 @@ from gouache.models.zoo import shapes_sd
 from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import BATCH, denoising_loss, drop_captions
 
+LR = 2e-4
 WHOLE_IMAGE = 0.1  # share of masks that repaint everything
 
 
@@ -45,7 +46,7 @@ def widened_unet(source: torch.nn.Module) -> torch.nn.Module:
     return unet
 
 
-def train_inpaint(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+def train_inpaint(seed: int, steps: int, out: Path, device: str = "cpu", lr: float = LR) -> Report:
     generator = seed_everything(seed, device)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
     source, text_encoder = trained.load_unet(out)
@@ -66,7 +67,7 @@ def train_inpaint(seed: int, steps: int, out: Path, device: str = "cpu") -> Repo
         embeds = pipe.encode_prompt(drop_captions(batch.captions, generator), device, 1, False)[0]
         return denoising_loss(model["unet"], latents, embeds, alphas, generator, torch.cat([small_masks, kept], dim=1))
 
-    kept_model, report = train("inpaint", model, loss_of, Schedule(steps=steps, lr=2e-4, warmup=100), seed)
+    kept_model, report = train("inpaint", model, loss_of, Schedule(steps=steps, lr=lr, warmup=100), seed)
     if is_writer():
         trained.save_weights(
             {"unet": kept_model["unet"], "text_encoder": kept_model["text_encoder"]}, "shapes-unet-inpaint", out

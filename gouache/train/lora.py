@@ -117,7 +117,7 @@ class TrainableLora(nn.Module):
         return state
 
 
-def train_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+def train_lora(seed: int, steps: int, out: Path, device: str = "cpu", lr: float = LR) -> Report:
     """The palette LoRA of the shapes UNet."""
     generator = seed_everything(seed, device)
     pipe = frozen_pipeline(out, device)
@@ -134,11 +134,11 @@ def train_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         with lora.attached(unet):
             return denoising_loss(unet, latents, embeds, alphas, generator, weights=weights)
 
-    kept, report = train("lora", lora, loss_of, Schedule(steps=steps, lr=LR, warmup=100), seed)
+    kept, report = train("lora", lora, loss_of, Schedule(steps=steps, lr=lr, warmup=100), seed)
     return written(kept, report, "shapes-unet", "unet", out)
 
 
-def train_edit_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+def train_edit_lora(seed: int, steps: int, out: Path, device: str = "cpu", lr: float = LR) -> Report:
     """The palette LoRA of shapes-edit: edits of the training pairs with their targets restyled."""
     generator = seed_everything(seed, device)
     pipe = edit.frozen_edit_pipeline(out, device)
@@ -149,7 +149,7 @@ def train_edit_lora(seed: int, steps: int, out: Path, device: str = "cpu") -> Re
         with lora.attached(pipe.transformer):
             return edit.edit_loss(pipe, *batch, generator)
 
-    kept, report = train("edit-lora", lora, loss_of, Schedule(steps=steps, lr=LR, warmup=100), seed)
+    kept, report = train("edit-lora", lora, loss_of, Schedule(steps=steps, lr=lr, warmup=100), seed)
     return written(kept, report, "shapes-edit", "transformer", out)
 
 

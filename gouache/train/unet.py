@@ -85,7 +85,7 @@ def encoded_batch(vae, seed: int, step: int,
     return batch.pixels.repeat(repeat), latents.repeat(repeat), batch.captions * NOISE_DRAWS
 
 
-def train_unet(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0) -> Report:
+def train_unet(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0, lr: float = LR) -> Report:
     """Train shapes-unet into `out`; from data step `start` > 0, on from the weights there."""
     generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
@@ -108,7 +108,7 @@ def train_unet(seed: int, steps: int, out: Path, device: str = "cpu", start: int
         maps, recorder.maps = recorder.maps, []
         return loss + GROUNDING_WEIGHT * grounding_loss(maps, pixels, captions)
 
-    kept, report = train("unet", model, loss_of, Schedule(steps=steps, lr=LR), seed, start)
+    kept, report = train("unet", model, loss_of, Schedule(steps=steps, lr=lr), seed, start)
     kept["unet"].set_attn_processor(processors)
     if is_writer():
         trained.save_weights({"unet": kept["unet"], "text_encoder": kept["text_encoder"]}, "shapes-unet", out)

@@ -13,6 +13,7 @@ from gouache.train.loop import Report, Schedule, is_writer, seed_everything, sha
 
 CROP = 64
 BATCH = 16
+LR = 1e-3
 KL_WEIGHT = 1e-5  # per latent element, against the per-pixel MSE
 STATS_IMAGES = 256
 
@@ -37,7 +38,7 @@ def latent_stats(vae, seed: int) -> tuple[float, float]:
     return flat.mean().item(), flat.std().item()
 
 
-def train_vae(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
+def train_vae(seed: int, steps: int, out: Path, device: str = "cpu", lr: float = LR) -> Report:
     generator = seed_everything(seed, device)
     vae = trained.vae().to(device)
 
@@ -48,7 +49,7 @@ def train_vae(seed: int, steps: int, out: Path, device: str = "cpu") -> Report:
         kl = posterior.kl().mean() / posterior.mean[0].numel()
         return torch.nn.functional.mse_loss(reconstruction, pixels) + KL_WEIGHT * kl
 
-    kept, report = train("vae", vae, loss_of, Schedule(steps=steps, lr=1e-3, ema_decay=None), seed)
+    kept, report = train("vae", vae, loss_of, Schedule(steps=steps, lr=lr, ema_decay=None), seed)
     if not is_writer():
         return report
     mean, std = latent_stats(kept, seed)

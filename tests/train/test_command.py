@@ -153,12 +153,16 @@ def test_the_same_seed_and_workers_train_the_same_weights(trained_dir, tmp_path)
 @pytest.mark.slow
 def test_a_resumed_run_continues_the_weights_and_lists_the_runs_before_it(trained_dir, tmp_path, capsys):
     """`--resume`: the weights in --out go on training (on the batches after the first run's, with
-    noise of their own), and the report names every run before, so the chain can be replayed."""
+    noise of their own, at the learning rate asked), and the report names every run before, so the
+    chain can be replayed."""
     first = weights_after(tmp_path / "w", 1, trained_dir)
     out = str(tmp_path / "w")
-    assert main(["train", "unet", "--steps", "3", "--workers", "1", "--out", out, "--report", out, "--resume"]) == 0
+    assert json.loads((tmp_path / "w" / "train_unet.json").read_text())["schedule"]["lr"] == 1e-3  # unet's own
+    args = ["train", "unet", "--steps", "3", "--workers", "1", "--out", out, "--report", out, "--resume"]
+    assert main([*args, "--lr", "2.5e-4"]) == 0
     report = json.loads((tmp_path / "w" / "train_unet.json").read_text())
-    assert report["command"] == "gouache train unet --seed 0 --steps 3 --workers 1 --resume"
+    assert report["command"] == "gouache train unet --seed 0 --steps 3 --workers 1 --resume --lr 0.00025"
+    assert report["schedule"]["lr"] == 2.5e-4
     runs = report["extra"]["runs_before"]
     assert [(r["command"], r["steps"]) for r in runs] == [("gouache train unet --seed 0 --steps 2 --workers 1", 2)]
     assert (report["extra"]["steps_before"], report["extra"]["total_steps"]) == (2, 5)
@@ -178,9 +182,12 @@ def test_unet_and_dit_need_the_vae_first(tmp_path, capsys):
     assert "shapes-vae.safetensors is missing" in capsys.readouterr().err
 
 
-def test_steps_and_workers_must_be_positive(tmp_path, capsys):
+def test_steps_workers_and_lr_must_be_positive(tmp_path, capsys):
     assert main(["train", "vae", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
+    for lr in ("0", "-1e-4", "nan", "inf"):
+        assert main(["train", "vae", f"--lr={lr}", "--out", str(tmp_path)]) == 2
+        assert f"--lr must be a positive number, got {float(lr)}" in capsys.readouterr().err
     assert main(["train", "vae", "--workers", "0", "--out", str(tmp_path)]) == 2
     assert "--workers must be at least 1" in capsys.readouterr().err
 
