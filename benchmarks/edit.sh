@@ -12,7 +12,7 @@ out=${1:-benchmarks/results/edit}
 gouache bench edit --model shapes-dit --size 128 --edits 24 --requests 24 --out "$out/edit_shapes-dit_128.json"
 gouache bench edit --model shapes-unet --size 128 --edits 24 --requests 24 --out "$out/edit_shapes-unet_128.json"
 gouache bench edit --model shapes-dit --size 256 --edits 12 --requests 0 --out "$out/edit_shapes-dit_256.json"
-gouache bench edit --model shapes-edit --size 128 --edits 40 --requests 0 --out "$out/edit_shapes-edit_128.json"
+gouache bench edit --model shapes-edit --size 128 --edits 120 --requests 0 --out "$out/edit_shapes-edit_128.json"
 gouache bench edit --model tiny-flux --size 256 --edits 0 --requests 24 --out "$out/edit_tiny-flux_256.json"
 gouache bench edit --model tiny-flux --size 1024 --steps 4 --repeats 2 --edits 0 --requests 0 \
   --out "$out/edit_tiny-flux_1024.json"

@@ -243,6 +243,7 @@ class Bench:
             box = (slice(rows.min(), rows.max() + 1), slice(cols.min(), cols.max() + 1))
             exact = self.edit(self.runner, self._request("exact", case.prompt, seed=i), case.template, case.mask)[0]
             exact_checks.append(case.judge(exact))
+            exact_ok = rates(exact_checks[-1:])["all"] == 1
             outputs = {}
             for variant, seed in (("same_seed", i), ("other_seed", 10_000 + i)):
                 template_id = f"fidelity-{variant}-{i}"
@@ -254,7 +255,7 @@ class Bench:
                     "prompt": case.prompt, "mask_ratio": float(case.mask.mean()),
                     "masked_ssim": ssim(exact[box], replay[box]),
                     "unmasked_equal": bool(np.array_equal(replay[case.mask == 0], case.template[case.mask == 0])),
-                    "check": case.judge(replay)})
+                    "exact_ok": exact_ok, "check": case.judge(replay)})
             if i < SHEET_ROWS:
                 shown.append(Shown(case, exact, **outputs))
         exact_rates = rates(exact_checks)
@@ -262,7 +263,10 @@ class Bench:
                "exact_alignment": exact_rates["all"], "exact_rates": exact_rates}
         for variant, edits in replays.items():
             ssims = [e["masked_ssim"] for e in edits]
-            variant_rates = rates([e.pop("check") for e in edits])
+            checks = [e.pop("check") for e in edits]
+            for edit, check in zip(edits, checks):
+                edit["ok"] = rates([check])["all"] == 1  # all right, as exact_ok: both checks of an instruction edit
+            variant_rates = rates(checks)
             drop = drop_points(exact_rates, variant_rates, variant_rates)
             out[variant] = {"masked_ssim_mean": float(np.mean(ssims)), "masked_ssim_min": float(np.min(ssims)),
                             "unmasked_equal": sum(e["unmasked_equal"] for e in edits),

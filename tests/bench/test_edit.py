@@ -38,6 +38,9 @@ def test_bench_edit_on_an_instruction_edit_model_judges_masked_instruction_edits
         assert [e["prompt"].split()[0] for e in edits] == ["make", "move", "remove", "add"]
         assert fidelity[variant]["unmasked_equal"] == 4 and set(fidelity[variant]["rates"]) == {
             "carried_out", "rest_kept", "all"}
+        # each edit's verdicts, exact and replayed, add up to the rates
+        assert sum(e["exact_ok"] for e in edits) == 4 * fidelity["exact_rates"]["all"]
+        assert sum(e["ok"] for e in edits) == 4 * fidelity[variant]["rates"]["all"]
     assert "carried out" in out.with_suffix(".md").read_text()
     sheet = np.asarray(Image.open(tmp_path / "edit_sheet.png").convert("RGB"))
     assert sheet.shape[1] == 6 * (64 + 8) and sheet.shape[0] > 4 * 64  # six columns, a row per edit
