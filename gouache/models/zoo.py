@@ -56,6 +56,7 @@ from gouache.models.seeds import (
     torch_dtype,
 )
 from gouache.models.tokenizer import build_tokenizer
+from gouache.models.wan import build_tiny_wan
 from gouache.models.zimage import build_tiny_zimage
 
 CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt to
@@ -72,7 +73,7 @@ TINY_DEFAULT_STEPS = 20  # every built-in's default step count
 class BuiltinSpec:
     """What `gouache models` lists about a built-in model."""
 
-    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage | flux2
+    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage | flux2 | wan
     description: str  # one line for humans
     default_size: int = TINY_DEFAULT_SIZE  # pixels per side of a request without `size`
     default_guidance: float | None = None  # a request's guidance scale when it gives none; None: the family's
@@ -95,6 +96,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-zimage": BuiltinSpec("zimage", "Z-Image-style single-stream DiT over a list of sizes, Qwen3 text encoder"),
     "tiny-flux2-klein": BuiltinSpec("flux2", "FLUX.2 [klein]-style MMDiT, Qwen3 text encoder; edits take up to "
                                              "4 images as references (instruction edits)"),
+    "tiny-wan": BuiltinSpec("wan", "Wan 2.1-style text-to-video DiT (3D RoPE over frames), UMT5 text encoder, "
+                                   "causal 3D VAE, UniPC; not served yet (video: issue 61)"),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
@@ -116,9 +119,10 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     ),
 }
 
-DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28, "qwenimage": 50, "zimage": 50, "flux2": 50}
+DEFAULT_STEPS = {"sd": 30, "sdxl": 30, "sd3": 28, "flux": 28, "qwenimage": 50, "zimage": 50, "flux2": 50, "wan": 50}
 # the pipelines' defaults (Qwen-Image's is its true_cfg_scale)
-DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5, "qwenimage": 4.0, "zimage": 5.0, "flux2": 4.0}
+DEFAULT_GUIDANCE = {"sd": 7.5, "sdxl": 5.0, "sd3": 7.0, "flux": 3.5, "qwenimage": 4.0, "zimage": 5.0, "flux2": 4.0,
+                    "wan": 5.0}
 
 
 # ---------------------------------------------------------------------------- seeded building
@@ -365,6 +369,7 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-qwen-image-edit-plus": lambda: build_tiny_qwen_image_edit(plus=True),
     "tiny-flux2-klein": build_tiny_flux2_klein,
     "tiny-zimage": lambda: build_tiny_zimage(tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159)),
+    "tiny-wan": build_tiny_wan,
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
     "shapes-unet": build_shapes_unet,

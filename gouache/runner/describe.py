@@ -16,6 +16,7 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     UNet2DConditionModel,
+    WanTransformer3DModel,
     ZImageTransformer2DModel,
 )
 
@@ -45,9 +46,11 @@ def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
 
 
 def family_of(pipe: DiffusionPipeline) -> str:
-    """sd | sdxl | sd3 | flux | qwenimage | zimage | flux2, read off the denoiser (so img2img/inpaint
-    variants agree)."""
+    """sd | sdxl | sd3 | flux | qwenimage | zimage | flux2 | wan, read off the denoiser (so
+    img2img/inpaint variants agree)."""
     net = denoiser(pipe)
+    if isinstance(net, WanTransformer3DModel):
+        return "wan"
     if isinstance(net, FluxTransformer2DModel):
         return "flux"
     if isinstance(net, QwenImageTransformer2DModel):
@@ -85,16 +88,22 @@ def generations(pipe: DiffusionPipeline) -> bool:
     return not isinstance(pipe, QwenImageEditPipeline | QwenImageEditPlusPipeline)
 
 
+def vae_scale(pipe: DiffusionPipeline) -> int:
+    """Pixels per latent pixel a side (Wan's pipelines name it for space beside time)."""
+    scale = getattr(pipe, "vae_scale_factor", None)
+    return scale if scale is not None else pipe.vae_scale_factor_spatial
+
+
 def size_step(pipe: DiffusionPipeline, family: str) -> int:
     """Pixels that width and height must be multiples of for the denoiser to accept them."""
-    vae_scale = pipe.vae_scale_factor
+    scale = vae_scale(pipe)
     config = denoiser(pipe).config
     if family in ("sd", "sdxl"):
         # each UNet down block but the last halves the latent; the up path must undo it exactly
-        return vae_scale * 2 ** (len(config.down_block_types) - 1)
+        return scale * 2 ** (len(config.down_block_types) - 1)
     if family == "sd3":
-        return vae_scale * config.patch_size
-    return vae_scale * 2  # Flux, Qwen-Image and Z-Image make one token of 2x2 latent pixels
+        return scale * config.patch_size
+    return scale * 2  # Flux, Qwen-Image, Z-Image and Wan make one token of 2x2 latent pixels
 
 
 def default_size(pipe: DiffusionPipeline) -> int:
@@ -102,7 +111,7 @@ def default_size(pipe: DiffusionPipeline) -> int:
     sample_size = getattr(denoiser(pipe).config, "sample_size", None)
     if sample_size is None:
         sample_size = getattr(pipe, "default_sample_size", 128)
-    return int(sample_size) * pipe.vae_scale_factor
+    return int(sample_size) * vae_scale(pipe)
 
 
 def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
@@ -123,7 +132,7 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         instruction_edit=instruction_edits(pipe),
         unserved=tuple(UNSERVED.get(family, {}).items()),
         cfg_from=CFG_FROM.get(family, 1.0),
-        token_pixels=pipe.vae_scale_factor if family in ("sd", "sdxl") else size_step(pipe, family),
+        token_pixels=vae_scale(pipe) if family in ("sd", "sdxl") else size_step(pipe, family),
         max_input_images=max_input_images(pipe),
         generation=generations(pipe) and (builtin.generation if builtin else True),
         min_steps=MIN_STEPS.get(family, 1),

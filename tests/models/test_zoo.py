@@ -24,7 +24,7 @@ SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux
 
 def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
     """Two-step latent generation; inpainting pipelines get a grey image and a full mask, Kontext
-    keeps the size (it would scale it to a megapixel)."""
+    keeps the size (it would scale it to a megapixel), Wan makes a clip of 5 frames (2 latent ones)."""
     extra = {}
     if "Inpaint" in type(pipe).__name__:
         extra = dict(
@@ -33,6 +33,8 @@ def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
         )
     if "Kontext" in type(pipe).__name__:
         extra = dict(max_area=SIZE * SIZE)
+    if "Wan" in type(pipe).__name__:
+        extra = dict(num_frames=5)
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
         prompt=prompt,
@@ -43,7 +45,7 @@ def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
         output_type="latent",
         **extra,
     )
-    return out.images
+    return out.frames if "Wan" in type(pipe).__name__ else out.images
 
 
 def state_digest(pipe) -> str:
@@ -122,7 +124,7 @@ def test_another_process_builds_the_same_weights(pipes):
 
 
 @pytest.mark.parametrize("name", ["tiny-sdxl", "tiny-flux", "tiny-qwen-image", "tiny-zimage", "tiny-flux2-klein",
-                                  "shapes-unet", "shapes-dit"])
+                                  "tiny-wan", "shapes-unet", "shapes-dit"])
 def test_export_then_load_gives_identical_latents(pipes, name, tmp_path):
     export_model(name, str(tmp_path / name))
     loaded = load_pipeline(str(tmp_path / name))
@@ -160,8 +162,18 @@ def test_unknown_model_names_the_builtins(tmp_path):
         assert "local diffusers directory" in err.value.message
 
 
+def test_tiny_wan_is_described_and_refused_with_a_message_until_video_is_served(pipes):
+    info = model_info(pipes["tiny-wan"], "tiny-wan")
+    assert (info.family, info.size_step, info.token_pixels) == ("wan", 16, 16)
+    assert (info.default_guidance, info.uses_cfg, info.generation) == (5.0, True, True)
+    with pytest.raises(UnknownModelError, match="WanPipeline is not served yet") as err:
+        make_family(pipes["tiny-wan"], None)
+    assert err.value.param == "model"
+
+
 def test_model_info_of_builtins(pipes):
-    info = {name: model_info(pipe, name) for name, pipe in pipes.items() if name.startswith("tiny-")}
+    images = [name for name in pipes if name.startswith("tiny-") and name != "tiny-wan"]
+    info = {name: model_info(pipes[name], name) for name in images}
     assert {i.size_step for i in info.values()} == {16}
     # the router counts an edit's tokens in the family's own (a UNet's latent pixel, a DiT's patch)
     assert {n: i.token_pixels for n, i in info.items()} == {n: make_family(pipes[n], None).token_pixels for n in info}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gouache.errors import UnknownModelError
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import family_of, instruction_edits
 from gouache.runner.families.base import Family
@@ -22,6 +23,9 @@ INSTRUCTION_EDITS = {"flux": FluxKontextFamily, "qwenimage": QwenImageEditFamily
 
 def family_class(pipe) -> type[Family]:
     family = family_of(pipe)
+    if family not in FAMILIES:
+        raise UnknownModelError(f"{type(pipe).__name__} is not served yet: gouache describes {family} models "
+                                "(`gouache models`, export) but does not run them", param="model")
     return INSTRUCTION_EDITS[family] if family in INSTRUCTION_EDITS and instruction_edits(pipe) else FAMILIES[family]
 
 
