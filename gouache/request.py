@@ -7,6 +7,7 @@ the same request id; nothing here imports torch.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -68,6 +69,12 @@ class ImageRequest:
     tenant: str = ""  # the API key's name ("" without tenants)
     tenant_weight: float = 1.0  # its tenant's share of the tier among the tenants waiting in it
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it
+    num_frames: int = 1  # a video model's clip: its frames (1 + 4k for Wan); 1: an image
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What its latents' shape follows: (height, width), and a clip's frames after them."""
+        return (self.height, self.width) if self.num_frames == 1 else (self.height, self.width, self.num_frames)
 
     @property
     def is_edit(self) -> bool:
@@ -97,7 +104,9 @@ class RequestState:
     """The scheduler's view of a request: plain values, no tensors."""
 
     request_id: str
-    resolution: tuple[int, int]  # (height, width) in pixels; requests of one resolution can share a plain forward
+    # (height, width) in pixels, then a clip's frames (`ImageRequest.shape`); requests of one
+    # resolution can share a plain forward
+    resolution: tuple[int, ...]
     num_steps: int  # denoising steps in total
     arrival_time: float  # time.monotonic() at acceptance
     deadline: float | None = None  # absolute time.monotonic() deadline, None if no SLO
@@ -116,7 +125,7 @@ class RequestState:
         """The scheduler's view of `request`, prepared to denoise in `num_steps` steps."""
         return cls(
             request_id=request.request_id,
-            resolution=(request.height, request.width),
+            resolution=request.shape,
             num_steps=num_steps,
             arrival_time=request.arrival_time,
             deadline=request.arrival_time + request.slo_ms / 1000 if request.slo_ms else None,
@@ -124,6 +133,11 @@ class RequestState:
             tenant=request.tenant,
             weight=request.tenant_weight,
         )
+
+    @property
+    def pixels(self) -> int:
+        """Its pixels, of every frame of a clip."""
+        return math.prod(self.resolution)
 
     @property
     def remaining_steps(self) -> int:

@@ -17,15 +17,16 @@ from gouache.config import SchedulerConfig
 from gouache.request import RequestState
 from gouache.sched.plan import Plan
 
-Resolution = tuple[int, int]  # (height, width) in pixels
+Resolution = tuple[int, ...]  # (height, width) in pixels, then a clip's frames (`ImageRequest.shape`)
 
 
 def as_resolution(res: int | Sequence[int]) -> Resolution:
-    """`1024` means (1024, 1024); a pair is (height, width)."""
+    """`1024` means (1024, 1024); a pair is (height, width), a triple a clip's (height, width, frames)."""
     if isinstance(res, int):
         return (res, res)
-    height, width = res
-    return (int(height), int(width))
+    if len(res) not in (2, 3):
+        raise ValueError(f"a resolution is (height, width) or (height, width, frames), got {tuple(res)}")
+    return tuple(int(side) for side in res)
 
 
 class StepTimePredictor(Protocol):

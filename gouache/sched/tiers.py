@@ -29,9 +29,8 @@ MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
 
 
 def work(state: RequestState) -> float:
-    """What a request costs its tenant's share: its steps times its megapixels."""
-    height, width = state.resolution
-    return state.num_steps * height * width / 1e6
+    """What a request costs its tenant's share: its steps times its megapixels (of every frame)."""
+    return state.num_steps * state.pixels / 1e6
 
 
 @dataclass

@@ -96,8 +96,7 @@ class LinearHandoff:
     source: str = ""  # where the two numbers come from
 
     def __call__(self, state: RequestState) -> float:
-        height, width = state.resolution
-        return self.fixed_s + height * width / 1e6 * self.per_megapixel_s
+        return self.fixed_s + state.pixels / 1e6 * self.per_megapixel_s
 
 
 def load_handoff(path: str | Path) -> LinearHandoff | None:

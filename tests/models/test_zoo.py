@@ -162,18 +162,14 @@ def test_unknown_model_names_the_builtins(tmp_path):
         assert "local diffusers directory" in err.value.message
 
 
-def test_tiny_wan_is_described_and_refused_with_a_message_until_video_is_served(pipes):
+def test_tiny_wan_is_described(pipes):
     info = model_info(pipes["tiny-wan"], "tiny-wan")
     assert (info.family, info.size_step, info.token_pixels) == ("wan", 16, 16)
     assert (info.default_guidance, info.uses_cfg, info.generation) == (5.0, True, True)
-    with pytest.raises(UnknownModelError, match="WanPipeline is not served yet") as err:
-        make_family(pipes["tiny-wan"], None)
-    assert err.value.param == "model"
 
 
 def test_model_info_of_builtins(pipes):
-    images = [name for name in pipes if name.startswith("tiny-") and name != "tiny-wan"]
-    info = {name: model_info(pipes[name], name) for name in images}
+    info = {name: model_info(pipe, name) for name, pipe in pipes.items() if name.startswith("tiny-")}
     assert {i.size_step for i in info.values()} == {16}
     # the router counts an edit's tokens in the family's own (a UNet's latent pixel, a DiT's patch)
     assert {n: i.token_pixels for n, i in info.items()} == {n: make_family(pipes[n], None).token_pixels for n in info}
@@ -181,7 +177,7 @@ def test_model_info_of_builtins(pipes):
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
     assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,
                         "tiny-qwen-image": 4.0, "tiny-qwen-image-edit": 4.0, "tiny-qwen-image-edit-plus": 4.0,
-                        "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0}
+                        "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0, "tiny-wan": 5.0}
     assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux", "tiny-flux-kontext"]
     edits = ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus"]
     assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext", *edits, "tiny-flux2-klein"]

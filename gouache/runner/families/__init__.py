@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from gouache.errors import UnknownModelError
 from gouache.runner.conditioning import ConditioningCache
 from gouache.runner.describe import family_of, instruction_edits
 from gouache.runner.families.base import Family
@@ -10,11 +9,12 @@ from gouache.runner.families.dit import FluxFamily, FluxKontextFamily, StableDif
 from gouache.runner.families.flux2 import Flux2Family
 from gouache.runner.families.qwen import QwenImageEditFamily, QwenImageFamily
 from gouache.runner.families.unet import StableDiffusionFamily, StableDiffusionXLFamily
+from gouache.runner.families.wan import WanFamily
 from gouache.runner.families.zimage import ZImageFamily
 
 FAMILIES: dict[str, type[Family]] = {
     f.name: f for f in (StableDiffusionFamily, StableDiffusionXLFamily, StableDiffusion3Family, FluxFamily,
-                   QwenImageFamily, ZImageFamily, Flux2Family)
+                   QwenImageFamily, ZImageFamily, Flux2Family, WanFamily)
 }
 
 
@@ -23,9 +23,6 @@ INSTRUCTION_EDITS = {"flux": FluxKontextFamily, "qwenimage": QwenImageEditFamily
 
 def family_class(pipe) -> type[Family]:
     family = family_of(pipe)
-    if family not in FAMILIES:
-        raise UnknownModelError(f"{type(pipe).__name__} is not served yet: gouache describes {family} models "
-                                "(`gouache models`, export) but does not run them", param="model")
     return INSTRUCTION_EDITS[family] if family in INSTRUCTION_EDITS and instruction_edits(pipe) else FAMILIES[family]
 
 

@@ -1,0 +1,93 @@
+"""Wan (`WanPipeline`): a text-to-video DiT over 1x2x2 patches of a causal 3D VAE's latents, with
+3D RoPE over frames, rows and columns, cross-attention to UMT5's states of the prompt (zero-padded
+to 512 rows, all of them attended), true CFG and a UniPC sampler that keeps state per request.
+
+A request's clip is `num_frames` frames (1 + 4k: the VAE makes one latent frame of the first and
+of every 4 after it); its latents stay float32 as the pipeline's do (the denoiser gets them in its
+dtype). The model's RoPE is read off its input's shape, so until clips are packed (docs/video.md)
+a step runs one forward per clip shape: mixed shapes share a step, not a forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gouache.block_cache.blocks import CachedForward
+from gouache.request import ImageRequest
+from gouache.runner.families.base import cat_cond, per_group, row_timesteps
+from gouache.runner.families.dit import FlowFamily
+from gouache.runner.sampler import DenoiseState
+
+TEXT_LENGTH = 512  # rows of text each prompt's states are padded to (the pipeline's max_sequence_length)
+
+
+class WanFamily(FlowFamily):
+    name = "wan"
+    mixes_sizes = False
+    not_served = "its clips need the videos API, which is being built (issue 61, docs/video.md)"
+
+    def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
+        """[negative, positive] prompt states, [rows, 512, D]."""
+        positive, negative = self.encode_prompt(
+            request, rows, prompt=request.prompt, negative_prompt=request.negative_prompt,
+            do_classifier_free_guidance=rows == 2, num_videos_per_prompt=1, max_sequence_length=TEXT_LENGTH,
+            device=self.device,
+        )
+        return {"prompt_embeds": positive if rows == 1 else torch.cat([negative, positive])}
+
+    def set_timesteps(self, state: DenoiseState) -> torch.Tensor:
+        state.scheduler.set_timesteps(state.request.num_inference_steps, device=self.device)
+        state.scheduler.set_begin_index(0)
+        return state.scheduler.timesteps
+
+    def initial_latents(self, state: DenoiseState) -> torch.Tensor:
+        """float32 noise [1, 16, latent frames, h, w] from the request's generator."""
+        if state.edit is not None:
+            raise ValueError("Wan models make clips from text only: edits are not served")
+        r = state.request
+        return self.pipe.prepare_latents(1, self.denoiser.config.in_channels, r.height, r.width, r.num_frames,
+                                         torch.float32, self.device, state.generator)
+
+    def token_count(self, state: DenoiseState) -> int:
+        frames, height, width = state.latents.shape[2:]
+        return frames * (height // 2) * (width // 2)
+
+    def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
+        """The pipeline's de-normalisation: latents / (1 / std) + mean, per channel."""
+        config = self.pipe.vae.config
+        latents = latents.to(self.pipe.vae.dtype)
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+        return latents / inverse_std + mean
+
+    def _pixels(self, state: DenoiseState, video: torch.Tensor) -> np.ndarray:
+        """A decoded [1, 3, F, H, W] clip in [-1, 1] as uint8 [F, H, W, 3] ([H, W, 3] of one frame)."""
+        frames = (video[0].float() / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
+        pixels = (frames.cpu().numpy() * 255).round().astype(np.uint8)
+        return pixels if state.request.num_frames > 1 else pixels[0]
+
+    # -- the forward ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def predict(self, states: list[DenoiseState], patched: bool = False,
+                blocks: CachedForward | None = None) -> list[torch.Tensor]:
+        """One forward per clip shape (the model's RoPE is one shape's)."""
+        return per_group(states, lambda s: tuple(s.latents.shape), self.forward)
+
+    def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
+                        blocks: CachedForward | None = None) -> list[torch.Tensor]:
+        return self.predict(states)
+
+    def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
+        return ({
+            "hidden_states": torch.cat([s.latents.to(self.dtype).expand(s.rows, -1, -1, -1, -1) for s in states]),
+            "timestep": row_timesteps(states),
+            "encoder_hidden_states": cat_cond(states, "prompt_embeds"),
+        }, {})
+
+    def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
+        if len({tuple(s.latents.shape) for s in states}) > 1:
+            return None  # several forwards: adapters apply per forward
+        return super().row_maps(states, False)

@@ -1,0 +1,77 @@
+"""Wan (`gouache.runner.families.wan`): the engine's clips equal `WanPipeline`'s seed for seed
+(latents within 1e-4, frames within 2/255), alone and stepped beside clips of other lengths and
+sizes that join and leave at other steps; the server refuses the model until the videos API is
+served (docs/video.md)."""
+
+import numpy as np
+import pytest
+import torch
+
+from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
+from gouache.engine.build import build_engine
+from gouache.errors import UnknownModelError
+from gouache.request import ImageRequest, RequestState
+from gouache.runner.model_runner import ModelRunner
+from gouache.sched.plan import Batch
+from tests.engine.conftest import DTYPE
+from tests.engine.test_exactness import TOLERANCE, run_engine
+
+MODEL = "tiny-wan"
+
+
+def clip(rid: str, seed: int, steps: int, frames: int = 5, width: int = 32, height: int = 32, guidance: float = 5.0,
+         prompt: str = "a red fox running"):
+    return ImageRequest(rid, prompt, width, height, steps, guidance, seed, num_frames=frames)
+
+
+def reference(pipe, r: ImageRequest, output_type: str = "latent"):
+    return pipe(prompt=r.prompt, negative_prompt=r.negative_prompt, height=r.height, width=r.width,
+                num_frames=r.num_frames, num_inference_steps=r.num_inference_steps, guidance_scale=r.guidance_scale,
+                generator=torch.Generator().manual_seed(r.seed), output_type=output_type).frames
+
+
+def test_a_clips_shape_carries_its_frames_and_an_images_does_not():
+    assert RequestState.of(clip("c", 0, 2, frames=9, width=48), 2).resolution == (32, 48, 9)
+    assert RequestState.of(clip("i", 0, 2, frames=1, width=48), 2).resolution == (32, 48)
+
+
+@pytest.mark.parametrize("policy", ["orca", "patched"])
+def test_engine_matches_the_pipeline_alone_and_beside_clips_of_other_lengths_and_sizes(pipes, policy):
+    pipe = pipes(MODEL)
+    alone, main = clip("alone", seed=7, steps=4), clip("main", seed=7, steps=4)
+    others = {
+        0: [clip("early", seed=1, steps=2, frames=9, prompt="blue sky"), main],
+        1: [clip("wide", seed=2, steps=3, width=48, frames=1), clip("long", seed=4, steps=2, frames=13, height=48)],
+        2: [clip("nocfg", seed=3, steps=3, guidance=1.0)],
+    }
+    solo = run_engine(pipe, {0: [alone]}, policy)["alone"]
+    batched = run_engine(pipe, others, policy)
+    expected = reference(pipe, alone)
+    assert expected.shape == (1, 16, 2, 4, 4) and expected.abs().mean() > 0.1
+    errors = {"alone": (solo - expected).abs().max().item(), "main": (batched["main"] - expected).abs().max().item()}
+    for r in [r for group in others.values() for r in group if r.request_id != "main"]:
+        errors[r.request_id] = (batched[r.request_id] - reference(pipe, r)).abs().max().item()
+    assert max(errors.values()) <= TOLERANCE[DTYPE], errors
+
+
+def test_decoded_frames_match_the_pipelines(pipes):
+    pipe = pipes(MODEL)
+    runner = ModelRunner(pipe)
+    requests = [clip("clip", seed=5, steps=2, frames=9, width=48), clip("still", seed=6, steps=2, frames=1)]
+    for r in requests:
+        runner.prepare(r)
+    for _ in range(2):
+        runner.execute(Batch(tuple(r.request_id for r in requests)))
+    states = [runner.states[r.request_id] for r in requests]
+    pixels = runner.family.decode_many(states, [s.latents for s in states])
+    assert pixels[0].shape == (9, 32, 48, 3) and pixels[1].shape == (32, 32, 3)
+    for r, got in zip(requests, pixels):
+        expected = reference(pipe, r, "np")[0]  # float [F, H, W, 3] in [0, 1]
+        frames = got if r.num_frames > 1 else got[None]
+        assert np.abs(frames.astype(np.float32) / 255 - expected).max() <= 2 / 255, r.request_id
+    assert pixels[0].std() > 10  # not a flat clip
+
+
+def test_the_server_refuses_wan_until_the_videos_api_serves_it():
+    with pytest.raises(UnknownModelError, match="WanPipeline is not served yet: its clips need the videos API"):
+        build_engine(ModelConfig(model=MODEL), EngineConfig(), SchedulerConfig())
