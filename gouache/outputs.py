@@ -195,11 +195,12 @@ class PartialImageEvent:
 
 @dataclass
 class ImageEvent:
-    """A finished image."""
+    """A finished image, or clip (of a video model)."""
 
     index: int
-    image: bytes  # encoded in the request's output_format
+    image: bytes  # encoded in the request's output_format; a clip's MP4
     seed: int  # the seed that made it, so the user can reproduce it
+    thumbnail: bytes = b""  # a clip's first frame as WebP; empty for an image
 
 
 @dataclass

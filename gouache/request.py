@@ -70,6 +70,7 @@ class ImageRequest:
     tenant_weight: float = 1.0  # its tenant's share of the tier among the tenants waiting in it
     arrival_time: float = 0.0  # time.monotonic() when the API accepted it
     num_frames: int = 1  # a video model's clip: its frames (1 + 4k for Wan); 1: an image
+    fps: int = 16  # a clip's frames per second, its MP4's rate
 
     @property
     def shape(self) -> tuple[int, ...]:

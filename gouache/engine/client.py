@@ -26,6 +26,7 @@ from gouache.engine.heap_trim import HeapTrimmer
 from gouache.engine.imaging import DecodeError, decode_edit, encode_image
 from gouache.engine.stages import Stage
 from gouache.engine.status import StatusBook
+from gouache.engine.video import encode_clip
 from gouache.errors import (
     DeadlineUnattainableError,
     EngineStoppedError,
@@ -362,8 +363,12 @@ class AsyncEngine(AdapterCalls):
                 self.heap.maybe_trim()
             if pixels is None:  # aborted meanwhile
                 continue
-            future = self.codecs.submit(encode_image, pixels, entry.request.output_format,
-                                        entry.request.output_compression)
+            request = entry.request
+            if pixels.ndim == 4 and kind == "final":
+                future = self.codecs.submit(encode_clip, pixels, request.fps)
+            else:  # an image, or a clip's preview: its first frame
+                future = self.codecs.submit(encode_image, pixels if pixels.ndim == 3 else pixels[0],
+                                            request.output_format, request.output_compression)
             future.add_done_callback(lambda f, kind=kind, rid=rid: self._deliver(kind, rid, f))
 
     def _deliver(self, kind: str, rid: str, future: Future) -> None:
@@ -383,7 +388,9 @@ class AsyncEngine(AdapterCalls):
         self._counts["finished"] += 1
         self.book.finished(request_done=last)
         self.metrics.images.inc()
-        entry.handle.push(ImageEvent(entry.index, future.result(), entry.request.seed))
+        result = future.result()
+        image, thumbnail = result if isinstance(result, tuple) else (result, b"")  # a clip: (MP4, thumbnail)
+        entry.handle.push(ImageEvent(entry.index, image, entry.request.seed, thumbnail))
 
     def _on_stage_failure(self, job: tuple, error: Exception) -> None:
         preparing = isinstance(job[0], ImageRequest)

@@ -3,16 +3,26 @@
 sizes that join and leave at other steps; the server refuses the model until the videos API is
 served (docs/video.md)."""
 
+import asyncio
+import io
+
+import av
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
 from gouache.engine.build import build_engine
+from gouache.engine.client import AsyncEngine
+from gouache.engine.video import encode_clip
 from gouache.errors import UnknownModelError
+from gouache.outputs import ImageEvent, PartialImageEvent
 from gouache.request import ImageRequest, RequestState
+from gouache.runner.describe import model_info
 from gouache.runner.model_runner import ModelRunner
 from gouache.sched.plan import Batch
+from gouache.sched.policies import make_policy
 from tests.engine.conftest import DTYPE
 from tests.engine.test_exactness import TOLERANCE, run_engine
 
@@ -75,3 +85,53 @@ def test_decoded_frames_match_the_pipelines(pipes):
 def test_the_server_refuses_wan_until_the_videos_api_serves_it():
     with pytest.raises(UnknownModelError, match="WanPipeline is not served yet: its clips need the videos API"):
         build_engine(ModelConfig(model=MODEL), EngineConfig(), SchedulerConfig())
+
+
+def decoded(mp4: bytes) -> tuple[np.ndarray, float]:
+    """An MP4's frames, uint8 [F, H, W, 3], and its frame rate."""
+    with av.open(io.BytesIO(mp4)) as container:
+        rate = float(container.streams.video[0].average_rate)
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]), rate
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float(10 * np.log10(255 ** 2 / mse))
+
+
+def test_a_clip_encodes_to_an_mp4_of_its_frames_and_rate_with_a_first_frame_thumbnail():
+    ramp = np.linspace(0, 255, 48, dtype=np.float32)
+    frames = np.stack([np.stack([np.roll(ramp, 4 * k)[None].repeat(32, 0)] * 3, -1) for k in range(9)])
+    mp4, thumbnail = encode_clip(frames.astype(np.uint8), 12)
+    got, rate = decoded(mp4)
+    assert got.shape == (9, 32, 48, 3) and rate == 12
+    assert psnr(got, frames) > 35
+    assert psnr(np.asarray(Image.open(io.BytesIO(thumbnail)).convert("RGB")), frames[0]) > 30
+
+
+def test_the_engine_delivers_a_clip_as_mp4_beside_an_image_request_and_previews_its_first_frame(pipes):
+    pipe = pipes(MODEL)
+    engine = AsyncEngine(pipe, model_info(pipe, MODEL), EngineConfig(), make_policy(SchedulerConfig(policy="orca")))
+    requests = [clip("c-0", seed=3, steps=4, frames=9, width=48), clip("s-0", seed=4, steps=2, frames=1)]
+    requests[0].partial_images, requests[0].fps = 1, 8
+
+    async def scenario():
+        await engine.start()
+        handles = [await engine.submit([r]) for r in requests]
+        events = [[e async for e in handle] for handle in handles]
+        await engine.aclose()
+        return events
+
+    clip_events, still_events = asyncio.run(scenario())
+    [video] = [e for e in clip_events if isinstance(e, ImageEvent)]
+    [preview] = [e for e in clip_events if isinstance(e, PartialImageEvent)]
+    frames, rate = decoded(video.image)
+    assert frames.shape == (9, 32, 48, 3) and rate == 8
+    assert Image.open(io.BytesIO(preview.image)).size == (48, 32)
+    assert Image.open(io.BytesIO(video.thumbnail)).size == (48, 32)
+    # the pipeline's frames through the same encoder (random weights draw noise, which 4:2:0
+    # chroma blurs: the clip's own PSNR says little)
+    expected, _ = decoded(encode_clip((reference(pipe, requests[0], "np")[0] * 255).round().astype(np.uint8), 8)[0])
+    assert psnr(frames, expected) > 40
+    [still] = [e for e in still_events if isinstance(e, ImageEvent)]
+    assert Image.open(io.BytesIO(still.image)).size == (32, 32) and still.thumbnail == b""
