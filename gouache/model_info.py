@@ -6,9 +6,34 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class ClipRules:
+    """What a video model's clips may be."""
+
+    frame_step: int  # frames are 1 + a multiple of this (Wan: 4, its VAE's frames per latent frame)
+    max_frames: int  # the most frames a clip may have (the model's RoPE or gouache's bound)
+    fps: int  # frames per second when the request names none (the model's training rate)
+
+    def refusal(self, frames: int) -> str | None:
+        """Why a clip of `frames` frames is refused (None: it is not)."""
+        if not 1 <= frames <= self.max_frames:
+            return f"a clip has 1 to {self.max_frames} frames, not {frames}"
+        if (frames - 1) % self.frame_step:
+            below = frames - (frames - 1) % self.frame_step
+            return (f"a clip has 1 + a multiple of {self.frame_step} frames (the model's VAE makes one latent frame "
+                    f"of the first and of every {self.frame_step} after it): {below} or {below + self.frame_step}, "
+                    f"not {frames}")
+        return None
+
+    def frames_of(self, seconds: float, fps: int) -> int:
+        """The frames of a clip of `seconds` at `fps`: seconds x fps + 1, to the nearest count it takes."""
+        steps = max(round(seconds * fps / self.frame_step), 1)
+        return 1 + steps * self.frame_step
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str  # the name clients pass as `model` (built-in name or directory name)
-    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage
+    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage | flux2 | wan
     size_step: int  # width and height must be multiples of this many pixels
     default_size: int  # pixels per side when the request names no size
     default_steps: int  # num_inference_steps when the request names none
@@ -31,6 +56,7 @@ class ModelInfo:
     unserved: tuple[tuple[str, str], ...] = ()
     cfg_from: float = 1.0  # classifier-free guidance runs for guidance_scale above this (Z-Image: 0)
     token_pixels: int = 16  # pixels per side of one image token: a DiT's patch, a UNet's latent pixel
+    clips: ClipRules | None = None  # a video model's (its requests go to /v1/videos); None: it makes images
 
     @property
     def img2img(self) -> bool:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from gouache.api.engine import Engine
     from gouache.api.file_store import FileStore
     from gouache.api.request_fields import Limits
+    from gouache.api.videos import VideoStore
     from gouache.config import ServerConfig
     from gouache.engine.handle import RequestHandle
 
@@ -58,6 +59,7 @@ class ApiContext:
     config: ServerConfig
     limits: Limits  # validation bounds from config and the served model
     files: FileStore  # images of response_format=url responses
+    videos: VideoStore  # clips of the videos API, queued to expired
     model_ids: tuple[str, ...]  # names clients may pass as `model`; the first is the main one
     tenants: TenantBook = field(default_factory=TenantBook)  # API keys, their tiers and limits
     inflight: InflightRequests = field(default_factory=InflightRequests)

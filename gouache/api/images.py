@@ -31,6 +31,7 @@ from gouache.api.protocol import (
     ImageGenerationRequest,
     ImageParams,
     ImagesResponse,
+    PromptParams,
 )
 from gouache.api.request_fields import IGNORED_FIELDS
 from gouache.api.streaming import ImageEventStream, StreamShape
@@ -60,7 +61,7 @@ _UPLOADS = {"image": "the image to edit (PNG, JPEG or WebP); `image[]` too, for 
 async def create_images(request: Request, ctx: ApiContext = Depends(get_context)) -> Response:
     arrival, api_id = _start(request)
     # curl -d sends JSON labelled as a form; accept it so the one-line curl example works
-    _require_content_type(request, "application/json", also=("", "application/x-www-form-urlencoded"))
+    require_content_type(request, "application/json", also=("", "application/x-www-form-urlencoded"))
     body = await request.body()
     params = ImageGenerationRequest.model_validate_json(body, strict=True, context=ctx.validation_context)
     _log_ignored(params)
@@ -70,7 +71,7 @@ async def create_images(request: Request, ctx: ApiContext = Depends(get_context)
 @router.post("/v1/images/edits", openapi_extra=form_body(ImageEditRequest, _UPLOADS, ("image",)))
 async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) -> Response:
     arrival, api_id = _start(request)
-    _require_content_type(request, "multipart/form-data")
+    require_content_type(request, "multipart/form-data")
     form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
     images = [await _read_upload(value, "image") for name in ("image", "image[]") for value in form.getlist(name)]
     if not images:
@@ -78,7 +79,7 @@ async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) 
     image, references = images[0], images[1:]  # models that take several images read the others as references
     mask_field = _only_upload(form, ("mask",), "mask")
     mask = None if mask_field is None else await _read_upload(mask_field, "mask")
-    params = ImageEditRequest.model_validate(_text_fields(form), context=ctx.validation_context)
+    params = ImageEditRequest.model_validate(text_fields(form), context=ctx.validation_context)
     _log_ignored(params)
     if params.size == "auto":
         params = params.at_upload_size(*_upload_size(image), ctx.limits)
@@ -93,21 +94,21 @@ async def register_template(request: Request, ctx: ApiContext = Depends(get_cont
     a template serves edits of the same size, step count and guidance on/off). The engine
     denoises the image with every token kept; the answer names the template for `template_id`."""
     arrival, api_id = _start(request)
-    _require_content_type(request, "multipart/form-data")
+    require_content_type(request, "multipart/form-data")
     form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
     sent = next((name for name in _NOT_FOR_TEMPLATES if name in form), None)
     if sent is not None:
         raise InvalidRequestError(f"Invalid value for '{sent}': a template is recorded whole, once, and answers "
                                   "with its id, not an image; leave it out.", sent)
     image = await _read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
-    params = ImageEditRequest.model_validate({**_text_fields(form), "template_cache": "true"},
+    params = ImageEditRequest.model_validate({**text_fields(form), "template_cache": "true"},
                                              context=ctx.validation_context)
     if params.size == "auto":
         params = params.at_upload_size(*_upload_size(image), ctx.limits)
-    _check_model(ctx, params)
-    tenant = _tenant(request)
+    check_model(ctx, params)
+    tenant = tenant_of(request)
     [job] = params.to_requests(api_id, ctx.engine.info, arrival, image, tenant=tenant, register_template=True)
-    handle = await _submit(ctx, tenant, [job])
+    handle = await submit(ctx, tenant, [job])
     ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     try:
         await _images_unless_disconnected(request, handle.images())
@@ -130,7 +131,7 @@ def _start(request: Request) -> tuple[float, str]:
     return time.monotonic(), request.state.request_id
 
 
-def _require_content_type(request: Request, expected: str, also: tuple[str, ...] = ()) -> None:
+def require_content_type(request: Request, expected: str, also: tuple[str, ...] = ()) -> None:
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != expected and media_type not in also:
         got = f"'{media_type}'" if media_type else "none"
@@ -148,10 +149,10 @@ async def _serve(
     mask: bytes | None = None,
     references: tuple[bytes, ...] = (),
 ) -> Response:
-    _check_model(ctx, params)
-    tenant = _tenant(request)
+    check_model(ctx, params)
+    tenant = tenant_of(request)
     jobs = params.to_requests(api_id, ctx.engine.info, arrival, image, mask, references, tenant)
-    handle = await _submit(ctx, tenant, jobs)
+    handle = await submit(ctx, tenant, jobs)
     ctx.inflight.add(api_id, handle, lambda: ctx.tenants.release(tenant))
     headers = {"x-request-id": api_id}
     answered = functools.partial(_observe_latency, ctx, jobs[0].tier.label, arrival)
@@ -175,12 +176,12 @@ def _observe_latency(ctx: ApiContext, tier: str, arrival: float) -> None:
     ctx.engine.metrics.tier_latency.labels(tier).observe(latency)
 
 
-def _tenant(request: Request) -> Tenant:
+def tenant_of(request: Request) -> Tenant:
     """Whose key sent the request (`ApiKeyMiddleware`); the anonymous tenant on an open server."""
     return getattr(request.state, "tenant", ANONYMOUS)
 
 
-async def _submit(ctx: ApiContext, tenant: Tenant, jobs: list[ImageRequest]) -> RequestHandle:
+async def submit(ctx: ApiContext, tenant: Tenant, jobs: list[ImageRequest]) -> RequestHandle:
     """Submit a request within its tenant's limits (429 past them, the others unaffected); the
     caller frees its slot when it is answered. Counted by tenant, tier and result."""
     count = ctx.engine.metrics.tenant_requests.labels
@@ -199,7 +200,7 @@ async def _submit(ctx: ApiContext, tenant: Tenant, jobs: list[ImageRequest]) -> 
     return handle
 
 
-def _check_model(ctx: ApiContext, params: ImageParams) -> None:
+def check_model(ctx: ApiContext, params: PromptParams) -> None:
     if params.model is not None and params.model not in ctx.model_ids:
         message = (f"The model '{params.model}' does not exist; "
                    f"this server serves {', '.join(map(repr, ctx.model_ids))}.")
@@ -279,10 +280,11 @@ async def _read_upload(value: UploadFile | str | None, param: str) -> bytes:
     return data
 
 
-def _text_fields(form: FormData) -> dict[str, str]:
+def text_fields(form: FormData, files: tuple[str, ...] = _FILE_FIELDS) -> dict[str, str]:
+    """A form's text fields (the first of each name), its `files` left out; a file elsewhere is a 400."""
     fields: dict[str, str] = {}
     for name, value in form.multi_items():
-        if name in _FILE_FIELDS:
+        if name in files:
             continue
         if not isinstance(value, str):
             raise InvalidRequestError(f"Invalid value for '{name}': must be a text field, not a file.", name)

@@ -43,28 +43,20 @@ if TYPE_CHECKING:
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _SIZE = re.compile(r"(\d{1,6})x(\d{1,6})")
 TEMPLATE_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+DEFAULT_SECONDS = 4  # a clip's length when a request names none (OpenAI's default)
+MAX_SECONDS = 3600  # beyond any clip a model makes: the frame bound refuses long ones, naming it
+MAX_FPS = 60
 
 
-class ImageParams(BaseModel):
-    """Fields shared by generations and edits. Unknown fields are rejected, as OpenAI does."""
+class PromptParams(BaseModel):
+    """Fields of every request that makes pictures from a prompt, images and clips alike. Unknown
+    fields are rejected, as OpenAI does."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None  # must be the served model's name when given
-    n: int = 1  # 1..limits.max_n
     size: str = Field("auto", validate_default=True)  # "WxH" or "auto"; normalized to "WxH" (edits: see there)
-    # Before response_format and partial_images: their validators read it.
-    stream: bool = False
-    response_format: Literal["b64_json", "url"] = "b64_json"  # streams are always b64: "url" is refused
-    output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)  # jpeg/webp quality, 100 = best
-    partial_images: int = Field(0, ge=0, le=3)  # previews per image; needs stream
-    background: Literal["transparent", "opaque", "auto"] | None = None  # images are opaque
-    # In IGNORED_FIELDS: accepted so that official clients work, logged, otherwise ignored.
-    user: str | None = None
-    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
-    safety_identifier: str | None = None
     # gouache extensions; None means the model's default
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS)
     num_inference_steps: int | None = None  # 1..limits.max_steps
@@ -75,11 +67,8 @@ class ImageParams(BaseModel):
     service_tier: Literal["auto", "priority", "default", "flex"] | None = None
     # block-cache threshold (docs/block_cache.md); 0: exact; None: the server's --block-cache
     block_cache: float | None = Field(None, ge=0, le=MAX_BLOCK_CACHE_THRESHOLD, allow_inf_nan=False)
-    # LoRA adapters (docs/lora.md); a multipart edit sends the list as JSON text
+    # LoRA adapters (docs/lora.md); a multipart form sends the list as JSON text
     loras: list[LoraRef] = Field(default_factory=list, max_length=MAX_LORAS)
-    # ControlNets (docs/controlnet.md), summed in this order; a multipart edit sends JSON text
-    controlnets: list[ControlNetRef] = Field(default_factory=list, max_length=MAX_CONTROLNETS)
-    controlnet_mode: Literal["sync", "async"] | None = None  # None: the server's --controlnet-mode
 
     @model_validator(mode="before")
     @classmethod
@@ -87,7 +76,7 @@ class ImageParams(BaseModel):
         # OpenAI treats `"n": null` like an absent field.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
-    @field_validator("loras", "controlnets", mode="before")
+    @field_validator("loras", "controlnets", mode="before", check_fields=False)
     @classmethod
     def _list_as_json(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):  # a multipart form field
@@ -98,13 +87,6 @@ class ImageParams(BaseModel):
                            else '{"name": "edges", "image": "<base64 PNG>", "scale": 1.0}')
                 raise ValueError(f"must be a JSON list such as [{example}]") from None
         return value
-
-    @field_validator("controlnet_mode")
-    @classmethod
-    def _mode_needs_controlnets(cls, mode: str | None, info: ValidationInfo) -> str | None:
-        if mode is not None and not info.data.get("controlnets"):
-            raise ValueError("applies to requests with controlnets; send controlnets or leave it out")
-        return mode
 
     @field_validator("loras")
     @classmethod
@@ -121,6 +103,120 @@ class ImageParams(BaseModel):
         if not prompt.strip():
             raise ValueError("must not be empty")
         return prompt
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps_in_range(cls, steps: int | None, info: ValidationInfo) -> int | None:
+        max_steps = limits_of(info).max_steps
+        if steps is not None and not 1 <= steps <= max_steps:
+            raise ValueError(f"must be between 1 and {max_steps}")
+        return steps
+
+    @field_validator("size")
+    @classmethod
+    def _size_allowed(cls, size: str, info: ValidationInfo) -> str:
+        limits = limits_of(info)
+        if size == "auto":
+            return cls._auto_size(limits)
+        match = _SIZE.fullmatch(size)
+        if match is None:
+            raise ValueError("must be 'auto' or WIDTHxHEIGHT in pixels, e.g. '1024x768'")
+        limits.check_size(int(match[1]), int(match[2]))
+        return size
+
+    @classmethod
+    def _auto_size(cls, limits: Limits) -> str:
+        """What `size` "auto" (or absent) stands for."""
+        return f"{limits.default_size}x{limits.default_size}"
+
+    def ignored_fields(self) -> list[str]:
+        """The IGNORED_FIELDS this request sent."""
+        return [name for name in IGNORED_FIELDS if name in self.model_fields_set]
+
+    @property
+    def width_height(self) -> tuple[int, int]:
+        width, height = self.size.split("x")
+        return int(width), int(height)
+
+    def request_fields(self, info: ModelInfo, tenant: Tenant) -> dict[str, Any]:
+        """The ImageRequest fields every image or clip of this request shares, the model's
+        defaults filled in, in the service tier `tenant` asked for (403 if its key may not use
+        it); a 400 naming the field where the served model or policy would not take it."""
+        if (self.num_inference_steps or info.default_steps) < info.min_steps:
+            raise InvalidRequestError(f"Invalid value for 'num_inference_steps': '{info.name}' (a {info.family} model) "
+                                      f"takes at least {info.min_steps} steps.", "num_inference_steps")
+        width, height = self.width_height
+        guidance = info.default_guidance if self.guidance_scale is None else self.guidance_scale
+        if self.slo_ms is not None and not info.deadlines:
+            raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
+                                      "deadline and would ignore it (deadline-aware: --policy patched-slo or "
+                                      "round-knapsack).", "slo_ms")
+        tier = tenant.tier(self.service_tier)
+        for technique, field in self._asked().items():
+            if not info.serves(technique):
+                raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' (a {info.family} model) does "
+                                          f"not serve {technique}: {dict(info.unserved)[technique]}; leave it out.",
+                                          field)
+        refused = refused_pair(set(self._asked()))
+        if refused is not None:  # docs/architecture.md, "The compatibility table"
+            a, b, why = refused
+            first, field = self._asked()[a], self._asked()[b]
+            raise InvalidRequestError(f"Invalid value for '{field}': {first} and {field} do not compose ({why}); "
+                                      "send one of them.", field)
+        if self.negative_prompt is not None and info.cfg_rows(guidance) == 1:
+            why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
+                   else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above "
+                        f"{info.cfg_from:g}")
+            raise InvalidRequestError(f"Invalid value for 'negative_prompt': it would be ignored: {why}.",
+                                      "negative_prompt")
+        return dict(
+            prompt=self.prompt, width=width, height=height,
+            num_inference_steps=self.num_inference_steps or info.default_steps, guidance_scale=guidance,
+            negative_prompt=self.negative_prompt,
+            slo_ms=self.slo_ms if self.slo_ms is not None else dict(info.tier_slo_ms).get(tier),
+            tier=Tier.named(tier), tenant=tenant.name, tenant_weight=tenant.weight, block_cache=self.block_cache,
+            loras=tuple((lora.name, lora.scale) for lora in self.loras),
+        )
+
+    def first_seed(self) -> int:
+        return secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
+
+    def _asked(self) -> dict[str, str]:
+        """The techniques (`gouache.techniques`) this request's fields ask for, each with the field
+        that asks: server defaults aside, which apply only where they compose."""
+        asked = {}
+        if self.loras:
+            asked["lora"] = "loras"
+        if self.block_cache:
+            asked["block_cache"] = "block_cache"
+        return asked
+
+
+class ImageParams(PromptParams):
+    """Fields shared by image generations and edits."""
+
+    n: int = 1  # 1..limits.max_n
+    # Before response_format and partial_images: their validators read it.
+    stream: bool = False
+    response_format: Literal["b64_json", "url"] = "b64_json"  # streams are always b64: "url" is refused
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(None, ge=0, le=100)  # jpeg/webp quality, 100 = best
+    partial_images: int = Field(0, ge=0, le=3)  # previews per image; needs stream
+    background: Literal["transparent", "opaque", "auto"] | None = None  # images are opaque
+    # In IGNORED_FIELDS: accepted so that official clients work, logged, otherwise ignored.
+    user: str | None = None
+    quality: Literal["auto", "low", "medium", "high", "xhigh", "max", "standard", "hd"] | None = None
+    safety_identifier: str | None = None
+    # ControlNets (docs/controlnet.md), summed in this order; a multipart edit sends JSON text
+    controlnets: list[ControlNetRef] = Field(default_factory=list, max_length=MAX_CONTROLNETS)
+    controlnet_mode: Literal["sync", "async"] | None = None  # None: the server's --controlnet-mode
+
+    @field_validator("controlnet_mode")
+    @classmethod
+    def _mode_needs_controlnets(cls, mode: str | None, info: ValidationInfo) -> str | None:
+        if mode is not None and not info.data.get("controlnets"):
+            raise ValueError("applies to requests with controlnets; send controlnets or leave it out")
+        return mode
 
     @field_validator("response_format")
     @classmethod
@@ -158,102 +254,31 @@ class ImageParams(BaseModel):
             raise ValueError(f"must be between 1 and {max_n}")
         return n
 
-    @field_validator("num_inference_steps")
-    @classmethod
-    def _steps_in_range(cls, steps: int | None, info: ValidationInfo) -> int | None:
-        max_steps = limits_of(info).max_steps
-        if steps is not None and not 1 <= steps <= max_steps:
-            raise ValueError(f"must be between 1 and {max_steps}")
-        return steps
-
-    @field_validator("size")
-    @classmethod
-    def _size_allowed(cls, size: str, info: ValidationInfo) -> str:
-        limits = limits_of(info)
-        if size == "auto":
-            return cls._auto_size(limits)
-        match = _SIZE.fullmatch(size)
-        if match is None:
-            raise ValueError("must be 'auto' or WIDTHxHEIGHT in pixels, e.g. '1024x768'")
-        limits.check_size(int(match[1]), int(match[2]))
-        return size
-
-    @classmethod
-    def _auto_size(cls, limits: Limits) -> str:
-        """What `size` "auto" (or absent) stands for."""
-        return f"{limits.default_size}x{limits.default_size}"
-
-    def ignored_fields(self) -> list[str]:
-        """The IGNORED_FIELDS this request sent."""
-        return [name for name in IGNORED_FIELDS if name in self.model_fields_set]
-
-    @property
-    def width_height(self) -> tuple[int, int]:
-        width, height = self.size.split("x")
-        return int(width), int(height)
-
     def to_requests(
         self, api_id: str, info: ModelInfo, arrival: float, image: bytes | None = None, mask: bytes | None = None,
         references: tuple[bytes, ...] = (), tenant: Tenant = ANONYMOUS, register_template: bool = False,
     ) -> list[ImageRequest]:
-        """The n ImageRequests of this API request, with the model's defaults filled in, in the
-        service tier `tenant` asked for (403 if its key may not use it); `register_template`: a
+        """The n ImageRequests of this API request (`request_fields`); `register_template`: a
         POST /v1/templates, which records the template instead of editing it.
 
         Image i gets seed (seed + i) mod 2**32, so every seed in the response is one the API
         takes back, and sent back with n=1 it makes that image again.
         """
+        if info.clips is not None:
+            raise InvalidRequestError(f"'{info.name}' makes videos: send the request to /v1/videos.", "model")
         if image is None and not info.generation:
             raise InvalidRequestError(f"'{info.name}' edits images and makes none from text alone: send the request "
                                       "to /v1/images/edits with an image.")
-        if (self.num_inference_steps or info.default_steps) < info.min_steps:
-            raise InvalidRequestError(f"Invalid value for 'num_inference_steps': '{info.name}' (a {info.family} model) "
-                                      f"takes at least {info.min_steps} steps.", "num_inference_steps")
-        seed = secrets.randbelow(MAX_SEED + 1) if self.seed is None else self.seed
-        width, height = self.width_height
-        guidance = info.default_guidance if self.guidance_scale is None else self.guidance_scale
-        if self.slo_ms is not None and not info.deadlines:
-            raise InvalidRequestError("Invalid value for 'slo_ms': this server's scheduling policy does not plan by "
-                                      "deadline and would ignore it (deadline-aware: --policy patched-slo or "
-                                      "round-knapsack).", "slo_ms")
-        tier = tenant.tier(self.service_tier)
-        slo_ms = self.slo_ms if self.slo_ms is not None else dict(info.tier_slo_ms).get(tier)
-        for technique, field in self._asked().items():
-            if not info.serves(technique):
-                raise InvalidRequestError(f"Invalid value for '{field}': '{info.name}' (a {info.family} model) does "
-                                          f"not serve {technique}: {dict(info.unserved)[technique]}; leave it out.",
-                                          field)
-        refused = refused_pair(set(self._asked()))
-        if refused is not None:  # docs/architecture.md, "The compatibility table"
-            a, b, why = refused
-            first, field = self._asked()[a], self._asked()[b]
-            raise InvalidRequestError(f"Invalid value for '{field}': {first} and {field} do not compose ({why}); "
-                                      "send one of them.", field)
-        if self.negative_prompt is not None and info.cfg_rows(guidance) == 1:
-            why = (f"'{info.name}' is guidance-distilled and has no negative branch" if not info.uses_cfg
-                   else f"guidance_scale {guidance:g} turns classifier-free guidance off; send one above "
-                        f"{info.cfg_from:g}")
-            raise InvalidRequestError(f"Invalid value for 'negative_prompt': it would be ignored: {why}.",
-                                      "negative_prompt")
+        shared = self.request_fields(info, tenant)
+        seed = self.first_seed()
         return [
             ImageRequest(
                 request_id=f"{api_id}-{i}",
-                prompt=self.prompt,
-                width=width,
-                height=height,
-                num_inference_steps=self.num_inference_steps or info.default_steps,
-                guidance_scale=guidance,
+                **shared,
                 seed=(seed + i) % (MAX_SEED + 1),
-                negative_prompt=self.negative_prompt,
                 output_format=self.output_format,
                 output_compression=self.output_compression,
                 partial_images=self.partial_images,
-                slo_ms=slo_ms,
-                tier=Tier.named(tier),
-                tenant=tenant.name,
-                tenant_weight=tenant.weight,
-                block_cache=self.block_cache,
-                loras=tuple((lora.name, lora.scale) for lora in self.loras),
                 controlnets=tuple((net.name, net.data, net.scale) for net in self.controlnets),
                 controlnet_mode=self.controlnet_mode,
                 register_template=register_template,
@@ -267,15 +292,9 @@ class ImageParams(BaseModel):
         ]
 
     def _asked(self) -> dict[str, str]:
-        """The techniques (`gouache.techniques`) this request's fields ask for, each with the field
-        that asks: server defaults aside, which apply only where they compose."""
-        asked = {}
-        if self.loras:
-            asked["lora"] = "loras"
+        asked = super()._asked()
         if self.controlnets:
             asked["controlnet_async" if self.controlnet_mode == "async" else "controlnet"] = "controlnets"
-        if self.block_cache:
-            asked["block_cache"] = "block_cache"
         return asked
 
     def _edit_fields(self, info: ModelInfo, image: bytes | None, mask: bytes | None,
@@ -383,6 +402,34 @@ class ImageEditRequest(ImageParams):
             message = f"the image is {width}x{height}, which this model cannot take ({error}); send `size` to resize it"
             raise InvalidRequestError(f"Invalid value for 'size': {message}.", "size") from None
         return self.model_copy(update={"size": f"{width}x{height}"})
+
+
+class VideoCreateRequest(PromptParams):
+    """Fields of POST /v1/videos: OpenAI's (`prompt`, `model`, `seconds`, `size`; an
+    `input_reference` is read apart) and gouache's extensions. OpenAI's client sends a multipart
+    form, so every field may arrive as text (validated in lax mode: `seconds` "4" is 4)."""
+
+    seconds: float | None = Field(None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)  # OpenAI's "4" / "8" / "12"
+    num_frames: int | None = Field(None, ge=1)  # instead of seconds: the clip's frames exactly
+    fps: int | None = Field(None, ge=1, le=MAX_FPS)  # None: the model's
+
+    def to_request(self, api_id: str, info: ModelInfo, arrival: float, tenant: Tenant = ANONYMOUS) -> ImageRequest:
+        """The clip this API request asks for (`request_fields`): `num_frames` frames, or `seconds`
+        (4 when neither is sent, OpenAI's default) x fps + 1 to the nearest count the model takes."""
+        if info.clips is None:
+            raise InvalidRequestError(f"'{info.name}' makes images: send the request to /v1/images/generations.",
+                                      "model")
+        if self.seconds is not None and self.num_frames is not None:
+            raise InvalidRequestError("Invalid value for 'num_frames': it sets the clip's length, as seconds does; "
+                                      "send one of them.", "num_frames")
+        fps = self.fps or info.clips.fps
+        field = "num_frames" if self.num_frames is not None else "seconds"
+        frames = self.num_frames or info.clips.frames_of(DEFAULT_SECONDS if self.seconds is None else self.seconds, fps)
+        why = info.clips.refusal(frames)
+        if why is not None:
+            raise InvalidRequestError(f"Invalid value for '{field}': {why}.", field)
+        return ImageRequest(request_id=f"{api_id}-0", **self.request_fields(info, tenant), seed=self.first_seed(),
+                            num_frames=frames, fps=fps, arrival_time=arrival)
 
 
 class ImageData(BaseModel):

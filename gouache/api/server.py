@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gouache import __version__
-from gouache.api import adapters, files, images, openapi, page, status
+from gouache.api import adapters, files, images, openapi, page, status, videos
 from gouache.api.auth import ApiKeyMiddleware
 from gouache.api.body_limit import BodyLimitMiddleware
 from gouache.api.context import ApiContext
@@ -29,6 +29,7 @@ from gouache.api.file_store import FileStore
 from gouache.api.protocol import ImageGenerationRequest
 from gouache.api.request_fields import Limits
 from gouache.api.tenants import TenantBook
+from gouache.api.videos import VideoStore
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -48,12 +49,12 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     model_ids = config.served_model_names or (engine.info.name,)
     tenants = TenantBook.of(config.api_key, config.api_keys_file)
     app.state.gouache = ApiContext(engine=engine, config=config, limits=limits, files=FileStore(config.file_ttl_s),
-                                   model_ids=model_ids, tenants=tenants)
+                                   videos=VideoStore(config.file_ttl_s), model_ids=model_ids, tenants=tenants)
     install_error_handlers(app, engine.metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, metrics=engine.metrics)
     if not tenants.open:  # outermost: an unauthenticated request is refused before anything else
         app.add_middleware(ApiKeyMiddleware, tenants=tenants, metrics=engine.metrics)
-    for module in (images, files, adapters, status, page):
+    for module in (images, videos, files, adapters, status, page):
         app.include_router(module.router)
     app.mount("/ui", page.static_files(), name="ui")
     openapi.install(app, (ImageGenerationRequest,))

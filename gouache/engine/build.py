@@ -12,7 +12,6 @@ from gouache.config import COMPILE_BUCKETS, CompileConfig, EngineConfig, ModelCo
 from gouache.controlnet.model import Base
 from gouache.engine.adapters import start_control_service
 from gouache.engine.client import AsyncEngine, caches_blocks
-from gouache.errors import UnknownModelError
 from gouache.executor.base import Executor
 from gouache.runner.background import Recipe
 from gouache.sched.calibration import Calibrated
@@ -82,8 +81,6 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, sched_config:
     refuse(refused_flag(flags, "", {}, parallel))  # the policy's refusals, before the model loads
     pipe = quantize(load_pipeline(model_config.model, model_config.dtype, model_config.device), model_config.quantize)
     family = family_class(pipe)
-    if family.not_served:
-        raise UnknownModelError(f"{type(pipe).__name__} is not served yet: {family.not_served}", param="model")
     refuse(refused_flag(flags, family.name, UNSERVED.get(family.name, {})))
     if engine_config.compile.enabled and family.name in UNCOMPILED:
         raise ValueError(f"--compile is not served for {family.name} models: {UNCOMPILED[family.name]}")

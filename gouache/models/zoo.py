@@ -97,7 +97,7 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-flux2-klein": BuiltinSpec("flux2", "FLUX.2 [klein]-style MMDiT, Qwen3 text encoder; edits take up to "
                                              "4 images as references (instruction edits)"),
     "tiny-wan": BuiltinSpec("wan", "Wan 2.1-style text-to-video DiT (3D RoPE over frames), UMT5 text encoder, "
-                                   "causal 3D VAE, UniPC; not served yet (video: issue 61)"),
+                                   "causal 3D VAE, UniPC; clips through /v1/videos", default_size=128),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(

@@ -21,7 +21,7 @@ from diffusers import (
 )
 
 from gouache.errors import UnknownModelError
-from gouache.model_info import ModelInfo
+from gouache.model_info import ClipRules, ModelInfo
 from gouache.models.zoo import BUILTIN_MODELS, DEFAULT_GUIDANCE, DEFAULT_STEPS, TINY_DEFAULT_STEPS
 
 # Techniques (`gouache.techniques`) a family does not serve, each with why: admission refuses a
@@ -29,15 +29,20 @@ from gouache.models.zoo import BUILTIN_MODELS, DEFAULT_GUIDANCE, DEFAULT_STEPS, 
 UNSERVED: dict[str, dict[str, str]] = {
     family: {"block_cache": "its transformer takes no cached block outputs yet",
              "template": "no template replay is built for its transformer yet"}
-    for family in ("qwenimage", "zimage", "flux2")
+    for family in ("qwenimage", "zimage", "flux2", "wan")
 }
+UNSERVED["wan"] |= dict.fromkeys(("lora", "lora_async"), "no LoRA adapters are built for its transformer yet")
 CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
 # Least steps a family's schedule takes, where more than 1: Qwen-Image's stretches its sigmas to end
 # at its shift_terminal, which one step divides by zero (its pipelines give NaN)
 MIN_STEPS = {"qwenimage": 2}
 # Families whose forward --compile refuses, and why
 UNCOMPILED = {"zimage": "its forward takes each prompt at its own length, which places the image's tokens, so a "
-                        "static graph would be compiled anew for most prompts"}
+                        "static graph would be compiled anew for most prompts",
+              "wan": "no compiled forward of clips is built yet"}
+DEFAULT_SIZE = {"wan": 480}  # pixels a side where the pipeline's own default is not square (Wan 2.1: 832x480)
+FPS = {"wan": 16}  # a video family's frames per second (Wan 2.1's clips: 81 frames, 5 s)
+MAX_FRAMES = 161  # gouache's bound on a clip's frames (10 s at 16 fps, twice Wan 2.1's 81)
 
 
 def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
@@ -114,6 +119,16 @@ def default_size(pipe: DiffusionPipeline) -> int:
     return int(sample_size) * vae_scale(pipe)
 
 
+def clip_rules(pipe: DiffusionPipeline, family: str) -> ClipRules | None:
+    """A video model's clip rules (None: the model makes images): frames of 1 + a multiple of the
+    VAE's temporal stride, up to what the transformer's RoPE places (and MAX_FRAMES)."""
+    if family != "wan":
+        return None
+    step = pipe.vae_scale_factor_temporal
+    placed = 1 + step * (denoiser(pipe).config.rope_max_seq_len - 1)
+    return ClipRules(frame_step=step, max_frames=min(placed, MAX_FRAMES), fps=FPS[family])
+
+
 def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
     family = family_of(pipe)
     builtin = BUILTIN_MODELS.get(name)
@@ -122,7 +137,7 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         name=name,
         family=family,
         size_step=size_step(pipe, family),
-        default_size=builtin.default_size if builtin else default_size(pipe),
+        default_size=builtin.default_size if builtin else DEFAULT_SIZE.get(family) or default_size(pipe),
         default_steps=TINY_DEFAULT_STEPS if builtin else DEFAULT_STEPS[family],
         default_guidance=(builtin.default_guidance if builtin and builtin.default_guidance is not None
                           else DEFAULT_GUIDANCE[family]),
@@ -136,4 +151,5 @@ def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:
         max_input_images=max_input_images(pipe),
         generation=generations(pipe) and (builtin.generation if builtin else True),
         min_steps=MIN_STEPS.get(family, 1),
+        clips=clip_rules(pipe, family),
     )

@@ -1,7 +1,6 @@
 """Wan (`gouache.runner.families.wan`): the engine's clips equal `WanPipeline`'s seed for seed
 (latents within 1e-4, frames within 2/255), alone and stepped beside clips of other lengths and
-sizes that join and leave at other steps; the server refuses the model until the videos API is
-served (docs/video.md)."""
+sizes that join and leave at other steps; a finished clip leaves the engine as an MP4."""
 
 import asyncio
 import io
@@ -12,11 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from gouache.config import EngineConfig, ModelConfig, SchedulerConfig
-from gouache.engine.build import build_engine
+from gouache.config import EngineConfig, SchedulerConfig
 from gouache.engine.client import AsyncEngine
 from gouache.engine.video import encode_clip
-from gouache.errors import UnknownModelError
 from gouache.outputs import ImageEvent, PartialImageEvent
 from gouache.request import ImageRequest, RequestState
 from gouache.runner.describe import model_info
@@ -80,11 +77,6 @@ def test_decoded_frames_match_the_pipelines(pipes):
         frames = got if r.num_frames > 1 else got[None]
         assert np.abs(frames.astype(np.float32) / 255 - expected).max() <= 2 / 255, r.request_id
     assert pixels[0].std() > 10  # not a flat clip
-
-
-def test_the_server_refuses_wan_until_the_videos_api_serves_it():
-    with pytest.raises(UnknownModelError, match="WanPipeline is not served yet: its clips need the videos API"):
-        build_engine(ModelConfig(model=MODEL), EngineConfig(), SchedulerConfig())
 
 
 def decoded(mp4: bytes) -> tuple[np.ndarray, float]:

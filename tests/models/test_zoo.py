@@ -162,10 +162,12 @@ def test_unknown_model_names_the_builtins(tmp_path):
         assert "local diffusers directory" in err.value.message
 
 
-def test_tiny_wan_is_described(pipes):
+def test_tiny_wan_is_described_as_a_video_model(pipes):
     info = model_info(pipes["tiny-wan"], "tiny-wan")
     assert (info.family, info.size_step, info.token_pixels) == ("wan", 16, 16)
     assert (info.default_guidance, info.uses_cfg, info.generation) == (5.0, True, True)
+    assert (info.clips.frame_step, info.clips.max_frames, info.clips.fps) == (4, 161, 16)
+    assert all(model_info(pipe, name).clips is None for name, pipe in pipes.items() if name != "tiny-wan")
 
 
 def test_model_info_of_builtins(pipes):
@@ -173,7 +175,8 @@ def test_model_info_of_builtins(pipes):
     assert {i.size_step for i in info.values()} == {16}
     # the router counts an edit's tokens in the family's own (a UNet's latent pixel, a DiT's patch)
     assert {n: i.token_pixels for n, i in info.items()} == {n: make_family(pipes[n], None).token_pixels for n in info}
-    assert {(i.default_size, i.default_steps) for i in info.values()} == {(256, 20)}
+    assert {n: (i.default_size, i.default_steps) for n, i in info.items()} == {
+        n: (128 if n == "tiny-wan" else 256, 20) for n in info}  # a clip is many images
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
     assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,
                         "tiny-qwen-image": 4.0, "tiny-qwen-image-edit": 4.0, "tiny-qwen-image-edit-plus": 4.0,

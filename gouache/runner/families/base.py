@@ -39,8 +39,6 @@ class Family(ABC):
     needs_image = False
     # a patched step's mixed sizes share one forward (patched UNet, packed DiT); else one forward per size
     mixes_sizes = True
-    # why `gouache serve` does not serve the family's models yet, though the runner drives them ("": it does)
-    not_served = ""
 
     def __init__(self, pipe, patch_pixels: int | None = None, conditioning: ConditioningCache | None = None):
         """`patch_pixels`: the largest patch side of a patched forward (None: DEFAULT_PATCH_PIXELS);

@@ -25,7 +25,6 @@ TEXT_LENGTH = 512  # rows of text each prompt's states are padded to (the pipeli
 class WanFamily(FlowFamily):
     name = "wan"
     mixes_sizes = False
-    not_served = "its clips need the videos API, which is being built (issue 61, docs/video.md)"
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
         """[negative, positive] prompt states, [rows, 512, D]."""

@@ -1,0 +1,142 @@
+"""The videos API (`gouache.api.videos`) on a real `gouache serve --model tiny-wan`, driven by the
+official openai client: create, poll, download (a playable MP4 of the asked frames and size, its
+thumbnail), list, delete (a running one cancelled); bad input gets a 400 naming its field; and the
+store's expiry and byte budget."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import av
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from gouache.api.videos import Video, VideoStore
+from tests.api.helpers import running_server
+
+SIZE_STEP = 16  # tiny-wan: 8 pixels a latent pixel, 2x2 a token
+# the openai client warns that OpenAI's own service of this API (Sora) is to shut down; its
+# `videos` resource is what this server serves
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with running_server("--model", "tiny-wan") as url:
+        yield url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait(videos, video_id: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while (video := videos.retrieve(video_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, video
+        time.sleep(0.2)
+    return video
+
+
+@pytest.mark.slow
+def test_the_openai_client_creates_polls_downloads_lists_and_deletes_a_video(server_url):
+    videos = client(server_url).videos
+    made = videos.create(prompt="a red fox running", size="80x64",
+                         extra_body={"num_frames": 9, "fps": 8, "num_inference_steps": 3, "seed": 5})
+    assert (made.status, made.size, made.seconds, made.model) == ("queued", "80x64", "1", "tiny-wan")
+    done = wait(videos, made.id)
+    assert (done.status, done.progress, done.error) == ("completed", 100, None)
+    assert done.expires_at > done.completed_at >= done.created_at
+    mp4 = videos.download_content(made.id).content
+    with av.open(io.BytesIO(mp4)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert float(container.streams.video[0].average_rate) == 8
+    assert len(frames) == 9 and frames[0].shape == (64, 80, 3)
+    thumbnail = Image.open(io.BytesIO(videos.download_content(made.id, variant="thumbnail").content))
+    assert (thumbnail.format, thumbnail.size) == ("WEBP", (80, 64))
+
+    second = videos.create(prompt="a blue sky", seconds="1", size="64x64", extra_body={"num_inference_steps": 2})
+    assert second.model_extra["num_frames"] == 17  # 1 s at Wan's 16 fps, + 1
+    listed = videos.list(order="asc", limit=1)
+    assert [v.id for v in listed.data] == [made.id] and listed.has_more
+    assert [v.id for v in videos.list(order="asc", after=made.id).data] == [second.id]
+    wait(videos, second.id)
+    deleted = videos.delete(made.id)
+    assert (deleted.id, deleted.deleted) == (made.id, True)
+    with pytest.raises(openai.NotFoundError):
+        videos.retrieve(made.id)
+
+
+@pytest.mark.slow
+def test_deleting_a_running_video_cancels_it_and_the_server_goes_on(server_url):
+    videos = client(server_url).videos
+    long = videos.create(prompt="a long clip", size="64x64", extra_body={"num_frames": 33, "num_inference_steps": 200})
+    deadline = time.monotonic() + 60
+    while videos.retrieve(long.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    videos.delete(long.id)
+    deadline = time.monotonic() + 10  # its slot is freed within a step (of a fraction of a second)
+    while httpx.get(f"{server_url}/health").json()["running"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    short = videos.create(prompt="a short clip", size="64x64", extra_body={"num_frames": 5, "num_inference_steps": 2})
+    assert wait(videos, short.id).status == "completed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"num_frames": "0"}, "num_frames", "greater than or equal to 1"),
+    ({"num_frames": "6"}, "num_frames", "1 + a multiple of 4 frames"),
+    ({"num_frames": "1000"}, "num_frames", "1 to 161 frames"),
+    ({"seconds": "0"}, "seconds", "greater than 0"),
+    ({"seconds": "3000"}, "seconds", "1 to 161 frames"),
+    ({"seconds": "4", "num_frames": "9"}, "num_frames", "send one of them"),
+    ({"size": "72x64"}, "size", f"multiples of {SIZE_STEP}"),
+    ({"fps": "0"}, "fps", "greater than or equal to 1"),
+    ({"loras": '[{"name": "ink"}]'}, "loras", "does not serve lora"),
+    ({"block_cache": "0.1"}, "block_cache", "does not serve block_cache"),
+    ({"colour": "red"}, "colour", "Unknown parameter"),
+])
+def test_bad_input_gets_a_400_naming_the_field(server_url, fields, param, message):
+    form = {name: (None, value) for name, value in {"prompt": "a fox", **fields}.items()}  # multipart, as openai's
+    response = httpx.post(f"{server_url}/v1/videos", files=form, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+@pytest.mark.slow
+def test_an_image_reference_a_video_route_on_an_image_model_and_images_on_a_video_model_are_refused(server_url):
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(png, "PNG")
+    response = httpx.post(f"{server_url}/v1/videos", files={"prompt": (None, "a fox"),
+                                                            "input_reference": ("a.png", png.getvalue())})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input_reference"
+    response = httpx.post(f"{server_url}/v1/images/generations", json={"prompt": "a fox"})
+    assert response.status_code == 400 and "/v1/videos" in response.json()["error"]["message"]
+    for path in ("/v1/videos/video_missing", "/v1/videos/video_missing/content"):
+        assert httpx.get(f"{server_url}{path}").status_code == 404
+
+
+def video(video_id: str, nbytes: int = 0) -> Video:
+    return Video(video_id, "m", "p", "32x32", 5, 16, 0, created_at=0, mp4=b"x" * nbytes)
+
+
+def test_finished_videos_expire_after_the_ttl_and_the_oldest_go_beyond_the_byte_budget():
+    now = [1000.0]
+    store = VideoStore(ttl_s=60, max_bytes=100, clock=lambda: now[0])
+    running, old, new = video("running"), video("old", 60), video("new", 60)
+    for v in (running, old, new):
+        store.add(v)
+    store.finish(old)
+    assert store.get("old") is old
+    store.finish(new)  # 120 bytes kept: the oldest finished one goes
+    assert (store.get("old"), store.get("new")) == (None, new)
+    now[0] += 61
+    assert store.get("new") is None and store.get("running") is running  # a running one never expires
+    with pytest.raises(Exception, match="No video 'old' to list after"):
+        store.page("old", 10, "asc")
