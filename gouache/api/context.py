@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from gouache.api.engine import Engine
     from gouache.api.file_store import FileStore
     from gouache.api.request_fields import Limits
-    from gouache.api.videos import VideoStore
+    from gouache.api.video_store import VideoStore
     from gouache.config import ServerConfig
     from gouache.engine.handle import RequestHandle
 

@@ -413,6 +413,17 @@ class VideoCreateRequest(PromptParams):
     num_frames: int | None = Field(None, ge=1)  # instead of seconds: the clip's frames exactly
     fps: int | None = Field(None, ge=1, le=MAX_FPS)  # None: the model's
 
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_as_text(cls, seconds: Any) -> Any:
+        """OpenAI's `seconds` is text ("4"), in JSON too."""
+        if isinstance(seconds, str):
+            try:
+                return float(seconds)
+            except ValueError:
+                raise ValueError("must be a number of seconds, such as \"4\"") from None
+        return seconds
+
     def to_request(self, api_id: str, info: ModelInfo, arrival: float, tenant: Tenant = ANONYMOUS) -> ImageRequest:
         """The clip this API request asks for (`request_fields`): `num_frames` frames, or `seconds`
         (4 when neither is sent, OpenAI's default) x fps + 1 to the nearest count the model takes."""

@@ -29,7 +29,7 @@ from gouache.api.file_store import FileStore
 from gouache.api.protocol import ImageGenerationRequest
 from gouache.api.request_fields import Limits
 from gouache.api.tenants import TenantBook
-from gouache.api.videos import VideoStore
+from gouache.api.video_store import VideoStore
 
 if TYPE_CHECKING:
     from types import FrameType

@@ -14,7 +14,7 @@ import openai
 import pytest
 from PIL import Image
 
-from gouache.api.videos import Video, VideoStore
+from gouache.api.video_store import Video, VideoStore
 from tests.api.helpers import running_server
 
 SIZE_STEP = 16  # tiny-wan: 8 pixels a latent pixel, 2x2 a token
@@ -122,8 +122,22 @@ def test_an_image_reference_a_video_route_on_an_image_model_and_images_on_a_vide
         assert httpx.get(f"{server_url}{path}").status_code == 404
 
 
-def video(video_id: str, nbytes: int = 0) -> Video:
-    return Video(video_id, "m", "p", "32x32", 5, 16, 0, created_at=0, mp4=b"x" * nbytes)
+@pytest.mark.slow
+def test_a_json_body_takes_openais_seconds_as_text_and_refuses_what_a_form_would(server_url):
+    body = {"prompt": "a fox", "seconds": "1", "size": "64x64", "num_inference_steps": 1}
+    made = httpx.post(f"{server_url}/v1/videos", json=body, timeout=60)
+    assert made.status_code == 200, made.text
+    assert (made.json()["num_frames"], made.json()["seconds"]) == (17, "1")
+    for bad, param in (({**body, "seconds": "soon"}, "seconds"), ({**body, "num_frames": "9"}, "num_frames"),
+                       ({**body, "input_reference": {"image_url": "x"}}, "input_reference")):
+        response = httpx.post(f"{server_url}/v1/videos", json=bad, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert httpx.post(f"{server_url}/v1/videos", content=b"[1]", headers={"content-type": "application/json"},
+                      timeout=60).status_code == 400
+
+
+def video(video_id: str, nbytes: int = 0, tenant: str = "") -> Video:
+    return Video(video_id, "m", "p", "32x32", 5, 16, 0, tenant, created_at=0, mp4=b"x" * nbytes)
 
 
 def test_finished_videos_expire_after_the_ttl_and_the_oldest_go_beyond_the_byte_budget():
@@ -139,4 +153,7 @@ def test_finished_videos_expire_after_the_ttl_and_the_oldest_go_beyond_the_byte_
     now[0] += 61
     assert store.get("new") is None and store.get("running") is running  # a running one never expires
     with pytest.raises(Exception, match="No video 'old' to list after"):
-        store.page("old", 10, "asc")
+        store.page("", "old", 10, "asc")
+    store.add(video("theirs", tenant="team-b"))
+    assert [v.id for v in store.page("", None, 10, "asc")[0]] == ["running"]  # a key lists its own videos
+    assert [v.id for v in store.page("team-b", None, 10, "asc")[0]] == ["theirs"]
