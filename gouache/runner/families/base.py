@@ -393,6 +393,16 @@ def per_group(states: list[DenoiseState], key: Callable[[DenoiseState], Hashable
     return [out[id(s)] for s in states]
 
 
+def latent_statistics(vae, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Wan-type 3D VAE's (Qwen-Image's, Wan's) per-channel latent mean and 1/std, shaped
+    [1, C, 1, 1, 1] as their pipelines use them, in `latents`' device and dtype."""
+    config = vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return mean, inverse_std
+
+
 def pad_cat(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     """[L_i, D] rows zero-padded to [len(rows), length, D]."""
     return torch.stack([torch.cat([r, r.new_zeros(length - len(r), r.shape[-1])]) for r in rows])

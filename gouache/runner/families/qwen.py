@@ -21,7 +21,7 @@ from PIL import Image
 from gouache.block_cache.blocks import CachedForward
 from gouache.request import ImageRequest
 from gouache.runner.conditioning import pixels_digest
-from gouache.runner.families.base import pad_cat, per_group, row_timesteps
+from gouache.runner.families.base import latent_statistics, pad_cat, per_group, row_timesteps
 from gouache.runner.families.dit import PackedFamily
 from gouache.runner.sampler import DenoiseState
 from gouache.uploads import Upload
@@ -63,25 +63,17 @@ class QwenImageFamily(PackedFamily):
     def encode_pixels(self, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """[1, C, h, w] normalised latents of [1, 3, H, W] pixels (a one-frame video to the VAE)."""
         latents = self.latent_dist(pixels[:, :, None]).sample(generator)
-        mean, inverse_std = self._statistics(latents)
+        mean, inverse_std = latent_statistics(self.pipe.vae, latents)
         return ((latents - mean) * inverse_std)[:, :, 0]
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         r = state.request
         latents = self.pipe._unpack_latents(latents, r.height, r.width, self.vae_scale)
-        mean, inverse_std = self._statistics(latents)
+        mean, inverse_std = latent_statistics(self.pipe.vae, latents)
         return latents / inverse_std + mean
 
     def vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self.pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]  # the one frame
-
-    def _statistics(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The VAE's per-channel latent mean and 1/std, shaped [1, C, 1, 1, 1] as the pipelines use them."""
-        config = self.pipe.vae.config
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.device,
-                                                                                                latents.dtype)
-        return mean, inverse_std
 
     # -- the forward ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 
 from gouache.block_cache.blocks import CachedForward
 from gouache.request import ImageRequest
-from gouache.runner.families.base import cat_cond, per_group, row_timesteps
+from gouache.runner.families.base import cat_cond, latent_statistics, per_group, row_timesteps
 from gouache.runner.families.dit import FlowFamily
 from gouache.runner.sampler import DenoiseState
 
@@ -54,11 +54,8 @@ class WanFamily(FlowFamily):
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """The pipeline's de-normalisation: latents / (1 / std) + mean, per channel."""
-        config = self.pipe.vae.config
         latents = latents.to(self.pipe.vae.dtype)
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+        mean, inverse_std = latent_statistics(self.pipe.vae, latents)
         return latents / inverse_std + mean
 
     def _pixels(self, state: DenoiseState, video: torch.Tensor) -> np.ndarray:
