@@ -9,8 +9,10 @@ import av
 import numpy as np
 import pytest
 import torch
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanRotaryPosEmbed
 from PIL import Image
 
+from gouache.attention import attention_modules
 from gouache.config import EngineConfig, SchedulerConfig
 from gouache.engine.client import AsyncEngine
 from gouache.engine.video import encode_clip
@@ -18,6 +20,7 @@ from gouache.outputs import ImageEvent, PartialImageEvent
 from gouache.request import ImageRequest, RequestState
 from gouache.runner.describe import model_info
 from gouache.runner.model_runner import ModelRunner
+from gouache.runner.pack_wan import packed_wan_forward, patches, unpatch
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from tests.engine.conftest import DTYPE
@@ -61,6 +64,54 @@ def test_engine_matches_the_pipeline_alone_and_beside_clips_of_other_lengths_and
     assert max(errors.values()) <= TOLERANCE[DTYPE], errors
 
 
+def test_a_packed_forward_gives_each_clip_its_own_forwards_prediction(pipes):
+    transformer = pipes(MODEL).transformer
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(2, 4, 4), (3, 4, 6), (2, 4, 4), (1, 6, 4), (3, 4, 6)]  # latent frames, height, width
+    samples = [torch.randn(16, *shape, generator=generator) for shape in shapes]
+    timestep = torch.tensor([999.0, 500.0, 10.0, 700.0, 250.0])
+    text = torch.randn(len(shapes), 512, transformer.config.text_dim, generator=generator)
+    calls = []
+    hook = transformer.patch_embedding.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        packed = packed_wan_forward(transformer, samples, timestep, text)
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+    for i, (x, out) in enumerate(zip(samples, packed)):
+        own = transformer(hidden_states=x[None], timestep=timestep[i:i + 1], encoder_hidden_states=text[i:i + 1],
+                          return_dict=False)[0][0]
+        assert out.shape == x.shape and (out - own).abs().max() <= 1e-5 * own.abs().max(), i
+    # the model is its own again
+    assert all(type(m.processor) is WanAttnProcessor for _, m in attention_modules(transformer))
+    assert type(transformer.rope) is WanRotaryPosEmbed
+
+
+def test_a_clips_patches_come_back_as_its_latents():
+    latents = torch.arange(16 * 3 * 4 * 6, dtype=torch.float32).reshape(16, 3, 4, 6)
+    tokens = patches(latents, (1, 2, 2))
+    assert tokens.shape == (3 * 2 * 3, 16, 1, 2, 2)
+    assert torch.equal(tokens[4, :, 0], latents[:, 0, 2:4, 2:4])  # frame 0, token row 1, column 1
+    assert torch.equal(unpatch(tokens, (3, 2, 3)), latents)
+
+
+def test_a_packed_step_of_clips_of_three_shapes_is_one_forward(pipes):
+    pipe = pipes(MODEL)
+    runner = ModelRunner(pipe)
+    requests = [clip("a", 1, 2), clip("b", 2, 2, frames=9, width=48), clip("c", 3, 2, frames=1, height=48)]
+    for r in requests:
+        runner.prepare(r)
+    calls = []
+    hook = pipe.transformer.patch_embedding.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        runner.execute(Batch(tuple(r.request_id for r in requests), patched=True))
+        packed = len(calls)
+        runner.execute(Batch(tuple(r.request_id for r in requests)))
+    finally:
+        hook.remove()
+    assert (packed, len(calls) - packed) == (1, 3)
+
+
 def test_decoded_frames_match_the_pipelines(pipes):
     pipe = pipes(MODEL)
     runner = ModelRunner(pipe)
@@ -88,7 +139,7 @@ def decoded(mp4: bytes) -> tuple[np.ndarray, float]:
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float(10 * np.log10(255 ** 2 / mse))
+    return float("inf") if mse == 0 else float(10 * np.log10(255 ** 2 / mse))
 
 
 def test_a_clip_encodes_to_an_mp4_of_its_frames_and_rate_with_a_first_frame_thumbnail():

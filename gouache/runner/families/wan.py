@@ -4,8 +4,8 @@ to 512 rows, all of them attended), true CFG and a UniPC sampler that keeps stat
 
 A request's clip is `num_frames` frames (1 + 4k: the VAE makes one latent frame of the first and
 of every 4 after it); its latents stay float32 as the pipeline's do (the denoiser gets them in its
-dtype). The model's RoPE is read off its input's shape, so until clips are packed (docs/video.md)
-a step runs one forward per clip shape: mixed shapes share a step, not a forward.
+dtype). The model's RoPE is read off its input's shape, so a plain step runs one forward per clip
+shape; a packed one (the patched policies) runs clips of every shape in one forward (`pack_wan`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch
 
 from gouache.block_cache.blocks import CachedForward
 from gouache.request import ImageRequest
-from gouache.runner.families.base import cat_cond, latent_statistics, per_group, row_timesteps
+from gouache.runner.families.base import by_state, cat_cond, latent_statistics, per_group, row_timesteps
 from gouache.runner.families.dit import FlowFamily
+from gouache.runner.pack_wan import packed_wan_forward
 from gouache.runner.sampler import DenoiseState
 
 TEXT_LENGTH = 512  # rows of text each prompt's states are padded to (the pipeline's max_sequence_length)
@@ -24,7 +25,6 @@ TEXT_LENGTH = 512  # rows of text each prompt's states are padded to (the pipeli
 
 class WanFamily(FlowFamily):
     name = "wan"
-    mixes_sizes = False
 
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
         """[negative, positive] prompt states, [rows, 512, D]."""
@@ -69,12 +69,19 @@ class WanFamily(FlowFamily):
     @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False,
                 blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        """One forward per clip shape (the model's RoPE is one shape's)."""
+        """One forward per clip shape (the model's RoPE is one shape's), or packed: one for all."""
+        if patched:
+            return self.predict_patched(states)
         return per_group(states, lambda s: tuple(s.latents.shape), self.forward)
 
+    @torch.no_grad()
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
                         blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        return self.predict(states)
+        """One forward over clips of every shape (`pack_wan`)."""
+        samples = [s.latents[0].to(self.dtype) for s in states for _ in range(s.rows)]
+        outputs = packed_wan_forward(self.denoiser, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
+                                     whole_batches)
+        return by_state(outputs, states)
 
     def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
         return ({
