@@ -46,6 +46,21 @@ def parse_size(text: str) -> tuple[int, int]:
     return height, width
 
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'512' (a square), '128x64' (WxH) or a clip's '128x64x9' (WxHxF: F frames) -> (height,
+    width) or (height, width, frames), as a `Resolution`; ValueError saying what one looks like."""
+    try:
+        numbers = [int(v) for v in text.strip().lower().split("x")]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2, 3) or min(numbers) < 1:
+        raise ValueError(f"a size looks like S (a square), WxH, or a clip's WxHxF (F frames), e.g. 512, 832x480 "
+                         f"or 832x480x81; got {text!r}")
+    if len(numbers) == 1:
+        return numbers[0], numbers[0]
+    return numbers[1], numbers[0], *numbers[2:]
+
+
 def size_arg(text: str) -> tuple[int, int]:
     """`parse_size` as an argparse `type`, keeping its message."""
     try:

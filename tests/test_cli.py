@@ -99,6 +99,24 @@ def test_profile_writes_a_cost_model_the_policies_can_use(tmp_path, capsys):
     assert prep > 0 and post > 0
 
 
+def test_profile_of_a_video_model_prices_clips_by_their_frames(tmp_path, capsys):
+    from gouache.sched.costmodel import load
+
+    out = tmp_path / "cost.json"
+    args = ["profile", "--model", "tiny-wan", "--samples", "8", "--max-batch", "2", "--repeats", "1", "--out", str(out)]
+    assert main([*args, "--sizes", "32x32x5,32x32x6"]) == 2
+    assert "--sizes: 32x32x6: a clip has 1 + a multiple of 4 frames" in capsys.readouterr().err
+    assert main([*args, "--sizes", "48x32x9,32x32x5,32"]) == 0
+    model = load(out)
+    assert model.resolutions == [(32, 48, 9), (32, 32, 5), (32, 32)]
+    assert model.step_time([(32, 48, 9), (32, 32, 5)], patched=True) > 0  # one packed forward, measured
+    assert model.step_time([(32, 32, 5), (32, 32, 5)], patched=False) == model.grouped[(32, 32, 5)][2]
+    prep, post = model.stage_time((32, 48, 9))  # its post-processing: the VAE and the MP4
+    assert prep > 0 and post > 0
+    assert main(["profile", "--model", "tiny-sd3", "--sizes", "64x64x5", "--out", str(out)]) == 2
+    assert "tiny-sd3 makes images; a size is S or WxH" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_sim_to_real_compares_live_and_simulated_latencies(tmp_path):
     cost = tmp_path / "cost.json"

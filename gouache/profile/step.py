@@ -33,8 +33,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.cli_flags import Given, given, parse_shape, refuse_ignored
 from gouache.config import DEFAULT_PATCH_PIXELS
+from gouache.sched.interface import Resolution
 from gouache.stats import median_s
 
 
@@ -45,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and activations (default: %(default)s)")
     p.add_argument("--sizes", default="256,384,512",
-                   help="comma-separated square sizes in pixels the server will see (default: %(default)s)")
+                   help="comma-separated sizes in pixels the server will see: S (a square), WxH, or a video "
+                        "model's clips as WxHxF (F frames) (default: %(default)s)")
     p.add_argument("--patch-size", type=int, default=DEFAULT_PATCH_PIXELS, action=Given,
                    help="patch side in pixels, as `gouache serve --patch-size` will run (default: %(default)s)")
     p.add_argument("--samples", type=int, default=60, action=Given,
@@ -97,7 +99,7 @@ def add_arguments(p) -> None:
                                                "with --edits, reuse_<model>.json with --reuse)")
 
 
-def compositions(sizes: list[int], n: int, max_batch: int, seed: int) -> list[dict[int, int]]:
+def compositions(sizes: list[Resolution], n: int, max_batch: int, seed: int) -> list[dict[Resolution, int]]:
     """The batches to time. When there are at most `n` compositions of 1..max_batch images, all
     of them: the table then prices every batch the server can form from measurements, and the
     SVR never extrapolates. Otherwise every single-size batch of one (the standalone times),
@@ -154,16 +156,18 @@ def run(args) -> int:
     import torch
 
     from gouache.models.zoo import load_pipeline
+    from gouache.runner.describe import model_info
     from gouache.runner.model_runner import ModelRunner
     from gouache.sched.costmodel import save
     from gouache.threads import own, single, step_threads
 
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = list(dict.fromkeys(parse_shape(s) for s in args.sizes.split(",")))
     threads = step_threads(args.torch_threads)
     single()  # as in the server, only the step thread runs torch on several threads (`gouache.threads`)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     pipe = load_pipeline(args.model, args.dtype, args.device)
     pipe.set_progress_bar_config(disable=True)
+    _check_sizes(model_info(pipe, args.model), sizes)
     runner = ModelRunner(pipe, args.patch_size, compile=_compile_config(args, sizes))
     if "patch_size" in given(args) and not runner.family.patches:
         refuse_ignored({"patch_size": f"{runner.family.name} models pack mixed sizes' tokens; patches are for UNets"})
@@ -171,11 +175,11 @@ def run(args) -> int:
     engine = ThreadPoolExecutor(1, "gouache-engine", initializer=own, initargs=(threads,))
     with prep, engine, post:
         # on the thread that steps, as the server does (inductor records CUDA graphs per thread)
-        engine.submit(runner.warm_up, sizes[0]).result()
+        engine.submit(runner.warm_up, sizes[0][0]).result()
         pool, prep_s = prep.submit(_prepare_pool, runner, sizes, args.max_batch, sync).result()
         model = engine.submit(_time_steps, runner, pool, sizes, args, sync).result()
-        for size in sizes:
-            model.record_stages(size, prep_s[size], post.submit(_post_s, runner, pool[size][0], args, sync).result())
+        for res in sizes:
+            model.record_stages(res, prep_s[res], post.submit(_post_s, runner, pool[res][0], args, sync).result())
     out = Path(args.out or f"benchmarks/results/costmodel_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     save(model, out)
@@ -189,27 +193,27 @@ def run(args) -> int:
     return 0
 
 
-def _time_steps(runner, pool: dict[int, list], sizes: list[int], args, sync):
+def _time_steps(runner, pool: dict[Resolution, list], sizes: list[Resolution], args, sync):
     """The cost model of the denoiser's steps: patched steps of the compositions (the fit), and
     plain forwards of 1..max-batch images of each size."""
     from gouache.sched.costmodel import BatchCostModel
 
     family = runner.family
     mixes = compositions(sizes, args.samples, args.max_batch, args.seed)
-    plain = [(size, batch) for size in sizes for batch in range(1, args.max_batch + 1)]
+    plain = [(res, batch) for res in sizes for batch in range(1, args.max_batch + 1)]
     calls = [partial(family.predict_patched, _states(pool, mix)) for mix in mixes]
-    calls += [partial(family.forward, pool[size][:batch]) for size, batch in plain]
+    calls += [partial(family.forward, pool[res][:batch]) for res, batch in plain]
     if family.compiled is not None:  # each call a step of its own, which may run compiled
         calls = [partial(_stepped, family.compiled, call) for call in calls]
     seconds = _median_over_rounds(calls, args.repeats, sync)
     model = BatchCostModel(sizes, patch_px=args.patch_size)
-    model.fit([({(size, size): count for size, count in mix.items()}, t) for mix, t in zip(mixes, seconds)])
-    for (size, batch), t in zip(plain, seconds[len(mixes):]):
-        model.record_grouped(size, batch, t)
+    model.fit(list(zip(mixes, seconds)))
+    for (res, batch), t in zip(plain, seconds[len(mixes):]):
+        model.record_grouped(res, batch, t)
     return model
 
 
-def _compile_config(args, sizes: list[int]):
+def _compile_config(args, sizes: list[Resolution]):
     """--compile's configuration (None without it): every size, row buckets by powers of two up
     to --max-batch requests with CFG."""
     from gouache.config import CompileConfig
@@ -219,7 +223,7 @@ def _compile_config(args, sizes: list[int]):
     buckets = [2]
     while buckets[-1] < 2 * args.max_batch:
         buckets.append(2 * buckets[-1])
-    return CompileConfig(enabled=True, sizes=tuple((s, s) for s in sizes), buckets=tuple(buckets),
+    return CompileConfig(enabled=True, sizes=tuple(dict.fromkeys(res[:2] for res in sizes)), buckets=tuple(buckets),
                          backend=args.compile_backend, graphs=args.compile_graphs,
                          cuda_graphs=args.device.startswith("cuda") and args.compile_backend == "inductor")
 
@@ -229,8 +233,8 @@ def _stepped(compiled, call):
         return call()
 
 
-def _states(pool: dict[int, list], mix: dict[int, int]) -> list:
-    return [state for size, count in mix.items() for state in pool[size][:count]]
+def _states(pool: dict[Resolution, list], mix: dict[Resolution, int]) -> list:
+    return [state for res, count in mix.items() for state in pool[res][:count]]
 
 
 def _median_over_rounds(calls: list, repeats: int, sync) -> list[float]:
@@ -253,37 +257,54 @@ def _median_over_rounds(calls: list, repeats: int, sync) -> list[float]:
     return [statistics.median(seen) for seen in times]
 
 
-def _prepare_pool(runner, sizes: list[int], max_batch: int, sync) -> tuple[dict[int, list], dict[int, float]]:
+def _prepare_pool(runner, sizes: list[Resolution], max_batch: int, sync) \
+        -> tuple[dict[Resolution, list], dict[Resolution, float]]:
     """max_batch prepared states per size, and the median seconds of one preparation per size
     (after a warm-up preparation that is not kept)."""
     from gouache.request import ImageRequest
 
     pool, prep_s = {}, {}
-    for size in sizes:
+    for res in sizes:
+        height, width, *frames = res
         times = []
         for i in range(max_batch + 1):
-            request = ImageRequest(f"{size}-{i}", "a red fox", size, size, 20, 5.0, seed=i)
+            request = ImageRequest(f"{'x'.join(map(str, res))}-{i}", "a red fox", width, height, 20, 5.0, seed=i,
+                                   num_frames=frames[0] if frames else 1)
             start = time.perf_counter()
             runner.prepare(request)
             sync()
             times.append(time.perf_counter() - start)
             state = runner.states.pop(request.request_id)
             if i:
-                pool.setdefault(size, []).append(state)
-        prep_s[size] = statistics.median(times[1:])
+                pool.setdefault(res, []).append(state)
+        prep_s[res] = statistics.median(times[1:])
     return pool, prep_s
 
 
 def _post_s(runner, state, args, sync) -> float:
-    """Seconds of one request's post-processing on the device: VAE decode, plus PNG encoding
-    when the device is the CPU that the codec processes also run on."""
+    """Seconds of one request's post-processing on the device: VAE decode, plus its encoding (an
+    image's PNG, a clip's MP4) when the device is the CPU that the codec processes also run on."""
     import torch
 
     from gouache.engine.imaging import encode_image
+    from gouache.engine.video import encode_clip
 
     with torch.no_grad():
         pixels = runner.family.decode(state, state.latents)
         seconds = median_s(lambda: runner.family.decode(state, state.latents), args.repeats, sync)
     if args.device == "cpu":
-        seconds += median_s(lambda: encode_image(pixels, "png"), args.repeats, sync)
+        clip = pixels.ndim == 4  # [F, H, W, 3]
+        encode = partial(encode_clip, pixels, state.request.fps) if clip else partial(encode_image, pixels, "png")
+        seconds += median_s(encode, args.repeats, sync)
     return seconds
+
+
+def _check_sizes(info, sizes: list[Resolution]) -> None:
+    """Refuse --sizes the model cannot make: clips on an image model, frame counts it does not take."""
+    clips = [res for res in sizes if len(res) == 3]
+    if clips and info.clips is None:
+        raise ValueError(f"--sizes: {info.name} makes images; a size is S or WxH, not a clip's WxHxF")
+    for height, width, frames in clips:
+        why = info.clips.refusal(frames)
+        if why:
+            raise ValueError(f"--sizes: {width}x{height}x{frames}: {why}")

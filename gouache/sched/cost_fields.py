@@ -16,6 +16,7 @@ from typing import Any
 
 MIN_STEP_S, MAX_STEP_S = 1e-6, 1e6  # a forward's seconds: below any device's, past any request's deadline
 MAX_SIDE = 1 << 16  # pixels of an image's height or width
+MAX_FRAMES = 1 << 16  # frames of a clip
 MAX_COUNT = 1 << 20  # images in a batch, tokens, hidden size, measurements of one batch
 MAX_ROWS = 100_000  # entries of a table
 MAX_SAMPLES = 10_000  # an SVR's training samples: loading refits on them (quadratic in their number)
@@ -54,19 +55,22 @@ def side(value: Any, where: str) -> int:
     return integer(value, where, 1, MAX_SIDE)
 
 
-def resolution_entry(value: Any, where: str) -> tuple[int, int]:
-    """A size as a file holds it: [height, width] in pixels, or one side of a square."""
-    if isinstance(value, list) and len(value) == 2:
-        return side(value[0], f"{where}[0]"), side(value[1], f"{where}[1]")
+def resolution_entry(value: Any, where: str) -> tuple[int, ...]:
+    """A size as a file holds it: [height, width] in pixels, a clip's [height, width, frames], or
+    one side of a square."""
+    if isinstance(value, list) and len(value) in (2, 3):
+        return (side(value[0], f"{where}[0]"), side(value[1], f"{where}[1]"),
+                *(integer(value[2], f"{where}[2]", 1, MAX_FRAMES) for _ in value[2:]))
     square = side(value, where)
     return square, square
 
 
-def composition_entry(value: Any, where: str) -> tuple[int, int, int]:
-    """A batch composition's [height, width, count] entry."""
-    if not (isinstance(value, list) and len(value) == 3):
-        raise ValueError(f"{where} must be [height, width, count]; got {shown(value)}")
-    return side(value[0], f"{where}[0]"), side(value[1], f"{where}[1]"), integer(value[2], f"{where}[2]")
+def composition_entry(value: Any, where: str) -> tuple[int, ...]:
+    """A batch composition's [height, width, count] entry, or a clip's [height, width, frames, count]."""
+    if not (isinstance(value, list) and len(value) in (3, 4)):
+        raise ValueError(f"{where} must be [height, width, count] or [height, width, frames, count]; "
+                         f"got {shown(value)}")
+    return (*resolution_entry(value[:-1], where), integer(value[-1], f"{where}[{len(value) - 1}]"))
 
 
 def entries(value: Any, where: str, least: int = 0, most: int = MAX_ROWS) -> list:

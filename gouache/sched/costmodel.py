@@ -39,11 +39,12 @@ from gouache.sched.parallel_costmodel import ParallelCostModel
 from gouache.sched.predictors import FitReport, LinearPredictor, SvrPredictor, evaluate, predictor_from_json
 
 Composition = Mapping[Resolution, int]  # {resolution: number of images of it in the batch}
-CompositionKey = tuple[tuple[int, int, int], ...]  # sorted (height, width, count), counts > 0
+# sorted (height, width, count), or a clip's (height, width, frames, count); counts > 0
+CompositionKey = tuple[tuple[int, ...], ...]
 
 
 def composition_key(composition: Composition) -> CompositionKey:
-    return tuple(sorted((h, w, int(c)) for (h, w), c in composition.items() if c > 0))
+    return tuple(sorted((*res, int(c)) for res, c in composition.items() if c > 0))
 
 
 class BatchCostModel:
@@ -70,7 +71,8 @@ class BatchCostModel:
     ):
         self.resolutions = [as_resolution(r) for r in resolutions]  # feature order; fixed once fitted
         if not self.resolutions or len(set(self.resolutions)) != len(self.resolutions):
-            raise ValueError("resolutions must be a non-empty list of distinct (height, width) sizes")
+            raise ValueError("resolutions must be a non-empty list of distinct (height, width) sizes or "
+                             "(height, width, frames) clips")
         if patch_px <= 0:
             raise ValueError(f"patch_px must be positive, got {patch_px}")
         self.patch_px = patch_px  # patch side in pixels, for the patch-count feature
@@ -162,7 +164,6 @@ class BatchCostModel:
             return math.inf
         composition: dict[Resolution, int] = {}
         for res in resolutions:
-            res = (res[0], res[1])
             composition[res] = composition.get(res, 0) + 1
         if not patched:
             return sum(self.grouped_time(res, count) for res, count in composition.items())
@@ -217,7 +218,9 @@ class BatchCostModel:
         return model
 
     def _patches(self, res: Resolution) -> int:
-        return math.ceil(res[0] / self.patch_px) * math.ceil(res[1] / self.patch_px)
+        """Patches of an image, or of each of a clip's frames, the frames counted."""
+        frames = res[2] if len(res) == 3 else 1
+        return math.ceil(res[0] / self.patch_px) * math.ceil(res[1] / self.patch_px) * frames
 
 
 EditBatch = Sequence[tuple[int, float]]  # [(image tokens L, mask ratio m in [0, 1])], one per request

@@ -141,6 +141,25 @@ def test_stage_times_are_read_by_resolution_and_survive_json(tmp_path):
         loaded.stage_time((768, 768))
 
 
+def test_a_clips_frames_are_part_of_its_resolution_in_every_table_and_survive_json(tmp_path):
+    clip, longer, still = (32, 48, 9), (32, 48, 17), (32, 48)
+    model = BatchCostModel([clip, longer, still], patch_px=16)
+    assert model.features({clip: 2, longer: 1}) == [2, 1, 0, 2, 2 * 6 * 9 + 6 * 17]  # patches of every frame
+    model.record({clip: 1, still: 1}, 0.3)
+    model.record({longer: 1}, 0.5)
+    for res, seconds in ((clip, 0.2), (longer, 0.4), (still, 0.05)):
+        model.record_grouped(res, 1, seconds)
+        model.record_stages(res, 0.01, seconds / 10)
+    save(model, tmp_path / "m.json")
+    loaded = load(tmp_path / "m.json")
+    assert loaded.resolutions == [clip, longer, still]
+    assert loaded.step_time([clip, still], patched=True) == 0.3 and loaded.step_time([longer], patched=True) == 0.5
+    assert loaded.step_time([clip, longer, still], patched=False) == pytest.approx(0.65)
+    assert loaded.stage_time(longer) == (0.01, 0.04)
+    with pytest.raises(ValueError, match="no plain-forward profile"):
+        loaded.step_time([(32, 48, 5)], patched=False)  # a clip of other length is another resolution
+
+
 # ParallelCostModel
 
 
@@ -386,6 +405,8 @@ CASES = [
     (batch_data, "table.0.composition.0", [512, 512, 0],
      "table[0].composition[0][2] must be an integer in [1, 1048576]"),
     (batch_data, "table.0.composition.0", [512, 512], "table[0].composition[0] must be [height, width, count]"),
+    (batch_data, "table.0.composition.0", [512, 512, 0, 1],
+     "table[0].composition[0][2] must be an integer in [1, 65536]"),
     (batch_data, "grouped.0.batch", 10**400, "grouped[0].batch must be an integer in [1, 1048576]"),
     (batch_data, "resolutions", [], "resolutions must be a list of 1 to 100000 entries"),
     (batch_data, "predictor.X", [], "predictor.X must be a list of 1 to 10000 entries"),
