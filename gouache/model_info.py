@@ -40,9 +40,10 @@ class ModelInfo:
     default_guidance: float  # guidance_scale when the request names none
     uses_cfg: bool  # classifier-free guidance (a negative prompt is meaningful)
     inpaint_channels: bool  # a 9-channel inpainting UNet (masked image as input)
-    # (height, width) pixel sizes the server can serve, when its policy plans with a cost model
-    # that prices only the sizes it was profiled at; None: any size the rules above allow
-    sizes: tuple[tuple[int, int], ...] | None = None
+    # (height, width) pixel sizes the server can serve (a clip's (height, width, frames)), when its
+    # policy plans with a cost model that prices only the sizes it was profiled at; None: any size
+    # the rules above allow
+    sizes: tuple[tuple[int, ...], ...] | None = None
     deadlines: bool = False  # the server's policy schedules by `slo_ms`
     tier_slo_ms: tuple[tuple[str, float], ...] = ()  # (service tier, ms): its requests' slo_ms when they send none
     max_batch: int | None = None  # the server's most requests per step (its policy's; measured with auto)
@@ -82,8 +83,15 @@ def img2img_start(family: str, steps: int, strength: float) -> int:
     return int(max(steps - steps * strength, 0))
 
 
-def unpriced_message(sizes: tuple[tuple[int, int], ...], height: int, width: int) -> str:
-    """Why width x height is refused by a server whose cost model prices only `sizes` ((h, w) each)."""
-    listed = ", ".join(f"{w}x{h}" for h, w in sizes)
-    return (f"this server's scheduling cost model prices only {listed}, not {width}x{height}; ask for one of "
+def shown(res: tuple[int, ...]) -> str:
+    """A size as requests write it: WxH, or a clip's WxHxF (F frames)."""
+    height, width, *frames = res
+    return "x".join(map(str, (width, height, *frames)))
+
+
+def unpriced_message(sizes: tuple[tuple[int, ...], ...], res: tuple[int, ...]) -> str:
+    """Why a request of `res` ((h, w), or a clip's (h, w, frames)) is refused by a server whose
+    cost model prices only `sizes`."""
+    listed = ", ".join(map(shown, sizes))
+    return (f"this server's scheduling cost model prices only {listed}, not {shown(res)}; ask for one of "
             f"those sizes (the operator can re-profile with `gouache profile --sizes` to serve others)")

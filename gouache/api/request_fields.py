@@ -49,7 +49,8 @@ class Limits:
     max_pixels: int = 2048 * 2048
     size_step: int = 8  # width and height must be multiples of this
     default_size: int = 1024  # pixels per side for size "auto" or absent
-    sizes: tuple[tuple[int, int], ...] | None = None  # the only (height, width) allowed, if restricted
+    # the only (height, width) allowed (a clip's (height, width, frames)), if restricted
+    sizes: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def of(cls, config: ServerConfig, info: ModelInfo) -> Limits:
@@ -72,8 +73,8 @@ class Limits:
             raise ValueError(f"width and height must be between {self.min_size} and {self.max_size} pixels")
         if width * height > self.max_pixels:
             raise ValueError(f"width*height must be at most {self.max_pixels} pixels")
-        if self.sizes is not None and (height, width) not in self.sizes:
-            raise ValueError(unpriced_message(self.sizes, height, width))
+        if self.sizes is not None and (height, width) not in {res[:2] for res in self.sizes}:
+            raise ValueError(unpriced_message(self.sizes, (height, width)))  # a clip's frames: the engine checks
 
 
 def limits_of(info: ValidationInfo) -> Limits:

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from gouache.api.context import ApiContext, get_context
 from gouache.errors import UnknownModelError
-from gouache.model_info import ModelInfo
+from gouache.model_info import ModelInfo, shown
 
 router = APIRouter()
 
@@ -40,7 +40,8 @@ class ModelDefaults(BaseModel):
     min_size: int
     max_size: int
     max_pixels: int
-    sizes: list[str] | None  # "WxH": the only sizes this server prices, when its cost model restricts them
+    # "WxH" (a clip's "WxHxF"): the only sizes this server prices, when its cost model restricts them
+    sizes: list[str] | None
     default_steps: int
     max_steps: int
     default_guidance: float
@@ -54,7 +55,7 @@ class ModelDefaults(BaseModel):
     @classmethod
     def of(cls, ctx: ApiContext) -> ModelDefaults:
         info, limits = ctx.engine.info, ctx.limits
-        sizes = None if limits.sizes is None else [f"{w}x{h}" for h, w in limits.sizes]
+        sizes = None if limits.sizes is None else [shown(res) for res in limits.sizes]
         return cls(family=info.family, default_size=limits.default_size, size_step=limits.size_step,
                    min_size=limits.min_size, max_size=limits.max_size, max_pixels=limits.max_pixels, sizes=sizes,
                    default_steps=info.default_steps, max_steps=limits.max_steps,

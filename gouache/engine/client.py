@@ -248,8 +248,8 @@ class AsyncEngine(AdapterCalls):
         raise QueueFullError(f"{message}; retry shortly", retry_after_s=max(1, refused.held // 4))
 
     def _check_size(self, request: ImageRequest) -> None:
-        if self.info.sizes is not None and (request.height, request.width) not in self.info.sizes:
-            raise InvalidRequestError(unpriced_message(self.info.sizes, request.height, request.width), "size")
+        if self.info.sizes is not None and request.shape not in self.info.sizes:
+            raise InvalidRequestError(unpriced_message(self.info.sizes, request.shape), "size")
 
     async def _decode_edit(self, request: ImageRequest) -> Upload:
         result = await asyncio.wrap_future(self.codecs.submit(

@@ -4,6 +4,7 @@ sizes that join and leave at other steps; a finished clip leaves the engine as a
 
 import asyncio
 import io
+import time
 
 import av
 import numpy as np
@@ -16,11 +17,13 @@ from gouache.attention import attention_modules
 from gouache.config import EngineConfig, SchedulerConfig
 from gouache.engine.client import AsyncEngine
 from gouache.engine.video import encode_clip
+from gouache.errors import InvalidRequestError
 from gouache.outputs import ImageEvent, PartialImageEvent
 from gouache.request import ImageRequest, RequestState
 from gouache.runner.describe import model_info
 from gouache.runner.model_runner import ModelRunner
 from gouache.runner.pack_wan import packed_wan_forward, patches, unpatch
+from gouache.sched.costmodel import BatchCostModel
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
 from tests.engine.conftest import DTYPE
@@ -178,3 +181,29 @@ def test_the_engine_delivers_a_clip_as_mp4_beside_an_image_request_and_previews_
     assert psnr(frames, expected) > 40
     [still] = [e for e in still_events if isinstance(e, ImageEvent)]
     assert Image.open(io.BytesIO(still.image)).size == (32, 32) and still.thumbnail == b""
+
+
+def test_a_deadline_policy_plans_clips_by_length_and_refuses_a_length_its_cost_model_never_saw(pipes):
+    pipe = pipes(MODEL)
+    priced = BatchCostModel([(32, 32, 5), (32, 48, 9)])
+    for composition in ({(32, 32, 5): 1}, {(32, 48, 9): 1}, {(32, 32, 5): 1, (32, 48, 9): 1}):
+        priced.record(composition, 0.01 * sum(composition.values()))
+    engine = AsyncEngine(pipe, model_info(pipe, MODEL), EngineConfig(),
+                         make_policy(SchedulerConfig(policy="patched-slo"), priced), predictor=priced)
+    assert engine.info.sizes == ((32, 32, 5), (32, 48, 9))
+    unpriced, fine = clip("u", 1, 2, frames=9), [clip("a", 2, 2), clip("b", 3, 2, frames=9, width=48)]
+    for r in fine:
+        r.slo_ms, r.arrival_time = 60_000, time.monotonic()
+
+    async def scenario():
+        await engine.start()
+        with pytest.raises(InvalidRequestError) as refused:
+            await engine.submit([unpriced])
+        handles = [await engine.submit([r]) for r in fine]
+        done = [[e async for e in handle] for handle in handles]
+        await engine.aclose()
+        return refused.value, done
+
+    refused, done = asyncio.run(scenario())
+    assert refused.param == "size" and "prices only 32x32x5, 48x32x9, not 32x32x9" in str(refused)
+    assert all(any(isinstance(e, ImageEvent) for e in events) for events in done), done
