@@ -13,6 +13,11 @@ request of every size:
 
 Every request is non-streaming, with the same prompt, steps and guidance. Prints a table,
 writes JSON and markdown.
+
+On a video model `--sizes` are clips, WxHxF (F frames), and each request is a video: POST
+/v1/videos, then (gouache answers at once, `queued`) GET /v1/videos/{id} every `POLL_S` until it
+is completed; the diffusers baselines answer once the clip is made. A video's latency is send to
+the answer that says it is completed (its MP4 encoded), up to one poll late for gouache.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ from gouache.stats import percentile
 SERVERS = ("diffusers-serial", "diffusers-static", "gouache")
 DEFAULT_SIZES = "64x64,96x96,128x128,128x64,64x128"
 PROMPT = "a red circle at the top left"
+POLL_S = 0.05  # seconds between polls of a video's status
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="shapes-unet", help="the model every server serves (default: %(default)s)")
     p.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of %(default)s")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="WxH sizes of the load (default: %(default)s)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="WxH sizes of the load, or a video model's clips, WxHxF (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="denoising steps of every request (default: %(default)s)")
     p.add_argument("--guidance", type=float, default=3.0, help="guidance scale of every request (default: %(default)s)")
     p.add_argument("--burst", type=int, default=24, help="requests sent at once (default: %(default)s)")
@@ -61,7 +68,10 @@ def run(args) -> int:
     unknown = sorted(set(servers) - set(SERVERS))
     if unknown:
         raise ValueError(f"unknown servers {unknown}; choose from {', '.join(SERVERS)}")
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]  # (w, h) or (w, h, frames)
+    if len({len(size) for size in sizes}) > 1:
+        raise ValueError(f"--sizes are all images (WxH) or all clips (WxHxF); got {args.sizes!r}")
+    unit = "videos" if len(sizes[0]) == 3 else "images"
     rng = random.Random(args.seed)
     steady, t = [], rng.expovariate(args.rate)
     while t < args.duration:
@@ -81,13 +91,13 @@ def run(args) -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-        rows.append({"server": server, "burst_images_per_s": len(burst_ok) / wall, "burst_s": wall,
+        rows.append({"server": server, f"burst_{unit}_per_s": len(burst_ok) / wall, "burst_s": wall,
                      "burst_failed": len(burst) - len(burst_ok), "steady_requests": len(steady),
                      "steady_failed": len(steady) - len(latencies),
                      "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
                      "mean_s": sum(latencies) / max(len(latencies), 1), **compiled})
         print(f"{server}: done", file=sys.stderr)
-    table = format_table(rows)
+    table = format_table(rows, unit)
     print(table)
     command = "gouache bench baselines " + " ".join(sys.argv[3:])
     out = Path(args.out)
@@ -128,22 +138,37 @@ def start(server: str, args) -> tuple[subprocess.Popen, str]:
     return proc, base_url
 
 
-async def load(base_url: str, trace: list[tuple[float, tuple[int, int]]], args) -> tuple[list[float | None], float]:
-    """Send each (at seconds, (w, h)) request at its time; each one's seconds to its answer (None
-    if it failed), and the seconds from the start to the last answer."""
+async def load(base_url: str, trace: list[tuple[float, tuple[int, ...]]], args) -> tuple[list[float | None], float]:
+    """Send each (at seconds, (w, h) or a clip's (w, h, frames)) request at its time; each one's
+    seconds to its answer (None if it failed), and the seconds from the start to the last answer."""
     async with httpx.AsyncClient(base_url=base_url, timeout=1200) as client:
         start = time.perf_counter()
 
-        async def one(i: int, at: float, size: tuple[int, int]) -> float | None:
+        async def one(i: int, at: float, size: tuple[int, ...]) -> float | None:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
             body = {"prompt": PROMPT, "model": args.model, "size": f"{size[0]}x{size[1]}", "seed": i,
                     "num_inference_steps": args.steps, "guidance_scale": args.guidance}
             sent = time.perf_counter()
-            response = await client.post("/v1/images/generations", json=body)
-            return time.perf_counter() - sent if response.status_code == 200 else None
+            if len(size) == 3:
+                done = await made_video(client, {**body, "num_frames": size[2]})
+            else:
+                done = (await client.post("/v1/images/generations", json=body)).status_code == 200
+            return time.perf_counter() - sent if done else None
 
         done = await asyncio.gather(*(one(i, at, size) for i, (at, size) in enumerate(trace)))
         return list(done), time.perf_counter() - start
+
+
+async def made_video(client: httpx.AsyncClient, body: dict) -> bool:
+    """Create a video and poll it until it is made: whether it was completed."""
+    response = await client.post("/v1/videos", json=body)
+    if response.status_code != 200:
+        return False
+    video = response.json()
+    while video["status"] in ("queued", "in_progress"):
+        await asyncio.sleep(POLL_S)
+        video = (await client.get(f"/v1/videos/{video['id']}")).json()
+    return video["status"] == "completed"
 
 
 def compile_counts(base_url: str) -> dict:
@@ -159,11 +184,11 @@ def compile_counts(base_url: str) -> dict:
     return {"compile_steps": steps, "recompiles": recompiles} if steps else {}
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = ["| server | burst images/s | burst s | steady p50 s | steady p95 s | steady mean s | failed |",
+def format_table(rows: list[dict], unit: str = "images") -> str:
+    lines = [f"| server | burst {unit}/s | burst s | steady p50 s | steady p95 s | steady mean s | failed |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['server']} | {r['burst_images_per_s']:.2f} | {r['burst_s']:.1f} | {r['p50_s']:.2f} | "
+        lines.append(f"| {r['server']} | {r[f'burst_{unit}_per_s']:.2f} | {r['burst_s']:.1f} | {r['p50_s']:.2f} | "
                      f"{r['p95_s']:.2f} | {r['mean_s']:.2f} | {r['burst_failed'] + r['steady_failed']} |")
     compiled = [r for r in rows if r.get("compile_steps")]
     for r in compiled:

@@ -18,7 +18,9 @@ import re
 import sys
 from pathlib import Path
 
-from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.cli_flags import Given, given, parse_shape, refuse_ignored
+from gouache.model_info import shown
+from gouache.sched.interface import Resolution
 from gouache.stats import median_s
 
 DEFAULT_MIXES = "SSS,SML,SSM,MML,LLL,4S,4M,4L,4S4M4L"
@@ -31,7 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and activations (default: %(default)s)")
-    p.add_argument("--sizes", default="256,384,512", help="S,M,L: three square sizes in pixels (default: %(default)s)")
+    p.add_argument("--sizes", default="256,384,512",
+                   help="S,M,L: three sizes in pixels, each a square's side, WxH, or a video model's clip WxHxF "
+                        "(F frames) (default: %(default)s)")
     p.add_argument("--mixes", default=DEFAULT_MIXES,
                    help="comma-separated batch compositions, e.g. SML or 4S4M4L (default: %(default)s)")
     p.add_argument("--patch-size", type=int, default=128, help="patch side in pixels (default: %(default)s)")
@@ -56,19 +60,23 @@ def run(args) -> int:
     from gouache.models.arch import ARCH_CONFIGS
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    sides = [int(s) for s in args.sizes.split(",")]
-    if len(sides) != 3:
-        raise ValueError(f"--sizes must be three square sizes in pixels, S,M,L; got {args.sizes!r}")
-    sizes = dict(zip("SML", sides))
-    if args.model in ARCH_CONFIGS and "steps" in given(args):
-        refuse_ignored({"steps": f"{args.model} is a bare denoiser timed on random inputs, with no schedule"})
+    shapes = [parse_shape(s) for s in args.sizes.split(",")]
+    if len(shapes) != 3:
+        raise ValueError(f"--sizes must be three sizes, S,M,L; got {args.sizes!r}")
+    sizes = dict(zip("SML", shapes))
+    if args.model in ARCH_CONFIGS:
+        if "steps" in given(args):
+            refuse_ignored({"steps": f"{args.model} is a bare denoiser timed on random inputs, with no schedule"})
+        if any(len(res) == 3 for res in shapes):
+            raise ValueError(f"--sizes: {args.model} is an image denoiser; clips (WxHxF) need a video pipeline")
     measure = _arch_rows if args.model in ARCH_CONFIGS else _pipeline_rows
     rows = measure(args, sizes, sync)
     table = format_table(rows)
     print(table)
     command = "gouache bench batching " + " ".join(sys.argv[3:])
     result = {"command": command.strip(), "model": args.model, "device": _device_name(args.device), "dtype": args.dtype,
-              "sizes": sizes, "patch_size": args.patch_size, "results": rows}
+              "sizes": {letter: shown(res) for letter, res in sizes.items()}, "patch_size": args.patch_size,
+              "results": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -78,8 +86,9 @@ def run(args) -> int:
     return 0
 
 
-def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
-    """The engine's own step path on prepared requests of a pipeline (CFG rows included)."""
+def _pipeline_rows(args, sizes: dict[str, Resolution], sync) -> list[dict]:
+    """The engine's own step path on prepared requests of a pipeline (CFG rows included); a video
+    model's clips of every shape in one packed forward, or one forward per shape."""
     import torch
 
     from gouache.models.zoo import load_pipeline
@@ -95,10 +104,12 @@ def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
         letters = parse_mix(mix)
         states = []
         for i, letter in enumerate(letters):
-            request = ImageRequest(f"{mix}-{i}", "a red fox", sizes[letter], sizes[letter], args.steps, 5.0, seed=i)
+            height, width, *frames = sizes[letter]
+            request = ImageRequest(f"{mix}-{i}", "a red fox", width, height, args.steps, 5.0, seed=i,
+                                   num_frames=frames[0] if frames else 1)
             runner.prepare(request)
             states.append(runner.states.pop(request.request_id))
-        groups: dict[int, list] = {}
+        groups: dict[Resolution, list] = {}
         for letter, state in zip(letters, states):
             groups.setdefault(sizes[letter], []).append(state)
         with torch.no_grad():
@@ -116,7 +127,7 @@ def _pipeline_rows(args, sizes: dict[str, int], sync) -> list[dict]:
     return rows
 
 
-def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
+def _arch_rows(args, sizes: dict[str, Resolution], sync) -> list[dict]:
     """A bare full-size denoiser with random conditioning, one image per entry of the mix (no CFG)."""
     import torch
 
@@ -127,7 +138,7 @@ def _arch_rows(args, sizes: dict[str, int], sync) -> list[dict]:
     rows = []
     for mix in args.mixes.split(","):
         letters = parse_mix(mix)
-        bench = DenoiserBench(model, [(sizes[x] // 8, sizes[x] // 8) for x in letters])
+        bench = DenoiserBench(model, [(sizes[x][0] // 8, sizes[x][1] // 8) for x in letters])
         patches = bench.family == "unet"
         layout = bench.layout(args.patch_size // 8) if patches else None
         with torch.no_grad():

@@ -8,8 +8,11 @@ behind a minimal FastAPI app, called the way its documentation shows (`pipe(prom
   other sizes wait for a later batch.
 
 It answers POST /v1/images/generations (prompt, size, num_inference_steps, seed,
-guidance_scale; non-streaming, b64 PNG) and GET /health, enough for the load the benchmark
-sends. It is a baseline, not a product: no validation beyond what the load needs.
+guidance_scale; non-streaming, b64 PNG), on a video pipeline POST /v1/videos (the same fields and
+`num_frames`, `fps`: a clip, `output_type="np"`, encoded to MP4 by the encoder gouache uses; it
+answers once the clip is made, `status` "completed"), and GET /health, enough for the load the
+benchmark sends. Clips batch like images: equal size, frames and steps. It is a baseline, not a
+product: no validation beyond what the load needs.
 
     python -m gouache.bench.diffusers_server --model shapes-unet --mode static --port 8100
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import inspect
 import io
 import queue
 import threading
@@ -36,33 +40,39 @@ class Job:
     steps: int
     guidance: float
     seed: int
+    frames: int = 1  # a clip's, on a video pipeline
+    fps: int = 16
     arrived: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
-    png: bytes = b""
+    encoded: bytes = b""  # the PNG, or the clip's MP4
     error: str | None = None
 
     @property
     def key(self) -> tuple:
-        return self.width, self.height, self.steps, self.guidance
+        return self.width, self.height, self.frames, self.steps, self.guidance
 
 
 def make_app(pipe, mode: str, window_s: float, max_batch: int):
+    import numpy as np
     import torch
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
+
+    from gouache.engine.video import encode_video
+
+    video = "num_frames" in inspect.signature(pipe.__call__).parameters
 
     jobs: queue.Queue = queue.Queue()
 
     def run(batch: list[Job]) -> None:
         first = batch[0]
+        clips = {"num_frames": first.frames, "output_type": "np"} if video else {}
         try:
-            images = pipe(prompt=[j.prompt for j in batch], height=first.height, width=first.width,
-                          num_inference_steps=first.steps, guidance_scale=first.guidance,
-                          generator=[torch.Generator().manual_seed(j.seed) for j in batch]).images
-            for job, image in zip(batch, images):
-                buffer = io.BytesIO()
-                image.save(buffer, format="PNG")
-                job.png = buffer.getvalue()
+            out = pipe(prompt=[j.prompt for j in batch], height=first.height, width=first.width,
+                       num_inference_steps=first.steps, guidance_scale=first.guidance,
+                       generator=[torch.Generator().manual_seed(j.seed) for j in batch], **clips)
+            for job, made in zip(batch, out.frames if video else out.images):
+                job.encoded = encode_video((made * 255).round().astype(np.uint8), job.fps) if video else png(made)
         except Exception as error:  # the load's requests are valid: an error here is the baseline's own
             for job in batch:
                 job.error = f"{type(error).__name__}: {error}"
@@ -93,18 +103,36 @@ def make_app(pipe, mode: str, window_s: float, max_batch: int):
     async def health():
         return {"status": "ok"}
 
-    @app.post("/v1/images/generations")
-    async def generate(body: dict):
+    async def made(body: dict, **clip) -> Job | JSONResponse:
         width, height = (int(v) for v in body.get("size", "512x512").split("x"))
         job = Job(body["prompt"], width, height, int(body.get("num_inference_steps", 20)),
-                  float(body.get("guidance_scale", 3.0)), int(body.get("seed", 0)))
+                  float(body.get("guidance_scale", 3.0)), int(body.get("seed", 0)), **clip)
         jobs.put(job)
         await asyncio.get_running_loop().run_in_executor(None, job.done.wait)
-        if job.error:
-            return JSONResponse({"error": {"message": job.error}}, status_code=500)
-        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(job.png).decode()}]}
+        return JSONResponse({"error": {"message": job.error}}, status_code=500) if job.error else job
+
+    @app.post("/v1/images/generations")
+    async def generate(body: dict):
+        job = await made(body)
+        if isinstance(job, JSONResponse):
+            return job
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(job.encoded).decode()}]}
+
+    @app.post("/v1/videos")
+    async def create_video(body: dict):
+        job = await made(body, frames=int(body.get("num_frames", 17)), fps=int(body.get("fps", 16)))
+        if isinstance(job, JSONResponse):
+            return job
+        return {"id": f"video_{job.seed}", "object": "video", "status": "completed", "progress": 100,
+                "bytes": len(job.encoded)}
 
     return app
+
+
+def png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def main() -> None:
