@@ -23,6 +23,11 @@ def project(x: torch.Tensor, heads: int, projections, norms) -> QKV:
     return tuple(out)
 
 
+def split_heads(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[..., H * d] -> [..., H, d] (after Wan's q and k norms, which run across all heads)."""
+    return x.unflatten(-1, (attn.heads, -1))
+
+
 def attend_each(calls: list[QKV]) -> list[torch.Tensor]:
     """Attention of each (q, k, v) [S, H, d] on its own, in as few calls as can be: consecutive
     ones of equal shapes (the CFG rows of one edit, say) are stacked into one batch. Returns

@@ -20,13 +20,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from gouache.cli_flags import parse_shape
+from gouache.model_info import shown
 from gouache.sim.report import markdown_table, write_json
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="shapes-dit", help="a DiT (default: %(default)s)")
     p.add_argument("--devices", type=int, default=4, help="worker processes (default: %(default)s)")
-    p.add_argument("--sizes", default="64,128,192,256", help="square sizes in pixels (default: %(default)s)")
+    p.add_argument("--sizes", default="64,128,192,256",
+                   help="sizes in pixels: S (a square), WxH, or a video model's clips WxHxF (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per point, median kept (default: %(default)s)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="intra-op threads of each process (default: %(default)s)")
@@ -49,7 +52,7 @@ def run(args) -> int:
 
     if args.devices < 2:
         raise ValueError(f"--devices must be >= 2 to measure collectives and hand-offs, got {args.devices}")
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = list(dict.fromkeys(parse_shape(s) for s in args.sizes.split(",")))
     degrees = list(degrees_of(max_degree(args.devices)))
     torch.set_num_threads(args.torch_threads)
     pipe = load_pipeline(args.model)
@@ -62,10 +65,10 @@ def run(args) -> int:
     try:
         pool = DevicePool(runner, executor)
         with tqdm(total=len(sizes) * (len(degrees) + 3), desc="timing", unit="row") as bar:
-            for size in sizes:
-                alone, _, _ = time_size(local, size, [1], args.repeats, bar)
-                steps, collectives, moved = time_size(pool, size, degrees, args.repeats, bar)
-                row = {"size": size, "uniproc_k1_ms": 1e3 * alone[1], "multiproc_k1_ms": 1e3 * steps[1],
+            for res in sizes:
+                alone, _, _ = time_size(local, res, [1], args.repeats, bar)
+                steps, collectives, moved = time_size(pool, res, degrees, args.repeats, bar)
+                row = {"size": shown(res), "uniproc_k1_ms": 1e3 * alone[1], "multiproc_k1_ms": 1e3 * steps[1],
                        "multiproc_over_uniproc": steps[1] / alone[1]}
                 for k in degrees[1:]:
                     row[f"k{k}_step_ms"] = 1e3 * steps[k]

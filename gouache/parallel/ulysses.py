@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for the DiTs (SD3's MMDiT, Flux) over a torch.distributed group.
+"""Ulysses sequence parallelism for the DiTs (SD3's MMDiT, Flux, Wan) over a torch.distributed group.
 
 DeepSpeed Ulysses (Jacobs et al., 2023, arXiv:2309.14509, §3): each of the group's k ranks holds
 a contiguous 1/k of the sequence. Everything between attentions (AdaLN, FFN, projections) is per
@@ -14,6 +14,11 @@ Where this departs from the paper, and why:
   uneven splits). Keeping the text whole on every rank instead (as this module first did) runs
   the text stream k times: SD3's 333 text tokens are a quarter of a 512 px step's sequence, which
   capped degree 2 at 1.6x before any collective (docs/fullsize.md).
+- Wan's text enters by cross-attention only: each query token attends to the whole text, which
+  every rank holds, so cross-attention runs on the shard as it is and only self-attention
+  exchanges; the text is not cut. Its patch embedding is a Conv3d whose output the model
+  flattens into tokens, so the hook cuts the flattened tokens (`split_grid`); its RoPE is made
+  for the whole clip before the embedding and applies after the first all-to-all, as Flux's.
 - The degree is not fixed at load time: `ulysses(transformer, group)` installs everything for
   one forward (or one step) and removes it on exit. Every rank ends each forward with the full,
   identical output, which is all the next step needs, so a request's degree can change between
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,9 +45,10 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanTransformer3DModel
 from torch import nn
 
-from gouache.attention import QKV, project
+from gouache.attention import QKV, project, split_heads
 
 # Keyword arguments through which the transformers take ControlNet residuals: lists of
 # [B, image tokens, D] added to the image stream, so they are cut like it.
@@ -65,6 +72,12 @@ class SequenceShards:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """[B, N, ...] image tokens -> [B, N/k, ...]: this rank's contiguous shard."""
         return x.narrow(1, *self.image_span(x.shape[1]))
+
+    def split_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """A patch embedding's [B, D, *grid] output -> [B, D, N/k]: this rank's contiguous shard of
+        its tokens in the order the model flattens them (the model's flatten(2) then keeps it)."""
+        tokens = x.flatten(2)
+        return tokens.narrow(2, *self.image_span(tokens.shape[2]))
 
     def image_span(self, tokens: int) -> tuple[int, int]:
         """Where this rank's shard of an image's `tokens` starts and how many it holds (kept
@@ -218,22 +231,57 @@ class UlyssesFluxAttnProcessor:
         return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
 
 
-# per transformer class: the module whose output is the embedded image tokens (SD3's carries its
-# positions; Flux's get theirs as RoPE inside attention), the processor the model ships with, and
-# the Ulysses processor that replaces it
-SUPPORTED: dict[type, tuple[str, type, type]] = {
-    SD3Transformer2DModel: ("pos_embed", JointAttnProcessor2_0, UlyssesJointAttnProcessor),
-    FluxTransformer2DModel: ("x_embedder", FluxAttnProcessor, UlyssesFluxAttnProcessor),
+class UlyssesWanAttnProcessor:
+    """WanAttnProcessor over sequence shards: self-attention through the all-to-alls (the clip's
+    RoPE, made for its whole sequence, applies there); cross-attention on the shard as it is."""
+
+    def __init__(self, shards: SequenceShards):
+        self.shards = shards
+        self.own = WanAttnProcessor()
+
+    def __call__(
+        self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        refuse_mask(attention_mask)
+        if encoder_hidden_states is not None:  # each token attends to the whole text, on every rank
+            return self.own(attn, hidden_states, encoder_hidden_states, None, None)
+        if attn.fused_projections:
+            raise NotImplementedError("Ulysses Wan attention takes no fused projections")
+        q = split_heads(attn, attn.norm_q(attn.to_q(hidden_states)))
+        k = split_heads(attn, attn.norm_k(attn.to_k(hidden_states)))
+        v = split_heads(attn, attn.to_v(hidden_states))
+        rope = None if rotary_emb is None else tuple(x[0, :, 0] for x in rotary_emb)  # [1, N, 1, d] -> [N, d]
+        out, _ = self.shards.attend((q, k, v), None, text_first=False, rope=rope)
+        return attn.to_out[1](attn.to_out[0](out.type_as(q)))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How Ulysses goes into one transformer class."""
+
+    embedder: str  # the module whose output is the embedded image tokens (SD3's carries its positions)
+    expected: type  # the attention processor the model ships with
+    processor: type  # the Ulysses processor that replaces it
+    grid: bool = False  # the embedder's output is [B, D, *grid] (a conv's), which the model flattens after it
+    text: str | None = "context_embedder"  # the module whose output is the text stream, cut like the image's
+    # (None: the text enters by cross-attention only, and every rank keeps it whole)
+
+
+SUPPORTED: dict[type, Spec] = {
+    SD3Transformer2DModel: Spec("pos_embed", JointAttnProcessor2_0, UlyssesJointAttnProcessor),
+    FluxTransformer2DModel: Spec("x_embedder", FluxAttnProcessor, UlyssesFluxAttnProcessor),
+    WanTransformer3DModel: Spec("patch_embedding", WanAttnProcessor, UlyssesWanAttnProcessor, grid=True, text=None),
 }
 
 
-def embedder_and_processor(transformer: nn.Module, degree: int) -> tuple[str, type]:
-    """The transformer's image embedder name and Ulysses processor, after refusing what it cannot run."""
+def spec_of(transformer: nn.Module, degree: int) -> Spec:
+    """How Ulysses goes into the transformer, after refusing what it cannot run."""
     found = [spec for cls, spec in SUPPORTED.items() if isinstance(transformer, cls)]
     if not found:
-        supported = " and ".join(cls.__name__ for cls in SUPPORTED)
+        supported = ", ".join(cls.__name__ for cls in SUPPORTED)
         raise ValueError(f"Ulysses supports {supported}, not {type(transformer).__name__}")
-    embedder, expected, processor = found[0]
+    spec = found[0]
     heads = transformer.config.num_attention_heads
     if heads % degree:
         raise ValueError(
@@ -242,11 +290,11 @@ def embedder_and_processor(transformer: nn.Module, degree: int) -> tuple[str, ty
         )
     for name, original in transformer.attn_processors.items():
         # any other processor (IP-Adapter, fused qkv, PAG) does work the Ulysses one would drop
-        if type(original) is not expected:
-            raise ValueError(f"Ulysses supports {expected.__name__} only; {name} is {type(original).__name__}")
+        if type(original) is not spec.expected:
+            raise ValueError(f"Ulysses supports {spec.expected.__name__} only; {name} is {type(original).__name__}")
         if getattr(original, "_parallel_config", None) is not None:
             raise ValueError("diffusers' own context parallelism is enabled on this model; disable it for Ulysses")
-    return embedder, processor
+    return spec
 
 
 def check_degree(pipe, degree: int) -> None:
@@ -261,7 +309,7 @@ def check_degree(pipe, degree: int) -> None:
         raise ValueError(f"{type(pipe).__name__} denoises with a UNet, which runs at degree 1, or 2 with CFG "
                          f"parallelism (its guidance rows on two devices), not {degree}; sequence parallelism is for "
                          "the DiTs")
-    embedder_and_processor(transformer, degree)
+    spec_of(transformer, degree)
 
 
 @contextlib.contextmanager
@@ -279,7 +327,7 @@ def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None, compiled=No
         yield None
         return
     shards = SequenceShards(group)
-    embedder_and_processor(transformer, shards.degree)
+    spec_of(transformer, shards.degree)
     if compiled is not None and "parallel" in compiled.holds:
         compiled.shards = shards
         try:
@@ -294,17 +342,20 @@ def ulysses(transformer: nn.Module, group: dist.ProcessGroup | None, compiled=No
 @contextlib.contextmanager
 def installed(transformer: nn.Module, shards: SequenceShards) -> Iterator[None]:
     """The Ulysses processors and hooks on `transformer` while inside (the eager forward)."""
-    embedder, processor = embedder_and_processor(transformer, shards.degree)
+    spec = spec_of(transformer, shards.degree)
+    split = shards.split_grid if spec.grid else shards.split
     with contextlib.ExitStack() as stack:
         saved = dict(transformer.attn_processors)  # a copy: diffusers pops from it
         stack.callback(transformer.set_attn_processor, saved)
-        transformer.set_attn_processor(processor(shards))
-        hooks = (
+        transformer.set_attn_processor(spec.processor(shards))
+        hooks = [
             transformer.register_forward_pre_hook(shards.split_residuals, with_kwargs=True),
-            getattr(transformer, embedder).register_forward_hook(lambda module, args, tokens: shards.split(tokens)),
-            transformer.context_embedder.register_forward_hook(lambda module, args, tokens: shards.split_text(tokens)),
+            getattr(transformer, spec.embedder).register_forward_hook(lambda module, args, tokens: split(tokens)),
             transformer.proj_out.register_forward_hook(lambda module, args, tokens: shards.gather(tokens, dim=1)),
-        )
+        ]
+        if spec.text is not None:
+            hooks.append(getattr(transformer, spec.text).register_forward_hook(
+                lambda module, args, tokens: shards.split_text(tokens)))
         for hook in hooks:
             stack.callback(hook.remove)
         yield

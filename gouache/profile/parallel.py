@@ -14,6 +14,7 @@ a "handoff" entry, which `gouache serve --cost-model` and `gouache simulate --co
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -22,7 +23,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from gouache.cli_flags import parse_shape
 from gouache.files import write_atomic
+from gouache.model_info import shown
+from gouache.sched.interface import Resolution
 
 
 def run(args) -> int:
@@ -36,7 +40,7 @@ def run(args) -> int:
     from gouache.sched.rounds import degrees as degrees_of
     from gouache.sched.rounds import max_degree
 
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = list(dict.fromkeys(parse_shape(s) for s in args.sizes.split(",")))
     degrees = list(degrees_of(max_degree(args.devices)))
     spec = WorkerSpec(args.model, args.dtype, args.device, args.patch_size, args.torch_threads)
     pipe = load_pipeline(args.model, args.dtype, "cpu")
@@ -47,39 +51,42 @@ def run(args) -> int:
         pool = DevicePool(ModelRunner(pipe), executor)
         table, moves = {}, {}
         with tqdm(total=len(sizes) * (len(degrees) + 1), desc="timing degrees and hand-offs", unit="row") as bar:
-            for size in sizes:
-                table[(size, size)], _, moves[size] = time_size(pool, size, degrees, args.repeats, bar)
+            for res in sizes:
+                table[res], _, moves[res] = time_size(pool, res, degrees, args.repeats, bar)
     finally:
         executor.shutdown()
-    pixels = np.array([size * size / 1e6 for size in sizes])
-    extra = np.array([moves[size] - table[(size, size)][1] for size in sizes])
+    pixels = np.array([math.prod(res) / 1e6 for res in sizes])  # a clip's every frame: what it hands off
+    extra = np.array([moves[res] - table[res][1] for res in sizes])
     per_megapixel, fixed = np.polyfit(pixels, extra, 1) if len(sizes) > 1 else (0.0, float(extra[0]))
     source = f"gouache profile --devices {args.devices} on {args.device} ({args.model})"
     model = ParallelCostModel(table, source=source)
     data = {**model.to_json(),
             "handoff": {"fixed_s": max(float(fixed), 0.0), "per_megapixel_s": max(float(per_megapixel), 0.0),
-                        "measured_s": {str(size): moves[size] - table[(size, size)][1] for size in sizes},
+                        "measured_s": {shown(res): moves[res] - table[res][1] for res in sizes},
                         "source": source}}
     out = Path(args.out or f"benchmarks/results/parallel_{args.model}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps({**data, "command": "gouache profile " + " ".join(sys.argv[2:])}, indent=1) + "\n")
-    for (h, w), row in table.items():
-        print(f"{w}x{h}: " + ", ".join(f"k={k} {s * 1e3:.1f} ms" for k, s in row.items())
-              + f"; hand-off +{(moves[w] - row[1]) * 1e3:.1f} ms")
+    for res, row in table.items():
+        print(f"{shown(res)}: " + ", ".join(f"k={k} {s * 1e3:.1f} ms" for k, s in row.items())
+              + f"; hand-off +{(moves[res] - row[1]) * 1e3:.1f} ms")
     print(f"wrote {out}")
     return 0
 
 
-def time_size(pool, size: int, degrees: list[int], repeats: int,
+def time_size(pool, res: Resolution, degrees: list[int], repeats: int,
               bar) -> tuple[dict[int, float], dict[int, float], float]:
-    """One size-by-size request stepped on block (0..k-1) for each k, then moved between devices
-    0 and 1 each step: the median seconds of a step at each k, the median of its seconds in
-    Ulysses collectives (rank 0's), and the median seconds of a step that moves it."""
+    """One request of `res` ((h, w), or a clip's (h, w, frames)) stepped on block (0..k-1) for
+    each k, then moved between devices 0 and 1 each step: the median seconds of a step at each
+    k, the median of its seconds in Ulysses collectives (rank 0's), and the median seconds of a
+    step that moves it."""
     from gouache.request import ImageRequest
     from gouache.sched.plan import Batch
 
     steps = (len(degrees) + 1) * (repeats + 2) * 2 + 2
-    request = ImageRequest(f"profile-{size}", "a red fox", size, size, steps, 5.0, seed=0)
+    height, width, *frames = res
+    request = ImageRequest(f"profile-{shown(res)}", "a red fox", width, height, steps, 5.0, seed=0,
+                           num_frames=frames[0] if frames else 1)
     pool.runner.prepare(request)
     rid = request.request_id
 

@@ -26,6 +26,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
+from gouache.attention import split_heads
 from gouache.runner.pack_dit import Packing, swapped
 
 
@@ -72,13 +73,13 @@ class PackedWanAttnProcessor:
         if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections:
             raise NotImplementedError("packed Wan attention takes no mask, image context or fused projections")
         rows = hidden_states[:, 0]
-        query = heads(attn, attn.norm_q(attn.to_q(rows)))
+        query = split_heads(attn, attn.norm_q(attn.to_q(rows)))
         if encoder_hidden_states is None:
-            key, value = heads(attn, attn.norm_k(attn.to_k(rows))), heads(attn, attn.to_v(rows))
+            key, value = split_heads(attn, attn.norm_k(attn.to_k(rows))), split_heads(attn, attn.to_v(rows))
             out, _ = self.packing.attend((query, key, value), None, text_first=False, rope=rotary_emb)
         else:
-            key = heads(attn, attn.norm_k(attn.to_k(encoder_hidden_states)))
-            value = heads(attn, attn.to_v(encoder_hidden_states))
+            key = split_heads(attn, attn.norm_k(attn.to_k(encoder_hidden_states)))
+            value = split_heads(attn, attn.to_v(encoder_hidden_states))
             out = self.cross(query, key, value)
         return attn.to_out[1](attn.to_out[0](out.type_as(query)[:, None]))
 
@@ -92,11 +93,6 @@ class PackedWanAttnProcessor:
             out.append(dispatch_attention_fn(q, key[clips], value[clips]).flatten(2).flatten(0, 1))
             first += group.count
         return out[0] if len(out) == 1 else torch.cat(out)
-
-
-def heads(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """[..., H * d] -> [..., H, d] (Wan norms q and k across all heads, before this split)."""
-    return x.unflatten(-1, (attn.heads, -1))
 
 
 def packed_wan_forward(transformer: nn.Module, samples: list[torch.Tensor], timestep: torch.Tensor,

@@ -1,5 +1,5 @@
-"""T(resolution, k): per-step seconds of one image with k devices of sequence parallelism
-(TetriServe §4.2.1), a lookup table, and the assumptions behind the FLUX.1-dev H100 default.
+"""T(resolution, k): per-step seconds of one image (or clip) with k devices of sequence
+parallelism (TetriServe §4.2.1), a lookup table, and the assumptions behind the FLUX.1-dev H100 default.
 Measured tables come from `gouache profile --devices N`; derivations in docs/costmodels.md.
 Plain Python (no scikit-learn), so the simulator can load it cheaply.
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gouache.sched.cost_fields import MAX_DEGREE, entries, field, integer, seconds, side
+from gouache.sched.cost_fields import MAX_DEGREE, MAX_FRAMES, entries, field, integer, seconds, side
 from gouache.sched.interface import Resolution, as_resolution
 
 
@@ -126,8 +126,9 @@ class ParallelCostModel:
 
     def to_json(self) -> dict[str, Any]:
         rows = [
-            {"height": h, "width": w, "k": k, "seconds": seconds}
-            for (h, w), row in self.table.items()
+            {"height": res[0], "width": res[1], **({"frames": res[2]} if len(res) == 3 else {}), "k": k,
+             "seconds": seconds}
+            for res, row in self.table.items()
             for k, seconds in row.items()
         ]
         return {"kind": self.kind, "source": self.source, "table": rows}
@@ -140,6 +141,8 @@ class ParallelCostModel:
         for i, row in enumerate(entries(*field(data, "table"), 1)):
             where = f"table[{i}]"
             res = (side(*field(row, "height", where)), side(*field(row, "width", where)))
+            if "frames" in row:  # a clip's
+                res += (integer(*field(row, "frames", where), high=MAX_FRAMES),)
             k = integer(*field(row, "k", where), high=MAX_DEGREE)
             if k & (k - 1) or k in table.get(res, {}):
                 raise ValueError(f"{where}.k must be a power of two, once per resolution; got {k} for {res}")

@@ -296,6 +296,32 @@ def test_profile_measures_degrees_and_the_handoff_for_the_simulator(tmp_path):
 
 
 @pytest.mark.slow
+def test_clips_step_sequence_parallel_on_two_workers_equal_to_one_device_at_their_profiled_degrees(tmp_path):
+    from gouache.cli import main
+    from gouache.sched.costmodel import load
+
+    out = tmp_path / "parallel.json"
+    assert main(["profile", "--model", "tiny-wan", "--devices", "2", "--sizes", "32x32x5,48x32x9", "--repeats", "1",
+                 "--torch-threads", "1", "--out", str(out)]) == 0
+    profiled = load(out)
+    assert profiled.resolutions == [(32, 32, 5), (32, 48, 9)] and profiled.degrees((32, 48, 9)) == [1, 2]
+    clips = [ImageRequest("long", "a red fox", 48, 32, 5, 4.0, 1, num_frames=9),
+             ImageRequest("short", "a blue sky", 32, 32, 3, 4.0, 2, num_frames=5)]
+    cost = ParallelCostModel({(32, 32, 5): {1: 0.1, 2: 0.051}, (32, 48, 9): {1: 0.2, 2: 0.1}})
+    executor = MultiprocExecutor(WorkerSpec("tiny-wan", torch_threads=1), 2)
+    try:
+        pooled, alone = Loop(executor, model="tiny-wan", cost=cost), Loop(model="tiny-wan", cost=cost)
+        for loop in (pooled, alone):
+            loop.add(clips[0])
+            loop.run(later=[clips[1]])
+    finally:
+        executor.shutdown()
+    assert not pooled.failed
+    assert_equal_latents(pooled.latents, alone.latents)
+    assert pooled.degrees["long"][0] == 2  # alone, it took both devices
+
+
+@pytest.mark.slow
 def test_bench_parallel_reports_executor_overhead_collectives_and_handoffs(tmp_path):
     import json
 

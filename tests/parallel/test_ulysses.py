@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism: SD3 and Flux transformers at degree 2 and 4 equal degree 1.
+"""Ulysses sequence parallelism: SD3, Flux and Wan transformers at degree 2 and 4 equal degree 1.
 
 Each test starts its gloo workers once and checks several things in them. Every rank writes the
 max |Δ| of each of its comparisons, which the test asserts (and prints, under `pytest -s`); any
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
 
 from gouache.models.zoo import SEED_DENOISER, load_pipeline, seeded
 from gouache.parallel.ulysses import ulysses
@@ -31,6 +31,7 @@ BATCH = 2  # rows differ in noise, timestep and text, as CFG rows do
 TEXT_LEN = 7  # divides by no degree: the text shards unevenly
 GRIDS = [(4, 4), (2, 8)]  # image tokens per side (SD3: latent / patch size): square and not
 ODD_GRID = (3, 3)  # 9 image tokens: no degree divides them
+CLIP_FRAMES = 3  # a Wan clip's latent frames: 3 x the grid's tokens (27 of ODD_GRID)
 
 
 def flux_4_heads() -> FluxTransformer2DModel:
@@ -51,12 +52,22 @@ def sd35_4_heads() -> SD3Transformer2DModel:
     ).eval())
 
 
+def wan_4_heads() -> WanTransformer3DModel:
+    """A Wan 2.1 transformer with 4 heads of 16 channels (tiny-wan's 2 do not go to degree 4)."""
+    return seeded(SEED_DENOISER, lambda: WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,
+    ).eval())
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "tiny-sd3": lambda: load_pipeline("tiny-sd3").transformer,  # 2 heads
     "tiny-flux": lambda: load_pipeline("tiny-flux").transformer,  # 2 heads
     "shapes-dit": lambda: load_pipeline("shapes-dit").transformer,  # 4 heads
     "flux-4-heads": flux_4_heads,
     "sd35-4-heads": sd35_4_heads,
+    "tiny-wan": lambda: load_pipeline("tiny-wan").transformer,  # 2 heads
+    "wan-4-heads": wan_4_heads,
 }
 
 
@@ -66,6 +77,11 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 def inputs(model: torch.nn.Module, grid: tuple[int, int], seed: int = 0) -> dict:
     """One forward's full inputs, as every rank passes them."""
     g, config, (h, w) = torch.Generator().manual_seed(seed), model.config, grid
+    if isinstance(model, WanTransformer3DModel):  # a clip: text by cross-attention only, no pooled vector
+        p_t, p_h, p_w = config.patch_size
+        latents = torch.randn(BATCH, config.in_channels, CLIP_FRAMES * p_t, h * p_h, w * p_w, generator=g)
+        return dict(hidden_states=latents, timestep=1000 * torch.rand(BATCH, generator=g),
+                    encoder_hidden_states=torch.randn(BATCH, TEXT_LEN, config.text_dim, generator=g))
     common = dict(
         encoder_hidden_states=torch.randn(BATCH, TEXT_LEN, config.joint_attention_dim, generator=g),
         pooled_projections=torch.randn(BATCH, config.pooled_projection_dim, generator=g),
@@ -112,7 +128,7 @@ def delta(a: torch.Tensor, b: torch.Tensor) -> float:
 def denoise(model: torch.nn.Module, kwargs: dict, groups: list[dist.ProcessGroup | None]) -> torch.Tensor:
     """Euler steps of the flow ODE from kwargs' latents; step i runs under groups[i]."""
     x, sigmas = kwargs["hidden_states"], torch.linspace(1, 0, len(groups) + 1)
-    scale = 1000 if isinstance(model, SD3Transformer2DModel) else 1
+    scale = 1 if isinstance(model, FluxTransformer2DModel) else 1000
     for group, sigma, after in zip(groups, sigmas, sigmas[1:]):
         velocity = forward(model, kwargs | {"hidden_states": x, "timestep": (sigma * scale).repeat(BATCH)}, group)
         x = x + (after - sigma) * velocity
@@ -165,8 +181,9 @@ def two_ranks(rank: int, tmp: str) -> None:
         for grid in GRIDS:
             kwargs = inputs(model, grid)
             deltas[f"{name} {grid} k=2"] = delta(forward(model, kwargs), forward(model, kwargs, group))
-        kwargs = with_residuals(model, inputs(model, GRIDS[1]), GRIDS[1])
-        deltas[f"{name} {GRIDS[1]} controlnet k=2"] = delta(forward(model, kwargs), forward(model, kwargs, group))
+        if not isinstance(model, WanTransformer3DModel):  # no ControlNet takes Wan's tokens
+            kwargs = with_residuals(model, inputs(model, GRIDS[1]), GRIDS[1])
+            deltas[f"{name} {GRIDS[1]} controlnet k=2"] = delta(forward(model, kwargs), forward(model, kwargs, group))
         check_restore(model, group)
     finish(rank, tmp, deltas)
 
