@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import sys
 
-from gouache.cli_flags import Given, given, refuse_ignored
+from gouache.cli_flags import Given, given, parse_shape, refuse_ignored
 from gouache.config import SchedulerConfig
+from gouache.model_info import shown
 from gouache.sched.costmodel import BatchCostModel, load
 from gouache.sched.parallel_costmodel import FluxH100Assumptions, ParallelCostModel
 from gouache.sched.policies import POLICIES, make_policy
@@ -60,7 +61,8 @@ def add_arguments(p) -> None:
                    help="coefficient of variation of inter-arrival gaps: 1 = Poisson, > 1 bursty "
                         "(default: %(default)s)")
     p.add_argument("--sizes", default="512,768,1024", action=Given,
-                   help="comma-separated square sizes in pixels (default: %(default)s)")
+                   help="comma-separated sizes in pixels: S (a square), WxH, or clips WxHxF (F frames) "
+                        "(default: %(default)s)")
     p.add_argument("--mix", default="uniform", choices=MIXES, action=Given,
                    help="how sizes are drawn (default: %(default)s)")
     p.add_argument("--steps", type=int, default=50, action=Given,
@@ -136,7 +138,7 @@ def _refuse_ignored(args, names: list[str]) -> None:
 def _workload(args, latency) -> list[SimRequest]:
     if args.trace:
         return read_trace(args.trace)
-    sizes = [(int(s), int(s)) for s in args.sizes.split(",")]
+    sizes = [(w, h, *frames) for h, w, *frames in (parse_shape(s) for s in args.sizes.split(","))]
     spec = WorkloadSpec(args.requests, args.rate, cv=args.cv, sizes=sizes, mix=args.mix, steps=args.steps,
                         slo_scale=args.slo_scale, mask_mean=args.mask_mean, seed=args.seed)
     return make_workload(spec, latency)
@@ -213,12 +215,12 @@ def _run_parallel(args, names: list[str]) -> list[SimResult]:
         model = ParallelCostModel.h100_flux_default(assumptions)
         handoff = LinearHandoff(*assumptions.handoff(), source="FluxH100Assumptions.handoff()")
 
-    def latency(width: int, height: int, steps: int) -> float:
-        _check_profiled(model, [(height, width)])
-        return model.standalone_latency((height, width), steps)
+    def latency(width: int, height: int, steps: int, *frames: int) -> float:
+        _check_profiled(model, [(height, width, *frames)])
+        return model.standalone_latency((height, width, *frames), steps)
 
     requests = _workload(args, latency)
-    present = sorted({(r.height, r.width) for r in requests})
+    present = sorted({r.resolution for r in requests})
     _check_profiled(model, present)
     tau = args.round_s or shortest_round(lambda res, k: model.seconds(res, k), present, args.devices)
     return [simulate(requests, _policies(args, name, model, tau), PredictedStepCost(model),
@@ -227,7 +229,8 @@ def _run_parallel(args, names: list[str]) -> list[SimResult]:
             for name in names]
 
 
-def _check_profiled(model: ParallelCostModel, resolutions: list[tuple[int, int]]) -> None:
+def _check_profiled(model: ParallelCostModel, resolutions: list[tuple[int, ...]]) -> None:
     missing = [res for res in resolutions if res not in model.resolutions]
     if missing:
-        raise ValueError(f"the cost model has no step times of {missing} (height, width); it has {model.resolutions}")
+        raise ValueError(f"the cost model has no step times of {', '.join(map(shown, missing))}; it has "
+                         f"{', '.join(map(shown, model.resolutions))}")

@@ -107,13 +107,14 @@ def load_handoff(path: str | Path) -> LinearHandoff | None:
     return LinearHandoff(entry["fixed_s"], entry["per_megapixel_s"], entry.get("source", str(path)))
 
 
-def standalone_latency(step_cost: StepCost) -> Callable[[int, int, int], float]:
-    """(width, height, steps) -> seconds for one request alone on one device under `step_cost`.
+def standalone_latency(step_cost: StepCost) -> Callable[..., float]:
+    """(width, height, steps[, frames]) -> seconds for one request (or clip) alone on one device
+    under `step_cost`.
 
     Pass it to `make_workload` to set SLOs as a multiple of the standalone latency.
     """
-    def latency(width: int, height: int, steps: int) -> float:
-        state = state_of(SimRequest("solo", 0.0, width, height, steps))
+    def latency(width: int, height: int, steps: int, frames: int = 1) -> float:
+        state = state_of(SimRequest("solo", 0.0, width, height, steps, frames=frames))
         return steps * step_cost(Batch(("solo",)), {"solo": state})
     return latency
 
@@ -121,7 +122,7 @@ def standalone_latency(step_cost: StepCost) -> Callable[[int, int, int], float]:
 def state_of(request: SimRequest) -> RequestState:
     return RequestState(
         request_id=request.request_id,
-        resolution=(request.height, request.width),
+        resolution=request.resolution,
         num_steps=request.steps,
         arrival_time=request.arrival,
         deadline=request.deadline,

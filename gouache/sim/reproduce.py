@@ -1,6 +1,7 @@
-"""`gouache reproduce`: the three papers' headline experiments, side by side, in one run, and
-the service tiers' experiment (issue 38); on request (`--only`, minutes each), a fleet day of
-1,000 devices and the check of its approximations.
+"""`gouache reproduce`: the three papers' headline experiments, side by side, in one run, the
+service tiers' experiment (issue 38) and video's round planner on measured costs (issue 61); on
+request (`--only`, minutes each), a fleet day of 1,000 devices and the check of its
+approximations.
 
 Each writes JSON, a markdown table and PNG plots under `--out/<name>/`. They run on the
 simulator with documented cost models (see docs/costmodels.md), not on GPUs.
@@ -38,6 +39,12 @@ def _tiers(out: Path, args) -> dict:
     return tiers_experiment(out)
 
 
+def _video(out: Path, args) -> dict:
+    from gouache.sim.exp_video import video_experiment
+
+    return video_experiment(out)
+
+
 def _fleet_day(out: Path, args) -> dict:
     from gouache.sim.exp_fleet_day import fleet_day_experiment
 
@@ -55,6 +62,7 @@ EXPERIMENTS: dict[str, Callable[[Path, object], dict]] = {
     "tetriserve": _tetriserve,  # SLO attainment vs SLO scale on 8 devices: fixed-sp-1/2/4/8, round-knapsack
     "instgenie": _instgenie,  # P95 latency vs rate over 8 replicas: least-requests, least-tokens, mask-aware
     "tiers": _tiers,  # service tiers at 2x load on 64 devices: with tiers, tier-blind, priority alone
+    "video": _video,  # a clip mix on 64 devices, measured costs: SLO attainment of fixed-sp-k, round-knapsack
     "fleet-day": _fleet_day,  # 1,000 devices, a diurnal day of mixed traffic, router x policy; devices needed
     "fleet-day-error": _fleet_day_error,  # the fleet day's approximations against fuller simulations
 }

@@ -341,7 +341,7 @@ def route_request(request: SimRequest, steps: int | None = None) -> RouteRequest
     """The router's view of a request: pixels, steps still to run, mask ratio (1 = generation), tier."""
     return RouteRequest(
         request_id=request.request_id,
-        pixels=request.width * request.height,
+        pixels=request.pixels,
         steps=request.steps if steps is None else steps,
         mask_ratio=1.0 if request.mask_ratio is None else request.mask_ratio,
         tier=Tier.named(request.tier),

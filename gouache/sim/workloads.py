@@ -11,8 +11,8 @@ Everything is seeded: one `SeedSequence` is split into independent streams for a
 resolutions and masks, so changing the rate keeps the same sizes and masks, and vice versa.
 
 Traces are files with one request per row, `request_id,arrival,width,height,steps,slo_s,mask_ratio`
-(CSV with empty cells for "none", or JSONL with nulls); `request_id` may be left out and
-becomes `r<row>`, so arrivals recorded elsewhere can be replayed.
+and on (`COLUMNS`; a clip's `frames` last), CSV with empty cells for "none" or JSONL with nulls;
+`request_id` may be left out and becomes `r<row>`, so arrivals recorded elsewhere can be replayed.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import numpy as np
 
 from gouache.request import TIERS
 
-# standalone latency of one request alone on the device: (width, height, steps) -> seconds
-LatencyFn = Callable[[int, int, int], float]
+# standalone latency of one request alone on the device: (width, height, steps) -> seconds; a
+# clip's frames follow its steps
+LatencyFn = Callable[..., float]
 
 TETRISERVE_SIZES = ((256, 256), (512, 512), (1024, 1024), (2048, 2048))  # TetriServe §6.1
 PATCHEDSERVE_SIZES = ((512, 512), (768, 768), (1024, 1024))  # PatchedServe §8: small, medium, large
@@ -54,6 +55,7 @@ class SimRequest:
     tier: str = "default"  # service tier (`gouache.request.TIERS`)
     tenant: str = ""  # who sent it (fair share within its tier)
     weight: float = 1.0  # its tenant's weight
+    frames: int = 1  # a clip's frames (1: an image)
 
     def __post_init__(self) -> None:
         _check(self.arrival >= 0, f"{self.request_id}: arrival must be >= 0, got {self.arrival}")
@@ -64,10 +66,21 @@ class SimRequest:
                f"{self.request_id}: mask_ratio must be in [0, 1], got {self.mask_ratio}")
         _check(self.tier in TIERS, f"{self.request_id}: tier must be one of {', '.join(TIERS)}, got {self.tier!r}")
         _check(self.weight > 0, f"{self.request_id}: weight must be positive, got {self.weight}")
+        _check(self.frames >= 1, f"{self.request_id}: frames must be >= 1, got {self.frames}")
 
     @property
     def deadline(self) -> float | None:
         return None if self.slo_s is None else self.arrival + self.slo_s
+
+    @property
+    def resolution(self) -> tuple[int, ...]:
+        """(height, width), and a clip's frames after them: its `Resolution`."""
+        return (self.height, self.width) if self.frames == 1 else (self.height, self.width, self.frames)
+
+    @property
+    def pixels(self) -> int:
+        """Pixels of every frame."""
+        return self.width * self.height * self.frames
 
 
 @dataclass
@@ -77,7 +90,8 @@ class WorkloadSpec:
     num_requests: int
     rate: float  # mean arrivals per second
     cv: float = 1.0  # coefficient of variation of inter-arrival gaps: 1 = Poisson, > 1 bursty (Gamma)
-    sizes: Sequence[tuple[int, int]] = TETRISERVE_SIZES  # (width, height) choices in pixels
+    # (width, height) choices in pixels, or clips' (width, height, frames)
+    sizes: Sequence[tuple[int, ...]] = TETRISERVE_SIZES
     mix: str = "uniform"  # uniform | skewed (TetriServe: p_i ∝ exp(alpha * L_i / L_max))
     alpha: float = 1.0  # skew of the `skewed` mix; 0 makes it uniform
     steps: int = 50  # denoising steps of every request
@@ -119,12 +133,13 @@ def arrival_times(n: int, rate: float, cv: float, rng: np.random.Generator) -> n
     return np.cumsum(gaps)
 
 
-def size_probabilities(sizes: Sequence[tuple[int, int]], mix: str, alpha: float = 1.0) -> np.ndarray:
-    """[len(sizes)] probabilities of each size: equal, or ∝ exp(alpha · L_i / L_max)."""
+def size_probabilities(sizes: Sequence[tuple[int, ...]], mix: str, alpha: float = 1.0) -> np.ndarray:
+    """[len(sizes)] probabilities of each size (a clip's, its frames counted): equal, or
+    ∝ exp(alpha · L_i / L_max)."""
     _check(mix in MIXES, f"mix must be one of {', '.join(MIXES)}, got {mix!r}")
     if mix == "uniform":
         return np.full(len(sizes), 1.0 / len(sizes))
-    tokens = np.array([width * height for width, height in sizes], dtype=float)  # ∝ L_i
+    tokens = np.array([math.prod(size) for size in sizes], dtype=float)  # ∝ L_i
     weights = np.exp(alpha * tokens / tokens.max())
     return weights / weights.sum()
 
@@ -145,7 +160,8 @@ def mask_beta(mean: float, shape: float = 2.0) -> tuple[float, float]:
 # -- workloads -----------------------------------------------------------------------------
 
 def make_workload(spec: WorkloadSpec, standalone_latency: LatencyFn | None = None) -> list[SimRequest]:
-    """The spec's requests in arrival order; SLOs need `standalone_latency` when slo_scale is set."""
+    """The spec's requests in arrival order; SLOs need `standalone_latency` when slo_scale is set
+    (called with a clip's frames after its steps)."""
     _check(spec.slo_scale is None or standalone_latency is not None,
            "slo_scale needs standalone_latency(width, height, steps) -> seconds")
     arrival_rng, size_rng, mask_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(spec.seed).spawn(3))
@@ -153,18 +169,20 @@ def make_workload(spec: WorkloadSpec, standalone_latency: LatencyFn | None = Non
     arrivals = arrival_times(n, spec.rate, spec.cv, arrival_rng)
     size_index = size_rng.choice(len(spec.sizes), size=n, p=size_probabilities(spec.sizes, spec.mix, spec.alpha))
     masks = mask_rng.beta(*mask_beta(spec.mask_mean, spec.mask_shape), size=n) if spec.mask_mean else None
-    solo: dict[tuple[int, int], float] = {}
+    solo: dict[tuple[int, ...], float] = {}
     requests = []
     for i in range(n):
-        width, height = spec.sizes[size_index[i]]
+        size = tuple(spec.sizes[size_index[i]])
+        width, height, *frames = size
         slo = None
         if spec.slo_scale is not None:
-            if (width, height) not in solo:
-                solo[width, height] = standalone_latency(width, height, spec.steps)
-            slo = spec.slo_scale * solo[width, height]
+            if size not in solo:
+                solo[size] = standalone_latency(width, height, spec.steps, *frames)
+            slo = spec.slo_scale * solo[size]
         requests.append(SimRequest(
             request_id=f"r{i}", arrival=float(arrivals[i]), width=int(width), height=int(height),
             steps=spec.steps, slo_s=slo, mask_ratio=None if masks is None else float(masks[i]),
+            frames=int(frames[0]) if frames else 1,
         ))
     return requests
 
@@ -219,7 +237,7 @@ def _csv_cell(value) -> str:
 
 def read_trace(path: str | Path) -> list[SimRequest]:
     """Read a trace written by `write_trace` (or by hand: request_id, slo_s, mask_ratio, tier,
-    tenant and weight optional)."""
+    tenant, weight and frames optional)."""
     path = Path(path)
     if path.suffix == ".csv":
         with path.open(newline="") as f:
@@ -245,7 +263,7 @@ def _from_row(index: int, row: dict, path: Path) -> SimRequest:
         arrival=float(row["arrival"]), width=int(row["width"]), height=int(row["height"]),
         steps=int(row["steps"]), slo_s=optional("slo_s"), mask_ratio=optional("mask_ratio"),
         tier=str(row.get("tier") or "default"), tenant=str(row.get("tenant") or ""),
-        weight=optional("weight") or 1.0,
+        weight=optional("weight") or 1.0, frames=int(row.get("frames") or 1),
     )
 
 

@@ -50,7 +50,7 @@ def test_edits_are_priced_by_their_masks(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--policies", "orca,fixed-sp-2", "--devices", "2"], "policy 'orca' plans exactly 1 device, not 2"),
     (["--policies", "fixed-sp-4", "--devices", "2"], "policy 'fixed-sp-4' plans 4 or more devices, not 2"),
-    (["--policies", "fixed-sp-2", "--devices", "2", "--sizes", "300"], "no step times of [(300, 300)]"),
+    (["--policies", "fixed-sp-2", "--devices", "2", "--sizes", "300"], "no step times of 300x300"),
     (["--policies", "patched-slo", "--mask-mean", "0.2"], "without --mask-mean"),
     (["--policies", "fixed-sp-2", "--devices", "2", "--mask-mean", "0.2"], "drop --devices"),
     (["--policies", "no-such-policy"], "unknown policies no-such-policy"),
