@@ -49,6 +49,8 @@ class Metrics:
             registry=r
         )
         self.images = Counter("gouache_images_total", "Images returned", registry=r)
+        self.videos = Counter("gouache_videos_total", "Clips returned (a video model's)", registry=r)
+        self.video_frames = Counter("gouache_video_frames_total", "Frames of the clips returned", registry=r)
         self.image_steps = Counter("gouache_image_steps_total",
                                    "Denoising steps of one image, by the sequence-parallel degree it ran at",
                                    ["degree"], registry=r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Literal
 
 from fastapi import APIRouter, Depends
@@ -16,17 +17,29 @@ from gouache.model_info import ModelInfo, shown
 router = APIRouter()
 
 
+class Clips(BaseModel):
+    """A video model's clips (docs/video.md)."""
+
+    frame_step: int  # frames are 1 + a multiple of this
+    max_frames: int
+    fps: int  # frames per second when a request names none
+
+
 class RequestKinds(BaseModel):
-    """What a model takes (docs/edits.md): generations, and which edits."""
+    """What a model takes (docs/edits.md, docs/video.md): generations, which edits, or clips."""
 
     generation: bool = True  # /v1/images/generations (Qwen-Image-Edit's pipelines edit only)
     masked_edit: bool = True  # /v1/images/edits with a mask repaints its region
     instruction_edit: bool  # an edit without a mask is redrawn as its prompt says
     max_input_images: int  # image[] uploads one edit takes
     img2img: bool  # an edit without a mask takes `strength`
+    video: Clips | None = None  # /v1/videos makes its clips (and the image routes refuse it); None: images
 
     @classmethod
     def of(cls, info: ModelInfo) -> RequestKinds:
+        if info.clips is not None:  # text to video: no image route, no edit
+            return cls(generation=False, masked_edit=False, instruction_edit=False, max_input_images=0,
+                       img2img=False, video=Clips(**asdict(info.clips)))
         return cls(generation=info.generation, instruction_edit=info.instruction_edit,
                    max_input_images=info.max_input_images, img2img=info.img2img)
 
@@ -34,7 +47,7 @@ class RequestKinds(BaseModel):
 class ModelDefaults(BaseModel):
     """gouache's extension of a model card: the defaults and bounds a request form needs."""
 
-    family: str  # sd | sdxl | sd3 | flux | qwenimage
+    family: str  # sd | sdxl | sd3 | flux | qwenimage | zimage | flux2 | wan
     default_size: int  # pixels per side when a request names no size
     size_step: int  # width and height must be multiples of this
     min_size: int

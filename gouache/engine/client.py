@@ -135,7 +135,7 @@ class AsyncEngine(AdapterCalls):
         self._images: dict[str, _Image] = {}  # in-flight images by id; guarded by _lock
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._counts = {"finished": 0, "failed": 0}
+        self._counts = {"finished": 0, "failed": 0, "videos": 0, "frames": 0}
         self._draining = False  # set by drain(): nothing new is admitted
         self._dead = False  # set when the engine loop died
         self.died: asyncio.Event | None = None  # set (on the API's loop) if the engine loop dies
@@ -217,10 +217,12 @@ class AsyncEngine(AdapterCalls):
         with self._lock:
             requests = [{"id": rid, "size": f"{e.request.width}x{e.request.height}", "status": e.status.value,
                          "step": e.step, "steps": e.request.num_inference_steps, "service_tier": e.request.tier.label,
-                         "tenant": e.request.tenant}
+                         "tenant": e.request.tenant, **({"frames": e.request.num_frames} if self.info.clips else {})}
                         for rid, e in self._images.items()]
+        clips = {"finished_videos": self._counts["videos"], "finished_frames": self._counts["frames"]}
         return {"status": stats.status, "model": self.info.name, "waiting": stats.waiting, "running": stats.running,
-                "finished": stats.finished, "failed": stats.failed, "requests": requests, **self.book.snapshot()}
+                "finished": stats.finished, "failed": stats.failed, **(clips if self.info.clips else {}),
+                "requests": requests, **self.book.snapshot()}
 
     async def render_metrics(self) -> bytes:
         return self.metrics.render_with(self.stats())
@@ -387,7 +389,14 @@ class AsyncEngine(AdapterCalls):
             last = not any(other.handle is entry.handle for other in self._images.values())
         self._counts["finished"] += 1
         self.book.finished(request_done=last)
-        self.metrics.images.inc()
+        frames = entry.request.num_frames
+        if self.info.clips is None:
+            self.metrics.images.inc()
+        else:
+            self._counts["videos"] += 1
+            self._counts["frames"] += frames
+            self.metrics.videos.inc()
+            self.metrics.video_frames.inc(frames)
         result = future.result()
         image, thumbnail = result if isinstance(result, tuple) else (result, b"")  # a clip: (MP4, thumbnail)
         entry.handle.push(ImageEvent(entry.index, image, entry.request.seed, thumbnail))

@@ -51,7 +51,7 @@ async def test_model_cards_carry_the_defaults_a_request_form_needs(client):
                                "default_guidance": 7.5, "uses_cfg": True, "max_n": 10,
                                "max_batch": 8, "kinds": {"generation": True, "masked_edit": True,
                                                          "instruction_edit": False, "max_input_images": 1,
-                                                         "img2img": True}, "unserved": {}}
+                                                         "img2img": True, "video": None}, "unserved": {}}
     assert (await client.get("/v1/models/fake-sd")).json()["gouache"] == card["gouache"]
 
 

@@ -136,6 +136,30 @@ def test_a_json_body_takes_openais_seconds_as_text_and_refuses_what_a_form_would
                       timeout=60).status_code == 400
 
 
+def metric(url: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+                if line.startswith(f"{name} "))
+
+
+@pytest.mark.slow
+def test_the_model_card_status_and_metrics_count_clips_and_their_frames(server_url):
+    [card] = httpx.get(f"{server_url}/v1/models").json()["data"]
+    kinds = card["gouache"]["kinds"]
+    assert kinds["video"] == {"frame_step": 4, "max_frames": 161, "fps": 16}
+    assert not (kinds["generation"] or kinds["masked_edit"] or kinds["instruction_edit"])
+    before = httpx.get(f"{server_url}/v1/status").json()
+    videos, frames = metric(server_url, "gouache_videos_total"), metric(server_url, "gouache_video_frames_total")
+    made = client(server_url).videos.create(prompt="a fox", size="64x64", extra_body={"num_frames": 13,
+                                                                                        "num_inference_steps": 2})
+    assert wait(client(server_url).videos, made.id).status == "completed"
+    after = httpx.get(f"{server_url}/v1/status").json()
+    assert after["finished_videos"] - before["finished_videos"] == 1
+    assert after["finished_frames"] - before["finished_frames"] == 13
+    assert metric(server_url, "gouache_videos_total") - videos == 1
+    assert metric(server_url, "gouache_video_frames_total") - frames == 13
+    assert metric(server_url, "gouache_images_total") == 0
+
+
 def video(video_id: str, nbytes: int = 0, tenant: str = "") -> Video:
     return Video(video_id, "m", "p", "32x32", 5, 16, 0, tenant, created_at=0, mp4=b"x" * nbytes)
 
