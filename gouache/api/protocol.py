@@ -412,6 +412,7 @@ class VideoCreateRequest(PromptParams):
     seconds: float | None = Field(None, gt=0, le=MAX_SECONDS, allow_inf_nan=False)  # OpenAI's "4" / "8" / "12"
     num_frames: int | None = Field(None, ge=1)  # instead of seconds: the clip's frames exactly
     fps: int | None = Field(None, ge=1, le=MAX_FPS)  # None: the model's
+    partial_images: int = Field(0, ge=0, le=3)  # previews of the first frame, in GET /v1/videos/{id}/events
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -440,7 +441,7 @@ class VideoCreateRequest(PromptParams):
         if why is not None:
             raise InvalidRequestError(f"Invalid value for '{field}': {why}.", field)
         return ImageRequest(request_id=f"{api_id}-0", **self.request_fields(info, tenant), seed=self.first_seed(),
-                            num_frames=frames, fps=fps, arrival_time=arrival)
+                            num_frames=frames, fps=fps, partial_images=self.partial_images, arrival_time=arrival)
 
 
 class ImageData(BaseModel):

@@ -33,7 +33,18 @@ class Video:
     error: dict[str, str] | None = None  # {code, message} of a failed one
     mp4: bytes = b""
     thumbnail: bytes = b""
+    previews: list[bytes] = field(default_factory=list, repr=False)  # PNGs of its first frame as it denoises
     follower: asyncio.Task | None = field(default=None, repr=False)  # consumes its engine events
+    changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # set, then replaced, at each change
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "failed")
+
+    def touch(self) -> None:
+        """Wake whoever waits on `changed` (an event stream): something of it changed."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     @property
     def nbytes(self) -> int:

@@ -1,30 +1,34 @@
 """OpenAI's videos API: POST /v1/videos makes a clip in the background and answers at once with
 a video object (`queued`); GET /v1/videos/{id} says its status and progress, GET /v1/videos lists
 them (paged), GET /v1/videos/{id}/content downloads the MP4 (or `variant=thumbnail`, its first
-frame as WebP), DELETE /v1/videos/{id} cancels a running one (its slot freed within a step) and
-forgets it. Finished clips are kept for `--file-ttl-s` within a byte budget, oldest dropped
-first, as `url` images are.
+frame as WebP), GET /v1/videos/{id}/events streams its progress and previews (gouache's),
+DELETE /v1/videos/{id} cancels a running one (its slot freed within a step) and forgets it.
+Finished clips are kept for `--file-ttl-s` within a byte budget, oldest dropped first, as `url`
+images are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import FormData
 
 from gouache.api.context import ApiContext, get_context
 from gouache.api.errors import NotFoundError
 from gouache.api.images import check_model, require_content_type, submit, tenant_of, text_fields
 from gouache.api.protocol import VideoCreateRequest
+from gouache.api.streaming import sse
 from gouache.api.video_store import Video
 from gouache.errors import InvalidRequestError
-from gouache.outputs import ErrorEvent, ImageEvent, ProgressEvent
+from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 
 if TYPE_CHECKING:
     from gouache.engine.handle import RequestHandle
@@ -69,6 +73,8 @@ async def _follow(ctx: ApiContext, video: Video, handle: RequestHandle) -> None:
             if isinstance(event, ProgressEvent):
                 video.status = "in_progress"
                 video.progress = min(99, 100 * event.step // event.total_steps)  # 100 once its MP4 is kept
+            elif isinstance(event, PartialImageEvent):
+                video.previews.append(event.image)
             elif isinstance(event, ImageEvent):
                 video.mp4, video.thumbnail = event.image, event.thumbnail
                 video.status, video.progress = "completed", 100
@@ -76,8 +82,39 @@ async def _follow(ctx: ApiContext, video: Video, handle: RequestHandle) -> None:
             elif isinstance(event, ErrorEvent):
                 video.status, video.error = "failed", {"code": event.kind, "message": event.message}
                 ctx.videos.finish(video)
+            video.touch()
     finally:
         ctx.inflight.finish(video.id)
+        video.touch()
+
+
+@router.get("/v1/videos/{video_id}/events")
+async def video_events(request: Request, video_id: str, ctx: ApiContext = Depends(get_context)) -> StreamingResponse:
+    """Server-Sent Events of a video as it is made (gouache's): `video.in_progress` (the video
+    object) when its progress moves, `video.partial_image` (a PNG of its first frame, as many as
+    it asked with `partial_images`), then `video.completed` or `video.failed` (the video object),
+    and the stream ends. A late client gets the state it missed first."""
+    video = _video(ctx, request, video_id)
+    return StreamingResponse(_events(video), media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _events(video: Video) -> AsyncIterator[bytes]:
+    shown, previews = None, 0
+    while True:
+        changed = video.changed  # taken before the state is read: no change between is missed
+        for index, image in enumerate(video.previews[previews:], previews):
+            yield sse("video.partial_image", {"type": "video.partial_image", "id": video.id,
+                                              "partial_image_index": index, "output_format": "png",
+                                              "b64_json": base64.b64encode(image).decode()})
+        previews = len(video.previews)
+        if video.finished:
+            yield sse(f"video.{video.status}", {"type": f"video.{video.status}", **video.body()})
+            return
+        if (video.status, video.progress) != shown:
+            shown = (video.status, video.progress)
+            yield sse("video.in_progress", {"type": "video.in_progress", **video.body()})
+        await changed.wait()
 
 
 @router.get("/v1/videos")

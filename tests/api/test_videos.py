@@ -5,7 +5,9 @@ store's expiry and byte budget."""
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import time
 
 import av
@@ -97,6 +99,7 @@ def test_deleting_a_running_video_cancels_it_and_the_server_goes_on(server_url):
     ({"seconds": "4", "num_frames": "9"}, "num_frames", "send one of them"),
     ({"size": "72x64"}, "size", f"multiples of {SIZE_STEP}"),
     ({"fps": "0"}, "fps", "greater than or equal to 1"),
+    ({"partial_images": "4"}, "partial_images", "less than or equal to 3"),
     ({"loras": '[{"name": "ink"}]'}, "loras", "does not serve lora"),
     ({"block_cache": "0.1"}, "block_cache", "does not serve block_cache"),
     ({"colour": "red"}, "colour", "Unknown parameter"),
@@ -134,6 +137,36 @@ def test_a_json_body_takes_openais_seconds_as_text_and_refuses_what_a_form_would
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert httpx.post(f"{server_url}/v1/videos", content=b"[1]", headers={"content-type": "application/json"},
                       timeout=60).status_code == 400
+
+
+def events(url: str, video_id: str) -> list[tuple[str, dict]]:
+    """The (event, data) of GET /v1/videos/{id}/events, until the server ends the stream."""
+    out, name = [], None
+    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                out.append((name, json.loads(line.removeprefix("data: "))))
+    return out
+
+
+@pytest.mark.slow
+def test_a_videos_event_stream_tells_its_progress_and_previews_then_ends_completed(server_url):
+    made = client(server_url).videos.create(prompt="a fox", size="64x64", extra_body={
+        "num_frames": 5, "num_inference_steps": 6, "partial_images": 2})
+    live = events(server_url, made.id)
+    names = [name for name, _ in live]
+    assert names[-1] == "video.completed" and names.count("video.partial_image") == 2, names
+    progress = [data["progress"] for name, data in live if name == "video.in_progress"]
+    assert progress and progress == sorted(progress) and live[-1][1]["progress"] == 100
+    for name, data in live:
+        if name == "video.partial_image":
+            assert Image.open(io.BytesIO(base64.b64decode(data["b64_json"]))).size == (64, 64)
+    late = events(server_url, made.id)  # after it ended: what it missed, then the end
+    assert [name for name, _ in late] == ["video.partial_image", "video.partial_image", "video.completed"]
+    assert httpx.get(f"{server_url}/v1/videos/video_missing/events").status_code == 404
 
 
 def metric(url: str, name: str) -> float:
