@@ -89,6 +89,9 @@ TECHNIQUES = {t.name: t for t in (
     Technique("img2img", "strength", True, True,
               "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
               "the steps after", compiles=True, compiled="yes, as the plain step"),
+    Technique("clip", "/v1/videos", True, True,
+              "a video model's clip (Wan): frames x height x width tokens, each clip's own 3D RoPE",
+              compiled="no: video families refuse --compile (a compiled forward of clips is not built yet)"),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
               "distribution, reused at preparation", compiles=True, compiled="yes (before the denoiser)"),
@@ -209,6 +212,24 @@ TABLE: dict[frozenset[str], Pair] = {
                                                  "and takes no strength"),
     _pair("img2img", "conditioning"): Pair(EXACT, "the upload's VAE distribution is cached by its pixels and sampled "
                                                   "with the request's own generator"),
+    _pair("clip", "lora"): Pair(EXACT, "the adapters change the denoiser for every frame's tokens (none are built "
+                                       "for a video transformer yet: its family does not serve lora)"),
+    _pair("clip", "lora_async"): Pair(APPROXIMATE, "the adapters join late (not served by a video family yet)"),
+    _pair("clip", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
+    _pair("clip", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
+    _pair("clip", "template"): Pair(REFUSED, "a template replays an image edit's unmasked tokens; a clip is made from "
+                                             "text, with no mask"),
+    _pair("clip", "block_cache"): Pair(APPROXIMATE, "reuse per clip or per token, judged by a per-frame SSIM (not "
+                                                    "built for Wan yet: its family does not serve block_cache)"),
+    _pair("clip", "mixed_sizes"): Pair(EXACT, "clips of different lengths and sizes in one packed forward, each "
+                                              "with its own 3D RoPE, time embedding and text"),
+    _pair("clip", "parallel"): Pair(EXACT, "Ulysses over a clip's tokens: self-attention through the all-to-alls, "
+                                           "cross-attention on each rank's shard"),
+    _pair("clip", "reference"): Pair(REFUSED, "image-to-video (a reference image) is not served; a clip is made from "
+                                              "text"),
+    _pair("clip", "img2img"): Pair(REFUSED, "image-to-video (a starting image) is not served; a clip is made from "
+                                            "text"),
+    _pair("clip", "conditioning"): Pair(EXACT, "a clip's prompt encodings are cached as an image's"),
 }
 
 

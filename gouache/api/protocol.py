@@ -414,6 +414,10 @@ class VideoCreateRequest(PromptParams):
     fps: int | None = Field(None, ge=1, le=MAX_FPS)  # None: the model's
     partial_images: int = Field(0, ge=0, le=3)  # previews of the first frame, in GET /v1/videos/{id}/events
 
+    def _asked(self) -> dict[str, str]:
+        """A video request makes a clip (`gouache.techniques`: what composes with one)."""
+        return {**super()._asked(), "clip": "num_frames" if self.num_frames is not None else "seconds"}
+
     @field_validator("seconds", mode="before")
     @classmethod
     def _seconds_as_text(cls, seconds: Any) -> Any:

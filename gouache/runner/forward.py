@@ -40,6 +40,8 @@ def prepared_techniques(state: DenoiseState) -> frozenset[str]:
         used.add("reference")
     if state.request.strength is not None:
         used.add("img2img")
+    if state.request.num_frames > 1:
+        used.add("clip")
     return frozenset(used)
 
 

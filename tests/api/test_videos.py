@@ -103,6 +103,8 @@ def test_deleting_a_running_video_cancels_it_and_the_server_goes_on(server_url):
     ({"loras": '[{"name": "ink"}]'}, "loras", "does not serve lora"),
     ({"block_cache": "0.1"}, "block_cache", "does not serve block_cache"),
     ({"colour": "red"}, "colour", "Unknown parameter"),
+    ({"controlnets": "[]"}, "controlnets", "Unknown parameter"),  # the table: clip + controlnet refused
+    ({"template_id": "t"}, "template_id", "Unknown parameter"),  # clip + template
 ])
 def test_bad_input_gets_a_400_naming_the_field(server_url, fields, param, message):
     form = {name: (None, value) for name, value in {"prompt": "a fox", **fields}.items()}  # multipart, as openai's

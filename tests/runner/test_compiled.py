@@ -437,7 +437,7 @@ def test_eager_reason_names_the_first_technique_that_does_not_compile():
             self.lora, self.control, self.template = lora, None, None
             self.latents = torch.zeros(shape)
             self.cond = cond or {}
-            self.request = SimpleNamespace(strength=strength)
+            self.request = SimpleNamespace(strength=strength, num_frames=1)
 
     assert forward().eager_reason(Step([State(), State()], False)) is None
     assert forward().eager_reason(Step([State(), State((1, 4, 4, 4))], True)) == "mixed_sizes"

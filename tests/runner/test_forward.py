@@ -34,7 +34,7 @@ class Recorder:
 
 
 def state(name, value):
-    return SimpleNamespace(name=name, value=value, cond={}, request=SimpleNamespace(strength=None),
+    return SimpleNamespace(name=name, value=value, cond={}, request=SimpleNamespace(strength=None, num_frames=1),
                            latents=torch.zeros(1, 4, 8, 8))
 
 
