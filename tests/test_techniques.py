@@ -54,7 +54,8 @@ def test_a_made_up_technique_is_followed_by_every_reader_of_the_table(watermark)
 
     uses = {"lora": {"lora"}, "layout": {"watermark"}}
     forward = Forward([Layer(name, uses.get(name, ())) for name in ORDER])
-    state = SimpleNamespace(name="both", cond={}, request=SimpleNamespace(strength=None, num_frames=1), latents=torch.zeros(1))
+    state = SimpleNamespace(name="both", cond={}, request=SimpleNamespace(strength=None, num_frames=1),
+                            latents=torch.zeros(1))
     with pytest.raises(ValueError, match="lora and watermark do not compose for one request: made up with lora"):
         forward.check(Step([state], patched=False))
     marked = SimpleNamespace(**{**vars(state), "name": "marked"})
