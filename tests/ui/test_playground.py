@@ -393,3 +393,33 @@ def test_with_an_api_key_the_page_asks_for_it_and_sends_it(browser, key_server, 
     form.find_element("css selector", "button[type=submit]").click()
     wait(browser, lambda: [f["state"] for f in figures(browser)] == ["done"])
     assert (figures(browser)[0]["width"], figures(browser)[0]["height"]) == (128, 128)
+
+
+def test_a_video_model_opens_on_the_video_tab_and_plays_the_clip_it_made(browser, screenshot):
+    """tiny-wan: only the Video tab (and Status) is offered; a clip follows its progress and
+    previews, then plays as an MP4 of the asked size and frames, the API's own for that seed."""
+    from tests.api.helpers import running_server
+
+    with running_server("--model", "tiny-wan") as url:
+        open_page(browser, url, "")
+        wait(browser, lambda: css(browser, "#server-line").text == "serving tiny-wan")
+        assert css(browser, "#tab-video").is_displayed()
+        assert not css(browser, "[data-tab=generate]").is_displayed() and not css(browser, "[data-tab=edit]").is_displayed()
+        form = css(browser, "#video-form")
+        fill(form, prompt="a red fox running", width=96, height=64, num_frames=9, num_inference_steps=30, seed=4,
+             partial_images=2, fps=8)
+        form.find_element("css selector", "button[type=submit]").click()
+        wait(browser, lambda: browser.execute_script(
+            "const f = document.querySelector('#tab-video figure'); return f && f.dataset.previews > 0 "
+            "&& f.dataset.state === 'running'"))
+        screenshot("video-making")
+        wait(browser, lambda: browser.execute_script(
+            "const v = document.querySelector('#tab-video video'); return v && v.readyState >= 1"), timeout=120)
+        screenshot("video-made")
+        shown = browser.execute_script(
+            "const v = document.querySelector('#tab-video video'); "
+            "return {width: v.videoWidth, height: v.videoHeight, duration: v.duration, "
+            "seed: v.closest('figure').dataset.seed}")
+        assert (shown["width"], shown["height"], shown["seed"]) == (96, 64, "4")
+        assert abs(shown["duration"] - 9 / 8) < 0.2  # 9 frames at 8 fps
+    assert console_errors(browser) == []

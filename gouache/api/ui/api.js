@@ -1,5 +1,5 @@
-// The public API as the page uses it: the key, JSON calls, and image requests streamed as
-// Server-Sent Events (read from fetch's body: EventSource cannot POST or send a key).
+// The public API as the page uses it: the key, JSON calls, and image requests and videos' events
+// streamed as Server-Sent Events (read from fetch's body: EventSource cannot POST or send a key).
 
 const KEY_ITEM = "gouache-api-key";
 
@@ -48,6 +48,19 @@ export async function getJson(path, signal) {
   return (await send(path, { headers: headers(), signal })).json();
 }
 
+export async function postJson(path, body, signal) {
+  const init = { method: "POST", body: JSON.stringify(body), headers: headers({ "Content-Type": "application/json" }), signal };
+  return (await send(path, init)).json();
+}
+
+export async function deleteJson(path) {
+  return (await send(path, { method: "DELETE", headers: headers() })).json();
+}
+
+export async function getBlob(path, signal) {
+  return (await send(path, { headers: headers(), signal })).blob();
+}
+
 function* parseEvents(text) {
   // Complete SSE events in `text` as [event name, data]; comment lines (keep-alives) are skipped.
   for (const block of text.split("\n\n")) {
@@ -73,7 +86,15 @@ export async function streamImages(path, body, onEvent, signal) {
     init.body = JSON.stringify(body);
     init.headers = headers({ "Content-Type": "application/json" });
   }
-  const response = await send(path, init);
+  await readEvents(await send(path, init), onEvent);
+}
+
+// GET an event stream (a video's); calls onEvent(name, data) for each event until it ends.
+export async function streamGet(path, onEvent, signal) {
+  await readEvents(await send(path, { headers: headers(), signal }), onEvent);
+}
+
+async function readEvents(response, onEvent) {
   if (!response.headers.get("Content-Type")?.startsWith("text/event-stream")) {
     throw new ApiError(`Expected an event stream, got ${response.headers.get("Content-Type")}.`, response.status);
   }

@@ -1,10 +1,11 @@
-// The playground: tabs, the API key, the served models, and the three tabs' wiring.
+// The playground: tabs, the API key, the served models, and the tabs' wiring.
 
 import { getJson, keyRequired, savedKey, saveKey } from "./api.js";
 import { MaskPainter, editForm } from "./edit.js";
 import { applyAdapters, applyModels, buildFields, readParams } from "./form.js";
 import { imageTab, showError } from "./results.js";
 import { statusTab } from "./status.js";
+import { VIDEO_FIELDS, videoTab } from "./video.js";
 
 const keyForm = document.getElementById("key-form");
 const serverLine = document.getElementById("server-line");
@@ -12,6 +13,7 @@ const generateTab = document.getElementById("tab-generate");
 const editTab = document.getElementById("tab-edit");
 const generateFields = generateTab.querySelector("form");
 const editFields = editTab.querySelector("form");
+const videoFields = document.getElementById("video-form");
 const status = statusTab(document.getElementById("tab-status"), askForKey);
 let models = null; // the cards of GET /v1/models, once read
 let shown = "generate"; // the selected tab
@@ -38,17 +40,27 @@ async function connect() {
     return;
   }
   keyForm.hidden = true;
-  if (!generateFields.elements.model.options.length) { // the first time: the forms keep what was chosen
-    for (const form of [generateFields, editFields]) {
-      applyModels(form, models);
+  const clips = models.filter((card) => card.gouache.kinds.video); // video models: the Video tab's
+  const images = models.filter((card) => !card.gouache.kinds.video);
+  if (!generateFields.elements.model.options.length && !videoFields.elements.model.options.length) {
+    // the first time: the forms keep what was chosen
+    for (const form of images.length ? [generateFields, editFields] : []) {
+      applyModels(form, images);
       applyAdapters(form, loras, controlnets);
     }
+    if (clips.length) applyModels(videoFields, clips);
   }
+  for (const name of ["generate", "edit"]) tabButton(name).hidden = !images.length;
+  tabButton("video").hidden = !clips.length;
   if (shown === "status") status.show();
-  // a server of models that only edit (shapes-edit) opens on the Edit tab, unless the address named one
-  if (!tabNamed && models.every((card) => !card.gouache.kinds.generation)) select("edit");
+  // a server of models that only edit (shapes-edit) opens on the Edit tab, one of video models on
+  // the Video tab, unless the address named one
+  if (!tabNamed && !images.length) select("video");
+  else if (!tabNamed && images.every((card) => !card.gouache.kinds.generation)) select("edit");
   serverLine.textContent = `serving ${models.map((card) => card.id).join(", ")}`;
 }
+
+const tabButton = (name) => document.querySelector(`[data-tab="${name}"]`);
 
 function select(name) {
   shown = name;
@@ -66,6 +78,8 @@ keyForm.addEventListener("submit", (event) => {
 });
 
 for (const form of [generateFields, editFields]) buildFields(form);
+buildFields(videoFields, VIDEO_FIELDS);
+videoTab(document.getElementById("tab-video"), askForKey);
 imageTab(generateTab, async () => {
   const body = await readParams(generateFields);
   return ["/v1/images/generations", body, body];
@@ -114,7 +128,7 @@ imageTab(editTab, async () => {
 }, askForKey);
 
 for (const button of document.querySelectorAll("[data-tab]")) button.addEventListener("click", () => select(button.dataset.tab));
-const TABS = ["generate", "edit", "status"];
+const TABS = ["generate", "edit", "video", "status"];
 const tabNamed = TABS.includes(location.hash.slice(1)); // as the page was opened, before a tab is shown
 const fromHash = () => select(TABS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "generate");
 window.addEventListener("hashchange", fromHash);

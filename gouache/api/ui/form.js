@@ -19,7 +19,7 @@ const FIELDS = [
 // Optional numbers: left empty, the server's default applies.
 const OPTIONAL = ["num_inference_steps", "guidance_scale", "seed"];
 
-function field(spec) {
+export function field(spec) {
   const label = document.createElement("label");
   label.textContent = spec.label + " ";
   if (spec.wide) label.className = "wide";
@@ -38,8 +38,8 @@ function field(spec) {
   return label;
 }
 
-export function buildFields(form) {
-  form.querySelector(".fields").append(...FIELDS.map(field));
+export function buildFields(form, fields = FIELDS) {
+  form.querySelector(".fields").append(...fields.map(field));
 }
 
 // Fill the fields' defaults from the model cards of GET /v1/models.
@@ -53,7 +53,7 @@ export function applyModels(form, models) {
   form.elements.width.step = form.elements.height.step = defaults.size_step;
   form.elements.num_inference_steps.placeholder = `${defaults.default_steps}`;
   form.elements.guidance_scale.placeholder = `${defaults.default_guidance}`;
-  form.elements.n.max = defaults.max_n;
+  if (form.elements.n) form.elements.n.max = defaults.max_n;
   form.elements.negative_prompt.placeholder = defaults.uses_cfg ? "" : "this model does not use guidance";
   if (form.elements.strength) { // the edit tab: img2img where the model takes it
     form.elements.strength.disabled = !defaults.kinds.img2img;
@@ -118,7 +118,7 @@ async function readAdapters(form) {
   return { loras, controlnets };
 }
 
-const number = (value) => (value.trim() === "" || Number.isNaN(Number(value)) ? value : Number(value));
+export const number = (value) => (value.trim() === "" || Number.isNaN(Number(value)) ? value : Number(value));
 
 // The request body the fields describe (always streamed).
 export async function readParams(form) {
