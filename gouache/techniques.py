@@ -212,9 +212,9 @@ TABLE: dict[frozenset[str], Pair] = {
                                                  "and takes no strength"),
     _pair("img2img", "conditioning"): Pair(EXACT, "the upload's VAE distribution is cached by its pixels and sampled "
                                                   "with the request's own generator"),
-    _pair("clip", "lora"): Pair(EXACT, "the adapters change the denoiser for every frame's tokens (none are built "
-                                       "for a video transformer yet: its family does not serve lora)"),
-    _pair("clip", "lora_async"): Pair(APPROXIMATE, "the adapters join late (not served by a video family yet)"),
+    _pair("clip", "lora"): Pair(EXACT, "the adapters change the denoiser for every frame's tokens; a packed forward "
+                                       "segments them per clip row and token"),
+    _pair("clip", "lora_async"): Pair(APPROXIMATE, "the adapters join late, for every frame alike"),
     _pair("clip", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
     _pair("clip", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
     _pair("clip", "template"): Pair(REFUSED, "a template replays an image edit's unmasked tokens; a clip is made from "

@@ -31,7 +31,6 @@ UNSERVED: dict[str, dict[str, str]] = {
              "template": "no template replay is built for its transformer yet"}
     for family in ("qwenimage", "zimage", "flux2", "wan")
 }
-UNSERVED["wan"] |= dict.fromkeys(("lora", "lora_async"), "no LoRA adapters are built for its transformer yet")
 CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
 # Least steps a family's schedule takes, where more than 1: Qwen-Image's stretches its sigmas to end
 # at its shift_terminal, which one step divides by zero (its pipelines give NaN)

@@ -64,7 +64,8 @@ class PackedConditions(nn.Module):
 
 class PackedWanAttnProcessor:
     """WanAttnProcessor over packed rows [S, 1, D]: self-attention within each clip, cross-attention
-    of each clip's tokens to its own text (`encoder_hidden_states` [clips, L, D] in packed order)."""
+    of each clip's tokens to its own text (`encoder_hidden_states` [clips, L, D] in caller order,
+    as every other per-clip input: a LoRA's rows are told apart by it)."""
 
     def __init__(self, packing: Packing):
         self.packing = packing
@@ -88,7 +89,7 @@ class PackedWanAttnProcessor:
         of one shape in one call) -> [S, H * d]."""
         out, first = [], 0
         for group in self.packing.groups:
-            clips = slice(first, first + group.count)
+            clips = self.packing.positions[first:first + group.count]  # their caller indices
             q = query[group.image_rows].unflatten(0, (group.count, -1))
             out.append(dispatch_attention_fn(q, key[clips], value[clips]).flatten(2).flatten(0, 1))
             first += group.count
@@ -107,14 +108,14 @@ def packed_wan_forward(transformer: nn.Module, samples: list[torch.Tensor], time
         out = transformer(hidden_states=torch.stack(samples), timestep=timestep,
                           encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
         return list(out)
-    packing = Packing.build(shapes, encoder_hidden_states.shape[1], samples[0].device)
+    packing = Packing.build(shapes, 0, samples[0].device)  # the text is no row: it enters by cross-attention
     swaps = [(transformer, "rope", PackedRotary(transformer.rope, packing)),
              (transformer, "condition_embedder", PackedConditions(transformer.condition_embedder,
                                                                   packing.image_index))]
     tokens = packing.pack([patches(x, (p_t, p_h, p_w)) for x in samples])
     with swapped(transformer, PackedWanAttnProcessor(packing), WanAttnProcessor, swaps):
-        out = transformer(hidden_states=tokens, timestep=timestep,
-                          encoder_hidden_states=encoder_hidden_states[packing.positions], return_dict=False)[0]
+        out = transformer(hidden_states=tokens, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                          return_dict=False)[0]
     return [unpatch(part, shape) for part, shape in zip(packing.unpack(out), shapes)]
 
 

@@ -19,12 +19,12 @@ from gouache.sched.plan import Batch
 
 TOL = 1e-4
 STEPS = 3
-GRAIN = (r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ff|img_mlp|txt_mlp)\.net\.(0\.proj|2)|feed_forward\.w\d"
+GRAIN = (r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ffn?|img_mlp|txt_mlp)\.net\.(0\.proj|2)|feed_forward\.w\d"
          r"|x_embedder.*)")
 
 
 @pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image",
-                                                  "tiny-zimage", "tiny-flux2-klein"])
+                                                  "tiny-zimage", "tiny-flux2-klein", "tiny-wan"])
 def model(request):
     return request.param
 

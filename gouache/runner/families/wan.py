@@ -10,6 +10,8 @@ shape; a packed one (the patched policies) runs clips of every shape in one forw
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -49,8 +51,7 @@ class WanFamily(FlowFamily):
                                          torch.float32, self.device, state.generator)
 
     def token_count(self, state: DenoiseState) -> int:
-        frames, height, width = state.latents.shape[2:]
-        return frames * (height // 2) * (width // 2)
+        return math.prod(self.token_layout(state))
 
     def to_vae_latents(self, latents: torch.Tensor, state: DenoiseState) -> torch.Tensor:
         """The pipeline's de-normalisation: latents / (1 / std) + mean, per channel."""
@@ -90,7 +91,12 @@ class WanFamily(FlowFamily):
             "encoder_hidden_states": cat_cond(states, "prompt_embeds"),
         }, {})
 
+    def token_layout(self, state: DenoiseState) -> tuple[int, ...]:
+        """A clip's token grid (latent frames, rows, columns): its place in a packed forward."""
+        frames, height, width = state.latents.shape[2:]
+        return frames, height // 2, width // 2
+
     def row_maps(self, states: list[DenoiseState], patched: bool) -> dict[int, torch.Tensor] | None:
-        if len({tuple(s.latents.shape) for s in states}) > 1:
-            return None  # several forwards: adapters apply per forward
-        return super().row_maps(states, False)
+        if not patched and len({self.token_layout(s) for s in states}) > 1:
+            return None  # a forward per clip shape: adapters apply per forward
+        return super().row_maps(states, patched)  # packed: per clip row, per token
