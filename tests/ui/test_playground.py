@@ -404,7 +404,7 @@ def test_a_video_model_opens_on_the_video_tab_and_plays_the_clip_it_made(browser
         open_page(browser, url, "")
         wait(browser, lambda: css(browser, "#server-line").text == "serving tiny-wan")
         assert css(browser, "#tab-video").is_displayed()
-        assert not css(browser, "[data-tab=generate]").is_displayed() and not css(browser, "[data-tab=edit]").is_displayed()
+        assert not any(css(browser, f"[data-tab={tab}]").is_displayed() for tab in ("generate", "edit"))
         form = css(browser, "#video-form")
         fill(form, prompt="a red fox running", width=96, height=64, num_frames=9, num_inference_steps=30, seed=4,
              partial_images=2, fps=8)
