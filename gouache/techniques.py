@@ -219,8 +219,8 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("clip", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
     _pair("clip", "template"): Pair(REFUSED, "a template replays an image edit's unmasked tokens; a clip is made from "
                                              "text, with no mask"),
-    _pair("clip", "block_cache"): Pair(APPROXIMATE, "reuse per clip or per token, judged by a per-frame SSIM (not "
-                                                    "built for Wan yet: its family does not serve block_cache)"),
+    _pair("clip", "block_cache"): Pair(APPROXIMATE, "reuse per clip (a forward per clip shape) or per token (a "
+                                                    "packed forward), measured by a per-frame SSIM"),
     _pair("clip", "mixed_sizes"): Pair(EXACT, "clips of different lengths and sizes in one packed forward, each "
                                               "with its own 3D RoPE, time embedding and text"),
     _pair("clip", "parallel"): Pair(EXACT, "Ulysses over a clip's tokens: self-attention through the all-to-alls, "

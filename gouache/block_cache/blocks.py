@@ -13,7 +13,10 @@ The units (`Mode`):
   Text rows are always computed (each image's text attends to all of its tokens), so the block
   always runs; attention takes the reused tokens' keys and values from the stale activations
   (`Packing.subset`), and the norms, feed-forwards and output projections run on the computed
-  tokens only.
+  tokens only;
+- `token_rows`: the tokens of a packed Wan forward (clips of mixed shapes), whose rows carry
+  their clip's modulations and whose text is no row (cross-attention per clip): a block whose
+  every token is reused does not run.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ MODES = {
     "patch": Mode(("hidden_states", "temb", "res_hidden_states_tuple"), None, False),
     # DiT blocks return (text rows, image rows); temb is per image, modulations follow `Packing`
     "token": Mode(("hidden_states",), (1,), True, "encoder_hidden_states", 0),
+    # Wan's packed blocks: the rows are tokens, each with its clip's modulations (temb per token);
+    # the text enters by cross-attention, per clip, and is no row
+    "token_rows": Mode(("hidden_states", "temb"), None, False),
 }
 
 
@@ -80,7 +86,7 @@ class CachedForward:
         `units[i]` for the i-th of them; image mode: one unit per row, in caller order. Text
         rows (`text_len` per image) are always computed here."""
         order = range(len(self.keys)) if order is None else order
-        units = [1] * len(self.keys) if units is None else units
+        units = [1] * len(order) if units is None else units
         return self.cache.begin([self.keys[i] for i in order], units, [self.thresholds[i] for i in order], mode,
                                 [self.context[i] for i in order] if self.context else None)
 
@@ -89,7 +95,7 @@ def cacheable_blocks(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
     """(parent, attribute, key) of each block the cache wraps, in forward order; the key names
     the block for the cache, whatever module stands in its slot."""
     slots = []
-    for name in ("down_blocks", "transformer_blocks", "single_transformer_blocks"):
+    for name in ("down_blocks", "transformer_blocks", "single_transformer_blocks", "blocks"):  # blocks: Wan's
         blocks = getattr(model, name, None)
         if blocks is not None:
             slots.extend((blocks, str(i), f"{name}.{i}") for i in range(len(blocks)))

@@ -24,6 +24,7 @@ def kinds() -> dict[str, tuple[ModuleType, str]]:
         soak,
         speed,
         tiers,
+        video,
     )
 
     return {
@@ -46,6 +47,8 @@ def kinds() -> dict[str, tuple[ModuleType, str]]:
         "edit": (edit, "mask-aware template edits: latency vs mask ratio, fidelity, throughput vs fcfs-static"),
         "reuse-compare": (reuse_compare, "the block cache's reuse predictor vs the threshold at equal SSIM, from "
                                          "fidelity runs"),
+        "video": (video, "the block cache on a video model's clips, per clip and per token: per-frame SSIM, reuse, "
+                         "step time"),
     }
 
 

@@ -29,8 +29,9 @@ from gouache.models.zoo import BUILTIN_MODELS, DEFAULT_GUIDANCE, DEFAULT_STEPS, 
 UNSERVED: dict[str, dict[str, str]] = {
     family: {"block_cache": "its transformer takes no cached block outputs yet",
              "template": "no template replay is built for its transformer yet"}
-    for family in ("qwenimage", "zimage", "flux2", "wan")
+    for family in ("qwenimage", "zimage", "flux2")
 }
+UNSERVED["wan"] = {"template": "a template replays an image edit's unmasked tokens; Wan makes clips from text"}
 CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
 # Least steps a family's schedule takes, where more than 1: Qwen-Image's stretches its sigmas to end
 # at its shift_terminal, which one step divides by zero (its pipelines give NaN)

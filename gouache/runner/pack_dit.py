@@ -123,10 +123,10 @@ class Packing:
                 return [Run(slice(0, len(self.text_index)), slice(0, len(self.order)))]
             firsts = list(itertools.accumulate((g.count for g in self.groups), initial=0))
             return [Run(g.image_rows, slice(a, a + g.count)) for g, a in zip(self.groups, firsts)]
-        cuts = _cuts(chosen, self._bounds(text))
+        cuts = row_cuts(chosen, self.bounds(text))
         return [Run(slice(a, b), slice(j, j + 1)) for j, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
 
-    def _bounds(self, text: bool) -> list[int]:
+    def bounds(self, text: bool) -> list[int]:
         """Where each image's text or image rows start among all of them, in packed order, and
         where the last ones end."""
         if text:
@@ -186,12 +186,12 @@ class Packing:
         template reuse those of the images that compute their text) over every key, per image:
         each has its own number of queries (InstGenIE §3.1); images of equal shapes share a call."""
         q, k, v = image
-        bounds = self._bounds(text=False)
-        starts, cuts = bounds[:-1], _cuts(computed, bounds)
+        bounds = self.bounds(text=False)
+        starts, cuts = bounds[:-1], row_cuts(computed, bounds)
         text_computed = self.subset.text
         text_cuts = None
         if text is not None and text_computed is not None:
-            text_cuts = _cuts(text_computed, self._bounds(text=True))
+            text_cuts = row_cuts(text_computed, self.bounds(text=True))
         calls, queried_text, j = [], [], 0
         for g, group in enumerate(self.groups):
             for n in range(group.count):
@@ -204,6 +204,9 @@ class Packing:
                     queried = tb - ta
                     own = (text[0][ta:tb], text[1][t:t + self.text_len], text[2][t:t + self.text_len])
                     qi, ki, vi = [torch.cat([o, x] if text_first else [x, o]) for o, x in zip(own, (qi, ki, vi))]
+                j += 1
+                if not len(qi):  # every token reused, and no text row (Wan's): nothing to attend
+                    continue
                 if rope is not None:  # Flux: text first; the queries' positions are their tokens'
                     positions = torch.cat([torch.arange(queried, device=q.device),
                                            self.text_len + computed[a:b] - start])
@@ -211,8 +214,7 @@ class Packing:
                     ki = apply_rotary_emb(ki[None], rope[g], sequence_dim=1)[0]
                 calls.append((qi, ki, vi))
                 queried_text.append(queried)
-                j += 1
-        image_out, text_out = [], []
+        image_out, text_out = [q.new_empty(0, q.shape[1] * v.shape[2])], [q.new_empty(0, q.shape[1] * v.shape[2])]
         for out, queried in zip(attend_each(calls), queried_text):
             parts = (queried, len(out) - queried) if text_first else (len(out) - queried, queried)
             first, second = out.split(parts)
@@ -233,7 +235,7 @@ class Packing:
         return len(self.text_index) if text is None else len(text)
 
 
-def _cuts(rows: torch.Tensor, bounds: list[int]) -> list[int]:
+def row_cuts(rows: torch.Tensor, bounds: list[int]) -> list[int]:
     """Where each range [bounds[i], bounds[i + 1]) starts among the sorted `rows` (and the last ends)."""
     return torch.searchsorted(rows, torch.tensor(bounds, device=rows.device)).tolist()
 

@@ -15,6 +15,10 @@ duration of the forward:
 - attention: self-attention within each clip (clips of one shape in one call), cross-attention
   of each clip's tokens to its own 512 text rows (`PackedWanAttnProcessor`).
 
+Under the block cache the units are tokens (`token_rows`): a block runs on the tokens whose input
+changed, each clip's self-attention taking the others' keys and values from the cache's
+activations (`Packing.subset`, as the DiT packing does).
+
 Clips all of one shape need no packing: they run as the model's own batch (unless `whole_batches`
 is False: benchmarks timing the packing itself).
 """
@@ -26,8 +30,9 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
-from gouache.attention import split_heads
-from gouache.runner.pack_dit import Packing, swapped
+from gouache.attention import attend_each, split_heads
+from gouache.block_cache.blocks import CachedForward, cached_blocks
+from gouache.runner.pack_dit import Packing, row_cuts, swapped, token_pass
 
 
 class PackedRotary(nn.Module):
@@ -73,10 +78,10 @@ class PackedWanAttnProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections:
             raise NotImplementedError("packed Wan attention takes no mask, image context or fused projections")
-        rows = hidden_states[:, 0]
+        rows = hidden_states[:, 0]  # every token's, or under the block cache the computed ones' (`subset`)
         query = split_heads(attn, attn.norm_q(attn.to_q(rows)))
         if encoder_hidden_states is None:
-            key, value = split_heads(attn, attn.norm_k(attn.to_k(rows))), split_heads(attn, attn.to_v(rows))
+            key, value = self.self_kv(attn, rows)
             out, _ = self.packing.attend((query, key, value), None, text_first=False, rope=rotary_emb)
         else:
             key = split_heads(attn, attn.norm_k(attn.to_k(encoder_hidden_states)))
@@ -84,9 +89,25 @@ class PackedWanAttnProcessor:
             out = self.cross(query, key, value)
         return attn.to_out[1](attn.to_out[0](out.type_as(query)[:, None]))
 
+    def self_kv(self, attn, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [S, H, d] of every token: under the block cache, those of the reused
+        ones from its activations (their attention's input as last computed, or their keys and
+        values)."""
+        subset = self.packing.subset
+        if subset is not None and not subset.caches_kv:
+            rows = subset.full(attn, rows)
+        key, value = split_heads(attn, attn.norm_k(attn.to_k(rows))), split_heads(attn, attn.to_v(rows))
+        return subset.kv(attn, key, value) if subset is not None and subset.caches_kv else (key, value)
+
     def cross(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Each clip's queries [tokens, H, d] over its own text's keys and values [L, H, d] (clips
-        of one shape in one call) -> [S, H * d]."""
+        of one shape in one call; under the block cache, each clip's computed tokens) -> [rows, H * d]."""
+        computed = None if self.packing.subset is None else self.packing.subset.computed
+        if computed is not None:
+            cuts = row_cuts(computed, self.packing.bounds(text=False))
+            clips = self.packing.positions.tolist()
+            calls = [(query[a:b], key[c], value[c]) for c, a, b in zip(clips, cuts, cuts[1:]) if b > a]
+            return torch.cat(attend_each(calls)) if calls else query.new_empty(0, query.shape[1] * query.shape[2])
         out, first = [], 0
         for group in self.packing.groups:
             clips = self.packing.positions[first:first + group.count]  # their caller indices
@@ -97,23 +118,27 @@ class PackedWanAttnProcessor:
 
 
 def packed_wan_forward(transformer: nn.Module, samples: list[torch.Tensor], timestep: torch.Tensor,
-                       encoder_hidden_states: torch.Tensor, whole_batches: bool = True) -> list[torch.Tensor]:
+                       encoder_hidden_states: torch.Tensor, whole_batches: bool = True,
+                       cache: CachedForward | None = None) -> list[torch.Tensor]:
     """Wan's transformer over clips of mixed lengths and sizes in one forward.
 
     samples: per row (caller order) its latents [C, F, H, W]; timestep [rows]; encoder_hidden_states
-    [rows, L, D]. Returns each row's prediction [C, F, H, W], equal to its own forward's."""
+    [rows, L, D]. Returns each row's prediction [C, F, H, W], equal to its own forward's. With a
+    `cache`, blocks reuse cached outputs per clip (one shape: the model's own batch) or per token."""
     p_t, p_h, p_w = transformer.config.patch_size
     shapes = [(f // p_t, h // p_h, w // p_w) for f, h, w in (x.shape[1:] for x in samples)]
     if whole_batches and len(set(shapes)) == 1:
-        out = transformer(hidden_states=torch.stack(samples), timestep=timestep,
-                          encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
+        with cached_blocks(transformer, cache and cache.begin()):
+            out = transformer(hidden_states=torch.stack(samples), timestep=timestep,
+                              encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
         return list(out)
     packing = Packing.build(shapes, 0, samples[0].device)  # the text is no row: it enters by cross-attention
     swaps = [(transformer, "rope", PackedRotary(transformer.rope, packing)),
              (transformer, "condition_embedder", PackedConditions(transformer.condition_embedder,
                                                                   packing.image_index))]
     tokens = packing.pack([patches(x, (p_t, p_h, p_w)) for x in samples])
-    with swapped(transformer, PackedWanAttnProcessor(packing), WanAttnProcessor, swaps):
+    with (swapped(transformer, PackedWanAttnProcessor(packing), WanAttnProcessor, swaps),
+          cached_blocks(transformer, token_pass(cache, packing), "token_rows", packing)):
         out = transformer(hidden_states=tokens, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
                           return_dict=False)[0]
     return [unpatch(part, shape) for part, shape in zip(packing.unpack(out), shapes)]

@@ -101,7 +101,7 @@ def test_deleting_a_running_video_cancels_it_and_the_server_goes_on(server_url):
     ({"fps": "0"}, "fps", "greater than or equal to 1"),
     ({"partial_images": "4"}, "partial_images", "less than or equal to 3"),
     ({"loras": '[{"name": "ink"}]'}, "loras", "unknown LoRA 'ink': this server has no --lora-dir"),
-    ({"block_cache": "0.1"}, "block_cache", "does not serve block_cache"),
+    ({"block_cache": "-1"}, "block_cache", "greater than or equal to 0"),
     ({"colour": "red"}, "colour", "Unknown parameter"),
     ({"controlnets": "[]"}, "controlnets", "Unknown parameter"),  # the table: clip + controlnet refused
     ({"template_id": "t"}, "template_id", "Unknown parameter"),  # clip + template

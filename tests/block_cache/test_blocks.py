@@ -75,3 +75,30 @@ def test_an_unchanged_image_reuses_its_tokens_in_a_packed_forward_and_its_batch_
 
 def max_diffs_of(outs, model, inputs, reference) -> list[float]:
     return [(o - reference(model, inputs, i)).abs().max().item() for i, o in enumerate(outs)]
+
+
+@pytest.mark.parametrize("shapes", [[(2, 4, 4), (3, 4, 6)], [(2, 4, 4), (2, 4, 4)]], ids=["tokens", "whole-clips"])
+def test_an_unchanged_clip_is_reused_in_a_wan_forward_and_its_batch_mate_stays_exact(shapes):
+    """Wan: per token in a packed forward of clips of two shapes, per clip in the model's own batch."""
+    from gouache.runner.pack_wan import packed_wan_forward
+
+    model = load_pipeline("tiny-wan").transformer
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.randn(16, *shape, generator=g) for shape in shapes]
+    timestep, text = torch.tensor([500.0, 400.0]), torch.randn(2, 512, model.config.text_dim, generator=g)
+    cache = BlockCache(BlockCacheConfig(max_reuse=3))
+    request = CachedForward(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
+
+    def own(i, x):
+        return model(hidden_states=x[None], timestep=timestep[i:i + 1], encoder_hidden_states=text[i:i + 1],
+                     return_dict=False)[0][0]
+
+    with torch.no_grad():
+        first = packed_wan_forward(model, samples, timestep, text, cache=request)
+        assert max((o - own(i, x)).abs().max() for i, (o, x) in enumerate(zip(first, samples))) <= TOL
+        samples = [samples[0], torch.randn(samples[1].shape, generator=g)]  # a's input again, b's new
+        again = packed_wan_forward(model, samples, timestep, text, cache=request)
+        assert (again[1] - own(1, samples[1])).abs().max() <= TOL
+        units = shapes[0][0] * shapes[0][1] * shapes[0][2] // 4 if shapes[0] != shapes[1] else 1  # 2x2 a token
+        assert cache.reused == units * len(cacheable_blocks(model))
+        assert (again[0] - first[0]).abs().max() <= 1e-6

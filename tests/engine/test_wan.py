@@ -33,8 +33,8 @@ MODEL = "tiny-wan"
 
 
 def clip(rid: str, seed: int, steps: int, frames: int = 5, width: int = 32, height: int = 32, guidance: float = 5.0,
-         prompt: str = "a red fox running"):
-    return ImageRequest(rid, prompt, width, height, steps, guidance, seed, num_frames=frames)
+         prompt: str = "a red fox running", **fields):
+    return ImageRequest(rid, prompt, width, height, steps, guidance, seed, num_frames=frames, **fields)
 
 
 def reference(pipe, r: ImageRequest, output_type: str = "latent"):
@@ -207,3 +207,25 @@ def test_a_deadline_policy_plans_clips_by_length_and_refuses_a_length_its_cost_m
     refused, done = asyncio.run(scenario())
     assert refused.param == "size" and "prices only 32x32x5, 48x32x9, not 32x32x9" in str(refused)
     assert all(any(isinstance(e, ImageEvent) for e in events) for events in done), done
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["per-clip", "per-token"])
+def test_the_block_cache_reuses_clips_or_tokens_in_a_step_of_mixed_clips_and_keeps_exact_clips_exact(pipes, patched,
+                                                                                                     caplog):
+    from gouache.config import BlockCacheConfig
+
+    runner = ModelRunner(pipes(MODEL), block_cache=BlockCacheConfig(max_reuse=2))
+    requests = [clip("cached", 1, 6, block_cache=0.5), clip("long", 2, 6, frames=9, width=48, block_cache=0.5),
+                clip("exact", 3, 6, frames=5, height=48, block_cache=0.0)]
+    for r in requests:
+        runner.prepare(r)
+    ids = tuple(r.request_id for r in requests)
+    for _ in range(6):
+        out = runner.execute(Batch(ids, patched=patched))
+        assert not out.failed and sorted(out.request_ids) == sorted(ids)
+    assert runner.cache.reused > 0 and "retrying them one by one" not in caplog.text  # one forward did them all
+    alone = ModelRunner(pipes(MODEL))
+    alone.prepare(clip("exact", 3, 6, frames=5, height=48))
+    for _ in range(6):
+        alone.execute(Batch(("exact",)))
+    assert (runner.states["exact"].latents - alone.states["exact"].latents).abs().max() <= TOLERANCE[DTYPE]

@@ -188,7 +188,7 @@ def test_model_info_of_builtins(pipes):
         "tiny-qwen-image-edit-plus": 3, "tiny-flux2-klein": 4}
     assert [n for n, i in info.items() if not i.generation] == edits
     assert [n for n, i in info.items() if not i.serves("block_cache")] == ["tiny-qwen-image", *edits,
-                                                                         "tiny-flux2-klein", "tiny-zimage", "tiny-wan"]
+                                                                         "tiny-flux2-klein", "tiny-zimage"]
     assert [n for n, i in info.items() if i.cfg_from != 1.0] == ["tiny-zimage"]
     inpainting = [n for n, i in info.items() if i.inpaint_channels]
     assert inpainting == ["tiny-sd-inpaint", "tiny-sdxl-inpaint"]

@@ -10,12 +10,13 @@ shape; a packed one (the patched policies) runs clips of every shape in one forw
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import torch
 
-from gouache.block_cache.blocks import CachedForward
+from gouache.block_cache.blocks import CachedForward, cached_blocks
 from gouache.request import ImageRequest
 from gouache.runner.families.base import by_state, cat_cond, latent_statistics, per_group, row_timesteps
 from gouache.runner.families.dit import FlowFamily
@@ -70,10 +71,20 @@ class WanFamily(FlowFamily):
     @torch.no_grad()
     def predict(self, states: list[DenoiseState], patched: bool = False,
                 blocks: CachedForward | None = None) -> list[torch.Tensor]:
-        """One forward per clip shape (the model's RoPE is one shape's), or packed: one for all."""
+        """One forward per clip shape (the model's RoPE is one shape's), or packed: one for all.
+        `blocks`: the block cache's reuse, per clip (per token when packed)."""
         if patched:
-            return self.predict_patched(states)
-        return per_group(states, lambda s: tuple(s.latents.shape), self.forward)
+            return self.predict_patched(states, blocks=blocks)
+        if blocks is None:
+            return per_group(states, self.token_layout, self.forward)
+        first = dict(zip(map(id, states), itertools.accumulate((s.rows for s in states), initial=0)))
+
+        def forward(group: list[DenoiseState]) -> torch.Tensor:  # a cache pass over the shape's rows
+            rows = [first[id(s)] + row for s in group for row in range(s.rows)]
+            with cached_blocks(self.denoiser, blocks.begin(order=rows)):
+                return self.forward(group)
+
+        return per_group(states, self.token_layout, forward)
 
     @torch.no_grad()
     def predict_patched(self, states: list[DenoiseState], whole_batches: bool = True,
@@ -81,7 +92,7 @@ class WanFamily(FlowFamily):
         """One forward over clips of every shape (`pack_wan`)."""
         samples = [s.latents[0].to(self.dtype) for s in states for _ in range(s.rows)]
         outputs = packed_wan_forward(self.denoiser, samples, row_timesteps(states), cat_cond(states, "prompt_embeds"),
-                                     whole_batches)
+                                     whole_batches, blocks)
         return by_state(outputs, states)
 
     def forward_inputs(self, states: list[DenoiseState]) -> tuple[dict, dict]:
