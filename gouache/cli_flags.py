@@ -69,9 +69,12 @@ def size_arg(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def sizes_arg(text: str) -> tuple[tuple[int, int], ...]:
-    """Comma-separated WxH sizes as an argparse `type`: (h, w) each."""
-    return tuple(size_arg(part) for part in text.split(","))
+def shapes_arg(text: str) -> tuple[tuple[int, ...], ...]:
+    """Comma-separated WxH sizes, or a video model's WxHxF clips, as an argparse `type`: (h, w[, frames]) each."""
+    try:
+        return tuple(parse_shape(part) for part in text.split(","))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def counts_arg(text: str) -> tuple[int, ...]:

@@ -116,7 +116,8 @@ class CompileConfig:
     # row counts warmed up (a graph of dynamic rows serves those between; padded up to under CUDA graphs);
     # larger forwards run eagerly
     buckets: tuple[int, ...] = COMPILE_BUCKETS
-    sizes: tuple[tuple[int, int], ...] = ()  # (h, w) compiled at start at every bucket; (): the model's default size
+    # (h, w), a clip's (h, w, frames), compiled at start at every bucket; (): the model's default size
+    sizes: tuple[tuple[int, ...], ...] = ()
     # compiled kernels kept here across restarts; None: torch's default (per user, in /tmp)
     cache_dir: str | None = None
     cuda_graphs: bool = False  # capture the bucketed graphs as CUDA graphs (GPU only)

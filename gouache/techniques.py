@@ -91,7 +91,9 @@ TECHNIQUES = {t.name: t for t in (
               "the steps after", compiles=True, compiled="yes, as the plain step"),
     Technique("clip", "/v1/videos", True, True,
               "a video model's clip (Wan): frames x height x width tokens, each clip's own 3D RoPE",
-              compiled="no: video families refuse --compile (a compiled forward of clips is not built yet)"),
+              compiles=True, compiled="plain steps: yes, a row graph per clip shape (its frames too) and row bucket "
+                                      "(`--compile-sizes WxHxF`); a packed forward of clips runs eagerly, counted as "
+                                      "`mixed_sizes`"),
     Technique("conditioning", "--conditioning-mb", True, False,
               "the conditioning cache: a repeated prompt's text-encoder outputs and a repeated upload's VAE "
               "distribution, reused at preparation", compiles=True, compiled="yes (before the denoiser)"),

@@ -16,7 +16,7 @@ from gouache.cli_flags import (
     given,
     mib_arg,
     refuse_ignored,
-    sizes_arg,
+    shapes_arg,
     tier_share_arg,
     tier_slo_arg,
 )
@@ -147,9 +147,10 @@ def _add_speed_args(p: argparse.ArgumentParser) -> None:
                    help="run the denoiser compiled (torch.compile) where a step's techniques allow it, one graph "
                         "of dynamic rows per size up to the last of --compile-buckets; compiles at start before "
                         "/health says ok (docs/speed.md; default: off)")
-    p.add_argument("--compile-sizes", type=sizes_arg, default=(),
-                   help="WxH sizes (comma-separated) compiled at start at every bucket; a size first met later "
-                        "runs eagerly until it is compiled (--compile-background) (default: the model's default size)")
+    p.add_argument("--compile-sizes", type=shapes_arg, default=(),
+                   help="WxH sizes (comma-separated; a video model's clips WxHxF) compiled at start at every bucket; "
+                        "a size first met later runs eagerly until it is compiled (--compile-background) (default: "
+                        "the model's default size)")
     p.add_argument("--compile-buckets", type=counts_arg, default=COMPILE_BUCKETS,
                    help="row counts the warm-up runs each compiled size at (one graph serves the rows between "
                         "them; under CUDA graphs forwards are padded up to them); forwards past the last run "

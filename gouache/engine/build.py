@@ -94,6 +94,12 @@ def _build(model_config: ModelConfig, engine_config: EngineConfig, sched_config:
     if templates.cost_model:
         load_mask_model(templates.cost_model)  # a wrong file is refused now, not at the first edit
     info = model_info(pipe, model_id(model_config.model))
+    for height, width, *frames in engine_config.compile.sizes:
+        why = None
+        if frames:
+            why = "a clip's size, for a video model" if info.clips is None else info.clips.refusal(frames[0])
+        if why:
+            raise ValueError(f"--compile-sizes {width}x{height}x{frames[0]}: {why}")
     if sched_config.max_batch_size is None:
         probe = probe_max_batch(ModelRunner(pipe, engine_config.patch_pixels), (info.default_size, info.default_size),
                                 info.default_guidance)

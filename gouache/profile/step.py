@@ -223,7 +223,7 @@ def _compile_config(args, sizes: list[Resolution]):
     buckets = [2]
     while buckets[-1] < 2 * args.max_batch:
         buckets.append(2 * buckets[-1])
-    return CompileConfig(enabled=True, sizes=tuple(dict.fromkeys(res[:2] for res in sizes)), buckets=tuple(buckets),
+    return CompileConfig(enabled=True, sizes=tuple(sizes), buckets=tuple(buckets),
                          backend=args.compile_backend, graphs=args.compile_graphs,
                          cuda_graphs=args.device.startswith("cuda") and args.compile_backend == "inductor")
 

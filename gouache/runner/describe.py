@@ -38,8 +38,7 @@ CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidanc
 MIN_STEPS = {"qwenimage": 2}
 # Families whose forward --compile refuses, and why
 UNCOMPILED = {"zimage": "its forward takes each prompt at its own length, which places the image's tokens, so a "
-                        "static graph would be compiled anew for most prompts",
-              "wan": "no compiled forward of clips is built yet"}
+                        "static graph would be compiled anew for most prompts"}
 DEFAULT_SIZE = {"wan": 480}  # pixels a side where the pipeline's own default is not square (Wan 2.1: 832x480)
 FPS = {"wan": 16}  # a video family's frames per second (Wan 2.1's clips: 81 frames, 5 s)
 MAX_FRAMES = 161  # gouache's bound on a clip's frames (10 s at 16 fps, twice Wan 2.1's 81)

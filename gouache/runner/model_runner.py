@@ -148,8 +148,9 @@ class ModelRunner:
         if compiled is None:
             return
         sizes = self.compile_config.sizes or ((default_size, default_size),)
-        states = [self.family.prepare(ImageRequest(f"warm-up-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0))
-                  for h, w in sizes]
+        states = [self.family.prepare(ImageRequest(f"warm-up-{w}x{h}", "warm-up", w, h, 2, 5.0, seed=0,
+                                                   num_frames=frames[0] if frames else 1))
+                  for h, w, *frames in sizes]
         forwards = [self.family.forward_inputs([state]) for state in states]
         edits = []  # a forward with references is a row graph per size and reference layout (the
         if instruction_edits(self.pipe):  # references' tokens after the image's): an edit of each size

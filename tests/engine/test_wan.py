@@ -4,6 +4,7 @@ sizes that join and leave at other steps; a finished clip leaves the engine as a
 
 import asyncio
 import io
+import re
 import time
 
 import av
@@ -229,3 +230,38 @@ def test_the_block_cache_reuses_clips_or_tokens_in_a_step_of_mixed_clips_and_kee
     for _ in range(6):
         alone.execute(Batch(("exact",)))
     assert (runner.states["exact"].latents - alone.states["exact"].latents).abs().max() <= TOLERANCE[DTYPE]
+
+
+def test_compiled_clip_steps_run_the_warmed_row_graph_and_equal_eager_ones(pipes):
+    from gouache.config import CompileConfig
+
+    config = CompileConfig(enabled=True, sizes=((32, 48, 9),), buckets=(2, 4), backend="eager", background=False)
+    compiled, eager = ModelRunner(pipes(MODEL), compile=config), ModelRunner(pipes(MODEL))
+    compiled.warm_up(32)
+    requests = [clip("a", 1, 3, frames=9, width=48), clip("b", 2, 3, frames=9, width=48, prompt="a blue sky")]
+    reports = []
+    for runner in (compiled, eager):
+        for r in requests:
+            runner.prepare(r)
+        for _ in range(3):
+            reports.append(runner.execute(Batch(("a", "b"))).compile)
+    assert [r.compiled for r in reports[:3]] == [1, 1, 1] and sum(r.recompiles for r in reports[:3]) == 0
+    for rid in ("a", "b"):
+        assert (compiled.states[rid].latents - eager.states[rid].latents).abs().max() <= TOLERANCE[DTYPE]
+    compiled.prepare(clip("c", 3, 2, frames=5))
+    compiled.prepare(clip("d", 4, 2, frames=9, width=48))
+    mixed = compiled.execute(Batch(("c", "d"), patched=True)).compile  # a packed forward of clips: eager, counted
+    assert mixed.eager == {"mixed_sizes": 1}
+
+
+@pytest.mark.parametrize(("model", "size", "why"), [
+    ("tiny-sd3", (64, 64, 5), "--compile-sizes 64x64x5: a clip's size, for a video model"),
+    (MODEL, (32, 32, 6), "--compile-sizes 32x32x6: a clip has 1 + a multiple of 4 frames"),
+])
+def test_compile_sizes_of_clips_are_refused_at_start_where_the_model_cannot_make_them(model, size, why):
+    from gouache.config import CompileConfig, ModelConfig
+    from gouache.engine.build import build_engine
+
+    config = EngineConfig(compile=CompileConfig(enabled=True, sizes=(size,), backend="eager"))
+    with pytest.raises(ValueError, match=re.escape(why)):
+        build_engine(ModelConfig(model), config, SchedulerConfig(policy="orca", max_batch_size=2))

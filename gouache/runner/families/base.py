@@ -96,7 +96,7 @@ class Family(ABC):
         if cls.make_pieces is Family.make_pieces:
             return (f"--compile-graphs would be ignored: it bounds the graphs of packed forwards of mixed sizes, "
                     f"which {cls.name} models do not compile (UNet, SD3 and FLUX.1 models do)")
-        if not config.sizes or (not cls.replays_in_pieces and len({h * w for h, w in config.sizes}) < 2):
+        if not config.sizes or (not cls.replays_in_pieces and len({h * w for h, w, *_ in config.sizes}) < 2):
             return ("--compile-graphs would be ignored: packed forwards of mixed sizes compile where "
                     "--compile-sizes lists sizes of two or more pixel counts, template replays where it lists any")
         return None
