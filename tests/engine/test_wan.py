@@ -265,3 +265,15 @@ def test_compile_sizes_of_clips_are_refused_at_start_where_the_model_cannot_make
     config = EngineConfig(compile=CompileConfig(enabled=True, sizes=(size,), backend="eager"))
     with pytest.raises(ValueError, match=re.escape(why)):
         build_engine(ModelConfig(model), config, SchedulerConfig(policy="orca", max_batch_size=2))
+
+
+def test_wan_2_2s_second_expert_and_per_token_timesteps_are_refused_not_served_wrong(pipes):
+    from diffusers import WanPipeline
+
+    from gouache.models.wan import tiny_wan_transformer
+
+    pipe = pipes(MODEL)
+    parts = {name: getattr(pipe, name) for name in ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")}
+    for extra in ({"transformer_2": tiny_wan_transformer(), "boundary_ratio": 0.875}, {"expand_timesteps": True}):
+        with pytest.raises(ValueError, match="Wan 2.2's"):
+            ModelRunner(WanPipeline(**parts, **extra))

@@ -29,6 +29,16 @@ TEXT_LENGTH = 512  # rows of text each prompt's states are padded to (the pipeli
 class WanFamily(FlowFamily):
     name = "wan"
 
+    def __init__(self, pipe, *args, **kwargs):
+        """Refuses the Wan pipelines whose steps this family does not make: Wan 2.2 A14B's second
+        expert (`transformer_2`, switched to at a boundary timestep) and Wan 2.2 TI2V's per-token
+        timesteps (`expand_timesteps`)."""
+        if getattr(pipe, "transformer_2", None) is not None or getattr(pipe.config, "expand_timesteps", False):
+            raise ValueError("this Wan pipeline is Wan 2.2's (a second expert, transformer_2, or per-token "
+                             "timesteps, expand_timesteps), which gouache does not serve yet; a Wan 2.1 "
+                             "text-to-video directory is served")
+        super().__init__(pipe, *args, **kwargs)
+
     def encode_text(self, request: ImageRequest, rows: int) -> dict[str, torch.Tensor]:
         """[negative, positive] prompt states, [rows, 512, D]."""
         positive, negative = self.encode_prompt(
