@@ -155,8 +155,8 @@ class ModelRunner:
         edits = []  # a forward with references is a row graph per size and reference layout (the
         if instruction_edits(self.pipe):  # references' tokens after the image's): an edit of each size
             edits = [self.family.forward_inputs([self.family.prepare(
-                ImageRequest(f"warm-up-edit-{h}x{w}", "warm-up", h, w, 2, 5.0, seed=0, image=b"-"),
-                Upload(np.zeros((h, w, 3), np.uint8)))]) for (h, w), state in zip(sizes, states)
+                ImageRequest(f"warm-up-edit-{w}x{h}", "warm-up", w, h, 2, 5.0, seed=0, image=b"-"),
+                Upload(np.zeros((h, w, 3), np.uint8)))]) for (h, w, *_), state in zip(sizes, states)
                 if "reference" not in state.cond]  # (Qwen-Image-Edit's warm-up requests are edits already)
         graphs = compiled.row_graphs(forwards + edits)
         pieces = self.family.pieces

@@ -592,3 +592,16 @@ def test_room_for_graphs_is_made_on_the_thread_that_compiles():
     thread.start()
     thread.join()
     assert seen["before"] < 300 <= seen["after"]
+
+
+def test_the_warm_up_compiles_a_non_square_size_as_its_height_and_width_not_their_transpose():
+    """A 96 px wide, 64 px high --compile-sizes entry warms the graph that a 96x64 request steps
+    in: no graph is compiled while serving it. Through dynamo's `eager` backend."""
+    torch._dynamo.reset()
+    pipe = load_pipeline("tiny-sd")  # latents [B, C, h, w]: a transposed size is another graph
+    compiled = ModelRunner(pipe, compile=CompileConfig(enabled=True, buckets=(2,), sizes=((64, 96),),
+                                                       backend="eager", background=False))
+    compiled.warm_up(SIZE)
+    compiled.family.compiled.take_report()
+    _, report = steps(compiled, [ImageRequest("wide", "a red circle", 96, 64, 2, 5.0, seed=1)], [Batch(("wide",))] * 2)
+    assert (report.compiled, report.recompiles) == (2, 0)
