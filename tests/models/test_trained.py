@@ -15,7 +15,7 @@ SHAPES_MODELS = [name for name in BUILTIN_MODELS if name.startswith("shapes-")]
 BUDGET_MB = 25  # the issue's limit on the repository's weights
 
 # (caption, size, seed) that the checker accepted in `benchmarks/results/fidelity_NAME.json`
-# (184 of 200 for the UNet, 73 for the DiT), one to three shapes; a change to the weights or to the
+# (184 of 200 for the UNet, 91 for the DiT), one to three shapes; a change to the weights or to the
 # models' numerics shows here.
 DRAWN = {
     "shapes-unet": [
