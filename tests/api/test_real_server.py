@@ -275,7 +275,7 @@ def test_a_qwen_image_edit_plus_model_through_the_openai_client():
         with pytest.raises(openai.BadRequestError, match="takes at least 2 steps"):
             client(url).images.edit(image=image, prompt="x", extra_body={"num_inference_steps": 1})
     assert kinds == {"generation": False, "masked_edit": True, "instruction_edit": True, "max_input_images": 3,
-                     "img2img": False}
+                     "img2img": False, "video": None}
 
 
 def test_tenants_keys_reload_on_sighup(tmp_path):
