@@ -12,6 +12,7 @@ class ClipRules:
     frame_step: int  # frames are 1 + a multiple of this (Wan: 4, its VAE's frames per latent frame)
     max_frames: int  # the most frames a clip may have (the model's RoPE or gouache's bound)
     fps: int  # frames per second when the request names none (the model's training rate)
+    from_image: bool = False  # image-to-video: each clip starts from its request's `input_reference`
 
     def refusal(self, frames: int) -> str | None:
         """Why a clip of `frames` frames is refused (None: it is not)."""

@@ -59,7 +59,7 @@ class ImageRequest:
     # ControlNets (directory name, conditioning image still encoded, scale), summed in this order
     controlnets: tuple[tuple[str, bytes, float], ...] = ()
     controlnet_mode: str | None = None  # sync | async; None: the server's default
-    image: bytes | None = None  # edit: the uploaded image, still encoded
+    image: bytes | None = None  # edit: the uploaded image, still encoded; a clip's: its first frame
     mask: bytes | None = None  # edit: the uploaded mask, still encoded (transparent = repaint)
     references: tuple[bytes, ...] = ()  # edit: the uploads after `image` (models that take several), still encoded
     # edit without a mask: img2img, the upload noised to this share of the schedule and denoised

@@ -73,12 +73,12 @@ async def edit_images(request: Request, ctx: ApiContext = Depends(get_context)) 
     arrival, api_id = _start(request)
     require_content_type(request, "multipart/form-data")
     form = await request.form(max_files=8, max_fields=_MAX_FORM_FIELDS)
-    images = [await _read_upload(value, "image") for name in ("image", "image[]") for value in form.getlist(name)]
+    images = [await read_upload(value, "image") for name in ("image", "image[]") for value in form.getlist(name)]
     if not images:
         raise InvalidRequestError("Missing required parameter: 'image'.", "image")
     image, references = images[0], images[1:]  # models that take several images read the others as references
     mask_field = _only_upload(form, ("mask",), "mask")
-    mask = None if mask_field is None else await _read_upload(mask_field, "mask")
+    mask = None if mask_field is None else await read_upload(mask_field, "mask")
     params = ImageEditRequest.model_validate(text_fields(form), context=ctx.validation_context)
     _log_ignored(params)
     if params.size == "auto":
@@ -100,7 +100,7 @@ async def register_template(request: Request, ctx: ApiContext = Depends(get_cont
     if sent is not None:
         raise InvalidRequestError(f"Invalid value for '{sent}': a template is recorded whole, once, and answers "
                                   "with its id, not an image; leave it out.", sent)
-    image = await _read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
+    image = await read_upload(_only_upload(form, ("image", "image[]"), "image"), "image")
     params = ImageEditRequest.model_validate({**text_fields(form), "template_cache": "true"},
                                              context=ctx.validation_context)
     if params.size == "auto":
@@ -268,7 +268,7 @@ def _log_ignored_once(name: str) -> None:
     logger.warning("field %s is accepted and ignored: %s", name, IGNORED_FIELDS[name])
 
 
-async def _read_upload(value: UploadFile | str | None, param: str) -> bytes:
+async def read_upload(value: UploadFile | str | None, param: str) -> bytes:
     """The bytes of an uploaded file, still encoded: decoding is the engine's job."""
     if value is None:
         raise InvalidRequestError(f"Missing required parameter: '{param}'.", param)

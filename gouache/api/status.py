@@ -23,6 +23,7 @@ class Clips(BaseModel):
     frame_step: int  # frames are 1 + a multiple of this
     max_frames: int
     fps: int  # frames per second when a request names none
+    from_image: bool = False  # image-to-video: each request sends its first frame (`input_reference`)
 
 
 class RequestKinds(BaseModel):

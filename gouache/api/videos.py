@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -23,11 +25,12 @@ from starlette.datastructures import FormData
 
 from gouache.api.context import ApiContext, get_context
 from gouache.api.errors import NotFoundError
-from gouache.api.images import check_model, require_content_type, submit, tenant_of, text_fields
+from gouache.api.images import check_model, read_upload, require_content_type, submit, tenant_of, text_fields
 from gouache.api.protocol import VideoCreateRequest
 from gouache.api.streaming import sse
 from gouache.api.video_store import Video
 from gouache.errors import InvalidRequestError
+from gouache.model_info import ModelInfo
 from gouache.outputs import ErrorEvent, ImageEvent, PartialImageEvent, ProgressEvent
 
 if TYPE_CHECKING:
@@ -47,16 +50,16 @@ async def create_video(request: Request, ctx: ApiContext = Depends(get_context))
     require_content_type(request, "multipart/form-data", also=("application/json",))
     if request.headers.get("content-type", "").startswith("application/json"):
         fields, strict = _json_object(await request.body()), True
+        reference = _reference_object(fields.pop("input_reference", None), ctx)
     else:  # OpenAI's client: a form, every field text
         form = await request.form(max_files=1, max_fields=_MAX_FORM_FIELDS)
-        fields, strict = {**text_fields(form, files=("input_reference",)), **_reference(form)}, False
-    if "input_reference" in fields:
-        raise InvalidRequestError(f"Invalid value for 'input_reference': '{ctx.engine.info.name}' makes clips from "
-                                  "text only (image-to-video is not served); leave it out.", "input_reference")
+        fields, strict = text_fields(form, files=("input_reference",)), False
+        reference = await _form_reference(form, fields, ctx)
     params = VideoCreateRequest.model_validate(fields, strict=strict, context=ctx.validation_context)
     check_model(ctx, params)
+    _check_reference(ctx.engine.info, reference)
     tenant = tenant_of(request)
-    job = params.to_request(video_id, ctx.engine.info, arrival, tenant)
+    job = replace(params.to_request(video_id, ctx.engine.info, arrival, tenant), image=reference)
     handle = await submit(ctx, tenant, [job])
     ctx.inflight.add(video_id, handle, lambda: ctx.tenants.release(tenant))
     video = Video(video_id, ctx.model_ids[0], params.prompt, f"{job.width}x{job.height}", job.num_frames, job.fps,
@@ -163,9 +166,56 @@ def _json_object(body: bytes) -> dict[str, Any]:
     return fields
 
 
-def _reference(form: FormData) -> dict[str, Any]:
-    """A form's `input_reference`, a file or text, if it sent one."""
-    return {"input_reference": True} if "input_reference" in form else {}
+async def _form_reference(form: FormData, fields: dict[str, str], ctx: ApiContext) -> bytes | None:
+    """A form's `input_reference`: a file, or OpenAI's reference object as the fields
+    `input_reference[image_url]` or `input_reference[file_id]` (taken out of `fields`)."""
+    if "input_reference" in form:
+        return await read_upload(form["input_reference"], "input_reference")
+    parts = {key: fields.pop(f"input_reference[{key}]") for key in ("image_url", "file_id")
+             if f"input_reference[{key}]" in fields}
+    return _reference_object(parts, ctx) if parts else None
+
+
+def _reference_object(reference: Any, ctx: ApiContext) -> bytes | None:
+    """The image of OpenAI's reference object: `{"image_url": a base64 data URL}` or
+    `{"file_id": an image this server made for a url response}` (gouache fetches no URLs)."""
+    if reference is None:
+        return None
+    if not isinstance(reference, dict) or len(reference) != 1 or not {"image_url", "file_id"} >= reference.keys():
+        raise InvalidRequestError("Invalid value for 'input_reference': send the first frame as a file, or an object "
+                                  "of one field, image_url (a base64 data URL) or file_id.", "input_reference")
+    [(key, value)] = reference.items()
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"Invalid value for 'input_reference.{key}': must be a string.", "input_reference")
+    if key == "file_id":
+        stored = ctx.files.get(value)
+        if stored is None:
+            raise InvalidRequestError(f"Invalid value for 'input_reference.file_id': no file '{value}' (unknown or "
+                                      "expired); file ids are those of this server's url images.", "input_reference")
+        return stored.data
+    header, _, encoded = value.partition(",")
+    if not header.startswith("data:") or not header.endswith(";base64"):
+        raise InvalidRequestError("Invalid value for 'input_reference.image_url': gouache fetches no URLs; send a "
+                                  "base64 data URL (data:image/png;base64,...) or the image as a file.",
+                                  "input_reference")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("Invalid value for 'input_reference.image_url': its data is not valid base64.",
+                                  "input_reference") from None
+
+
+def _check_reference(info: ModelInfo, reference: bytes | None) -> None:
+    """An image-to-video model takes a first frame with every clip, a text-to-video one none."""
+    if info.clips is None:
+        return  # the model makes images: `to_request` says so
+    if reference is None and info.clips.from_image:
+        raise InvalidRequestError(f"Missing required parameter: 'input_reference': '{info.name}' makes a clip from "
+                                  "its first frame; send it (a PNG, JPEG or WebP, resized to the clip's size).",
+                                  "input_reference")
+    if reference is not None and not info.clips.from_image:
+        raise InvalidRequestError(f"Invalid value for 'input_reference': '{info.name}' makes clips from text only "
+                                  "(an image-to-video model takes a first frame); leave it out.", "input_reference")
 
 
 def _video(ctx: ApiContext, request: Request, video_id: str) -> Video:

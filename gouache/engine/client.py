@@ -23,7 +23,7 @@ from gouache.engine.codecs import CodecPool
 from gouache.engine.core import EngineCore, PoolLost, StepReport
 from gouache.engine.handle import RequestHandle
 from gouache.engine.heap_trim import HeapTrimmer
-from gouache.engine.imaging import DecodeError, decode_edit, encode_image
+from gouache.engine.imaging import DecodeError, decode_edit, decode_reference, encode_image
 from gouache.engine.stages import Stage
 from gouache.engine.status import StatusBook
 from gouache.engine.video import encode_clip
@@ -185,7 +185,7 @@ class AsyncEngine(AdapterCalls):
             self._check_size(request)
         self._check_capacity(requests)
         controls = await self.check_adapters(requests[0])
-        decoded = await self._decode_edit(requests[0]) if requests[0].is_edit else None
+        decoded = await self._decode_upload(requests[0]) if requests[0].is_edit else None
         api_id = requests[0].api_id
         handle = RequestHandle(api_id, len(requests), self._loop, lambda: self._cancel(api_id))
         with self._lock:
@@ -253,9 +253,11 @@ class AsyncEngine(AdapterCalls):
         if self.info.sizes is not None and request.shape not in self.info.sizes:
             raise InvalidRequestError(unpriced_message(self.info.sizes, request.shape), "size")
 
-    async def _decode_edit(self, request: ImageRequest) -> Upload:
+    async def _decode_upload(self, request: ImageRequest) -> Upload:
+        """An edit's uploads, or a clip's first frame, decoded in a codec process."""
+        decode = decode_reference if self.info.clips is not None else decode_edit
         result = await asyncio.wrap_future(self.codecs.submit(
-            decode_edit, request, self.config.max_upload_pixels, self.info.size_step))
+            decode, request, self.config.max_upload_pixels, self.info.size_step))
         if isinstance(result, DecodeError):
             raise InvalidRequestError(result.message, param=result.param)
         return result

@@ -109,12 +109,27 @@ def decode_edit(request: ImageRequest, max_pixels: int, min_side: int = 1) -> Up
             return DecodeError(f"mask is {mask_image.width}x{mask_image.height} but image is "
                                f"{image.width}x{image.height}; they must match", "mask")
     mask = _repaint_region(image, mask_image)
+    if image.size != (width, height):
+        mask = np.asarray(Image.fromarray((mask * 255).astype(np.uint8))
+                          .resize((width, height), Image.Resampling.NEAREST)) / 255.0
+    return Upload(_rgb_at(image, width, height), EditMask(mask.astype(np.float32)), tuple(decoded))
+
+
+def decode_reference(request: ImageRequest, max_pixels: int, *_) -> Upload | DecodeError:
+    """Decode and validate a clip's first frame (`input_reference`) and resize it to the clip's
+    size, as an edit's image is; it has no mask (transparency is no region of a first frame)."""
+    image = _open(request.image, "input_reference", max_pixels)
+    if isinstance(image, DecodeError):
+        return image
+    return Upload(_rgb_at(image, request.width, request.height))
+
+
+def _rgb_at(image: Image.Image, width: int, height: int) -> np.ndarray:
+    """An upload as uint8 [height, width, 3], resized (bicubic) if it is another size."""
     rgb = image.convert("RGB")
     if rgb.size != (width, height):
         rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
-        mask = np.asarray(Image.fromarray((mask * 255).astype(np.uint8))
-                          .resize((width, height), Image.Resampling.NEAREST)) / 255.0
-    return Upload(np.asarray(rgb, dtype=np.uint8), EditMask(mask.astype(np.float32)), tuple(decoded))
+    return np.asarray(rgb, dtype=np.uint8)
 
 
 def decode_controls(images: list[bytes], width: int, height: int, max_pixels: int) -> list[np.ndarray] | DecodeError:

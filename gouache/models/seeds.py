@@ -14,7 +14,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Per-component seeds: a component's weights depend only on its own seed, never on what was
 # built before it in the same process.
-SEED_DENOISER, SEED_VAE, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3 = 0, 1, 2, 3, 4
+SEED_DENOISER, SEED_VAE, SEED_TEXT, SEED_TEXT_2, SEED_TEXT_3, SEED_IMAGE = 0, 1, 2, 3, 4, 5
 
 
 def seeded(seed: int, build: Callable[[], T]) -> T:

@@ -56,7 +56,7 @@ from gouache.models.seeds import (
     torch_dtype,
 )
 from gouache.models.tokenizer import build_tokenizer
-from gouache.models.wan import build_tiny_wan
+from gouache.models.wan import build_tiny_wan, build_tiny_wan_i2v
 from gouache.models.zimage import build_tiny_zimage
 
 CLIP_MAX_LENGTH = 77  # CLIP's context, which the SD pipelines pad every prompt to
@@ -98,6 +98,9 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
                                              "4 images as references (instruction edits)"),
     "tiny-wan": BuiltinSpec("wan", "Wan 2.1-style text-to-video DiT (3D RoPE over frames), UMT5 text encoder, "
                                    "causal 3D VAE, UniPC; clips through /v1/videos", default_size=128),
+    "tiny-wan-i2v": BuiltinSpec("wan", "tiny-wan in Wan 2.1's image-to-video pipeline: a clip from its first frame "
+                                       "(input_reference), a CLIP vision encoder's states attended beside the text",
+                                default_size=128),
     "tiny-sd-inpaint": BuiltinSpec("sd", "SD1.5-style inpainting pipeline, 9-channel UNet"),
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
@@ -370,6 +373,7 @@ BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "tiny-flux2-klein": build_tiny_flux2_klein,
     "tiny-zimage": lambda: build_tiny_zimage(tiny_vae(16, scaling_factor=0.3611, shift_factor=0.1159)),
     "tiny-wan": build_tiny_wan,
+    "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-sd-inpaint": lambda: build_tiny_sd(inpaint=True),
     "tiny-sdxl-inpaint": lambda: build_tiny_sdxl(inpaint=True),
     "shapes-unet": build_shapes_unet,

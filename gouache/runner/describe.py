@@ -16,6 +16,7 @@ from diffusers import (
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     UNet2DConditionModel,
+    WanImageToVideoPipeline,
     WanTransformer3DModel,
     ZImageTransformer2DModel,
 )
@@ -31,7 +32,7 @@ UNSERVED: dict[str, dict[str, str]] = {
              "template": "no template replay is built for its transformer yet"}
     for family in ("qwenimage", "zimage", "flux2")
 }
-UNSERVED["wan"] = {"template": "a template replays an image edit's unmasked tokens; Wan makes clips from text"}
+UNSERVED["wan"] = {"template": "a template replays an image edit's unmasked tokens; Wan makes clips, not edits"}
 CFG_FROM = {"zimage": 0.0}  # guidance_scale above which classifier-free guidance runs, where not 1
 # Least steps a family's schedule takes, where more than 1: Qwen-Image's stretches its sigmas to end
 # at its shift_terminal, which one step divides by zero (its pipelines give NaN)
@@ -87,6 +88,12 @@ def max_input_images(pipe: DiffusionPipeline) -> int:
     return 3 if isinstance(pipe, QwenImageEditPlusPipeline) else 1
 
 
+def image_to_video(pipe: DiffusionPipeline) -> bool:
+    """Whether the model makes a clip from its first frame (Wan's image-to-video), which each
+    request then sends (`input_reference`)."""
+    return isinstance(pipe, WanImageToVideoPipeline)
+
+
 def generations(pipe: DiffusionPipeline) -> bool:
     """Whether the model makes images from text alone (Qwen-Image-Edit's pipelines need an image)."""
     return not isinstance(pipe, QwenImageEditPipeline | QwenImageEditPlusPipeline)
@@ -125,7 +132,8 @@ def clip_rules(pipe: DiffusionPipeline, family: str) -> ClipRules | None:
         return None
     step = pipe.vae_scale_factor_temporal
     placed = 1 + step * (denoiser(pipe).config.rope_max_seq_len - 1)
-    return ClipRules(frame_step=step, max_frames=min(placed, MAX_FRAMES), fps=FPS[family])
+    return ClipRules(frame_step=step, max_frames=min(placed, MAX_FRAMES), fps=FPS[family],
+                     from_image=image_to_video(pipe))
 
 
 def model_info(pipe: DiffusionPipeline, name: str) -> ModelInfo:

@@ -13,7 +13,8 @@ duration of the forward:
 - position: the model's RoPE is read off its input's shape; `PackedRotary` makes each clip
   shape's own 3D RoPE (frames, rows, columns) instead;
 - attention: self-attention within each clip (clips of one shape in one call), cross-attention
-  of each clip's tokens to its own 512 text rows (`PackedWanAttnProcessor`).
+  of each clip's tokens to its own 512 text rows, and an image-to-video clip's to its own image
+  states too (`PackedWanAttnProcessor`).
 
 Under the block cache the units are tokens (`token_rows`): a block runs on the tokens whose input
 changed, each clip's self-attention taking the others' keys and values from the cache's
@@ -70,24 +71,30 @@ class PackedConditions(nn.Module):
 class PackedWanAttnProcessor:
     """WanAttnProcessor over packed rows [S, 1, D]: self-attention within each clip, cross-attention
     of each clip's tokens to its own text (`encoder_hidden_states` [clips, L, D] in caller order,
-    as every other per-clip input: a LoRA's rows are told apart by it)."""
+    as every other per-clip input: a LoRA's rows are told apart by it); in an image-to-video
+    model, the rows before the text's last `text_length` are the clip's image states, attended
+    through the layer's own projections (add_k_proj, add_v_proj) and added."""
 
-    def __init__(self, packing: Packing):
-        self.packing = packing
+    def __init__(self, packing: Packing, text_length: int):
+        self.packing, self.text_length = packing, text_length
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        if attention_mask is not None or attn.add_k_proj is not None or attn.fused_projections:
-            raise NotImplementedError("packed Wan attention takes no mask, image context or fused projections")
+        if attention_mask is not None or attn.fused_projections:
+            raise NotImplementedError("packed Wan attention takes no mask or fused projections")
         rows = hidden_states[:, 0]  # every token's, or under the block cache the computed ones' (`subset`)
         query = split_heads(attn, attn.norm_q(attn.to_q(rows)))
         if encoder_hidden_states is None:
             key, value = self.self_kv(attn, rows)
             out, _ = self.packing.attend((query, key, value), None, text_first=False, rope=rotary_emb)
-        else:
-            key = split_heads(attn, attn.norm_k(attn.to_k(encoder_hidden_states)))
-            value = split_heads(attn, attn.to_v(encoder_hidden_states))
-            out = self.cross(query, key, value)
-        return attn.to_out[1](attn.to_out[0](out.type_as(query)[:, None]))
+            return attn.to_out[1](attn.to_out[0](out.type_as(query)[:, None]))
+        image, text = encoder_hidden_states.split(
+            [encoder_hidden_states.shape[1] - self.text_length, self.text_length], dim=1)
+        key = split_heads(attn, attn.norm_k(attn.to_k(text)))
+        out = self.cross(query, key, split_heads(attn, attn.to_v(text))).type_as(query)
+        if attn.add_k_proj is not None:
+            key = split_heads(attn, attn.norm_added_k(attn.add_k_proj(image)))
+            out = out + self.cross(query, key, split_heads(attn, attn.add_v_proj(image))).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out[:, None]))
 
     def self_kv(self, attn, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [S, H, d] of every token: under the block cache, those of the reused
@@ -119,28 +126,30 @@ class PackedWanAttnProcessor:
 
 def packed_wan_forward(transformer: nn.Module, samples: list[torch.Tensor], timestep: torch.Tensor,
                        encoder_hidden_states: torch.Tensor, whole_batches: bool = True,
-                       cache: CachedForward | None = None) -> list[torch.Tensor]:
+                       cache: CachedForward | None = None,
+                       encoder_hidden_states_image: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Wan's transformer over clips of mixed lengths and sizes in one forward.
 
-    samples: per row (caller order) its latents [C, F, H, W]; timestep [rows]; encoder_hidden_states
-    [rows, L, D]. Returns each row's prediction [C, F, H, W], equal to its own forward's. With a
-    `cache`, blocks reuse cached outputs per clip (one shape: the model's own batch) or per token."""
+    samples: per row (caller order) its input [C, F, H, W]; timestep [rows]; encoder_hidden_states
+    [rows, L, D]; an image-to-video model's encoder_hidden_states_image [rows, I, D']. Returns each
+    row's prediction [C_out, F, H, W], equal to its own forward's. With a `cache`, blocks reuse
+    cached outputs per clip (one shape: the model's own batch) or per token."""
     p_t, p_h, p_w = transformer.config.patch_size
     shapes = [(f // p_t, h // p_h, w // p_w) for f, h, w in (x.shape[1:] for x in samples)]
+    inputs = {"timestep": timestep, "encoder_hidden_states": encoder_hidden_states,
+              "encoder_hidden_states_image": encoder_hidden_states_image, "return_dict": False}
     if whole_batches and len(set(shapes)) == 1:
         with cached_blocks(transformer, cache and cache.begin()):
-            out = transformer(hidden_states=torch.stack(samples), timestep=timestep,
-                              encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
-        return list(out)
+            return list(transformer(hidden_states=torch.stack(samples), **inputs)[0])
     packing = Packing.build(shapes, 0, samples[0].device)  # the text is no row: it enters by cross-attention
     swaps = [(transformer, "rope", PackedRotary(transformer.rope, packing)),
              (transformer, "condition_embedder", PackedConditions(transformer.condition_embedder,
                                                                   packing.image_index))]
     tokens = packing.pack([patches(x, (p_t, p_h, p_w)) for x in samples])
-    with (swapped(transformer, PackedWanAttnProcessor(packing), WanAttnProcessor, swaps),
+    processor = PackedWanAttnProcessor(packing, encoder_hidden_states.shape[1])
+    with (swapped(transformer, processor, WanAttnProcessor, swaps),
           cached_blocks(transformer, token_pass(cache, packing), "token_rows", packing)):
-        out = transformer(hidden_states=tokens, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                          return_dict=False)[0]
+        out = transformer(hidden_states=tokens, **inputs)[0]
     return [unpatch(part, shape) for part, shape in zip(packing.unpack(out), shapes)]
 
 

@@ -180,7 +180,7 @@ def metric(url: str, name: str) -> float:
 def test_the_model_card_status_and_metrics_count_clips_and_their_frames(server_url):
     [card] = httpx.get(f"{server_url}/v1/models").json()["data"]
     kinds = card["gouache"]["kinds"]
-    assert kinds["video"] == {"frame_step": 4, "max_frames": 161, "fps": 16}
+    assert kinds["video"] == {"frame_step": 4, "max_frames": 161, "fps": 16, "from_image": False}
     assert not (kinds["generation"] or kinds["masked_edit"] or kinds["instruction_edit"])
     before = httpx.get(f"{server_url}/v1/status").json()
     videos, frames = metric(server_url, "gouache_videos_total"), metric(server_url, "gouache_video_frames_total")
@@ -193,6 +193,41 @@ def test_the_model_card_status_and_metrics_count_clips_and_their_frames(server_u
     assert metric(server_url, "gouache_videos_total") - videos == 1
     assert metric(server_url, "gouache_video_frames_total") - frames == 13
     assert metric(server_url, "gouache_images_total") == 0
+
+
+def png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.linear_gradient("L").resize((width, height)).convert("RGB").save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.slow
+def test_an_image_to_video_model_makes_a_clip_from_the_openai_clients_input_reference():
+    with running_server("--model", "tiny-wan-i2v") as url:
+        [card] = httpx.get(f"{url}/v1/models").json()["data"]
+        assert card["gouache"]["kinds"]["video"]["from_image"] is True
+        videos = client(url).videos
+        made = videos.create(prompt="a fox turns", size="80x64", input_reference=("first.png", png(120, 96)),
+                             extra_body={"num_frames": 5, "num_inference_steps": 2})
+        assert wait(videos, made.id).status == "completed"
+        with av.open(io.BytesIO(videos.download_content(made.id).content)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(frames) == 5 and frames[0].shape == (64, 80, 3)
+        body = {"prompt": "a fox", "size": "64x64", "num_frames": 1, "num_inference_steps": 1}
+        data_url = "data:image/png;base64," + base64.b64encode(png(64, 64)).decode()
+        made = httpx.post(f"{url}/v1/videos", json={**body, "input_reference": {"image_url": data_url}}, timeout=60)
+        assert made.status_code == 200 and wait(videos, made.json()["id"]).status == "completed", made.text
+        for reference, message in ((None, "Missing required parameter"), ({"image_url": "https://a/b.png"},
+                                   "fetches no URLs"), ({"file_id": "file-x"}, "no file 'file-x'"),
+                                   ({"image_url": "data:image/png;base64,bm90IGFuIGltYWdl"}, "not a readable")):
+            bad = body if reference is None else {**body, "input_reference": reference}
+            response = httpx.post(f"{url}/v1/videos", json=bad, timeout=60)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == "input_reference", response.text
+            assert message in error["message"], error
+        form = {"prompt": (None, "a fox"), "input_reference[file_id]": (None, "file-y")}  # the client's object
+        response = httpx.post(f"{url}/v1/videos", files=form, timeout=60)
+        assert response.status_code == 400 and "no file 'file-y'" in response.json()["error"]["message"]
 
 
 def video(video_id: str, nbytes: int = 0, tenant: str = "") -> Video:

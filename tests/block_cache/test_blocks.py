@@ -77,27 +77,30 @@ def max_diffs_of(outs, model, inputs, reference) -> list[float]:
     return [(o - reference(model, inputs, i)).abs().max().item() for i, o in enumerate(outs)]
 
 
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-wan-i2v"])
 @pytest.mark.parametrize("shapes", [[(2, 4, 4), (3, 4, 6)], [(2, 4, 4), (2, 4, 4)]], ids=["tokens", "whole-clips"])
-def test_an_unchanged_clip_is_reused_in_a_wan_forward_and_its_batch_mate_stays_exact(shapes):
-    """Wan: per token in a packed forward of clips of two shapes, per clip in the model's own batch."""
+def test_an_unchanged_clip_is_reused_in_a_wan_forward_and_its_batch_mate_stays_exact(shapes, name):
+    """Wan: per token in a packed forward of clips of two shapes, per clip in the model's own batch;
+    image-to-video with each clip's first frame's states."""
     from gouache.runner.pack_wan import packed_wan_forward
 
-    model = load_pipeline("tiny-wan").transformer
+    model = load_pipeline(name).transformer
     g = torch.Generator().manual_seed(0)
-    samples = [torch.randn(16, *shape, generator=g) for shape in shapes]
+    samples = [torch.randn(model.config.in_channels, *shape, generator=g) for shape in shapes]
     timestep, text = torch.tensor([500.0, 400.0]), torch.randn(2, 512, model.config.text_dim, generator=g)
+    image = None if model.config.image_dim is None else torch.randn(2, 17, model.config.image_dim, generator=g)
     cache = BlockCache(BlockCacheConfig(max_reuse=3))
     request = CachedForward(cache, (("a", 0), ("b", 0)), (0.05, 0.05))
 
     def own(i, x):
         return model(hidden_states=x[None], timestep=timestep[i:i + 1], encoder_hidden_states=text[i:i + 1],
-                     return_dict=False)[0][0]
+                     encoder_hidden_states_image=None if image is None else image[i:i + 1], return_dict=False)[0][0]
 
     with torch.no_grad():
-        first = packed_wan_forward(model, samples, timestep, text, cache=request)
+        first = packed_wan_forward(model, samples, timestep, text, cache=request, encoder_hidden_states_image=image)
         assert max((o - own(i, x)).abs().max() for i, (o, x) in enumerate(zip(first, samples))) <= TOL
         samples = [samples[0], torch.randn(samples[1].shape, generator=g)]  # a's input again, b's new
-        again = packed_wan_forward(model, samples, timestep, text, cache=request)
+        again = packed_wan_forward(model, samples, timestep, text, cache=request, encoder_hidden_states_image=image)
         assert (again[1] - own(1, samples[1])).abs().max() <= TOL
         units = shapes[0][0] * shapes[0][1] * shapes[0][2] // 4 if shapes[0] != shapes[1] else 1  # 2x2 a token
         assert cache.reused == units * len(cacheable_blocks(model))

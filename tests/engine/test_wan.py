@@ -27,6 +27,7 @@ from gouache.runner.pack_wan import packed_wan_forward, patches, unpatch
 from gouache.sched.costmodel import BatchCostModel
 from gouache.sched.plan import Batch
 from gouache.sched.policies import make_policy
+from gouache.uploads import Upload
 from tests.engine.conftest import DTYPE
 from tests.engine.test_exactness import TOLERANCE, run_engine
 
@@ -232,11 +233,12 @@ def test_the_block_cache_reuses_clips_or_tokens_in_a_step_of_mixed_clips_and_kee
     assert (runner.states["exact"].latents - alone.states["exact"].latents).abs().max() <= TOLERANCE[DTYPE]
 
 
-def test_compiled_clip_steps_run_the_warmed_row_graph_and_equal_eager_ones(pipes):
+@pytest.mark.parametrize("model", [MODEL, "tiny-wan-i2v"])
+def test_compiled_clip_steps_run_the_warmed_row_graph_and_equal_eager_ones(pipes, model):
     from gouache.config import CompileConfig
 
     config = CompileConfig(enabled=True, sizes=((32, 48, 9),), buckets=(2, 4), backend="eager", background=False)
-    compiled, eager = ModelRunner(pipes(MODEL), compile=config), ModelRunner(pipes(MODEL))
+    compiled, eager = ModelRunner(pipes(model), compile=config), ModelRunner(pipes(model))
     compiled.warm_up(32)
     requests = [clip("a", 1, 3, frames=9, width=48), clip("b", 2, 3, frames=9, width=48, prompt="a blue sky")]
     reports = []
@@ -268,7 +270,7 @@ def test_compile_sizes_of_clips_are_refused_at_start_where_the_model_cannot_make
 
 
 def test_wan_2_2s_second_expert_and_per_token_timesteps_are_refused_not_served_wrong(pipes):
-    from diffusers import WanPipeline
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     from gouache.models.wan import tiny_wan_transformer
 
@@ -277,3 +279,62 @@ def test_wan_2_2s_second_expert_and_per_token_timesteps_are_refused_not_served_w
     for extra in ({"transformer_2": tiny_wan_transformer(), "boundary_ratio": 0.875}, {"expand_timesteps": True}):
         with pytest.raises(ValueError, match="Wan 2.2's"):
             ModelRunner(WanPipeline(**parts, **extra))
+    i2v = pipes("tiny-wan-i2v")
+    parts = {name: getattr(i2v, name) for name in ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")}
+    with pytest.raises(ValueError, match="no CLIP image encoder"):  # Wan 2.2 A14B's image-to-video
+        ModelRunner(WanImageToVideoPipeline(**parts))
+    flf2v = tiny_wan_transformer(image_to_video=True)
+    flf2v.register_to_config(pos_embed_seq_len=2 * 17)
+    with pytest.raises(ValueError, match="first-last-frame"):
+        ModelRunner(WanImageToVideoPipeline(**{**parts, "transformer": flf2v}, image_encoder=i2v.image_encoder,
+                                            image_processor=i2v.image_processor))
+
+
+# -- image-to-video (`WanImageToVideoFamily`) ------------------------------------------------------
+
+I2V = "tiny-wan-i2v"
+
+
+def first_frame(seed: int, width: int, height: int) -> Upload:
+    """A smooth random picture at the clip's size (the engine's upload; the pipeline resizes none)."""
+    coarse = np.random.default_rng(seed).integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return Upload(np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BILINEAR)))
+
+
+def i2v_reference(pipe, r: ImageRequest, upload: Upload, output_type: str = "latent"):
+    return pipe(image=Image.fromarray(upload.image), prompt=r.prompt, negative_prompt=r.negative_prompt,
+                height=r.height, width=r.width, num_frames=r.num_frames, num_inference_steps=r.num_inference_steps,
+                guidance_scale=r.guidance_scale, generator=torch.Generator().manual_seed(r.seed),
+                output_type=output_type).frames
+
+
+@pytest.mark.parametrize("policy", ["orca", "patched"])
+def test_image_to_video_matches_its_pipeline_beside_clips_of_other_lengths_sizes_and_first_frames(pipes, policy):
+    pipe = pipes(I2V)
+    main = clip("main", seed=7, steps=3)
+    others = [clip("long", seed=1, steps=2, frames=9, width=48, prompt="blue sky"),
+              clip("still", seed=2, steps=2, frames=1, height=48), clip("nocfg", seed=3, steps=2, guidance=1.0)]
+    uploads = {r.request_id: first_frame(k, r.width, r.height) for k, r in enumerate([main, *others])}
+    pair = {r.request_id: (r, {"upload": uploads[r.request_id]}) for r in [main, *others]}
+    batched = run_engine(pipe, {0: [pair["long"], pair["main"]], 1: [pair["still"], pair["nocfg"]]}, policy)
+    errors = {rid: (batched[rid] - i2v_reference(pipe, r, uploads[rid])).abs().max().item()
+              for rid, (r, _) in pair.items()}
+    assert max(errors.values()) <= TOLERANCE[DTYPE], errors
+    # the first frame steers the clip: another one gives other latents
+    other = run_engine(pipe, {0: [(main, {"upload": first_frame(9, 32, 32)})]}, policy)["main"]
+    assert (other - batched["main"]).abs().max() > 0.01
+
+
+def test_image_to_video_decoded_frames_match_the_pipelines(pipes):
+    pipe = pipes(I2V)
+    runner = ModelRunner(pipe)
+    r = clip("clip", seed=5, steps=2, frames=5, width=48)
+    upload = first_frame(0, 48, 32)
+    runner.prepare(r, upload)
+    for _ in range(2):
+        runner.execute(Batch(("clip",)))
+    state = runner.states["clip"]
+    [got] = runner.family.decode_many([state], [state.latents])
+    expected = i2v_reference(pipe, r, upload, "np")[0]
+    assert got.shape == (5, 32, 48, 3)
+    assert np.abs(got.astype(np.float32) / 255 - expected).max() <= 2 / 255

@@ -24,7 +24,7 @@ GRAIN = (r".*(resnets\.\d+\.conv\d|pos_embed\.proj|(ffn?|img_mlp|txt_mlp)\.net\.
 
 
 @pytest.fixture(scope="module", params=["tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-qwen-image",
-                                                  "tiny-zimage", "tiny-flux2-klein", "tiny-wan"])
+                                                  "tiny-zimage", "tiny-flux2-klein", "tiny-wan", "tiny-wan-i2v"])
 def model(request):
     return request.param
 

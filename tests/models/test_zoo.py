@@ -6,6 +6,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ SIZE = 64  # pixels: the smallest size every tiny model accepts (8 latents; Flux
 
 def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
     """Two-step latent generation; inpainting pipelines get a grey image and a full mask, Kontext
-    keeps the size (it would scale it to a megapixel), Wan makes a clip of 5 frames (2 latent ones)."""
+    keeps the size (it would scale it to a megapixel), Wan makes a clip of 5 frames (2 latent ones),
+    image-to-video from a grey first frame."""
     extra = {}
     if "Inpaint" in type(pipe).__name__:
         extra = dict(
@@ -35,6 +37,8 @@ def generate(pipe, prompt: str = "a red fox", seed: int = 0) -> torch.Tensor:
         extra = dict(max_area=SIZE * SIZE)
     if "Wan" in type(pipe).__name__:
         extra = dict(num_frames=5)
+    if "WanImageToVideo" in type(pipe).__name__:
+        extra["image"] = Image.new("RGB", (SIZE, SIZE), (128, 64, 32))
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
         prompt=prompt,
@@ -81,7 +85,7 @@ def test_denoiser_weights_and_output_are_not_degenerate(pipes, name):
     net = denoiser(pipes[name])
     zero = [n for n, p in net.named_parameters() if p.dim() >= 2 and not p.any()]
     assert zero == []
-    for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"):
+    for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae"):
         module = getattr(pipes[name], component, None)
         if module is not None:
             assert all(p.any() for p in module.parameters() if p.dim() >= 2), component
@@ -162,12 +166,13 @@ def test_unknown_model_names_the_builtins(tmp_path):
         assert "local diffusers directory" in err.value.message
 
 
-def test_tiny_wan_is_described_as_a_video_model(pipes):
+def test_the_tiny_wans_are_described_as_video_models(pipes):
     info = model_info(pipes["tiny-wan"], "tiny-wan")
     assert (info.family, info.size_step, info.token_pixels) == ("wan", 16, 16)
     assert (info.default_guidance, info.uses_cfg, info.generation) == (5.0, True, True)
-    assert (info.clips.frame_step, info.clips.max_frames, info.clips.fps) == (4, 161, 16)
-    assert all(model_info(pipe, name).clips is None for name, pipe in pipes.items() if name != "tiny-wan")
+    assert (info.clips.frame_step, info.clips.max_frames, info.clips.fps, info.clips.from_image) == (4, 161, 16, False)
+    assert model_info(pipes["tiny-wan-i2v"], "tiny-wan-i2v").clips == replace(info.clips, from_image=True)
+    assert all(model_info(pipe, name).clips is None for name, pipe in pipes.items() if not name.startswith("tiny-wan"))
 
 
 def test_model_info_of_builtins(pipes):
@@ -176,11 +181,11 @@ def test_model_info_of_builtins(pipes):
     # the router counts an edit's tokens in the family's own (a UNet's latent pixel, a DiT's patch)
     assert {n: i.token_pixels for n, i in info.items()} == {n: make_family(pipes[n], None).token_pixels for n in info}
     assert {n: (i.default_size, i.default_steps) for n, i in info.items()} == {
-        n: (128 if n == "tiny-wan" else 256, 20) for n in info}  # a clip is many images
+        n: (128 if n.startswith("tiny-wan") else 256, 20) for n in info}  # a clip is many images
     guidance = {n: i.default_guidance for n, i in info.items() if "inpaint" not in n}
     assert guidance == {"tiny-sd": 7.5, "tiny-sdxl": 5.0, "tiny-sd3": 7.0, "tiny-flux": 3.5, "tiny-flux-kontext": 3.5,
                         "tiny-qwen-image": 4.0, "tiny-qwen-image-edit": 4.0, "tiny-qwen-image-edit-plus": 4.0,
-                        "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0, "tiny-wan": 5.0}
+                        "tiny-zimage": 5.0, "tiny-flux2-klein": 4.0, "tiny-wan": 5.0, "tiny-wan-i2v": 5.0}
     assert [n for n, i in info.items() if not i.uses_cfg] == ["tiny-flux", "tiny-flux-kontext"]
     edits = ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus"]
     assert [n for n, i in info.items() if i.instruction_edit] == ["tiny-flux-kontext", *edits, "tiny-flux2-klein"]

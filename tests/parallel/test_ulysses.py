@@ -67,6 +67,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "flux-4-heads": flux_4_heads,
     "sd35-4-heads": sd35_4_heads,
     "tiny-wan": lambda: load_pipeline("tiny-wan").transformer,  # 2 heads
+    "tiny-wan-i2v": lambda: load_pipeline("tiny-wan-i2v").transformer,  # its first frame's CLIP states attended too
     "wan-4-heads": wan_4_heads,
 }
 
@@ -80,8 +81,11 @@ def inputs(model: torch.nn.Module, grid: tuple[int, int], seed: int = 0) -> dict
     if isinstance(model, WanTransformer3DModel):  # a clip: text by cross-attention only, no pooled vector
         p_t, p_h, p_w = config.patch_size
         latents = torch.randn(BATCH, config.in_channels, CLIP_FRAMES * p_t, h * p_h, w * p_w, generator=g)
+        text, image = TEXT_LEN, {}
+        if config.image_dim is not None:  # image-to-video: 17 CLIP states, before the text's 512 rows (it splits there)
+            text, image = 512, {"encoder_hidden_states_image": torch.randn(BATCH, 17, config.image_dim, generator=g)}
         return dict(hidden_states=latents, timestep=1000 * torch.rand(BATCH, generator=g),
-                    encoder_hidden_states=torch.randn(BATCH, TEXT_LEN, config.text_dim, generator=g))
+                    encoder_hidden_states=torch.randn(BATCH, text, config.text_dim, generator=g), **image)
     common = dict(
         encoder_hidden_states=torch.randn(BATCH, TEXT_LEN, config.joint_attention_dim, generator=g),
         pooled_projections=torch.randn(BATCH, config.pooled_projection_dim, generator=g),
