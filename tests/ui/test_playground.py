@@ -406,6 +406,7 @@ def test_a_video_model_opens_on_the_video_tab_and_plays_the_clip_it_made(browser
         assert css(browser, "#tab-video").is_displayed()
         assert not any(css(browser, f"[data-tab={tab}]").is_displayed() for tab in ("generate", "edit"))
         form = css(browser, "#video-form")
+        assert not form.find_element("name", "input_reference").is_displayed()  # text to video: no first frame
         fill(form, prompt="a red fox running", width=96, height=64, num_frames=9, num_inference_steps=30, seed=4,
              partial_images=2, fps=8)
         form.find_element("css selector", "button[type=submit]").click()
@@ -422,4 +423,25 @@ def test_a_video_model_opens_on_the_video_tab_and_plays_the_clip_it_made(browser
             "seed: v.closest('figure').dataset.seed}")
         assert (shown["width"], shown["height"], shown["seed"]) == (96, 64, "4")
         assert abs(shown["duration"] - 9 / 8) < 0.2  # 9 frames at 8 fps
+    assert console_errors(browser) == []
+
+
+def test_an_image_to_video_model_makes_the_clip_from_the_chosen_first_frame(browser, screenshot, tmp_path):
+    """tiny-wan-i2v: the Video tab offers a first frame and sends it (the server refuses a clip of
+    this model without one); the clip plays at the asked size."""
+    from tests.api.helpers import running_server
+
+    rng = np.random.default_rng(8)
+    Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).resize((64, 64)).save(tmp_path / "first.png")
+    with running_server("--model", "tiny-wan-i2v") as url:
+        open_page(browser, url, "")
+        wait(browser, lambda: css(browser, "#server-line").text == "serving tiny-wan-i2v")
+        form = css(browser, "#video-form")
+        fill(form, prompt="a fox turns", width=64, height=64, num_frames=5, num_inference_steps=2, seed=3)
+        form.find_element("name", "input_reference").send_keys(str(tmp_path / "first.png"))
+        form.find_element("css selector", "button[type=submit]").click()
+        wait(browser, lambda: browser.execute_script(
+            "const v = document.querySelector('#tab-video video'); return v && v.readyState >= 1"), timeout=120)
+        screenshot("video-from-image")
+        assert browser.execute_script("return document.querySelector('#tab-video video').videoWidth") == 64
     assert console_errors(browser) == []

@@ -16,7 +16,7 @@ const FIELDS = [
     title: "service tier: priority goes first (and pauses lower tiers), flex runs on spare capacity; auto: your key's" },
 ];
 
-// Optional numbers: left empty, the server's default applies.
+// Optional numbers (`optionalNumbers`): left empty, the server's default applies.
 const OPTIONAL = ["num_inference_steps", "guidance_scale", "seed"];
 
 export function field(spec) {
@@ -29,6 +29,7 @@ export function field(spec) {
     input.type = "number";
     input.step = spec.step ?? "1";
   }
+  if (spec.file) Object.assign(input, { type: "file", accept: "image/png,image/jpeg,image/webp" });
   if (spec.rows) input.rows = spec.rows;
   for (const option of spec.options ?? []) input.add(new Option(option, option));
   if (spec.placeholder) input.placeholder = spec.placeholder;
@@ -59,6 +60,9 @@ export function applyModels(form, models) {
     form.elements.strength.disabled = !defaults.kinds.img2img;
     form.elements.strength.placeholder = defaults.kinds.img2img ? "off" : "this model takes a mask only";
   }
+  if (form.elements.input_reference) { // the video tab: a first frame where the model makes clips from one
+    form.elements.input_reference.closest("label").hidden = !defaults.kinds.video?.from_image;
+  }
   if (form.elements.references) { // the edit tab: further images where the model takes several
     const more = defaults.kinds.max_input_images - 1;
     form.querySelector(".references").hidden = more < 1;
@@ -87,14 +91,15 @@ function adapterRow(kind, name) {
   scale.querySelector("input").className = "scale";
   row.append(title, scale);
   if (kind === "controlnet") {
-    const image = field({ name: `${kind}-${name}-image`, label: "Conditioning image (the image's size)", kind: "input" });
-    Object.assign(image.querySelector("input"), { type: "file", accept: "image/png,image/jpeg,image/webp", className: "image" });
+    const image = field({ name: `${kind}-${name}-image`, label: "Conditioning image (the image's size)", kind: "input",
+      file: true });
+    image.querySelector("input").className = "image";
     row.append(image);
   }
   return row;
 }
 
-const dataUrl = (file) => new Promise((resolve, reject) => {
+export const dataUrl = (file) => new Promise((resolve, reject) => {
   const reader = new FileReader();
   reader.onload = () => resolve(reader.result);
   reader.onerror = () => reject(reader.error);
@@ -120,6 +125,14 @@ async function readAdapters(form) {
 
 export const number = (value) => (value.trim() === "" || Number.isNaN(Number(value)) ? value : Number(value));
 
+// The optional numbers `names` of the fields `f` that are filled in, into `body` (left empty, the
+// server's default applies).
+export function optionalNumbers(body, f, names) {
+  for (const name of names) {
+    if (f[name].value.trim()) body[name] = number(f[name].value);
+  }
+}
+
 // The request body the fields describe (always streamed).
 export async function readParams(form) {
   const f = form.elements;
@@ -133,9 +146,7 @@ export async function readParams(form) {
   };
   if (f.negative_prompt.value.trim()) body.negative_prompt = f.negative_prompt.value;
   if (f.service_tier.value !== "auto") body.service_tier = f.service_tier.value;
-  for (const name of OPTIONAL) {
-    if (f[name].value.trim()) body[name] = number(f[name].value);
-  }
+  optionalNumbers(body, f, OPTIONAL);
   const { loras, controlnets } = await readAdapters(form);
   if (loras.length) body.loras = loras;
   if (controlnets.length) body.controlnets = controlnets;

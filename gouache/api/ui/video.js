@@ -1,9 +1,10 @@
 // The Video tab: a video model's clip through the videos API. POST /v1/videos answers at once;
 // GET /v1/videos/{id}/events streams its progress and previews; once completed, its MP4 plays
-// here (GET /v1/videos/{id}/content, fetched with the key). Cancel deletes it, which stops it.
+// here (GET /v1/videos/{id}/content, fetched with the key). Cancel deletes it, which stops it. An
+// image-to-video model's clip starts from the chosen first frame, sent as a data URL.
 
 import { deleteJson, getBlob, postJson, streamGet } from "./api.js";
-import { number } from "./form.js";
+import { dataUrl, number, optionalNumbers } from "./form.js";
 import { element, showError } from "./results.js";
 
 const KEPT = 4; // finished videos kept on screen
@@ -20,11 +21,13 @@ export const VIDEO_FIELDS = [
   { name: "guidance_scale", label: "Guidance", step: "any" },
   { name: "seed", label: "Seed", placeholder: "random" },
   { name: "partial_images", label: "Previews", value: 2, title: "previews of the first frame while it denoises (0-3)" },
+  { name: "input_reference", label: "First frame", kind: "input", file: true, wide: true,
+    title: "an image-to-video model's clip starts from it (resized to the clip's size)" },
 ];
 
 const OPTIONAL = ["fps", "num_inference_steps", "guidance_scale", "seed"];
 
-function readVideo(form) {
+async function readVideo(form) {
   const f = form.elements;
   const body = {
     prompt: f.prompt.value,
@@ -34,9 +37,9 @@ function readVideo(form) {
     partial_images: number(f.partial_images.value),
   };
   if (f.negative_prompt.value.trim()) body.negative_prompt = f.negative_prompt.value;
-  for (const name of OPTIONAL) {
-    if (f[name].value.trim()) body[name] = number(f[name].value);
-  }
+  optionalNumbers(body, f, OPTIONAL);
+  const [first] = f.input_reference.closest("label").hidden ? [] : f.input_reference.files;
+  if (first) body.input_reference = { image_url: await dataUrl(first) }; // OpenAI's reference object
   return body;
 }
 
@@ -122,7 +125,7 @@ export function videoTab(tab, onAuthError) {
     errorLine.hidden = true;
     let view = null;
     try {
-      const body = readVideo(form);
+      const body = await readVideo(form);
       const made = await postJson("/v1/videos", body, signal);
       current.id = made.id;
       cancel.hidden = false;
