@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help="the learning rate the warm-up reaches and the cosine decay starts from (default: the kind's "
                         "own, in train_KIND.json's schedule); a resumed run may want less than a fresh one")
+    p.add_argument("--timestep-shift", type=float, default=None,
+                   help="dit: the training noise levels' shift, logit-normal draws u as shift u / (1 + (shift - 1) u) "
+                        "(default: 3, the sampler's); 1 trains the low and middle noise levels more")
     p.add_argument("--device", default="cpu",
                    help="torch device to train on, e.g. cuda (default: %(default)s); a GPU draws other random numbers "
                         "than the CPU, so its weights differ from the CPU's for the same seed")
@@ -71,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     if args.lr is not None and not 0 < args.lr < math.inf:
         raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if args.timestep_shift is not None and args.kind != "dit":
+        raise ValueError(f"--timestep-shift is the dit's; {args.kind} trains at its own noise levels")
+    if args.timestep_shift is not None and not 0 < args.timestep_shift < math.inf:
+        raise ValueError(f"--timestep-shift must be a positive number, got {args.timestep_shift}")
     import torch.multiprocessing
 
     try:
@@ -148,7 +155,7 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
 
     trainer = {"vae": train_vae, "unet": train_unet, "inpaint": train_inpaint, "dit": train_dit, "edit": train_edit,
                "lora": train_lora, "edit-lora": train_edit_lora, "controlnet": train_controlnet}[args.kind]
-    given = {"start": args.start, "lr": args.lr}
+    given = {"start": args.start, "lr": args.lr, "shift": args.timestep_shift}
     report = trainer(args.seed, steps, out, args.device, **{k: v for k, v in given.items() if v})
     if not is_writer():
         return
@@ -160,6 +167,8 @@ def train_and_report(args: argparse.Namespace, steps: int, out: Path) -> None:
                "--workers", str(args.workers)] + (["--resume"] if args.resume else [])
     if args.lr is not None:
         command += ["--lr", repr(args.lr)]
+    if args.timestep_shift is not None:
+        command += ["--timestep-shift", repr(args.timestep_shift)]
     if args.device != "cpu":
         command += ["--device", args.device]
     json_path, png_path = report.write(args.report, shlex.join(command))

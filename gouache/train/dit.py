@@ -22,13 +22,13 @@ from diffusers.models.attention_processor import Attention
 from gouache.models import trained
 from gouache.models.zoo import shapes_sd3
 from gouache.train.grounding import grounding_loss
-from gouache.train.loop import Report, Schedule, is_writer, seed_everything, shapes_batch, train
+from gouache.train.loop import Report, Schedule, flow_sigmas, is_writer, seed_everything, shapes_batch, train
 from gouache.train.unet import drop_captions
 
 BATCH = 32
 LR = 5e-4
 GROUNDING_WEIGHT = 1.0  # the grounding loss's weight against the flow-matching loss, as the UNet's
-SHIFT = 3.0  # the pipeline scheduler's shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma)
+SHIFT = 3.0  # the training noise levels' shift by default: the pipeline scheduler's (`flow_sigmas`)
 # How many zero tokens the pipeline appends in the T5 slot when the model has no T5.
 ZERO_TOKENS = inspect.signature(StableDiffusion3Pipeline.encode_prompt).parameters["max_sequence_length"].default
 
@@ -83,8 +83,10 @@ def collapsed_inputs(pipe: StableDiffusion3Pipeline, captions: list[str],
     return embeds, pooled, key_bias
 
 
-def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0, lr: float = LR) -> Report:
-    """Train shapes-dit into `out`; from data step `start` > 0, on from the weights there."""
+def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int = 0, lr: float = LR,
+              shift: float = SHIFT) -> Report:
+    """Train shapes-dit into `out`; from data step `start` > 0, on from the weights there. `shift`:
+    the training noise levels' (`flow_sigmas`)."""
     generator = seed_everything(seed, device, start)
     vae = trained.load_vae(out).requires_grad_(False).to(device)
     model = torch.nn.ModuleDict(
@@ -104,8 +106,7 @@ def train_dit(seed: int, steps: int, out: Path, device: str = "cpu", start: int 
             latents = (vae.encode(batch.pixels).latent_dist.sample(generator) - shift) * scale
         captions = drop_captions(batch.captions, generator)
         embeds, pooled, key_bias = collapsed_inputs(pipe, captions, device)
-        u = torch.sigmoid(torch.randn(len(latents), generator=generator, device=device))
-        sigma = (SHIFT * u / (1 + (SHIFT - 1) * u)).view(-1, 1, 1, 1)
+        sigma = flow_sigmas(len(latents), shift, generator, device).view(-1, 1, 1, 1)
         noise = torch.randn(latents.shape, generator=generator, device=device)
         noisy = (1 - sigma) * latents + sigma * noise
         predicted = model["transformer"](

@@ -21,7 +21,7 @@ from gouache.data.edits import sample_edit
 from gouache.data.shapes import Scene, render
 from gouache.models import trained
 from gouache.models.zoo import shapes_kontext
-from gouache.train.loop import Report, Schedule, batch_share, is_writer, seed_everything, train
+from gouache.train.loop import Report, Schedule, batch_share, flow_sigmas, is_writer, seed_everything, train
 
 BATCH = 32
 NOISE_DRAWS = 2  # noise levels per pair in a batch: BATCH // NOISE_DRAWS pairs are encoded
@@ -99,8 +99,7 @@ def edit_loss(pipe, source: torch.Tensor, target: torch.Tensor, instructions: li
     b, c, h, w = latents.shape
     embeds, pooled, text_ids = pipe.encode_prompt(prompt=instructions, prompt_2=None, device=device,
                                                   max_sequence_length=trained.EDIT_TEXT_LENGTH)
-    u = torch.sigmoid(torch.randn(b, generator=generator, device=device))
-    sigma = (SHIFT * u / (1 + (SHIFT - 1) * u)).view(-1, 1, 1, 1)
+    sigma = flow_sigmas(b, SHIFT, generator, device).view(-1, 1, 1, 1)
     noise = torch.randn(latents.shape, generator=generator, device=device)
     noisy = pipe._pack_latents((1 - sigma) * latents + sigma * noise, b, c, h, w)
     ids = pipe._prepare_latent_image_ids(b, h // 2, w // 2, device, latents.dtype)

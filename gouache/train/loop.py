@@ -76,6 +76,14 @@ def shapes_batch(
     return Batch(pixels, [captioned(s) for s in scenes], maps)
 
 
+def flow_sigmas(n: int, shift: float, generator: torch.Generator, device: str) -> torch.Tensor:
+    """n noise levels of a flow model's training: logit-normal (SD3's), then shifted as the
+    sampler shifts its schedule, `shift` u / (1 + (`shift` - 1) u). At the sampler's shift 3 few
+    draws fall low (0.7 % below 0.2, 13.6 % below 0.5); at 1, 8.3 % and 50 %."""
+    u = torch.sigmoid(torch.randn(n, generator=generator, device=device))
+    return shift * u / (1 + (shift - 1) * u)
+
+
 @dataclass
 class Schedule:
     """The optimiser's settings for one run."""

@@ -182,7 +182,7 @@ def test_unet_and_dit_need_the_vae_first(tmp_path, capsys):
     assert "shapes-vae.safetensors is missing" in capsys.readouterr().err
 
 
-def test_steps_workers_and_lr_must_be_positive(tmp_path, capsys):
+def test_steps_workers_lr_and_shift_must_be_positive(tmp_path, capsys):
     assert main(["train", "vae", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
     for lr in ("0", "-1e-4", "nan", "inf"):
@@ -190,6 +190,10 @@ def test_steps_workers_and_lr_must_be_positive(tmp_path, capsys):
         assert f"--lr must be a positive number, got {float(lr)}" in capsys.readouterr().err
     assert main(["train", "vae", "--workers", "0", "--out", str(tmp_path)]) == 2
     assert "--workers must be at least 1" in capsys.readouterr().err
+    assert main(["train", "dit", "--timestep-shift", "0", "--out", str(tmp_path)]) == 2
+    assert "--timestep-shift must be a positive number, got 0.0" in capsys.readouterr().err
+    assert main(["train", "unet", "--timestep-shift", "1", "--out", str(tmp_path)]) == 2
+    assert "--timestep-shift is the dit's; unet trains at its own noise levels" in capsys.readouterr().err
 
 
 def test_workers_are_cpu_processes(tmp_path, capsys):

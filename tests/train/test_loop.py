@@ -1,7 +1,7 @@
 import torch
 
 from gouache.models import trained
-from gouache.train.loop import Schedule, shapes_batch
+from gouache.train.loop import Schedule, flow_sigmas, shapes_batch
 
 
 def test_a_batch_depends_on_seed_and_step_alone():
@@ -27,3 +27,11 @@ def test_weights_round_trip_through_fp16_safetensors(tmp_path):
     assert (loaded.config.scaling_factor, loaded.config.shift_factor) == (2.0, 0.5)
     for (name, a), b in zip(vae.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a.half().float(), b), name
+
+
+def test_flow_sigmas_are_logit_normal_draws_shifted_as_the_sampler_shifts():
+    draws = {shift: flow_sigmas(200_000, shift, torch.Generator().manual_seed(0), "cpu") for shift in (1.0, 3.0)}
+    u = draws[1.0]  # shift 1: the logit-normal draws themselves, the same numbers for every shift
+    assert torch.allclose(draws[3.0], 3 * u / (1 + 2 * u))
+    assert 0 < u.min() and u.max() < 1 and abs(u.median().item() - 0.5) < 0.01
+    assert abs((draws[3.0] < 0.5).float().mean().item() - 0.136) < 0.005  # shift 3: few low noise levels
