@@ -90,7 +90,9 @@ TECHNIQUES = {t.name: t for t in (
               "img2img: an edit without a mask starts from its upload noised to `strength` of its schedule and runs "
               "the steps after", compiles=True, compiled="yes, as the plain step"),
     Technique("clip", "/v1/videos", True, True,
-              "a video model's clip (Wan): frames x height x width tokens, each clip's own 3D RoPE",
+              "a video model's clip (Wan): frames x height x width tokens, each clip's own 3D RoPE; on an "
+              "image-to-video model its first frame (`input_reference`) enters as its conditioning, as its text "
+              "does, and composes as the clip does",
               compiles=True, compiled="plain steps: yes, a row graph per clip shape (its frames too) and row bucket "
                                       "(`--compile-sizes WxHxF`); a packed forward of clips runs eagerly, counted as "
                                       "`mixed_sizes`"),
@@ -219,18 +221,18 @@ TABLE: dict[frozenset[str], Pair] = {
     _pair("clip", "lora_async"): Pair(APPROXIMATE, "the adapters join late, for every frame alike"),
     _pair("clip", "controlnet"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
     _pair("clip", "controlnet_async"): Pair(REFUSED, "ControlNets serve UNets; the video families are DiTs"),
-    _pair("clip", "template"): Pair(REFUSED, "a template replays an image edit's unmasked tokens; a clip is made from "
-                                             "text, with no mask"),
+    _pair("clip", "template"): Pair(REFUSED, "a template replays an image edit's unmasked tokens; a clip has no "
+                                             "mask"),
     _pair("clip", "block_cache"): Pair(APPROXIMATE, "reuse per clip (a forward per clip shape) or per token (a "
                                                     "packed forward), measured by a per-frame SSIM"),
     _pair("clip", "mixed_sizes"): Pair(EXACT, "clips of different lengths and sizes in one packed forward, each "
                                               "with its own 3D RoPE, time embedding and text"),
     _pair("clip", "parallel"): Pair(EXACT, "Ulysses over a clip's tokens: self-attention through the all-to-alls, "
                                            "cross-attention on each rank's shard"),
-    _pair("clip", "reference"): Pair(REFUSED, "image-to-video (a reference image) is not served; a clip is made from "
-                                              "text"),
-    _pair("clip", "img2img"): Pair(REFUSED, "image-to-video (a starting image) is not served; a clip is made from "
-                                            "text"),
+    _pair("clip", "reference"): Pair(REFUSED, "a clip takes no edit's reference tokens; an image-to-video model's "
+                                              "first frame is its `input_reference`"),
+    _pair("clip", "img2img"): Pair(REFUSED, "a clip is not denoised from a noised upload; an image-to-video model's "
+                                            "first frame conditions it from the first step"),
     _pair("clip", "conditioning"): Pair(EXACT, "a clip's prompt encodings are cached as an image's"),
 }
 
