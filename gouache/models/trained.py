@@ -34,7 +34,9 @@ TRAIN_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (96, 96), (128, 128), (128
 # layout is decided) far more than the noise's loss does (v_prediction learnt colour 2.4x as
 # often in the same 7 minutes of training; docs/models.md).
 UNET_PREDICTION = "v_prediction"
-UNET_GUIDANCE = 3.0  # the shapes UNets' default guidance scale: 7.5 oversaturates and misplaces (docs/models.md)
+# The shapes generators' default guidance scale, UNets and DiT: the pipelines' own (SD1.5's 7.5,
+# SD3's 7) oversaturate and misplace, and the DiT draws the asked kind less often (docs/models.md).
+GUIDANCE = 3.0
 TEXT_LENGTH = 32  # tokens; the longest caption (three shapes) is 28 with <bos> and <eos>
 TEXT_HIDDEN = 64
 EDIT_TEXT_LENGTH = 16  # tokens of an instruction; the longest ("move the purple triangle to the bottom right") is 10

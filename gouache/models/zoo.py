@@ -105,15 +105,15 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-sdxl-inpaint": BuiltinSpec("sdxl", "SDXL-style inpainting pipeline, 9-channel UNet"),
     "shapes-unet": BuiltinSpec(
         "sd", "SD1.5-style UNet trained here on coloured shapes (`gouache train unet`); 64-128 px",
-        default_size=trained.SIZE, default_guidance=trained.UNET_GUIDANCE,
+        default_size=trained.SIZE, default_guidance=trained.GUIDANCE,
     ),
     "shapes-unet-inpaint": BuiltinSpec(
         "sd", "shapes-unet fine-tuned into a 9-channel inpainting UNet (`gouache train inpaint`)",
-        default_size=trained.SIZE, default_guidance=trained.UNET_GUIDANCE,
+        default_size=trained.SIZE, default_guidance=trained.GUIDANCE,
     ),
     "shapes-dit": BuiltinSpec(
         "sd3", "SD3 MMDiT trained here on coloured shapes (`gouache train dit`); 64-128 px",
-        default_size=trained.SIZE,
+        default_size=trained.SIZE, default_guidance=trained.GUIDANCE,
     ),
     "shapes-edit": BuiltinSpec(
         "flux", "FLUX.1 Kontext-style transformer trained here on instruction edits of shapes (`gouache train "
